@@ -1,0 +1,5 @@
+import sys
+
+from actcache.cli import main
+
+sys.exit(main())

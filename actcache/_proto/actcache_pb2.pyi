@@ -1,0 +1,209 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Frame(_message.Message):
+    __slots__ = ("header", "payload")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    header: bytes
+    payload: bytes
+    def __init__(self, header: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("name", "create")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CREATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    create: bool
+    def __init__(self, name: _Optional[str] = ..., create: _Optional[bool] = ...) -> None: ...
+
+class OpenReply(_message.Message):
+    __slots__ = ("namespace_id", "namespace_budget_bytes", "daemon_budget_bytes", "max_message_bytes", "max_entry_bytes", "server_version")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    namespace_budget_bytes: int
+    daemon_budget_bytes: int
+    max_message_bytes: int
+    max_entry_bytes: int
+    server_version: str
+    def __init__(self, namespace_id: _Optional[int] = ..., namespace_budget_bytes: _Optional[int] = ..., daemon_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_entry_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("namespace_id", "fingerprint", "depth", "sample_ids", "variants", "lengths")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    fingerprint: bytes
+    depth: int
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    variants: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PutReply(_message.Message):
+    __slots__ = ("entries", "stored_bytes", "replaced")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    stored_bytes: int
+    replaced: int
+    def __init__(self, entries: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., replaced: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("namespace_id", "fingerprint", "depth", "sample_ids", "variants")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    fingerprint: bytes
+    depth: int
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    variants: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EntriesHeader(_message.Message):
+    __slots__ = ("start", "sample_ids", "variants", "lengths")
+    START_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    variants: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScheduleChunk(_message.Message):
+    __slots__ = ("namespace_id", "fingerprint", "depth", "schedule_id", "sample_ids", "variants")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    fingerprint: bytes
+    depth: int
+    schedule_id: str
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    variants: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., schedule_id: _Optional[str] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ScheduleReply(_message.Message):
+    __slots__ = ("schedule_id", "length")
+    SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    schedule_id: str
+    length: int
+    def __init__(self, schedule_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("namespace_id", "schedule_id", "start")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    schedule_id: str
+    start: int
+    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ...) -> None: ...
+
+class DropRequest(_message.Message):
+    __slots__ = ("namespace_id", "fingerprint", "depth")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    fingerprint: bytes
+    depth: int
+    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ...) -> None: ...
+
+class DropReply(_message.Message):
+    __slots__ = ("entries", "bytes")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    bytes: int
+    def __init__(self, entries: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GroupStats(_message.Message):
+    __slots__ = ("namespace", "fingerprint", "depth", "entries", "bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    fingerprint: bytes
+    depth: int
+    entries: int
+    bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("name", "namespace_id", "entries", "bytes", "budget_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    namespace_id: int
+    entries: int
+    bytes: int
+    budget_bytes: int
+    def __init__(self, name: _Optional[str] = ..., namespace_id: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version")
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAP_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PUT_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    GETS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MISSES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
+    used_bytes: int
+    budget_bytes: int
+    map_size_bytes: int
+    file_bytes: int
+    puts_total: int
+    put_bytes_total: int
+    gets_total: int
+    hits_total: int
+    misses_total: int
+    served_bytes_total: int
+    corrupt_total: int
+    uptime_seconds: float
+    server_version: str
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,177 @@
+"""``actcache`` command line: a registry of subcommands, each an (add_parser, run) pair.
+
+    actcache serve --dir DIR [--socket PATH]    run the daemon
+    actcache stats [--json]                     usage and counters
+    actcache ls [--json]                        namespaces, fingerprints, depths
+    actcache drop NAMESPACE [--fingerprint HEX [--depth N]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Callable
+
+from actcache.errors import ActCacheError
+
+__all__ = ["main"]
+
+Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: dict[str, tuple[str, Command]] = {}
+
+
+def command(name: str, help: str):
+    def register(add_arguments):
+        def with_run(run):
+            COMMANDS[name] = (help, (add_arguments, run))
+            return run
+
+        return with_run
+
+    return register
+
+
+def _size(text: str) -> int:
+    from actcache.daemon.config import parse_size
+
+    try:
+        return parse_size(text)
+    except ActCacheError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _connection_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", help="daemon Unix socket (default: $ACTCACHE_SOCKET or the per-user runtime dir)")
+    p.add_argument("--address", help="daemon HOST:PORT instead of a socket")
+    p.add_argument("--token-file", help="file holding the daemon's token (or set ACTCACHE_TOKEN)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
+
+
+def _client(args: argparse.Namespace):
+    from actcache.rpc_client import RpcClient, target_for
+
+    token = os.environ.get("ACTCACHE_TOKEN")
+    if args.token_file:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    return RpcClient(target_for(args.socket, args.address), token=token, timeout_s=args.timeout, retries=1)
+
+
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", help="cache directory (env ACTCACHE_DIR)")
+    p.add_argument("--socket", help="Unix socket path (env ACTCACHE_SOCKET; default $XDG_RUNTIME_DIR/actcache/actcache.sock or /tmp/actcache-UID/actcache.sock)")
+    p.add_argument("--listen", help="also listen on TCP HOST:PORT; requires a token")
+    p.add_argument("--token-file", help="file holding the TCP token (or set ACTCACHE_TOKEN)")
+    p.add_argument("--budget", type=_size, help="byte budget of the whole cache, e.g. 100GiB (default unlimited)")
+    p.add_argument("--namespace-budget", type=_size, help="byte budget of each namespace (default unlimited)")
+    p.add_argument("--map-size", type=_size, help="initial LMDB map size (default 1GiB; grows as needed)")
+    p.add_argument("--zstd-level", type=int, help="zstd level for raw entries, 0 = store raw (default 1)")
+    p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=None,
+                   help="fsync every commit (default off: commits survive a daemon crash; an OS crash may lose the last 5 s)")
+    p.add_argument("--max-entry-bytes", type=_size, help="largest entry accepted (default 64MiB)")
+    p.add_argument("--workers", type=int, help="RPC threads (default 16)")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
+
+
+@command("serve", "run the cache daemon")(_add_serve)
+def _run_serve(args: argparse.Namespace) -> int:
+    from actcache.daemon.config import DaemonConfig
+    from actcache.daemon.server import serve
+
+    config = DaemonConfig.from_sources(vars(args))
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(config)
+
+
+def _fmt(n: float) -> str:
+    from actcache.daemon.config import format_size
+
+    return format_size(n)
+
+
+@command("stats", "show the daemon's usage and counters")(_connection_flags)
+def _run_stats(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    with _client(args) as client:
+        reply = client.stats()
+    if args.json:
+        print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True, preserving_proto_field_name=True), indent=2))
+        return 0
+    budget = _fmt(reply.budget_bytes) if reply.budget_bytes else "unlimited"
+    print(f"actcache {reply.server_version}, up {reply.uptime_seconds:.0f} s")
+    print(f"stored   {_fmt(reply.used_bytes)} of {budget} budget; file {_fmt(reply.file_bytes)}, map {_fmt(reply.map_size_bytes)}")
+    hits, misses = reply.hits_total, reply.misses_total
+    ratio = f"{hits / (hits + misses):.1%}" if hits + misses else "n/a"
+    print(f"puts     {reply.puts_total} entries, {_fmt(reply.put_bytes_total)}")
+    print(f"gets     {reply.gets_total} calls, {hits} hits, {misses} misses (hit ratio {ratio}), served {_fmt(reply.served_bytes_total)}")
+    print(f"corrupt  {reply.corrupt_total} entries deleted")
+    for ns in reply.namespaces:
+        print(f"  {ns.name:<24} {ns.entries:>10} entries {_fmt(ns.bytes):>12}")
+    return 0
+
+
+@command("ls", "list namespaces, fingerprints and depths with their entries and bytes")(_connection_flags)
+def _run_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        reply = client.stats()
+    rows = [
+        {"namespace": g.namespace, "fingerprint": g.fingerprint.hex(), "depth": g.depth, "entries": g.entries, "bytes": g.bytes}
+        for g in reply.groups
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'NAMESPACE':<24} {'FINGERPRINT':<32} {'DEPTH':>5} {'ENTRIES':>10} {'BYTES':>12}")
+    for r in rows:
+        print(f"{r['namespace']:<24} {r['fingerprint']:<32} {r['depth']:>5} {r['entries']:>10} {_fmt(r['bytes']):>12}")
+    return 0
+
+
+def _add_drop(p: argparse.ArgumentParser) -> None:
+    _connection_flags(p)
+    p.add_argument("namespace", help="namespace to drop entries of")
+    p.add_argument("--fingerprint", help="only this fingerprint (32 hex digits)")
+    p.add_argument("--depth", type=int, help="only this depth (with --fingerprint)")
+
+
+@command("drop", "delete a namespace's entries, or one fingerprint's, or one depth's")(_add_drop)
+def _run_drop(args: argparse.Namespace) -> int:
+    fingerprint = bytes.fromhex(args.fingerprint) if args.fingerprint else None
+    with _client(args) as client:
+        ns = client.open(args.namespace, create=False)
+        reply = client.drop(ns.namespace_id, fingerprint, args.depth)
+    if args.json:
+        print(json.dumps({"entries": reply.entries, "bytes": reply.bytes}))
+    else:
+        print(f"dropped {reply.entries} entries ({_fmt(reply.bytes)}) from {args.namespace}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="actcache", description="Activation cache daemon and tools.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, (add_arguments, run)) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ActCacheError as exc:
+        print(f"actcache {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

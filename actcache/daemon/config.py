@@ -1,0 +1,176 @@
+"""Daemon configuration: dataclasses per concern, built from flags > ACTCACHE_* env > defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from actcache.errors import ConfigError
+from actcache.rpc import default_socket_path
+
+__all__ = [
+    "DaemonConfig",
+    "ServerConfig",
+    "StoreConfig",
+    "format_size",
+    "parse_size",
+]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size such as ``100GiB``, ``512MiB``, ``1.5GB`` or ``4096``."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ConfigError(f"cannot parse size {text!r}; use a number with an optional unit such as 512MiB or 100GiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(n: float) -> str:
+    """Format a byte count for humans: ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """The LMDB activation store."""
+
+    dir: Path
+    #: Total stored bytes (values after the codec) across namespaces; 0 = unlimited.
+    budget_bytes: int = 0
+    #: Stored bytes per namespace; 0 = only the daemon budget applies.
+    namespace_budget_bytes: int = 0
+    #: Initial LMDB map size; the map doubles whenever it fills up.
+    map_size_bytes: int = 1 << 30
+    #: zstd level for entries sent raw; 0 stores them raw.
+    zstd_level: int = 1
+    #: fsync every commit. Off: commits survive a daemon crash, and an OS crash
+    #: loses at most the last ``sync_interval_s`` of writes (never tears an entry).
+    sync: bool = False
+    sync_interval_s: float = 5.0
+    #: Largest single encoded entry accepted.
+    max_entry_bytes: int = 64 << 20
+    #: Puts committed together in one write transaction, at most.
+    max_batch_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dir", Path(self.dir))
+        for name in ("budget_bytes", "namespace_budget_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.map_size_bytes < 1 << 20:
+            raise ConfigError(f"map_size_bytes must be at least 1 MiB, got {self.map_size_bytes}")
+        if not 0 <= self.zstd_level <= 22:
+            raise ConfigError(f"zstd_level must be 0..22, got {self.zstd_level}")
+        if self.max_entry_bytes < 1024:
+            raise ConfigError(f"max_entry_bytes must be at least 1 KiB, got {self.max_entry_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """The gRPC endpoint."""
+
+    socket: Path | None = None
+    #: ``HOST:PORT`` for TCP; requires a token.
+    listen: str | None = None
+    token: str | None = field(default=None, repr=False)
+    max_message_bytes: int = 128 << 20
+    workers: int = 16
+    #: Seconds in-flight calls get to finish on SIGTERM.
+    grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.listen and not self.token:
+            raise ConfigError(
+                f"refusing to listen on TCP {self.listen} without a token; pass --token-file FILE or set ACTCACHE_TOKEN"
+            )
+        if self.listen and not re.fullmatch(r".+:\d+", self.listen):
+            raise ConfigError(f"--listen must be HOST:PORT, got {self.listen!r}")
+        if self.socket is not None and len(str(self.socket)) > 100:
+            raise ConfigError(f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow about 100")
+        if self.workers < 2:
+            raise ConfigError(f"workers must be >= 2, got {self.workers}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    store: StoreConfig
+    server: ServerConfig
+    log_level: str = "INFO"
+
+    def non_defaults(self) -> dict[str, Any]:
+        """Fields that differ from their defaults, for the start-up log line."""
+        out: dict[str, Any] = {}
+        for part in (self.store, self.server):
+            for f in dataclasses.fields(part):
+                value = getattr(part, f.name)
+                if f.name == "token":
+                    value = "***" if value else None
+                default = f.default if f.default is not dataclasses.MISSING else None
+                if value != default:
+                    out[f.name] = value
+        return out
+
+    @classmethod
+    def from_sources(cls, flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "DaemonConfig":
+        """Merge ``flags`` (None = not given) over ``ACTCACHE_<NAME>`` env vars over defaults."""
+        env = os.environ if env is None else env
+
+        def pick(name: str, convert=lambda v: v):
+            if flags.get(name) is not None:
+                return convert(flags[name])
+            if f"ACTCACHE_{name.upper()}" in env:
+                return convert(env[f"ACTCACHE_{name.upper()}"])
+            return None
+
+        def given(**values: Any) -> dict[str, Any]:
+            return {k: v for k, v in values.items() if v is not None}
+
+        def as_bool(v: Any) -> bool:
+            return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+
+        directory = pick("dir")
+        if directory is None:
+            raise ConfigError("no cache directory; pass --dir DIR or set ACTCACHE_DIR")
+        token = pick("token")
+        token_file = pick("token_file")
+        if token_file and not token:
+            try:
+                token = Path(token_file).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read token file {token_file}: {exc.strerror}") from exc
+        store = StoreConfig(
+            dir=Path(directory),
+            **given(
+                budget_bytes=pick("budget", parse_size),
+                namespace_budget_bytes=pick("namespace_budget", parse_size),
+                map_size_bytes=pick("map_size", parse_size),
+                zstd_level=pick("zstd_level", int),
+                sync=pick("sync", as_bool),
+                max_entry_bytes=pick("max_entry_bytes", parse_size),
+            ),
+        )
+        listen = pick("listen")
+        socket = pick("socket", Path)
+        if socket is None and not listen:
+            socket = default_socket_path()
+        server = ServerConfig(
+            socket=socket, listen=listen, token=token, **given(workers=pick("workers", int))
+        )
+        return cls(store=store, server=server, log_level=pick("log_level") or "INFO")

@@ -1,0 +1,89 @@
+"""Fixed-width, big-endian LMDB keys: (namespace, fingerprint, depth, sample id, variant).
+
+Big-endian fields keep keys of one (namespace, fingerprint, depth) group
+contiguous and ordered by sample id, so a group is one range scan or drop.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from actcache.errors import InvalidRequest
+
+__all__ = [
+    "EntryKey",
+    "FINGERPRINT_BYTES",
+    "KEY_BYTES",
+    "MAX_DEPTH",
+    "MAX_NAMESPACE_ID",
+    "MAX_SAMPLE_ID",
+    "MAX_VARIANT",
+    "check_fingerprint",
+    "encode_key",
+    "group_prefix",
+]
+
+FINGERPRINT_BYTES = 16
+_KEY = struct.Struct(">I16sHQH")
+KEY_BYTES = _KEY.size  # 32
+MAX_NAMESPACE_ID = 2**32 - 1
+MAX_DEPTH = 2**16 - 1
+MAX_SAMPLE_ID = 2**64 - 1
+MAX_VARIANT = 2**16 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class EntryKey:
+    """The address of one cached entry."""
+
+    namespace_id: int
+    fingerprint: bytes
+    depth: int
+    sample_id: int
+    variant: int = 0
+
+    def encode(self) -> bytes:
+        return encode_key(self.namespace_id, self.fingerprint, self.depth, self.sample_id, self.variant)
+
+    @classmethod
+    def decode(cls, key: bytes) -> "EntryKey":
+        return cls(*_KEY.unpack(key))
+
+
+def check_fingerprint(fingerprint: bytes) -> bytes:
+    """Return ``fingerprint`` as bytes, or raise InvalidRequest if it is not 16 bytes."""
+    if len(fingerprint) != FINGERPRINT_BYTES:
+        raise InvalidRequest(
+            f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)} bytes"
+        )
+    return bytes(fingerprint)
+
+
+def _check_range(name: str, value: int, limit: int) -> None:
+    if not 0 <= value <= limit:
+        raise InvalidRequest(f"{name} {value} is out of range 0..{limit}")
+
+
+def encode_key(namespace_id: int, fingerprint: bytes, depth: int, sample_id: int, variant: int = 0) -> bytes:
+    """Pack a key; raises InvalidRequest naming the field that is out of range."""
+    _check_range("namespace_id", namespace_id, MAX_NAMESPACE_ID)
+    _check_range("depth", depth, MAX_DEPTH)
+    _check_range("sample_id", sample_id, MAX_SAMPLE_ID)
+    _check_range("variant", variant, MAX_VARIANT)
+    return _KEY.pack(namespace_id, check_fingerprint(fingerprint), depth, sample_id, variant)
+
+
+def group_prefix(namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> bytes:
+    """Key prefix of a namespace, a (namespace, fingerprint) or a (namespace, fingerprint, depth) group."""
+    _check_range("namespace_id", namespace_id, MAX_NAMESPACE_ID)
+    prefix = struct.pack(">I", namespace_id)
+    if fingerprint is None:
+        if depth is not None:
+            raise InvalidRequest("a depth can only narrow a drop together with a fingerprint")
+        return prefix
+    prefix += check_fingerprint(fingerprint)
+    if depth is not None:
+        _check_range("depth", depth, MAX_DEPTH)
+        prefix += struct.pack(">H", depth)
+    return prefix

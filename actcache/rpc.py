@@ -1,0 +1,104 @@
+"""The wire layer shared by daemon and clients: method names, Frame encoding, entry packing.
+
+A ``Frame`` (proto/actcache.proto) is ``{bytes header = 1; bytes payload = 2}``.
+Bulk methods use identity (de)serializers and build/parse that protobuf
+encoding by hand, so payload bytes are joined once on send and sliced (not
+copied) on receipt. The result is byte-compatible with the generated stubs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from actcache.errors import InvalidRequest
+
+__all__ = [
+    "SERVICE",
+    "decode_frame",
+    "default_socket_path",
+    "encode_frame",
+    "method",
+    "split_payload",
+]
+
+SERVICE = "actcache.v1.ActCache"
+
+
+def default_socket_path() -> Path:
+    """``$ACTCACHE_SOCKET``, else ``$XDG_RUNTIME_DIR/actcache/actcache.sock``, else ``/tmp/actcache-<uid>/actcache.sock``."""
+    if os.environ.get("ACTCACHE_SOCKET"):
+        return Path(os.environ["ACTCACHE_SOCKET"])
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "actcache" if runtime else Path(f"/tmp/actcache-{os.getuid()}")
+    return base / "actcache.sock"
+
+
+def method(name: str) -> str:
+    """Full gRPC path of a method of the ActCache service."""
+    return f"/{SERVICE}/{name}"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def encode_frame(header: bytes, payload_parts: Iterable[bytes | memoryview]) -> bytes:
+    """Serialize a Frame whose payload is the concatenation of ``payload_parts`` (one copy)."""
+    parts = list(payload_parts)
+    size = sum(memoryview(p).nbytes for p in parts)
+    head = b"\x0a" + _varint(len(header)) + header
+    if size:
+        head += b"\x12" + _varint(size)
+    return b"".join([head, *parts])
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < len(view) and shift < 64:
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+    raise InvalidRequest("frame is truncated or malformed (bad varint)")
+
+
+def decode_frame(buf: bytes | memoryview) -> tuple[memoryview, memoryview]:
+    """Return (header, payload) views of a serialized Frame; raises InvalidRequest if malformed."""
+    view = memoryview(buf)
+    fields = {1: view[:0], 2: view[:0]}
+    pos = 0
+    while pos < len(view):
+        tag, pos = _read_varint(view, pos)
+        number, wire_type = tag >> 3, tag & 7
+        if number not in fields or wire_type != 2:
+            raise InvalidRequest(f"frame has unexpected field {number} (wire type {wire_type})")
+        length, pos = _read_varint(view, pos)
+        if pos + length > len(view):
+            raise InvalidRequest(f"frame field {number} declares {length} bytes but {len(view) - pos} remain")
+        fields[number] = view[pos : pos + length]
+        pos += length
+    return fields[1], fields[2]
+
+
+def split_payload(payload: memoryview, lengths: Sequence[int]) -> list[memoryview]:
+    """Slice a frame payload into entries of the given lengths (0 = a miss, an empty view)."""
+    total = sum(lengths)
+    if total != len(payload):
+        raise InvalidRequest(f"frame header lists {total} payload bytes but the payload has {len(payload)}")
+    out, pos = [], 0
+    for n in lengths:
+        out.append(payload[pos : pos + n])
+        pos += n
+    return out

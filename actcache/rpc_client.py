@@ -1,0 +1,214 @@
+"""A torch-free client of the daemon: one method per RPC, typed errors, deadlines, retries.
+
+The channel is created lazily in each process (gRPC channels do not survive
+``fork``, and DataLoader workers fork), so one RpcClient may be handed to
+worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import grpc
+
+from actcache._proto import actcache_pb2 as pb
+from actcache.errors import ActCacheError, DaemonUnavailable, error_from_status
+from actcache.keys import check_fingerprint
+from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
+
+__all__ = ["RpcClient", "target_for"]
+
+T = TypeVar("T")
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+_FRAME_BYTES = 8 << 20
+
+
+def target_for(socket: str | os.PathLike | None = None, address: str | None = None) -> str:
+    """gRPC target for a Unix socket path or a ``HOST:PORT`` address."""
+    if address:
+        return address
+    if socket is None:
+        socket = default_socket_path()
+    return f"unix:{os.fspath(socket)}"
+
+
+def _identity(x: bytes) -> bytes:
+    return x
+
+
+class RpcClient:
+    """Calls the ActCache service. Every call has a deadline; UNAVAILABLE is retried with backoff."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        max_message_bytes: int = 128 << 20,
+        root_certificates: bytes | None = None,
+    ) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self._token = token
+        self._root_certificates = root_certificates
+        self._max_message_bytes = max_message_bytes
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._channel: grpc.Channel | None = None
+        self._calls: dict[str, Callable] = {}
+
+    # ---- channel ---------------------------------------------------------
+
+    def _call(self, name: str) -> Callable:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._open_channel()
+            return self._calls[name]
+
+    def _open_channel(self) -> None:
+        options = [
+            ("grpc.max_send_message_length", self._max_message_bytes),
+            ("grpc.max_receive_message_length", self._max_message_bytes),
+            ("grpc.enable_retries", 0),
+        ]
+        if self._root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(self._root_certificates)
+            channel = grpc.secure_channel(self.target, creds, options)
+        else:
+            channel = grpc.insecure_channel(self.target, options)
+        unary = lambda n, req, rep: channel.unary_unary(  # noqa: E731
+            method(n), request_serializer=req.SerializeToString, response_deserializer=rep.FromString
+        )
+        self._calls = {
+            "Open": unary("Open", pb.OpenRequest, pb.OpenReply),
+            "Drop": unary("Drop", pb.DropRequest, pb.DropReply),
+            "Stats": unary("Stats", pb.StatsRequest, pb.StatsReply),
+            "Put": channel.stream_unary(method("Put"), request_serializer=_identity, response_deserializer=pb.PutReply.FromString),
+            "Get": channel.unary_stream(method("Get"), request_serializer=pb.GetRequest.SerializeToString, response_deserializer=_identity),
+            "Schedule": channel.stream_unary(
+                method("Schedule"), request_serializer=pb.ScheduleChunk.SerializeToString, response_deserializer=pb.ScheduleReply.FromString
+            ),
+            "Fetch": channel.unary_stream(method("Fetch"), request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=_identity),
+        }
+        self._channel = channel
+        self._pid = os.getpid()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None and self._pid == os.getpid():
+                self._channel.close()
+            self._channel, self._pid, self._calls = None, None, {}
+
+    def __enter__(self) -> "RpcClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _metadata(self) -> list[tuple[str, str]] | None:
+        return [("authorization", f"Bearer {self._token}")] if self._token else None
+
+    def _invoke(self, fn: Callable[[float], T]) -> T:
+        """Run ``fn(timeout)`` with the deadline, retrying UNAVAILABLE with jittered backoff."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                return fn(remaining)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code not in _RETRYABLE or attempt == self.retries:
+                    raise error_from_status(code, exc.details() or "") from None
+            time.sleep(min(delay * (1 + random.random()), max(0.0, deadline - time.monotonic())))
+            delay *= 2
+        raise DaemonUnavailable(f"daemon at {self.target} did not answer within {self.timeout_s:.1f} s; is `actcache serve` running?")
+
+    # ---- RPCs ------------------------------------------------------------
+
+    def open(self, name: str, *, create: bool = True) -> pb.OpenReply:
+        """Open (or create) a namespace; returns its handle and limits."""
+        request = pb.OpenRequest(name=name, create=create)
+        return self._invoke(lambda t: self._call("Open")(request, timeout=t, metadata=self._metadata()))
+
+    def put(
+        self,
+        namespace_id: int,
+        fingerprint: bytes,
+        depth: int,
+        items: Sequence[tuple[int, int, bytes | memoryview]],
+        *,
+        frame_bytes: int = _FRAME_BYTES,
+    ) -> pb.PutReply:
+        """Store ``(sample_id, variant, encoded entry)`` items; returns once they are committed."""
+        fingerprint = check_fingerprint(fingerprint)
+
+        def frames() -> Iterator[bytes]:
+            start, size = 0, 0
+            for i, (_, _, value) in enumerate(items):
+                size += len(value)
+                if size >= frame_bytes or i == len(items) - 1:
+                    chunk = items[start : i + 1]
+                    header = pb.PutHeader(
+                        namespace_id=namespace_id,
+                        fingerprint=fingerprint,
+                        depth=depth,
+                        sample_ids=[s for s, _, _ in chunk],
+                        variants=[v for _, v, _ in chunk] if any(v for _, v, _ in chunk) else [],
+                        lengths=[len(v) for _, _, v in chunk],
+                    )
+                    yield encode_frame(header.SerializeToString(), [v for _, _, v in chunk])
+                    start, size = i + 1, 0
+
+        return self._invoke(lambda t: self._call("Put")(frames(), timeout=t, metadata=self._metadata()))
+
+    def get(
+        self,
+        namespace_id: int,
+        fingerprint: bytes,
+        depth: int,
+        sample_ids: Sequence[int],
+        variants: Sequence[int] | None = None,
+    ) -> list[memoryview | None]:
+        """Look up entries in order; a miss is None."""
+        request = pb.GetRequest(
+            namespace_id=namespace_id,
+            fingerprint=check_fingerprint(fingerprint),
+            depth=depth,
+            sample_ids=list(sample_ids),
+            variants=list(variants or []),
+        )
+
+        def call(timeout: float) -> list[memoryview | None]:
+            out: list[memoryview | None] = []
+            for frame in self._call("Get")(request, timeout=timeout, metadata=self._metadata()):
+                out.extend(_entries_of(frame))
+            return out
+
+        result = self._invoke(call)
+        if len(result) != len(sample_ids):
+            raise ActCacheError(f"daemon answered {len(result)} entries for {len(sample_ids)} requested")
+        return result
+
+    def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> pb.DropReply:
+        """Delete a namespace's entries, optionally only one fingerprint (and depth)."""
+        request = pb.DropRequest(namespace_id=namespace_id, fingerprint=fingerprint or b"", depth=depth)
+        return self._invoke(lambda t: self._call("Drop")(request, timeout=t, metadata=self._metadata()))
+
+    def stats(self) -> pb.StatsReply:
+        return self._invoke(lambda t: self._call("Stats")(pb.StatsRequest(), timeout=t, metadata=self._metadata()))
+
+
+def _entries_of(frame: bytes) -> list[memoryview | None]:
+    header_bytes, payload = decode_frame(frame)
+    header = pb.EntriesHeader.FromString(header_bytes)
+    return [view if len(view) else None for view in split_payload(payload, header.lengths)]

@@ -1,0 +1,120 @@
+"""Run a real daemon in a subprocess, for tests, benchmarks and the demo.
+
+    with run_daemon() as daemon:
+        client = daemon.client()
+        ...
+
+The daemon listens on a Unix socket in a fresh temp dir; ``run_daemon``
+waits for its health check, always stops it, and raises if it did not exit
+cleanly (exit code 0 after SIGTERM).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import grpc
+
+from actcache.rpc_client import RpcClient
+
+__all__ = ["DaemonProcess", "run_daemon"]
+
+
+class DaemonProcess:
+    """A daemon subprocess bound to one cache directory and socket; can be stopped, killed and restarted."""
+
+    def __init__(self, cache_dir: Path, socket: Path, args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        self.dir = Path(cache_dir)
+        self.socket = Path(socket)
+        self.args = list(args)
+        self.env = env
+        self.log_path = self.socket.parent / "daemon.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.socket}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "daemon not started"
+        return self.proc.pid
+
+    def client(self, **kwargs) -> RpcClient:
+        return RpcClient(self.target, **kwargs)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        cmd = [sys.executable, "-m", "actcache", "serve", "--dir", str(self.dir), "--socket", str(self.socket), *self.args]
+        env = {**os.environ, **(self.env or {})}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy(timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                self.kill()
+                raise RuntimeError(f"daemon did not become healthy in {timeout_s:.0f} s: {exc.code().name}\n{self.log_tail()}") from None
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            self.kill()
+            raise RuntimeError(f"daemon health is {reply.status}\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no daemon log)"
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"daemon did not stop within {timeout_s:.0f} s of SIGTERM\n{self.log_tail()}") from None
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+@contextmanager
+def run_daemon(
+    *args: str, cache_dir: Path | None = None, env: dict[str, str] | None = None, check_exit: bool = True
+) -> Iterator[DaemonProcess]:
+    """Start ``actcache serve`` with extra ``args`` in a temp dir; stop it on exit."""
+    tmp = Path(tempfile.mkdtemp(prefix="actcache-"))
+    daemon = DaemonProcess(cache_dir or tmp / "cache", tmp / "daemon.sock", args, env)
+    try:
+        daemon.start()
+        yield daemon
+    finally:
+        running = daemon.proc is not None
+        code = daemon.stop()
+        log = daemon.log_tail()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if check_exit and running and code != 0:
+            raise RuntimeError(f"daemon exited with code {code}\n{log}")

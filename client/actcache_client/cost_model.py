@@ -1,0 +1,250 @@
+"""Decide whether caching the frozen prefix pays, at which depth, and for how many samples.
+
+Pure (no torch, no I/O): the caller measures, :func:`plan` decides, the caller logs ``Plan.reason``.
+
+Model, per sample in seconds. k = frozen depth; P(a, b) = forward time of stages
+a..b-1; e_j = stored bytes per sample at depth j (state after j stages); c = cached
+fraction; B = batch size; R = remaining epochs; 1/h2d is 0 on CPU-only machines::
+
+    baseline       = P(0, k) + suffix                        recompute the prefix every step
+    device(j, c)   = c·P(j, k) + (1 - c)·P(0, k) + suffix     hits start at depth j, misses at raw input
+    transfer(j, c) = c·e_j·(1/fetch + 1/h2d) + latency/B      daemon read-ahead, side-stream H2D copy
+    decode(j, c)   = c·e_j/decode                            bytes -> tensor on the client thread
+    steady(j, c)   = max(transfer, device) + decode          one read epoch
+    write(j, c)    = c·e_j·(1/write + 1/h2d)                 D2H copy + put, in the write epoch only
+    amortized(j,c) = (baseline + write + (R - 1)·steady) / R
+
+Overlap: the daemon reads ahead along the pushed epoch order and the client copies to
+the device on a side stream, so fetch + H2D run while the device computes the step (the
+recompute of stages j..k-1 *and* the suffix); the step waits for the slower. Decode runs
+on the client's thread and is charged serially (conservative). Raw-input loading is the
+same in every plan and left out. Entries written in epoch e are first read in epoch e+1:
+the write epoch runs the full prefix anyway (capturing depth j on the way), gains nothing
+and pays ``write``, so the benefit is (R - 1)·(baseline - steady); R <= 1 never caches.
+
+Partial caching (AutoFreeze's I < D): c <= c_budget = budget / (num_samples·e_j), members
+chosen by :func:`cached_subset`. amortized is convex piecewise linear in c, so its minimum
+is at c_budget or at the balance point c* where transfer = device (caching more only makes
+the step wait for the disk). All j in 1..k with both fractions are tried (deeper j wins
+ties); CACHE needs strictly faster and ``1 - amortized/baseline >= min_gain``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+
+__all__ = ["Measurements", "Plan", "PlanMode", "cached_subset", "plan", "should_replan"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _number(name: str, value: object, *, positive: bool = False, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    v = float(value)
+    if math.isnan(v) or v < 0 or (positive and v == 0) or (math.isinf(v) and not allow_inf):
+        need = ("> 0" if positive else ">= 0") + (" (inf allowed)" if allow_inf else ", finite")
+        raise ValueError(f"{name} must be {need}, got {value!r}; fix the measurement that produced it")
+    return v
+
+
+_POSITIVE = ("fetch_bytes_per_s", "write_bytes_per_s", "decode_bytes_per_s", "h2d_bytes_per_s")
+_NON_NEGATIVE = ("fetch_latency_s", "suffix_step_s_per_sample", "remaining_epochs", "budget_bytes")
+
+
+class PlanMode(enum.Enum):
+    """RECOMPUTE runs stages[0:k] on raw input every step; CACHE serves depth j from the daemon."""
+
+    RECOMPUTE = "recompute"
+    CACHE = "cache"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurements:
+    """Validated on construction (``ValueError``): throughputs > 0; times, sizes, epochs >= 0 and
+    finite; ``budget_bytes`` may be ``math.inf``. ``entry_bytes_per_sample[d]``: after d stages."""
+
+    stage_forward_s_per_sample: Sequence[float]
+    entry_bytes_per_sample: Sequence[float]
+    fetch_bytes_per_s: float
+    fetch_latency_s: float
+    write_bytes_per_s: float
+    h2d_bytes_per_s: float | None
+    suffix_step_s_per_sample: float
+    batch_size: int
+    num_samples: int
+    remaining_epochs: float
+    budget_bytes: float
+    decode_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("stage_forward_s_per_sample", "entry_bytes_per_sample"):
+            seq = getattr(self, name)
+            if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
+                raise ValueError(f"{name} must be a sequence of numbers, got {seq!r}")
+            object.__setattr__(self, name, tuple(_number(f"{name}[{i}]", v) for i, v in enumerate(seq)))
+        for name in _POSITIVE + _NON_NEGATIVE:
+            if not (name == "h2d_bytes_per_s" and self.h2d_bytes_per_s is None):
+                value = _number(name, getattr(self, name), positive=name in _POSITIVE, allow_inf=name == "budget_bytes")
+                object.__setattr__(self, name, value)
+        for name in ("batch_size", "num_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, int(value))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Step times: seconds per step of ``batch_size`` samples; ``expected_step_s`` is amortized over
+    the remaining epochs (write epoch included). ``recompute_stages``: half-open range run on a
+    cache hit (misses run ``(0, k)``). ``write_epoch_extra_s``: the whole write epoch's extra."""
+
+    mode: PlanMode
+    cache_depth: int | None
+    recompute_stages: tuple[int, int]
+    cached_fraction: float
+    expected_step_s: float
+    baseline_step_s: float
+    write_epoch_extra_s: float
+    reason: str
+    numbers: dict[str, float] = field(default_factory=dict)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _size(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0 if n < 1 or math.isinf(n) else min(int(math.log2(n)) // 10, len(units) - 1)
+    return "unlimited" if math.isinf(n) else f"{n / 1024**i:.4g} {units[i]}"
+
+
+def _evaluate(j: int, c: float, k: int, pre: list[float], m: Measurements) -> dict[str, float]:
+    e, inv_h2d = m.entry_bytes_per_sample[j], 0.0 if m.h2d_bytes_per_s is None else 1.0 / m.h2d_bytes_per_s
+    baseline = pre[k] + m.suffix_step_s_per_sample
+    device = c * (pre[k] - pre[j]) + (1.0 - c) * pre[k] + m.suffix_step_s_per_sample
+    transfer = c * e * (1.0 / m.fetch_bytes_per_s + inv_h2d) + m.fetch_latency_s / m.batch_size
+    decode = c * e / m.decode_bytes_per_s
+    steady = max(transfer, device) + decode
+    write = c * e * (1.0 / m.write_bytes_per_s + inv_h2d)
+    amortized = (baseline + write + (m.remaining_epochs - 1.0) * steady) / m.remaining_epochs
+    # c* solves transfer(c) = device(c): both are linear in c.
+    slope = e * (1.0 / m.fetch_bytes_per_s + inv_h2d) + pre[j]
+    balance = (baseline - m.fetch_latency_s / m.batch_size) / slope if slope > 0 else math.inf
+    return {"depth": float(j), "cached_fraction": c, "device_s_per_sample": device,
+            "transfer_s_per_sample": transfer, "decode_s_per_sample": decode, "steady_s_per_sample": steady,
+            "write_s_per_sample": write, "amortized_s_per_sample": amortized, "entry_bytes_per_sample": e,
+            "balance_fraction": balance, "gain": 1.0 - amortized / baseline if baseline > 0 else 0.0}
+
+
+def plan(frozen_depth: int, m: Measurements, *, min_gain: float = 0.02) -> Plan:
+    """Choose RECOMPUTE or CACHE at depth j <= ``frozen_depth`` (see the module docstring)."""
+    if isinstance(frozen_depth, bool) or not isinstance(frozen_depth, numbers.Integral) or frozen_depth < 0:
+        raise ValueError(f"frozen_depth must be an integer >= 0, got {frozen_depth!r}")
+    k = int(frozen_depth)
+    if k > len(m.stage_forward_s_per_sample) or k >= len(m.entry_bytes_per_sample):
+        raise ValueError(f"frozen depth {k} needs {k} stage times and {k + 1} entry sizes, got "
+                         f"{len(m.stage_forward_s_per_sample)} and {len(m.entry_bytes_per_sample)}; measure them")
+    min_gain = _number("min_gain", min_gain)
+    pre = list(itertools.accumulate(m.stage_forward_s_per_sample[:k], initial=0.0))
+    b, r = m.batch_size, m.remaining_epochs
+    baseline = pre[k] + m.suffix_step_s_per_sample
+    base = {"baseline_s_per_sample": baseline, "remaining_epochs": r, "min_gain": min_gain}
+
+    def recompute(reason: str, numbers_: dict[str, float]) -> Plan:
+        return Plan(mode=PlanMode.RECOMPUTE, cache_depth=None, recompute_stages=(0, k), cached_fraction=0.0,
+                    expected_step_s=baseline * b, baseline_step_s=baseline * b, write_epoch_extra_s=0.0,
+                    reason=reason, numbers=numbers_)
+
+    if k == 0:
+        return recompute("nothing is frozen (frozen depth 0): there is no prefix to cache", base)
+    if r <= 1.0:
+        return recompute(f"recompute stages 0..{k - 1} ({_ms(baseline * b)} per step): {r:g} epoch(s) remain and "
+                         "entries written now are first read next epoch, so caching cannot pay", base)
+    best: dict[str, float] | None = None
+    for j in range(k, 0, -1):
+        need = m.num_samples * m.entry_bytes_per_sample[j]
+        c_budget = 1.0 if need <= m.budget_bytes else m.budget_bytes / need
+        for c in (c_budget, _evaluate(j, 0.0, k, pre, m)["balance_fraction"]):
+            if 0.0 < c <= c_budget:
+                cand = {**_evaluate(j, c, k, pre, m), "budget_fraction": c_budget}
+                if best is None or cand["amortized_s_per_sample"] < best["amortized_s_per_sample"]:
+                    best = cand
+    if best is None:
+        return recompute(f"recompute stages 0..{k - 1}: the budget ({_size(m.budget_bytes)}) holds no entry", base)
+    numbers_ = {**base, **best}
+    j, c = int(best["depth"]), best["cached_fraction"]
+    bound = "fetch" if best["transfer_s_per_sample"] > best["device_s_per_sample"] else "compute"
+    detail = (f"depth {j} of {k} for {c:.1%} of samples ({_size(best['entry_bytes_per_sample'])}/sample, "
+              f"budget {_size(m.budget_bytes)} holds {best['budget_fraction']:.1%}, "
+              f"fetch {_size(m.fetch_bytes_per_s)}/s): {_ms(best['amortized_s_per_sample'] * b)} per step "
+              f"amortized over {r:g} epochs vs {_ms(baseline * b)} recomputing; read epochs "
+              f"{_ms(best['steady_s_per_sample'] * b)} per step ({bound}-bound: transfer "
+              f"{_ms(best['transfer_s_per_sample'] * b)}, device {_ms(best['device_s_per_sample'] * b)})")
+    if not (best["amortized_s_per_sample"] < baseline and best["gain"] >= min_gain):
+        return recompute(f"recompute stages 0..{k - 1}: the best cache option, {detail}, gains "
+                         f"{best['gain']:.1%} < min_gain {min_gain:.1%}", numbers_)
+    write_epoch = best["write_s_per_sample"] * m.num_samples
+    return Plan(mode=PlanMode.CACHE, cache_depth=j, recompute_stages=(j, k), cached_fraction=c,
+                expected_step_s=best["amortized_s_per_sample"] * b, baseline_step_s=baseline * b,
+                write_epoch_extra_s=write_epoch, numbers=numbers_,
+                reason=f"cache {detail}, {best['gain']:.1%} faster; the write epoch costs +{write_epoch:.3g} s")
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def cached_subset(sample_id: int, fraction: float, salt: int = 0) -> bool:
+    """Whether ``sample_id`` is in the cached subset of size ``fraction``.
+
+    u = top 53 bits of splitmix64((sample_id mod 2**64) XOR splitmix64(salt mod 2**64)) / 2**53,
+    uniform in [0, 1); member iff u < fraction. Pure integer arithmetic, so it is the same
+    in every process, run and platform (unlike ``hash()``), needs no shared state, and is
+    nested: the subset at a smaller fraction is contained in the one at a larger fraction,
+    so shrinking the budget keeps a subset of what was already written.
+    """
+    fraction = _number("fraction", fraction)
+    if fraction > 1.0:
+        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+    h = _splitmix64((operator.index(sample_id) & _MASK64) ^ _splitmix64(operator.index(salt) & _MASK64))
+    return (h >> 11) * (1.0 / (1 << 53)) < fraction
+
+
+def should_replan(old: Measurements, new: Measurements, drift: float = 0.25) -> bool:
+    """True if any measured number moved by more than ``drift`` relative to ``old``.
+
+    Compared: every field except ``remaining_epochs`` (it changes every epoch by design;
+    replan at epoch boundaries for it); sequences element-wise (a length change counts);
+    a None/number change of ``h2d_bytes_per_s`` counts; an old value of 0 drifts on any change.
+    """
+    drift = _number("drift", drift)
+
+    def moved(a: float | None, b: float | None) -> bool:
+        if a == b:
+            return False
+        if a is None or b is None or a == 0 or math.isinf(a) or math.isinf(b):
+            return True
+        return abs(b - a) / abs(a) > drift
+
+    def flat(m: Measurements) -> list[float | None]:
+        out: list[float | None] = []
+        for f in fields(Measurements):
+            value = getattr(m, f.name)
+            if f.name != "remaining_epochs":
+                out.extend(value if isinstance(value, tuple) else [value])
+        return out
+
+    a, b = flat(old), flat(new)
+    return len(a) != len(b) or any(moved(x, y) for x, y in zip(a, b))

@@ -1,0 +1,304 @@
+"""Split a model into an ordered list of stages, each mapping a state to a state.
+
+A *state* is a tensor or a tuple of tensors (a BERT layer carries
+``(hidden, attention_mask)``). The frozen prefix ``stages[:k]`` is what the
+cache serves; ``run(state, k)`` finishes the forward pass from a cached state.
+
+Adapters never copy weights: every stage holds the original submodules, so
+``staged.parameters()`` are the model's own parameters and an optimizer step
+on either is seen by both. They assume the model's ``forward`` calls its
+submodules in the usual order (torchvision ResNet, HF BERT); the tests check
+bit-identical outputs for the supported shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Union
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "Stage",
+    "StagedModel",
+    "State",
+    "auto_partition",
+    "from_bert",
+    "from_resnet",
+    "from_sequential",
+]
+
+State = Union[Tensor, tuple[Tensor, ...]]
+
+_FALLBACK = "pass an nn.Sequential or build stages with StagedModel([...])"
+
+
+class Stage(nn.Module):
+    """A named ``state -> state`` step; ``module`` is called with the state as its only argument."""
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__()
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"stage name must be a non-empty str, got {name!r}")
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"stage {name!r}: module must be an nn.Module, got {type(module).__name__}")
+        self.name = name
+        self.module = module
+
+    def forward(self, state: State) -> State:
+        return self.module(state)
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}"
+
+
+class StagedModel(nn.Module):
+    """An ordered list of stages; ``forward(x)`` runs them all.
+
+    Stage names are unique; a model is never empty.
+    """
+
+    def __init__(self, stages: Iterable[Stage]) -> None:
+        super().__init__()
+        stages = list(stages)
+        if not stages:
+            raise ValueError("StagedModel needs at least one stage, got an empty list")
+        for i, s in enumerate(stages):
+            if not isinstance(s, Stage):
+                raise ValueError(f"stage {i} is a {type(s).__name__}, not a Stage; wrap it as Stage(name, module)")
+        names = [s.name for s in stages]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"stage names must be unique; repeated: {dupes}")
+        self.stages = nn.ModuleList(stages)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def param_counts(self) -> list[int]:
+        """Number of parameter elements in each stage (a tensor shared by two stages counts in both)."""
+        return [sum(p.numel() for p in s.parameters()) for s in self.stages]
+
+    def run(self, state: State, start: int = 0, stop: int | None = None) -> State:
+        """Run ``stages[start:stop]`` on ``state``; ``start == stop`` returns ``state`` unchanged."""
+        n = self.num_stages
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"need 0 <= start <= stop <= {n} (num_stages), got start={start}, stop={stop}")
+        for stage in self.stages[start:stop]:
+            state = stage(state)
+        return state
+
+    def forward(self, x: State) -> State:
+        return self.run(x)
+
+
+def _merge(stages: Sequence[Stage]) -> Stage:
+    """One stage running ``stages`` in order, named ``"first..last"`` (or the single stage itself)."""
+    if len(stages) == 1:
+        return stages[0]
+    first, last = stages[0].name.split("..")[0], stages[-1].name.split("..")[-1]
+    return Stage(f"{first}..{last}", nn.Sequential(*stages))
+
+
+def from_sequential(seq: nn.Sequential, groups: Sequence[int] | None = None) -> StagedModel:
+    """One stage per child of ``seq``, or per run of ``groups[i]`` consecutive children.
+
+    Stages are named after the children (``"0"``, ``"1"``, or the OrderedDict
+    keys); a group of several children is named ``"first..last"``.
+    """
+    if not isinstance(seq, nn.Sequential):
+        raise ValueError(
+            f"from_sequential expects an nn.Sequential, got {type(seq).__name__}; "
+            "use from_resnet / from_bert, or build stages with StagedModel([...])"
+        )
+    children = [Stage(name, child) for name, child in seq.named_children()]
+    if not children:
+        raise ValueError("from_sequential got an empty nn.Sequential; it has no stages to split")
+    if groups is None:
+        return StagedModel(children)
+    groups = list(groups)
+    if any(not isinstance(g, int) or g < 1 for g in groups) or sum(groups) != len(children):
+        raise ValueError(
+            f"groups must be positive ints summing to {len(children)} (the number of children), got {groups}"
+        )
+    bounds = [sum(groups[:i]) for i in range(len(groups) + 1)]
+    return StagedModel(_merge(children[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
+def _require(model: object, path: str, expected: str) -> nn.Module:
+    obj = model
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, nn.Module):
+        raise ValueError(f"model has no attribute {path!r}; expected {expected}; {_FALLBACK}")
+    return obj
+
+
+_RESNET = "a torchvision-style ResNet (conv1, bn1, relu, layer1.., avgpool, fc)"
+
+
+def from_resnet(model: nn.Module) -> StagedModel:
+    """Stages ``stem``, ``layer1.0`` .. ``layerN.M`` (one per residual block), ``head``.
+
+    The stem is ``conv1, bn1, relu`` plus ``maxpool`` if the model has one
+    (CIFAR-style ResNets have none); ``layer1``, ``layer2``, ... are taken
+    while they exist (up to ``layer4``). The head is ``avgpool, flatten(1), fc``.
+    """
+    stem = [_require(model, name, _RESNET) for name in ("conv1", "bn1", "relu")]
+    maxpool = getattr(model, "maxpool", None)
+    if isinstance(maxpool, nn.Module):
+        stem.append(maxpool)
+    stages = [Stage("stem", nn.Sequential(*stem))]
+    _require(model, "layer1", _RESNET)
+    for i in range(1, 5):
+        layer = getattr(model, f"layer{i}", None)
+        if layer is None:
+            break
+        if not isinstance(layer, nn.Sequential) or len(layer) == 0:
+            raise ValueError(
+                f"model.layer{i} is a {type(layer).__name__}; expected a non-empty nn.Sequential of "
+                f"residual blocks as in {_RESNET}; {_FALLBACK}"
+            )
+        stages += [Stage(f"layer{i}.{name}", block) for name, block in layer.named_children()]
+    head = [_require(model, "avgpool", _RESNET), nn.Flatten(1), _require(model, "fc", _RESNET)]
+    stages.append(Stage("head", nn.Sequential(*head)))
+    return StagedModel(stages)
+
+
+_BERT = "an HF-style BERT classifier (.bert or .embeddings/.encoder.layer/.pooler, and .classifier)"
+
+
+class _BertEmbeddings(nn.Module):
+    """``(input_ids, attention_mask) -> (hidden, attention_mask)``; a bare tensor means an all-ones mask."""
+
+    def __init__(self, embeddings: nn.Module) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, state: State) -> tuple[Tensor, Tensor]:
+        input_ids, mask = (state, torch.ones_like(state)) if isinstance(state, Tensor) else state
+        hidden = self.embeddings(input_ids=input_ids, token_type_ids=torch.zeros_like(input_ids))
+        return hidden, mask
+
+
+class _BertLayer(nn.Module):
+    """``(hidden, mask) -> (hidden, mask)``; the layer gets HF's additive extended mask.
+
+    The extended mask is ``(1 - mask[:, None, None, :]) * finfo(dtype).min``, as
+    ``BertModel.get_extended_attention_mask`` builds it for eager attention.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, state: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        hidden, mask = state
+        extended = mask[:, None, None, :].to(dtype=hidden.dtype)
+        extended = (1.0 - extended) * torch.finfo(hidden.dtype).min
+        out = self.layer(hidden, extended)
+        return (out[0] if isinstance(out, tuple) else out), mask
+
+
+class _BertHead(nn.Module):
+    """``(hidden, mask) -> logits``: pooler (reads the [CLS] token), dropout if any, classifier."""
+
+    def __init__(self, pooler: nn.Module, dropout: nn.Module | None, classifier: nn.Module) -> None:
+        super().__init__()
+        self.pooler = pooler
+        self.dropout = dropout
+        self.classifier = classifier
+
+    def forward(self, state: tuple[Tensor, Tensor]) -> Tensor:
+        pooled = self.pooler(state[0])
+        if self.dropout is not None:
+            pooled = self.dropout(pooled)
+        return self.classifier(pooled)
+
+
+def from_bert(model: nn.Module) -> StagedModel:
+    """Stages ``embeddings``, ``encoder.layer.0`` .. ``encoder.layer.L-1``, ``head``.
+
+    Accepts ``model.bert.{embeddings,encoder,pooler}`` + ``model.classifier``
+    (HF ``BertForSequenceClassification``; ``model.dropout`` is applied before
+    the classifier if present) or the same attributes directly on ``model``.
+    The input state is ``(input_ids, attention_mask)`` with zero token types;
+    the HF pooler takes the whole sequence and reads the [CLS] token itself.
+    """
+    body = getattr(model, "bert", model)
+    embeddings = _require(body, "embeddings", _BERT)
+    layers = _require(body, "encoder.layer", _BERT)
+    if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or len(layers) == 0:
+        raise ValueError(
+            f"model.encoder.layer is a {type(layers).__name__}; expected a non-empty nn.ModuleList "
+            f"as in {_BERT}; {_FALLBACK}"
+        )
+    pooler = _require(body, "pooler", _BERT)
+    classifier = _require(model, "classifier", _BERT)
+    dropout = getattr(model, "dropout", None)
+    head = _BertHead(pooler, dropout if isinstance(dropout, nn.Module) else None, classifier)
+    stages = [Stage("embeddings", _BertEmbeddings(embeddings))]
+    stages += [Stage(f"encoder.layer.{i}", _BertLayer(layer)) for i, layer in enumerate(layers)]
+    stages.append(Stage("head", head))
+    return StagedModel(stages)
+
+
+def _greedy(counts: Sequence[int], capacity: int) -> list[list[int]]:
+    """Fill groups front to back; see :func:`auto_partition` for when a new group starts."""
+    groups: list[list[int]] = [[]]
+    load = 0
+    for i, c in enumerate(counts):
+        if load > 0 and c > 0 and load + c > capacity:
+            groups.append([])
+            load = 0
+        groups[-1].append(i)
+        load += c
+    return groups
+
+
+def auto_partition(
+    staged: StagedModel, max_stages: int | None = None, target_params: int | None = None
+) -> StagedModel:
+    """Merge consecutive stages into groups of similar parameter count (Egeria-style).
+
+    The rule: pick a capacity, then walk the stages in order; a stage starts
+    a new group only if it has parameters, the current group has parameters,
+    and adding it would push the group past the capacity. So a stage larger
+    than the capacity gets a group of its own, and parameter-free stages
+    (activations, pooling) join the group before them.
+
+    The capacity is ``target_params`` if given, else ``ceil(total /
+    max_stages)``; with ``max_stages`` it is then raised to the smallest value
+    that yields at most ``max_stages`` groups. Stages are never reordered or
+    split; a merged stage is named ``"first..last"`` and shares parameters.
+    """
+    if max_stages is not None and max_stages < 1:
+        raise ValueError(f"max_stages must be >= 1, got {max_stages}")
+    if target_params is not None and target_params < 1:
+        raise ValueError(f"target_params must be >= 1 parameter, got {target_params}")
+    counts = staged.param_counts()
+    total = sum(counts)
+    if target_params is not None:
+        capacity = target_params
+    elif max_stages is not None:
+        capacity = -(-total // max_stages)
+    else:
+        raise ValueError("auto_partition needs max_stages or target_params (or both); got neither")
+    if max_stages is not None and len(_greedy(counts, capacity)) > max_stages:
+        lo, hi = capacity + 1, total  # capacity >= total makes one group
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(_greedy(counts, mid)) <= max_stages:
+                hi = mid
+            else:
+                lo = mid + 1
+        capacity = lo
+    stages = list(staged.stages)
+    return StagedModel(_merge([stages[i] for i in group]) for group in _greedy(counts, capacity))

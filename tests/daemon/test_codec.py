@@ -1,0 +1,72 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actcache.codec import Codec, DType, TensorSpec, compress_entry, decode_entry, encode_entry, parse_header, verify_entry
+from actcache.errors import InvalidRequest
+
+NUMPY = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16,
+         DType.int64: np.int64, DType.int32: np.int32, DType.uint8: np.uint8, DType.bool: np.bool_}
+
+
+def tensors(draw_seed: int, specs):
+    rng = np.random.default_rng(draw_seed)
+    out = []
+    for spec in specs:
+        raw = rng.integers(0, 256, size=spec.nbytes, dtype=np.uint8)
+        if spec.dtype == DType.bool:
+            raw = raw % 2
+        out.append(raw.view(NUMPY[spec.dtype]).reshape(spec.shape))
+    return out
+
+
+spec_strategy = st.builds(
+    TensorSpec, st.sampled_from(list(DType)), st.lists(st.integers(0, 7), min_size=0, max_size=4).map(tuple)
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=st.lists(spec_strategy, min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1), level=st.sampled_from([0, 1, 3]))
+def test_round_trip_is_bit_exact(specs, seed, level):
+    arrays = tensors(seed, specs)
+    encoded = encode_entry(specs, [a.tobytes() for a in arrays], zstd_level=level)
+    header, raw = decode_entry(encoded)
+    assert header.specs == tuple(specs)
+    for spec, offset, array in zip(header.specs, header.offsets, arrays):
+        assert offset % 16 == 0
+        assert bytes(raw[offset : offset + spec.nbytes]) == array.tobytes()
+
+
+def test_compression_used_only_when_it_pays():
+    sparse = np.zeros((64, 32, 32), np.float32)
+    sparse[::3] = 1.5
+    noise = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+    assert parse_header(encode_entry([TensorSpec(DType.float32, sparse.shape)], [sparse], zstd_level=1)).codec == Codec.zstd
+    assert parse_header(encode_entry([TensorSpec(DType.uint8, (4096,))], [noise], zstd_level=1)).codec == Codec.raw
+    raw_entry = encode_entry([TensorSpec(DType.float32, sparse.shape)], [sparse])
+    packed = compress_entry(raw_entry, 1)
+    assert len(packed) < len(raw_entry) / 4
+    assert bytes(decode_entry(packed)[1]) == bytes(decode_entry(raw_entry)[1])
+
+
+@pytest.mark.parametrize("position", [0, 5, 10, 26, 30, 60, 200, -1])
+def test_any_flipped_byte_is_detected(position):
+    a = np.arange(100, dtype=np.float32)
+    encoded = bytearray(encode_entry([TensorSpec(DType.float32, (100,))], [a], zstd_level=1))
+    encoded[position] ^= 0x40
+    with pytest.raises(InvalidRequest):
+        verify_entry(encoded)
+
+
+def test_length_mismatches_are_invalid():
+    a = np.arange(10, dtype=np.float32)
+    with pytest.raises(InvalidRequest, match="needs 40 bytes, got 36"):
+        encode_entry([TensorSpec(DType.float32, (10,))], [a[:9]])
+    good = encode_entry([TensorSpec(DType.float32, (10,))], [a])
+    with pytest.raises(InvalidRequest, match="header says"):
+        parse_header(good + b"\0")
+    with pytest.raises(InvalidRequest, match="shorter than"):
+        parse_header(good[:10])
+    with pytest.raises(InvalidRequest, match="magic"):
+        parse_header(b"XXXX" + good[4:])

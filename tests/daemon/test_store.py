@@ -1,0 +1,160 @@
+"""The LMDB store in-process: budgets, drop, map growth, persistence, corruption."""
+
+import threading
+
+import lmdb
+import numpy as np
+import pytest
+
+from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.daemon.config import StoreConfig
+from actcache.daemon.store import Store
+from actcache.errors import BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, StoreError
+from actcache.keys import encode_key
+
+FP = b"F" * 16
+
+
+def entry(seed: int, n: int = 4096) -> bytes:
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return encode_entry([TensorSpec(DType.uint8, (n,))], [data])
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(StoreConfig(dir=tmp_path / "cache", map_size_bytes=1 << 20))
+    yield s
+    s.close()
+
+
+def test_put_get_miss_and_replace(store):
+    ns = store.open_namespace("job").id
+    store.put(ns, FP, 1, [(i, 0, entry(i)) for i in range(10)])
+    assert store.get(ns, FP, 1, [(3, 0), (99, 0), (3, 1)]) == [entry(3), None, None]
+    result = store.put(ns, FP, 1, [(3, 0, entry(100))])
+    assert result.replaced == 1
+    assert store.get(ns, FP, 1, [(3, 0)]) == [entry(100)]
+    assert store.groups()[0].entries == 10
+
+
+def test_map_grows_instead_of_failing(store):
+    ns = store.open_namespace("big").id
+    before = store.map_size()
+    for start in range(0, 600, 50):
+        store.put(ns, FP, 1, [(i, 0, entry(i, 16384)) for i in range(start, start + 50)])
+    assert store.map_size() > before
+    assert store.get(ns, FP, 1, [(599, 0)]) == [entry(599, 16384)]
+
+
+def test_concurrent_readers_during_growth(store):
+    ns = store.open_namespace("rw").id
+    store.put(ns, FP, 0, [(0, 0, entry(0))])
+    errors = []
+
+    def read():
+        try:
+            for _ in range(200):
+                assert store.get(ns, FP, 0, [(0, 0)]) == [entry(0)]
+        except Exception as exc:  # collected and asserted below
+            errors.append(exc)
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for t in readers:
+        t.start()
+    for start in range(1, 400, 40):
+        store.put(ns, FP, 1, [(i, 0, entry(i, 16384)) for i in range(start, start + 40)])
+    for t in readers:
+        t.join()
+    assert errors == []
+
+
+def test_budgets_then_drop_frees_space(tmp_path):
+    one = len(entry(0))
+    s = Store(StoreConfig(dir=tmp_path, namespace_budget_bytes=10 * one, budget_bytes=15 * one, zstd_level=0))
+    try:
+        a, b = s.open_namespace("a").id, s.open_namespace("b").id
+        s.put(a, FP, 1, [(i, 0, entry(i)) for i in range(10)])
+        with pytest.raises(BudgetExceeded, match=r"namespace 'a' uses \d+ of its \d+ byte budget"):
+            s.put(a, FP, 1, [(10, 0, entry(10))])
+        s.put(b, FP, 1, [(i, 0, entry(i)) for i in range(5)])
+        with pytest.raises(BudgetExceeded, match="the daemon uses"):
+            s.put(b, FP, 2, [(0, 0, entry(0))])
+        assert s.get(a, FP, 1, [(9, 0)]) == [entry(9)]  # reads keep working
+        assert s.drop(a) == (10, 10 * one)
+        assert s.used_bytes(a) == 0
+        s.put(a, FP, 1, [(i, 0, entry(i)) for i in range(10)])
+    finally:
+        s.close()
+
+
+def test_drop_narrowed_by_fingerprint_and_depth(store):
+    ns = store.open_namespace("n").id
+    other = b"G" * 16
+    for fp in (FP, other):
+        for depth in (1, 2):
+            store.put(ns, fp, depth, [(i, 0, entry(i)) for i in range(3)])
+    assert store.drop(ns, FP, 1)[0] == 3
+    assert store.get(ns, FP, 1, [(0, 0)]) == [None]
+    assert store.get(ns, FP, 2, [(0, 0)]) == [entry(0)]
+    assert store.drop(ns, other)[0] == 6
+    assert [(g.fingerprint, g.depth) for g in store.groups()] == [(FP, 2)]
+
+
+def test_entries_and_usage_survive_restart(tmp_path):
+    config = StoreConfig(dir=tmp_path)
+    s = Store(config)
+    ns = s.open_namespace("persist").id
+    s.put(ns, FP, 4, [(i, 2, entry(i)) for i in range(20)])
+    used = s.used_bytes()
+    s.close()
+    s = Store(config)
+    try:
+        assert s.open_namespace("persist", create=False).id == ns
+        assert s.used_bytes() == used
+        assert s.get(ns, FP, 4, [(7, 2)]) == [entry(7)]
+    finally:
+        s.close()
+
+
+def test_errors_name_the_problem(store):
+    with pytest.raises(NamespaceNotFound, match="does not exist"):
+        store.open_namespace("nope", create=False)
+    with pytest.raises(InvalidRequest, match="invalid"):
+        store.open_namespace("bad name!")
+    with pytest.raises(NamespaceNotFound, match="namespace id 42"):
+        store.get(42, FP, 0, [(0, 0)])
+    ns = store.open_namespace("x").id
+    bad = bytearray(entry(1))
+    bad[-1] ^= 1
+    with pytest.raises(InvalidRequest, match="sample 5 variant 0: entry checksum mismatch"):
+        store.put(ns, FP, 0, [(4, 0, entry(4)), (5, 0, bytes(bad))])
+    assert store.get(ns, FP, 0, [(4, 0)]) == [None]  # the whole call was rejected
+
+
+def test_corrupt_entry_is_deleted_on_read(tmp_path):
+    config = StoreConfig(dir=tmp_path, zstd_level=0)
+    s = Store(config)
+    ns = s.open_namespace("c").id
+    s.put(ns, FP, 0, [(i, 0, entry(i)) for i in range(3)])
+    s.close()
+    env = lmdb.open(str(tmp_path), max_dbs=8)
+    db = env.open_db(b"entries")
+    with env.begin(write=True, db=db) as txn:
+        value = bytearray(txn.get(encode_key(ns, FP, 0, 1)))
+        value[100] ^= 0xFF
+        txn.put(encode_key(ns, FP, 0, 1), bytes(value))
+    env.close()
+    s = Store(config)
+    try:
+        with pytest.raises(EntryCorrupt, match=r"sample ids \[1\]"):
+            s.get(ns, FP, 0, [(0, 0), (1, 0)])
+        assert s.get(ns, FP, 0, [(0, 0), (1, 0)]) == [entry(0), None]
+        assert s.groups()[0].entries == 2
+    finally:
+        s.close()
+
+
+def test_foreign_file_is_refused(tmp_path):
+    (tmp_path / "data.mdb").write_bytes(b"not an lmdb file" * 1000)
+    with pytest.raises(StoreError, match="not a valid LMDB file"):
+        Store(StoreConfig(dir=tmp_path))
