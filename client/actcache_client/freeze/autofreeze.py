@@ -1,0 +1,130 @@
+"""AutoFreeze's gradient-norm test (AutoFreeze, §3.1, Algorithm 1).
+
+Each observation with a new ``step`` closes an evaluation interval T; the
+controller passes each stage's norm of the gradients accumulated over it. For
+every active stage l::
+
+    eta_l = | ||Δ_{T-1,l}|| - ||Δ_{T,l}|| | / ||Δ_{T-1,l}||
+    threshold = N-th percentile of eta over the active stages (linear interpolation,
+                numpy's default rule; a zero previous norm makes eta infinite)
+
+The frontmost active stage freezes while its eta < threshold. Algorithm 1
+loops over the active stages in one interval; here each observation answers
+for one stage, so after applying a FREEZE_NEXT the controller calls again with
+the same ``step`` and the next stage is judged against the same interval's
+eta and threshold. A stage is judged only when it has norms from two
+consecutive intervals in which it was active; non-finite norms count as missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from actcache.errors import ConfigError
+
+from actcache_client.freeze.policy import Decision, Signals
+
+__all__ = ["AutoFreezeConfig", "AutoFreezePolicy"]
+
+_STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoFreezeConfig:
+    """Knobs of the gradient-norm test; defaults are the paper's."""
+
+    #: N: freeze while eta is below this percentile of the active stages' eta. Paper: the
+    #: median, 50 (§3.1 Figure 6, §4); 75 lost accuracy, 25 froze less (§4.3).
+    percentile: float = 50.0
+    #: Evaluation intervals per epoch, i.e. how often the controller calls observe. Paper:
+    #: 5 (§4 setup); 2 to 5 balance speed and accuracy, 10 loses accuracy (§4.3).
+    intervals_per_epoch: int = 5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.percentile <= 100:
+            raise ConfigError(f"percentile={self.percentile} must be in (0, 100] (the paper uses 50, the median)")
+        if self.intervals_per_epoch < 1:
+            raise ConfigError(f"intervals_per_epoch={self.intervals_per_epoch} must be >= 1 (the paper uses 5)")
+
+
+def _eta(prev: float | None, cur: float | None) -> float | None:
+    if prev is None or cur is None:
+        return None
+    if prev == 0:
+        return 0.0 if cur == 0 else math.inf
+    return abs(prev - cur) / prev
+
+
+def _percentile(values: list[float], percentile: float) -> float:
+    ordered = sorted(values)
+    rank = percentile / 100 * (len(ordered) - 1)
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    fraction = rank - low
+    if fraction == 0 or ordered[low] == ordered[high]:
+        return ordered[low]
+    if math.isinf(ordered[high]):
+        return math.inf
+    return ordered[low] + (ordered[high] - ordered[low]) * fraction
+
+
+class AutoFreezePolicy:
+    """Freeze the frontmost active stage when its gradient norm changes slower than most.
+
+    Invariants: ``eta`` and ``threshold`` belong to the interval ending at ``step``;
+    ``prev`` holds that interval's norms, None for stages frozen during it.
+    """
+
+    needs = frozenset({"grad_norms"})
+
+    def __init__(self, config: AutoFreezeConfig | None = None) -> None:
+        self.config = config or AutoFreezeConfig()
+        self._step: int | None = None
+        self._prev: list[float | None] = []
+        self._eta: list[float | None] = []
+        self._threshold: float | None = None
+
+    def observe(self, signals: Signals) -> Decision:
+        if signals.step != self._step:
+            self._close_interval(signals)
+        stage = signals.frozen
+        if stage >= signals.num_stages - 1:
+            return Decision.none("only the head is active; it always trains")
+        eta = self._eta[stage] if stage < len(self._eta) else None
+        if eta is None or self._threshold is None:
+            return Decision.none(f"stage {stage}: needs gradient norms from two consecutive intervals")
+        numbers = {"eta": eta, "threshold": self._threshold, "percentile": self.config.percentile}
+        if eta < self._threshold:
+            return Decision.freeze(stage, f"stage {stage}: eta {eta:.3g} < {self.config.percentile:g}th "
+                                          f"percentile {self._threshold:.3g}", numbers)
+        return Decision.none(f"stage {stage}: eta {eta:.3g} >= {self.config.percentile:g}th "
+                             f"percentile {self._threshold:.3g}", numbers)
+
+    def _close_interval(self, signals: Signals) -> None:
+        if signals.grad_norms is None:
+            raise ValueError("AutoFreezePolicy needs signals.grad_norms (one accumulated gradient norm per "
+                             "stage) at every new step; compute them or choose another policy")
+        norms = [g if i >= signals.frozen and math.isfinite(g) else None
+                 for i, g in enumerate(signals.grad_norms)]
+        prev = self._prev if len(self._prev) == len(norms) else [None] * len(norms)
+        self._eta = [_eta(p, c) for p, c in zip(prev, norms, strict=True)]
+        pool = [e for e in self._eta[signals.frozen:] if e is not None]
+        self._threshold = _percentile(pool, self.config.percentile) if pool else None
+        self._prev = norms
+        self._step = signals.step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION, "step": self._step, "prev": list(self._prev),
+                "eta": list(self._eta), "threshold": self._threshold}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"AutoFreezePolicy state version {state.get('version')!r} is not {_STATE_VERSION}; "
+                             "it was saved by an incompatible actcache version")
+        self._step = state["step"]
+        self._prev = [None if v is None else float(v) for v in state["prev"]]
+        self._eta = [None if v is None else float(v) for v in state["eta"]]
+        self._threshold = None if state["threshold"] is None else float(state["threshold"])

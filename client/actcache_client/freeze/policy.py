@@ -1,0 +1,218 @@
+"""What a freeze policy sees, what it answers, and the contract every policy keeps.
+
+A policy is decision logic only. The controller calls ``observe(signals)`` once
+per evaluation, applies the returned ``Decision`` to the model (freeze the
+frontmost active stage, or unfreeze everything), and reports the result in the
+next ``Signals.frozen``. Stages freeze front to back: stages ``0 .. frozen-1``
+are frozen, stage ``frozen`` is the frontmost active one, and the last stage
+(the head) always trains.
+
+Decision lifecycle, from the controller's side::
+
+    NONE          nothing to do
+    FREEZE_NEXT   freeze stage == signals.frozen   (frozen -> frozen + 1)
+    UNFREEZE_ALL  unfreeze every stage             (frozen -> 0), only if frozen > 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "Decision",
+    "DecisionKind",
+    "FreezePolicy",
+    "SIGNAL_NAMES",
+    "Signals",
+    "check_freeze_policy_contract",
+]
+
+#: The optional signals a policy may need; the controller computes only these.
+SIGNAL_NAMES = frozenset({"grad_norms", "loss", "plasticity"})
+
+
+class DecisionKind(enum.Enum):
+    NONE = "none"
+    FREEZE_NEXT = "freeze_next"
+    UNFREEZE_ALL = "unfreeze_all"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One answer of a policy; ``numbers`` are the values it was based on (for the timeline)."""
+
+    kind: DecisionKind
+    stage: int | None
+    reason: str
+    numbers: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind is DecisionKind.FREEZE_NEXT:
+            if not isinstance(self.stage, int) or self.stage < 0:
+                raise ValueError(f"FREEZE_NEXT needs a stage index >= 0, got {self.stage!r}")
+        elif self.stage is not None:
+            raise ValueError(f"{self.kind.name} takes stage=None, got {self.stage!r}")
+
+    @classmethod
+    def none(cls, reason: str, numbers: Mapping[str, float] | None = None) -> Decision:
+        return cls(DecisionKind.NONE, None, reason, dict(numbers or {}))
+
+    @classmethod
+    def freeze(cls, stage: int, reason: str, numbers: Mapping[str, float] | None = None) -> Decision:
+        return cls(DecisionKind.FREEZE_NEXT, stage, reason, dict(numbers or {}))
+
+    @classmethod
+    def unfreeze_all(cls, reason: str, numbers: Mapping[str, float] | None = None) -> Decision:
+        return cls(DecisionKind.UNFREEZE_ALL, None, reason, dict(numbers or {}))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Signals:
+    """What the controller measured since the previous evaluation.
+
+    ``plasticity`` is the SP loss of stage ``frozen`` against the reference
+    model (None when no reading is ready); ``grad_norms`` has one accumulated
+    gradient norm per stage over the interval (entries of frozen stages are
+    ignored); ``loss`` is the training loss, ideally averaged over the interval.
+    """
+
+    step: int
+    epoch: int
+    frozen: int
+    num_stages: int
+    lr: float
+    loss: float | None = None
+    plasticity: float | None = None
+    grad_norms: Sequence[float] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "loss", "plasticity"):  # accept 0-d tensors and numpy scalars
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        if not 0 <= self.frozen < self.num_stages:
+            raise ValueError(
+                f"frozen={self.frozen} is outside 0..{self.num_stages - 1} for "
+                f"{self.num_stages} stages (the head stage always trains)"
+            )
+        if self.step < 0 or self.epoch < 0:
+            raise ValueError(f"step and epoch must be >= 0, got step={self.step} epoch={self.epoch}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            raise ValueError(f"lr must be finite and >= 0, got {self.lr}")
+        if self.grad_norms is not None:
+            norms = tuple(float(g) for g in self.grad_norms)
+            if len(norms) != self.num_stages:
+                raise ValueError(
+                    f"grad_norms has {len(norms)} entries for {self.num_stages} stages; pass one per stage"
+                )
+            object.__setattr__(self, "grad_norms", norms)
+
+
+@runtime_checkable
+class FreezePolicy(Protocol):
+    """Decides when to freeze the frontmost active stage or unfreeze all.
+
+    ``needs`` is a subset of ``SIGNAL_NAMES``. ``state_dict()`` is
+    JSON-serialisable; ``load_state_dict`` into a policy built with the same
+    configuration continues with identical decisions.
+    """
+
+    needs: frozenset[str]
+
+    def observe(self, signals: Signals) -> Decision: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def _same(a: Decision, b: Decision) -> bool:
+    if (a.kind, a.stage, a.reason, sorted(a.numbers)) != (b.kind, b.stage, b.reason, sorted(b.numbers)):
+        return False
+    return all(a.numbers[k] == b.numbers[k] or (math.isnan(a.numbers[k]) and math.isnan(b.numbers[k]))
+               for k in a.numbers)
+
+
+def _fail(message: str) -> None:
+    raise AssertionError(message)
+
+
+def _run(policy: FreezePolicy, stream: Sequence[Signals], frozen: int, start: int,
+         before_observe: Callable[[Any, int], None] | None) -> tuple[list[Decision], int]:
+    """Feed ``stream`` with ``frozen`` overridden by the applied decisions; check each decision."""
+    decisions = []
+    for offset, template in enumerate(stream):
+        index = start + offset
+        if before_observe is not None:
+            before_observe(policy, index)
+        signals = dataclasses.replace(template, frozen=frozen)
+        decision = policy.observe(signals)
+        where = f"signal #{index} (step {signals.step}, frozen={frozen})"
+        if not isinstance(decision, Decision):
+            _fail(f"{where}: observe returned {decision!r}, not a Decision")
+        if decision.kind is DecisionKind.FREEZE_NEXT:
+            if decision.stage != frozen:
+                _fail(f"{where}: froze stage {decision.stage}; only the frontmost active stage {frozen} may freeze")
+            if frozen >= signals.num_stages - 1:
+                _fail(f"{where}: froze stage {frozen}, the head of {signals.num_stages} stages; the head always trains")
+            frozen += 1
+        elif decision.kind is DecisionKind.UNFREEZE_ALL:
+            if frozen == 0:
+                _fail(f"{where}: UNFREEZE_ALL with nothing frozen")
+            frozen = 0
+        decisions.append(decision)
+    return decisions, frozen
+
+
+def check_freeze_policy_contract(
+    policy_factory: Callable[[], FreezePolicy],
+    signal_stream: Sequence[Signals],
+    *,
+    before_observe: Callable[[Any, int], None] | None = None,
+    snapshot_at: Sequence[int] | None = None,
+) -> list[Decision]:
+    """Assert the freeze-policy contract; return the decisions of one uninterrupted run.
+
+    The stream's ``frozen`` fields are replaced by the count the applied
+    decisions produce, starting at 0. Checked: ``needs`` names known signals;
+    a freeze targets exactly stage ``frozen`` (never skips) and never the last
+    stage; UNFREEZE_ALL only when something is frozen; a state snapshot taken
+    before signal ``k`` (default: halfway; ``snapshot_at`` picks others),
+    passed through JSON and loaded into a fresh policy, yields the same
+    decisions for the rest of the stream. ``before_observe(policy, index)``
+    runs before each observation on every policy (e.g. to make manual
+    requests). Raises AssertionError naming the first violation.
+    """
+    stream = list(signal_stream)
+    policy = policy_factory()
+    if not isinstance(policy, FreezePolicy):
+        _fail(f"{policy!r} does not implement FreezePolicy (observe, state_dict, load_state_dict, needs)")
+    if not isinstance(policy.needs, frozenset) or not policy.needs <= SIGNAL_NAMES:
+        _fail(f"needs={policy.needs!r} must be a frozenset of {sorted(SIGNAL_NAMES)}")
+    splits = sorted(set(snapshot_at if snapshot_at is not None else [len(stream) // 2]))
+    if splits and not 0 <= splits[0] <= splits[-1] <= len(stream):
+        raise ValueError(f"snapshot_at must lie in 0..{len(stream)} (the stream length), got {splits}")
+    decisions: list[Decision] = []
+    snapshots: dict[int, tuple[Any, int]] = {}
+    frozen, done = 0, 0
+    for split in [*splits, len(stream)]:
+        more, frozen = _run(policy, stream[done:split], frozen, done, before_observe)
+        decisions += more
+        done = split
+        snapshots[split] = (json.loads(json.dumps(policy.state_dict())), frozen)
+    for split in splits:
+        state, frozen = snapshots[split]
+        restored = policy_factory()
+        restored.load_state_dict(state)
+        replay, _ = _run(restored, stream[split:], frozen, split, before_observe)
+        for index, (want, got) in enumerate(zip(decisions[split:], replay, strict=True), start=split):
+            if not _same(want, got):
+                _fail(f"signal #{index}: after a state_dict round trip at #{split} the policy decided "
+                      f"{got!r}, the uninterrupted one {want!r}")
+    return decisions
