@@ -20,14 +20,16 @@ def test_daemon_and_cli_never_import_torch():
 
 
 def test_client_never_imports_daemon_internals():
-    loaded = _modules_after_import("actcache_client", "actcache_client.stages")
+    loaded = _modules_after_import("actcache_client", "actcache_client.loader", "actcache_client.cached_forward")
     assert not any(m.startswith("actcache.daemon") for m in loaded), sorted(m for m in loaded if m.startswith("actcache"))
 
 
 @pytest.mark.parametrize(
     "module",
     ["actcache.codec", "actcache.errors", "actcache.keys", "actcache.rpc", "actcache.rpc_client", "actcache.testing",
-     "actcache.daemon.store", "actcache.daemon.config", "actcache_client.stages"],
+     "actcache.daemon.store", "actcache.daemon.config", "actcache_client", "actcache_client.cached_forward",
+     "actcache_client.connection", "actcache_client.fingerprint", "actcache_client.loader", "actcache_client.lookahead",
+     "actcache_client.stages", "actcache_client.staging", "actcache_client.tensors"],
 )
 def test_public_surface_is_explicit_and_sorted(module):
     mod = importlib.import_module(module)

@@ -1,0 +1,323 @@
+"""The training side's connection to a daemon: lookups, asynchronous puts, fallback on trouble.
+
+The cache is an optimization, never a dependency. When the daemon is down,
+slow, full or returns a corrupt entry, ``lookup`` answers None (recompute
+everything) and puts are dropped; each cause warns once (CacheFallbackWarning)
+and is then logged at most every ``log_every_s``. After a failure to reach the
+daemon, calls are skipped for a back-off interval (1 s doubling to 30 s) so a
+dead daemon costs training nothing but the first timeout. ``strict=True``
+raises the ActCacheError instead, for tests.
+
+Puts run on one background thread fed by a bounded queue: ``store`` never
+blocks the training step; when the queue is full the put is dropped and
+counted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from actcache.errors import ActCacheError, BudgetExceeded, ConfigError, DaemonUnavailable, EntryCorrupt
+from actcache.rpc_client import RpcClient, target_for
+
+__all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "connect"]
+
+log = logging.getLogger("actcache_client")
+
+
+class CacheFallbackWarning(RuntimeWarning):
+    """The cache could not be used for a step; training recomputed instead."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectionConfig:
+    """How to reach the daemon and how to behave when it misbehaves."""
+
+    socket: str | None = None
+    address: str | None = None
+    token: str | None = field(default=None, repr=False)
+    namespace: str = "default"
+    #: Raise instead of falling back to recomputation.
+    strict: bool = False
+    #: Deadline of one lookup or put, retries included.
+    timeout_s: float = 10.0
+    #: Puts waiting for the background writer; more are dropped.
+    put_queue: int = 16
+    log_every_s: float = 60.0
+    #: After the daemon was unreachable or full, skip it for this long (doubling up to 30 s).
+    backoff_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.put_queue < 1:
+            raise ConfigError(f"put_queue must be >= 1, got {self.put_queue}")
+
+
+@dataclass
+class ClientStats:
+    """What the cache did for this process."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    puts_dropped: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_ratio(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+@dataclass
+class _Put:
+    fingerprint: bytes
+    depth: int
+    ids: Sequence[int]
+    variants: Sequence[int]
+    encode: Callable[[], list[bytes]]
+
+
+_STOP = object()
+
+
+class Connection:
+    """A namespace on a daemon, used by CachedForward; safe to share between threads."""
+
+    def __init__(self, config: ConnectionConfig, *, embedded: "EmbeddedDaemon | None" = None) -> None:
+        self.config = config
+        self.stats = ClientStats()
+        self._embedded = embedded
+        self._rpc = RpcClient(
+            target_for(config.socket, config.address), token=config.token, timeout_s=config.timeout_s, retries=2
+        )
+        self._lock = threading.Lock()
+        self._namespace_id: int | None = None
+        self._warned: set[str] = set()
+        self._last_log: dict[str, float] = {}
+        self._paused_until = 0.0
+        self._backoff_s = config.backoff_s
+        self._put_errors: list[ActCacheError] = []
+        self._pending_warnings: list[str] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=config.put_queue)
+        self._writer = threading.Thread(target=self._write_loop, name="actcache-put", daemon=True)
+        self._writer.start()
+        self._closed = False
+
+    @property
+    def target(self) -> str:
+        return self._rpc.target
+
+    def rpc(self) -> RpcClient:
+        """The underlying RPC client (for tools; training code does not need it)."""
+        return self._rpc
+
+    # ---- reads -----------------------------------------------------------
+
+    def lookup(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int]) -> list | None:
+        """Entries for ``ids`` (None per miss), or None when the cache is unusable right now."""
+        self.surface()
+        if self._paused():
+            return None
+        try:
+            ns = self._namespace()
+            values = self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None)
+        except ActCacheError as exc:
+            self._fallback(exc)
+            return None
+        hits = sum(v is not None for v in values)
+        with self._lock:
+            self.stats.lookups += 1
+            self.stats.hits += hits
+            self.stats.misses += len(values) - hits
+            self.stats.bytes_read += sum(len(v) for v in values if v is not None)
+        self._backoff_s = self.config.backoff_s
+        return values
+
+    # ---- writes ----------------------------------------------------------
+
+    def store(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int], encode: Callable[[], list[bytes]]) -> bool:
+        """Queue a put; ``encode`` runs on the writer thread. Returns False if it was dropped."""
+        self.surface()
+        if self._paused():
+            self._count_dropped()
+            return False
+        try:
+            self._queue.put_nowait(_Put(fingerprint, depth, list(ids), list(variants), encode))
+            return True
+        except queue.Full:
+            self._count_dropped()
+            return False
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every queued put was sent (or dropped)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                self._queue.all_tasks_done.wait(remaining)
+        self.surface()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                self._write(item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, put: _Put) -> None:
+        if self._paused():
+            self._count_dropped()
+            return
+        try:
+            entries = put.encode()
+            reply = self._rpc.put(self._namespace(), put.fingerprint, put.depth, list(zip(put.ids, put.variants, entries)))
+        except ActCacheError as exc:
+            self._count_dropped()
+            if self.config.strict:
+                with self._lock:
+                    self._put_errors.append(exc)
+            else:
+                self._fallback(exc)
+            return
+        with self._lock:
+            self.stats.puts += reply.entries
+            self.stats.bytes_written += sum(len(e) for e in entries)
+
+    def _count_dropped(self) -> None:
+        with self._lock:
+            self.stats.puts_dropped += 1
+
+    def surface(self) -> None:
+        """On the training thread: emit warnings deferred by background threads, raise strict-mode put errors."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        with self._lock:
+            pending, self._pending_warnings = self._pending_warnings, []
+            errors, self._put_errors = self._put_errors, []
+        for message in pending:
+            warnings.warn(message, CacheFallbackWarning, stacklevel=3)
+        if errors:
+            raise errors[0]
+
+    # ---- failure handling ------------------------------------------------
+
+    def _namespace(self) -> int:
+        if self._namespace_id is None:
+            self._namespace_id = self._rpc.open(self.config.namespace).namespace_id
+        return self._namespace_id
+
+    def _paused(self) -> bool:
+        return time.monotonic() < self._paused_until
+
+    def _fallback(self, exc: ActCacheError) -> None:
+        if self.config.strict:
+            raise exc
+        cause = {DaemonUnavailable: "unavailable", BudgetExceeded: "full", EntryCorrupt: "corrupt"}.get(type(exc), "error")
+        now = time.monotonic()
+        with self._lock:
+            self.stats.fallbacks[cause] = self.stats.fallbacks.get(cause, 0) + 1
+            first = cause not in self._warned
+            self._warned.add(cause)
+            due = now - self._last_log.get(cause, -1e9) >= self.config.log_every_s
+            if due:
+                self._last_log[cause] = now
+            if cause in ("unavailable", "full"):
+                self._paused_until = now + self._backoff_s
+                self._backoff_s = min(self._backoff_s * 2, max(30.0, self.config.backoff_s))
+        message = f"actcache: {cause} ({exc}); recomputing instead of using the cache"
+        if due:
+            log.warning("%s [%d times so far]", message, self.stats.fallbacks[cause])
+        if first:
+            with self._lock:
+                self._pending_warnings.append(message)
+            self.surface()
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def close(self) -> None:
+        """Send queued puts, stop the writer thread and an embedded daemon."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._writer.join(timeout=self.config.timeout_s * 2)
+        self._rpc.close()
+        if self._embedded is not None:
+            self._embedded.stop()
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EmbeddedDaemon:
+    """A daemon subprocess private to this process, in a temp dir removed at exit."""
+
+    def __init__(self) -> None:
+        from actcache.testing import DaemonProcess
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="actcache-embedded-")
+        tmp = Path(self._tmp.name)
+        self.process = DaemonProcess(tmp / "cache", tmp / "daemon.sock")
+        self.process.start()
+        atexit.register(self.stop)
+
+    @property
+    def socket(self) -> str:
+        return str(self.process.socket)
+
+    def stop(self) -> None:
+        if self.process.proc is not None:
+            self.process.stop()
+        self._tmp.cleanup()
+
+
+def connect(
+    socket: str | os.PathLike | None = None,
+    *,
+    address: str | None = None,
+    namespace: str = "default",
+    token: str | None = None,
+    strict: bool = False,
+    **options,
+) -> Connection:
+    """Connect to a daemon; with no socket, address or ``$ACTCACHE_SOCKET``, start an embedded one.
+
+    The embedded daemon lives in a temp dir and is stopped when the
+    connection closes or the process exits: good for trying actcache out.
+    """
+    embedded = None
+    if socket is None and address is None and not os.environ.get("ACTCACHE_SOCKET"):
+        embedded = EmbeddedDaemon()
+        socket = embedded.socket
+    config = ConnectionConfig(
+        socket=os.fspath(socket) if socket is not None else None,
+        address=address,
+        namespace=namespace,
+        token=token or os.environ.get("ACTCACHE_TOKEN"),
+        strict=strict,
+        **options,
+    )
+    return Connection(config, embedded=embedded)

@@ -1,0 +1,207 @@
+"""Sample ids with every batch, and the epoch's order known before the epoch starts.
+
+``IndexedDataset`` yields ``(sample_id, item)``; random augmentation draws
+its randomness from ``(sample_id, variant)`` so a cached entry always matches
+the exact input it was computed from. ``CachedLoader`` wraps a DataLoader by
+composition: at each epoch start it draws this rank's batches from the
+loader's own batch sampler once, tells the CachedForward (which looks them
+up ahead of need), then has an inner DataLoader with the same settings load
+exactly those batches. ``state_dict`` captures the epoch's order and position
+for a mid-epoch resume.
+
+Variants: with ``variants=K``, epoch e uses variant ``e % K`` and K
+augmented versions of each sample are cached. A dataset with augmentation
+and no ``variants`` (or one that declares uncontrolled randomness) is not
+cached: the loader warns and the model recomputes every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from actcache.errors import ConfigError
+from actcache_client.cached_forward import CachedForward
+
+__all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "sample_seed"]
+
+
+class UncacheableDataWarning(UserWarning):
+    """The data cannot be cached safely (e.g. uncontrolled random augmentation); recomputing."""
+
+
+def sample_seed(sample_id: int, variant: int) -> int:
+    """The seed of the random transforms of ``(sample_id, variant)``: stable across processes and runs."""
+    digest = hashlib.blake2b(f"{sample_id}/{variant}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class IndexedDataset(Dataset):
+    """``dataset[i]`` as ``(sample_id, item)``.
+
+    ``augment(item, generator)`` applies random transforms drawing only from
+    ``generator``, which is seeded by ``(sample_id, variant)``. Set
+    ``random_transforms=True`` if ``dataset`` itself draws randomness that
+    actcache cannot control: such data is never cached.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        augment: Callable[[Any, torch.Generator], Any] | None = None,
+        sample_ids: Sequence[int] | None = None,
+        random_transforms: bool = False,
+    ) -> None:
+        if sample_ids is not None and len(sample_ids) != len(dataset):
+            raise ConfigError(f"{len(sample_ids)} sample ids for a dataset of {len(dataset)} items")
+        self.dataset = dataset
+        self.augment = augment
+        self.sample_ids = list(sample_ids) if sample_ids is not None else None
+        self.random_transforms = random_transforms
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def sample_id(self, index: int) -> int:
+        return self.sample_ids[index] if self.sample_ids is not None else index
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[int, Any]:
+        index, variant = key if isinstance(key, tuple) else (key, 0)
+        sample_id = self.sample_id(index)
+        item = self.dataset[index]
+        if self.augment is not None:
+            generator = torch.Generator().manual_seed(sample_seed(sample_id, variant))
+            item = self.augment(item, generator)
+        return sample_id, item
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch: sample ids, the augmentation variant, the collated items, and where it sits."""
+
+    ids: torch.Tensor
+    data: Any
+    variant: int
+    epoch: int
+    position: int
+
+
+class _Collate:
+    """Collates ``(sample_id, item)`` pairs into ``(ids, user_collate(items))``; picklable for workers."""
+
+    def __init__(self, collate: Callable[[list], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, samples: list[tuple[int, Any]]) -> tuple[torch.Tensor, Any]:
+        return torch.tensor([s for s, _ in samples], dtype=torch.int64), self.collate([item for _, item in samples])
+
+
+class _Replay:
+    """The inner loader's batch sampler: replays the batches CachedLoader chose for this epoch."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[int, int]]] = []
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        return iter(list(self.batches))
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class CachedLoader:
+    """Wraps a DataLoader over an IndexedDataset; yields Batch objects and feeds the cache its order.
+
+    Works with any sampler and batch sampler (``RandomSampler``,
+    ``DistributedSampler`` — call ``set_epoch`` as usual —, ``drop_last``),
+    ``num_workers > 0`` and persistent workers.
+    """
+
+    def __init__(self, loader: DataLoader, model: CachedForward | None = None, *, variants: int | None = None) -> None:
+        if not isinstance(loader.dataset, IndexedDataset):
+            raise ConfigError("CachedLoader needs a DataLoader over an IndexedDataset (items paired with sample ids)")
+        if loader.batch_sampler is None:
+            raise ConfigError("CachedLoader needs automatic batching (a batch_size or batch_sampler on the DataLoader)")
+        if variants is not None and variants < 1:
+            raise ConfigError(f"variants must be >= 1, got {variants}")
+        self.loader = loader
+        self.model = model
+        self.variants = variants
+        self.epoch = 0
+        self._position = 0
+        self._order: list[list[int]] | None = None  # indices of the current epoch's batches
+        self._replay = _Replay()
+        dataset: IndexedDataset = loader.dataset
+        self.cacheable = not dataset.random_transforms and (dataset.augment is None or variants is not None)
+        if not self.cacheable and model is not None:
+            why = ("the dataset declares random transforms actcache cannot control" if dataset.random_transforms
+                   else "the dataset has random augmentation but no variants=K was given")
+            warnings.warn(f"actcache: not caching: {why}; the frozen prefix is recomputed every step. "
+                          "Pass augment= to IndexedDataset and variants=K to CachedLoader to cache K variants.",
+                          UncacheableDataWarning, stacklevel=2)
+            model.disable(why)
+        self._inner = self._build_inner(loader)
+
+    def _build_inner(self, loader: DataLoader) -> DataLoader:
+        options = dict(
+            num_workers=loader.num_workers,
+            collate_fn=_Collate(loader.collate_fn if loader.collate_fn is not None else default_collate),
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator,
+            persistent_workers=loader.persistent_workers,
+        )
+        if loader.num_workers > 0:
+            options["prefetch_factor"] = loader.prefetch_factor
+        return DataLoader(loader.dataset, batch_sampler=self._replay, **options)
+
+    @property
+    def variant(self) -> int:
+        """The augmentation variant of the current epoch (0 without augmentation)."""
+        if self.loader.dataset.augment is None:
+            return 0
+        if self.variants is None:
+            return self.epoch  # not cached: a fresh augmentation every epoch
+        return self.epoch % self.variants
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (forwarded to the sampler's ``set_epoch`` when it has one)."""
+        if epoch != self.epoch:
+            self.epoch, self._position, self._order = epoch, 0, None
+
+    def __len__(self) -> int:
+        return len(self.loader.batch_sampler)
+
+    def __iter__(self) -> Iterator[Batch]:
+        sampler = getattr(self.loader.batch_sampler, "sampler", None)
+        if self._order is None:
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self.epoch)
+            self._order = [list(b) for b in self.loader.batch_sampler]
+            self._position = 0
+        dataset: IndexedDataset = self.loader.dataset
+        start, variant = self._position, self.variant
+        if self.model is not None and self.cacheable:
+            ids = [[dataset.sample_id(i) for i in batch] for batch in self._order]
+            self.model.begin_epoch(ids, variant, start)
+        self._replay.batches = [[(i, variant) for i in batch] for batch in self._order[start:]]
+        for position, (ids, data) in enumerate(self._inner, start=start):
+            self._position = position + 1
+            yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position)
+        self.epoch, self._position, self._order = self.epoch + 1, 0, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, position and this epoch's batches: enough to resume mid-epoch."""
+        return {"epoch": self.epoch, "position": self._position, "order": self._order}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self._position, self._order = state["epoch"], state["position"], state["order"]

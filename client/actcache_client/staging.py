@@ -1,0 +1,122 @@
+"""Host-to-device staging of cached batches: a ring of reusable pinned buffers and a side stream.
+
+On CUDA, cached entries are collated straight into a page-locked slot of the
+ring, copied with ``non_blocking=True`` on a side stream, and the compute
+stream waits for that copy before using the batch. A slot is handed out again
+only after the copy that read it has completed (its CUDA event), so the ring
+never overwrites bytes still in flight. Invariant: slots in flight <= slots.
+
+Without CUDA, the batch is collated into freshly allocated host memory and
+used in place (it is already on the device); the ring is not needed because
+the tensors the model keeps for backward must not be overwritten.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from actcache_client.stages import State
+
+__all__ = ["HostRing", "Stager"]
+
+Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
+
+
+class HostRing:
+    """``slots`` growable host byte buffers handed out round-robin.
+
+    ``acquire()`` returns the next slot once the event recorded at its last
+    ``release`` has completed; ``alloc`` carves tensors out of the acquired
+    slot, 64-byte aligned. A batch larger than its slot gets one-off memory
+    and the slot grows to the largest batch seen at its next ``acquire``.
+    """
+
+    def __init__(self, slots: int = 4, *, pin_memory: bool = False) -> None:
+        if slots < 2:
+            raise ValueError(f"a ring needs at least 2 slots, got {slots}")
+        self.pin_memory = pin_memory
+        self._buffers: list[Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
+        self._events: list[object | None] = [None] * slots
+        self._next = 0
+        self._current: int | None = None
+        self._used = 0
+        self._wanted = 0
+
+    @property
+    def slots(self) -> int:
+        return len(self._buffers)
+
+    def acquire(self) -> int:
+        slot = self._next
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()  # the copy that last read this slot is done
+            self._events[slot] = None
+        if self._buffers[slot].numel() < self._wanted:
+            self._buffers[slot] = torch.empty(self._wanted, dtype=torch.uint8, pin_memory=self.pin_memory)
+        self._next = (slot + 1) % len(self._buffers)
+        self._current, self._used = slot, 0
+        return slot
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        if self._current is None:
+            raise RuntimeError("HostRing.alloc called before acquire()")
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        start = (self._used + 63) // 64 * 64
+        self._used = start + nbytes
+        self._wanted = max(self._wanted, self._used)
+        buffer = self._buffers[self._current]
+        if self._used > buffer.numel():
+            # Too small this time: a one-off buffer (never reused); the slot grows at its next acquire.
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+        return buffer[start : start + nbytes].view(dtype).view(shape)
+
+    def release(self, event: object | None) -> None:
+        """Mark the acquired slot busy until ``event`` completes (None: free at once)."""
+        if self._current is None:
+            raise RuntimeError("HostRing.release called before acquire()")
+        self._events[self._current] = event
+        self._current = None
+
+
+class Stager:
+    """Gives collation an allocator and moves the collated batch state to ``device``."""
+
+    def __init__(self, device: torch.device | str, *, slots: int = 4) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self._ring = HostRing(slots, pin_memory=True) if self.cuda else None
+        self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+
+    def allocator(self) -> Allocator:
+        """An allocator for one batch's host tensors (a ring slot on CUDA, fresh memory otherwise)."""
+        if self._ring is None:
+            return lambda shape, dtype: torch.empty(shape, dtype=dtype)
+        self._ring.acquire()
+        return self._ring.alloc
+
+    def to_device(self, state: State) -> State:
+        """Copy a host state to the device, ordered before later work on the current stream."""
+        if not self.cuda:
+            return state if self.device.type == "cpu" else _map(state, lambda t: t.to(self.device))
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream):
+            moved = _map(state, lambda t: t.to(self.device, non_blocking=True))
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        compute.wait_stream(self._stream)
+        for t in _tensors(moved):
+            t.record_stream(compute)  # the caching allocator must not reuse it before compute is done
+        self._ring.release(done)
+        return moved
+
+
+def _tensors(state: State) -> tuple[Tensor, ...]:
+    return state if isinstance(state, tuple) else (state,)
+
+
+def _map(state: State, fn: Callable[[Tensor], Tensor]) -> State:
+    return tuple(fn(t) for t in state) if isinstance(state, tuple) else fn(state)

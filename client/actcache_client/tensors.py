@@ -1,0 +1,137 @@
+"""Stage states <-> cache entries: one entry per sample, collated back into batches.
+
+A batch state is a tensor ``(B, ...)`` or a tuple of them. Each sample's
+slice is stored as one entry (actcache.codec). With a ``VarLen`` layout the
+padding of text batches is not stored: only a sample's real tokens are, and
+the attention mask is rebuilt when batches are collated again (right padding
+to the longest sample of the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
+from actcache.errors import InvalidRequest
+
+from actcache_client.stages import State
+
+__all__ = [
+    "VarLen",
+    "collate_entries",
+    "encode_samples",
+    "to_dtype",
+]
+
+_TO_CODEC = {
+    torch.float32: DType.float32,
+    torch.float16: DType.float16,
+    torch.bfloat16: DType.bfloat16,
+    torch.int64: DType.int64,
+    torch.int32: DType.int32,
+    torch.uint8: DType.uint8,
+    torch.bool: DType.bool,
+}
+_TO_TORCH = {v: k for k, v in _TO_CODEC.items()}
+
+
+def to_dtype(dtype: torch.dtype) -> DType:
+    """The codec dtype of a torch dtype; raises InvalidRequest for unsupported ones."""
+    try:
+        return _TO_CODEC[dtype]
+    except KeyError:
+        supported = ", ".join(str(d) for d in _TO_CODEC)
+        raise InvalidRequest(f"cannot cache tensors of dtype {dtype}; supported: {supported}") from None
+
+
+@dataclass(frozen=True)
+class VarLen:
+    """A ``(hidden (B, L, ...), mask (B, L))`` state whose padding is not stored.
+
+    ``mask_index`` is the position of the 0/1 attention mask in the state
+    tuple; padding must be on the right (a sample's mask is ones then zeros).
+    """
+
+    mask_index: int = 1
+    mask_dtype: torch.dtype = torch.int64
+
+
+def _as_tuple(state: State) -> tuple[Tensor, ...]:
+    return state if isinstance(state, tuple) else (state,)
+
+
+def _sample_bytes(t: Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None = None) -> list[bytes]:
+    """Encode each sample of a batch state as one entry (on CPU; a copy is made off-device)."""
+    tensors = [t.detach().to("cpu") for t in _as_tuple(state)]
+    batch = tensors[0].shape[0]
+    if any(t.dim() == 0 or t.shape[0] != batch for t in tensors):
+        raise InvalidRequest(f"every tensor of a state needs the batch dimension {batch}; shapes {[tuple(t.shape) for t in tensors]}")
+    lengths = _lengths(tensors, varlen) if varlen else None
+    out = []
+    for i in range(batch):
+        parts = [t[i] for j, t in enumerate(tensors) if not (varlen and j == varlen.mask_index)]
+        if lengths is not None:
+            parts = [p[: lengths[i]] for p in parts]
+        specs = [TensorSpec(to_dtype(p.dtype), tuple(p.shape)) for p in parts]
+        out.append(encode_entry(specs, [_sample_bytes(p) for p in parts], zstd_level=zstd_level))
+    return out
+
+
+def _lengths(tensors: Sequence[Tensor], varlen: VarLen) -> list[int]:
+    mask = tensors[varlen.mask_index]
+    if mask.dim() != 2:
+        raise InvalidRequest(f"VarLen mask must be (batch, length), got shape {tuple(mask.shape)}")
+    lengths = mask.ne(0).sum(dim=1)
+    positions = torch.arange(mask.shape[1])
+    if not torch.equal(mask.ne(0), positions[None, :] < lengths[:, None]):
+        raise InvalidRequest("VarLen needs right padding: each mask row must be ones followed by zeros")
+    return lengths.tolist()
+
+
+def collate_entries(
+    entries: Sequence[bytes | memoryview],
+    *,
+    varlen: VarLen | None = None,
+    alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None,
+) -> State:
+    """Decode one entry per sample and stack them into a batch state.
+
+    Bytes are copied once, straight into the batch tensors that ``alloc``
+    returns (e.g. a pinned staging slot; default fresh host memory).
+    """
+    alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    decoded = [decode_entry(e) for e in entries]
+    first = decoded[0][0]
+    count = len(first.specs)
+    lengths = [h.specs[0].shape[0] for h, _ in decoded] if varlen else None
+    out: list[Tensor] = []
+    for j in range(count):
+        spec = first.specs[j]
+        inner = spec.shape[1:] if varlen else spec.shape
+        rows = max(lengths) if lengths else None
+        shape = (len(entries), rows, *inner) if varlen else (len(entries), *inner)
+        batch = alloc(shape, _TO_TORCH[spec.dtype])
+        if varlen:
+            batch.zero_()
+        flat = batch.view(len(entries), -1).view(torch.uint8) if batch.numel() else batch.view(torch.uint8)
+        target = flat.numpy().reshape(len(entries), -1)
+        for i, (header, raw) in enumerate(decoded):
+            s = header.specs[j]
+            if s.dtype != spec.dtype or (s.shape[1:] if varlen else s.shape) != inner:
+                raise InvalidRequest(f"sample {i} tensor {j} is {s.dtype.name}{list(s.shape)}, batch expects {spec.dtype.name}{list(spec.shape)}")
+            offset = header.offsets[j]
+            target[i, : s.nbytes] = np.frombuffer(raw, np.uint8, s.nbytes, offset)
+        out.append(batch)
+    if varlen:
+        mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+        out.insert(varlen.mask_index, mask.to(varlen.mask_dtype))
+    return out[0] if len(out) == 1 else tuple(out)

@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from actcache.errors import InvalidRequest
+from actcache_client.tensors import VarLen, collate_entries, encode_samples
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("level", [0, 1])
+def test_batch_round_trip_every_dtype(dtype, level):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 3, 7, generator=g) * 50).to(dtype)
+    entries = encode_samples(x, zstd_level=level)
+    assert len(entries) == 5
+    assert torch.equal(collate_entries(entries), x)
+    assert torch.equal(collate_entries(entries[2:4]), x[2:4])
+
+
+def test_tuple_states_round_trip():
+    state = (torch.randn(4, 6), torch.arange(4, dtype=torch.int64), torch.ones(4, 2, 2, dtype=torch.bool))
+    out = collate_entries(encode_samples(state))
+    assert isinstance(out, tuple) and all(torch.equal(a, b) for a, b in zip(out, state))
+
+
+def test_varlen_stores_only_real_tokens_and_repads():
+    hidden = torch.randn(3, 6, 64)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0]])
+    entries = encode_samples((hidden, mask), varlen=VarLen())
+    dense = encode_samples(hidden)
+    assert sum(map(len, entries)) < sum(map(len, dense)) / 2  # 7 of 18 rows stored
+    h2, m2 = collate_entries(entries, varlen=VarLen())
+    assert h2.shape == (3, 4, 64)  # padded to the longest sample of the batch
+    assert torch.equal(m2, mask[:, :4])
+    assert torch.equal(h2 * m2[..., None], (hidden * mask[..., None])[:, :4])
+    with pytest.raises(InvalidRequest, match="right padding"):
+        encode_samples((hidden, torch.tensor([[0, 1, 1, 0, 0, 0]] * 3)), varlen=VarLen())
+
+
+def test_unsupported_dtype_and_mismatched_batch_are_clear():
+    with pytest.raises(InvalidRequest, match="cannot cache tensors of dtype torch.float64"):
+        encode_samples(torch.zeros(2, 2, dtype=torch.float64))
+    with pytest.raises(InvalidRequest, match="batch dimension"):
+        encode_samples((torch.zeros(2, 2), torch.zeros(3)))
+    a, b = encode_samples(torch.zeros(1, 2))[0], encode_samples(torch.zeros(1, 3))[0]
+    with pytest.raises(InvalidRequest, match="batch expects"):
+        collate_entries([a, b])

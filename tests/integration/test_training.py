@@ -1,0 +1,253 @@
+"""Training real small models with the frozen prefix served by a real daemon process."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import actcache_client as ac
+from actcache.errors import DaemonUnavailable
+from actcache.testing import run_daemon
+from actcache_client.models import resnet20
+from tests.client.tiny_bert import TinyBertForSequenceClassification
+
+N = 96
+
+
+def cnn() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(16 * 8 * 8, 10),
+    )
+
+
+def image_data(n: int = N) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+class TextData(torch.utils.data.Dataset):
+    """Sentences of 3..12 tokens with a label."""
+
+    def __init__(self, n: int = N) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.lengths = torch.randint(3, 12, (n,), generator=g)
+        self.tokens = torch.randint(1, 50, (n, 12), generator=g)
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.tokens[i, : self.lengths[i]], self.labels[i]
+
+
+def pad_collate(items):
+    longest = max(len(t) for t, _ in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.int64)
+    mask = torch.zeros(len(items), longest, dtype=torch.int64)
+    for row, (t, _) in enumerate(items):
+        ids[row, : len(t)] = t
+        mask[row, : len(t)] = 1
+    return (ids, mask), torch.stack([y for _, y in items])
+
+
+def namespace() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def train(make_staged, dataset, *, connection, epochs=3, freeze=((1, 3),), varlen=None, collate=None,
+          augment=None, variants=None, lr=0.05, on_step=None):
+    """Train with a static freeze schedule ((epoch, depth), ...); returns per-step losses and the staged model."""
+    torch.manual_seed(0)
+    staged = make_staged()
+    model = ac.CachedForward(staged, connection, varlen=varlen)
+    loader = ac.CachedLoader(
+        DataLoader(ac.IndexedDataset(dataset, augment=augment), batch_size=16, shuffle=True,
+                   generator=torch.Generator().manual_seed(1), collate_fn=collate),
+        model, variants=variants,
+    )
+    opt = torch.optim.SGD(staged.parameters(), lr=lr)
+    schedule, losses = dict(freeze), []
+    for epoch in range(epochs):
+        if epoch in schedule:
+            model.set_frozen(schedule[epoch])
+        staged.train()
+        for batch in loader:
+            x, y = batch.data
+            loss = nn.functional.cross_entropy(model(batch.ids, x, variant=batch.variant), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if on_step:
+                on_step(len(losses))
+        if connection is not None:
+            connection.flush(timeout_s=30)
+    return losses, staged, model
+
+
+def assert_same_training(a, b, atol=1e-5):
+    (la, sa, _), (lb, sb, _) = a, b
+    assert len(la) == len(lb)
+    assert max(abs(x - y) for x, y in zip(la, lb)) <= atol
+    for (name, p), q in zip(sa.state_dict().items(), sb.state_dict().values()):
+        assert torch.allclose(p.float(), q.float(), atol=atol), name
+
+
+MODELS = {
+    "sequential-cnn": (lambda: ac.from_sequential(cnn(), groups=[3, 3, 2, 2]), image_data, {}),
+    "resnet20": (lambda: ac.from_resnet(resnet20()), lambda: image_data(64), {"freeze": ((1, 5),)}),
+    "tiny-bert": (lambda: ac.from_bert(TinyBertForSequenceClassification(n_layers=3)), TextData,
+                  {"varlen": ac.VarLen(), "collate": pad_collate, "freeze": ((1, 2),)}),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cache_on_and_off_train_identically(daemon, name):
+    make, data, options = MODELS[name]
+    off = train(make, data(), connection=None, **options)
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        on = train(make, data(), connection=conn, **options)
+        assert conn.stats.hits > 0 and conn.stats.puts > 0
+        assert on[2].times.cached_samples == conn.stats.hits
+    assert_same_training(off, on)
+
+
+def test_partial_hits_merge_in_batch_order(daemon):
+    staged = ac.from_sequential(cnn(), groups=[3, 3, 2, 2])
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        model = ac.CachedForward(staged, conn, lookahead=0)
+        model.set_frozen(2)
+        x = image_data(16).tensors[0]
+        ids = torch.arange(100, 116)
+        model.prefix(ids[::2], x[::2])  # caches the even half
+        conn.flush()
+        merged = model.prefix(ids, x)
+        assert model.times.cached_samples == 8 and model.times.computed_samples == 16
+        with torch.no_grad():
+            expected = staged.run(x, 0, 2)
+        assert torch.allclose(merged, expected, atol=1e-6)
+
+
+def test_deeper_freeze_is_seeded_from_shallower_entries(daemon):
+    make, data, _ = MODELS["resnet20"]
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        on = train(make, data(), connection=conn, epochs=3, freeze=((0, 2), (2, 4)))
+        # epoch 0 computes depth 2, epoch 1 hits it, epoch 2 seeds depth 4 from depth 2
+        assert on[2].times.seeded_samples == 64
+        assert on[2].times.computed_samples == 64
+    off = train(make, data(), connection=None, epochs=3, freeze=((0, 2), (2, 4)))
+    assert_same_training(off, on)
+
+
+def test_unfreeze_changes_fingerprint_and_never_serves_stale_entries(daemon):
+    make, data, _ = MODELS["sequential-cnn"]
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        _, _, model = train(make, data(), connection=conn, epochs=2, freeze=((0, 2),))
+        before = model.fingerprint()
+        model.set_frozen(0)
+        with torch.no_grad():
+            next(model.model.stages[0].parameters()).add_(0.1)
+        model.set_frozen(2)
+        assert model.fingerprint() != before
+        hits = conn.stats.hits
+        x = image_data(16).tensors[0]
+        model.prefix(torch.arange(16), x)
+        assert conn.stats.hits == hits  # nothing served for the new weights
+
+
+def test_variants_cache_k_augmentations(daemon):
+    def augment(item, generator):
+        x, y = item
+        if torch.rand((), generator=generator) < 0.5:
+            x = x.flip(-1)
+        return x + 0.1 * torch.randn(x.shape, generator=generator), y
+
+    make, data, _ = MODELS["sequential-cnn"]
+    off = train(make, data(), connection=None, epochs=4, freeze=((0, 2),), augment=augment, variants=2)
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        on = train(make, data(), connection=conn, epochs=4, freeze=((0, 2),), augment=augment, variants=2)
+        assert conn.stats.puts == 2 * N  # two variants per sample, written in epochs 0 and 1
+        assert conn.stats.hits == 2 * N  # epochs 2 and 3 reuse them
+    assert_same_training(off, on)
+
+
+def test_random_augmentation_without_variants_is_not_cached(daemon):
+    make, data, _ = MODELS["sequential-cnn"]
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        with pytest.warns(ac.UncacheableDataWarning, match="no variants=K"):
+            train(make, data(), connection=conn, epochs=2, freeze=((0, 2),), augment=lambda item, g: item)
+        assert conn.stats.puts == 0 and conn.stats.lookups == 0
+
+
+def test_daemon_killed_mid_epoch_training_completes_and_hits_resume(tmp_path):
+    make, data, _ = MODELS["sequential-cnn"]
+    off = train(make, data(), connection=None, epochs=4)
+    with run_daemon(cache_dir=tmp_path / "cache") as daemon:
+        with ac.connect(daemon.socket, namespace="survivor", backoff_s=0.05, timeout_s=2) as conn:
+            hits_after_restart = {}
+
+            def chaos(step):
+                if step == 15:  # mid-epoch 2: entries of epoch 1 were stored
+                    daemon.kill()
+                if step == 20:  # still epoch 2: back up with the same directory
+                    daemon.start()
+                    hits_after_restart["before"] = conn.stats.hits
+
+            with pytest.warns(ac.CacheFallbackWarning, match="unavailable"):
+                on = train(make, data(), connection=conn, epochs=4, on_step=chaos)
+            assert conn.stats.fallbacks["unavailable"] >= 1
+            assert conn.stats.hits > hits_after_restart["before"]  # same fingerprints hit again
+    assert_same_training(off, on)
+
+
+def test_strict_mode_raises_when_the_daemon_is_gone(tmp_path):
+    with run_daemon(cache_dir=tmp_path / "c") as daemon:
+        conn = ac.connect(daemon.socket, namespace="strict", strict=True, timeout_s=2)
+        model = ac.CachedForward(ac.from_sequential(cnn(), groups=[3, 3, 2, 2]), conn, lookahead=0)
+        model.set_frozen(2)
+        x = image_data(4).tensors[0]
+        model.prefix(torch.arange(4), x)
+        daemon.kill()
+        with pytest.raises(DaemonUnavailable):
+            model.prefix(torch.arange(4), x)
+        conn.close()
+
+
+def test_loader_orders_distributed_ranks_workers_and_resume(daemon):
+    dataset = ac.IndexedDataset(image_data(40))
+    seen = []
+    for rank in range(2):
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        loader = ac.CachedLoader(DataLoader(dataset, batch_size=6, sampler=sampler, drop_last=True, num_workers=2,
+                                            persistent_workers=True))
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            ids = [b.ids.tolist() for b in loader]
+            assert all(len(b) == 6 for b in ids) and len(ids) == 3
+            seen.append((rank, epoch, list(itertools.chain(*ids))))
+    for epoch in range(2):
+        r0, r1 = (set(ids) for rank, e, ids in seen if e == epoch)
+        assert not r0 & r1
+    assert seen[0][2] != seen[1][2]  # set_epoch reshuffles
+
+    loader = ac.CachedLoader(DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2))
+    full = []
+    for i, batch in enumerate(loader):
+        full.append(batch.ids.tolist())
+        if i == 1:
+            state = loader.state_dict()
+            break
+    resumed = ac.CachedLoader(DataLoader(dataset, batch_size=8, shuffle=True))
+    resumed.load_state_dict(state)
+    rest = [b.ids.tolist() for b in resumed]
+    assert sorted(itertools.chain(*full, *rest)) == list(range(40))
+    assert len(rest) == 3 and rest[0] == state["order"][2]
