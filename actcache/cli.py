@@ -74,6 +74,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    help="fsync every commit (default off: commits survive a daemon crash; an OS crash may lose the last 5 s)")
     p.add_argument("--max-entry-bytes", type=_size, help="largest entry accepted (default 64MiB)")
     p.add_argument("--workers", type=int, help="RPC threads (default 16)")
+    p.add_argument("--throttle-read-mbps", type=float,
+                   help="cap served bytes at this many MB/s, to reproduce a slow disk (experiments; default off)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
 
 

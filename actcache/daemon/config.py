@@ -94,6 +94,8 @@ class ServerConfig:
     workers: int = 16
     #: Seconds in-flight calls get to finish on SIGTERM.
     grace_s: float = 10.0
+    #: Cap on served bytes/s (in MB/s), to reproduce a slow disk; 0 = off.
+    throttle_read_mbps: float = 0.0
 
     def __post_init__(self) -> None:
         if self.listen and not self.token:
@@ -104,6 +106,8 @@ class ServerConfig:
             raise ConfigError(f"--listen must be HOST:PORT, got {self.listen!r}")
         if self.socket is not None and len(str(self.socket)) > 100:
             raise ConfigError(f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow about 100")
+        if self.throttle_read_mbps < 0:
+            raise ConfigError(f"--throttle-read-mbps must be >= 0, got {self.throttle_read_mbps}")
         if self.workers < 2:
             raise ConfigError(f"workers must be >= 2, got {self.workers}")
 
@@ -171,6 +175,7 @@ class DaemonConfig:
         if socket is None and not listen:
             socket = default_socket_path()
         server = ServerConfig(
-            socket=socket, listen=listen, token=token, **given(workers=pick("workers", int))
+            socket=socket, listen=listen, token=token,
+            **given(workers=pick("workers", int), throttle_read_mbps=pick("throttle_read_mbps", float)),
         )
         return cls(store=store, server=server, log_level=pick("log_level") or "INFO")

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from actcache.daemon.config import DaemonConfig
 from actcache.daemon.service import ActCacheService
 from actcache.daemon.store import Store
+from actcache.daemon.throttle import Throttle
 from actcache.errors import ConfigError
 from actcache.rpc import SERVICE
 
@@ -102,7 +103,8 @@ class Daemon:
     def start(self) -> None:
         cfg = self.config.server
         self.store = Store(self.config.store)
-        service = ActCacheService(self.store, max_message_bytes=cfg.max_message_bytes)
+        throttle = Throttle(cfg.throttle_read_mbps * 1e6) if cfg.throttle_read_mbps else None
+        service = ActCacheService(self.store, max_message_bytes=cfg.max_message_bytes, throttle=throttle)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="actcache-rpc"),
             handlers=[service.handler()],

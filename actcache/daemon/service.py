@@ -19,6 +19,7 @@ import grpc
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
 from actcache.daemon.store import Store
+from actcache.daemon.throttle import Throttle
 from actcache.errors import ActCacheError, EntryCorrupt, InvalidRequest, status_of
 from actcache.rpc import SERVICE, decode_frame, encode_frame, split_payload
 
@@ -95,8 +96,9 @@ def _variants(variants, count: int) -> list[int]:
 class ActCacheService:
     """Handlers of the ActCache service over one Store."""
 
-    def __init__(self, store: Store, *, max_message_bytes: int) -> None:
+    def __init__(self, store: Store, *, max_message_bytes: int, throttle: Throttle | None = None) -> None:
         self.store = store
+        self.throttle = throttle
         self.max_message_bytes = max_message_bytes
         self.counters = Counters()
         self.started = time.monotonic()
@@ -182,6 +184,8 @@ class ActCacheService:
                 lengths=[len(v or b"") for v in chunk],
             )
             self.counters.add(served_bytes_total=size)
+            if self.throttle is not None:
+                self.throttle.consume(size)
             yield encode_frame(header.SerializeToString(), [v for v in chunk if v])
             if stop >= count:
                 break

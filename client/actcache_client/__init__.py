@@ -12,18 +12,21 @@
 from actcache_client.cached_forward import CachedForward, StepTimes
 from actcache_client.connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig, connect
 from actcache_client.loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
+from actcache_client.planner import CachePlanner, PlannerConfig
 from actcache_client.stages import StagedModel, auto_partition, from_bert, from_resnet, from_sequential
 from actcache_client.tensors import VarLen
 
 __all__ = [
     "Batch",
     "CacheFallbackWarning",
+    "CachePlanner",
     "CachedForward",
     "CachedLoader",
     "ClientStats",
     "Connection",
     "ConnectionConfig",
     "IndexedDataset",
+    "PlannerConfig",
     "StagedModel",
     "StepTimes",
     "UncacheableDataWarning",

@@ -1,42 +1,46 @@
 """The training step's forward pass with the frozen prefix served from the cache.
 
-For a batch ``(ids, inputs)`` and frozen depth k:
+For a batch ``(ids, inputs)``, frozen depth k and cache depth j <= k (j = k
+unless a cost-model plan chose a shallower, smaller entry):
 
-1. hits come from the daemon (looked up ahead of need when the loader told
-   us the epoch's order), collated into (pinned) host memory and staged to
-   the device;
-2. misses are seeded from a shallower frozen depth j when its entries exist
-   (stages j..k-1 run on them), else stages[0:k] run on the raw inputs, all
-   under ``no_grad`` in eval mode; what was computed is put asynchronously;
-3. the parts are merged back in batch order and stages[k:] run with grad.
+1. samples in the cached subset (all, unless the plan caches a fraction)
+   are looked up at depth j — ahead of need when the loader told us the
+   epoch's order — collated into (pinned) host memory and staged to the device;
+2. misses are seeded from a shallower frozen depth when its entries exist,
+   else stages[0:j] run on the raw inputs; what was computed is put
+   asynchronously; then stages[j:k] run on all of them;
+3. samples outside the subset run stages[0:k] directly;
+4. the parts are merged back in batch order and stages[k:] run with grad.
 
-With no connection (or when the dataset cannot be cached) the same code
-computes the prefix every step, so a run with and without the cache is the
+Everything before step 4 runs under ``no_grad`` with the frozen stages in
+eval mode. With no connection (or uncacheable data, or a RECOMPUTE plan) the
+prefix is computed every step, so a run with and without the cache is the
 same computation.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from actcache_client.connection import Connection
+from actcache_client.cost_model import Plan, PlanMode, cached_subset
 from actcache_client.fingerprint import prefix_fingerprints
 from actcache_client.lookahead import Lookahead
+from actcache_client.planner import CachePlanner
 from actcache_client.stages import StagedModel, State
 from actcache_client.staging import Stager
 from actcache_client.tensors import VarLen, collate_entries, encode_samples
 
 __all__ = ["CachedForward", "StepTimes"]
 
-
 @dataclass
 class StepTimes:
-    """Seconds spent per part of the forward pass, accumulated."""
+    """Seconds spent per part of the forward pass and samples per source, accumulated."""
 
     fetch_wait: float = 0.0
     prefix: float = 0.0
@@ -45,7 +49,6 @@ class StepTimes:
     computed_samples: int = 0
     seeded_samples: int = 0
     cached_samples: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class CachedForward:
@@ -54,7 +57,8 @@ class CachedForward:
     ``set_frozen(k)`` freezes stages[:k] (``requires_grad=False``, eval mode)
     and computes their fingerprints once; unfreezing restores gradients and
     the model's train/eval mode. Call it instead of the model:
-    ``logits = cached(batch.ids, inputs, variant=batch.variant)``.
+    ``logits = cached(batch.ids, inputs, variant=batch.variant)``. With a
+    ``planner``, a cost model decides whether and where to cache.
     """
 
     def __init__(
@@ -65,12 +69,14 @@ class CachedForward:
         varlen: VarLen | None = None,
         zstd_level: int = 0,
         lookahead: int = 2,
+        planner: CachePlanner | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         self.model = model
         self.connection = connection
         self.varlen = varlen
         self.zstd_level = zstd_level
+        self.planner = planner
         self.enabled = connection is not None
         self.disabled_reason = "" if connection is not None else "no connection"
         self.times = StepTimes()
@@ -78,14 +84,21 @@ class CachedForward:
         self.stager = Stager(device)
         self._frozen = 0
         self._fingerprints: list[bytes] = prefix_fingerprints(list(model.stages), 0)
-        self._seed_depths: list[int] = []  # frozen depths (< k) whose entries may seed depth k
+        self._seed_depths: list[int] = []  # frozen depths whose entries may seed deeper ones
         self._lookahead = Lookahead(connection, lookahead) if connection is not None and lookahead else None
+        self._written: dict[bytes, set[int]] = {}  # fingerprint -> sample ids stored (or found) under it
+        self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
+        self._connection_seen = (0, 0.0, 0, 0.0)
 
-    # ---- freezing --------------------------------------------------------
+    # ---- freezing and planning ---------------------------------------------
 
     @property
     def frozen(self) -> int:
         return self._frozen
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.planner.current if self.planner is not None else None
 
     def fingerprint(self, depth: int | None = None) -> bytes:
         """Fingerprint of stages[:depth] (default: the frozen prefix)."""
@@ -104,17 +117,44 @@ class CachedForward:
         # Depths still frozen with unchanged weights keep their entries as seeds.
         candidates = set(self._seed_depths) | ({old} if old else set())
         self._seed_depths = sorted(
-            (d for d in candidates if 0 < d < depth and d < len(old_fps) and old_fps[d] == self._fingerprints[d]),
+            (d for d in candidates if 0 < d <= depth and d < len(old_fps) and old_fps[d] == self._fingerprints[d]),
             reverse=True,
         )
         self._frozen = depth
+        if self.planner is not None:
+            for d in range(1, depth + 1):
+                self.planner.set_written(d, len(self._written.get(self._fingerprints[d], ())))
+            if depth:
+                self.planner.plan_for(depth)
+        self._retarget()
+
+    def _cache_target(self) -> tuple[int, float] | None:
+        """(cache depth j, cached fraction), or None when nothing is looked up or stored."""
+        k = self._frozen
+        if k == 0 or not self.enabled:
+            return None
+        if self.planner is None:
+            return k, 1.0
+        current = self.planner.current
+        if current is None or current.mode is PlanMode.RECOMPUTE:
+            return None
+        return current.cache_depth, current.cached_fraction
+
+    def _retarget(self) -> None:
         if self._lookahead is not None:
-            self._lookahead.retarget(self._fingerprints[depth], depth)
+            target = self._cache_target()
+            if target is None:
+                self._lookahead.retarget(b"", 0)
+            else:
+                self._lookahead.retarget(self._fingerprints[target[0]], target[0], target[1])
 
-    # ---- epoch order -----------------------------------------------------
-
-    def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0) -> None:
+    def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0) -> None:
         """Called by CachedLoader with this rank's batches for the epoch, so lookups run ahead."""
+        if self.planner is not None and batches:
+            self.planner.begin_epoch(epoch, sum(len(b) for b in batches), len(batches[0]))
+            if self._frozen:
+                self.planner.plan_for(self._frozen)
+                self._retarget()
         if self._lookahead is not None:
             self._lookahead.begin_epoch(batches, variant, start)
 
@@ -122,8 +162,9 @@ class CachedForward:
         """Stop using the cache (recompute every step), e.g. for uncacheable data."""
         self.enabled = False
         self.disabled_reason = reason
+        self._retarget()
 
-    # ---- the step --------------------------------------------------------
+    # ---- the step ----------------------------------------------------------
 
     def __call__(self, ids: Tensor | Sequence[int], inputs: State, *, variant: int = 0) -> State:
         """Full forward pass: the frozen prefix (cached or computed) then the active suffix with grad."""
@@ -136,44 +177,74 @@ class CachedForward:
 
     def prefix(self, ids: Tensor | Sequence[int], inputs: State, *, variant: int = 0) -> State:
         """The state after the frozen stages for this batch (no grad)."""
+        start = time.perf_counter()
+        id_list = ids.tolist() if isinstance(ids, Tensor) else list(ids)
+        if self.planner is not None and self._prefix_done is not None:
+            self.planner.record_suffix(start - self._prefix_done, len(id_list))
+        state = self._prefix(id_list, inputs, variant)
+        self._prefix_done = time.perf_counter()
+        if self.planner is not None:
+            self._observe_connection()
+            if self._frozen and self.planner.needs_replan(self._frozen):
+                self.planner.plan_for(self._frozen)
+                self._retarget()
+        return state
+
+    def _prefix(self, id_list: list[int], inputs: State, variant: int) -> State:
         k = self._frozen
         if k == 0:
             return inputs
-        id_list = ids.tolist() if isinstance(ids, Tensor) else list(ids)
         for stage in self.model.stages[:k]:
             stage.train(False)  # a user's model.train() must not put frozen stages back in train mode
-        if not self.enabled:
+        target = self._cache_target()
+        if target is None:
             return self._compute(inputs, 0, k)
         self.connection.surface()
-        t0 = time.perf_counter()
-        values = self._lookup(self._fingerprints[k], k, id_list, variant)
-        self.times.fetch_wait += time.perf_counter() - t0
-        hit_rows = [i for i, v in enumerate(values) if v is not None]
+        j, fraction = target
+        rows = list(range(len(id_list))) if fraction >= 1.0 else [
+            i for i, s in enumerate(id_list) if cached_subset(s, fraction)]
         parts: list[tuple[list[int], State]] = []
-        if hit_rows:
-            parts.append((hit_rows, self._collate([values[i] for i in hit_rows])))
-            self.times.cached_samples += len(hit_rows)
-        missing = [i for i, v in enumerate(values) if v is None]
-        for depth in self._seed_depths:
-            if not missing:
-                break
-            found = self._lookup(self._fingerprints[depth], depth, [id_list[i] for i in missing], variant, ahead=False)
-            rows = [i for i, v in zip(missing, found) if v is not None]
-            if rows:
-                seeded = self._compute(self._collate([v for v in found if v is not None]), depth, k)
-                self._store(k, [id_list[i] for i in rows], variant, seeded)
-                parts.append((rows, seeded))
-                self.times.seeded_samples += len(rows)
-                missing = [i for i in missing if i not in set(rows)]
-        if missing:
-            raw = inputs if len(missing) == len(id_list) else _select(inputs, missing)
-            computed = self._compute(raw, 0, k)
-            self._store(k, [id_list[i] for i in missing], variant, computed)
-            parts.append((missing, computed))
-            self.times.computed_samples += len(missing)
+        if rows:
+            at_j = self._state_at(j, [id_list[i] for i in rows], rows, inputs, variant)
+            parts.append((rows, self._compute(at_j, j, k) if j < k else at_j))
+        direct = [i for i in range(len(id_list)) if i not in set(rows)] if len(rows) < len(id_list) else []
+        if direct:
+            parts.append((direct, self._compute(_select(inputs, direct), 0, k)))
+            self.times.computed_samples += len(direct)
         return parts[0][1] if len(parts) == 1 else _merge(len(id_list), parts, self.varlen)
 
-    # ---- helpers ---------------------------------------------------------
+    def _state_at(self, j: int, ids: list[int], rows: list[int], inputs: State, variant: int) -> State:
+        """States at depth j of the batch rows ``rows`` (sample ids ``ids``): hits, seeded, computed."""
+        t0 = time.perf_counter()
+        values = self._lookup(self._fingerprints[j], j, ids, variant)
+        self.times.fetch_wait += time.perf_counter() - t0
+        found = [i for i, v in enumerate(values) if v is not None]
+        parts: list[tuple[list[int], State]] = []
+        if found:
+            parts.append((found, self._collate([values[i] for i in found])))
+            self.times.cached_samples += len(found)
+            self._mark_written(j, [ids[i] for i in found])
+        missing = [i for i, v in enumerate(values) if v is None]
+        for depth in (d for d in self._seed_depths if d < j):
+            if not missing:
+                break
+            seeds = self._lookup(self._fingerprints[depth], depth, [ids[i] for i in missing], variant, ahead=False)
+            hit = [i for i, v in zip(missing, seeds) if v is not None]
+            if hit:
+                seeded = self._compute(self._collate([v for v in seeds if v is not None]), depth, j)
+                self._store(j, [ids[i] for i in hit], variant, seeded)
+                parts.append((hit, seeded))
+                self.times.seeded_samples += len(hit)
+                missing = [i for i in missing if i not in set(hit)]
+        if missing:
+            raw = inputs if len(missing) == len(rows) == len(_first(inputs)) else _select(inputs, [rows[i] for i in missing])
+            computed = self._compute(raw, 0, j)
+            self._store(j, [ids[i] for i in missing], variant, computed)
+            parts.append((missing, computed))
+            self.times.computed_samples += len(missing)
+        return parts[0][1] if len(parts) == 1 else _merge(len(ids), parts, self.varlen)
+
+    # ---- helpers -----------------------------------------------------------
 
     def _lookup(self, fingerprint: bytes, depth: int, ids: list[int], variant: int, *, ahead: bool = True) -> list:
         assert self.connection is not None
@@ -185,24 +256,58 @@ class CachedForward:
         return values if values is not None else [None] * len(ids)
 
     def _collate(self, entries: list) -> State:
+        t0 = time.perf_counter()
         host = collate_entries(entries, varlen=self.varlen, alloc=self.stager.allocator())
+        if self.planner is not None:
+            self.planner.record_decode(sum(len(e) for e in entries), time.perf_counter() - t0)
         return self.stager.to_device(host)
 
     def _compute(self, state: State, start: int, stop: int) -> State:
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = self.model.run(state, start, stop)
+            for index in range(start, stop):
+                t = time.perf_counter()
+                state = self.model.stages[index](state)
+                if self.planner is not None:
+                    tensors = state if isinstance(state, tuple) else (state,)
+                    batch = max(len(tensors[0]), 1)
+                    nbytes = sum(x.element_size() * x.numel() for x in tensors) / batch
+                    self.planner.record_stage(index, time.perf_counter() - t, batch, nbytes)
         self.times.prefix += time.perf_counter() - t0
-        return out
+        return state
+
+    def _mark_written(self, depth: int, ids: list[int]) -> None:
+        written = self._written.setdefault(self._fingerprints[depth], set())
+        written.update(ids)
+        if self.planner is not None:
+            self.planner.set_written(depth, len(written))
 
     def _store(self, depth: int, ids: list[int], variant: int, state: State) -> None:
         # A private copy: the suffix may modify its input in place (e.g. ReLU(inplace=True)).
         snapshot = tuple(t.detach().clone() for t in state) if isinstance(state, tuple) else state.detach().clone()
         varlen, level = self.varlen, self.zstd_level
+        self._mark_written(depth, ids)
         self.connection.store(
             self._fingerprints[depth], depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, zstd_level=level, varlen=varlen),
         )
+
+    def _observe_connection(self) -> None:
+        """Feed the planner the fetch and write throughput the connection measured since last time."""
+        if self.connection is None:
+            return
+        s = self.connection.stats
+        read, fetch_s, written, write_s = s.bytes_read, s.fetch_seconds, s.bytes_written, s.write_seconds
+        r0, f0, w0, ws0 = self._connection_seen
+        if fetch_s > f0:
+            self.planner.record_fetch(read - r0, fetch_s - f0)
+        if write_s > ws0:
+            self.planner.record_write(written - w0, write_s - ws0)
+        self._connection_seen = (read, fetch_s, written, write_s)
+
+
+def _first(state: State) -> Tensor:
+    return state[0] if isinstance(state, tuple) else state
 
 
 def _select(state: State, rows: list[int]) -> State:

@@ -72,8 +72,10 @@ class ClientStats:
     hits: int = 0
     misses: int = 0
     bytes_read: int = 0
+    fetch_seconds: float = 0.0
     puts: int = 0
     bytes_written: int = 0
+    write_seconds: float = 0.0
     puts_dropped: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
@@ -133,6 +135,7 @@ class Connection:
         self.surface()
         if self._paused():
             return None
+        t0 = time.perf_counter()
         try:
             ns = self._namespace()
             values = self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None)
@@ -141,6 +144,7 @@ class Connection:
             return None
         hits = sum(v is not None for v in values)
         with self._lock:
+            self.stats.fetch_seconds += time.perf_counter() - t0
             self.stats.lookups += 1
             self.stats.hits += hits
             self.stats.misses += len(values) - hits
@@ -190,6 +194,7 @@ class Connection:
             return
         try:
             entries = put.encode()
+            t0 = time.perf_counter()
             reply = self._rpc.put(self._namespace(), put.fingerprint, put.depth, list(zip(put.ids, put.variants, entries)))
         except ActCacheError as exc:
             self._count_dropped()
@@ -200,6 +205,7 @@ class Connection:
                 self._fallback(exc)
             return
         with self._lock:
+            self.stats.write_seconds += time.perf_counter() - t0
             self.stats.puts += reply.entries
             self.stats.bytes_written += sum(len(e) for e in entries)
 

@@ -22,6 +22,9 @@ same in every plan and left out. Entries written in epoch e are first read in ep
 the write epoch runs the full prefix anyway (capturing depth j on the way), gains nothing
 and pays ``write``, so the benefit is (R - 1)·(baseline - steady); R <= 1 never caches.
 
+Entries already written (``written_fraction[j]`` of the samples at depth j) cost nothing
+more: a plan within them has no write epoch (amortized = steady), even in the last epoch.
+
 Partial caching (AutoFreeze's I < D): c <= c_budget = budget / (num_samples·e_j), members
 chosen by :func:`cached_subset`. amortized is convex piecewise linear in c, so its minimum
 is at c_budget or at the balance point c* where transfer = device (caching more only makes
@@ -82,8 +85,13 @@ class Measurements:
     remaining_epochs: float
     budget_bytes: float
     decode_bytes_per_s: float
+    #: Share of samples already stored at each depth (index as entry_bytes_per_sample); missing = 0.
+    written_fraction: Sequence[float] = ()
 
     def __post_init__(self) -> None:
+        if any(not 0.0 <= _number("written_fraction", w) <= 1.0 for w in self.written_fraction):
+            raise ValueError(f"written_fraction values must be in [0, 1], got {self.written_fraction!r}")
+        object.__setattr__(self, "written_fraction", tuple(float(w) for w in self.written_fraction))
         for name in ("stage_forward_s_per_sample", "entry_bytes_per_sample"):
             seq = getattr(self, name)
             if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
@@ -134,8 +142,12 @@ def _evaluate(j: int, c: float, k: int, pre: list[float], m: Measurements) -> di
     transfer = c * e * (1.0 / m.fetch_bytes_per_s + inv_h2d) + m.fetch_latency_s / m.batch_size
     decode = c * e / m.decode_bytes_per_s
     steady = max(transfer, device) + decode
-    write = c * e * (1.0 / m.write_bytes_per_s + inv_h2d)
-    amortized = (baseline + write + (m.remaining_epochs - 1.0) * steady) / m.remaining_epochs
+    written = m.written_fraction[j] if j < len(m.written_fraction) else 0.0
+    if c <= written:  # already stored: no write epoch, every remaining epoch reads
+        write, amortized = 0.0, steady
+    else:
+        write = (c - written) * e * (1.0 / m.write_bytes_per_s + inv_h2d)
+        amortized = (baseline + write + (m.remaining_epochs - 1.0) * steady) / m.remaining_epochs
     # c* solves transfer(c) = device(c): both are linear in c.
     slope = e * (1.0 / m.fetch_bytes_per_s + inv_h2d) + pre[j]
     balance = (baseline - m.fetch_latency_s / m.batch_size) / slope if slope > 0 else math.inf
@@ -166,15 +178,16 @@ def plan(frozen_depth: int, m: Measurements, *, min_gain: float = 0.02) -> Plan:
 
     if k == 0:
         return recompute("nothing is frozen (frozen depth 0): there is no prefix to cache", base)
-    if r <= 1.0:
+    if r <= 1.0 and not any(m.written_fraction[1 : k + 1]):
         return recompute(f"recompute stages 0..{k - 1} ({_ms(baseline * b)} per step): {r:g} epoch(s) remain and "
                          "entries written now are first read next epoch, so caching cannot pay", base)
     best: dict[str, float] | None = None
     for j in range(k, 0, -1):
         need = m.num_samples * m.entry_bytes_per_sample[j]
         c_budget = 1.0 if need <= m.budget_bytes else m.budget_bytes / need
-        for c in (c_budget, _evaluate(j, 0.0, k, pre, m)["balance_fraction"]):
-            if 0.0 < c <= c_budget:
+        written = m.written_fraction[j] if j < len(m.written_fraction) else 0.0
+        for c in (c_budget, _evaluate(j, 0.0, k, pre, m)["balance_fraction"], written):
+            if 0.0 < c <= c_budget and (r > 1.0 or c <= written):
                 cand = {**_evaluate(j, c, k, pre, m), "budget_fraction": c_budget}
                 if best is None or cand["amortized_s_per_sample"] < best["amortized_s_per_sample"]:
                     best = cand
@@ -225,8 +238,8 @@ def cached_subset(sample_id: int, fraction: float, salt: int = 0) -> bool:
 def should_replan(old: Measurements, new: Measurements, drift: float = 0.25) -> bool:
     """True if any measured number moved by more than ``drift`` relative to ``old``.
 
-    Compared: every field except ``remaining_epochs`` (it changes every epoch by design;
-    replan at epoch boundaries for it); sequences element-wise (a length change counts);
+    Compared: every field except ``remaining_epochs`` and ``written_fraction`` (they change
+    by design; replan at epoch boundaries for them); sequences element-wise (a length change counts);
     a None/number change of ``h2d_bytes_per_s`` counts; an old value of 0 drifts on any change.
     """
     drift = _number("drift", drift)
@@ -242,7 +255,7 @@ def should_replan(old: Measurements, new: Measurements, drift: float = 0.25) -> 
         out: list[float | None] = []
         for f in fields(Measurements):
             value = getattr(m, f.name)
-            if f.name != "remaining_epochs":
+            if f.name not in ("remaining_epochs", "written_fraction"):
                 out.extend(value if isinstance(value, tuple) else [value])
         return out
 

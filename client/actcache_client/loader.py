@@ -192,7 +192,7 @@ class CachedLoader:
         start, variant = self._position, self.variant
         if self.model is not None and self.cacheable:
             ids = [[dataset.sample_id(i) for i in batch] for batch in self._order]
-            self.model.begin_epoch(ids, variant, start)
+            self.model.begin_epoch(ids, variant, start, epoch=self.epoch)
         self._replay.batches = [[(i, variant) for i in batch] for batch in self._order[start:]]
         for position, (ids, data) in enumerate(self._inner, start=start):
             self._position = position + 1

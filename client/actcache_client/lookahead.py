@@ -15,6 +15,7 @@ import threading
 from typing import Sequence
 
 from actcache_client.connection import Connection
+from actcache_client.cost_model import cached_subset
 
 __all__ = ["Lookahead"]
 
@@ -31,6 +32,7 @@ class Lookahead:
         self._batches: list[tuple[int, ...]] = []
         self._variant = 0
         self._target: tuple[bytes, int] | None = None
+        self._fraction = 1.0
         self._generation = 0
         self._taken = 0  # next position the step will take
         self._fetched = 0  # next position the thread will fetch
@@ -39,9 +41,11 @@ class Lookahead:
         self._thread = threading.Thread(target=self._run, name="actcache-lookahead", daemon=True)
         self._thread.start()
 
-    def retarget(self, fingerprint: bytes, depth: int) -> None:
+    def retarget(self, fingerprint: bytes, depth: int, fraction: float = 1.0) -> None:
+        """Look up entries at (fingerprint, depth) from now on (depth 0: nothing), for the cached subset."""
         with self._cond:
             self._target = (fingerprint, depth) if depth > 0 else None
+            self._fraction = fraction
             self._reset(self._taken)
 
     def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0) -> None:
@@ -65,7 +69,7 @@ class Lookahead:
                 self._target == (fingerprint, depth)
                 and variant == self._variant
                 and position < len(self._batches)
-                and self._batches[position] == key
+                and self._subset(self._batches[position]) == key
             )
             if not expected:
                 return None
@@ -77,6 +81,11 @@ class Lookahead:
         if isinstance(values, Exception):
             raise values
         return values
+
+    def _subset(self, batch: tuple[int, ...]) -> tuple[int, ...]:
+        if self._fraction >= 1.0:
+            return batch
+        return tuple(s for s in batch if cached_subset(s, self._fraction))
 
     def close(self) -> None:
         with self._cond:
@@ -98,7 +107,7 @@ class Lookahead:
                 if self._closed:
                     return
                 position, generation = self._fetched, self._generation
-                ids, variant, (fingerprint, depth) = self._batches[position], self._variant, self._target
+                ids, variant, (fingerprint, depth) = self._subset(self._batches[position]), self._variant, self._target
                 self._fetched += 1
             try:
                 values = self._connection.lookup(fingerprint, depth, list(ids), [variant] * len(ids))

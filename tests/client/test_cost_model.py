@@ -317,3 +317,18 @@ def test_module_imports_without_torch() -> None:
             f"assert 'torch' not in sys.modules and 'numpy' not in sys.modules\n")
     assert importlib.util.find_spec("actcache_client.cost_model") is not None
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_entries_already_written_are_read_even_in_the_last_epoch():
+    # 1 epoch remains: nothing new is written, but a filled cache at depth 2 still pays.
+    m = Measurements(
+        stage_forward_s_per_sample=[1e-3, 1e-3], entry_bytes_per_sample=[0.0, 32e3, 32e3],
+        fetch_bytes_per_s=1e9, fetch_latency_s=1e-3, write_bytes_per_s=5e8, h2d_bytes_per_s=None,
+        suffix_step_s_per_sample=1e-3, batch_size=16, num_samples=1000, remaining_epochs=1.0,
+        budget_bytes=math.inf, decode_bytes_per_s=2e9,
+    )
+    assert plan(2, m).mode is PlanMode.RECOMPUTE
+    filled = plan(2, dataclasses.replace(m, written_fraction=[0.0, 0.0, 1.0]))
+    assert filled.mode is PlanMode.CACHE and filled.cache_depth == 2 and filled.write_epoch_extra_s == 0.0
+    half = plan(2, dataclasses.replace(m, written_fraction=[0.0, 0.0, 0.5]))
+    assert half.mode is PlanMode.CACHE and half.cached_fraction == 0.5

@@ -251,3 +251,76 @@ def test_loader_orders_distributed_ranks_workers_and_resume(daemon):
     rest = [b.ids.tolist() for b in resumed]
     assert sorted(itertools.chain(*full, *rest)) == list(range(40))
     assert len(rest) == 3 and rest[0] == state["order"][2]
+
+
+@pytest.mark.parametrize("throttle_mbps, expected", [(None, "cache"), (0.2, "recompute")])
+def test_cost_model_follows_the_daemon_speed(throttle_mbps, expected, tmp_path):
+    """ResNet-20 with 9 of 11 stages frozen: a heavy prefix and 16 KiB entries. At full speed caching
+    wins by far; at 0.2 MB/s a fetch costs ~80 ms per sample, and even the best partial plan gains
+    less than the 10% this run asks for, so the planner recomputes."""
+    args = ["--throttle-read-mbps", str(throttle_mbps)] if throttle_mbps else []
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g))
+    with run_daemon(*args, cache_dir=tmp_path / "c") as daemon, ac.connect(daemon.socket, namespace="plan") as conn:
+        planner = ac.CachePlanner(ac.PlannerConfig(total_epochs=20, min_gain=0.1))
+        plans = []
+        planner.listeners.append(lambda k, plan: plans.append(plan))
+        model = ac.CachedForward(ac.from_resnet(resnet20()), conn, planner=planner)
+        loader = ac.CachedLoader(DataLoader(ac.IndexedDataset(data), batch_size=8, shuffle=True), model)
+        model.set_frozen(9)
+        for _ in range(3):  # write epoch, a read epoch (measures the fetch speed), then re-plan
+            for batch in loader:
+                x, y = batch.data
+                nn.functional.cross_entropy(model(batch.ids, x), y).backward()
+            conn.flush(timeout_s=30)
+        assert plans and plans[-1].mode.value == expected, plans[-1].reason
+        if expected == "cache":
+            assert conn.stats.hits > 0
+
+
+class FixedPlanner(ac.CachePlanner):
+    """A planner that always answers one plan, to test how CachedForward applies plans."""
+
+    def __init__(self, fixed):
+        super().__init__()
+        self.fixed = fixed
+
+    def needs_replan(self, k):
+        return self.current is None
+
+    def plan_for(self, k):
+        self.current = self.fixed
+        return self.fixed
+
+
+def test_plan_with_shallower_depth_and_a_subset_is_applied(daemon):
+    from actcache_client.cost_model import Plan, PlanMode, cached_subset
+
+    plan = Plan(mode=PlanMode.CACHE, cache_depth=2, recompute_stages=(2, 4), cached_fraction=0.5,
+                expected_step_s=0.0, baseline_step_s=0.0, write_epoch_extra_s=0.0, reason="test")
+    make, data, _ = MODELS["resnet20"]
+    off = train(make, data(), connection=None, epochs=3, freeze=((0, 4),))
+    subset = sum(cached_subset(i, 0.5) for i in range(64))
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        torch.manual_seed(0)
+        staged = make()
+        model = ac.CachedForward(staged, conn, planner=FixedPlanner(plan))
+        loader = ac.CachedLoader(DataLoader(ac.IndexedDataset(data()), batch_size=16, shuffle=True,
+                                            generator=torch.Generator().manual_seed(1)), model)
+        opt = torch.optim.SGD(staged.parameters(), lr=0.05)
+        losses = []
+        model.set_frozen(4)
+        for _ in range(3):
+            for batch in loader:
+                x, y = batch.data
+                loss = nn.functional.cross_entropy(model(batch.ids, x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            conn.flush(timeout_s=30)
+        assert conn.stats.puts == subset  # only the subset, only once, at depth 2
+        assert conn.stats.hits == 2 * subset
+        groups = [(g.depth, g.entries) for g in conn.rpc().stats().groups if g.namespace == conn.config.namespace]
+        assert groups == [(2, subset)]
+    assert_same_training(off, (losses, staged, model))

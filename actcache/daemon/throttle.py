@@ -1,0 +1,37 @@
+"""A read throttle for experiments: caps the bytes/s the daemon serves (``--throttle-read-mbps``).
+
+It reproduces a slow disk on any machine, so that the client's cost model
+can be exercised: callers reserve bytes and sleep until the bucket allows
+them. Reservations are first come, first served across threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+__all__ = ["Throttle"]
+
+
+class Throttle:
+    """Token bucket of ``rate`` bytes/s with a burst of ``burst_s`` seconds of traffic."""
+
+    def __init__(self, bytes_per_s: float, *, burst_s: float = 0.05) -> None:
+        if bytes_per_s <= 0:
+            raise ValueError(f"throttle rate must be > 0 bytes/s, got {bytes_per_s}")
+        self.rate = float(bytes_per_s)
+        self._burst = self.rate * burst_s
+        self._lock = threading.Lock()
+        self._ready_at = time.monotonic()  # when the bucket has paid for all reservations so far
+
+    def consume(self, nbytes: int) -> float:
+        """Block until ``nbytes`` may be sent; returns the seconds waited."""
+        with self._lock:
+            now = time.monotonic()
+            start = max(self._ready_at, now - self._burst / self.rate)
+            self._ready_at = start + nbytes / self.rate
+            wait = self._ready_at - now - self._burst / self.rate
+        if wait > 0:
+            time.sleep(wait)  # rate limiting: the wait is the point
+            return wait
+        return 0.0

@@ -1,0 +1,173 @@
+"""Online measurements for the cost model, and the plan CachedForward follows.
+
+CachedForward reports what it observes — each stage's forward time per
+sample and output bytes per sample, fetch and write throughput, decode
+throughput, the step period — and the planner keeps a moving median of the
+last ``window`` readings of each. ``plan_for(k)`` turns them into
+``cost_model.Measurements`` and asks ``cost_model.plan``; CachedForward asks
+again on every freeze change, at every epoch start, and whenever a measured
+number drifted by more than ``replan_drift`` since the last plan. Every
+decision is logged with its numbers and passed to ``on_plan`` listeners
+(e.g. the freeze controller's timeline).
+
+Until a throughput has been measured, the planner uses the configured
+priors; a wrong prior is corrected by the first re-plan after measuring.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from actcache.errors import ConfigError
+from actcache_client.cost_model import Measurements, Plan, plan, should_replan
+
+__all__ = ["CachePlanner", "PlannerConfig"]
+
+log = logging.getLogger("actcache_client.planner")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """Knobs of the online cost model."""
+
+    #: Epochs of the whole run; None: assume ``assume_remaining_epochs`` remain.
+    total_epochs: float | None = None
+    assume_remaining_epochs: float = 10.0
+    #: Storage available to this job (bytes); the daemon's budgets also apply.
+    budget_bytes: float = math.inf
+    #: Re-plan when any measurement moved by more than this fraction.
+    replan_drift: float = 0.25
+    min_gain: float = 0.02
+    #: Readings kept per measurement for the moving median.
+    window: int = 20
+    prior_fetch_bytes_per_s: float = 1e9
+    prior_fetch_latency_s: float = 1e-3
+    prior_write_bytes_per_s: float = 5e8
+    prior_decode_bytes_per_s: float = 2e9
+
+    def __post_init__(self) -> None:
+        if self.total_epochs is not None and self.total_epochs <= 0:
+            raise ConfigError(f"total_epochs must be > 0, got {self.total_epochs}")
+        if self.window < 1:
+            raise ConfigError(f"window must be >= 1, got {self.window}")
+        for name in ("prior_fetch_bytes_per_s", "prior_write_bytes_per_s", "prior_decode_bytes_per_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class _Median:
+    def __init__(self, window: int) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+
+    def add(self, value: float) -> None:
+        if math.isfinite(value) and value >= 0:
+            self.values.append(value)
+
+    def get(self, default: float | None = None) -> float | None:
+        return statistics.median(self.values) if self.values else default
+
+
+class CachePlanner:
+    """Moving medians of what CachedForward observes, and the current Plan."""
+
+    def __init__(self, config: PlannerConfig | None = None) -> None:
+        self.config = config or PlannerConfig()
+        w = self.config.window
+        self._stage_s: dict[int, _Median] = {}
+        self._stage_bytes: dict[int, _Median] = {}  # output bytes per sample of stage d-1, i.e. at depth d
+        self._fetch_rate, self._fetch_latency = _Median(w), _Median(w)
+        self._write_rate, self._decode_rate = _Median(w), _Median(w)
+        self._suffix_s = _Median(w)
+        self.batch_size = 1
+        self.num_samples = 1
+        self.epoch = 0
+        self._written: dict[int, int] = {}  # depth -> samples known to be stored for the current weights
+        self.current: Plan | None = None
+        self._basis: Measurements | None = None
+        self.listeners: list[Callable[[int, Plan], None]] = []
+
+    # ---- observations ----------------------------------------------------
+
+    def record_stage(self, stage: int, seconds: float, samples: int, out_bytes_per_sample: float) -> None:
+        self._stage_s.setdefault(stage, _Median(self.config.window)).add(seconds / max(samples, 1))
+        self._stage_bytes.setdefault(stage + 1, _Median(self.config.window)).add(out_bytes_per_sample)
+
+    def record_fetch(self, nbytes: int, seconds: float) -> None:
+        """A lookup that returned ``nbytes``: with bytes, an effective rate (latency included);
+        without (all misses), a latency reading."""
+        if seconds > 0 and nbytes > 0:
+            self._fetch_rate.add(nbytes / seconds)
+        elif nbytes == 0:
+            self._fetch_latency.add(seconds)
+
+    def record_write(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0 and nbytes > 0:
+            self._write_rate.add(nbytes / seconds)
+
+    def record_decode(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0 and nbytes > 0:
+            self._decode_rate.add(nbytes / seconds)
+
+    def record_suffix(self, seconds: float, samples: int) -> None:
+        """Time of the rest of the step (suffix forward, backward, optimizer) for ``samples``."""
+        self._suffix_s.add(seconds / max(samples, 1))
+
+    def set_written(self, depth: int, samples: int) -> None:
+        """``samples`` distinct samples are stored at ``depth`` for the current frozen weights."""
+        self._written[depth] = samples
+
+    def begin_epoch(self, epoch: int, num_samples: int, batch_size: int) -> None:
+        self.epoch, self.num_samples, self.batch_size = epoch, max(num_samples, 1), max(batch_size, 1)
+
+    # ---- planning --------------------------------------------------------
+
+    def measurements(self, k: int) -> Measurements | None:
+        """Current measurements for frozen depth k, or None until every stage of the prefix was timed."""
+        if k == 0 or any(d not in self._stage_s or self._stage_s[d].get() is None for d in range(k)):
+            return None
+        c = self.config
+        remaining = c.assume_remaining_epochs if c.total_epochs is None else max(c.total_epochs - self.epoch, 0.0)
+        return Measurements(
+            stage_forward_s_per_sample=[self._stage_s[d].get() for d in range(k)],
+            entry_bytes_per_sample=[0.0] + [self._stage_bytes[d].get(0.0) for d in range(1, k + 1)],
+            fetch_bytes_per_s=self._fetch_rate.get(c.prior_fetch_bytes_per_s),
+            # A measured rate already includes the per-call latency; until then use miss-only calls.
+            fetch_latency_s=0.0 if self._fetch_rate.get() else self._fetch_latency.get(c.prior_fetch_latency_s),
+            write_bytes_per_s=self._write_rate.get(c.prior_write_bytes_per_s),
+            h2d_bytes_per_s=None,
+            suffix_step_s_per_sample=self._suffix_s.get(0.0),
+            batch_size=self.batch_size,
+            num_samples=self.num_samples,
+            remaining_epochs=remaining,
+            budget_bytes=c.budget_bytes,
+            decode_bytes_per_s=self._decode_rate.get(c.prior_decode_bytes_per_s),
+            written_fraction=[min(self._written.get(d, 0) / self.num_samples, 1.0) for d in range(k + 1)],
+        )
+
+    def needs_replan(self, k: int) -> bool:
+        now = self.measurements(k)
+        if now is None:
+            return False
+        if self._basis is None or self.current is None:
+            return True
+        return should_replan(self._basis, now, self.config.replan_drift)
+
+    def plan_for(self, k: int) -> Plan | None:
+        """Plan for frozen depth k (None until the prefix was measured); logged and sent to listeners."""
+        m = self.measurements(k)
+        if m is None:
+            return None
+        new = plan(k, m, min_gain=self.config.min_gain)
+        changed = self.current is None or (new.mode, new.cache_depth, round(new.cached_fraction, 3)) != (
+            self.current.mode, self.current.cache_depth, round(self.current.cached_fraction, 3))
+        self.current, self._basis = new, m
+        if changed:
+            log.info("actcache plan for frozen depth %d: %s", k, new.reason)
+        for listener in self.listeners:
+            listener(k, new)
+        return new

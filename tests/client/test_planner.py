@@ -1,0 +1,58 @@
+import math
+
+import pytest
+
+from actcache.errors import ConfigError
+from actcache_client.cost_model import PlanMode
+from actcache_client.planner import CachePlanner, PlannerConfig
+
+
+def measured(planner: CachePlanner, k: int, stage_s: float = 1e-3, entry: float = 32e3) -> None:
+    for _ in range(5):
+        for stage in range(k):
+            planner.record_stage(stage, stage_s * 16, 16, entry)
+        planner.record_suffix(0.02, 16)
+
+
+def test_no_plan_until_every_prefix_stage_was_timed():
+    planner = CachePlanner(PlannerConfig(total_epochs=10))
+    planner.record_stage(0, 0.01, 16, 1000)
+    assert planner.measurements(2) is None and planner.plan_for(2) is None
+    planner.record_stage(1, 0.01, 16, 1000)
+    assert planner.measurements(2).stage_forward_s_per_sample == (0.01 / 16, 0.01 / 16)
+
+
+def test_plans_follow_measured_fetch_throughput_and_drift_triggers_replan():
+    planner = CachePlanner(PlannerConfig(total_epochs=10))
+    seen = []
+    planner.listeners.append(lambda k, plan: seen.append(plan.mode))
+    planner.begin_epoch(0, 1024, 16)
+    measured(planner, 3)
+    assert planner.plan_for(3).mode is PlanMode.CACHE  # the 1 GB/s prior makes 32 kB entries cheap
+    assert not planner.needs_replan(3)
+    for _ in range(20):
+        planner.record_fetch(32_000 * 16, 16 * 32_000 / 1e5)  # measured: 0.1 MB/s, a crawl
+    assert planner.needs_replan(3)
+    crawl = planner.plan_for(3)
+    assert crawl.mode is PlanMode.RECOMPUTE and "recompute" in crawl.reason
+    assert seen == [PlanMode.CACHE, PlanMode.RECOMPUTE]
+
+
+def test_last_epoch_writes_nothing():
+    planner = CachePlanner(PlannerConfig(total_epochs=5))
+    measured(planner, 2, stage_s=1e-2)
+    planner.begin_epoch(4, 1024, 16)
+    assert planner.plan_for(2).mode is PlanMode.RECOMPUTE
+
+
+def test_budget_limits_the_cached_fraction():
+    planner = CachePlanner(PlannerConfig(total_epochs=10, budget_bytes=0.3 * 1000 * 32e3))
+    measured(planner, 2, stage_s=1e-2)
+    planner.begin_epoch(0, 1000, 16)
+    plan = planner.plan_for(2)
+    assert plan.mode is PlanMode.CACHE and math.isclose(plan.cached_fraction, 0.3, rel_tol=1e-6)
+
+
+def test_config_is_validated():
+    with pytest.raises(ConfigError, match="total_epochs"):
+        PlannerConfig(total_epochs=0)
