@@ -98,6 +98,7 @@ class Daemon:
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self.port: int | None = None
+        self._owns_socket = False  # only a daemon that bound the socket may remove it
 
     def start(self) -> None:
         cfg = self.config.server
@@ -118,6 +119,7 @@ class Daemon:
         if cfg.socket is not None:
             _claim_socket(cfg.socket)
             self._bind(f"unix:{cfg.socket}")
+            self._owns_socket = True
         if cfg.listen:
             self.port = self._bind(cfg.listen)
         self._server.start()
@@ -148,7 +150,7 @@ class Daemon:
             self._server.stop(self.config.server.grace_s).wait()
         if self.store is not None:
             self.store.close()
-        if self.config.server.socket is not None:
+        if self._owns_socket:
             self.config.server.socket.unlink(missing_ok=True)
         self.state = DaemonState.STOPPED
         log.info("actcache daemon stopped")
