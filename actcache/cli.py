@@ -4,6 +4,7 @@
     actcache stats [--json]                     usage and counters
     actcache ls [--json]                        namespaces, fingerprints, depths
     actcache drop NAMESPACE [--fingerprint HEX [--depth N]]
+    actcache clean [--socket PATH] [--dir DIR]  reclaim leftovers of crashes
 """
 
 from __future__ import annotations
@@ -150,6 +151,32 @@ def _run_drop(args: argparse.Namespace) -> int:
     else:
         print(f"dropped {reply.entries} entries ({_fmt(reply.bytes)}) from {args.namespace}")
     return 0
+
+
+def _add_clean(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", help="daemon Unix socket to check (default: $ACTCACHE_SOCKET or the per-user runtime dir)")
+    p.add_argument("--dir", help="cache directory to check (default: $ACTCACHE_DIR; without it only the socket is checked)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+@command("clean", "reclaim leftovers of crashes: stale socket, stale LMDB reader slots, bench temp files")(_add_clean)
+def _run_clean(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from actcache.daemon.clean import Action, clean
+    from actcache.rpc import default_socket_path
+
+    directory = args.dir or os.environ.get("ACTCACHE_DIR")
+    findings = clean(
+        socket_path=Path(args.socket) if args.socket else default_socket_path(),
+        directory=Path(directory) if directory else None,
+    )
+    if args.json:
+        print(json.dumps([{**vars(f), "action": f.action.value} for f in findings], indent=2))
+    else:
+        for f in findings:
+            print(f"{f.action.value:<8} {f.reclaimer:<13} {f.path}: {f.detail}")
+    return 1 if any(f.action is Action.FAILED for f in findings) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
