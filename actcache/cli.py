@@ -75,6 +75,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    help="fsync every commit (default off: commits survive a daemon crash; an OS crash may lose the last 5 s)")
     p.add_argument("--max-entry-bytes", type=_size, help="largest entry accepted (default 64MiB)")
     p.add_argument("--workers", type=int, help="RPC threads (default 16)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this TCP port, 0 = any free port (default off)")
+    p.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
 
 
