@@ -4,6 +4,8 @@
     actcache stats [--json]                     usage and counters
     actcache ls [--json]                        namespaces, fingerprints, depths
     actcache drop NAMESPACE [--fingerprint HEX [--depth N]]
+    actcache clean [--socket PATH] [--dir DIR]  reclaim leftovers of crashes
+    actcache bench disk --dir DIR [--size 1GiB] [--json]   size a node: disk and LMDB MB/s
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from actcache.errors import ActCacheError
 __all__ = ["main"]
 
 Command = tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+#: "serve" -> its command; "bench disk" -> a subcommand of the group "bench" (described in GROUPS).
 COMMANDS: dict[str, tuple[str, Command]] = {}
+GROUPS: dict[str, str] = {"bench": "measure this node: what the cache's disk and LMDB deliver"}
 
 
 def command(name: str, help: str):
@@ -76,6 +80,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="RPC threads (default 16)")
     p.add_argument("--throttle-read-mbps", type=float,
                    help="cap served bytes at this many MB/s, to reproduce a slow disk (experiments; default off)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this TCP port, 0 = any free port (default off)")
+    p.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
 
 
@@ -154,13 +160,68 @@ def _run_drop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_clean(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", help="daemon Unix socket to check (default: $ACTCACHE_SOCKET or the per-user runtime dir)")
+    p.add_argument("--dir", help="cache directory to check (default: $ACTCACHE_DIR; without it only the socket is checked)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+@command("clean", "reclaim leftovers of crashes: stale socket, stale LMDB reader slots, bench temp files")(_add_clean)
+def _run_clean(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from actcache.daemon.clean import Action, clean
+    from actcache.rpc import default_socket_path
+
+    directory = args.dir or os.environ.get("ACTCACHE_DIR")
+    findings = clean(
+        socket_path=Path(args.socket) if args.socket else default_socket_path(),
+        directory=Path(directory) if directory else None,
+    )
+    if args.json:
+        print(json.dumps([{**vars(f), "action": f.action.value} for f in findings], indent=2))
+    else:
+        for f in findings:
+            print(f"{f.action.value:<8} {f.reclaimer:<13} {f.path}: {f.detail}")
+    return 1 if any(f.action is Action.FAILED for f in findings) else 0
+
+
+def _add_bench_disk(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", required=True, help="a directory on the filesystem to measure (the cache's --dir)")
+    p.add_argument("--size", type=_size, default=1 << 30,
+                   help="bytes of the test file and of the test LMDB, e.g. 4GiB (default 1GiB)")
+    p.add_argument("--drop-caches", action=argparse.BooleanOptionalAction, default=True,
+                   help="drop the whole page cache before cold phases when /proc/sys/vm/drop_caches is writable "
+                        "(default on; off, only the bench's own files are evicted)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+@command("bench disk", "sequential and random 1 MiB read/write MB/s (O_DIRECT, cold, warm) and LMDB get throughput of a directory's filesystem")(_add_bench_disk)
+def _run_bench_disk(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from actcache.diskbench import run_disk_bench
+
+    report = run_disk_bench(Path(args.dir), args.size, drop_caches=args.drop_caches, progress=sys.stderr.isatty())
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actcache", description="Activation cache daemon and tools.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    groups = {}  # group name -> its subparsers
     for name, (help_text, (add_arguments, run)) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        where, leaf = sub, name
+        if " " in name:
+            group, leaf = name.split(" ", 1)
+            if group not in groups:
+                g = sub.add_parser(group, help=GROUPS[group], description=GROUPS[group])
+                groups[group] = g.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
+            where = groups[group]
+        p = where.add_parser(leaf, help=help_text, description=help_text)
         add_arguments(p)
-        p.set_defaults(run=run)
+        p.set_defaults(run=run, command_name=name)
     return parser
 
 
@@ -169,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ActCacheError as exc:
-        print(f"actcache {args.command}: {exc}", file=sys.stderr)
+        print(f"actcache {args.command_name}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

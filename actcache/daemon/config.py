@@ -14,6 +14,7 @@ from actcache.rpc import default_socket_path
 
 __all__ = [
     "DaemonConfig",
+    "MetricsConfig",
     "ServerConfig",
     "StoreConfig",
     "format_size",
@@ -113,15 +114,32 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """The Prometheus endpoint (``/metrics`` over HTTP)."""
+
+    #: TCP port; None = no endpoint, 0 = any free port (logged at start).
+    port: int | None = None
+    #: Address to bind; loopback unless asked, as the endpoint has no authentication.
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ConfigError(f"--metrics-port must be 0..65535 (0 = any free port), got {self.port}")
+        if not self.host:
+            raise ConfigError("--metrics-host must be an address such as 127.0.0.1 or 0.0.0.0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DaemonConfig:
     store: StoreConfig
     server: ServerConfig
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log_level: str = "INFO"
 
     def non_defaults(self) -> dict[str, Any]:
         """Fields that differ from their defaults, for the start-up log line."""
         out: dict[str, Any] = {}
-        for part in (self.store, self.server):
+        for part in (self.store, self.server, self.metrics):
             for f in dataclasses.fields(part):
                 value = getattr(part, f.name)
                 if f.name == "token":
@@ -178,4 +196,12 @@ class DaemonConfig:
             socket=socket, listen=listen, token=token,
             **given(workers=pick("workers", int), throttle_read_mbps=pick("throttle_read_mbps", float)),
         )
-        return cls(store=store, server=server, log_level=pick("log_level") or "INFO")
+        metrics = MetricsConfig(**given(port=pick("metrics_port", _port), host=pick("metrics_host")))
+        return cls(store=store, server=server, metrics=metrics, log_level=pick("log_level") or "INFO")
+
+
+def _port(value: Any) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"metrics port must be a number 0..65535, got {value!r}") from None

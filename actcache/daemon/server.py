@@ -99,6 +99,8 @@ class Daemon:
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self.port: int | None = None
+        self._owns_socket = False  # only a daemon that bound the socket may remove it
+        self.metrics = None  # MetricsEndpoint when --metrics-port is given
 
     def start(self) -> None:
         cfg = self.config.server
@@ -120,17 +122,24 @@ class Daemon:
         if cfg.socket is not None:
             _claim_socket(cfg.socket)
             self._bind(f"unix:{cfg.socket}")
+            self._owns_socket = True
         if cfg.listen:
             self.port = self._bind(cfg.listen)
+        if self.config.metrics.port is not None:
+            from actcache.daemon.metrics import DaemonCollector, MetricsEndpoint, daemon_families
+
+            self.metrics = MetricsEndpoint(self.config.metrics, DaemonCollector(daemon_families(self.store, service)))
         self._server.start()
         if cfg.socket is not None:
             os.chmod(cfg.socket, 0o600)
+        where = [f"unix:{cfg.socket}"] if cfg.socket else []
+        where += [f"tcp:{cfg.listen} (port {self.port})"] if cfg.listen else []
+        where += [f"metrics {self.metrics.url}"] if self.metrics else []
+        # Logged before health turns SERVING, so whoever waited on health can read the addresses.
+        log.info("actcache daemon serving %s on %s (pid %d)", self.config.store.dir, ", ".join(where), os.getpid())
         for name in ("", SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.state = DaemonState.SERVING
-        where = [f"unix:{cfg.socket}"] if cfg.socket else []
-        where += [f"tcp:{cfg.listen} (port {self.port})"] if cfg.listen else []
-        log.info("actcache daemon serving %s on %s (pid %d)", self.config.store.dir, ", ".join(where), os.getpid())
 
     def _bind(self, address: str) -> int:
         try:
@@ -148,9 +157,11 @@ class Daemon:
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(self.config.server.grace_s).wait()
+        if self.metrics is not None:
+            self.metrics.stop()
         if self.store is not None:
             self.store.close()
-        if self.config.server.socket is not None:
+        if self._owns_socket:
             self.config.server.socket.unlink(missing_ok=True)
         self.state = DaemonState.STOPPED
         log.info("actcache daemon stopped")

@@ -29,6 +29,7 @@ import lmdb
 
 from actcache.codec import compress_entry, verify_entry
 from actcache.daemon.config import StoreConfig, format_size
+from actcache.daemon.dirlock import DirLock
 from actcache.daemon.writer import ReadGate, WriteOp, Writer
 from actcache.errors import (
     BudgetExceeded,
@@ -77,17 +78,28 @@ class Store:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         config.dir.mkdir(parents=True, exist_ok=True)
-        self._env = _open_env(config)
-        self._entries = self._env.open_db(b"entries")
-        self._namespaces = self._env.open_db(b"namespaces")
-        self._groups = self._env.open_db(b"groups")
-        self._meta = self._env.open_db(b"meta")
+        # One daemon per directory: a second one refuses here, naming the holder's pid.
+        self._dir_lock = DirLock.acquire(config.dir)
+        try:
+            self._env = _open_env(config)
+        except BaseException:
+            self._dir_lock.release()
+            raise
         self._gate = ReadGate()
         self._lock = threading.Lock()  # guards the in-memory maps below
         self._ns_by_name: dict[str, int] = {}
         self._ns_by_id: dict[int, str] = {}
         self._usage: dict[bytes, list[int]] = {}  # group prefix -> [entries, bytes]
-        self._load()
+        try:
+            self._entries = self._env.open_db(b"entries")
+            self._namespaces = self._env.open_db(b"namespaces")
+            self._groups = self._env.open_db(b"groups")
+            self._meta = self._env.open_db(b"meta")
+            self._load()
+        except BaseException:
+            self._env.close()
+            self._dir_lock.release()
+            raise
         self._writer = Writer(self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s)
         self._writer.start()
 
@@ -98,6 +110,7 @@ class Store:
         self._writer.stop()
         self._env.sync(True)
         self._env.close()
+        self._dir_lock.release()
 
     def _load(self) -> None:
         with self._env.begin(write=True) as txn:

@@ -1,0 +1,188 @@
+"""``actcache clean``: reclaim what a crashed daemon (or tool) left behind.
+
+Cleaning is a list of small reclaimers, each ``(CleanTarget) -> Iterable[Finding]``
+and registered with ``@reclaimer``; a new kind of leftover (e.g. the
+shared-memory data plane's segments) adds one function. Every reclaimer
+must leave anything a live process still uses alone, and say so.
+
+While the reclaimers run, ``clean`` holds the cache directory's lock
+(actcache.daemon.dirlock) when no daemon does, so a daemon cannot start
+under its feet (it would refuse, naming this pid, and can simply be
+restarted); when a daemon holds it, ``CleanTarget.daemon_pid`` says which.
+A reclaimer that raises becomes a FAILED finding; the others still run.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import shutil
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from actcache.daemon.dirlock import LOCK_NAME, DirLock, holder_pid
+from actcache.errors import ConfigError
+
+__all__ = [
+    "Action",
+    "BENCH_PREFIX",
+    "CleanTarget",
+    "Finding",
+    "RECLAIMERS",
+    "clean",
+    "reclaimer",
+]
+
+#: Temp directories of ``actcache bench disk`` are named ``BENCH_PREFIX<pid>-<random>``.
+BENCH_PREFIX = ".actcache-bench-"
+
+
+class Action(enum.Enum):
+    REMOVED = "removed"  # a leftover was deleted
+    CLEARED = "cleared"  # stale state inside a live file was reset
+    KEPT = "kept"  # something in use (or not ours) was left alone
+    OK = "ok"  # nothing to reclaim
+    FAILED = "failed"  # the reclaimer raised
+
+
+@dataclass(frozen=True, kw_only=True)
+class CleanTarget:
+    """What to clean: a daemon socket path and/or a cache directory."""
+
+    socket: Path | None
+    dir: Path | None
+    #: True while a daemon holds ``dir``'s lock (then ``daemon_pid`` is its recorded pid, if any).
+    daemon_live: bool = False
+    daemon_pid: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    reclaimer: str
+    action: Action
+    path: str
+    detail: str
+
+
+Reclaimer = Callable[[CleanTarget], Iterable[Finding]]
+RECLAIMERS: list[Reclaimer] = []
+
+
+def reclaimer(fn: Reclaimer) -> Reclaimer:
+    """Register ``fn`` to run on every ``actcache clean``, after the ones registered before it."""
+    RECLAIMERS.append(fn)
+    return fn
+
+
+def clean(*, socket_path: Path | None, directory: Path | None, reclaimers: Iterable[Reclaimer] | None = None) -> list[Finding]:
+    """Run every reclaimer on the socket and directory; returns what each found and did."""
+    if directory is not None and not directory.is_dir():
+        raise ConfigError(f"--dir {directory} is not a directory; pass the daemon's cache directory")
+    has_store = directory is not None and any((directory / n).exists() for n in (LOCK_NAME, "data.mdb"))
+    lock = DirLock.try_acquire(directory) if has_store else None
+    live = has_store and lock is None
+    target = CleanTarget(
+        socket=socket_path, dir=directory, daemon_live=live, daemon_pid=holder_pid(directory) if live else None
+    )
+    findings: list[Finding] = []
+    try:
+        for fn in RECLAIMERS if reclaimers is None else reclaimers:
+            try:
+                findings.extend(fn(target))
+            except Exception as exc:  # one broken reclaimer must not stop the others
+                where = str(target.dir or target.socket or "")
+                findings.append(Finding(reclaimer=fn.__name__, action=Action.FAILED, path=where, detail=repr(exc)))
+    finally:
+        if lock is not None:
+            lock.release()
+    return findings
+
+
+@reclaimer
+def stale_socket(target: CleanTarget) -> Iterable[Finding]:
+    """Remove the daemon socket when nothing listens on it (a crash left it); keep a live one."""
+    path = target.socket
+    if path is None:
+        return
+    found = lambda action, detail: Finding(reclaimer="socket", action=action, path=str(path), detail=detail)  # noqa: E731
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        yield found(Action.OK, "no socket file")
+        return
+    if not stat.S_ISSOCK(mode):
+        yield found(Action.KEPT, "not a socket; left alone (remove it yourself if it is not needed)")
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError as exc:
+        if exc.errno != errno.ECONNREFUSED:
+            yield found(Action.KEPT, f"cannot probe it ({exc.strerror}); left alone")
+            return
+        path.unlink(missing_ok=True)
+        yield found(Action.REMOVED, "stale: nothing is listening on it")
+        return
+    finally:
+        probe.close()
+    yield found(Action.KEPT, "live: a daemon is accepting connections on it")
+
+
+@reclaimer
+def stale_lmdb_readers(target: CleanTarget) -> Iterable[Finding]:
+    """Clear LMDB reader slots of dead processes (``reader_check``) when no daemon holds the directory.
+
+    Stale slots pile up only while some process keeps the environment open
+    (the first process to open it resets the reader table); each one pins
+    old pages and so grows the file, and enough of them exhaust ``max_readers``.
+    """
+    if target.dir is None:
+        return
+    path = str(target.dir / "data.mdb")
+    found = lambda action, detail: Finding(reclaimer="lmdb readers", action=action, path=path, detail=detail)  # noqa: E731
+    if not (target.dir / "data.mdb").exists():
+        yield found(Action.OK, "no store in this directory")
+        return
+    if target.daemon_live:
+        who = f"pid {target.daemon_pid}" if target.daemon_pid else "a daemon"
+        yield found(Action.KEPT, f"{who} holds the directory; its reader slots are left alone")
+        return
+    import lmdb
+
+    env = lmdb.open(str(target.dir), readonly=True, max_dbs=8, max_readers=1024)
+    try:
+        cleared = env.reader_check()
+    finally:
+        env.close()
+    if cleared:
+        yield found(Action.CLEARED, f"{cleared} stale reader slot{'s' if cleared != 1 else ''} of dead processes")
+    else:
+        yield found(Action.OK, "no stale reader slots")
+
+
+@reclaimer
+def bench_leftovers(target: CleanTarget) -> Iterable[Finding]:
+    """Remove temp directories of ``actcache bench disk`` runs whose process is gone."""
+    if target.dir is None:
+        return
+    for leftover in sorted(target.dir.glob(f"{BENCH_PREFIX}*")):
+        pid = leftover.name[len(BENCH_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and _alive(int(pid)):
+            yield Finding(reclaimer="bench", action=Action.KEPT, path=str(leftover), detail=f"bench pid {pid} is running")
+            continue
+        shutil.rmtree(leftover)
+        yield Finding(reclaimer="bench", action=Action.REMOVED, path=str(leftover), detail="left by a bench run that died")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

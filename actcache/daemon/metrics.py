@@ -1,0 +1,158 @@
+"""Prometheus metrics of the daemon, read from its live state at each scrape.
+
+Nothing is counted twice: a scrape reads the Store's usage and the service's
+``Counters`` as they are, so the figures always equal ``actcache stats``.
+Names are in base units (bytes, seconds); counters get ``_total`` from the
+exposition; labels never carry per-sample values (only ``namespace``, and
+later ``schedule``).
+
+A metric family is one ``Family`` row; adding one is one line in
+``daemon_families`` (or ``collector.add(Family(...))``), e.g.::
+
+    Family("actcache_prefetch_stall_seconds", "Seconds consumers waited for the prefetcher", "counter",
+           prefetcher.stall_seconds_by_schedule, labels=("namespace", "schedule")),
+
+where the reader returns a number, or a mapping from label values to numbers.
+Every ``Counters`` field is exported on its own: ``*_total`` fields as
+counters named ``actcache_<field>``, others as gauges.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal, Mapping
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from actcache import __version__
+from actcache.daemon.config import MetricsConfig
+from actcache.errors import ConfigError
+
+if TYPE_CHECKING:
+    from actcache.daemon.service import ActCacheService
+    from actcache.daemon.store import Store
+
+__all__ = ["DaemonCollector", "Family", "MetricsEndpoint", "daemon_families"]
+
+Value = float | int
+Reading = Value | Mapping[tuple[str, ...], Value]
+
+_COUNTER_HELP = {
+    "puts_total": "Entries stored by Put calls",
+    "put_bytes_total": "Bytes received by Put calls (entries as sent, before compression)",
+    "gets_total": "Get calls answered",
+    "hits_total": "Entries found by Get calls",
+    "misses_total": "Entries asked for by Get calls and not stored",
+    "served_bytes_total": "Bytes of entries sent to clients",
+    "corrupt_total": "Stored entries that failed their checksum on read (and were deleted)",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric family: ``read()`` returns its value, or ``{label values: value}`` when it has ``labels``."""
+
+    name: str
+    help: str
+    kind: Literal["counter", "gauge"]
+    read: Callable[[], Reading]
+    labels: tuple[str, ...] = ()
+
+
+class DaemonCollector:
+    """A prometheus_client collector that turns ``Family`` rows into metrics at scrape time."""
+
+    def __init__(self, families: Iterable[Family] = ()) -> None:
+        self._families: list[Family] = []
+        self._lock = threading.Lock()
+        for family in families:
+            self.add(family)
+
+    def add(self, family: Family) -> None:
+        with self._lock:
+            if any(f.name == family.name for f in self._families):
+                raise ValueError(f"metric family {family.name} is already registered")
+            self._families.append(family)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            families = list(self._families)
+        for family in families:
+            kind = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
+            reading = family.read()
+            if not family.labels:
+                yield kind(family.name, family.help, value=reading)
+                continue
+            metric = kind(family.name, family.help, labels=family.labels)
+            for label_values, value in sorted(reading.items()):
+                metric.add_metric(list(label_values), value)
+            yield metric
+
+
+def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
+    """Every family the daemon exports: usage per namespace, sizes, the service's counters, uptime."""
+    counters = service.counters
+
+    def per_namespace(index: int) -> Callable[[], dict[tuple[str], int]]:
+        return lambda: {(info.name,): row[index] for info, *row in store.namespaces()}
+
+    def counter_field(name: str) -> Callable[[], int]:
+        return lambda: counters.snapshot()[name]
+
+    families = [
+        Family("actcache_info", "actcache daemon version", "gauge", lambda: {(__version__,): 1}, labels=("version",)),
+        Family("actcache_stored_bytes", "Bytes stored (after compression) per namespace", "gauge",
+               per_namespace(1), labels=("namespace",)),
+        Family("actcache_stored_entries", "Entries stored per namespace", "gauge", per_namespace(0), labels=("namespace",)),
+        Family("actcache_budget_bytes", "Byte budget of the whole cache (0 = unlimited)", "gauge",
+               lambda: store.config.budget_bytes),
+        Family("actcache_namespace_budget_bytes", "Byte budget of each namespace (0 = unlimited)", "gauge",
+               lambda: store.config.namespace_budget_bytes),
+        Family("actcache_map_size_bytes", "Current LMDB map size (grows when full)", "gauge", store.map_size),
+        Family("actcache_file_bytes", "Disk space the LMDB data file occupies (allocated blocks)", "gauge",
+               store.file_bytes),
+        Family("actcache_uptime_seconds", "Seconds since the daemon started", "gauge",
+               lambda: time.monotonic() - service.started),
+    ]
+    for f in fields(counters):
+        help_text = _COUNTER_HELP.get(f.name, f.name.replace("_", " "))
+        if f.name.endswith("_total"):
+            families.append(Family(f"actcache_{f.name.removesuffix('_total')}", help_text, "counter", counter_field(f.name)))
+        else:
+            families.append(Family(f"actcache_{f.name}", help_text, "gauge", counter_field(f.name)))
+    return families
+
+
+class MetricsEndpoint:
+    """``/metrics`` over HTTP on a daemon thread (prometheus_client's server), until :meth:`stop`."""
+
+    def __init__(self, config: MetricsConfig, collector: DaemonCollector) -> None:
+        if config.port is None:
+            raise ConfigError("metrics are off: pass --metrics-port PORT (0 = any free port) to serve them")
+        self.collector = collector
+        registry = CollectorRegistry()
+        registry.register(collector)
+        ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory, open fds
+        try:
+            self._server, self._thread = start_http_server(config.port, addr=config.host, registry=registry)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {config.host}:{config.port}: {exc.strerror or exc}; "
+                "pass another --metrics-port (0 = any free port) or --metrics-host"
+            ) from exc
+        self.host = config.host
+        self.port: int = self._server.server_port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        """Stop serving and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()

@@ -1,0 +1,377 @@
+"""``actcache bench disk``: what the cache's filesystem and LMDB deliver, to size a node.
+
+    actcache bench disk --dir /var/cache/actcache --size 4GiB [--json]
+
+In a temp directory inside DIR (removed at the end, and by ``actcache
+clean`` if the run is killed), with 1 MiB blocks over a file of --size:
+
+    write  sequential, random        O_DIRECT (buffered + fsync where refused), fsync included
+    read   sequential, random        O_DIRECT: always from the disk
+    read   sequential, random        buffered, cold (page cache dropped first)
+    read   sequential, random        buffered, warm (right after a full read)
+    lmdb   put; random get cold, warm  1 MiB values, the daemon's LMDB settings
+
+"Cold" drops the page cache through /proc/sys/vm/drop_caches when it is
+writable (root; system-wide), and always evicts the bench's own files with
+posix_fadvise(DONTNEED). The verdict compares LMDB's cold get with the disk's
+O_DIRECT random read, both measured in this run. MB/s is 10^6 bytes per second.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from actcache.daemon.clean import BENCH_PREFIX
+from actcache.errors import ConfigError
+
+__all__ = ["BLOCK_BYTES", "DiskReport", "Phase", "run_disk_bench"]
+
+BLOCK_BYTES = 1 << 20
+_DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+_VALUES_PER_TXN = 64
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str  # machine name, e.g. "read_random_direct"
+    label: str  # e.g. "read random"
+    access: str  # O_DIRECT, buffered, lmdb
+    cache: str  # disk, cold, warm, or "-" for writes
+    bytes: int
+    seconds: float
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e6
+
+
+@dataclass
+class DiskReport:
+    dir: str
+    filesystem: dict[str, str]
+    size_bytes: int
+    o_direct: bool
+    page_cache_dropped: bool
+    cold_method: str
+    notes: list[str] = field(default_factory=list)
+    phases: list[Phase] = field(default_factory=list)
+    lmdb_cold_vs_disk: float | None = None
+    verdict: str = ""
+
+    def phase(self, name: str) -> Phase | None:
+        return next((p for p in self.phases if p.name == name), None)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["block_bytes"] = BLOCK_BYTES
+        out["phases"] = [{**asdict(p), "mb_per_s": round(p.mb_per_s, 1)} for p in self.phases]
+        return out
+
+    def table(self) -> str:
+        from actcache.daemon.config import format_size
+
+        fs = self.filesystem
+        lines = [
+            f"actcache bench disk: {self.dir} ({fs['type']} on {fs['device']}, mounted at {fs['mount']}), "
+            f"{format_size(self.size_bytes)} in 1 MiB blocks",
+            f"O_DIRECT: {'yes' if self.o_direct else 'no'}; cold: {self.cold_method}",
+            *[f"note: {n}" for n in self.notes],
+            "",
+            f"{'phase':<20} {'access':<9} {'cache':<6} {'MB/s':>9} {'MiB':>7} {'seconds':>8}",
+        ]
+        for p in self.phases:
+            lines.append(f"{p.label:<20} {p.access:<9} {p.cache:<6} {p.mb_per_s:>9.1f} "
+                         f"{p.bytes / 2**20:>7.0f} {p.seconds:>8.2f}")
+        lines += ["", f"verdict: {self.verdict}"]
+        return "\n".join(lines)
+
+
+class _Progress:
+    """A carriage-return progress line on stderr (only on a terminal)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._last = 0.0
+
+    def update(self, label: str, done: int, total: int, started: float) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (now - self._last < 0.2 and done < total):
+            return
+        self._last = now
+        rate = done * BLOCK_BYTES / max(now - started, 1e-9) / 1e6
+        sys.stderr.write(f"\r  {label:<32} {done:>6}/{total} MiB {rate:>8.0f} MB/s ")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 70 + "\r")
+            sys.stderr.flush()
+
+
+def run_disk_bench(
+    directory: Path, size: int, *, drop_caches: bool = True, progress: bool = False, seed: int = 0
+) -> DiskReport:
+    """Measure DIR's filesystem and LMDB as described in the module docstring; cleans up after itself.
+
+    ``drop_caches``: drop the whole page cache before cold phases when permitted;
+    off, only the bench's own files are evicted (posix_fadvise).
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigError(f"--dir {directory} is not a directory; pass a directory on the filesystem to measure")
+    blocks = size // BLOCK_BYTES
+    if blocks < 4:
+        raise ConfigError(f"--size must be at least 4 MiB, got {size} bytes")
+    _check_free_space(directory, blocks * BLOCK_BYTES)
+    work = Path(tempfile.mkdtemp(prefix=f"{BENCH_PREFIX}{os.getpid()}-", dir=directory))
+    try:
+        return _Bench(directory, work, blocks, _Progress(progress), random.Random(seed), drop_caches).run()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class _Bench:
+    def __init__(
+        self, directory: Path, work: Path, blocks: int, progress: _Progress, rng: random.Random, drop_caches: bool
+    ) -> None:
+        self.work = work
+        self.blocks = blocks
+        self.progress = progress
+        self.sequential = list(range(blocks))
+        self.shuffled = rng.sample(self.sequential, blocks)
+        # One page-aligned buffer (O_DIRECT needs alignment), reused: fresh memory would dominate the figures.
+        self.buf = mmap.mmap(-1, BLOCK_BYTES)
+        self.buf[:] = os.urandom(BLOCK_BYTES)
+        dropped = drop_caches and _drop_page_cache()
+        if dropped:
+            cold = "page cache dropped before each cold phase (/proc/sys/vm/drop_caches, system-wide)"
+        elif not drop_caches:
+            cold = "bench files evicted with posix_fadvise(DONTNEED); page cache not dropped (--no-drop-caches)"
+        else:
+            cold = ("bench files evicted with posix_fadvise(DONTNEED); /proc/sys/vm/drop_caches is not writable "
+                    "(run as root to drop the whole page cache)")
+        self.report = DiskReport(
+            dir=str(directory), filesystem=_filesystem_of(directory), size_bytes=blocks * BLOCK_BYTES,
+            o_direct=hasattr(os, "O_DIRECT"), page_cache_dropped=dropped, cold_method=cold,
+        )
+        if not self.report.o_direct:
+            self.report.notes.append("O_DIRECT is not available on this platform: writes are buffered + fsync "
+                                     "and the disk reference is the buffered cold read")
+
+    def run(self) -> DiskReport:
+        path = self.work / "disk.bin"
+        try:
+            self._disk_phases(path)
+            path.unlink()
+            self._lmdb_phases(self.work / "lmdb")
+        finally:
+            self.buf.close()
+        self._verdict()
+        return self.report
+
+    # ---- plain file --------------------------------------------------------
+
+    def _disk_phases(self, path: Path) -> None:
+        r = self.report
+        direct = r.o_direct and self._direct_works(path)
+        r.o_direct = direct
+        access = "O_DIRECT" if direct else "buffered"
+        flags = os.O_DIRECT if direct else 0
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600)
+        try:
+            for label, order in (("write sequential", self.sequential), ("write random", self.shuffled)):
+                self._phase(label, access, "-", order, lambda off: os.pwrite(fd, self._stamp(off), off),
+                            finish=lambda: os.fsync(fd))
+        finally:
+            os.close(fd)
+        if direct:
+            self._reads(path, os.O_DIRECT, "O_DIRECT", "disk")
+        self._reads(path, 0, "buffered", "cold", evict_first=path)
+        if self._fits_in_memory():
+            self._reads(path, 0, "buffered", "warm")
+
+    def _direct_works(self, path: Path) -> bool:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+            try:
+                os.pwrite(fd, self.buf, 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.report.notes.append(
+                f"O_DIRECT refused on {self.report.filesystem['type']} ({exc.strerror}): writes are buffered + fsync "
+                "and the disk reference below is the buffered cold read")
+            return False
+        return True
+
+    def _reads(self, path: Path, flags: int, access: str, cache: str, evict_first: Path | None = None) -> None:
+        fd = os.open(path, os.O_RDONLY | flags)
+        try:
+            for label, order in (("read sequential", self.sequential), ("read random", self.shuffled)):
+                if evict_first is not None:
+                    self._evict(evict_first)
+                self._phase(label, access, cache, order, lambda off: os.preadv(fd, [self.buf], off))
+        finally:
+            os.close(fd)
+
+    def _stamp(self, offset: int) -> mmap.mmap:
+        self.buf[:8] = offset.to_bytes(8, "little")  # distinct blocks: no filesystem dedups them
+        return self.buf
+
+    # ---- LMDB --------------------------------------------------------------
+
+    def _lmdb_phases(self, path: Path) -> None:
+        import lmdb
+
+        def open_env() -> "lmdb.Environment":
+            return lmdb.open(str(path), map_size=self.blocks * (BLOCK_BYTES + 8192) + (64 << 20), sync=False,
+                             metasync=False, readahead=True, meminit=False, max_readers=16)
+
+        key = lambda i: i.to_bytes(8, "big")  # noqa: E731
+        env = open_env()
+        try:
+            txn = None
+            pending = 0
+
+            def put(offset: int) -> None:
+                nonlocal txn, pending
+                txn = txn or env.begin(write=True)
+                txn.put(key(offset // BLOCK_BYTES), self._stamp(offset))
+                pending += 1
+                if pending == _VALUES_PER_TXN:
+                    txn.commit()
+                    txn, pending = None, 0
+
+            def finish() -> None:
+                if txn is not None:
+                    txn.commit()
+                env.sync(True)
+
+            self._phase("lmdb put", "lmdb", "-", self.sequential, put, finish=finish)
+        finally:
+            env.close()
+        data = path / "data.mdb"
+        self._evict(data)
+        env = open_env()  # a fresh map: nothing of the file is mapped into this process
+        try:
+            for cache in ("cold", "warm"):
+                if cache == "warm" and not self._fits_in_memory():
+                    break
+                with env.begin(buffers=True) as txn:
+                    def get(offset: int) -> None:
+                        value = txn.get(key(offset // BLOCK_BYTES))
+                        self.buf[: len(value)] = value  # touch every byte, into a reused buffer
+
+                    self._phase("lmdb get random", "lmdb", cache, self.shuffled, get)
+        finally:
+            env.close()
+
+    # ---- helpers -----------------------------------------------------------
+
+    def _phase(self, label: str, access: str, cache: str, order: Sequence[int], op: Callable[[int], object],
+               finish: Callable[[], object] | None = None) -> None:
+        title = f"{label} {access} {cache}".replace(" -", "")
+        started = time.perf_counter()
+        for done, block in enumerate(order, 1):
+            op(block * BLOCK_BYTES)
+            self.progress.update(title, done, len(order), started)
+        if finish is not None:
+            finish()
+        seconds = time.perf_counter() - started
+        self.progress.clear()
+        self.report.phases.append(Phase(_phase_name(label, access, cache), label, access, cache, len(order) * BLOCK_BYTES, seconds))
+
+    def _evict(self, path: Path) -> None:
+        if self.report.page_cache_dropped:
+            _drop_page_cache()
+        if hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def _fits_in_memory(self) -> bool:
+        import psutil
+
+        available = psutil.virtual_memory().available
+        if self.report.size_bytes <= 0.8 * available:
+            return True
+        note = (f"warm phases skipped: --size {self.report.size_bytes / 2**30:.1f} GiB does not fit in 80% of the "
+                f"{available / 2**30:.1f} GiB of available memory, so 'warm' reads would come from the disk")
+        if note not in self.report.notes:
+            self.report.notes.append(note)
+        return False
+
+    def _verdict(self) -> None:
+        r = self.report
+        disk = r.phase("read_random_direct") or r.phase("read_random_buffered_cold")
+        lmdb_cold = r.phase("lmdb_get_random_cold")
+        what = "O_DIRECT random read" if disk.access == "O_DIRECT" else "buffered cold random read"
+        ratio = lmdb_cold.mb_per_s / disk.mb_per_s
+        r.lmdb_cold_vs_disk = round(ratio, 3)
+        head = (f"LMDB cold get is {ratio:.2f}x the disk's {what} "
+                f"({lmdb_cold.mb_per_s:.0f} vs {disk.mb_per_s:.0f} MB/s)")
+        if ratio < 0.7:
+            r.verdict = f"{head}: the daemon's explicit-read prefetch matters here"
+        else:
+            r.verdict = f"{head}: LMDB's mmap read path nearly keeps up with this disk; explicit reads gain little here"
+
+
+def _phase_name(label: str, access: str, cache: str) -> str:
+    """``read random``, ``O_DIRECT``, ``disk`` -> ``read_random_direct``; ``lmdb get random``, cold -> ``lmdb_get_random_cold``."""
+    parts = [label]
+    if access != "lmdb":
+        parts.append("direct" if access == "O_DIRECT" else "buffered")
+    if cache in ("cold", "warm"):
+        parts.append(cache)
+    return "_".join(parts).replace(" ", "_")
+
+
+def _drop_page_cache() -> bool:
+    """``sync; echo 1 > /proc/sys/vm/drop_caches``; False where not permitted (not root, containers, not Linux)."""
+    if not os.access(_DROP_CACHES, os.W_OK):
+        return False
+    os.sync()
+    try:
+        _DROP_CACHES.write_text("1\n")
+    except OSError:
+        return False
+    return True
+
+
+def _filesystem_of(directory: Path) -> dict[str, str]:
+    """Type, device and mount point of the filesystem holding ``directory`` (from /proc/self/mounts)."""
+    real = os.path.realpath(directory)
+    best = {"type": "unknown", "device": "unknown", "mount": "/"}
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        device, mount, fstype = (part.encode().decode("unicode_escape") for part in line.split()[:3])
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best["mount"]):
+            best = {"type": fstype, "device": device, "mount": mount}
+    return best
+
+
+def _check_free_space(directory: Path, nbytes: int) -> None:
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    needed = int(nbytes * 1.05) + (64 << 20)
+    if free < needed:
+        raise ConfigError(
+            f"{directory} has {free / 2**30:.1f} GiB free and the bench needs about {needed / 2**30:.1f} GiB "
+            "(one file of --size, then an LMDB of --size); pass a smaller --size"
+        )
