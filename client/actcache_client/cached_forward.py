@@ -287,9 +287,12 @@ class CachedForward:
         snapshot = tuple(t.detach().clone() for t in state) if isinstance(state, tuple) else state.detach().clone()
         varlen, level = self.varlen, self.zstd_level
         self._mark_written(depth, ids)
+        # Without a read-speed measurement yet, read this put back once: a slow disk then shows
+        # during the write epoch, before the cache is relied upon.
+        probe = self.planner is not None and not self.planner.has_fetch_rate()
         self.connection.store(
             self._fingerprints[depth], depth, ids, [variant] * len(ids),
-            lambda: encode_samples(snapshot, zstd_level=level, varlen=varlen),
+            lambda: encode_samples(snapshot, zstd_level=level, varlen=varlen), probe=probe,
         )
 
     def _observe_connection(self) -> None:

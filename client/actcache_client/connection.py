@@ -92,6 +92,7 @@ class _Put:
     ids: Sequence[int]
     variants: Sequence[int]
     encode: Callable[[], list[bytes]]
+    probe: bool = False
 
 
 _STOP = object()
@@ -154,14 +155,21 @@ class Connection:
 
     # ---- writes ----------------------------------------------------------
 
-    def store(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int], encode: Callable[[], list[bytes]]) -> bool:
-        """Queue a put; ``encode`` runs on the writer thread. Returns False if it was dropped."""
+    def store(
+        self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
+        encode: Callable[[], list[bytes]], *, probe: bool = False,
+    ) -> bool:
+        """Queue a put; ``encode`` runs on the writer thread. Returns False if it was dropped.
+
+        ``probe``: once stored, read the entries back once to measure the daemon's
+        read speed (counted in ``fetch_seconds``/``bytes_read``, not as hits).
+        """
         self.surface()
         if self._paused():
             self._count_dropped()
             return False
         try:
-            self._queue.put_nowait(_Put(fingerprint, depth, list(ids), list(variants), encode))
+            self._queue.put_nowait(_Put(fingerprint, depth, list(ids), list(variants), encode, probe))
             return True
         except queue.Full:
             self._count_dropped()
@@ -208,6 +216,18 @@ class Connection:
             self.stats.write_seconds += time.perf_counter() - t0
             self.stats.puts += reply.entries
             self.stats.bytes_written += sum(len(e) for e in entries)
+        if put.probe:
+            self._probe(put)
+
+    def _probe(self, put: _Put) -> None:
+        t0 = time.perf_counter()
+        try:
+            values = self._rpc.get(self._namespace(), put.fingerprint, put.depth, put.ids, put.variants if any(put.variants) else None)
+        except ActCacheError:
+            return  # a failed probe only means no measurement; lookups will report the cause
+        with self._lock:
+            self.stats.fetch_seconds += time.perf_counter() - t0
+            self.stats.bytes_read += sum(len(v) for v in values if v is not None)
 
     def _count_dropped(self) -> None:
         with self._lock:

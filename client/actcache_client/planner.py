@@ -105,6 +105,10 @@ class CachePlanner:
         elif nbytes == 0:
             self._fetch_latency.add(seconds)
 
+    def has_fetch_rate(self) -> bool:
+        """Whether the daemon's read speed has been measured (else the prior is used)."""
+        return bool(self._fetch_rate.values)
+
     def record_write(self, nbytes: int, seconds: float) -> None:
         if seconds > 0 and nbytes > 0:
             self._write_rate.add(nbytes / seconds)
