@@ -68,10 +68,13 @@ class StoreConfig:
     max_entry_bytes: int = 64 << 20
     #: Puts committed together in one write transaction, at most.
     max_batch_bytes: int = 64 << 20
+    #: Free disk space puts never eat into, so that drops can always commit;
+    #: 0 = no check (a put then fails only when a commit finds the disk full).
+    disk_reserve_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", Path(self.dir))
-        for name in ("budget_bytes", "namespace_budget_bytes"):
+        for name in ("budget_bytes", "namespace_budget_bytes", "disk_reserve_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.map_size_bytes < 1 << 20:
@@ -164,6 +167,7 @@ class DaemonConfig:
                 zstd_level=pick("zstd_level", int),
                 sync=pick("sync", as_bool),
                 max_entry_bytes=pick("max_entry_bytes", parse_size),
+                disk_reserve_bytes=pick("disk_reserve", parse_size),
             ),
         )
         listen = pick("listen")

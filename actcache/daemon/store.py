@@ -8,7 +8,14 @@ Named databases:
 
 Concurrency: every write (put, drop, namespace creation, deleting a corrupt
 entry) runs on the single writer thread, which batches queued operations
-into one transaction; readers run in any thread. Usage counters live in the
+into one transaction; readers run in any thread. A drop runs as a series of
+transactions of at most ``_DROP_CHUNK_BYTES`` each, so that a huge drop
+needs little disk for its own bookkeeping (LMDB's free-page list) and works
+on a full disk.
+
+Disk space: a put is refused with BudgetExceeded when it would leave less
+than ``disk_reserve_bytes`` free on the file system (counting pages LMDB can
+reuse inside ``data.mdb``), so that drops always find room to commit. Usage counters live in the
 ``groups`` table, updated in the same transaction as the entries, so they are
 exact across restarts. Invariant: for every group, the in-memory usage equals
 the committed ``groups`` row.
@@ -47,6 +54,8 @@ FORMAT = b"actcache-store-1"
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _GROUP_PREFIX_BYTES = 4 + 16 + 2
 _USAGE = struct.Struct(">QQ")
+_DROP_CHUNK_BYTES = 256 << 20
+_DROP_CHUNK_ENTRIES = 100_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +97,12 @@ class Store:
         self._ns_by_id: dict[int, str] = {}
         self._usage: dict[bytes, list[int]] = {}  # group prefix -> [entries, bytes]
         self._load()
-        self._writer = Writer(self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s)
+        stale = self._env.reader_check()
+        if stale:
+            log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
+        self._writer = Writer(
+            self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s, meta_db=self._meta
+        )
         self._writer.start()
 
     # ---- lifecycle -------------------------------------------------------
@@ -201,7 +215,13 @@ class Store:
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> tuple[int, int]:
         """Delete a namespace's entries (narrowed by fingerprint and depth); returns (entries, bytes)."""
         self.namespace_name(namespace_id)
-        return self._writer.submit(_DropOp(self, group_prefix(namespace_id, fingerprint, depth)))
+        prefix = group_prefix(namespace_id, fingerprint, depth)
+        entries = nbytes = 0
+        while True:
+            removed, freed, done = self._writer.submit(_DropOp(self, prefix))
+            entries, nbytes = entries + removed, nbytes + freed
+            if done:
+                return entries, nbytes
 
     # ---- usage -----------------------------------------------------------
 
@@ -235,6 +255,33 @@ class Store:
     def file_bytes(self) -> int:
         """Bytes the data file occupies on disk (allocated blocks, not its apparent size)."""
         return os.stat(self.config.dir / "data.mdb").st_blocks * 512
+
+    def _reusable_bytes(self, txn) -> int:
+        """About how many bytes of ``data.mdb`` are free pages LMDB will reuse (file pages minus tree pages)."""
+        used = 2  # meta pages
+        main = self._env.stat()
+        for stat in [main, *(txn.stat(db) for db in (self._entries, self._namespaces, self._groups, self._meta))]:
+            used += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        return max(0, self._env.info()["last_pgno"] + 1 - used) * main["psize"]
+
+    def _check_disk(self, txn, nbytes: int) -> None:
+        """Refuse a put of ``nbytes`` that would eat into the disk reserve kept for drops (0: no check)."""
+        reserve = self.config.disk_reserve_bytes
+        if not reserve:
+            return
+        st = os.statvfs(self.config.dir)
+        free = st.f_bavail * st.f_frsize
+        if free - nbytes >= reserve:
+            return
+        reusable = self._reusable_bytes(txn)
+        if free + reusable - nbytes >= reserve:
+            return
+        raise BudgetExceeded(
+            f"the disk holding {self.config.dir} has {free} bytes free ({format_size(free)}) plus about {reusable} "
+            f"reusable inside data.mdb, and this put needs {nbytes} bytes while {reserve} bytes "
+            f"({format_size(reserve)}) stay reserved so that drops can commit; free space on that file system, "
+            "run `actcache drop`, or lower --disk-reserve. Reads keep working"
+        )
 
     # ---- helpers for write operations (writer thread only) ---------------
 
@@ -338,6 +385,7 @@ class _PutOp(_StoreOp):
                 replaced += 1
                 delta += len(value) - len(old)
         self.store._check_budget(self.prefix, delta, pending)
+        self.store._check_disk(txn, self.nbytes)
         for key, value in self.records:
             txn.put(key, value, db=db)
         self._adjust(txn, pending, self.prefix, added, delta)
@@ -345,25 +393,49 @@ class _PutOp(_StoreOp):
 
 
 class _DropOp(_StoreOp):
+    """Deletes the next chunk of entries under ``prefix``; returns (entries, bytes, done)."""
+
+    frees_pages = True
+
     def __init__(self, store: Store, prefix: bytes) -> None:
         super().__init__(store)
         self.prefix = prefix
 
     def apply(self, txn, pending):
-        removed = _delete_range(txn, self.store._entries, self.prefix)
+        removed: dict[bytes, list[int]] = {}
         entries = nbytes = 0
-        for group in [p for p in set(self.store._usage) | set(pending) if p.startswith(self.prefix)]:
-            usage = pending.get(group, self.store._usage.get(group, [0, 0]))
-            entries += usage[0]
-            nbytes += usage[1]
-            pending[group] = [0, 0]
-            txn.delete(group, db=self.store._groups)
-        if removed != entries:
-            log.warning("drop removed %d entries but usage counted %d", removed, entries)
-        return removed, nbytes
+        cursor = txn.cursor(db=self.store._entries)
+        done = not cursor.set_range(self.prefix)
+        while not done:
+            key = cursor.key()
+            if bytes(key[: len(self.prefix)]) != self.prefix:
+                done = True
+                break
+            if entries >= _DROP_CHUNK_ENTRIES or nbytes >= _DROP_CHUNK_BYTES:
+                break
+            size = len(cursor.value())
+            group = removed.setdefault(bytes(key[:_GROUP_PREFIX_BYTES]), [0, 0])
+            group[0] += 1
+            group[1] += size
+            entries += 1
+            nbytes += size
+            done = not cursor.delete()
+        for group, (n, b) in removed.items():
+            self._adjust(txn, pending, group, -n, -b)
+        if done:
+            # Usage rows of the dropped groups go too (and any drift between rows and entries with them).
+            for group in [p for p in set(self.store._usage) | set(pending) if p.startswith(self.prefix)]:
+                usage = pending.get(group, self.store._usage.get(group, [0, 0]))
+                if usage != [0, 0]:
+                    log.warning("drop: usage of group %s was %s after its entries were deleted", group.hex(), usage)
+                pending[group] = [0, 0]
+                txn.delete(group, db=self.store._groups)
+        return entries, nbytes, done
 
 
 class _DeleteOp(_StoreOp):
+    frees_pages = True
+
     def __init__(self, store: Store, keys: Iterable[bytes]) -> None:
         super().__init__(store)
         self.keys = list(keys)
@@ -398,16 +470,3 @@ class _CreateNamespace(_StoreOp):
         with self.store._lock:
             self.store._ns_by_name[info.name] = info.id
             self.store._ns_by_id[info.id] = info.name
-
-
-def _delete_range(txn, db, prefix: bytes) -> int:
-    removed = 0
-    cursor = txn.cursor(db=db)
-    if not cursor.set_range(prefix):
-        return 0
-    while cursor.key()[: len(prefix)] == prefix:
-        removed += 1
-        if not cursor.delete():
-            break
-    return removed
-

@@ -1,6 +1,10 @@
 """The LMDB store in-process: budgets, drop, map growth, persistence, corruption."""
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import lmdb
 import numpy as np
@@ -158,3 +162,56 @@ def test_foreign_file_is_refused(tmp_path):
     (tmp_path / "data.mdb").write_bytes(b"not an lmdb file" * 1000)
     with pytest.raises(StoreError, match="not a valid LMDB file"):
         Store(StoreConfig(dir=tmp_path))
+
+
+_GROWTH_FAILS = r"""
+import resource, sys
+import psutil
+from actcache.daemon.config import StoreConfig
+from actcache.daemon.store import Store
+from actcache.errors import BudgetExceeded
+from tests.daemon.test_store import FP, entry
+
+s = Store(StoreConfig(dir=sys.argv[1], map_size_bytes=1 << 20, zstd_level=0))
+ns = s.open_namespace("grow").id
+for start in range(0, 160, 16):  # 40 MiB: the map grows to 64 MiB
+    s.put(ns, FP, 1, [(i, 0, entry(i, 256 << 10)) for i in range(start, start + 16)])
+before = s.map_size()
+vms = psutil.Process().memory_info().vms
+resource.setrlimit(resource.RLIMIT_AS, (vms + (24 << 20), resource.RLIM_INFINITY))
+refused = 0
+for start in range(160, 400, 16):
+    try:
+        s.put(ns, FP, 1, [(i, 0, entry(i, 256 << 10)) for i in range(start, start + 16)])
+    except BudgetExceeded as exc:
+        assert "cannot grow to" in str(exc) and "ulimit -v" in str(exc), exc
+        refused += 1
+assert refused and s.map_size() == before, (refused, s.map_size(), before)
+assert s.get(ns, FP, 1, [(7, 0)]) == [entry(7, 256 << 10)]  # the environment is intact
+s.drop(ns)
+s.put(ns, FP, 1, [(i, 0, entry(i, 256 << 10)) for i in range(16)])  # freed pages, no growth needed
+s.close()
+print("refused", refused)
+"""
+
+
+def test_map_that_cannot_grow_is_resource_exhausted_not_a_crash(tmp_path):
+    """The map's remap is refused (address-space limit, as a huge map on a small machine): puts get
+    BudgetExceeded, the environment stays usable, and a drop makes room again."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _GROWTH_FAILS, str(tmp_path)], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("refused ")
+
+
+def test_drop_runs_in_chunks_with_exact_usage(store, monkeypatch):
+    monkeypatch.setattr("actcache.daemon.store._DROP_CHUNK_ENTRIES", 3)
+    ns = store.open_namespace("chunks").id
+    for depth in (1, 2):
+        store.put(ns, FP, depth, [(i, 0, entry(i)) for i in range(10)])
+    assert store.drop(ns, FP, 1) == (10, 10 * len(entry(0)))
+    assert store.get(ns, FP, 1, [(i, 0) for i in range(10)]) == [None] * 10
+    assert [(g.depth, g.entries) for g in store.groups()] == [(2, 10)]
+    assert store.used_bytes(ns) == 10 * len(entry(0))
