@@ -71,7 +71,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--map-size", type=_size, help="initial LMDB map size (default 1GiB; grows as needed)")
     p.add_argument("--zstd-level", type=int, help="zstd level for raw entries, 0 = store raw (default 1)")
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=None,
-                   help="fsync every commit (default off: commits survive a daemon crash; an OS crash may lose the last 5 s)")
+                   help="fsync every commit so acknowledged puts survive an OS crash (default off: they survive a daemon crash)")
     p.add_argument("--max-entry-bytes", type=_size, help="largest entry accepted (default 64MiB)")
     p.add_argument("--disk-reserve", type=_size,
                    help="free disk space puts leave untouched so that drops can commit (default 64MiB)")

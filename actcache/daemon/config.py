@@ -60,8 +60,10 @@ class StoreConfig:
     map_size_bytes: int = 1 << 30
     #: zstd level for entries sent raw; 0 stores them raw.
     zstd_level: int = 1
-    #: fsync every commit. Off: commits survive a daemon crash, and an OS crash
-    #: loses at most the last ``sync_interval_s`` of writes (never tears an entry).
+    #: fsync every commit (acknowledged puts survive an OS crash). Off: they
+    #: survive a crash of the daemon (kill -9 included); an OS crash may lose the
+    #: writes since the last flush (every ``sync_interval_s``) or leave the file
+    #: inconsistent (entry checksums and --on-corrupt handle that).
     sync: bool = False
     sync_interval_s: float = 5.0
     #: Largest single encoded entry accepted.

@@ -376,14 +376,18 @@ class _PutOp(_StoreOp):
     def apply(self, txn, pending):
         db = self.store._entries
         added = replaced = delta = 0
+        sizes: dict[bytes, int | None] = {}  # stored size of each key as this op leaves it
         for key, value in self.records:
-            old = txn.get(key, db=db)
-            if old is None:
+            if key not in sizes:
+                old = txn.get(key, db=db)
+                sizes[key] = None if old is None else len(old)
+            if sizes[key] is None:
                 added += 1
                 delta += len(value)
             else:
                 replaced += 1
-                delta += len(value) - len(old)
+                delta += len(value) - sizes[key]
+            sizes[key] = len(value)
         self.store._check_budget(self.prefix, delta, pending)
         self.store._check_disk(txn, self.nbytes)
         for key, value in self.records:

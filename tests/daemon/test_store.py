@@ -215,3 +215,11 @@ def test_drop_runs_in_chunks_with_exact_usage(store, monkeypatch):
     assert store.get(ns, FP, 1, [(i, 0) for i in range(10)]) == [None] * 10
     assert [(g.depth, g.entries) for g in store.groups()] == [(2, 10)]
     assert store.used_bytes(ns) == 10 * len(entry(0))
+
+
+def test_a_key_listed_twice_in_one_put_is_counted_once(store):
+    ns = store.open_namespace("dup").id
+    result = store.put(ns, FP, 1, [(1, 0, entry(1)), (2, 0, entry(2)), (1, 0, entry(3, 5000))])
+    assert (result.entries, result.replaced) == (3, 1)
+    assert store.get(ns, FP, 1, [(1, 0)]) == [entry(3, 5000)]
+    assert [(g.entries, g.bytes) for g in store.groups()] == [(2, len(entry(2)) + len(entry(3, 5000)))]
