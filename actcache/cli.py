@@ -73,6 +73,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=None,
                    help="fsync every commit so acknowledged puts survive an OS crash (default off: they survive a daemon crash)")
     p.add_argument("--max-entry-bytes", type=_size, help="largest entry accepted (default 64MiB)")
+    p.add_argument("--on-corrupt", choices=["refuse", "move-aside"],
+                   help="LMDB files that are damaged or not an actcache store: refuse to start (default), "
+                        "or rename them to *.corrupt-<time> and start empty")
     p.add_argument("--disk-reserve", type=_size,
                    help="free disk space puts leave untouched so that drops can commit (default 64MiB)")
     p.add_argument("--workers", type=int, help="RPC threads (default 16)")

@@ -70,6 +70,9 @@ class StoreConfig:
     max_entry_bytes: int = 64 << 20
     #: Puts committed together in one write transaction, at most.
     max_batch_bytes: int = 64 << 20
+    #: What to do with LMDB files that are damaged or not an actcache store:
+    #: "refuse" to start, or "move-aside" (rename to *.corrupt-<time>) and start empty.
+    on_corrupt: str = "refuse"
     #: Free disk space puts never eat into, so that drops can always commit;
     #: 0 = no check (a put then fails only when a commit finds the disk full).
     disk_reserve_bytes: int = 64 << 20
@@ -83,6 +86,8 @@ class StoreConfig:
             raise ConfigError(f"map_size_bytes must be at least 1 MiB, got {self.map_size_bytes}")
         if not 0 <= self.zstd_level <= 22:
             raise ConfigError(f"zstd_level must be 0..22, got {self.zstd_level}")
+        if self.on_corrupt not in ("refuse", "move-aside"):
+            raise ConfigError(f"on_corrupt must be 'refuse' or 'move-aside', got {self.on_corrupt!r}")
         if self.max_entry_bytes < 1024:
             raise ConfigError(f"max_entry_bytes must be at least 1 KiB, got {self.max_entry_bytes}")
 
@@ -170,6 +175,7 @@ class DaemonConfig:
                 sync=pick("sync", as_bool),
                 max_entry_bytes=pick("max_entry_bytes", parse_size),
                 disk_reserve_bytes=pick("disk_reserve", parse_size),
+                on_corrupt=pick("on_corrupt"),
             ),
         )
         listen = pick("listen")

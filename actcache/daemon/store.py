@@ -29,13 +29,11 @@ import re
 import struct
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Sequence
-
-import lmdb
 
 from actcache.codec import compress_entry, verify_entry
 from actcache.daemon.config import StoreConfig, format_size
+from actcache.daemon.envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
 from actcache.daemon.writer import ReadGate, WriteOp, Writer
 from actcache.errors import (
     BudgetExceeded,
@@ -86,24 +84,43 @@ class Store:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         config.dir.mkdir(parents=True, exist_ok=True)
-        self._env = _open_env(config)
-        self._entries = self._env.open_db(b"entries")
-        self._namespaces = self._env.open_db(b"namespaces")
-        self._groups = self._env.open_db(b"groups")
-        self._meta = self._env.open_db(b"meta")
         self._gate = ReadGate()
         self._lock = threading.Lock()  # guards the in-memory maps below
-        self._ns_by_name: dict[str, int] = {}
-        self._ns_by_id: dict[int, str] = {}
-        self._usage: dict[bytes, list[int]] = {}  # group prefix -> [entries, bytes]
-        self._load()
+        try:
+            self._open()
+        except UnusableStore as exc:
+            if config.on_corrupt != "move-aside":
+                raise StoreError(
+                    f"{exc}. Restart with --on-corrupt move-aside to keep these files as *.corrupt-<time> and "
+                    "start with an empty cache, or point --dir at an empty directory"
+                ) from None
+            moved = move_aside(config.dir)
+            log.warning("%s; moved %s aside and started an empty cache", exc, ", ".join(str(p) for p in moved))
+            self._open()
         stale = self._env.reader_check()
         if stale:
             log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
         self._writer = Writer(
-            self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s, meta_db=self._meta
+            self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s, meta_db=self._meta,
+            on_damage=lambda reason: mark_damaged(config.dir, reason),
         )
         self._writer.start()
+
+    def _open(self) -> None:
+        """Open and check the environment and load the in-memory maps; raises UnusableStore."""
+        self._env = open_env(self.config.dir, map_size=self.config.map_size_bytes, sync=self.config.sync)
+        self._ns_by_name: dict[str, int] = {}
+        self._ns_by_id: dict[int, str] = {}
+        self._usage: dict[bytes, list[int]] = {}  # group prefix -> [entries, bytes]
+        try:
+            self._entries, self._namespaces, self._groups, self._meta = (self._env.open_db(n) for n in DB_NAMES)
+            self._load()
+        except DAMAGE_ERRORS as exc:
+            self._env.close()
+            raise UnusableStore(f"{self.config.dir / 'data.mdb'} is damaged: {exc}") from None
+        except BaseException:
+            self._env.close()
+            raise
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -117,12 +134,14 @@ class Store:
         with self._env.begin(write=True) as txn:
             marker = txn.get(b"format", db=self._meta)
             if marker is None:
+                if any(txn.stat(db)["entries"] for db in (self._entries, self._namespaces, self._groups)):
+                    raise UnusableStore(
+                        f"{self.config.dir / 'data.mdb'} holds actcache tables but no format marker; "
+                        "it was damaged or written by another program"
+                    )
                 txn.put(b"format", FORMAT, db=self._meta)
             elif marker != FORMAT:
-                raise StoreError(
-                    f"{self.config.dir} holds store format {marker!r}, this daemon reads {FORMAT!r}; "
-                    "point --dir at another directory or remove this one"
-                )
+                raise UnusableStore(f"{self.config.dir} holds store format {marker!r}, this daemon reads {FORMAT!r}")
             for name, value in txn.cursor(db=self._namespaces):
                 ns_id = struct.unpack(">I", value)[0]
                 self._ns_by_name[name.decode()] = ns_id
@@ -190,8 +209,27 @@ class Store:
         encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
         out: list[bytes | None] = []
         corrupt: list[tuple[bytes, str]] = []
+        try:
+            self._read(encoded, out, corrupt)
+        except DAMAGE_ERRORS as exc:
+            reason = f"a read failed: {exc}"
+            mark_damaged(self.config.dir, reason)
+            raise StoreError(
+                f"the LMDB file in {self.config.dir} is damaged ({exc}); restart the daemon with "
+                "--on-corrupt move-aside to start with an empty cache"
+            ) from None
+        if corrupt:
+            self._writer.submit(_DeleteOp(self, [k for k, _ in corrupt]))
+            ids = [struct.unpack(">Q", k[22:30])[0] for k, _ in corrupt]
+            raise EntryCorrupt(
+                f"{len(corrupt)} stored entries failed verification and were deleted "
+                f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them"
+            )
+        return out
+
+    def _read(self, keys: list[bytes], out: list[bytes | None], corrupt: list[tuple[bytes, str]]) -> None:
         with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
-            for key in encoded:
+            for key in keys:
                 value = txn.get(key)
                 if value is None:
                     out.append(None)
@@ -203,14 +241,6 @@ class Store:
                     out.append(None)
                     continue
                 out.append(bytes(value))
-        if corrupt:
-            self._writer.submit(_DeleteOp(self, [k for k, _ in corrupt]))
-            ids = [struct.unpack(">Q", k[22:30])[0] for k, _ in corrupt]
-            raise EntryCorrupt(
-                f"{len(corrupt)} stored entries failed verification and were deleted "
-                f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them"
-            )
-        return out
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> tuple[int, int]:
         """Delete a namespace's entries (narrowed by fingerprint and depth); returns (entries, bytes)."""
@@ -317,35 +347,6 @@ class Store:
                     f"({format_size(all_used)} of {format_size(limit)}) and this put needs {delta} more bytes; "
                     "raise --budget or drop namespaces with `actcache drop`"
                 )
-
-
-def _open_env(config: StoreConfig) -> lmdb.Environment:
-    path = config.dir
-    try:
-        return lmdb.open(
-            str(path),
-            map_size=max(config.map_size_bytes, _existing_size(path)),
-            max_dbs=8,
-            max_readers=1024,
-            sync=config.sync,
-            metasync=config.sync,
-            readahead=True,
-            meminit=False,
-        )
-    except lmdb.InvalidError as exc:
-        raise StoreError(
-            f"{path / 'data.mdb'} is not a valid LMDB file ({exc}); it was damaged or written by another program. "
-            "Move it aside or start with --dir on an empty directory"
-        ) from exc
-    except lmdb.Error as exc:
-        raise StoreError(f"cannot open the store in {path}: {exc}") from exc
-
-
-def _existing_size(path: Path) -> int:
-    try:
-        return (path / "data.mdb").stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 class _StoreOp(WriteOp):

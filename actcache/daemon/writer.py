@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import lmdb
 
@@ -50,6 +50,7 @@ _MAX_OPS_PER_TXN = 512
 _MAX_BYTES_PER_TXN = 64 << 20
 # A batch may need several doublings (1 MiB map, 64 MiB batch); more means a bug.
 _MAX_GROWTHS_PER_BATCH = 16
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError)
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 # Failed commits with less free disk than this (besides the batch) count as disk full.
 _DISK_FULL_SLACK = 1 << 20
@@ -140,9 +141,17 @@ class Writer:
     """Runs queued WriteOps in batches on one thread; ``submit`` blocks until committed."""
 
     def __init__(
-        self, env: lmdb.Environment, gate: ReadGate, *, sync: bool, sync_interval_s: float, meta_db=None
+        self,
+        env: lmdb.Environment,
+        gate: ReadGate,
+        *,
+        sync: bool,
+        sync_interval_s: float,
+        meta_db=None,
+        on_damage: Callable[[str], None] | None = None,
     ) -> None:
         self._env = env
+        self._on_damage = on_damage
         self._gate = gate
         self._meta_db = meta_db
         self._path = env.path()
@@ -238,6 +247,13 @@ class Writer:
                 if error is not None:
                     return error
                 continue
+            except _DAMAGE as exc:
+                if self._on_damage is not None:
+                    self._on_damage(f"a write failed: {exc}")
+                return StoreError(
+                    f"the LMDB file in {self._path} is damaged ({exc}); restart the daemon with "
+                    "--on-corrupt move-aside to start with an empty cache"
+                )
             except lmdb.Error as exc:
                 return _storage_error(exc, self._path, needed)
             except BaseException as exc:  # a bug: wake every caller rather than stall them

@@ -160,8 +160,66 @@ def test_corrupt_entry_is_deleted_on_read(tmp_path):
 
 def test_foreign_file_is_refused(tmp_path):
     (tmp_path / "data.mdb").write_bytes(b"not an lmdb file" * 1000)
-    with pytest.raises(StoreError, match="not a valid LMDB file"):
+    with pytest.raises(StoreError, match="not a valid LMDB file.*--on-corrupt move-aside"):
         Store(StoreConfig(dir=tmp_path))
+
+
+def test_lmdb_of_another_program_is_refused_untouched(tmp_path):
+    env = lmdb.open(str(tmp_path))
+    with env.begin(write=True) as txn:
+        txn.put(b"user:1", b"alice")
+    env.close()
+    before = (tmp_path / "data.mdb").read_bytes()
+    with pytest.raises(StoreError, match=r"LMDB database of another program .*b'user:1'"):
+        Store(StoreConfig(dir=tmp_path))
+    assert (tmp_path / "data.mdb").read_bytes() == before
+
+
+def test_move_aside_keeps_the_bad_file_and_starts_empty(tmp_path):
+    garbage = b"not an lmdb file" * 1000
+    (tmp_path / "data.mdb").write_bytes(garbage)
+    s = Store(StoreConfig(dir=tmp_path, on_corrupt="move-aside"))
+    try:
+        assert s.namespaces() == []
+        ns = s.open_namespace("fresh").id
+        s.put(ns, FP, 0, [(1, 0, entry(1))])
+        assert s.get(ns, FP, 0, [(1, 0)]) == [entry(1)]
+    finally:
+        s.close()
+    [kept] = tmp_path.glob("data.mdb.corrupt-*")
+    assert kept.read_bytes() == garbage
+
+
+def _break_leaf_page_holding(path, key: bytes) -> None:
+    data = bytearray((path / "data.mdb").read_bytes())
+    page = data.find(key) // 4096
+    assert page > 1
+    data[page * 4096 + 10 : page * 4096 + 12] = b"\0\0"  # mp_flags: no longer a leaf page
+    (path / "data.mdb").write_bytes(bytes(data))
+
+
+def test_damaged_btree_is_marked_then_refused_or_moved_aside(tmp_path):
+    config = StoreConfig(dir=tmp_path)
+    s = Store(config)
+    ns = s.open_namespace("d").id
+    s.put(ns, FP, 0, [(i, 0, entry(i)) for i in range(3)])
+    s.close()
+    _break_leaf_page_holding(tmp_path, encode_key(ns, FP, 0, 1))
+    s = Store(config)  # LMDB opens it: the damage is inside the tree
+    try:
+        with pytest.raises(StoreError, match="is damaged .*--on-corrupt move-aside"):
+            s.get(ns, FP, 0, [(1, 0)])
+    finally:
+        s.close()
+    with pytest.raises(StoreError, match="marked damaged by an earlier run: .* a read failed"):
+        Store(config)
+    s = Store(StoreConfig(dir=tmp_path, on_corrupt="move-aside"))
+    try:
+        assert s.namespaces() == []
+    finally:
+        s.close()
+    assert sorted(p.name.split(".corrupt-")[0] for p in tmp_path.glob("*.corrupt-*")) == [
+        "actcache.damaged", "data.mdb", "lock.mdb"]
 
 
 _GROWTH_FAILS = r"""
