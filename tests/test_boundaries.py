@@ -28,7 +28,7 @@ def test_client_never_imports_daemon_internals():
     "module",
     ["actcache.codec", "actcache.errors", "actcache.keys", "actcache.rpc", "actcache.rpc_client", "actcache.testing",
      "actcache.daemon.store", "actcache.daemon.config", "actcache_client.stages",
-     "actcache.daemon.envfile"],
+     "actcache.daemon.envfile", "actcache.daemon.access"],
 )
 def test_public_surface_is_explicit_and_sorted(module):
     mod = importlib.import_module(module)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ __all__ = [
     "ServerConfig",
     "StoreConfig",
     "format_size",
+    "is_loopback",
     "parse_size",
 ]
 
@@ -45,6 +47,18 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP literal, ``[v6]`` or ``localhost``) is a loopback address; names other
+    than localhost are not resolved and count as remote."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,9 +111,17 @@ class ServerConfig:
     """The gRPC endpoint."""
 
     socket: Path | None = None
-    #: ``HOST:PORT`` for TCP; requires a token.
+    #: Permission bits of the socket; 0o660 with ``socket_group`` shares it with a group.
+    socket_mode: int = 0o600
+    #: Group (name or gid) given the socket.
+    socket_group: str | None = None
+    #: ``HOST:PORT`` for TCP; requires a token. Loopback hosts only unless ``allow_remote``.
     listen: str | None = None
+    allow_remote: bool = False
     token: str | None = field(default=None, repr=False)
+    #: PEM certificate chain and private key: TLS on the TCP listener.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     max_message_bytes: int = 128 << 20
     workers: int = 16
     #: Seconds in-flight calls get to finish on SIGTERM.
@@ -112,10 +134,35 @@ class ServerConfig:
             )
         if self.listen and not re.fullmatch(r".+:\d+", self.listen):
             raise ConfigError(f"--listen must be HOST:PORT, got {self.listen!r}")
+        if self.listen and not self.allow_remote and not is_loopback(self.listen.rsplit(":", 1)[0]):
+            raise ConfigError(
+                f"--listen {self.listen} is not a loopback address; the daemon listens on 127.0.0.1, ::1 or "
+                "localhost only, unless --allow-remote is given (then use --tls-cert/--tls-key too)"
+            )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both --tls-cert FILE and --tls-key FILE")
+        if self.tls_cert is not None and not self.listen:
+            raise ConfigError("--tls-cert/--tls-key secure the TCP listener; pass --listen HOST:PORT too")
+        if not 0 <= self.socket_mode <= 0o777 or self.socket_mode & 0o600 != 0o600:
+            raise ConfigError(f"--socket-mode {self.socket_mode:#o} must give the owner read and write (0600 or 0660)")
+        if self.socket_mode & 0o007:
+            raise ConfigError(
+                f"--socket-mode {self.socket_mode:#o} would let every local user connect; "
+                "share the socket with a group instead (--socket-mode 0660 --socket-group GROUP)"
+            )
         if self.socket is not None and len(str(self.socket)) > 100:
             raise ConfigError(f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow about 100")
         if self.workers < 2:
             raise ConfigError(f"workers must be >= 2, got {self.workers}")
+
+
+def _octal(text: str | int) -> int:
+    if isinstance(text, int):
+        return text
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise ConfigError(f"--socket-mode must be octal permission bits such as 0660, got {text!r}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,6 +230,16 @@ class DaemonConfig:
         if socket is None and not listen:
             socket = default_socket_path()
         server = ServerConfig(
-            socket=socket, listen=listen, token=token, **given(workers=pick("workers", int))
+            socket=socket,
+            listen=listen,
+            token=token,
+            **given(
+                workers=pick("workers", int),
+                allow_remote=pick("allow_remote", as_bool),
+                tls_cert=pick("tls_cert", Path),
+                tls_key=pick("tls_key", Path),
+                socket_mode=pick("socket_mode", _octal),
+                socket_group=pick("socket_group", str),
+            ),
         )
         return cls(store=store, server=server, log_level=pick("log_level") or "INFO")

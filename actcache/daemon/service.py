@@ -122,10 +122,10 @@ class ActCacheService:
 
     @_status_on_error
     def Open(self, request: pb.OpenRequest, context) -> pb.OpenReply:
-        info = self.store.open_namespace(request.name, create=request.create)
+        info = self.store.open_namespace(request.name, create=request.create, secret=request.secret)
         cfg = self.store.config
         return pb.OpenReply(
-            namespace_id=info.id,
+            namespace_id=info.handle,
             namespace_budget_bytes=cfg.namespace_budget_bytes,
             daemon_budget_bytes=cfg.budget_bytes,
             max_message_bytes=self.max_message_bytes,

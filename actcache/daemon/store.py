@@ -5,6 +5,7 @@ Named databases:
     namespaces  name (utf-8) -> namespace id (u32, big-endian)
     groups      (namespace, fingerprint, depth) key prefix -> entries u64, bytes u64
     meta        format marker and the next namespace id
+    secrets     namespace id (u32) -> salted scrypt hash of its secret (actcache.daemon.access)
 
 Concurrency: every write (put, drop, namespace creation, deleting a corrupt
 entry) runs on the single writer thread, which batches queued operations
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from actcache.codec import compress_entry, verify_entry
+from actcache.daemon.access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
 from actcache.daemon.writer import ReadGate, WriteOp, Writer
@@ -40,9 +42,10 @@ from actcache.errors import (
     EntryCorrupt,
     InvalidRequest,
     NamespaceNotFound,
+    PermissionDenied,
     StoreError,
 )
-from actcache.keys import encode_key, group_prefix
+from actcache.keys import MAX_NAMESPACE_ID, encode_key, group_prefix
 
 __all__ = ["GroupUsage", "NamespaceInfo", "PutResult", "Store"]
 
@@ -60,6 +63,9 @@ _DROP_CHUNK_ENTRIES = 100_000
 class NamespaceInfo:
     id: int
     name: str
+    #: What requests name the namespace by: ``id`` when it has no secret, else a
+    #: random 64-bit handle for this daemon run (set by ``open_namespace`` only).
+    handle: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +118,12 @@ class Store:
         self._ns_by_name: dict[str, int] = {}
         self._ns_by_id: dict[int, str] = {}
         self._usage: dict[bytes, list[int]] = {}  # group prefix -> [entries, bytes]
+        self._secret_of: dict[int, bytes] = {}  # namespace id -> scrypt record, for protected namespaces
+        self._handles = Handles()
         try:
-            self._entries, self._namespaces, self._groups, self._meta = (self._env.open_db(n) for n in DB_NAMES)
+            self._entries, self._namespaces, self._groups, self._meta, self._secrets = (
+                self._env.open_db(n) for n in DB_NAMES
+            )
             self._load()
         except DAMAGE_ERRORS as exc:
             self._env.close()
@@ -148,26 +158,75 @@ class Store:
                 self._ns_by_id[ns_id] = name.decode()
             for prefix, value in txn.cursor(db=self._groups):
                 self._usage[bytes(prefix)] = list(_USAGE.unpack(value))
+            for ns_id, record in txn.cursor(db=self._secrets):
+                self._secret_of[struct.unpack(">I", ns_id)[0]] = bytes(record)
 
     # ---- namespaces ------------------------------------------------------
 
-    def open_namespace(self, name: str, *, create: bool = True) -> NamespaceInfo:
-        """Return the namespace called ``name``, creating it when ``create``."""
+    def open_namespace(self, name: str, *, create: bool = True, secret: bytes | None = None) -> NamespaceInfo:
+        """Return the namespace called ``name`` with its handle, creating it when ``create``.
+
+        A namespace created with a ``secret`` can only be opened with it
+        (PermissionDenied otherwise); see actcache.daemon.access.
+        """
         if not _NAME_RE.fullmatch(name or ""):
             raise InvalidRequest(f"namespace name {name!r} is invalid; use 1-128 characters of A-Z a-z 0-9 . _ -")
+        secret = check_secret(secret)
         with self._lock:
-            if name in self._ns_by_name:
-                return NamespaceInfo(self._ns_by_name[name], name)
-        if not create:
-            raise NamespaceNotFound(f"namespace {name!r} does not exist; open it with create=True first")
-        return self._writer.submit(_CreateNamespace(self, name))
+            ns_id = self._ns_by_name.get(name)
+        if ns_id is None:
+            if not create:
+                raise NamespaceNotFound(f"namespace {name!r} does not exist; open it with create=True first")
+            record = hash_secret(secret) if secret else None
+            info, created = self._writer.submit(_CreateNamespace(self, name, record))
+            if created:
+                return NamespaceInfo(info.id, name, self._handles.issue(info.id) if record else info.id)
+            ns_id = info.id  # created concurrently by another caller: its secret decides
+        with self._lock:
+            record = self._secret_of.get(ns_id)
+        if record is None:
+            if secret:
+                raise PermissionDenied(
+                    f"namespace {name!r} was created without a secret and cannot get one; "
+                    "open it without a secret, or protect a new namespace under another name"
+                )
+            return NamespaceInfo(ns_id, name, ns_id)
+        if not secret:
+            raise PermissionDenied(f"namespace {name!r} is protected by a secret; pass it to Open")
+        if not verify_secret(secret, record):
+            raise PermissionDenied(f"wrong secret for namespace {name!r}")
+        return NamespaceInfo(ns_id, name, self._handles.issue(ns_id))
+
+    def resolve(self, handle: int) -> int:
+        """The namespace id a request's ``namespace_id`` (a handle from Open) stands for.
+
+        Every method below that takes a ``namespace_id`` resolves it here first:
+        a protected namespace is reachable only through its random handle.
+        """
+        if handle > MAX_NAMESPACE_ID:
+            ns_id = self._handles.namespace_of(handle)
+            if ns_id is None:
+                raise NamespaceNotFound(
+                    f"namespace handle {handle} is not known to this daemon; handles of protected namespaces "
+                    "last one daemon run, so call Open again with the namespace's secret"
+                )
+            return ns_id
+        with self._lock:
+            name = self._ns_by_id.get(handle)
+            protected = handle in self._secret_of
+        if name is None:
+            raise NamespaceNotFound(f"namespace id {handle} is not open on this daemon; call Open first")
+        if protected:
+            raise PermissionDenied(
+                f"namespace {name!r} is protected by a secret; address it by the handle Open returned, not its id"
+            )
+        return handle
 
     def namespace_name(self, namespace_id: int) -> str:
+        """The name of the namespace a handle (or an unprotected id) stands for."""
+        ns_id = self.resolve(namespace_id)
         with self._lock:
-            name = self._ns_by_id.get(namespace_id)
-        if name is None:
-            raise NamespaceNotFound(f"namespace id {namespace_id} is not open on this daemon; call Open first")
-        return name
+            return self._ns_by_id[ns_id]
 
     # ---- entries ---------------------------------------------------------
 
@@ -179,7 +238,7 @@ class Store:
         Returns once the items are committed. All items of one call share a
         group and are committed atomically, or none is (budget, disk full).
         """
-        self.namespace_name(namespace_id)
+        namespace_id = self.resolve(namespace_id)
         prefix = group_prefix(namespace_id, fingerprint, depth)
         records = []
         for sample_id, variant, value in items:
@@ -205,7 +264,7 @@ class Store:
 
         A value that fails its checksum is deleted and EntryCorrupt raised.
         """
-        self.namespace_name(namespace_id)
+        namespace_id = self.resolve(namespace_id)
         encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
         out: list[bytes | None] = []
         corrupt: list[tuple[bytes, str]] = []
@@ -244,7 +303,7 @@ class Store:
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> tuple[int, int]:
         """Delete a namespace's entries (narrowed by fingerprint and depth); returns (entries, bytes)."""
-        self.namespace_name(namespace_id)
+        namespace_id = self.resolve(namespace_id)
         prefix = group_prefix(namespace_id, fingerprint, depth)
         entries = nbytes = 0
         while True:
@@ -290,7 +349,8 @@ class Store:
         """About how many bytes of ``data.mdb`` are free pages LMDB will reuse (file pages minus tree pages)."""
         used = 2  # meta pages
         main = self._env.stat()
-        for stat in [main, *(txn.stat(db) for db in (self._entries, self._namespaces, self._groups, self._meta))]:
+        tables = (self._entries, self._namespaces, self._groups, self._meta, self._secrets)
+        for stat in [main, *(txn.stat(db) for db in tables)]:
             used += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
         return max(0, self._env.info()["last_pgno"] + 1 - used) * main["psize"]
 
@@ -454,24 +514,33 @@ class _DeleteOp(_StoreOp):
 
 
 class _CreateNamespace(_StoreOp):
-    def __init__(self, store: Store, name: str) -> None:
+    """Creates a namespace (with its secret's hash); returns (info, created)."""
+
+    def __init__(self, store: Store, name: str, secret_record: bytes | None) -> None:
         super().__init__(store)
         self.name = name
+        self.secret_record = secret_record
 
     def apply(self, txn, pending):
         store = self.store
         existing = txn.get(self.name.encode(), db=store._namespaces)
         if existing is not None:
-            return NamespaceInfo(struct.unpack(">I", existing)[0], self.name)
+            return NamespaceInfo(struct.unpack(">I", existing)[0], self.name), False
         raw = txn.get(b"next_namespace_id", db=store._meta)
         ns_id = struct.unpack(">I", raw)[0] if raw else 1
         txn.put(self.name.encode(), struct.pack(">I", ns_id), db=store._namespaces)
         txn.put(b"next_namespace_id", struct.pack(">I", ns_id + 1), db=store._meta)
-        return NamespaceInfo(ns_id, self.name)
+        if self.secret_record:
+            txn.put(struct.pack(">I", ns_id), self.secret_record, db=store._secrets)
+        return NamespaceInfo(ns_id, self.name), True
 
     def publish(self, pending):
         super().publish(pending)
-        info: NamespaceInfo = self.result_value
+        info, created = self.result_value
+        if not created:
+            return
         with self.store._lock:
             self.store._ns_by_name[info.name] = info.id
             self.store._ns_by_id[info.id] = info.name
+            if self.secret_record:
+                self.store._secret_of[info.id] = self.secret_record

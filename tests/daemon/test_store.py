@@ -230,24 +230,26 @@ from actcache.daemon.store import Store
 from actcache.errors import BudgetExceeded
 from tests.daemon.test_store import FP, entry
 
+value = entry(0, 256 << 10)
 s = Store(StoreConfig(dir=sys.argv[1], map_size_bytes=1 << 20, zstd_level=0))
 ns = s.open_namespace("grow").id
 for start in range(0, 160, 16):  # 40 MiB: the map grows to 64 MiB
-    s.put(ns, FP, 1, [(i, 0, entry(i, 256 << 10)) for i in range(start, start + 16)])
+    s.put(ns, FP, 1, [(i, 0, value) for i in range(start, start + 16)])
 before = s.map_size()
+assert before == 64 << 20, before
 vms = psutil.Process().memory_info().vms
-resource.setrlimit(resource.RLIMIT_AS, (vms + (24 << 20), resource.RLIM_INFINITY))
+resource.setrlimit(resource.RLIMIT_AS, (vms + (40 << 20), resource.RLIM_INFINITY))  # growing needs 64 MiB more
 refused = 0
 for start in range(160, 400, 16):
     try:
-        s.put(ns, FP, 1, [(i, 0, entry(i, 256 << 10)) for i in range(start, start + 16)])
+        s.put(ns, FP, 1, [(i, 0, value) for i in range(start, start + 16)])
     except BudgetExceeded as exc:
         assert "cannot grow to" in str(exc) and "ulimit -v" in str(exc), exc
         refused += 1
 assert refused and s.map_size() == before, (refused, s.map_size(), before)
-assert s.get(ns, FP, 1, [(7, 0)]) == [entry(7, 256 << 10)]  # the environment is intact
+assert s.get(ns, FP, 1, [(7, 0)]) == [value]  # the environment is intact
 s.drop(ns)
-s.put(ns, FP, 1, [(i, 0, entry(i, 256 << 10)) for i in range(16)])  # freed pages, no growth needed
+s.put(ns, FP, 1, [(i, 0, value) for i in range(16)])  # freed pages, no growth needed
 s.close()
 print("refused", refused)
 """
