@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from actcache.daemon.config import DaemonConfig, ServerConfig, is_loopback
+from actcache.daemon.guard import RequestGuard
 from actcache.daemon.service import ActCacheService
 from actcache.daemon.store import Store
 from actcache.errors import ConfigError
@@ -145,7 +146,8 @@ class Daemon:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="actcache-rpc"),
             handlers=[service.handler()],
-            interceptors=[_TokenInterceptor(cfg.token)] if cfg.token else [],
+            # The token check runs first; the guard makes unparsable requests INVALID_ARGUMENT.
+            interceptors=([_TokenInterceptor(cfg.token)] if cfg.token else []) + [RequestGuard(SERVICE)],
             options=[
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),

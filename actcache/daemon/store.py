@@ -258,18 +258,27 @@ class Store:
         return self._writer.submit(_PutOp(self, prefix, records))
 
     def get(
-        self, namespace_id: int, fingerprint: bytes, depth: int, keys: Sequence[tuple[int, int]]
+        self,
+        namespace_id: int,
+        fingerprint: bytes,
+        depth: int,
+        keys: Sequence[tuple[int, int]],
+        *,
+        max_bytes: int | None = None,
     ) -> list[bytes | None]:
         """Return the entry of each ``(sample_id, variant)``, or None for a miss.
 
-        A value that fails its checksum is deleted and EntryCorrupt raised.
+        With ``max_bytes``, stops once the values read reach that many bytes
+        (always after at least one key): the result may be shorter than
+        ``keys``, a prefix of it. A value that fails its checksum is deleted
+        and EntryCorrupt raised.
         """
         namespace_id = self.resolve(namespace_id)
         encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
         out: list[bytes | None] = []
         corrupt: list[tuple[bytes, str]] = []
         try:
-            self._read(encoded, out, corrupt)
+            self._read(encoded, out, corrupt, max_bytes)
         except DAMAGE_ERRORS as exc:
             reason = f"a read failed: {exc}"
             mark_damaged(self.config.dir, reason)
@@ -286,10 +295,16 @@ class Store:
             )
         return out
 
-    def _read(self, keys: list[bytes], out: list[bytes | None], corrupt: list[tuple[bytes, str]]) -> None:
+    def _read(
+        self, keys: list[bytes], out: list[bytes | None], corrupt: list[tuple[bytes, str]], max_bytes: int | None
+    ) -> None:
+        nbytes = 0
         with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
             for key in keys:
+                if max_bytes is not None and nbytes >= max_bytes:
+                    return
                 value = txn.get(key)
+                nbytes += 0 if value is None else len(value)
                 if value is None:
                     out.append(None)
                     continue
