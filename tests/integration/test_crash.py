@@ -148,7 +148,10 @@ def test_acknowledged_puts_survive_kill_9(tmp_path, capsys):
             daemon.args = ["--sync"] if round_ % 2 else []
             daemon.start()  # same directory and socket, no cleanup
             ids = acknowledged(ack_paths)
-            verify(daemon, ids)
+            try:
+                verify(daemon, ids)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc} (round {round_}; random choices: ACTCACHE_CRASH_SEED={seed})") from None
             verified += len(ids)
     finally:
         stop.set()
