@@ -51,6 +51,7 @@ def _connection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", help="daemon Unix socket (default: $ACTCACHE_SOCKET or the per-user runtime dir)")
     p.add_argument("--address", help="daemon HOST:PORT instead of a socket")
     p.add_argument("--token-file", help="file holding the daemon's token (or set ACTCACHE_TOKEN)")
+    p.add_argument("--tls-ca", help="PEM certificate(s) to verify a TLS daemon at --address")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the daemon (default 10)")
 
@@ -62,21 +63,37 @@ def _client(args: argparse.Namespace):
     if args.token_file:
         with open(args.token_file) as f:
             token = f.read().strip()
-    return RpcClient(target_for(args.socket, args.address), token=token, timeout_s=args.timeout, retries=1)
+    roots = None
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            roots = f.read()
+    return RpcClient(target_for(args.socket, args.address), token=token, timeout_s=args.timeout, retries=1,
+                     root_certificates=roots)
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="cache directory (env ACTCACHE_DIR)")
     p.add_argument("--socket", help="Unix socket path (env ACTCACHE_SOCKET; default $XDG_RUNTIME_DIR/actcache/actcache.sock or /tmp/actcache-UID/actcache.sock)")
-    p.add_argument("--listen", help="also listen on TCP HOST:PORT; requires a token")
+    p.add_argument("--socket-mode", help="permission bits of the socket (default 0600; 0660 shares it with --socket-group)")
+    p.add_argument("--socket-group", help="group given the socket, e.g. a project's group")
+    p.add_argument("--listen", help="also listen on TCP HOST:PORT (loopback only unless --allow-remote); requires a token")
+    p.add_argument("--allow-remote", action="store_true", default=None,
+                   help="allow --listen on a non-loopback address (use TLS)")
     p.add_argument("--token-file", help="file holding the TCP token (or set ACTCACHE_TOKEN)")
+    p.add_argument("--tls-cert", help="PEM certificate chain for TLS on --listen")
+    p.add_argument("--tls-key", help="PEM private key for TLS on --listen")
     p.add_argument("--budget", type=_size, help="byte budget of the whole cache, e.g. 100GiB (default unlimited)")
     p.add_argument("--namespace-budget", type=_size, help="byte budget of each namespace (default unlimited)")
     p.add_argument("--map-size", type=_size, help="initial LMDB map size (default 1GiB; grows as needed)")
     p.add_argument("--zstd-level", type=int, help="zstd level for raw entries, 0 = store raw (default 1)")
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=None,
-                   help="fsync every commit (default off: commits survive a daemon crash; an OS crash may lose the last 5 s)")
+                   help="fsync every commit so acknowledged puts survive an OS crash (default off: they survive a daemon crash)")
     p.add_argument("--max-entry-bytes", type=_size, help="largest entry accepted (default 64MiB)")
+    p.add_argument("--on-corrupt", choices=["refuse", "move-aside"],
+                   help="LMDB files that are damaged or not an actcache store: refuse to start (default), "
+                        "or rename them to *.corrupt-<time> and start empty")
+    p.add_argument("--disk-reserve", type=_size,
+                   help="free disk space puts leave untouched so that drops can commit (default 64MiB)")
     p.add_argument("--workers", type=int, help="RPC threads (default 16)")
     p.add_argument("--throttle-read-mbps", type=float,
                    help="cap served bytes at this many MB/s, to reproduce a slow disk (experiments; default off)")
@@ -145,13 +162,18 @@ def _add_drop(p: argparse.ArgumentParser) -> None:
     p.add_argument("namespace", help="namespace to drop entries of")
     p.add_argument("--fingerprint", help="only this fingerprint (32 hex digits)")
     p.add_argument("--depth", type=int, help="only this depth (with --fingerprint)")
+    p.add_argument("--secret-file", help="file holding the namespace's secret, if it was created with one")
 
 
 @command("drop", "delete a namespace's entries, or one fingerprint's, or one depth's")(_add_drop)
 def _run_drop(args: argparse.Namespace) -> int:
     fingerprint = bytes.fromhex(args.fingerprint) if args.fingerprint else None
     with _client(args) as client:
-        ns = client.open(args.namespace, create=False)
+        secret = None
+        if args.secret_file:
+            with open(args.secret_file, "rb") as f:
+                secret = f.read().strip()
+        ns = client.open(args.namespace, create=False, secret=secret)
         reply = client.drop(ns.namespace_id, fingerprint, args.depth)
     if args.json:
         print(json.dumps({"entries": reply.entries, "bytes": reply.bytes}))

@@ -4,6 +4,8 @@
     ├── ConfigError                 a flag, env var or config value is invalid
     ├── DaemonUnavailable           the daemon cannot be reached or timed out   UNAVAILABLE / DEADLINE_EXCEEDED
     ├── Unauthenticated             missing or wrong token                      UNAUTHENTICATED
+    ├── PermissionDenied            wrong or missing namespace secret, or a     PERMISSION_DENIED
+    │                               protected namespace addressed by its id
     ├── NamespaceNotFound           unknown namespace name or handle            NOT_FOUND
     ├── InvalidRequest              malformed request or entry (dtype, shape,   INVALID_ARGUMENT
     │                               length, key field out of range)
@@ -26,6 +28,7 @@ __all__ = [
     "EntryCorrupt",
     "InvalidRequest",
     "NamespaceNotFound",
+    "PermissionDenied",
     "StoreError",
     "Unauthenticated",
     "error_from_status",
@@ -55,6 +58,13 @@ class Unauthenticated(ActCacheError):
     """The request carried no token or a wrong one (TCP listeners only)."""
 
     status = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ActCacheError):
+    """The namespace is protected: Open without its secret, a wrong secret, or a request
+    naming it by its small id instead of the handle Open returned."""
+
+    status = grpc.StatusCode.PERMISSION_DENIED
 
 
 class NamespaceNotFound(ActCacheError):
@@ -92,6 +102,7 @@ _BY_STATUS: dict[grpc.StatusCode, type[ActCacheError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DaemonUnavailable,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.NOT_FOUND: NamespaceNotFound,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.DATA_LOSS: EntryCorrupt,
     grpc.StatusCode.RESOURCE_EXHAUSTED: BudgetExceeded,

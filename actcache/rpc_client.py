@@ -135,9 +135,16 @@ class RpcClient:
 
     # ---- RPCs ------------------------------------------------------------
 
-    def open(self, name: str, *, create: bool = True) -> pb.OpenReply:
-        """Open (or create) a namespace; returns its handle and limits."""
-        request = pb.OpenRequest(name=name, create=create)
+    def open(self, name: str, *, create: bool = True, secret: bytes | str | None = None) -> pb.OpenReply:
+        """Open (or create) a namespace; returns its handle and limits.
+
+        With a ``secret`` the namespace is protected: only Opens presenting it
+        get the handle (a random 64-bit value valid until the daemon restarts;
+        on NamespaceNotFound for it, open again).
+        """
+        if isinstance(secret, str):
+            secret = secret.encode()
+        request = pb.OpenRequest(name=name, create=create, secret=secret or b"")
         return self._invoke(lambda t: self._call("Open")(request, timeout=t, metadata=self._metadata()))
 
     def put(

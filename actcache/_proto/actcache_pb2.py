@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61\x63tcache/_proto/actcache.proto\x12\x0b\x61\x63tcache.v1\"(\n\x05\x46rame\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"+\n\x0bOpenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x63reate\x18\x02 \x01(\x08\"\xaa\x01\n\tOpenReply\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\r\x12\x1e\n\x16namespace_budget_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64\x61\x65mon_budget_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fmax_entry_bytes\x18\x05 \x01(\x04\x12\x16\n\x0eserver_version\x18\x06 \x01(\t\"|\n\tPutHeader\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x12\n\nsample_ids\x18\x04 \x03(\x04\x12\x10\n\x08variants\x18\x05 \x03(\r\x12\x0f\n\x07lengths\x18\x06 \x03(\x04\"C\n\x08PutReply\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x02 \x01(\x04\x12\x10\n\x08replaced\x18\x03 \x01(\x04\"l\n\nGetRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x12\n\nsample_ids\x18\x04 \x03(\x04\x12\x10\n\x08variants\x18\x05 \x03(\r\"U\n\rEntriesHeader\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x12\n\nsample_ids\x18\x02 \x03(\x04\x12\x10\n\x08variants\x18\x03 \x03(\r\x12\x0f\n\x07lengths\x18\x04 \x03(\x04\"\x84\x01\n\rScheduleChunk\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x13\n\x0bschedule_id\x18\x04 \x01(\t\x12\x12\n\nsample_ids\x18\x05 \x03(\x04\x12\x10\n\x08variants\x18\x06 \x03(\r\"4\n\rScheduleReply\x12\x13\n\x0bschedule_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\"H\n\x0c\x46\x65tchRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\r\x12\x13\n\x0bschedule_id\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\x04\"V\n\x0b\x44ropRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x12\n\x05\x64\x65pth\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_depth\"+\n\tDropReply\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"c\n\nGroupStats\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\"j\n\x0eNamespaceStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\r\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x05 \x01(\x04\"\x8a\x03\n\nStatsReply\x12/\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1b.actcache.v1.NamespaceStats\x12\'\n\x06groups\x18\x02 \x03(\x0b\x32\x17.actcache.v1.GroupStats\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\x12\x16\n\x0emap_size_bytes\x18\x05 \x01(\x04\x12\x12\n\nfile_bytes\x18\x06 \x01(\x04\x12\x12\n\nputs_total\x18\x07 \x01(\x04\x12\x17\n\x0fput_bytes_total\x18\x08 \x01(\x04\x12\x12\n\ngets_total\x18\t \x01(\x04\x12\x12\n\nhits_total\x18\n \x01(\x04\x12\x14\n\x0cmisses_total\x18\x0b \x01(\x04\x12\x1a\n\x12served_bytes_total\x18\x0c \x01(\x04\x12\x15\n\rcorrupt_total\x18\r \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x0e \x01(\x01\x12\x16\n\x0eserver_version\x18\x0f \x01(\t2\xa5\x03\n\x08\x41\x63tCache\x12\x38\n\x04Open\x12\x18.actcache.v1.OpenRequest\x1a\x16.actcache.v1.OpenReply\x12\x32\n\x03Put\x12\x12.actcache.v1.Frame\x1a\x15.actcache.v1.PutReply(\x01\x12\x34\n\x03Get\x12\x17.actcache.v1.GetRequest\x1a\x12.actcache.v1.Frame0\x01\x12\x44\n\x08Schedule\x12\x1a.actcache.v1.ScheduleChunk\x1a\x1a.actcache.v1.ScheduleReply(\x01\x12\x38\n\x05\x46\x65tch\x12\x19.actcache.v1.FetchRequest\x1a\x12.actcache.v1.Frame0\x01\x12\x38\n\x04\x44rop\x12\x18.actcache.v1.DropRequest\x1a\x16.actcache.v1.DropReply\x12;\n\x05Stats\x12\x19.actcache.v1.StatsRequest\x1a\x17.actcache.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61\x63tcache/_proto/actcache.proto\x12\x0b\x61\x63tcache.v1\"(\n\x05\x46rame\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\";\n\x0bOpenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x63reate\x18\x02 \x01(\x08\x12\x0e\n\x06secret\x18\x03 \x01(\x0c\"\xaa\x01\n\tOpenReply\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x04\x12\x1e\n\x16namespace_budget_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64\x61\x65mon_budget_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fmax_entry_bytes\x18\x05 \x01(\x04\x12\x16\n\x0eserver_version\x18\x06 \x01(\t\"|\n\tPutHeader\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x12\n\nsample_ids\x18\x04 \x03(\x04\x12\x10\n\x08variants\x18\x05 \x03(\r\x12\x0f\n\x07lengths\x18\x06 \x03(\x04\"C\n\x08PutReply\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x02 \x01(\x04\x12\x10\n\x08replaced\x18\x03 \x01(\x04\"l\n\nGetRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x12\n\nsample_ids\x18\x04 \x03(\x04\x12\x10\n\x08variants\x18\x05 \x03(\r\"U\n\rEntriesHeader\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x12\n\nsample_ids\x18\x02 \x03(\x04\x12\x10\n\x08variants\x18\x03 \x03(\r\x12\x0f\n\x07lengths\x18\x04 \x03(\x04\"\x84\x01\n\rScheduleChunk\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x13\n\x0bschedule_id\x18\x04 \x01(\t\x12\x12\n\nsample_ids\x18\x05 \x03(\x04\x12\x10\n\x08variants\x18\x06 \x03(\r\"4\n\rScheduleReply\x12\x13\n\x0bschedule_id\x18\x01 \x01(\t\x12\x0e\n\x06length\x18\x02 \x01(\x04\"H\n\x0c\x46\x65tchRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x04\x12\x13\n\x0bschedule_id\x18\x02 \x01(\t\x12\r\n\x05start\x18\x03 \x01(\x04\"V\n\x0b\x44ropRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x12\n\x05\x64\x65pth\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_depth\"+\n\tDropReply\x12\x0f\n\x07\x65ntries\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"c\n\nGroupStats\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\x12\x0f\n\x07\x65ntries\x18\x04 \x01(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\"j\n\x0eNamespaceStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cnamespace_id\x18\x02 \x01(\r\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x05 \x01(\x04\"\x8a\x03\n\nStatsReply\x12/\n\nnamespaces\x18\x01 \x03(\x0b\x32\x1b.actcache.v1.NamespaceStats\x12\'\n\x06groups\x18\x02 \x03(\x0b\x32\x17.actcache.v1.GroupStats\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x04\x12\x16\n\x0emap_size_bytes\x18\x05 \x01(\x04\x12\x12\n\nfile_bytes\x18\x06 \x01(\x04\x12\x12\n\nputs_total\x18\x07 \x01(\x04\x12\x17\n\x0fput_bytes_total\x18\x08 \x01(\x04\x12\x12\n\ngets_total\x18\t \x01(\x04\x12\x12\n\nhits_total\x18\n \x01(\x04\x12\x14\n\x0cmisses_total\x18\x0b \x01(\x04\x12\x1a\n\x12served_bytes_total\x18\x0c \x01(\x04\x12\x15\n\rcorrupt_total\x18\r \x01(\x04\x12\x16\n\x0euptime_seconds\x18\x0e \x01(\x01\x12\x16\n\x0eserver_version\x18\x0f \x01(\t2\xa5\x03\n\x08\x41\x63tCache\x12\x38\n\x04Open\x12\x18.actcache.v1.OpenRequest\x1a\x16.actcache.v1.OpenReply\x12\x32\n\x03Put\x12\x12.actcache.v1.Frame\x1a\x15.actcache.v1.PutReply(\x01\x12\x34\n\x03Get\x12\x17.actcache.v1.GetRequest\x1a\x12.actcache.v1.Frame0\x01\x12\x44\n\x08Schedule\x12\x1a.actcache.v1.ScheduleChunk\x1a\x1a.actcache.v1.ScheduleReply(\x01\x12\x38\n\x05\x46\x65tch\x12\x19.actcache.v1.FetchRequest\x1a\x12.actcache.v1.Frame0\x01\x12\x38\n\x04\x44rop\x12\x18.actcache.v1.DropRequest\x1a\x16.actcache.v1.DropReply\x12;\n\x05Stats\x12\x19.actcache.v1.StatsRequest\x1a\x17.actcache.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FRAME']._serialized_start=47
   _globals['_FRAME']._serialized_end=87
   _globals['_OPENREQUEST']._serialized_start=89
-  _globals['_OPENREQUEST']._serialized_end=132
-  _globals['_OPENREPLY']._serialized_start=135
-  _globals['_OPENREPLY']._serialized_end=305
-  _globals['_PUTHEADER']._serialized_start=307
-  _globals['_PUTHEADER']._serialized_end=431
-  _globals['_PUTREPLY']._serialized_start=433
-  _globals['_PUTREPLY']._serialized_end=500
-  _globals['_GETREQUEST']._serialized_start=502
-  _globals['_GETREQUEST']._serialized_end=610
-  _globals['_ENTRIESHEADER']._serialized_start=612
-  _globals['_ENTRIESHEADER']._serialized_end=697
-  _globals['_SCHEDULECHUNK']._serialized_start=700
-  _globals['_SCHEDULECHUNK']._serialized_end=832
-  _globals['_SCHEDULEREPLY']._serialized_start=834
-  _globals['_SCHEDULEREPLY']._serialized_end=886
-  _globals['_FETCHREQUEST']._serialized_start=888
-  _globals['_FETCHREQUEST']._serialized_end=960
-  _globals['_DROPREQUEST']._serialized_start=962
-  _globals['_DROPREQUEST']._serialized_end=1048
-  _globals['_DROPREPLY']._serialized_start=1050
-  _globals['_DROPREPLY']._serialized_end=1093
-  _globals['_STATSREQUEST']._serialized_start=1095
-  _globals['_STATSREQUEST']._serialized_end=1109
-  _globals['_GROUPSTATS']._serialized_start=1111
-  _globals['_GROUPSTATS']._serialized_end=1210
-  _globals['_NAMESPACESTATS']._serialized_start=1212
-  _globals['_NAMESPACESTATS']._serialized_end=1318
-  _globals['_STATSREPLY']._serialized_start=1321
-  _globals['_STATSREPLY']._serialized_end=1715
-  _globals['_ACTCACHE']._serialized_start=1718
-  _globals['_ACTCACHE']._serialized_end=2139
+  _globals['_OPENREQUEST']._serialized_end=148
+  _globals['_OPENREPLY']._serialized_start=151
+  _globals['_OPENREPLY']._serialized_end=321
+  _globals['_PUTHEADER']._serialized_start=323
+  _globals['_PUTHEADER']._serialized_end=447
+  _globals['_PUTREPLY']._serialized_start=449
+  _globals['_PUTREPLY']._serialized_end=516
+  _globals['_GETREQUEST']._serialized_start=518
+  _globals['_GETREQUEST']._serialized_end=626
+  _globals['_ENTRIESHEADER']._serialized_start=628
+  _globals['_ENTRIESHEADER']._serialized_end=713
+  _globals['_SCHEDULECHUNK']._serialized_start=716
+  _globals['_SCHEDULECHUNK']._serialized_end=848
+  _globals['_SCHEDULEREPLY']._serialized_start=850
+  _globals['_SCHEDULEREPLY']._serialized_end=902
+  _globals['_FETCHREQUEST']._serialized_start=904
+  _globals['_FETCHREQUEST']._serialized_end=976
+  _globals['_DROPREQUEST']._serialized_start=978
+  _globals['_DROPREQUEST']._serialized_end=1064
+  _globals['_DROPREPLY']._serialized_start=1066
+  _globals['_DROPREPLY']._serialized_end=1109
+  _globals['_STATSREQUEST']._serialized_start=1111
+  _globals['_STATSREQUEST']._serialized_end=1125
+  _globals['_GROUPSTATS']._serialized_start=1127
+  _globals['_GROUPSTATS']._serialized_end=1226
+  _globals['_NAMESPACESTATS']._serialized_start=1228
+  _globals['_NAMESPACESTATS']._serialized_end=1334
+  _globals['_STATSREPLY']._serialized_start=1337
+  _globals['_STATSREPLY']._serialized_end=1731
+  _globals['_ACTCACHE']._serialized_start=1734
+  _globals['_ACTCACHE']._serialized_end=2155
 # @@protoc_insertion_point(module_scope)

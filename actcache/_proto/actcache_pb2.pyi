@@ -15,12 +15,14 @@ class Frame(_message.Message):
     def __init__(self, header: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("name", "create")
+    __slots__ = ("name", "create", "secret")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CREATE_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     name: str
     create: bool
-    def __init__(self, name: _Optional[str] = ..., create: _Optional[bool] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, name: _Optional[str] = ..., create: _Optional[bool] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class OpenReply(_message.Message):
     __slots__ = ("namespace_id", "namespace_budget_bytes", "daemon_budget_bytes", "max_message_bytes", "max_entry_bytes", "server_version")

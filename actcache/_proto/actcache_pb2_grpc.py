@@ -83,7 +83,8 @@ class ActCacheServicer:
 
     def Put(self, request_iterator, context):
         """Stores entries. Each frame: header = PutHeader, payload = entries.
-        The reply comes after every entry of the call is committed to disk.
+        The reply comes after every entry of the call is committed (written to
+        the OS; fsynced too with --sync): it survives a crash of the daemon.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

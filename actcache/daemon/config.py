@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ __all__ = [
     "ServerConfig",
     "StoreConfig",
     "format_size",
+    "is_loopback",
     "parse_size",
 ]
 
@@ -48,6 +50,18 @@ def format_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP literal, ``[v6]`` or ``localhost``) is a loopback address; names other
+    than localhost are not resolved and count as remote."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True, kw_only=True)
 class StoreConfig:
     """The LMDB activation store."""
@@ -61,24 +75,34 @@ class StoreConfig:
     map_size_bytes: int = 1 << 30
     #: zstd level for entries sent raw; 0 stores them raw.
     zstd_level: int = 1
-    #: fsync every commit. Off: commits survive a daemon crash, and an OS crash
-    #: loses at most the last ``sync_interval_s`` of writes (never tears an entry).
+    #: fsync every commit (acknowledged puts survive an OS crash). Off: they
+    #: survive a crash of the daemon (kill -9 included); an OS crash may lose the
+    #: writes since the last flush (every ``sync_interval_s``) or leave the file
+    #: inconsistent (entry checksums and --on-corrupt handle that).
     sync: bool = False
     sync_interval_s: float = 5.0
     #: Largest single encoded entry accepted.
     max_entry_bytes: int = 64 << 20
     #: Puts committed together in one write transaction, at most.
     max_batch_bytes: int = 64 << 20
+    #: What to do with LMDB files that are damaged or not an actcache store:
+    #: "refuse" to start, or "move-aside" (rename to *.corrupt-<time>) and start empty.
+    on_corrupt: str = "refuse"
+    #: Free disk space puts never eat into, so that drops can always commit;
+    #: 0 = no check (a put then fails only when a commit finds the disk full).
+    disk_reserve_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", Path(self.dir))
-        for name in ("budget_bytes", "namespace_budget_bytes"):
+        for name in ("budget_bytes", "namespace_budget_bytes", "disk_reserve_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.map_size_bytes < 1 << 20:
             raise ConfigError(f"map_size_bytes must be at least 1 MiB, got {self.map_size_bytes}")
         if not 0 <= self.zstd_level <= 22:
             raise ConfigError(f"zstd_level must be 0..22, got {self.zstd_level}")
+        if self.on_corrupt not in ("refuse", "move-aside"):
+            raise ConfigError(f"on_corrupt must be 'refuse' or 'move-aside', got {self.on_corrupt!r}")
         if self.max_entry_bytes < 1024:
             raise ConfigError(f"max_entry_bytes must be at least 1 KiB, got {self.max_entry_bytes}")
 
@@ -88,9 +112,17 @@ class ServerConfig:
     """The gRPC endpoint."""
 
     socket: Path | None = None
-    #: ``HOST:PORT`` for TCP; requires a token.
+    #: Permission bits of the socket; 0o660 with ``socket_group`` shares it with a group.
+    socket_mode: int = 0o600
+    #: Group (name or gid) given the socket.
+    socket_group: str | None = None
+    #: ``HOST:PORT`` for TCP; requires a token. Loopback hosts only unless ``allow_remote``.
     listen: str | None = None
+    allow_remote: bool = False
     token: str | None = field(default=None, repr=False)
+    #: PEM certificate chain and private key: TLS on the TCP listener.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     max_message_bytes: int = 128 << 20
     workers: int = 16
     #: Seconds in-flight calls get to finish on SIGTERM.
@@ -105,12 +137,37 @@ class ServerConfig:
             )
         if self.listen and not re.fullmatch(r".+:\d+", self.listen):
             raise ConfigError(f"--listen must be HOST:PORT, got {self.listen!r}")
+        if self.listen and not self.allow_remote and not is_loopback(self.listen.rsplit(":", 1)[0]):
+            raise ConfigError(
+                f"--listen {self.listen} is not a loopback address; the daemon listens on 127.0.0.1, ::1 or "
+                "localhost only, unless --allow-remote is given (then use --tls-cert/--tls-key too)"
+            )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both --tls-cert FILE and --tls-key FILE")
+        if self.tls_cert is not None and not self.listen:
+            raise ConfigError("--tls-cert/--tls-key secure the TCP listener; pass --listen HOST:PORT too")
+        if not 0 <= self.socket_mode <= 0o777 or self.socket_mode & 0o600 != 0o600:
+            raise ConfigError(f"--socket-mode {self.socket_mode:#o} must give the owner read and write (0600 or 0660)")
+        if self.socket_mode & 0o007:
+            raise ConfigError(
+                f"--socket-mode {self.socket_mode:#o} would let every local user connect; "
+                "share the socket with a group instead (--socket-mode 0660 --socket-group GROUP)"
+            )
         if self.socket is not None and len(str(self.socket)) > 100:
             raise ConfigError(f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow about 100")
         if self.throttle_read_mbps < 0:
             raise ConfigError(f"--throttle-read-mbps must be >= 0, got {self.throttle_read_mbps}")
         if self.workers < 2:
             raise ConfigError(f"workers must be >= 2, got {self.workers}")
+
+
+def _octal(text: str | int) -> int:
+    if isinstance(text, int):
+        return text
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise ConfigError(f"--socket-mode must be octal permission bits such as 0660, got {text!r}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +243,8 @@ class DaemonConfig:
                 zstd_level=pick("zstd_level", int),
                 sync=pick("sync", as_bool),
                 max_entry_bytes=pick("max_entry_bytes", parse_size),
+                disk_reserve_bytes=pick("disk_reserve", parse_size),
+                on_corrupt=pick("on_corrupt"),
             ),
         )
         listen = pick("listen")
@@ -193,8 +252,18 @@ class DaemonConfig:
         if socket is None and not listen:
             socket = default_socket_path()
         server = ServerConfig(
-            socket=socket, listen=listen, token=token,
-            **given(workers=pick("workers", int), throttle_read_mbps=pick("throttle_read_mbps", float)),
+            socket=socket,
+            listen=listen,
+            token=token,
+            **given(
+                workers=pick("workers", int),
+                throttle_read_mbps=pick("throttle_read_mbps", float),
+                allow_remote=pick("allow_remote", as_bool),
+                tls_cert=pick("tls_cert", Path),
+                tls_key=pick("tls_key", Path),
+                socket_mode=pick("socket_mode", _octal),
+                socket_group=pick("socket_group", str),
+            ),
         )
         metrics = MetricsConfig(**given(port=pick("metrics_port", _port), host=pick("metrics_host")))
         return cls(store=store, server=server, metrics=metrics, log_level=pick("log_level") or "INFO")

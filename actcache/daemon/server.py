@@ -1,8 +1,10 @@
 """The daemon process: binds the socket, serves the ActCache and health services, drains on SIGTERM.
 
 Lifecycle (DaemonState): STARTING -> SERVING -> DRAINING -> STOPPED.
-SERVING starts once the socket is bound, restricted to its owner (0600) and
-the health service reports SERVING. DRAINING refuses new calls, lets
+SERVING starts once the socket is bound, restricted to its owner (0600, or
+the ``--socket-mode`` given to ``--socket-group``) and the health service
+reports SERVING. TCP listens on loopback only unless ``--allow-remote``,
+requires the token on every call and speaks TLS with ``--tls-cert/--tls-key``. DRAINING refuses new calls, lets
 in-flight ones finish (``grace_s``), commits queued writes and closes LMDB.
 """
 
@@ -22,7 +24,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from actcache.daemon.config import DaemonConfig
+from actcache.daemon.config import DaemonConfig, ServerConfig, is_loopback
+from actcache.daemon.guard import RequestGuard
 from actcache.daemon.service import ActCacheService
 from actcache.daemon.store import Store
 from actcache.daemon.throttle import Throttle
@@ -70,9 +73,31 @@ def _denying_handler(like: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return factory(deny, like.request_deserializer, like.response_serializer)
 
 
-def _claim_socket(path: Path) -> None:
-    """Create the socket's directory (0700) and remove a stale socket; refuse if a daemon answers."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+def _socket_gid(group: str) -> int:
+    import grp
+
+    try:
+        return grp.getgrgid(int(group)).gr_gid if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--socket-group {group!r} is not a group on this machine") from None
+
+
+def _claim_socket(path: Path, gid: int | None) -> None:
+    """Create the socket's directory and remove a stale socket; refuse if a daemon answers.
+
+    A directory the daemon creates is 0700, or 2710 owned by the socket's group
+    when it is shared (the group may reach the socket, not list or add files).
+    """
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if gid is not None:
+            os.chown(path.parent, -1, gid)
+            os.chmod(path.parent, 0o2710)
+    elif gid is not None:
+        st = path.parent.stat()
+        if not (st.st_mode & 0o010 and st.st_gid == gid or st.st_mode & 0o001):
+            log.warning("the socket is shared with gid %d but its directory %s does not let that group in "
+                        "(mode %o, gid %d); see README, Access control", gid, path.parent, st.st_mode & 0o7777, st.st_gid)
     if not path.exists():
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -87,6 +112,21 @@ def _claim_socket(path: Path) -> None:
     finally:
         probe.close()
     raise ConfigError(f"another daemon is already serving on {path}; stop it or pass --socket PATH")
+
+
+def _tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        if cfg.listen and not is_loopback(cfg.listen.rsplit(":", 1)[0]):
+            log.warning("listening on %s without TLS: the token and all data cross the network in clear; "
+                        "pass --tls-cert/--tls-key", cfg.listen)
+        return None
+    pair = []
+    for what, path in (("key", cfg.tls_key), ("certificate", cfg.tls_cert)):
+        try:
+            pair.append(path.read_bytes())
+        except OSError as exc:
+            raise ConfigError(f"cannot read the TLS {what} {path}: {exc.strerror}") from exc
+    return grpc.ssl_server_credentials([(pair[0], pair[1])])
 
 
 class Daemon:
@@ -110,7 +150,8 @@ class Daemon:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="actcache-rpc"),
             handlers=[service.handler()],
-            interceptors=[_TokenInterceptor(cfg.token)] if cfg.token else [],
+            # The token check runs first; the guard makes unparsable requests INVALID_ARGUMENT.
+            interceptors=([_TokenInterceptor(cfg.token)] if cfg.token else []) + [RequestGuard(SERVICE)],
             options=[
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -119,21 +160,25 @@ class Daemon:
             maximum_concurrent_rpcs=cfg.workers * 8,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        gid = _socket_gid(cfg.socket_group) if cfg.socket_group else None
         if cfg.socket is not None:
-            _claim_socket(cfg.socket)
+            _claim_socket(cfg.socket, gid)
             self._bind(f"unix:{cfg.socket}")
             self._owns_socket = True
         if cfg.listen:
-            self.port = self._bind(cfg.listen)
+            self.port = self._bind(cfg.listen, _tls_credentials(cfg))
         if self.config.metrics.port is not None:
             from actcache.daemon.metrics import DaemonCollector, MetricsEndpoint, daemon_families
 
             self.metrics = MetricsEndpoint(self.config.metrics, DaemonCollector(daemon_families(self.store, service)))
         self._server.start()
         if cfg.socket is not None:
-            os.chmod(cfg.socket, 0o600)
+            os.chmod(cfg.socket, cfg.socket_mode)
+            if gid is not None:
+                os.chown(cfg.socket, -1, gid)
         where = [f"unix:{cfg.socket}"] if cfg.socket else []
-        where += [f"tcp:{cfg.listen} (port {self.port})"] if cfg.listen else []
+        tls = " with TLS" if cfg.tls_cert else ""
+        where += [f"tcp:{cfg.listen} (port {self.port}){tls}"] if cfg.listen else []
         where += [f"metrics {self.metrics.url}"] if self.metrics else []
         # Logged before health turns SERVING, so whoever waited on health can read the addresses.
         log.info("actcache daemon serving %s on %s (pid %d)", self.config.store.dir, ", ".join(where), os.getpid())
@@ -141,9 +186,12 @@ class Daemon:
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.state = DaemonState.SERVING
 
-    def _bind(self, address: str) -> int:
+    def _bind(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
         try:
-            port = self._server.add_insecure_port(address)
+            if credentials is not None:
+                port = self._server.add_secure_port(address, credentials)
+            else:
+                port = self._server.add_insecure_port(address)
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {address}: {exc}") from exc
         if port == 0:

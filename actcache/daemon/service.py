@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 # Entries are packed into reply frames of about this many bytes.
 _REPLY_FRAME_BYTES = 4 << 20
 _MAX_IDS_PER_GET = 1 << 20
+# Keys looked up per store read (each read also stops at _REPLY_FRAME_BYTES of values).
+_IDS_PER_READ = 4096
 
 
 @dataclass
@@ -124,10 +126,10 @@ class ActCacheService:
 
     @_status_on_error
     def Open(self, request: pb.OpenRequest, context) -> pb.OpenReply:
-        info = self.store.open_namespace(request.name, create=request.create)
+        info = self.store.open_namespace(request.name, create=request.create, secret=request.secret)
         cfg = self.store.config
         return pb.OpenReply(
-            namespace_id=info.id,
+            namespace_id=info.handle,
             namespace_budget_bytes=cfg.namespace_budget_bytes,
             daemon_budget_bytes=cfg.budget_bytes,
             max_message_bytes=self.max_message_bytes,
@@ -159,34 +161,39 @@ class ActCacheService:
 
     @_stream_status_on_error
     def Get(self, request: pb.GetRequest, context) -> Iterator[bytes]:
+        """Streams the entries in request order, reading one reply frame's worth at a time
+        (memory stays near ``_REPLY_FRAME_BYTES`` per call, whatever the number of ids)."""
         count = len(request.sample_ids)
         if count > _MAX_IDS_PER_GET:
             raise InvalidRequest(f"Get asks for {count} entries; at most {_MAX_IDS_PER_GET} per call")
-        keys = list(zip(request.sample_ids, _variants(request.variants, count)))
-        try:
-            values = self.store.get(request.namespace_id, request.fingerprint, request.depth, keys)
-        except EntryCorrupt:
-            self.counters.add(corrupt_total=1)
-            raise
-        hits = sum(v is not None for v in values)
-        self.counters.add(gets_total=1, hits_total=hits, misses_total=count - hits)
+        variants = request.variants
+        if variants and len(variants) != count:
+            raise InvalidRequest(f"{len(variants)} variants for {count} sample ids; send one per id or none")
+        self.counters.add(gets_total=1)
         start = 0
-        while start < count or start == 0:
-            stop, size = start, 0
-            while stop < count and (stop == start or size + len(values[stop] or b"") <= _REPLY_FRAME_BYTES):
-                size += len(values[stop] or b"")
-                stop += 1
-            chunk = values[start:stop]
+        while True:
+            ids = request.sample_ids[start : start + _IDS_PER_READ]
+            keys = list(zip(ids, variants[start : start + _IDS_PER_READ] if variants else [0] * len(ids)))
+            try:
+                values = self.store.get(
+                    request.namespace_id, request.fingerprint, request.depth, keys, max_bytes=_REPLY_FRAME_BYTES
+                )
+            except EntryCorrupt:
+                self.counters.add(corrupt_total=1)
+                raise
+            stop = start + len(values)
+            hits = sum(v is not None for v in values)
+            size = sum(len(v) for v in values if v is not None)
             header = pb.EntriesHeader(
                 start=start,
                 sample_ids=request.sample_ids[start:stop],
-                variants=[v for _, v in keys[start:stop]] if request.variants else [],
-                lengths=[len(v or b"") for v in chunk],
+                variants=variants[start:stop] if variants else [],
+                lengths=[len(v or b"") for v in values],
             )
-            self.counters.add(served_bytes_total=size)
+            self.counters.add(hits_total=hits, misses_total=len(values) - hits, served_bytes_total=size)
             if self.throttle is not None:
                 self.throttle.consume(size)
-            yield encode_frame(header.SerializeToString(), [v for v in chunk if v])
+            yield encode_frame(header.SerializeToString(), [v for v in values if v])
             if stop >= count:
                 break
             start = stop

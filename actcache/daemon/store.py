@@ -5,10 +5,18 @@ Named databases:
     namespaces  name (utf-8) -> namespace id (u32, big-endian)
     groups      (namespace, fingerprint, depth) key prefix -> entries u64, bytes u64
     meta        format marker and the next namespace id
+    secrets     namespace id (u32) -> salted scrypt hash of its secret (actcache.daemon.access)
 
 Concurrency: every write (put, drop, namespace creation, deleting a corrupt
 entry) runs on the single writer thread, which batches queued operations
-into one transaction; readers run in any thread. Usage counters live in the
+into one transaction; readers run in any thread. A drop runs as a series of
+transactions of at most ``_DROP_CHUNK_BYTES`` each, so that a huge drop
+needs little disk for its own bookkeeping (LMDB's free-page list) and works
+on a full disk.
+
+Disk space: a put is refused with BudgetExceeded when it would leave less
+than ``disk_reserve_bytes`` free on the file system (counting pages LMDB can
+reuse inside ``data.mdb``), so that drops always find room to commit. Usage counters live in the
 ``groups`` table, updated in the same transaction as the entries, so they are
 exact across restarts. Invariant: for every group, the in-memory usage equals
 the committed ``groups`` row.
@@ -22,23 +30,23 @@ import re
 import struct
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Sequence
 
-import lmdb
-
 from actcache.codec import compress_entry, verify_entry
+from actcache.daemon.access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.dirlock import DirLock
+from actcache.daemon.envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
 from actcache.daemon.writer import ReadGate, WriteOp, Writer
 from actcache.errors import (
     BudgetExceeded,
     EntryCorrupt,
     InvalidRequest,
     NamespaceNotFound,
+    PermissionDenied,
     StoreError,
 )
-from actcache.keys import encode_key, group_prefix
+from actcache.keys import MAX_NAMESPACE_ID, encode_key, group_prefix
 
 __all__ = ["GroupUsage", "NamespaceInfo", "PutResult", "Store"]
 
@@ -48,12 +56,17 @@ FORMAT = b"actcache-store-1"
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _GROUP_PREFIX_BYTES = 4 + 16 + 2
 _USAGE = struct.Struct(">QQ")
+_DROP_CHUNK_BYTES = 256 << 20
+_DROP_CHUNK_ENTRIES = 100_000
 
 
 @dataclass(frozen=True, slots=True)
 class NamespaceInfo:
     id: int
     name: str
+    #: What requests name the namespace by: ``id`` when it has no secret, else a
+    #: random 64-bit handle for this daemon run (set by ``open_namespace`` only).
+    handle: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,28 +93,51 @@ class Store:
         config.dir.mkdir(parents=True, exist_ok=True)
         # One daemon per directory: a second one refuses here, naming the holder's pid.
         self._dir_lock = DirLock.acquire(config.dir)
+        self._gate = ReadGate()
+        self._lock = threading.Lock()  # guards the in-memory maps below
         try:
-            self._env = _open_env(config)
+            try:
+                self._open()
+            except UnusableStore as exc:
+                if config.on_corrupt != "move-aside":
+                    raise StoreError(
+                        f"{exc}. Restart with --on-corrupt move-aside to keep these files as *.corrupt-<time> and "
+                        "start with an empty cache, or point --dir at an empty directory"
+                    ) from None
+                moved = move_aside(config.dir)
+                log.warning("%s; moved %s aside and started an empty cache", exc, ", ".join(str(p) for p in moved))
+                self._open()
         except BaseException:
             self._dir_lock.release()
             raise
-        self._gate = ReadGate()
-        self._lock = threading.Lock()  # guards the in-memory maps below
+        stale = self._env.reader_check()
+        if stale:
+            log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
+        self._writer = Writer(
+            self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s, meta_db=self._meta,
+            on_damage=lambda reason: mark_damaged(config.dir, reason),
+        )
+        self._writer.start()
+
+    def _open(self) -> None:
+        """Open and check the environment and load the in-memory maps; raises UnusableStore."""
+        self._env = open_env(self.config.dir, map_size=self.config.map_size_bytes, sync=self.config.sync)
         self._ns_by_name: dict[str, int] = {}
         self._ns_by_id: dict[int, str] = {}
         self._usage: dict[bytes, list[int]] = {}  # group prefix -> [entries, bytes]
+        self._secret_of: dict[int, bytes] = {}  # namespace id -> scrypt record, for protected namespaces
+        self._handles = Handles()
         try:
-            self._entries = self._env.open_db(b"entries")
-            self._namespaces = self._env.open_db(b"namespaces")
-            self._groups = self._env.open_db(b"groups")
-            self._meta = self._env.open_db(b"meta")
+            self._entries, self._namespaces, self._groups, self._meta, self._secrets = (
+                self._env.open_db(n) for n in DB_NAMES
+            )
             self._load()
+        except DAMAGE_ERRORS as exc:
+            self._env.close()
+            raise UnusableStore(f"{self.config.dir / 'data.mdb'} is damaged: {exc}") from None
         except BaseException:
             self._env.close()
-            self._dir_lock.release()
             raise
-        self._writer = Writer(self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s)
-        self._writer.start()
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -116,38 +152,89 @@ class Store:
         with self._env.begin(write=True) as txn:
             marker = txn.get(b"format", db=self._meta)
             if marker is None:
+                if any(txn.stat(db)["entries"] for db in (self._entries, self._namespaces, self._groups)):
+                    raise UnusableStore(
+                        f"{self.config.dir / 'data.mdb'} holds actcache tables but no format marker; "
+                        "it was damaged or written by another program"
+                    )
                 txn.put(b"format", FORMAT, db=self._meta)
             elif marker != FORMAT:
-                raise StoreError(
-                    f"{self.config.dir} holds store format {marker!r}, this daemon reads {FORMAT!r}; "
-                    "point --dir at another directory or remove this one"
-                )
+                raise UnusableStore(f"{self.config.dir} holds store format {marker!r}, this daemon reads {FORMAT!r}")
             for name, value in txn.cursor(db=self._namespaces):
                 ns_id = struct.unpack(">I", value)[0]
                 self._ns_by_name[name.decode()] = ns_id
                 self._ns_by_id[ns_id] = name.decode()
             for prefix, value in txn.cursor(db=self._groups):
                 self._usage[bytes(prefix)] = list(_USAGE.unpack(value))
+            for ns_id, record in txn.cursor(db=self._secrets):
+                self._secret_of[struct.unpack(">I", ns_id)[0]] = bytes(record)
 
     # ---- namespaces ------------------------------------------------------
 
-    def open_namespace(self, name: str, *, create: bool = True) -> NamespaceInfo:
-        """Return the namespace called ``name``, creating it when ``create``."""
+    def open_namespace(self, name: str, *, create: bool = True, secret: bytes | None = None) -> NamespaceInfo:
+        """Return the namespace called ``name`` with its handle, creating it when ``create``.
+
+        A namespace created with a ``secret`` can only be opened with it
+        (PermissionDenied otherwise); see actcache.daemon.access.
+        """
         if not _NAME_RE.fullmatch(name or ""):
             raise InvalidRequest(f"namespace name {name!r} is invalid; use 1-128 characters of A-Z a-z 0-9 . _ -")
+        secret = check_secret(secret)
         with self._lock:
-            if name in self._ns_by_name:
-                return NamespaceInfo(self._ns_by_name[name], name)
-        if not create:
-            raise NamespaceNotFound(f"namespace {name!r} does not exist; open it with create=True first")
-        return self._writer.submit(_CreateNamespace(self, name))
+            ns_id = self._ns_by_name.get(name)
+        if ns_id is None:
+            if not create:
+                raise NamespaceNotFound(f"namespace {name!r} does not exist; open it with create=True first")
+            record = hash_secret(secret) if secret else None
+            info, created = self._writer.submit(_CreateNamespace(self, name, record))
+            if created:
+                return NamespaceInfo(info.id, name, self._handles.issue(info.id) if record else info.id)
+            ns_id = info.id  # created concurrently by another caller: its secret decides
+        with self._lock:
+            record = self._secret_of.get(ns_id)
+        if record is None:
+            if secret:
+                raise PermissionDenied(
+                    f"namespace {name!r} was created without a secret and cannot get one; "
+                    "open it without a secret, or protect a new namespace under another name"
+                )
+            return NamespaceInfo(ns_id, name, ns_id)
+        if not secret:
+            raise PermissionDenied(f"namespace {name!r} is protected by a secret; pass it to Open")
+        if not verify_secret(secret, record):
+            raise PermissionDenied(f"wrong secret for namespace {name!r}")
+        return NamespaceInfo(ns_id, name, self._handles.issue(ns_id))
+
+    def resolve(self, handle: int) -> int:
+        """The namespace id a request's ``namespace_id`` (a handle from Open) stands for.
+
+        Every method below that takes a ``namespace_id`` resolves it here first:
+        a protected namespace is reachable only through its random handle.
+        """
+        if handle > MAX_NAMESPACE_ID:
+            ns_id = self._handles.namespace_of(handle)
+            if ns_id is None:
+                raise NamespaceNotFound(
+                    f"namespace handle {handle} is not known to this daemon; handles of protected namespaces "
+                    "last one daemon run, so call Open again with the namespace's secret"
+                )
+            return ns_id
+        with self._lock:
+            name = self._ns_by_id.get(handle)
+            protected = handle in self._secret_of
+        if name is None:
+            raise NamespaceNotFound(f"namespace id {handle} is not open on this daemon; call Open first")
+        if protected:
+            raise PermissionDenied(
+                f"namespace {name!r} is protected by a secret; address it by the handle Open returned, not its id"
+            )
+        return handle
 
     def namespace_name(self, namespace_id: int) -> str:
+        """The name of the namespace a handle (or an unprotected id) stands for."""
+        ns_id = self.resolve(namespace_id)
         with self._lock:
-            name = self._ns_by_id.get(namespace_id)
-        if name is None:
-            raise NamespaceNotFound(f"namespace id {namespace_id} is not open on this daemon; call Open first")
-        return name
+            return self._ns_by_id[ns_id]
 
     # ---- entries ---------------------------------------------------------
 
@@ -159,7 +246,7 @@ class Store:
         Returns once the items are committed. All items of one call share a
         group and are committed atomically, or none is (budget, disk full).
         """
-        self.namespace_name(namespace_id)
+        namespace_id = self.resolve(namespace_id)
         prefix = group_prefix(namespace_id, fingerprint, depth)
         records = []
         for sample_id, variant, value in items:
@@ -179,19 +266,53 @@ class Store:
         return self._writer.submit(_PutOp(self, prefix, records))
 
     def get(
-        self, namespace_id: int, fingerprint: bytes, depth: int, keys: Sequence[tuple[int, int]]
+        self,
+        namespace_id: int,
+        fingerprint: bytes,
+        depth: int,
+        keys: Sequence[tuple[int, int]],
+        *,
+        max_bytes: int | None = None,
     ) -> list[bytes | None]:
         """Return the entry of each ``(sample_id, variant)``, or None for a miss.
 
-        A value that fails its checksum is deleted and EntryCorrupt raised.
+        With ``max_bytes``, stops once the values read reach that many bytes
+        (always after at least one key): the result may be shorter than
+        ``keys``, a prefix of it. A value that fails its checksum is deleted
+        and EntryCorrupt raised.
         """
-        self.namespace_name(namespace_id)
+        namespace_id = self.resolve(namespace_id)
         encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
         out: list[bytes | None] = []
         corrupt: list[tuple[bytes, str]] = []
+        try:
+            self._read(encoded, out, corrupt, max_bytes)
+        except DAMAGE_ERRORS as exc:
+            reason = f"a read failed: {exc}"
+            mark_damaged(self.config.dir, reason)
+            raise StoreError(
+                f"the LMDB file in {self.config.dir} is damaged ({exc}); restart the daemon with "
+                "--on-corrupt move-aside to start with an empty cache"
+            ) from None
+        if corrupt:
+            self._writer.submit(_DeleteOp(self, [k for k, _ in corrupt]))
+            ids = [struct.unpack(">Q", k[22:30])[0] for k, _ in corrupt]
+            raise EntryCorrupt(
+                f"{len(corrupt)} stored entries failed verification and were deleted "
+                f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them"
+            )
+        return out
+
+    def _read(
+        self, keys: list[bytes], out: list[bytes | None], corrupt: list[tuple[bytes, str]], max_bytes: int | None
+    ) -> None:
+        nbytes = 0
         with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
-            for key in encoded:
+            for key in keys:
+                if max_bytes is not None and nbytes >= max_bytes:
+                    return
                 value = txn.get(key)
+                nbytes += 0 if value is None else len(value)
                 if value is None:
                     out.append(None)
                     continue
@@ -202,19 +323,17 @@ class Store:
                     out.append(None)
                     continue
                 out.append(bytes(value))
-        if corrupt:
-            self._writer.submit(_DeleteOp(self, [k for k, _ in corrupt]))
-            ids = [struct.unpack(">Q", k[22:30])[0] for k, _ in corrupt]
-            raise EntryCorrupt(
-                f"{len(corrupt)} stored entries failed verification and were deleted "
-                f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them"
-            )
-        return out
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> tuple[int, int]:
         """Delete a namespace's entries (narrowed by fingerprint and depth); returns (entries, bytes)."""
-        self.namespace_name(namespace_id)
-        return self._writer.submit(_DropOp(self, group_prefix(namespace_id, fingerprint, depth)))
+        namespace_id = self.resolve(namespace_id)
+        prefix = group_prefix(namespace_id, fingerprint, depth)
+        entries = nbytes = 0
+        while True:
+            removed, freed, done = self._writer.submit(_DropOp(self, prefix))
+            entries, nbytes = entries + removed, nbytes + freed
+            if done:
+                return entries, nbytes
 
     # ---- usage -----------------------------------------------------------
 
@@ -248,6 +367,34 @@ class Store:
     def file_bytes(self) -> int:
         """Bytes the data file occupies on disk (allocated blocks, not its apparent size)."""
         return os.stat(self.config.dir / "data.mdb").st_blocks * 512
+
+    def _reusable_bytes(self, txn) -> int:
+        """About how many bytes of ``data.mdb`` are free pages LMDB will reuse (file pages minus tree pages)."""
+        used = 2  # meta pages
+        main = self._env.stat()
+        tables = (self._entries, self._namespaces, self._groups, self._meta, self._secrets)
+        for stat in [main, *(txn.stat(db) for db in tables)]:
+            used += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        return max(0, self._env.info()["last_pgno"] + 1 - used) * main["psize"]
+
+    def _check_disk(self, txn, nbytes: int) -> None:
+        """Refuse a put of ``nbytes`` that would eat into the disk reserve kept for drops (0: no check)."""
+        reserve = self.config.disk_reserve_bytes
+        if not reserve:
+            return
+        st = os.statvfs(self.config.dir)
+        free = st.f_bavail * st.f_frsize
+        if free - nbytes >= reserve:
+            return
+        reusable = self._reusable_bytes(txn)
+        if free + reusable - nbytes >= reserve:
+            return
+        raise BudgetExceeded(
+            f"the disk holding {self.config.dir} has {free} bytes free ({format_size(free)}) plus about {reusable} "
+            f"reusable inside data.mdb, and this put needs {nbytes} bytes while {reserve} bytes "
+            f"({format_size(reserve)}) stay reserved so that drops can commit; free space on that file system, "
+            "run `actcache drop`, or lower --disk-reserve. Reads keep working"
+        )
 
     # ---- helpers for write operations (writer thread only) ---------------
 
@@ -285,35 +432,6 @@ class Store:
                 )
 
 
-def _open_env(config: StoreConfig) -> lmdb.Environment:
-    path = config.dir
-    try:
-        return lmdb.open(
-            str(path),
-            map_size=max(config.map_size_bytes, _existing_size(path)),
-            max_dbs=8,
-            max_readers=1024,
-            sync=config.sync,
-            metasync=config.sync,
-            readahead=True,
-            meminit=False,
-        )
-    except lmdb.InvalidError as exc:
-        raise StoreError(
-            f"{path / 'data.mdb'} is not a valid LMDB file ({exc}); it was damaged or written by another program. "
-            "Move it aside or start with --dir on an empty directory"
-        ) from exc
-    except lmdb.Error as exc:
-        raise StoreError(f"cannot open the store in {path}: {exc}") from exc
-
-
-def _existing_size(path: Path) -> int:
-    try:
-        return (path / "data.mdb").stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
 class _StoreOp(WriteOp):
     """A write operation on the store; applied by the writer inside a shared transaction."""
 
@@ -342,15 +460,20 @@ class _PutOp(_StoreOp):
     def apply(self, txn, pending):
         db = self.store._entries
         added = replaced = delta = 0
+        sizes: dict[bytes, int | None] = {}  # stored size of each key as this op leaves it
         for key, value in self.records:
-            old = txn.get(key, db=db)
-            if old is None:
+            if key not in sizes:
+                old = txn.get(key, db=db)
+                sizes[key] = None if old is None else len(old)
+            if sizes[key] is None:
                 added += 1
                 delta += len(value)
             else:
                 replaced += 1
-                delta += len(value) - len(old)
+                delta += len(value) - sizes[key]
+            sizes[key] = len(value)
         self.store._check_budget(self.prefix, delta, pending)
+        self.store._check_disk(txn, self.nbytes)
         for key, value in self.records:
             txn.put(key, value, db=db)
         self._adjust(txn, pending, self.prefix, added, delta)
@@ -358,25 +481,49 @@ class _PutOp(_StoreOp):
 
 
 class _DropOp(_StoreOp):
+    """Deletes the next chunk of entries under ``prefix``; returns (entries, bytes, done)."""
+
+    frees_pages = True
+
     def __init__(self, store: Store, prefix: bytes) -> None:
         super().__init__(store)
         self.prefix = prefix
 
     def apply(self, txn, pending):
-        removed = _delete_range(txn, self.store._entries, self.prefix)
+        removed: dict[bytes, list[int]] = {}
         entries = nbytes = 0
-        for group in [p for p in set(self.store._usage) | set(pending) if p.startswith(self.prefix)]:
-            usage = pending.get(group, self.store._usage.get(group, [0, 0]))
-            entries += usage[0]
-            nbytes += usage[1]
-            pending[group] = [0, 0]
-            txn.delete(group, db=self.store._groups)
-        if removed != entries:
-            log.warning("drop removed %d entries but usage counted %d", removed, entries)
-        return removed, nbytes
+        cursor = txn.cursor(db=self.store._entries)
+        done = not cursor.set_range(self.prefix)
+        while not done:
+            key = cursor.key()
+            if bytes(key[: len(self.prefix)]) != self.prefix:
+                done = True
+                break
+            if entries >= _DROP_CHUNK_ENTRIES or nbytes >= _DROP_CHUNK_BYTES:
+                break
+            size = len(cursor.value())
+            group = removed.setdefault(bytes(key[:_GROUP_PREFIX_BYTES]), [0, 0])
+            group[0] += 1
+            group[1] += size
+            entries += 1
+            nbytes += size
+            done = not cursor.delete()
+        for group, (n, b) in removed.items():
+            self._adjust(txn, pending, group, -n, -b)
+        if done:
+            # Usage rows of the dropped groups go too (and any drift between rows and entries with them).
+            for group in [p for p in set(self.store._usage) | set(pending) if p.startswith(self.prefix)]:
+                usage = pending.get(group, self.store._usage.get(group, [0, 0]))
+                if usage != [0, 0]:
+                    log.warning("drop: usage of group %s was %s after its entries were deleted", group.hex(), usage)
+                pending[group] = [0, 0]
+                txn.delete(group, db=self.store._groups)
+        return entries, nbytes, done
 
 
 class _DeleteOp(_StoreOp):
+    frees_pages = True
+
     def __init__(self, store: Store, keys: Iterable[bytes]) -> None:
         super().__init__(store)
         self.keys = list(keys)
@@ -390,37 +537,33 @@ class _DeleteOp(_StoreOp):
 
 
 class _CreateNamespace(_StoreOp):
-    def __init__(self, store: Store, name: str) -> None:
+    """Creates a namespace (with its secret's hash); returns (info, created)."""
+
+    def __init__(self, store: Store, name: str, secret_record: bytes | None) -> None:
         super().__init__(store)
         self.name = name
+        self.secret_record = secret_record
 
     def apply(self, txn, pending):
         store = self.store
         existing = txn.get(self.name.encode(), db=store._namespaces)
         if existing is not None:
-            return NamespaceInfo(struct.unpack(">I", existing)[0], self.name)
+            return NamespaceInfo(struct.unpack(">I", existing)[0], self.name), False
         raw = txn.get(b"next_namespace_id", db=store._meta)
         ns_id = struct.unpack(">I", raw)[0] if raw else 1
         txn.put(self.name.encode(), struct.pack(">I", ns_id), db=store._namespaces)
         txn.put(b"next_namespace_id", struct.pack(">I", ns_id + 1), db=store._meta)
-        return NamespaceInfo(ns_id, self.name)
+        if self.secret_record:
+            txn.put(struct.pack(">I", ns_id), self.secret_record, db=store._secrets)
+        return NamespaceInfo(ns_id, self.name), True
 
     def publish(self, pending):
         super().publish(pending)
-        info: NamespaceInfo = self.result_value
+        info, created = self.result_value
+        if not created:
+            return
         with self.store._lock:
             self.store._ns_by_name[info.name] = info.id
             self.store._ns_by_id[info.id] = info.name
-
-
-def _delete_range(txn, db, prefix: bytes) -> int:
-    removed = 0
-    cursor = txn.cursor(db=db)
-    if not cursor.set_range(prefix):
-        return 0
-    while cursor.key()[: len(prefix)] == prefix:
-        removed += 1
-        if not cursor.delete():
-            break
-    return removed
-
+            if self.secret_record:
+                self.store._secret_of[info.id] = self.secret_record

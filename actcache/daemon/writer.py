@@ -3,21 +3,43 @@
 Invariants: exactly one thread writes; an operation's caller is woken with
 its result or its exception, never left waiting; the map grows (doubling)
 when LMDB reports it full, while no read transaction is open in the process.
+
+A full disk is an answer, not a crash. LMDB (without ``writemap``, as here)
+never needs disk space to grow the map: the map is virtual and the file is
+extended by the commit's ``pwrite``s. On a full file system that write comes
+up short and LMDB reports ``mdb_txn_commit: Input/output error`` (EIO, not
+ENOSPC); the transaction is aborted and the environment stays usable. The
+writer turns that into BudgetExceeded (RESOURCE_EXHAUSTED) quoting the free
+bytes, and retries the ops of a failed batch one by one so that a drop queued
+behind a put still frees space. Pages a transaction frees become reusable
+two commits later (LMDB keeps the previous snapshot), so after an op that
+frees pages the writer commits a one-key follow-up transaction: the next put
+reuses the freed pages instead of extending the file.
+
+Growing the map remaps it; if that mmap failed, py-lmdb would invalidate the
+environment. The writer therefore probes the address space first (an
+anonymous PROT_NONE mapping of the added size) and answers
+RESOURCE_EXHAUSTED when the map cannot grow. Should the remap fail anyway,
+the store is marked broken: every later read and write fails with
+StoreError instead of touching an unmapped environment.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import queue
+import struct
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import lmdb
 
+from actcache.daemon.config import format_size
 from actcache.errors import ActCacheError, BudgetExceeded, StoreError
 
 __all__ = ["ReadGate", "WriteOp", "Writer"]
@@ -26,6 +48,12 @@ log = logging.getLogger(__name__)
 
 _MAX_OPS_PER_TXN = 512
 _MAX_BYTES_PER_TXN = 64 << 20
+# A batch may need several doublings (1 MiB map, 64 MiB batch); more means a bug.
+_MAX_GROWTHS_PER_BATCH = 16
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError)
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+# Failed commits with less free disk than this (besides the batch) count as disk full.
+_DISK_FULL_SLACK = 1 << 20
 
 
 class ReadGate:
@@ -39,11 +67,18 @@ class ReadGate:
         self._cond = threading.Condition()
         self._readers = 0
         self._exclusive = False
+        self.broken: str | None = None
+
+    def check(self) -> None:
+        """Raise StoreError if the environment became unusable."""
+        if self.broken is not None:
+            raise StoreError(self.broken)
 
     @contextmanager
     def reading(self) -> Iterator[None]:
         with self._cond:
             self._cond.wait_for(lambda: not self._exclusive)
+            self.check()
             self._readers += 1
         try:
             yield
@@ -68,9 +103,14 @@ class ReadGate:
 
 class WriteOp:
     """One queued write. ``apply`` must raise before its first write or not at all
-    (LMDB errors excepted: they abort and retry or fail the whole transaction)."""
+    (LMDB errors excepted: they abort and retry or fail the whole transaction).
+
+    ``nbytes`` is what the op adds to the file at most; ``frees_pages`` asks
+    the writer for a follow-up commit so that the freed pages become reusable.
+    """
 
     nbytes: int = 0
+    frees_pages: bool = False
 
     def __init__(self) -> None:
         self._done = threading.Event()
@@ -100,9 +140,22 @@ _STOP = object()
 class Writer:
     """Runs queued WriteOps in batches on one thread; ``submit`` blocks until committed."""
 
-    def __init__(self, env: lmdb.Environment, gate: ReadGate, *, sync: bool, sync_interval_s: float) -> None:
+    def __init__(
+        self,
+        env: lmdb.Environment,
+        gate: ReadGate,
+        *,
+        sync: bool,
+        sync_interval_s: float,
+        meta_db=None,
+        on_damage: Callable[[str], None] | None = None,
+    ) -> None:
         self._env = env
+        self._on_damage = on_damage
         self._gate = gate
+        self._meta_db = meta_db
+        self._path = env.path()
+        self._followups = 0
         self._sync = sync
         self._sync_interval_s = sync_interval_s
         self._queue: queue.Queue = queue.Queue()
@@ -122,6 +175,7 @@ class Writer:
     def submit(self, op: WriteOp) -> Any:
         if self._stopping:
             raise StoreError("the daemon is shutting down; retry against the restarted daemon")
+        self._gate.check()
         self._queue.put(op)
         return op.wait()
 
@@ -151,58 +205,135 @@ class Writer:
                 return
 
     def _periodic_sync(self) -> None:
-        if self._sync or self._dirty_since is None:
+        if self._sync or self._dirty_since is None or self._gate.broken:
             return
         if time.monotonic() - self._dirty_since >= self._sync_interval_s:
             self._env.sync(True)
             self._dirty_since = None
 
     def _commit(self, batch: list[WriteOp]) -> None:
-        while True:
+        error = self._attempt(batch)
+        if error is None:
+            return
+        if len(batch) > 1 and isinstance(error, BudgetExceeded):
+            # The disk is full: commit the ops one by one, so that drops and
+            # small writes still go through while the large puts are refused.
+            for op in batch:
+                single = self._attempt([op])
+                if single is not None:
+                    op.finish(error=single)
+            return
+        for op in batch:
+            op.finish(error=error)
+
+    def _attempt(self, batch: list[WriteOp]) -> ActCacheError | None:
+        """Commit ``batch`` in one transaction and finish its ops; on failure return the error
+        (the ops are left unfinished for the caller)."""
+        needed = sum(op.nbytes for op in batch)
+        for _ in range(_MAX_GROWTHS_PER_BATCH):
+            if self._gate.broken:
+                return StoreError(self._gate.broken)
             pending: dict[bytes, list[int]] = {}
             outcomes: list[tuple[Any, BaseException | None]] = []
             try:
-                with self._env.begin(write=True) as txn:
+                with self._env.begin(write=True, buffers=True) as txn:
                     for op in batch:
                         try:
                             outcomes.append((op.apply(txn, pending), None))
                         except ActCacheError as exc:
                             outcomes.append((None, exc))
             except lmdb.MapFullError:
-                self._grow()
+                error = self._grow(needed)
+                if error is not None:
+                    return error
                 continue
+            except _DAMAGE as exc:
+                if self._on_damage is not None:
+                    self._on_damage(f"a write failed: {exc}")
+                return StoreError(
+                    f"the LMDB file in {self._path} is damaged ({exc}); restart the daemon with "
+                    "--on-corrupt move-aside to start with an empty cache"
+                )
             except lmdb.Error as exc:
-                error = _storage_error(exc, self._env.path())
-                for op in batch:
-                    op.finish(error=error)
-                return
+                return _storage_error(exc, self._path, needed)
             except BaseException as exc:  # a bug: wake every caller rather than stall them
                 log.exception("write transaction failed")
-                for op in batch:
-                    op.finish(error=StoreError(f"write failed unexpectedly: {exc!r}"))
-                return
+                return StoreError(f"write failed unexpectedly: {exc!r}")
             break
+        else:
+            return StoreError(
+                f"the LMDB map was still full after {_MAX_GROWTHS_PER_BATCH} growths for a {needed}-byte batch"
+            )
         if self._dirty_since is None:
             self._dirty_since = time.monotonic()
+        freed = False
         for op, (result, error) in zip(batch, outcomes):
             if error is None:
                 op.result_value = result
                 op.publish(pending)
+                freed = freed or op.frees_pages
             op.finish(result, error)
+        if freed:
+            self._follow_up()
+        return None
 
-    def _grow(self) -> None:
+    def _follow_up(self) -> None:
+        """Commit one small transaction so that the pages just freed become reusable (see module doc)."""
+        self._followups += 1
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(b"followup_commits", struct.pack(">Q", self._followups), db=self._meta_db)
+        except lmdb.Error as exc:
+            log.warning("follow-up commit after freeing pages failed (%s); freed pages are reused one commit later", exc)
+
+    def _grow(self, needed: int) -> ActCacheError | None:
+        """Double the map (add 64 GiB above 64 GiB); return the error that prevents it, if any."""
         old = self._env.info()["map_size"]
         new = old * 2 if old < 64 << 30 else old + (64 << 30)
+        free = _free_bytes(self._path)
+        if free < needed:
+            return _disk_full(self._path, needed)
+        try:
+            probe = mmap.mmap(-1, new - old, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, prot=0)
+        except (OSError, OverflowError, ValueError) as exc:
+            return BudgetExceeded(
+                f"the LMDB map is full at {old} bytes and cannot grow to {new} bytes: the process cannot map "
+                f"{new - old} more bytes ({exc}); raise the address-space limit (ulimit -v), drop entries with "
+                "`actcache drop`, or lower --budget. Reads keep working"
+            )
+        probe.close()
         with self._gate.exclusive():
-            self._env.set_mapsize(new)
+            try:
+                self._env.set_mapsize(new)
+            except lmdb.Error as exc:
+                self._gate.broken = (
+                    f"growing the LMDB map from {old} to {new} bytes failed ({exc}) and left the store unusable; "
+                    "restart the daemon"
+                )
+                log.critical("%s", self._gate.broken)
+                return StoreError(self._gate.broken)
         log.info("LMDB map full at %d bytes; grew it to %d bytes", old, new)
+        return None
 
 
-def _storage_error(exc: lmdb.Error, path: str) -> ActCacheError:
-    if isinstance(exc, lmdb.DiskError) or getattr(exc, "errno", None) == errno.ENOSPC or "No space" in str(exc):
-        st = os.statvfs(path)
-        return BudgetExceeded(
-            f"the disk holding {path} is full ({st.f_bavail * st.f_frsize} bytes free of "
-            f"{st.f_blocks * st.f_frsize}); free space or run `actcache drop`. Reads keep working"
-        )
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _disk_full(path: str, needed: int) -> BudgetExceeded:
+    st = os.statvfs(path)
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return BudgetExceeded(
+        f"the disk holding {path} is full: {free} bytes free of {total} "
+        f"({format_size(free)} of {format_size(total)}) and this write needs about {needed} bytes; "
+        "free space on that file system or run `actcache drop`. Reads keep working"
+    )
+
+
+def _storage_error(exc: lmdb.Error, path: str, needed: int) -> ActCacheError:
+    """Classify a failed commit. A short write on a full disk surfaces as EIO, so the free space decides."""
+    nospace = getattr(exc, "errno", None) == errno.ENOSPC or "No space" in str(exc)
+    if nospace or isinstance(exc, lmdb.DiskError) or _free_bytes(path) < needed + _DISK_FULL_SLACK:
+        return _disk_full(path, needed)
     return StoreError(f"LMDB write failed in {path}: {exc}")

@@ -25,14 +25,15 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
-from actcache.errors import ActCacheError, BudgetExceeded, ConfigError, DaemonUnavailable, EntryCorrupt
+from actcache.errors import ActCacheError, BudgetExceeded, ConfigError, DaemonUnavailable, EntryCorrupt, NamespaceNotFound
 from actcache.rpc_client import RpcClient, target_for
 
 __all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "connect"]
 
 log = logging.getLogger("actcache_client")
+T = TypeVar("T")
 
 
 class CacheFallbackWarning(RuntimeWarning):
@@ -47,6 +48,8 @@ class ConnectionConfig:
     address: str | None = None
     token: str | None = field(default=None, repr=False)
     namespace: str = "default"
+    #: Protects the namespace: only jobs presenting the same secret can use it.
+    secret: str | None = field(default=None, repr=False)
     #: Raise instead of falling back to recomputation.
     strict: bool = False
     #: Deadline of one lookup or put, retries included.
@@ -138,8 +141,7 @@ class Connection:
             return None
         t0 = time.perf_counter()
         try:
-            ns = self._namespace()
-            values = self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None)
+            values = self._call(lambda ns: self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None))
         except ActCacheError as exc:
             self._fallback(exc)
             return None
@@ -203,7 +205,7 @@ class Connection:
         try:
             entries = put.encode()
             t0 = time.perf_counter()
-            reply = self._rpc.put(self._namespace(), put.fingerprint, put.depth, list(zip(put.ids, put.variants, entries)))
+            reply = self._call(lambda ns: self._rpc.put(ns, put.fingerprint, put.depth, list(zip(put.ids, put.variants, entries))))
         except ActCacheError as exc:
             self._count_dropped()
             if self.config.strict:
@@ -222,7 +224,7 @@ class Connection:
     def _probe(self, put: _Put) -> None:
         t0 = time.perf_counter()
         try:
-            values = self._rpc.get(self._namespace(), put.fingerprint, put.depth, put.ids, put.variants if any(put.variants) else None)
+            values = self._call(lambda ns: self._rpc.get(ns, put.fingerprint, put.depth, put.ids, put.variants if any(put.variants) else None))
         except ActCacheError:
             return  # a failed probe only means no measurement; lookups will report the cause
         with self._lock:
@@ -249,8 +251,16 @@ class Connection:
 
     def _namespace(self) -> int:
         if self._namespace_id is None:
-            self._namespace_id = self._rpc.open(self.config.namespace).namespace_id
+            self._namespace_id = self._rpc.open(self.config.namespace, secret=self.config.secret).namespace_id
         return self._namespace_id
+
+    def _call(self, fn: Callable[[int], T]) -> T:
+        """``fn(namespace handle)``; a handle the daemon no longer knows (it restarted) is renewed once."""
+        try:
+            return fn(self._namespace())
+        except NamespaceNotFound:
+            self._namespace_id = None
+            return fn(self._namespace())
 
     def _paused(self) -> bool:
         return time.monotonic() < self._paused_until
@@ -325,6 +335,7 @@ def connect(
     *,
     address: str | None = None,
     namespace: str = "default",
+    secret: str | None = None,
     token: str | None = None,
     strict: bool = False,
     **options,
@@ -342,6 +353,7 @@ def connect(
         socket=os.fspath(socket) if socket is not None else None,
         address=address,
         namespace=namespace,
+        secret=secret,
         token=token or os.environ.get("ACTCACHE_TOKEN"),
         strict=strict,
         **options,

@@ -1,6 +1,10 @@
 """The LMDB store in-process: budgets, drop, map growth, persistence, corruption."""
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import lmdb
 import numpy as np
@@ -156,5 +160,126 @@ def test_corrupt_entry_is_deleted_on_read(tmp_path):
 
 def test_foreign_file_is_refused(tmp_path):
     (tmp_path / "data.mdb").write_bytes(b"not an lmdb file" * 1000)
-    with pytest.raises(StoreError, match="not a valid LMDB file"):
+    with pytest.raises(StoreError, match="not a valid LMDB file.*--on-corrupt move-aside"):
         Store(StoreConfig(dir=tmp_path))
+
+
+def test_lmdb_of_another_program_is_refused_untouched(tmp_path):
+    env = lmdb.open(str(tmp_path))
+    with env.begin(write=True) as txn:
+        txn.put(b"user:1", b"alice")
+    env.close()
+    before = (tmp_path / "data.mdb").read_bytes()
+    with pytest.raises(StoreError, match=r"LMDB database of another program .*b'user:1'"):
+        Store(StoreConfig(dir=tmp_path))
+    assert (tmp_path / "data.mdb").read_bytes() == before
+
+
+def test_move_aside_keeps_the_bad_file_and_starts_empty(tmp_path):
+    garbage = b"not an lmdb file" * 1000
+    (tmp_path / "data.mdb").write_bytes(garbage)
+    s = Store(StoreConfig(dir=tmp_path, on_corrupt="move-aside"))
+    try:
+        assert s.namespaces() == []
+        ns = s.open_namespace("fresh").id
+        s.put(ns, FP, 0, [(1, 0, entry(1))])
+        assert s.get(ns, FP, 0, [(1, 0)]) == [entry(1)]
+    finally:
+        s.close()
+    [kept] = tmp_path.glob("data.mdb.corrupt-*")
+    assert kept.read_bytes() == garbage
+
+
+def _break_leaf_page_holding(path, key: bytes) -> None:
+    data = bytearray((path / "data.mdb").read_bytes())
+    page = data.find(key) // 4096
+    assert page > 1
+    data[page * 4096 + 10 : page * 4096 + 12] = b"\0\0"  # mp_flags: no longer a leaf page
+    (path / "data.mdb").write_bytes(bytes(data))
+
+
+def test_damaged_btree_is_marked_then_refused_or_moved_aside(tmp_path):
+    config = StoreConfig(dir=tmp_path)
+    s = Store(config)
+    ns = s.open_namespace("d").id
+    s.put(ns, FP, 0, [(i, 0, entry(i)) for i in range(3)])
+    s.close()
+    _break_leaf_page_holding(tmp_path, encode_key(ns, FP, 0, 1))
+    s = Store(config)  # LMDB opens it: the damage is inside the tree
+    try:
+        with pytest.raises(StoreError, match="is damaged .*--on-corrupt move-aside"):
+            s.get(ns, FP, 0, [(1, 0)])
+    finally:
+        s.close()
+    with pytest.raises(StoreError, match="marked damaged by an earlier run: .* a read failed"):
+        Store(config)
+    s = Store(StoreConfig(dir=tmp_path, on_corrupt="move-aside"))
+    try:
+        assert s.namespaces() == []
+    finally:
+        s.close()
+    assert sorted(p.name.split(".corrupt-")[0] for p in tmp_path.glob("*.corrupt-*")) == [
+        "actcache.damaged", "data.mdb", "lock.mdb"]
+
+
+_GROWTH_FAILS = r"""
+import resource, sys
+import psutil
+from actcache.daemon.config import StoreConfig
+from actcache.daemon.store import Store
+from actcache.errors import BudgetExceeded
+from tests.daemon.test_store import FP, entry
+
+value = entry(0, 256 << 10)
+s = Store(StoreConfig(dir=sys.argv[1], map_size_bytes=1 << 20, zstd_level=0))
+ns = s.open_namespace("grow").id
+for start in range(0, 160, 16):  # 40 MiB: the map grows to 64 MiB
+    s.put(ns, FP, 1, [(i, 0, value) for i in range(start, start + 16)])
+before = s.map_size()
+assert before == 64 << 20, before
+vms = psutil.Process().memory_info().vms
+resource.setrlimit(resource.RLIMIT_AS, (vms + (40 << 20), resource.RLIM_INFINITY))  # growing needs 64 MiB more
+refused = 0
+for start in range(160, 400, 16):
+    try:
+        s.put(ns, FP, 1, [(i, 0, value) for i in range(start, start + 16)])
+    except BudgetExceeded as exc:
+        assert "cannot grow to" in str(exc) and "ulimit -v" in str(exc), exc
+        refused += 1
+assert refused and s.map_size() == before, (refused, s.map_size(), before)
+assert s.get(ns, FP, 1, [(7, 0)]) == [value]  # the environment is intact
+s.drop(ns)
+s.put(ns, FP, 1, [(i, 0, value) for i in range(16)])  # freed pages, no growth needed
+s.close()
+print("refused", refused)
+"""
+
+
+def test_map_that_cannot_grow_is_resource_exhausted_not_a_crash(tmp_path):
+    """The map's remap is refused (address-space limit, as a huge map on a small machine): puts get
+    BudgetExceeded, the environment stays usable, and a drop makes room again."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _GROWTH_FAILS, str(tmp_path)], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("refused ")
+
+
+def test_drop_runs_in_chunks_with_exact_usage(store, monkeypatch):
+    monkeypatch.setattr("actcache.daemon.store._DROP_CHUNK_ENTRIES", 3)
+    ns = store.open_namespace("chunks").id
+    for depth in (1, 2):
+        store.put(ns, FP, depth, [(i, 0, entry(i)) for i in range(10)])
+    assert store.drop(ns, FP, 1) == (10, 10 * len(entry(0)))
+    assert store.get(ns, FP, 1, [(i, 0) for i in range(10)]) == [None] * 10
+    assert [(g.depth, g.entries) for g in store.groups()] == [(2, 10)]
+    assert store.used_bytes(ns) == 10 * len(entry(0))
+
+
+def test_a_key_listed_twice_in_one_put_is_counted_once(store):
+    ns = store.open_namespace("dup").id
+    result = store.put(ns, FP, 1, [(1, 0, entry(1)), (2, 0, entry(2)), (1, 0, entry(3, 5000))])
+    assert (result.entries, result.replaced) == (3, 1)
+    assert store.get(ns, FP, 1, [(1, 0)]) == [entry(3, 5000)]
+    assert [(g.entries, g.bytes) for g in store.groups()] == [(2, len(entry(2)) + len(entry(3, 5000)))]

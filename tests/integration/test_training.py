@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import actcache_client as ac
-from actcache.errors import DaemonUnavailable
+from actcache.errors import DaemonUnavailable, PermissionDenied
 from actcache.testing import run_daemon
 from actcache_client.models import resnet20
 from tests.client.tiny_bert import TinyBertForSequenceClassification
@@ -324,3 +324,19 @@ def test_plan_with_shallower_depth_and_a_subset_is_applied(daemon):
         groups = [(g.depth, g.entries) for g in conn.rpc().stats().groups if g.namespace == conn.config.namespace]
         assert groups == [(2, subset)]
     assert_same_training(off, (losses, staged, model))
+
+
+def test_protected_namespace_survives_a_daemon_restart(tmp_path):
+    make, data, _ = MODELS["sequential-cnn"]
+    with run_daemon(cache_dir=tmp_path / "c") as daemon:
+        with ac.connect(daemon.socket, namespace="private", secret="s3cret", strict=True) as conn:
+            train(make, data(), connection=conn, epochs=2, freeze=((0, 2),))
+            hits = conn.stats.hits
+            assert hits == N
+            daemon.stop()
+            daemon.start()  # handles of protected namespaces last one daemon run: the client opens again
+            train(make, data(), connection=conn, epochs=1, freeze=((0, 2),))
+            assert conn.stats.hits == hits + N
+        with ac.connect(daemon.socket, namespace="private", secret="wrong", strict=True) as other:
+            with pytest.raises(PermissionDenied):
+                other.lookup(b"0" * 16, 2, [0], [0])

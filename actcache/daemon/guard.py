@@ -1,0 +1,138 @@
+"""Requests that do not parse are INVALID_ARGUMENT, for every method of the service.
+
+gRPC Python answers a request its deserializer rejects with INTERNAL
+("Exception deserializing request!"), before the handler runs. RequestGuard,
+a server interceptor, replaces each ActCache method's deserializer with one
+that returns an ``Unparsable`` marker instead of raising, and wraps the
+method's behaviour:
+
+- unary requests: an unparsable request is answered INVALID_ARGUMENT
+  without calling the handler;
+- streamed requests: the handler sees the messages that parsed; at the first
+  one that does not, the iterator raises InvalidRequest (which the handler's
+  error wrapper turns into INVALID_ARGUMENT), and if the handler answers
+  anything else after that, the guard still makes the status
+  INVALID_ARGUMENT.
+
+It applies to methods added later without changes to their handlers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from actcache.errors import InvalidRequest
+
+__all__ = ["RequestGuard", "Unparsable"]
+
+
+class Unparsable:
+    """Stands for a request message that failed to parse."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None, method: str) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return Unparsable(f"{method} request of {len(data)} bytes does not parse: {exc or type(exc).__name__}")
+
+    return parse
+
+
+class _Messages:
+    """Iterates a request stream, raising InvalidRequest at the first unparsable message."""
+
+    def __init__(self, inner: Iterator[Any]) -> None:
+        self._inner = inner
+        self.error: str | None = None
+
+    def __iter__(self) -> "_Messages":
+        return self
+
+    def __next__(self) -> Any:
+        message = next(self._inner)
+        if isinstance(message, Unparsable):
+            self.error = message.message
+            raise InvalidRequest(message.message)
+        return message
+
+
+def _guard_unary_request(behavior: Callable, streaming_response: bool) -> Callable:
+    if streaming_response:
+
+        def stream(request, context):
+            if isinstance(request, Unparsable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            yield from behavior(request, context)
+
+        return stream
+
+    def unary(request, context):
+        if isinstance(request, Unparsable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return behavior(request, context)
+
+    return unary
+
+
+def _guard_stream_request(behavior: Callable, streaming_response: bool) -> Callable:
+    if streaming_response:
+
+        def stream(requests, context):
+            messages = _Messages(requests)
+            try:
+                yield from behavior(messages, context)
+            except Exception:
+                if messages.error is not None:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, messages.error)
+                raise
+
+        return stream
+
+    def unary(requests, context):
+        messages = _Messages(requests)
+        try:
+            return behavior(messages, context)
+        except Exception:
+            if messages.error is not None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, messages.error)
+            raise
+
+    return unary
+
+
+_FACTORIES = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+class RequestGuard(grpc.ServerInterceptor):
+    """Makes unparsable requests to ``service``'s methods INVALID_ARGUMENT (see module doc)."""
+
+    def __init__(self, service: str) -> None:
+        self._prefix = f"/{service}/"
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.startswith(self._prefix):
+            return handler
+        kind = (handler.request_streaming, handler.response_streaming)
+        attribute, factory = _FACTORIES[kind]
+        guard = _guard_stream_request if handler.request_streaming else _guard_unary_request
+        behavior = guard(getattr(handler, attribute), handler.response_streaming)
+        method = details.method[len(self._prefix) :]
+        return factory(behavior, _lenient(handler.request_deserializer, method), handler.response_serializer)
