@@ -73,6 +73,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=None,
                    help="fsync every commit (default off: commits survive a daemon crash; an OS crash may lose the last 5 s)")
     p.add_argument("--max-entry-bytes", type=_size, help="largest entry accepted (default 64MiB)")
+    p.add_argument("--explicit-reads", action=argparse.BooleanOptionalAction, default=None,
+                   help="read each value with one pread at its offset in data.mdb (default on; off: copy from the LMDB map)")
     p.add_argument("--workers", type=int, help="RPC threads (default 16)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
 

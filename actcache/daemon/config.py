@@ -68,6 +68,9 @@ class StoreConfig:
     max_entry_bytes: int = 64 << 20
     #: Puts committed together in one write transaction, at most.
     max_batch_bytes: int = 64 << 20
+    #: Read values with one ``pread`` each at their offset in data.mdb (fast when
+    #: cold); off: copy them out of LMDB's memory map (readahead on).
+    explicit_reads: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", Path(self.dir))
@@ -164,6 +167,7 @@ class DaemonConfig:
                 zstd_level=pick("zstd_level", int),
                 sync=pick("sync", as_bool),
                 max_entry_bytes=pick("max_entry_bytes", parse_size),
+                explicit_reads=pick("explicit_reads", as_bool),
             ),
         )
         listen = pick("listen")

@@ -8,7 +8,9 @@ Named databases:
 
 Concurrency: every write (put, drop, namespace creation, deleting a corrupt
 entry) runs on the single writer thread, which batches queued operations
-into one transaction; readers run in any thread. Usage counters live in the
+into one transaction; readers run in any thread. Reads locate each value in
+``data.mdb`` and ``pread`` it (actcache.daemon.extents) unless
+``explicit_reads`` is off, in which case they copy from the memory map. Usage counters live in the
 ``groups`` table, updated in the same transaction as the entries, so they are
 exact across restarts. Invariant: for every group, the in-memory usage equals
 the committed ``groups`` row.
@@ -21,14 +23,16 @@ import os
 import re
 import struct
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import lmdb
 
 from actcache.codec import compress_entry, verify_entry
 from actcache.daemon.config import StoreConfig, format_size
+from actcache.daemon.extents import Extent, ReadSession, ValueFile, stored_length
 from actcache.daemon.writer import ReadGate, WriteOp, Writer
 from actcache.errors import (
     BudgetExceeded,
@@ -88,6 +92,8 @@ class Store:
         self._ns_by_id: dict[int, str] = {}
         self._usage: dict[bytes, list[int]] = {}  # group prefix -> [entries, bytes]
         self._load()
+        self._file = ValueFile(config.dir / "data.mdb", self._env.stat()["psize"])
+        self._read_counts = {"explicit_reads": 0, "fallback_reads": 0}
         self._writer = Writer(self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s)
         self._writer.start()
 
@@ -98,6 +104,7 @@ class Store:
         self._writer.stop()
         self._env.sync(True)
         self._env.close()
+        self._file.close()
 
     def _load(self) -> None:
         with self._env.begin(write=True) as txn:
@@ -167,36 +174,73 @@ class Store:
 
     def get(
         self, namespace_id: int, fingerprint: bytes, depth: int, keys: Sequence[tuple[int, int]]
-    ) -> list[bytes | None]:
+    ) -> list[bytes | memoryview | None]:
         """Return the entry of each ``(sample_id, variant)``, or None for a miss.
 
         A value that fails its checksum is deleted and EntryCorrupt raised.
         """
         self.namespace_name(namespace_id)
         encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
-        out: list[bytes | None] = []
+        out: list[bytes | memoryview | None] = []
         corrupt: list[tuple[bytes, str]] = []
-        with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
-            for key in encoded:
-                value = txn.get(key)
-                if value is None:
+        with self.read_session() as session:
+            extents = [session.locate(key) for key in encoded]
+            for extent in extents:
+                if extent is not None:
+                    self._file.advise(extent)
+            for key, extent in zip(encoded, extents):
+                if extent is None:
                     out.append(None)
                     continue
+                value = session.read(key, extent)
                 try:
                     verify_entry(value)
                 except InvalidRequest as exc:
                     corrupt.append((key, str(exc)))
                     out.append(None)
                     continue
-                out.append(bytes(value))
+                out.append(value)
         if corrupt:
-            self._writer.submit(_DeleteOp(self, [k for k, _ in corrupt]))
+            self.discard_corrupt([k for k, _ in corrupt])
             ids = [struct.unpack(">Q", k[22:30])[0] for k, _ in corrupt]
             raise EntryCorrupt(
                 f"{len(corrupt)} stored entries failed verification and were deleted "
                 f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them"
             )
         return out
+
+    @contextmanager
+    def read_session(self) -> Iterator[ReadSession]:
+        """A read transaction for locating and reading entries; keep it short (it pins pages)."""
+        with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
+            session = ReadSession(txn, self._file, explicit=self.config.explicit_reads)
+            try:
+                yield session
+            finally:
+                with self._lock:
+                    self._read_counts["explicit_reads"] += session.explicit_reads
+                    self._read_counts["fallback_reads"] += session.fallback_reads
+
+    def probe(self, key: bytes) -> Extent | None:
+        """Look ``key`` up in a transaction of its own and ask the kernel to start reading its value.
+
+        Warms the page cache ahead of a read; returns where the value was (a hint
+        only: the transaction is over, so read it again through a session).
+        """
+        with self.read_session() as session:
+            extent = session.locate(key)
+        if extent is not None:
+            self._file.advise(extent)
+        return extent
+
+    def discard_corrupt(self, keys: Sequence[bytes]) -> int:
+        """Delete those of ``keys`` whose stored entry still fails verification; returns how many."""
+        return self._writer.submit(_DeleteOp(self, keys, only_corrupt=True))
+
+    def read_counts(self) -> dict[str, int]:
+        """Values read explicitly (pread) and by the fallback copy from the map, since start."""
+        with self._lock:
+            return dict(self._read_counts)
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> tuple[int, int]:
         """Delete a namespace's entries (narrowed by fingerprint and depth); returns (entries, bytes)."""
@@ -282,7 +326,9 @@ def _open_env(config: StoreConfig) -> lmdb.Environment:
             max_readers=1024,
             sync=config.sync,
             metasync=config.sync,
-            readahead=True,
+            # Explicit reads do their own I/O; the map then only serves B-tree
+            # pages, which must not drag in 8 MiB of readahead each.
+            readahead=not config.explicit_reads,
             meminit=False,
         )
     except lmdb.InvalidError as exc:
@@ -329,14 +375,15 @@ class _PutOp(_StoreOp):
     def apply(self, txn, pending):
         db = self.store._entries
         added = replaced = delta = 0
+        cursor = txn.cursor(db=db)
         for key, value in self.records:
-            old = txn.get(key, db=db)
+            old = stored_length(cursor, key)
             if old is None:
                 added += 1
                 delta += len(value)
             else:
                 replaced += 1
-                delta += len(value) - len(old)
+                delta += len(value) - old
         self.store._check_budget(self.prefix, delta, pending)
         for key, value in self.records:
             txn.put(key, value, db=db)
@@ -364,16 +411,24 @@ class _DropOp(_StoreOp):
 
 
 class _DeleteOp(_StoreOp):
-    def __init__(self, store: Store, keys: Iterable[bytes]) -> None:
+    """Deletes keys; with ``only_corrupt``, only those whose entry fails verification now
+    (a fresh entry put since the corrupt read survives)."""
+
+    def __init__(self, store: Store, keys: Iterable[bytes], *, only_corrupt: bool = False) -> None:
         super().__init__(store)
         self.keys = list(keys)
+        self.only_corrupt = only_corrupt
 
     def apply(self, txn, pending):
+        deleted = 0
         for key in self.keys:
-            old = txn.pop(key, db=self.store._entries)
-            if old is not None:
-                self._adjust(txn, pending, key[:_GROUP_PREFIX_BYTES], -1, -len(old))
-        return len(self.keys)
+            old = txn.get(key, db=self.store._entries)
+            if old is None or (self.only_corrupt and _verifies(old)):
+                continue
+            txn.delete(key, db=self.store._entries)
+            self._adjust(txn, pending, key[:_GROUP_PREFIX_BYTES], -1, -len(old))
+            deleted += 1
+        return deleted
 
 
 class _CreateNamespace(_StoreOp):
@@ -398,6 +453,14 @@ class _CreateNamespace(_StoreOp):
         with self.store._lock:
             self.store._ns_by_name[info.name] = info.id
             self.store._ns_by_id[info.id] = info.name
+
+
+def _verifies(value) -> bool:
+    try:
+        verify_entry(value)
+    except InvalidRequest:
+        return False
+    return True
 
 
 def _delete_range(txn, db, prefix: bytes) -> int:
