@@ -41,6 +41,7 @@ __all__ = [
     "decode_entry",
     "encode_entry",
     "parse_header",
+    "to_raw_entry",
     "verify_entry",
 ]
 
@@ -283,3 +284,17 @@ def compress_entry(buf: bytes | memoryview, zstd_level: int) -> bytes | memoryvi
     if header.codec != Codec.raw or not zstd_level:
         return buf
     return _finish(header.specs, memoryview(buf)[header.header_len :], zstd_level)
+
+
+def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes | memoryview, ...]:
+    """The entry re-encoded with the raw codec, as parts to concatenate.
+
+    A raw entry comes back as itself (one part, no copy); a zstd entry is
+    decompressed and gets a raw header with a fresh checksum (two parts:
+    header, payload). Decoding the result is a zero-copy view of its payload.
+    Raises InvalidRequest when ``buf`` is malformed or fails its checksum.
+    """
+    header, payload = decode_entry(buf, verify=verify)
+    if header.codec == Codec.raw:
+        return (buf,)
+    return _pack_header(Codec.raw, header.specs, header.raw_len, payload), payload

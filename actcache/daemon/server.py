@@ -3,7 +3,8 @@
 Lifecycle (DaemonState): STARTING -> SERVING -> DRAINING -> STOPPED.
 SERVING starts once the socket is bound, restricted to its owner (0600) and
 the health service reports SERVING. DRAINING refuses new calls, lets
-in-flight ones finish (``grace_s``), commits queued writes and closes LMDB.
+in-flight ones finish (``grace_s``; Fetch streams end at once with UNAVAILABLE),
+commits queued writes and closes LMDB.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from actcache.daemon.config import DaemonConfig
+from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service import ActCacheService
 from actcache.daemon.store import Store
 from actcache.errors import ConfigError
@@ -95,6 +97,7 @@ class Daemon:
         self.config = config
         self.state = DaemonState.STARTING
         self.store: Store | None = None
+        self.prefetcher: Prefetcher | None = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self.port: int | None = None
@@ -102,7 +105,8 @@ class Daemon:
     def start(self) -> None:
         cfg = self.config.server
         self.store = Store(self.config.store)
-        service = ActCacheService(self.store, max_message_bytes=cfg.max_message_bytes)
+        self.prefetcher = Prefetcher(self.store, self.config.prefetch)
+        service = ActCacheService(self.store, self.prefetcher, max_message_bytes=cfg.max_message_bytes)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="actcache-rpc"),
             handlers=[service.handler()],
@@ -144,6 +148,8 @@ class Daemon:
             return
         self.state = DaemonState.DRAINING
         self._health.enter_graceful_shutdown()
+        if self.prefetcher is not None:  # ends Fetch streams now instead of after the grace period
+            self.prefetcher.close()
         if self._server is not None:
             self._server.stop(self.config.server.grace_s).wait()
         if self.store is not None:
