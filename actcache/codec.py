@@ -39,6 +39,7 @@ __all__ = [
     "TensorSpec",
     "compress_entry",
     "decode_entry",
+    "decoded_size",
     "encode_entry",
     "parse_header",
     "to_raw_entry",
@@ -298,3 +299,18 @@ def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes
     if header.codec == Codec.raw:
         return (buf,)
     return _pack_header(Codec.raw, header.specs, header.raw_len, payload), payload
+
+
+def decoded_size(buf: bytes | memoryview) -> int:
+    """Bytes of ``buf`` re-encoded with the raw codec (header + raw payload), from the fixed header alone.
+
+    Cheap (no checksum, no per-tensor parsing): for sizing buffers before decoding.
+    """
+    view = memoryview(buf)
+    if view.nbytes < _FIXED.size:
+        raise InvalidRequest(f"entry of {view.nbytes} bytes is shorter than the {_FIXED.size}-byte header")
+    magic, version, _, _, raw_len, stored_len, _ = _FIXED.unpack_from(view)
+    if magic != MAGIC or version != VERSION or stored_len > view.nbytes - _FIXED.size:
+        raise InvalidRequest(f"entry has magic {bytes(magic)!r} version {version} and {stored_len} payload bytes "
+                             f"in {view.nbytes}; it is not a valid entry")
+    return view.nbytes - stored_len + raw_len

@@ -28,7 +28,7 @@ def test_client_never_imports_daemon_internals():
     "module",
     ["actcache.codec", "actcache.errors", "actcache.keys", "actcache.rpc", "actcache.rpc_client", "actcache.testing",
      "actcache.daemon.store", "actcache.daemon.config", "actcache.daemon.extents",
-     "actcache.daemon.budget", "actcache.daemon.prefetch", "actcache.daemon.prefetch_stats", "actcache.daemon.reader",
+     "actcache.daemon.budget", "actcache.daemon.lookahead", "actcache.malloc", "actcache.daemon.prefetch", "actcache.daemon.prefetch_stats", "actcache.daemon.reader",
      "actcache.daemon.schedule", "actcache_client.stages"],
 )
 def test_public_surface_is_explicit_and_sorted(module):

@@ -53,6 +53,7 @@ cannot reuse those pages underneath.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import struct
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ _F_SUBDATA_OR_DUP = 0x02 | 0x04
 _P_OVERFLOW = 0x04
 _PGNO = struct.Struct("<Q")
 _PAGE_HEAD = struct.Struct("<QHH")  # pgno, pad, flags
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,7 @@ class ValueFile:
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self._nowait = bool(_NOWAIT)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -113,16 +116,44 @@ class ValueFile:
         if extent.inline is None and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, extent.offset - PAGE_HEADER_BYTES, extent.read_bytes, os.POSIX_FADV_WILLNEED)
 
-    def read(self, extent: Extent) -> memoryview | None:
-        """The value's bytes, or None when the page header read with them does not match."""
-        start = extent.offset - PAGE_HEADER_BYTES
-        data = os.pread(self._fd, extent.read_bytes, start)
-        if len(data) != extent.read_bytes:
+    def resident(self, extent: Extent) -> bool | None:
+        """Is the end of ``extent`` in the page cache? None when the kernel cannot tell (no RWF_NOWAIT)."""
+        if extent.inline is not None:
+            return True
+        got = self._pread_nowait(memoryview(bytearray(1)), extent.offset + extent.length - 1)
+        return None if got is None else got == 1
+
+    def _pread_nowait(self, view: memoryview, offset: int) -> int | None:
+        """Bytes read without waiting for the disk (0 if none are cached); None if unsupported."""
+        if not self._nowait:
             return None
-        pgno, _, flags = _PAGE_HEAD.unpack_from(data)
+        try:
+            return os.preadv(self._fd, [view], offset, _NOWAIT)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            self._nowait = False
+            return None
+
+    def read(self, extent: Extent) -> tuple[memoryview | None, bool | None]:
+        """The value's bytes (None when the page header read with them does not match), and whether
+        they all came from the page cache (None when the kernel cannot tell)."""
+        start, size = extent.offset - PAGE_HEADER_BYTES, extent.read_bytes
+        view = memoryview(np.empty(size, np.uint8))  # uninitialized: pread fills it
+        got = self._pread_nowait(view, start)
+        resident = None if got is None else got == size
+        got = got or 0
+        while got < size:
+            n = os.preadv(self._fd, [view[got:]], start + got)
+            if n == 0:
+                return None, resident
+            got += n
+        pgno, _, flags = _PAGE_HEAD.unpack_from(view)
         if pgno * self.page_size != start or not flags & _P_OVERFLOW:
-            return None
-        return memoryview(data)[PAGE_HEADER_BYTES:]
+            return None, resident
+        return view[PAGE_HEADER_BYTES:], resident
 
 
 def _address(view: memoryview) -> int:
@@ -164,6 +195,8 @@ class ReadSession:
         self._explicit = explicit
         self.explicit_reads = 0
         self.fallback_reads = 0
+        #: Whether the last ``read`` came entirely from the page cache (None: unknown).
+        self.last_resident: bool | None = None
 
     def locate(self, key: bytes) -> Extent | None:
         """Where the value of ``key`` is, or None if there is no such key."""
@@ -180,8 +213,9 @@ class ReadSession:
     def read(self, key: bytes, extent: Extent) -> bytes | memoryview:
         """The bytes of ``extent`` (located in this session); falls back to a copy from the map."""
         if extent.inline is not None:
+            self.last_resident = True
             return extent.inline
-        data = self._file.read(extent)
+        data, self.last_resident = self._file.read(extent)
         if data is not None and len(data) == extent.length:
             self.explicit_reads += 1
             return data

@@ -28,7 +28,6 @@ Fetch frame being sent, at most ``max_frame_bytes``, lives outside it).
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 

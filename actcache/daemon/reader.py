@@ -21,14 +21,14 @@ import enum
 import logging
 import threading
 import time
-from collections import deque
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import Codec, parse_header, to_raw_entry
+from actcache.codec import Codec, decoded_size, to_raw_entry
 from actcache.daemon.budget import MemoryBudget
+from actcache.daemon.lookahead import Prober, ShortTransaction
 from actcache.daemon.schedule import Schedule
 from actcache.errors import ActCacheError, BudgetExceeded, InvalidRequest, StoreError
 from actcache.rpc import encode_frame
@@ -41,10 +41,9 @@ __all__ = ["ReaderSnapshot", "ReaderState", "ScheduleReader"]
 log = logging.getLogger(__name__)
 
 _KEY_BLOCK = 512
-# A read transaction is closed after this many entries or seconds, so it never
-# pins pages (or holds off a map resize) for long.
-_SESSION_ENTRIES = 256
-_SESSION_SECONDS = 0.05
+# Entries (or bytes) verified and decompressed by one decode task.
+_BATCH_ENTRIES = 8
+_BATCH_BYTES = 512 << 10
 
 
 class ReaderState(enum.Enum):
@@ -238,8 +237,9 @@ class ScheduleReader:
             keys = self._keys[block] = self.schedule.keys(start, min(len(self.schedule), start + _KEY_BLOCK))
         return keys[pos - block * _KEY_BLOCK]
 
-    def _reserve(self, n: int, txn: "_Transaction") -> None:
-        """Take ``n`` budget bytes, closing the read transaction first if that means waiting."""
+    def _reserve(self, n: int, txn: ShortTransaction, batch: "_DecodeBatch") -> None:
+        """Take ``n`` budget bytes; before waiting for them, close the read transaction and hand the
+        decode pool what was read (the consumer needs it to free memory)."""
         if n > self._budget.limit:
             raise BudgetExceeded(
                 f"entry at position {self.read} of schedule {self.schedule.schedule_id!r} needs {n} bytes in "
@@ -248,31 +248,24 @@ class ScheduleReader:
         if self._budget.try_acquire(self, n):
             return
         txn.close()
+        batch.flush()
         if not self._budget.acquire(self, n, lambda: self._stopping):
             raise _Stop
 
-    def _probe_ahead(self, pos: int, probes: deque, avg_bytes: int) -> None:
-        """Keep lookups (and WILLNEED hints) running on the probe pool for the entries after ``pos``."""
-        while probes and probes[0][0] < pos:
-            probes.popleft()[1].cancel()
-        window = max(8, min(1024, self._probe_bytes // max(1, avg_bytes)))
-        nxt = probes[-1][0] + 1 if probes else pos + 1
-        for p in range(nxt, min(len(self.schedule), pos + 1 + window)):
-            probes.append((p, self._probe.submit(self._store.probe, self._key(p))))
-
     def _read_all(self) -> None:
         n = len(self.schedule)
-        txn = _Transaction(self._store)
-        probes: deque[tuple[int, Future]] = deque()
+        txn = ShortTransaction(self._store)
+        batch = _DecodeBatch(self)
+        prober = Prober(self._probe, self._store.probe, self._key, n, self._probe_bytes) if self._probe else None
         carry = 0  # budget bytes already held for the entry at ``read`` (taken while the txn was closed)
-        read_entries = read_total = 0
+        read_entries = read_total = unflushed = 0
         try:
             while self.read < n:
                 if self._stopping:
                     raise _Stop
                 pos = self.read
-                if self._probe is not None:
-                    self._probe_ahead(pos, probes, read_total // read_entries if read_entries else 64 << 10)
+                if prober is not None:
+                    prober.advance(pos, read_total // read_entries if read_entries else 64 << 10)
                 session = txn.open()
                 key = self._key(pos)
                 extent = session.locate(key)
@@ -285,35 +278,45 @@ class ScheduleReader:
                 if carry >= need:
                     self._budget.release(self, carry - need)
                 else:
-                    self._reserve(need - carry, txn)
+                    self._reserve(need - carry, txn, batch)
                 carry = 0
                 if not txn.is_open(session):  # waited with the transaction closed: look the key up again
                     carry = need
                     continue
                 data = session.read(key, extent)
+                if prober is not None:
+                    prober.saw_read(session.last_resident)
                 read_entries += 1
                 read_total += len(data)
-                self.schedule.counters.add(read_bytes=len(data))
+                unflushed += len(data)
+                if read_entries % 64 == 0:
+                    self.schedule.counters.add(read_bytes=unflushed)
+                    unflushed = 0
                 slot = _Slot(held=need)
                 try:
                     extra = _decoded_bytes(data)
                     if extra:
-                        self._reserve(extra, txn)
+                        self._reserve(extra, txn, batch)
                         slot.held += extra
                 except BaseException:
                     self._budget.release(self, slot.held)
                     raise
                 self._publish(pos, slot)
-                try:
-                    self._decode.submit(self._finish, pos, slot, key, data)
-                except RuntimeError:  # the pool is shut down: the daemon is stopping
-                    raise _Stop from None
+                batch.add(pos, slot, key, data)
                 txn.tick()
+            batch.flush()
         finally:
+            self.schedule.counters.add(read_bytes=unflushed)
+            if not self._stopping:  # a failure: what was read is still served before the error
+                try:
+                    batch.flush()
+                except _Stop:
+                    pass
+            batch.drop()
             txn.close()
             self._budget.release(self, carry)
-            for _, future in probes:
-                future.cancel()
+            if prober is not None:
+                prober.close()
 
     def _publish(self, pos: int, slot: _Slot) -> None:
         with self._cond:
@@ -335,6 +338,10 @@ class ScheduleReader:
             self._cond.notify_all()
 
     # ---- decode pool -----------------------------------------------------
+
+    def _finish_all(self, items: list) -> None:
+        for item in items:
+            self._finish(*item)
 
     def _finish(self, pos: int, slot: _Slot, key: bytes, data) -> None:
         try:
@@ -376,7 +383,10 @@ class ScheduleReader:
         schedule = self.schedule
         while True:
             with self._cond:
-                over = lambda: self.state is ReaderState.CANCELLED or self.served >= self._end  # noqa: E731
+                def over() -> bool:  # nothing more will become ready for this consumer
+                    return (self.state is ReaderState.CANCELLED or self.served >= self._end
+                            or self.state is ReaderState.FAILED and self.served not in self._slots)
+
                 stalled, waited = False, 0.0
                 if self.served == self.ready and not over():
                     stalled, t0 = True, time.monotonic()
@@ -415,41 +425,48 @@ class ScheduleReader:
         self._on_change(self)
 
 
-class _Transaction:
-    """The reader's read transaction: opened lazily, closed before any wait and every few entries."""
+class _DecodeBatch:
+    """Entries read but not yet handed to the decode pool: one pool task per few entries, not per entry.
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self._cm = None
-        self._session = None
-        self._opened_at = 0.0
-        self._entries = 0
+    Handed over when it holds ``_BATCH_ENTRIES`` entries or ``_BATCH_BYTES``
+    bytes, when the consumer has nothing ready, and before the reader waits.
+    """
 
-    def open(self):
-        if self._session is None:
-            self._cm = self._store.read_session()
-            self._session = self._cm.__enter__()
-            self._opened_at, self._entries = time.monotonic(), 0
-        return self._session
+    def __init__(self, reader: ScheduleReader) -> None:
+        self._reader = reader
+        self._items: list = []
+        self._bytes = 0
 
-    def is_open(self, session) -> bool:
-        return session is self._session
+    def add(self, pos: int, slot: _Slot, key: bytes, data) -> None:
+        self._items.append((pos, slot, key, data))
+        self._bytes += len(data)
+        r = self._reader
+        if len(self._items) >= _BATCH_ENTRIES or self._bytes >= _BATCH_BYTES or r.ready == r.served:
+            self.flush()
 
-    def tick(self) -> None:
-        self._entries += 1
-        if self._entries >= _SESSION_ENTRIES or time.monotonic() - self._opened_at > _SESSION_SECONDS:
-            self.close()
+    def flush(self) -> None:
+        if not self._items:
+            return
+        items, self._items, self._bytes = self._items, [], 0
+        try:
+            self._reader._decode.submit(self._reader._finish_all, items)
+        except RuntimeError:  # the pool is shut down: the daemon is stopping
+            self._items = items
+            raise _Stop from None
 
-    def close(self) -> None:
-        if self._cm is not None:
-            cm, self._cm, self._session = self._cm, None, None
-            cm.__exit__(None, None, None)
+    def drop(self) -> None:
+        """Free what was never handed over (the reader is stopping)."""
+        r = self._reader
+        for pos, slot, _, _ in self._items:
+            with r._cond:
+                r._slots.pop(pos, None)
+            r._budget.release(r, slot.held)
+        self._items = []
 
 
 def _decoded_bytes(data) -> int:
-    """Extra bytes decoding ``data`` will allocate (0 for raw or unparsable entries)."""
+    """Extra bytes decoding ``data`` will allocate (0 for raw or malformed entries: served as they are)."""
     try:
-        header = parse_header(data)
-    except InvalidRequest:
+        return decoded_size(data) if data[5] == Codec.zstd else 0
+    except (InvalidRequest, IndexError):
         return 0
-    return header.header_len + header.raw_len if header.codec == Codec.zstd else 0

@@ -28,6 +28,7 @@ from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service import ActCacheService
 from actcache.daemon.store import Store
 from actcache.errors import ConfigError
+from actcache.malloc import tune_malloc
 from actcache.rpc import SERVICE
 
 __all__ = ["Daemon", "DaemonState", "serve"]
@@ -162,6 +163,7 @@ class Daemon:
 
 def serve(config: DaemonConfig) -> int:
     """Run a daemon until SIGTERM or SIGINT; returns the process exit code."""
+    tune_malloc()
     daemon = Daemon(config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -32,7 +32,7 @@ import lmdb
 
 from actcache.codec import compress_entry, verify_entry
 from actcache.daemon.config import StoreConfig, format_size
-from actcache.daemon.extents import Extent, ReadSession, ValueFile, stored_length
+from actcache.daemon.extents import ReadSession, ValueFile, stored_length
 from actcache.daemon.writer import ReadGate, WriteOp, Writer
 from actcache.errors import (
     BudgetExceeded,
@@ -221,17 +221,23 @@ class Store:
                     self._read_counts["explicit_reads"] += session.explicit_reads
                     self._read_counts["fallback_reads"] += session.fallback_reads
 
-    def probe(self, key: bytes) -> Extent | None:
-        """Look ``key`` up in a transaction of its own and ask the kernel to start reading its value.
-
-        Warms the page cache ahead of a read; returns where the value was (a hint
-        only: the transaction is over, so read it again through a session).
+    def probe(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask
+        the kernel to start reading it. Per key: None if absent, else whether it was already cached
+        (False also when the kernel cannot tell). Warms the cache ahead of a read, nothing more.
         """
         with self.read_session() as session:
-            extent = session.locate(key)
-        if extent is not None:
-            self._file.advise(extent)
-        return extent
+            extents = [session.locate(key) for key in keys]
+        out: list[bool | None] = []
+        for extent in extents:
+            if extent is None:
+                out.append(None)
+                continue
+            resident = bool(self._file.resident(extent))
+            if not resident:
+                self._file.advise(extent)
+            out.append(resident)
+        return out
 
     def discard_corrupt(self, keys: Sequence[bytes]) -> int:
         """Delete those of ``keys`` whose stored entry still fails verification; returns how many."""

@@ -220,8 +220,8 @@ class _FailingStore:
         self._store, self._left, self._error = store, ok, error
         self.config = store.config
 
-    def probe(self, key):
-        return None
+    def probe(self, keys):
+        return [None] * len(keys)
 
     def discard_corrupt(self, keys):
         return self._store.discard_corrupt(keys)
@@ -242,6 +242,10 @@ class _FailingStore:
 
             def read(self, key, extent):
                 return self._inner.read(key, extent)
+
+            @property
+            def last_resident(self):
+                return self._inner.last_resident
 
         with self._store.read_session() as inner:
             yield Session(inner)
