@@ -17,7 +17,9 @@ samples/s and MB/s (of tensor bytes) for:
 
 warm (page cache hot, after an untimed pass) and cold (page cache dropped
 and the daemon restarted before the run, so nothing is mapped), with the
-ratio served/raw. Before each cold served run it measures the disk's
+ratio served/raw and the CPU seconds per GB of tensors (daemon + client
+for served runs: on a busy machine the CPU cost is the steadier figure).
+Before each cold served run it measures the disk's
 O_DIRECT random 1 MiB read MB/s (queue depth 1) on a scratch file on the
 same filesystem; ``cold_serve_vs_disk`` divides the served MB/s (tensor
 bytes, as the client receives them) by that figure; the "disk-read MB/s"
@@ -151,6 +153,7 @@ def raw_run(store_dir: Path, keys: list[bytes], shape: Shape) -> dict:
     env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=8)
     try:
         db = env.open_db(b"entries", create=False)
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         nbytes = 0
         with env.begin(db=db) as txn:
@@ -159,9 +162,11 @@ def raw_run(store_dir: Path, keys: list[bytes], shape: Shape) -> dict:
                 tensor = torch.frombuffer(raw, dtype=tdtype, count=count).view(shape.shape)
                 nbytes += tensor.numel() * tensor.element_size()
         seconds = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
     finally:
         env.close()
-    return {"samples_per_s": len(keys) / seconds, "MBps": nbytes / seconds / 1e6, "seconds": seconds}
+    return {"samples_per_s": len(keys) / seconds, "MBps": nbytes / seconds / 1e6, "seconds": seconds,
+            "cpu_s_per_GB": cpu / (nbytes / 1e9)}
 
 
 def served_run(daemon: DaemonProcess, ns: int, depth: int, order: np.ndarray, shape: Shape, schedule_id: str,
@@ -173,6 +178,7 @@ def served_run(daemon: DaemonProcess, ns: int, depth: int, order: np.ndarray, sh
     with daemon.client(timeout_s=600) as client:
         before = _ns_counters(client, ns)
         marks = []
+        cpu0 = (_process_cpu(daemon.pid), time.process_time())
         t0 = time.perf_counter()
         client.schedule(ns, FP, depth, schedule_id, order)
         received = nbytes = 0
@@ -191,14 +197,24 @@ def served_run(daemon: DaemonProcess, ns: int, depth: int, order: np.ndarray, sh
                 if ahead > 0:
                     time.sleep(ahead)
         seconds = time.perf_counter() - t0
+        cpu1 = (_process_cpu(daemon.pid), time.process_time())
         after = _ns_counters(client, ns)
+    gb = nbytes / 1e9
     out = {"samples_per_s": received / seconds, "MBps": nbytes / seconds / 1e6, "seconds": seconds,
-           "read_MBps": (after["read_bytes"] - before["read_bytes"]) / seconds / 1e6}
+           "read_MBps": (after["read_bytes"] - before["read_bytes"]) / seconds / 1e6,
+           "daemon_cpu_s_per_GB": (cpu1[0] - cpu0[0]) / gb, "client_cpu_s_per_GB": (cpu1[1] - cpu0[1]) / gb}
+    out["cpu_s_per_GB"] = out["daemon_cpu_s_per_GB"] + out["client_cpu_s_per_GB"]
     if marks:
         served = (after["hits"] + after["misses"]) - (marks[0]["hits"] + marks[0]["misses"])
         out["hit_ratio"] = (after["ready_on_ask"] - marks[0]["ready_on_ask"]) / served if served else float("nan")
         out["stall_seconds"] = after["stall_seconds"] - marks[0]["stall_seconds"]
     return out
+
+
+def _process_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ns_counters(client, ns: int) -> dict:
@@ -221,6 +237,7 @@ def main() -> int:
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="The given buffer is not writable")  # the views are only read
     tune_malloc()  # as a training process receiving Fetch streams should (see actcache/malloc.py)
+    import torch  # noqa: F401  (imported before any timed run)
     mib = 64 if args.quick else args.mib_per_shape
     cold = drop_page_cache()
     if not cold:
@@ -228,12 +245,13 @@ def main() -> int:
               "prefetch hit ratio warm")
     rows: list[dict] = []
     started = time.perf_counter()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=args.dir or "/var/tmp", prefix="actcache-serve-") as tmp:
         cache = Path(tmp) / "cache"
         scratch = Path(tmp) / "odirect.bin"
         with open(scratch, "wb") as f:
             block = os.urandom(8 << 20)
-            for _ in range(max(32, mib // 2) // 8):
+            for _ in range((256 if args.quick else 1024) // 8):
                 f.write(block)
             os.fsync(f.fileno())
         with run_daemon(cache_dir=cache) as daemon:
@@ -249,7 +267,7 @@ def main() -> int:
                 shape, ns, depth, order, _ = plan[0]
                 served_run(daemon, ns, depth, order[:64], shape, "warmup")
             print(f"{'shape':<26}{'path':<8}{'state':<6}{'samples/s':>11}{'MB/s':>8}{'disk-read MB/s':>16}"
-                  f"{'O_DIRECT MB/s':>15}{'ratio':>8}")
+                  f"{'O_DIRECT MB/s':>15}{'CPU s/GB':>10}{'ratio':>8}")
             for shape, ns, depth, order, stored in plan:
                 keys = encode_keys(ns, FP, depth, order)
                 compression = len(order) * shape.nbytes / stored
@@ -279,7 +297,8 @@ def main() -> int:
                 drop_page_cache()
                 base = row.get("cold_served", warm)
                 pace = 0.5 * base["samples_per_s"]
-                hit_daemon = DaemonProcess(cache, daemon.socket.parent / "hit.sock", ["--prefetch-bytes", HIT_BUDGET])
+                hit_daemon = DaemonProcess(cache, daemon.socket.parent / "hit.sock",
+                                           ["--prefetch-bytes", HIT_BUDGET, "--max-entry-bytes", "16MiB"])
                 hit_daemon.start()
                 try:
                     paced = served_run(hit_daemon, ns, depth, order, shape, "paced", pace_per_s=pace, stats_at=0.2)
@@ -297,7 +316,8 @@ def main() -> int:
     cold_vs_disk = min(r["cold_vs_disk"] for r in rows) if cold else float("nan")
     hit_ratio = min(r["paced"]["hit_ratio"] for r in rows)
     print(f"compression (raw/stored): " + ", ".join(f"{r['shape']} {r['compression']:.2f}" for r in rows))
-    print(f"{len(rows)} shapes x {mib} MiB in {time.perf_counter() - started:.0f} s; hit ratio with "
+    print(f"{len(rows)} shapes x {mib} MiB in {time.perf_counter() - started:.0f} s on {os.cpu_count()} cores "
+          f"(load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after); hit ratio with "
           f"--prefetch-bytes {HIT_BUDGET}, consumer paced at half the {'cold' if cold else 'warm'} served rate")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
@@ -311,7 +331,8 @@ def _print(name: str, path: str, state: str, r: dict, disk: float | None = None,
     read = f"{r['read_MBps']:>16.0f}" if "read_MBps" in r else f"{'':>16}"
     disk_s = f"{disk:>15.0f}" if disk else f"{'':>15}"
     ratio_s = f"{ratio:>8.2f}" if ratio is not None else ""
-    print(f"{name:<26}{path:<8}{state:<6}{r['samples_per_s']:>11.0f}{r['MBps']:>8.0f}{read}{disk_s}{ratio_s}", flush=True)
+    print(f"{name:<26}{path:<8}{state:<6}{r['samples_per_s']:>11.0f}{r['MBps']:>8.0f}{read}{disk_s}"
+          f"{r['cpu_s_per_GB']:>10.2f}{ratio_s}", flush=True)
 
 
 if __name__ == "__main__":

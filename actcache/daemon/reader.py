@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ReaderSnapshot", "ReaderState", "ScheduleReader"]
 
+# After a stall, a frame waits up to _LINGER_S for _FILL_BYTES of entries.
+_FILL_BYTES = 1 << 20
+_LINGER_S = 0.005
+
 log = logging.getLogger(__name__)
 
 _KEY_BLOCK = 512
@@ -135,6 +139,7 @@ class ScheduleReader:
         self._slots: dict[int, _Slot] = {}
         #: Positions from here on are never served (the length, or where the reader failed).
         self._end = len(schedule)
+        self._ready_bytes = 0  # bytes of the ready, unserved entries
         self._error: ActCacheError | None = None
         self._stopping = False
         self._keys: dict[int, list[bytes]] = {}
@@ -170,6 +175,7 @@ class ScheduleReader:
             for pos in [p for p, slot in self._slots.items() if slot.ready]:
                 freed += self._slots.pop(pos).held  # entries still decoding free themselves when done
             self.ready = self.served
+            self._ready_bytes = 0
             self._set_state(ReaderState.CANCELLED)
         self._budget.release(self, freed)
         self._on_change(self)
@@ -194,6 +200,7 @@ class ScheduleReader:
             for pos in [p for p, slot in self._slots.items() if slot.ready and p >= self._end]:
                 freed += self._slots.pop(pos).held
             self.ready = min(self.ready, self._end)
+            self._ready_bytes = sum(self._slots[p].nbytes for p in range(self.served, self.ready))
             self._set_state(ReaderState.FAILED)
         self._budget.release(self, freed)
         self._on_change(self)
@@ -332,6 +339,7 @@ class ScheduleReader:
         """Move ``ready`` past every ready slot; wake the consumer. Caller holds ``_cond``."""
         moved = False
         while self.ready < min(self.read, self._end) and self._slots[self.ready].ready:
+            self._ready_bytes += self._slots[self.ready].nbytes
             self.ready += 1
             moved = True
         if moved:
@@ -381,16 +389,24 @@ class ScheduleReader:
         returns early, quietly, if cancelled without an error for the consumer.
         """
         schedule = self.schedule
+        fill = min(max_frame_bytes, _FILL_BYTES)
         while True:
             with self._cond:
                 def over() -> bool:  # nothing more will become ready for this consumer
                     return (self.state is ReaderState.CANCELLED or self.served >= self._end
                             or self.state is ReaderState.FAILED and self.served not in self._slots)
 
+                def filled() -> bool:  # a frame's worth is ready, or no more is coming soon
+                    return (self._ready_bytes >= fill or over()
+                            or self.state is not ReaderState.READING and self.ready >= min(self.read, self._end))
+
                 stalled, waited = False, 0.0
                 if self.served == self.ready and not over():
                     stalled, t0 = True, time.monotonic()
                     self._cond.wait_for(lambda: self.served < self.ready or over())
+                    # The consumer outruns the reader: rather than a frame per entry (costly on
+                    # both sides), give the reader a moment to fill a reasonable frame.
+                    self._cond.wait_for(filled, _LINGER_S)
                     waited = time.monotonic() - t0
                 if self.served == self.ready:
                     if self.state in (ReaderState.CANCELLED, ReaderState.FAILED):
@@ -407,6 +423,7 @@ class ScheduleReader:
                     taken.append(self._slots.pop(self.served))
                     size += slot.nbytes
                     self.served += 1
+                self._ready_bytes -= size
             stop = start + len(taken)
             header = pb.EntriesHeader(
                 start=start,
