@@ -72,7 +72,17 @@ class PrefetchStats:
 
 
 class Prefetcher:
-    """Schedules by (namespace, schedule_id), one reader each, sharing one budget and two pools."""
+    """Schedules by (namespace, schedule_id), one reader each, sharing one budget and two pools.
+
+    Invariants (under the budget's condition, asserted in tests through
+    ``stats()``): every reader has ``start <= served <= ready <= read <=
+    len(order)``; ``budget.used`` is the sum of the bytes the readers hold
+    and ``budget.used <= budget.max_used <= budget.limit``; at most one
+    reader per schedule is registered, and a schedule pushed again cancels
+    its old reader before the new one starts. A reader may take budget only
+    while it is active: reading, and attached or its namespace has no
+    attached reader still reading.
+    """
 
     def __init__(self, store: Store, config: PrefetchConfig) -> None:
         self.store = store

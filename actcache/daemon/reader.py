@@ -36,8 +36,11 @@ from actcache.rpc import encode_frame
 if TYPE_CHECKING:
     from actcache.daemon.store import Store
 
-__all__ = ["ReaderSnapshot", "ReaderState", "ScheduleReader"]
+__all__ = ["MAX_AHEAD_ENTRIES", "ReaderSnapshot", "ReaderState", "ScheduleReader"]
 
+# Entries a reader keeps read ahead of its consumer at most (misses hold no
+# budget bytes, so the budget alone would not bound them).
+MAX_AHEAD_ENTRIES = 1 << 16
 # After a stall, a frame waits up to _LINGER_S for _FILL_BYTES of entries.
 _FILL_BYTES = 1 << 20
 _LINGER_S = 0.005
@@ -101,8 +104,8 @@ class ScheduleReader:
     """Reads ``schedule`` from ``start`` ahead of the consumer within the shared budget.
 
     Invariants (under ``_cond``): ``start <= served <= ready <= read <=
-    len(schedule)``; positions in ``[served, read)`` have a slot, those below
-    ``ready`` are ready; the budget bytes this reader holds equal the bytes of
+    len(schedule)`` and ``read - served <= MAX_AHEAD_ENTRIES``; positions in
+    ``[served, read)`` have a slot, those below ``ready`` are ready; the budget bytes this reader holds equal the bytes of
     its slots plus at most one reservation for the entry being read, so the
     budget's ``used <= limit`` bounds its memory. A slot is dropped as soon as
     its frame is built. A cancelled reader frees every ready slot at once and
@@ -140,6 +143,7 @@ class ScheduleReader:
         #: Positions from here on are never served (the length, or where the reader failed).
         self._end = len(schedule)
         self._ready_bytes = 0  # bytes of the ready, unserved entries
+        self._reader_waits = False  # the reader waits for the consumer (MAX_AHEAD_ENTRIES)
         self._error: ActCacheError | None = None
         self._stopping = False
         self._keys: dict[int, list[bytes]] = {}
@@ -237,8 +241,8 @@ class ScheduleReader:
     def _key(self, pos: int) -> bytes:
         block = pos // _KEY_BLOCK
         keys = self._keys.get(block)
-        if keys is None:
-            for old in [b for b in self._keys if b < block - 1]:
+        if keys is None:  # probes ask ahead of the reader: keep blocks from the reader's on
+            for old in [b for b in self._keys if b < self.read // _KEY_BLOCK]:
                 del self._keys[old]
             start = block * _KEY_BLOCK
             keys = self._keys[block] = self.schedule.keys(start, min(len(self.schedule), start + _KEY_BLOCK))
@@ -270,6 +274,10 @@ class ScheduleReader:
             while self.read < n:
                 if self._stopping:
                     raise _Stop
+                if self.read - self.served >= MAX_AHEAD_ENTRIES:
+                    txn.close()
+                    batch.flush()
+                    self._wait_for_consumer()
                 pos = self.read
                 if prober is not None:
                     prober.advance(pos, read_total // read_entries if read_entries else 64 << 10)
@@ -324,6 +332,14 @@ class ScheduleReader:
             self._budget.release(self, carry)
             if prober is not None:
                 prober.close()
+
+    def _wait_for_consumer(self) -> None:
+        with self._cond:
+            self._reader_waits = True
+            self._cond.wait_for(lambda: self._stopping or self.read - self.served < MAX_AHEAD_ENTRIES)
+            self._reader_waits = False
+        if self._stopping:
+            raise _Stop
 
     def _publish(self, pos: int, slot: _Slot) -> None:
         with self._cond:
@@ -424,6 +440,8 @@ class ScheduleReader:
                     size += slot.nbytes
                     self.served += 1
                 self._ready_bytes -= size
+                if self._reader_waits:
+                    self._cond.notify_all()
             stop = start + len(taken)
             header = pb.EntriesHeader(
                 start=start,

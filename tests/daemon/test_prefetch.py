@@ -10,6 +10,7 @@ import pytest
 from actcache.codec import Codec, DType, TensorSpec, decode_entry, encode_entry
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
+import actcache.daemon.reader as reader_module
 from actcache.daemon.reader import ReaderState
 from actcache.daemon.schedule import Schedule
 from actcache.daemon.store import Store
@@ -80,6 +81,7 @@ def check_invariants(p: Prefetcher) -> None:
         r = status.reader
         if r is not None:
             assert r.start <= r.served <= r.ready <= r.read <= r.length
+            assert r.read - r.served <= reader_module.MAX_AHEAD_ENTRIES
 
 
 def test_entries_come_in_order_with_misses_in_place(store):
@@ -306,3 +308,14 @@ def test_an_entry_larger_than_the_budget_fails_clearly(tmp_path):
                 list(p.attach(ns, "e0", 0).frames(1 << 20))
     finally:
         s.close()
+
+
+def test_read_ahead_of_misses_is_bounded_in_entries(store, monkeypatch):
+    monkeypatch.setattr(reader_module, "MAX_AHEAD_ENTRIES", 100)
+    with prefetcher_of(store) as p:
+        p.push(schedule(range(1001, 3001, 2)))  # 1000 misses: no budget bytes at all
+        wait_until(lambda: p.stats().schedules[0].reader.read == 100)
+        status = p.stats().schedules[0].reader
+        assert status.state is ReaderState.READING and status.read == 100
+        got = consume(p.attach(1, "e0", 0), each=lambda: check_invariants(p))
+    assert len(got) == 1000 and all(v is None for _, _, v in got)
