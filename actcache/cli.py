@@ -114,8 +114,8 @@ def _run_stats(args: argparse.Namespace) -> int:
     hits, misses = reply.hits_total, reply.misses_total
     ratio = f"{hits / (hits + misses):.1%}" if hits + misses else "n/a"
     print(f"puts     {reply.puts_total} entries, {_fmt(reply.put_bytes_total)}")
-    print(f"lookups  {reply.gets_total} Get calls and Fetch streams: {hits} hits, {misses} misses (hit ratio {ratio}), "
-          f"served {_fmt(reply.served_bytes_total)}")
+    print(f"lookups  {reply.gets_total} Get calls, {reply.fetches_total} Fetch streams: {hits} hits, {misses} misses "
+          f"(hit ratio {ratio}), served {_fmt(reply.served_bytes_total)}")
     print(f"corrupt  {reply.corrupt_total} entries deleted")
     for ns in reply.namespaces:
         print(f"  {ns.name:<24} {ns.entries:>10} entries {_fmt(ns.bytes):>12}")

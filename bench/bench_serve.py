@@ -31,9 +31,39 @@ rate (slower than the disk and than the serve path).
 
 The three figure lines at the end: ``serve_ratio_bytes`` (warm, worst of
 the three shapes), ``cold_serve_vs_disk`` (cold, worst shape),
-``prefetch_hit_ratio`` (worst shape). Sample (2 cores, ``--quick``)::
+``prefetch_hit_ratio`` (worst shape). Sample (``--quick``, 2-core VM shared
+with other jobs, load average ~6: absolute MB/s swing 2x between runs; the
+CPU column moves much less)::
 
-    (filled in below from a real run)
+    shape                     path    state   samples/s    MB/s  disk-read MB/s  O_DIRECT MB/s  CPU s/GB   ratio
+    conv_relu_fp32_64x32x32   raw     warm         2925     767                                     1.30
+                              served  warm         1354     355             189                     3.57    0.46
+                              raw     cold         2000     524                                     1.50
+                              served  cold          991     260             138           1539      3.99    0.50
+                              paced   cold          495     130   hit ratio 0.9786 (stalls 0.014 s)
+    conv_relu_fp16_256x8x8    raw     warm        14675     481                                     1.77
+                              served  warm         8807     289             168                     4.76    0.60
+                              raw     cold         9520     312                                     2.00
+                              served  cold         4416     145              84           1104      7.51    0.46
+                              paced   cold         2207      72   hit ratio 0.9981 (stalls 0.018 s)
+    transformer_bf16_128x384  raw     warm         6517     641                                     1.44
+                              served  warm         4199     413             326                     3.36    0.64
+                              raw     cold         3277     322                                     1.51
+                              served  cold         2507     246             195           1224      4.32    0.76
+                              paced   cold         1253     123   hit ratio 1.0000 (stalls 0.000 s)
+    compression (raw/stored): conv_relu_fp32_64x32x32 1.88, conv_relu_fp16_256x8x8 1.71, transformer_bf16_128x384 1.27
+    3 shapes x 64 MiB in 21 s on 2 cores (load average 5.8 before, 5.6 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
+    figure: serve_ratio_bytes = 0.463
+    figure: cold_serve_vs_disk = 0.131
+    figure: prefetch_hit_ratio = 0.9786
+
+On this machine the bytes path is CPU-bound. Measured per GB of tensors
+(conv fp32, warm): decompression and checks 1.5 CPU-s (the raw loop pays
+1.3 of it too: the fresh checksum of the raw re-encoding is the other 0.3),
+the reader, frames and gRPC send in the daemon about 1.2, the gRPC receive
+and tensor views in the client 0.7-0.9; the 32 KiB fp16 entries add
+per-entry Python 32 k times per GB. The shared-memory data plane removes
+the gRPC share.
 """
 
 from __future__ import annotations
