@@ -12,7 +12,7 @@ import pytest
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import Codec, DType, TensorSpec, decode_entry, encode_entry
-from actcache.errors import FetchAborted, InvalidRequest, NamespaceNotFound, ScheduleNotFound
+from actcache.errors import DaemonUnavailable, FetchAborted, InvalidRequest, NamespaceNotFound, ScheduleNotFound
 from actcache.testing import run_daemon
 
 FP = bytes(range(16))
@@ -201,3 +201,15 @@ def test_plain_repeated_fields_work_for_other_clients(client):
         client._call("Schedule")(iter([bad]), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "both sample_ids and packed_sample_ids" in info.value.details()
+
+
+def test_shutdown_ends_fetch_streams_at_once_with_unavailable():
+    with run_daemon("--zstd-level", "0") as d, d.client(retries=1) as c:
+        ns = c.open("stop").namespace_id
+        put_range(c, ns, range(300))
+        c.schedule(ns, FP, 1, "e0", range(300))
+        stream = c.fetch(ns, "e0", max_frame_bytes=32 << 10)
+        next(stream)
+        assert d.stop() == 0  # SIGTERM while a Fetch is open: drains and exits cleanly
+        with pytest.raises(DaemonUnavailable):
+            list(stream)
