@@ -94,6 +94,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                         "or rename them to *.corrupt-<time> and start empty")
     p.add_argument("--disk-reserve", type=_size,
                    help="free disk space puts leave untouched so that drops can commit (default 64MiB)")
+    p.add_argument("--explicit-reads", action=argparse.BooleanOptionalAction, default=None,
+                   help="read each value with one pread at its offset in data.mdb (default on; off: copy from the LMDB map)")
+    p.add_argument("--prefetch-bytes", type=_size, help="memory for read-ahead entries, shared by all schedules (default 512MiB)")
+    p.add_argument("--decode-threads", type=int, help="threads verifying and decompressing prefetched entries (default: one per core)")
+    p.add_argument("--probe-threads", type=int, help="threads looking entries up ahead of the readers for cold reads (default 8, 0 = off)")
+    p.add_argument("--probe-bytes", type=_size, help="how far ahead of each reader those lookups run (default 64MiB)")
     p.add_argument("--workers", type=int, help="RPC threads (default 16)")
     p.add_argument("--throttle-read-mbps", type=float,
                    help="cap served bytes at this many MB/s, to reproduce a slow disk (experiments; default off)")
@@ -133,11 +139,31 @@ def _run_stats(args: argparse.Namespace) -> int:
     hits, misses = reply.hits_total, reply.misses_total
     ratio = f"{hits / (hits + misses):.1%}" if hits + misses else "n/a"
     print(f"puts     {reply.puts_total} entries, {_fmt(reply.put_bytes_total)}")
-    print(f"gets     {reply.gets_total} calls, {hits} hits, {misses} misses (hit ratio {ratio}), served {_fmt(reply.served_bytes_total)}")
+    print(f"lookups  {reply.gets_total} Get calls, {reply.fetches_total} Fetch streams: {hits} hits, {misses} misses "
+          f"(hit ratio {ratio}), served {_fmt(reply.served_bytes_total)}")
     print(f"corrupt  {reply.corrupt_total} entries deleted")
     for ns in reply.namespaces:
         print(f"  {ns.name:<24} {ns.entries:>10} entries {_fmt(ns.bytes):>12}")
+    print(f"prefetch budget {_fmt(reply.prefetch_budget_bytes)}, buffered {_fmt(reply.prefetch_buffered_bytes)} "
+          f"(max {_fmt(reply.prefetch_max_buffered_bytes)}); {reply.schedules_total} schedules pushed, "
+          f"{reply.fetches_total} fetches; reads: {reply.explicit_reads_total} explicit, "
+          f"{reply.fallback_reads_total} from the map")
+    for ns in reply.prefetch:
+        print(f"  {ns.namespace:<24} {_counters_line(ns.counters)}; {ns.schedules} live schedules, "
+              f"read-ahead {ns.read_ahead_entries} entries ({_fmt(ns.buffered_bytes)})")
+    for sc in reply.schedules:
+        print(f"  {sc.namespace + '/' + sc.schedule_id:<24} {sc.state:<9} served {sc.served}/{sc.length} "
+              f"(ready {sc.ready}, read {sc.read}), read-ahead {sc.read_ahead_entries} entries "
+              f"({_fmt(sc.buffered_bytes)}); {_counters_line(sc.counters)}")
     return 0
+
+
+def _counters_line(c) -> str:
+    served = c.hits + c.misses
+    ready = f"{c.ready_on_ask / served:.1%}" if served else "n/a"
+    ratio = f"{c.hit_ratio:.1%}" if served else "n/a"
+    return (f"{c.hits} hits, {c.misses} misses (hit ratio {ratio}, {c.corrupt} corrupt), ready when asked {ready}, "
+            f"{c.stalls} stalls ({c.stall_seconds:.3f} s), read {_fmt(c.read_bytes)}, served {_fmt(c.served_bytes)}")
 
 
 @command("ls", "list namespaces, fingerprints and depths with their entries and bytes")(_connection_flags)

@@ -39,8 +39,10 @@ __all__ = [
     "TensorSpec",
     "compress_entry",
     "decode_entry",
+    "decoded_size",
     "encode_entry",
     "parse_header",
+    "to_raw_entry",
     "verify_entry",
 ]
 
@@ -283,3 +285,32 @@ def compress_entry(buf: bytes | memoryview, zstd_level: int) -> bytes | memoryvi
     if header.codec != Codec.raw or not zstd_level:
         return buf
     return _finish(header.specs, memoryview(buf)[header.header_len :], zstd_level)
+
+
+def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes | memoryview, ...]:
+    """The entry re-encoded with the raw codec, as parts to concatenate.
+
+    A raw entry comes back as itself (one part, no copy); a zstd entry is
+    decompressed and gets a raw header with a fresh checksum (two parts:
+    header, payload). Decoding the result is a zero-copy view of its payload.
+    Raises InvalidRequest when ``buf`` is malformed or fails its checksum.
+    """
+    header, payload = decode_entry(buf, verify=verify)
+    if header.codec == Codec.raw:
+        return (buf,)
+    return _pack_header(Codec.raw, header.specs, header.raw_len, payload), payload
+
+
+def decoded_size(buf: bytes | memoryview) -> int:
+    """Bytes of ``buf`` re-encoded with the raw codec (header + raw payload), from the fixed header alone.
+
+    Cheap (no checksum, no per-tensor parsing): for sizing buffers before decoding.
+    """
+    view = memoryview(buf)
+    if view.nbytes < _FIXED.size:
+        raise InvalidRequest(f"entry of {view.nbytes} bytes is shorter than the {_FIXED.size}-byte header")
+    magic, version, _, _, raw_len, stored_len, _ = _FIXED.unpack_from(view)
+    if magic != MAGIC or version != VERSION or stored_len > view.nbytes - _FIXED.size:
+        raise InvalidRequest(f"entry has magic {bytes(magic)!r} version {version} and {stored_len} payload bytes "
+                             f"in {view.nbytes}; it is not a valid entry")
+    return view.nbytes - stored_len + raw_len

@@ -7,6 +7,10 @@
     ├── PermissionDenied            wrong or missing namespace secret, or a     PERMISSION_DENIED
     │                               protected namespace addressed by its id
     ├── NamespaceNotFound           unknown namespace name or handle            NOT_FOUND
+    ├── ScheduleNotFound            Fetch of a schedule never pushed, or        NOT_FOUND
+    │                               already served to its end
+    ├── FetchAborted                the schedule was replaced or another Fetch  ABORTED
+    │                               of it took over
     ├── InvalidRequest              malformed request or entry (dtype, shape,   INVALID_ARGUMENT
     │                               length, key field out of range)
     ├── EntryCorrupt                stored entry failed its checksum; deleted   DATA_LOSS
@@ -14,6 +18,8 @@
     └── StoreError                  the storage engine failed unexpectedly      INTERNAL
 
 Every message says what was wrong, with values and units, and how to fix it.
+The daemon also names the class in the ``actcache-error`` trailing metadata,
+so a client raises exactly the class the daemon raised when two share a status.
 """
 
 from __future__ import annotations
@@ -25,15 +31,20 @@ __all__ = [
     "BudgetExceeded",
     "ConfigError",
     "DaemonUnavailable",
+    "ERROR_METADATA_KEY",
     "EntryCorrupt",
+    "FetchAborted",
     "InvalidRequest",
     "NamespaceNotFound",
     "PermissionDenied",
+    "ScheduleNotFound",
     "StoreError",
     "Unauthenticated",
     "error_from_status",
     "status_of",
 ]
+
+ERROR_METADATA_KEY = "actcache-error"
 
 
 class ActCacheError(Exception):
@@ -71,6 +82,18 @@ class NamespaceNotFound(ActCacheError):
     """The namespace name or handle is not known to the daemon."""
 
     status = grpc.StatusCode.NOT_FOUND
+
+
+class ScheduleNotFound(ActCacheError):
+    """Fetch named a schedule that was never pushed, was replaced by a push that failed, or was served to its end."""
+
+    status = grpc.StatusCode.NOT_FOUND
+
+
+class FetchAborted(ActCacheError):
+    """A Fetch stream ended early: its schedule was pushed again, or a newer Fetch of it took over."""
+
+    status = grpc.StatusCode.ABORTED
 
 
 class InvalidRequest(ActCacheError):
@@ -117,7 +140,19 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def error_from_status(code: grpc.StatusCode, details: str) -> ActCacheError:
-    """The client-side exception for a failed call with ``code`` and ``details``."""
-    cls = _BY_STATUS.get(code, ActCacheError)
+_BY_NAME: dict[str, type[ActCacheError]] = {
+    cls.__name__: cls
+    for cls in (
+        ActCacheError, ConfigError, DaemonUnavailable, Unauthenticated, NamespaceNotFound, ScheduleNotFound,
+        FetchAborted, InvalidRequest, EntryCorrupt, BudgetExceeded, StoreError,
+    )
+}
+_BY_STATUS[grpc.StatusCode.ABORTED] = FetchAborted
+
+
+def error_from_status(code: grpc.StatusCode, details: str, name: str | None = None) -> ActCacheError:
+    """The client-side exception for a failed call with ``code``, ``details`` and the daemon's class ``name``."""
+    cls = _BY_NAME.get(name or "")
+    if cls is None or cls.status != code:
+        cls = _BY_STATUS.get(code, ActCacheError)
     return cls(f"{details} [{code.name}]")

@@ -11,20 +11,63 @@ import os
 import random
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
+import numpy as np
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.errors import ActCacheError, DaemonUnavailable, error_from_status
-from actcache.keys import check_fingerprint
+from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
+from actcache.keys import MAX_VARIANT, check_fingerprint
 from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
 
-__all__ = ["RpcClient", "target_for"]
+__all__ = ["EntryBatch", "RpcClient", "target_for"]
 
 T = TypeVar("T")
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 _FRAME_BYTES = 8 << 20
+_SCHEDULE_CHUNK_IDS = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class EntryBatch:
+    """The entries of one Fetch frame: positions ``start .. start + len - 1`` of the schedule.
+
+    ``values[i]`` is a raw-codec entry (``actcache.codec.decode_entry`` gives a
+    zero-copy view of its tensors), or None for a miss. Views stay valid as
+    long as the batch is referenced.
+    """
+
+    start: int
+    sample_ids: Sequence[int]
+    variants: Sequence[int]
+    values: list[memoryview | None]
+
+    @classmethod
+    def from_frame(cls, frame: bytes | memoryview) -> "EntryBatch":
+        """Parse one Fetch reply frame (payload views, no copies)."""
+        header_bytes, payload = decode_frame(frame)
+        header = pb.EntriesHeader.FromString(header_bytes)
+        values = [view if len(view) else None for view in split_payload(payload, header.lengths)]
+        return cls(header.start, header.sample_ids, header.variants, values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __iter__(self) -> Iterator[tuple[int, int, int, memoryview | None]]:
+        """(position, sample_id, variant, value) per entry."""
+        variants = self.variants or [0] * len(self.values)
+        return zip(range(self.start, self.start + len(self.values)), self.sample_ids, variants, self.values)
+
+
+def _error_of(exc: grpc.RpcError) -> ActCacheError:
+    name = None
+    try:
+        name = dict(exc.trailing_metadata() or ()).get(ERROR_METADATA_KEY)
+    except Exception:  # a call that never reached the daemon has no metadata
+        pass
+    return error_from_status(exc.code(), exc.details() or "", name)
 
 
 def target_for(socket: str | os.PathLike | None = None, address: str | None = None) -> str:
@@ -128,7 +171,7 @@ class RpcClient:
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code not in _RETRYABLE or attempt == self.retries:
-                    raise error_from_status(code, exc.details() or "") from None
+                    raise _error_of(exc) from None
             time.sleep(min(delay * (1 + random.random()), max(0.0, deadline - time.monotonic())))
             delay *= 2
         raise DaemonUnavailable(f"daemon at {self.target} did not answer within {self.timeout_s:.1f} s; is `actcache serve` running?")
@@ -206,6 +249,85 @@ class RpcClient:
             raise ActCacheError(f"daemon answered {len(result)} entries for {len(sample_ids)} requested")
         return result
 
+    def schedule(
+        self,
+        namespace_id: int,
+        fingerprint: bytes,
+        depth: int,
+        schedule_id: str,
+        sample_ids: Sequence[int] | np.ndarray,
+        variants: Sequence[int] | np.ndarray | None = None,
+        *,
+        chunk_ids: int = _SCHEDULE_CHUNK_IDS,
+    ) -> pb.ScheduleReply:
+        """Push an order of sample ids (e.g. an epoch's sampler order) as schedule ``schedule_id``.
+
+        The daemon starts reading it ahead at once; ``fetch`` streams it.
+        Pushing an existing ``schedule_id`` again replaces it. Ids travel as
+        packed uint64 arrays in chunks of ``chunk_ids``, so 10 M ids cost
+        about 80 MB on the wire and no per-id Python work.
+        """
+        fingerprint = check_fingerprint(fingerprint)
+        ids = _as_array(sample_ids, np.uint64, "sample id", 2**64 - 1)
+        vars_ = None if variants is None else _as_array(variants, np.uint16, "variant", MAX_VARIANT)
+        if vars_ is not None and len(vars_) != len(ids):
+            raise InvalidRequest(f"{len(vars_)} variants for {len(ids)} sample ids; pass one per id or none")
+        if chunk_ids < 1:
+            raise InvalidRequest(f"chunk_ids must be >= 1, got {chunk_ids}")
+
+        def chunks() -> Iterator[pb.ScheduleChunk]:
+            for start in range(0, max(1, len(ids)), chunk_ids):
+                chunk = pb.ScheduleChunk(packed_sample_ids=ids[start : start + chunk_ids].astype("<u8", copy=False).tobytes())
+                if vars_ is not None:
+                    chunk.packed_variants = vars_[start : start + chunk_ids].astype("<u2", copy=False).tobytes()
+                if start == 0:
+                    chunk.namespace_id, chunk.fingerprint = namespace_id, fingerprint
+                    chunk.depth, chunk.schedule_id = depth, schedule_id
+                yield chunk
+
+        return self._invoke(lambda t: self._call("Schedule")(chunks(), timeout=t, metadata=self._metadata()))
+
+    def fetch_batches(
+        self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0
+    ) -> Iterator[EntryBatch]:
+        """Stream a pushed schedule from position ``start``, one EntryBatch per frame, in schedule order.
+
+        The stream has no overall deadline (an epoch takes as long as it
+        takes); if the daemon becomes unreachable mid-stream the fetch resumes
+        from the next position, up to ``retries`` times. Closing the iterator
+        (or breaking out of the loop) cancels the call and frees the daemon's
+        read-ahead memory for it at once.
+        """
+        position, attempt = start, 0
+        while True:
+            request = pb.FetchRequest(
+                namespace_id=namespace_id, schedule_id=schedule_id, start=position, max_frame_bytes=max_frame_bytes
+            )
+            call = self._call("Fetch")(request, metadata=self._metadata())
+            try:
+                for frame in call:
+                    batch = EntryBatch.from_frame(frame)
+                    if batch.start != position:
+                        raise ActCacheError(f"Fetch frame starts at position {batch.start}, expected {position}")
+                    position += len(batch)
+                    attempt = 0
+                    yield batch
+                return
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE or attempt >= self.retries:
+                    raise _error_of(exc) from None
+            finally:
+                call.cancel()
+            attempt += 1
+            time.sleep(0.05 * 2**attempt * (1 + random.random()))
+
+    def fetch(
+        self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0
+    ) -> Iterator[tuple[int, int, int, memoryview | None]]:
+        """Like ``fetch_batches`` but one ``(position, sample_id, variant, value or None)`` per entry."""
+        for batch in self.fetch_batches(namespace_id, schedule_id, start, max_frame_bytes=max_frame_bytes):
+            yield from batch
+
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> pb.DropReply:
         """Delete a namespace's entries, optionally only one fingerprint (and depth)."""
         request = pb.DropRequest(namespace_id=namespace_id, fingerprint=fingerprint or b"", depth=depth)
@@ -213,6 +335,19 @@ class RpcClient:
 
     def stats(self) -> pb.StatsReply:
         return self._invoke(lambda t: self._call("Stats")(pb.StatsRequest(), timeout=t, metadata=self._metadata()))
+
+
+def _as_array(values, dtype, what: str, limit: int) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise InvalidRequest(f"{what}s must be one-dimensional, got shape {array.shape}")
+    if array.size and array.dtype.kind not in "ui":
+        raise InvalidRequest(f"{what}s must be integers, got dtype {array.dtype}")
+    if array.size and array.dtype.kind == "i" and array.min() < 0:
+        raise InvalidRequest(f"{what} {int(array.min())} is negative; the range is 0..{limit}")
+    if array.size and array.dtype.kind in "ui" and int(array.max()) > limit:
+        raise InvalidRequest(f"{what} {int(array.max())} is out of range 0..{limit}")
+    return array.astype(dtype, copy=False)
 
 
 def _entries_of(frame: bytes) -> list[memoryview | None]:

@@ -93,38 +93,46 @@ class EntriesHeader(_message.Message):
     def __init__(self, start: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduleChunk(_message.Message):
-    __slots__ = ("namespace_id", "fingerprint", "depth", "schedule_id", "sample_ids", "variants")
+    __slots__ = ("namespace_id", "fingerprint", "depth", "schedule_id", "sample_ids", "variants", "packed_sample_ids", "packed_variants")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_VARIANTS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     fingerprint: bytes
     depth: int
     schedule_id: str
     sample_ids: _containers.RepeatedScalarFieldContainer[int]
     variants: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., schedule_id: _Optional[str] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ...) -> None: ...
+    packed_sample_ids: bytes
+    packed_variants: bytes
+    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., schedule_id: _Optional[str] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., packed_sample_ids: _Optional[bytes] = ..., packed_variants: _Optional[bytes] = ...) -> None: ...
 
 class ScheduleReply(_message.Message):
-    __slots__ = ("schedule_id", "length")
+    __slots__ = ("schedule_id", "length", "replaced")
     SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
     schedule_id: str
     length: int
-    def __init__(self, schedule_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+    replaced: bool
+    def __init__(self, schedule_id: _Optional[str] = ..., length: _Optional[int] = ..., replaced: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("namespace_id", "schedule_id", "start")
+    __slots__ = ("namespace_id", "schedule_id", "start", "max_frame_bytes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     schedule_id: str
     start: int
-    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ...) -> None: ...
+    max_frame_bytes: int
+    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth")
@@ -177,7 +185,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., namespace_id: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version")
+    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version", "schedules", "prefetch", "prefetch_budget_bytes", "prefetch_buffered_bytes", "prefetch_max_buffered_bytes", "schedules_total", "fetches_total", "explicit_reads_total", "fallback_reads_total")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +201,15 @@ class StatsReply(_message.Message):
     CORRUPT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_MAX_BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXPLICIT_READS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_READS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
     used_bytes: int
@@ -208,4 +225,77 @@ class StatsReply(_message.Message):
     corrupt_total: int
     uptime_seconds: float
     server_version: str
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ...) -> None: ...
+    schedules: _containers.RepeatedCompositeFieldContainer[ScheduleStats]
+    prefetch: _containers.RepeatedCompositeFieldContainer[NamespacePrefetchStats]
+    prefetch_budget_bytes: int
+    prefetch_buffered_bytes: int
+    prefetch_max_buffered_bytes: int
+    schedules_total: int
+    fetches_total: int
+    explicit_reads_total: int
+    fallback_reads_total: int
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScheduleStats, _Mapping]]] = ..., prefetch: _Optional[_Iterable[_Union[NamespacePrefetchStats, _Mapping]]] = ..., prefetch_budget_bytes: _Optional[int] = ..., prefetch_buffered_bytes: _Optional[int] = ..., prefetch_max_buffered_bytes: _Optional[int] = ..., schedules_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., explicit_reads_total: _Optional[int] = ..., fallback_reads_total: _Optional[int] = ...) -> None: ...
+
+class PrefetchCounters(_message.Message):
+    __slots__ = ("hits", "misses", "hit_ratio", "corrupt", "ready_on_ask", "stalls", "stall_seconds", "read_bytes", "served_bytes")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    READY_ON_ASK_FIELD_NUMBER: _ClassVar[int]
+    STALLS_FIELD_NUMBER: _ClassVar[int]
+    STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    misses: int
+    hit_ratio: float
+    corrupt: int
+    ready_on_ask: int
+    stalls: int
+    stall_seconds: float
+    read_bytes: int
+    served_bytes: int
+    def __init__(self, hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., corrupt: _Optional[int] = ..., ready_on_ask: _Optional[int] = ..., stalls: _Optional[int] = ..., stall_seconds: _Optional[float] = ..., read_bytes: _Optional[int] = ..., served_bytes: _Optional[int] = ...) -> None: ...
+
+class ScheduleStats(_message.Message):
+    __slots__ = ("namespace", "schedule_id", "state", "length", "start", "served", "ready", "read", "read_ahead_entries", "buffered_bytes", "attached", "counters")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    READ_FIELD_NUMBER: _ClassVar[int]
+    READ_AHEAD_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    schedule_id: str
+    state: str
+    length: int
+    start: int
+    served: int
+    ready: int
+    read: int
+    read_ahead_entries: int
+    buffered_bytes: int
+    attached: bool
+    counters: PrefetchCounters
+    def __init__(self, namespace: _Optional[str] = ..., schedule_id: _Optional[str] = ..., state: _Optional[str] = ..., length: _Optional[int] = ..., start: _Optional[int] = ..., served: _Optional[int] = ..., ready: _Optional[int] = ..., read: _Optional[int] = ..., read_ahead_entries: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., attached: _Optional[bool] = ..., counters: _Optional[_Union[PrefetchCounters, _Mapping]] = ...) -> None: ...
+
+class NamespacePrefetchStats(_message.Message):
+    __slots__ = ("namespace", "schedules", "read_ahead_entries", "buffered_bytes", "counters")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULES_FIELD_NUMBER: _ClassVar[int]
+    READ_AHEAD_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    schedules: int
+    read_ahead_entries: int
+    buffered_bytes: int
+    counters: PrefetchCounters
+    def __init__(self, namespace: _Optional[str] = ..., schedules: _Optional[int] = ..., read_ahead_entries: _Optional[int] = ..., buffered_bytes: _Optional[int] = ..., counters: _Optional[_Union[PrefetchCounters, _Mapping]] = ...) -> None: ...

@@ -99,14 +99,19 @@ class ActCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Schedule(self, request_iterator, context):
-        """Pushes an epoch's sample order, in chunks (prefetch; see Fetch).
+        """Pushes an epoch's sample order, in chunks. The daemon starts reading it
+        ahead (prefetch) and serves it with Fetch. Pushing an existing
+        (namespace, schedule_id) again replaces that schedule.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """Streams the scheduled entries in schedule order. Frames as for Get.
+        """Streams the scheduled entries in schedule order, from `start` to the end.
+        Each reply frame: header = EntriesHeader, payload = entries re-encoded
+        with the raw codec (the daemon decompressed them). A miss is an answer
+        (length 0) in its place. The stream ends after the last entry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -16,6 +16,7 @@ from actcache.rpc import default_socket_path
 __all__ = [
     "DaemonConfig",
     "MetricsConfig",
+    "PrefetchConfig",
     "ServerConfig",
     "StoreConfig",
     "format_size",
@@ -91,6 +92,9 @@ class StoreConfig:
     #: Free disk space puts never eat into, so that drops can always commit;
     #: 0 = no check (a put then fails only when a commit finds the disk full).
     disk_reserve_bytes: int = 64 << 20
+    #: Read values with one ``pread`` each at their offset in data.mdb (fast when
+    #: cold); off: copy them out of LMDB's memory map (readahead on).
+    explicit_reads: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", Path(self.dir))
@@ -186,22 +190,65 @@ class MetricsConfig:
             raise ConfigError("--metrics-host must be an address such as 127.0.0.1 or 0.0.0.0")
 
 
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefetchConfig:
+    """Schedule readers (Schedule/Fetch)."""
+
+    #: Memory for read-ahead entries, shared fairly by every schedule being read.
+    prefetch_bytes: int = 512 << 20
+    #: Threads that verify and decompress entries (zstd releases the GIL); default one per core.
+    decode_threads: int = field(default_factory=_cpu_count)
+    #: Threads that look entries up ahead of the readers and hint the kernel to
+    #: read them (cold reads); 0 turns this off.
+    probe_threads: int = 8
+    #: How far ahead of each reader (in value bytes) those lookups run.
+    probe_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        if self.prefetch_bytes < 1 << 20:
+            raise ConfigError(f"prefetch_bytes must be at least 1 MiB, got {self.prefetch_bytes} bytes")
+        if self.decode_threads < 1:
+            raise ConfigError(f"decode_threads must be >= 1, got {self.decode_threads}")
+        if self.probe_threads < 0:
+            raise ConfigError(f"probe_threads must be >= 0, got {self.probe_threads}")
+        if self.probe_bytes < 0:
+            raise ConfigError(f"probe_bytes must be >= 0, got {self.probe_bytes}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DaemonConfig:
     store: StoreConfig
     server: ServerConfig
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.prefetch.prefetch_bytes < self.store.max_entry_bytes:
+            raise ConfigError(
+                f"--prefetch-bytes {format_size(self.prefetch.prefetch_bytes)} is below --max-entry-bytes "
+                f"{format_size(self.store.max_entry_bytes)}: one entry would not fit; raise --prefetch-bytes "
+                "or lower --max-entry-bytes"
+            )
 
     def non_defaults(self) -> dict[str, Any]:
         """Fields that differ from their defaults, for the start-up log line."""
         out: dict[str, Any] = {}
-        for part in (self.store, self.server, self.metrics):
+        for part in (self.store, self.server, self.metrics, self.prefetch):
             for f in dataclasses.fields(part):
                 value = getattr(part, f.name)
                 if f.name == "token":
                     value = "***" if value else None
-                default = f.default if f.default is not dataclasses.MISSING else None
+                if f.default is not dataclasses.MISSING:
+                    default = f.default
+                elif f.default_factory is not dataclasses.MISSING:
+                    default = f.default_factory()
+                else:
+                    default = None
                 if value != default:
                     out[f.name] = value
         return out
@@ -245,7 +292,16 @@ class DaemonConfig:
                 max_entry_bytes=pick("max_entry_bytes", parse_size),
                 disk_reserve_bytes=pick("disk_reserve", parse_size),
                 on_corrupt=pick("on_corrupt"),
+                explicit_reads=pick("explicit_reads", as_bool),
             ),
+        )
+        prefetch = PrefetchConfig(
+            **given(
+                prefetch_bytes=pick("prefetch_bytes", parse_size),
+                decode_threads=pick("decode_threads", int),
+                probe_threads=pick("probe_threads", int),
+                probe_bytes=pick("probe_bytes", parse_size),
+            )
         )
         listen = pick("listen")
         socket = pick("socket", Path)
@@ -266,7 +322,7 @@ class DaemonConfig:
             ),
         )
         metrics = MetricsConfig(**given(port=pick("metrics_port", _port), host=pick("metrics_host")))
-        return cls(store=store, server=server, metrics=metrics, log_level=pick("log_level") or "INFO")
+        return cls(store=store, server=server, metrics=metrics, prefetch=prefetch, log_level=pick("log_level") or "INFO")
 
 
 def _port(value: Any) -> int:

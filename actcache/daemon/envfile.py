@@ -58,7 +58,7 @@ class UnusableStore(Exception):
     """The directory's LMDB files are damaged or not an actcache store (message says which)."""
 
 
-def open_env(directory: Path, *, map_size: int, sync: bool) -> lmdb.Environment:
+def open_env(directory: Path, *, map_size: int, sync: bool, readahead: bool = True) -> lmdb.Environment:
     """Open and check the environment in ``directory``; raises UnusableStore or StoreError."""
     marker = directory / DAMAGED_MARKER
     if marker.exists():
@@ -72,7 +72,7 @@ def open_env(directory: Path, *, map_size: int, sync: bool) -> lmdb.Environment:
             max_readers=1024,
             sync=sync,
             metasync=sync,
-            readahead=True,
+            readahead=readahead,
             meminit=False,
         )
     except DAMAGE_ERRORS as exc:

@@ -117,6 +117,7 @@ def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
         Family("actcache_uptime_seconds", "Seconds since the daemon started", "gauge",
                lambda: time.monotonic() - service.started),
     ]
+    families += _prefetch_families(store, service)
     for f in fields(counters):
         help_text = _COUNTER_HELP.get(f.name, f.name.replace("_", " "))
         if f.name.endswith("_total"):
@@ -156,3 +157,35 @@ class MetricsEndpoint:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+
+_PREFETCH = {
+    "hits": ("counter", "Entries served by Fetch with their bytes"),
+    "misses": ("counter", "Entries served by Fetch as misses"),
+    "stalls": ("counter", "Times a Fetch consumer waited for its reader"),
+    "stall_seconds": ("counter", "Seconds Fetch consumers waited for their readers"),
+    "read_bytes": ("counter", "Value bytes prefetch readers read from the store"),
+    "served_bytes": ("counter", "Entry bytes Fetch sent to consumers"),
+}
+
+
+def _prefetch_families(store: "Store", service: "ActCacheService") -> list[Family]:
+    """Prefetch counters per namespace (no per-schedule or per-sample labels) and the read-ahead budget."""
+    prefetcher = service.prefetcher
+
+    def per_namespace(name: str) -> Callable[[], dict[tuple[str], float]]:
+        def read() -> dict[tuple[str], float]:
+            names = {info.id: info.name for info, *_ in store.namespaces()}
+            return {(names.get(ns, str(ns)),): totals.get(name, 0) for ns, totals in prefetcher.stats().namespaces.items()}
+
+        return read
+
+    out = [
+        Family(f"actcache_prefetch_{name}", help_text, kind, per_namespace(name), labels=("namespace",))
+        for name, (kind, help_text) in _PREFETCH.items()
+    ]
+    out.append(Family("actcache_prefetch_budget_bytes", "Memory for read-ahead entries (--prefetch-bytes)", "gauge",
+                      lambda: prefetcher.stats().budget_bytes))
+    out.append(Family("actcache_prefetch_buffered_bytes", "Read-ahead bytes held now", "gauge",
+                      lambda: prefetcher.stats().buffered_bytes))
+    return out

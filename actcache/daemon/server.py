@@ -4,8 +4,9 @@ Lifecycle (DaemonState): STARTING -> SERVING -> DRAINING -> STOPPED.
 SERVING starts once the socket is bound, restricted to its owner (0600, or
 the ``--socket-mode`` given to ``--socket-group``) and the health service
 reports SERVING. TCP listens on loopback only unless ``--allow-remote``,
-requires the token on every call and speaks TLS with ``--tls-cert/--tls-key``. DRAINING refuses new calls, lets
-in-flight ones finish (``grace_s``), commits queued writes and closes LMDB.
+requires the token on every call and speaks TLS with ``--tls-cert/--tls-key``.
+DRAINING refuses new calls, lets in-flight ones finish (``grace_s``; Fetch
+streams end at once with UNAVAILABLE), commits queued writes and closes LMDB.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from actcache.daemon.config import DaemonConfig, ServerConfig, is_loopback
 from actcache.daemon.guard import RequestGuard
+from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service import ActCacheService
 from actcache.daemon.store import Store
 from actcache.daemon.throttle import Throttle
 from actcache.errors import ConfigError
+from actcache.malloc import tune_malloc
 from actcache.rpc import SERVICE
 
 __all__ = ["Daemon", "DaemonState", "serve"]
@@ -136,6 +139,7 @@ class Daemon:
         self.config = config
         self.state = DaemonState.STARTING
         self.store: Store | None = None
+        self.prefetcher: Prefetcher | None = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self.port: int | None = None
@@ -146,7 +150,10 @@ class Daemon:
         cfg = self.config.server
         self.store = Store(self.config.store)
         throttle = Throttle(cfg.throttle_read_mbps * 1e6) if cfg.throttle_read_mbps else None
-        service = ActCacheService(self.store, max_message_bytes=cfg.max_message_bytes, throttle=throttle)
+        self.prefetcher = Prefetcher(self.store, self.config.prefetch)
+        service = ActCacheService(
+            self.store, self.prefetcher, max_message_bytes=cfg.max_message_bytes, throttle=throttle
+        )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="actcache-rpc"),
             handlers=[service.handler()],
@@ -203,6 +210,8 @@ class Daemon:
             return
         self.state = DaemonState.DRAINING
         self._health.enter_graceful_shutdown()
+        if self.prefetcher is not None:  # ends Fetch streams now instead of after the grace period
+            self.prefetcher.close()
         if self._server is not None:
             self._server.stop(self.config.server.grace_s).wait()
         if self.metrics is not None:
@@ -217,6 +226,7 @@ class Daemon:
 
 def serve(config: DaemonConfig) -> int:
     """Run a daemon until SIGTERM or SIGINT; returns the process exit code."""
+    tune_malloc()
     daemon = Daemon(config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -18,9 +18,12 @@ import grpc
 
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
+from actcache.daemon.prefetch import Prefetcher
+from actcache.daemon.prefetch_stats import PrefetchCounters
+from actcache.daemon.schedule import ScheduleBuilder, unpack_ids, unpack_variants
 from actcache.daemon.store import Store
 from actcache.daemon.throttle import Throttle
-from actcache.errors import ActCacheError, EntryCorrupt, InvalidRequest, status_of
+from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
 from actcache.rpc import SERVICE, decode_frame, encode_frame, split_payload
 
 __all__ = ["ActCacheService", "Counters"]
@@ -59,16 +62,21 @@ class Counters:
             return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def _abort(context, name: str, exc: Exception) -> None:
+    if isinstance(exc, ActCacheError):
+        context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
+        context.abort(status_of(exc), str(exc))
+    log.error("%s failed", name, exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"{name} failed in the daemon: {exc!r}")
+
+
 def _status_on_error(handler: Callable) -> Callable:
     @functools.wraps(handler)
     def wrapper(self, request, context):
         try:
             return handler(self, request, context)
-        except ActCacheError as exc:
-            context.abort(status_of(exc), str(exc))
         except Exception as exc:
-            log.exception("%s failed", handler.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{handler.__name__} failed in the daemon: {exc!r}")
+            _abort(context, handler.__name__, exc)
 
     return wrapper
 
@@ -78,11 +86,8 @@ def _stream_status_on_error(handler: Callable) -> Callable:
     def wrapper(self, request, context):
         try:
             yield from handler(self, request, context)
-        except ActCacheError as exc:
-            context.abort(status_of(exc), str(exc))
         except Exception as exc:
-            log.exception("%s failed", handler.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{handler.__name__} failed in the daemon: {exc!r}")
+            _abort(context, handler.__name__, exc)
 
     return wrapper
 
@@ -98,8 +103,11 @@ def _variants(variants, count: int) -> list[int]:
 class ActCacheService:
     """Handlers of the ActCache service over one Store."""
 
-    def __init__(self, store: Store, *, max_message_bytes: int, throttle: Throttle | None = None) -> None:
+    def __init__(
+        self, store: Store, prefetcher: Prefetcher, *, max_message_bytes: int, throttle: Throttle | None = None
+    ) -> None:
         self.store = store
+        self.prefetcher = prefetcher
         self.throttle = throttle
         self.max_message_bytes = max_message_bytes
         self.counters = Counters()
@@ -198,12 +206,33 @@ class ActCacheService:
                 break
             start = stop
 
-    def Schedule(self, chunks, context) -> pb.ScheduleReply:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Schedule is not available in this daemon version; use Get")
+    @_status_on_error
+    def Schedule(self, chunks: Iterator[pb.ScheduleChunk], context) -> pb.ScheduleReply:
+        builder = ScheduleBuilder()
+        resolved: dict[int, int] = {}  # handle -> namespace id (protected namespaces have random handles)
+        for chunk in chunks:
+            ids = unpack_ids(chunk.sample_ids, chunk.packed_sample_ids)
+            variants = unpack_variants(chunk.variants, chunk.packed_variants, len(ids))
+            if chunk.namespace_id not in resolved:  # 0: not repeated after the first chunk
+                resolved[chunk.namespace_id] = self.store.resolve(chunk.namespace_id) if chunk.namespace_id else 0
+            builder.add(resolved[chunk.namespace_id], chunk.fingerprint, chunk.depth, chunk.schedule_id, ids, variants)
+        schedule = builder.build()
+        replaced = self.prefetcher.push(schedule)
+        return pb.ScheduleReply(schedule_id=schedule.schedule_id, length=len(schedule), replaced=replaced)
 
-    def Fetch(self, request, context) -> Iterator[bytes]:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Fetch is not available in this daemon version; use Get")
-        yield b""  # pragma: no cover  (makes this a generator)
+    @_stream_status_on_error
+    def Fetch(self, request: pb.FetchRequest, context) -> Iterator[bytes]:
+        reader = self.prefetcher.attach(self.store.resolve(request.namespace_id), request.schedule_id, request.start)
+        # Fires when the call ends for any reason; a consumer that went away frees its memory at once.
+        context.add_callback(reader.cancel)
+        frame_bytes = min(request.max_frame_bytes or _REPLY_FRAME_BYTES, self.max_message_bytes // 2)
+        try:
+            for frame in reader.frames(frame_bytes):
+                if self.throttle is not None:
+                    self.throttle.consume(len(frame))
+                yield frame
+        finally:
+            reader.cancel()
 
     @_status_on_error
     def Drop(self, request: pb.DropRequest, context) -> pb.DropReply:
@@ -216,6 +245,14 @@ class ActCacheService:
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
         store = self.store
         names = {}
+        prefetch = self.prefetcher.stats()
+        counters = self.counters.snapshot()
+        for totals in prefetch.namespaces.values():
+            counters["hits_total"] += totals["hits"]
+            counters["misses_total"] += totals["misses"]
+            counters["corrupt_total"] += totals["corrupt"]
+            counters["served_bytes_total"] += totals["served_bytes"]
+        reads = store.read_counts()
         reply = pb.StatsReply(
             used_bytes=store.used_bytes(),
             budget_bytes=store.config.budget_bytes,
@@ -223,7 +260,14 @@ class ActCacheService:
             file_bytes=store.file_bytes(),
             uptime_seconds=time.monotonic() - self.started,
             server_version=__version__,
-            **self.counters.snapshot(),
+            prefetch_budget_bytes=prefetch.budget_bytes,
+            prefetch_buffered_bytes=prefetch.buffered_bytes,
+            prefetch_max_buffered_bytes=prefetch.max_buffered_bytes,
+            schedules_total=prefetch.schedules_total,
+            fetches_total=prefetch.fetches_total,
+            explicit_reads_total=reads["explicit_reads"],
+            fallback_reads_total=reads["fallback_reads"],
+            **counters,
         )
         for info, entries, nbytes in store.namespaces():
             names[info.id] = info.name
@@ -239,4 +283,33 @@ class ActCacheService:
                 entries=group.entries,
                 bytes=group.bytes,
             )
+        live: dict[int, list] = {}
+        for status in prefetch.schedules:
+            r = status.reader
+            row = reply.schedules.add(
+                namespace=names.get(status.namespace_id, str(status.namespace_id)),
+                schedule_id=status.schedule_id,
+                length=status.length,
+                counters=_counters_message(status.counters),
+            )
+            if r is not None:
+                row.state, row.attached = r.state.value, r.attached
+                row.start, row.served, row.ready, row.read = r.start, r.served, r.ready, r.read
+                row.read_ahead_entries, row.buffered_bytes = r.read_ahead_entries, r.buffered_bytes
+            else:
+                row.state = "idle"
+            agg = live.setdefault(status.namespace_id, [0, 0, 0])
+            agg[0] += 1
+            agg[1] += row.read_ahead_entries
+            agg[2] += row.buffered_bytes
+        for ns_id in sorted(prefetch.namespaces):
+            schedules, ahead, buffered = live.get(ns_id, (0, 0, 0))
+            reply.prefetch.add(
+                namespace=names.get(ns_id, str(ns_id)), schedules=schedules, read_ahead_entries=ahead,
+                buffered_bytes=buffered, counters=_counters_message(prefetch.namespaces[ns_id]),
+            )
         return reply
+
+
+def _counters_message(snapshot: dict[str, float]) -> pb.PrefetchCounters:
+    return pb.PrefetchCounters(hit_ratio=PrefetchCounters.hit_ratio(snapshot), **snapshot)

@@ -9,7 +9,9 @@ Named databases:
 
 Concurrency: every write (put, drop, namespace creation, deleting a corrupt
 entry) runs on the single writer thread, which batches queued operations
-into one transaction; readers run in any thread. A drop runs as a series of
+into one transaction; readers run in any thread. Reads locate each value in
+``data.mdb`` and ``pread`` it (actcache.daemon.extents) unless
+``explicit_reads`` is off, in which case they copy from the memory map. A drop runs as a series of
 transactions of at most ``_DROP_CHUNK_BYTES`` each, so that a huge drop
 needs little disk for its own bookkeeping (LMDB's free-page list) and works
 on a full disk.
@@ -30,12 +32,14 @@ import re
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from contextlib import contextmanager
+from typing import Iterable, Iterator, Sequence
 
 from actcache.codec import compress_entry, verify_entry
 from actcache.daemon.access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.dirlock import DirLock
+from actcache.daemon.extents import ReadSession, ValueFile, stored_length
 from actcache.daemon.envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
 from actcache.daemon.writer import ReadGate, WriteOp, Writer
 from actcache.errors import (
@@ -110,6 +114,8 @@ class Store:
         except BaseException:
             self._dir_lock.release()
             raise
+        self._file = ValueFile(config.dir / "data.mdb", self._env.stat()["psize"])
+        self._read_counts = {"explicit_reads": 0, "fallback_reads": 0}
         stale = self._env.reader_check()
         if stale:
             log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
@@ -121,7 +127,12 @@ class Store:
 
     def _open(self) -> None:
         """Open and check the environment and load the in-memory maps; raises UnusableStore."""
-        self._env = open_env(self.config.dir, map_size=self.config.map_size_bytes, sync=self.config.sync)
+        # Explicit reads do their own I/O; the map then only serves B-tree pages,
+        # which must not drag in 8 MiB of readahead each.
+        self._env = open_env(
+            self.config.dir, map_size=self.config.map_size_bytes, sync=self.config.sync,
+            readahead=not self.config.explicit_reads,
+        )
         self._ns_by_name: dict[str, int] = {}
         self._ns_by_id: dict[int, str] = {}
         self._usage: dict[bytes, list[int]] = {}  # group prefix -> [entries, bytes]
@@ -146,6 +157,7 @@ class Store:
         self._writer.stop()
         self._env.sync(True)
         self._env.close()
+        self._file.close()
         self._dir_lock.release()
 
     def _load(self) -> None:
@@ -273,7 +285,7 @@ class Store:
         keys: Sequence[tuple[int, int]],
         *,
         max_bytes: int | None = None,
-    ) -> list[bytes | None]:
+    ) -> list[bytes | memoryview | None]:
         """Return the entry of each ``(sample_id, variant)``, or None for a miss.
 
         With ``max_bytes``, stops once the values read reach that many bytes
@@ -283,7 +295,7 @@ class Store:
         """
         namespace_id = self.resolve(namespace_id)
         encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
-        out: list[bytes | None] = []
+        out: list[bytes | memoryview | None] = []
         corrupt: list[tuple[bytes, str]] = []
         try:
             self._read(encoded, out, corrupt, max_bytes)
@@ -295,7 +307,7 @@ class Store:
                 "--on-corrupt move-aside to start with an empty cache"
             ) from None
         if corrupt:
-            self._writer.submit(_DeleteOp(self, [k for k, _ in corrupt]))
+            self.discard_corrupt([k for k, _ in corrupt])
             ids = [struct.unpack(">Q", k[22:30])[0] for k, _ in corrupt]
             raise EntryCorrupt(
                 f"{len(corrupt)} stored entries failed verification and were deleted "
@@ -304,25 +316,71 @@ class Store:
         return out
 
     def _read(
-        self, keys: list[bytes], out: list[bytes | None], corrupt: list[tuple[bytes, str]], max_bytes: int | None
+        self, keys: list[bytes], out: list, corrupt: list[tuple[bytes, str]], max_bytes: int | None
     ) -> None:
         nbytes = 0
-        with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
-            for key in keys:
+        with self.read_session() as session:
+            extents = []
+            for key in keys:  # locate up to max_bytes, then hint the kernel to read them all at once
                 if max_bytes is not None and nbytes >= max_bytes:
-                    return
-                value = txn.get(key)
-                nbytes += 0 if value is None else len(value)
-                if value is None:
+                    break
+                extent = session.locate(key)
+                extents.append(extent)
+                nbytes += 0 if extent is None else extent.length
+            for extent in extents:
+                if extent is not None:
+                    self._file.advise(extent)
+            for key, extent in zip(keys, extents):
+                if extent is None:
                     out.append(None)
                     continue
+                value = session.read(key, extent)
                 try:
                     verify_entry(value)
                 except InvalidRequest as exc:
                     corrupt.append((key, str(exc)))
                     out.append(None)
                     continue
-                out.append(bytes(value))
+                out.append(value)
+
+    @contextmanager
+    def read_session(self) -> Iterator[ReadSession]:
+        """A read transaction for locating and reading entries; keep it short (it pins pages)."""
+        with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
+            session = ReadSession(txn, self._file, explicit=self.config.explicit_reads)
+            try:
+                yield session
+            finally:
+                with self._lock:
+                    self._read_counts["explicit_reads"] += session.explicit_reads
+                    self._read_counts["fallback_reads"] += session.fallback_reads
+
+    def probe(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask
+        the kernel to start reading it. Per key: None if absent, else whether it was already cached
+        (False also when the kernel cannot tell). Warms the cache ahead of a read, nothing more.
+        """
+        with self.read_session() as session:
+            extents = [session.locate(key) for key in keys]
+        out: list[bool | None] = []
+        for extent in extents:
+            if extent is None:
+                out.append(None)
+                continue
+            resident = bool(self._file.resident(extent))
+            if not resident:
+                self._file.advise(extent)
+            out.append(resident)
+        return out
+
+    def discard_corrupt(self, keys: Sequence[bytes]) -> int:
+        """Delete those of ``keys`` whose stored entry still fails verification; returns how many."""
+        return self._writer.submit(_DeleteOp(self, keys, only_corrupt=True))
+
+    def read_counts(self) -> dict[str, int]:
+        """Values read explicitly (pread) and by the fallback copy from the map, since start."""
+        with self._lock:
+            return dict(self._read_counts)
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> tuple[int, int]:
         """Delete a namespace's entries (narrowed by fingerprint and depth); returns (entries, bytes)."""
@@ -461,10 +519,10 @@ class _PutOp(_StoreOp):
         db = self.store._entries
         added = replaced = delta = 0
         sizes: dict[bytes, int | None] = {}  # stored size of each key as this op leaves it
+        cursor = txn.cursor(db=db)
         for key, value in self.records:
             if key not in sizes:
-                old = txn.get(key, db=db)
-                sizes[key] = None if old is None else len(old)
+                sizes[key] = stored_length(cursor, key)
             if sizes[key] is None:
                 added += 1
                 delta += len(value)
@@ -522,18 +580,26 @@ class _DropOp(_StoreOp):
 
 
 class _DeleteOp(_StoreOp):
+    """Deletes keys; with ``only_corrupt``, only those whose entry fails verification now
+    (a fresh entry put since the corrupt read survives)."""
+
     frees_pages = True
 
-    def __init__(self, store: Store, keys: Iterable[bytes]) -> None:
+    def __init__(self, store: Store, keys: Iterable[bytes], *, only_corrupt: bool = False) -> None:
         super().__init__(store)
         self.keys = list(keys)
+        self.only_corrupt = only_corrupt
 
     def apply(self, txn, pending):
+        deleted = 0
         for key in self.keys:
-            old = txn.pop(key, db=self.store._entries)
-            if old is not None:
-                self._adjust(txn, pending, key[:_GROUP_PREFIX_BYTES], -1, -len(old))
-        return len(self.keys)
+            old = txn.get(key, db=self.store._entries)
+            if old is None or (self.only_corrupt and _verifies(old)):
+                continue
+            txn.delete(key, db=self.store._entries)
+            self._adjust(txn, pending, key[:_GROUP_PREFIX_BYTES], -1, -len(old))
+            deleted += 1
+        return deleted
 
 
 class _CreateNamespace(_StoreOp):
@@ -567,3 +633,11 @@ class _CreateNamespace(_StoreOp):
             self.store._ns_by_id[info.id] = info.name
             if self.secret_record:
                 self.store._secret_of[info.id] = self.secret_record
+
+
+def _verifies(value) -> bool:
+    try:
+        verify_entry(value)
+    except InvalidRequest:
+        return False
+    return True

@@ -3,7 +3,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actcache.codec import Codec, DType, TensorSpec, compress_entry, decode_entry, encode_entry, parse_header, verify_entry
+from actcache.codec import (
+    Codec, DType, TensorSpec, compress_entry, decode_entry, encode_entry, parse_header, to_raw_entry, verify_entry,
+)
 from actcache.errors import InvalidRequest
 
 NUMPY = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16,
@@ -70,3 +72,21 @@ def test_length_mismatches_are_invalid():
         parse_header(good[:10])
     with pytest.raises(InvalidRequest, match="magic"):
         parse_header(b"XXXX" + good[4:])
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_to_raw_entry_gives_a_raw_entry_with_the_same_tensors(level):
+    a = np.maximum(np.random.default_rng(0).standard_normal((4, 50), dtype=np.float32), 0)
+    b = np.arange(7, dtype=np.int64)
+    specs = [TensorSpec(DType.float32, a.shape), TensorSpec(DType.int64, b.shape)]
+    stored = encode_entry(specs, [a, b], zstd_level=level)
+    parts = to_raw_entry(stored)
+    raw = b"".join(bytes(p) for p in parts)
+    header, payload = decode_entry(raw)  # verifies the fresh checksum
+    assert header.codec == Codec.raw and header.specs == tuple(specs)
+    assert bytes(payload) == bytes(decode_entry(stored)[1])
+    assert len(parts) == (1 if parse_header(stored).codec == Codec.raw else 2)
+    corrupt = bytearray(stored)
+    corrupt[-1] ^= 1
+    with pytest.raises(InvalidRequest):
+        to_raw_entry(bytes(corrupt))

@@ -1,7 +1,8 @@
+import numpy as np
 import pytest
 
 from actcache.errors import InvalidRequest
-from actcache.keys import KEY_BYTES, EntryKey, encode_key, group_prefix
+from actcache.keys import KEY_BYTES, EntryKey, encode_key, encode_keys, group_prefix
 
 FP = bytes(range(16))
 
@@ -23,3 +24,13 @@ def test_keys_are_fixed_width_ordered_and_grouped():
 def test_out_of_range_fields_are_named(args, message):
     with pytest.raises(InvalidRequest, match=message):
         encode_key(*args)
+
+
+def test_encode_keys_matches_encode_key():
+    ids = np.array([0, 1, 255, 2**40, 2**64 - 1], np.uint64)
+    variants = np.array([0, 7, 65535, 1, 2], np.uint16)
+    for fp in (FP, bytes(16), b"\x01" + bytes(15)):
+        assert encode_keys(9, fp, 3, ids, variants) == [encode_key(9, fp, 3, int(i), int(v)) for i, v in zip(ids, variants)]
+        assert encode_keys(9, fp, 3, ids) == [encode_key(9, fp, 3, int(i)) for i in ids]
+    with pytest.raises(InvalidRequest, match="2 variants for 5 sample ids"):
+        encode_keys(9, FP, 3, ids, variants[:2])

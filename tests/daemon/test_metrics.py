@@ -4,8 +4,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actcache.daemon.config import DaemonConfig, MetricsConfig, StoreConfig
+from actcache.daemon.config import DaemonConfig, MetricsConfig, PrefetchConfig, StoreConfig
 from actcache.daemon.metrics import DaemonCollector, Family, daemon_families
+from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service import ActCacheService
 from actcache.daemon.store import Store
 from actcache.errors import ConfigError
@@ -38,7 +39,7 @@ def test_a_family_is_one_line_and_is_read_at_scrape_time():
 def test_every_counters_field_is_exported(tmp_path):
     store = Store(StoreConfig(dir=tmp_path))
     try:
-        service = ActCacheService(store, max_message_bytes=1 << 20)
+        service = ActCacheService(store, Prefetcher(store, PrefetchConfig()), max_message_bytes=1 << 20)
         service.counters.add(hits_total=4, served_bytes_total=4096)
         got = exposition(DaemonCollector(daemon_families(store, service)))
         for name, value in service.counters.snapshot().items():

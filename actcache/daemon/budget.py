@@ -1,0 +1,93 @@
+"""The prefetch memory budget: bytes of read-ahead entries, shared fairly among schedule readers.
+
+Invariants, under ``cond``:
+
+- ``0 <= used <= limit`` and ``used == sum of every holder's bytes``;
+- a holder is granted ``n`` bytes only while it is *active* and
+  ``used + n <= limit``, and either its bytes stay within the fair share
+  (``limit // number of active holders``) or it holds nothing yet (so an
+  entry larger than the share still makes progress, one at a time);
+- ``max_used`` is the highest ``used`` ever seen.
+
+Holders are schedule readers; the prefetcher decides which are active (a
+reader allowed to read now). The same condition guards the prefetcher's
+registry, so one ``notify_all`` wakes everything that may proceed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Hashable
+
+__all__ = ["MemoryBudget"]
+
+
+class MemoryBudget:
+    """A byte budget with fair shares; blocking acquisition waits on a condition."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.cond = threading.Condition()
+        self.used = 0
+        self.max_used = 0
+        self._held: dict[Hashable, int] = {}
+        self._active: set[Hashable] = set()
+
+    def set_active(self, holder: Hashable, active: bool) -> None:
+        """Mark ``holder`` as allowed to acquire (or not). Caller holds ``cond``."""
+        if active:
+            self._active.add(holder)
+        else:
+            self._active.discard(holder)
+
+    def held(self, holder: Hashable) -> int:
+        with self.cond:
+            return self._held.get(holder, 0)
+
+    def _fits(self, holder: Hashable, n: int) -> bool:
+        if holder not in self._active or self.used + n > self.limit:
+            return False
+        mine = self._held.get(holder, 0)
+        return mine == 0 or mine + n <= self.limit // len(self._active)
+
+    def _grant(self, holder: Hashable, n: int) -> None:
+        self._held[holder] = self._held.get(holder, 0) + n
+        self.used += n
+        self.max_used = max(self.max_used, self.used)
+
+    def try_acquire(self, holder: Hashable, n: int) -> bool:
+        """Take ``n`` bytes if that fits now; never blocks."""
+        with self.cond:
+            if not self._fits(holder, n):
+                return False
+            self._grant(holder, n)
+            return True
+
+    def acquire(self, holder: Hashable, n: int, stop: Callable[[], bool]) -> bool:
+        """Wait until ``n`` bytes fit and take them; False (nothing taken) once ``stop()`` is true."""
+        with self.cond:
+            self.cond.wait_for(lambda: stop() or self._fits(holder, n))
+            if stop():
+                return False
+            self._grant(holder, n)
+            return True
+
+    def release(self, holder: Hashable, n: int) -> None:
+        """Give back ``n`` of ``holder``'s bytes and wake the waiters."""
+        if n <= 0:
+            return
+        with self.cond:
+            mine = self._held.get(holder, 0)
+            if n > mine:
+                raise AssertionError(f"releasing {n} bytes but the holder has {mine}")
+            if mine == n:
+                del self._held[holder]
+            else:
+                self._held[holder] = mine - n
+            self.used -= n
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake every waiter to re-check its condition (after a state change elsewhere)."""
+        with self.cond:
+            self.cond.notify_all()

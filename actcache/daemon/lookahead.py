@@ -1,0 +1,115 @@
+"""Helpers of a schedule reader for reading ahead: probes for cold data, and short read transactions."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Executor, Future
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from actcache.daemon.extents import ReadSession
+    from actcache.daemon.store import Store
+
+__all__ = ["Prober", "ShortTransaction"]
+
+# Probing pauses after this many entries in a row needed no hint.
+_WARM_STREAK = 128
+# Entries looked up by one probe task (one read transaction).
+_PROBE_BATCH = 8
+_SESSION_ENTRIES = 256
+_SESSION_SECONDS = 0.05
+
+
+class Prober:
+    """Lookups ahead of one reader on the probe pool, while its data is cold.
+
+    A probe looks entries up (a random 4 KiB read each when cold) and hints
+    the kernel to read the values not in the page cache yet. Probing pauses
+    after ``_WARM_STREAK`` entries in a row needed no hint (their probe found
+    them cached, or the reader got there first and read them from the cache:
+    probes then only cost CPU) and resumes as soon as a read had to wait for
+    the disk.
+    """
+
+    def __init__(self, pool: Executor, probe: Callable[[list[bytes]], list[bool | None]],
+                 key: Callable[[int], bytes], length: int, window_bytes: int) -> None:
+        self._pool, self._probe, self._key = pool, probe, key
+        self._length, self._window_bytes = length, window_bytes
+        self._pending: deque[tuple[int, int, Future]] = deque()  # (first, stop, future)
+        self._streak = 0
+        self.active = True
+
+    def advance(self, pos: int, avg_bytes: int) -> None:
+        """The reader is at ``pos``: collect the probes it passed, keep the window ahead filled."""
+        while self._pending and self._pending[0][1] <= pos:
+            first, stop, future = self._pending.popleft()
+            if future.done() and not future.cancelled() and future.exception() is None:
+                for resident in future.result():
+                    self._note(resident is not False)
+            else:
+                future.cancel()
+                self._note(True, stop - first)  # the reader passed first; saw_read reports cold reads
+        if not self.active:
+            return
+        window = max(8, min(1024, self._window_bytes // max(1, avg_bytes)))
+        start = self._pending[-1][1] if self._pending else pos + 1
+        end = min(self._length, pos + 1 + window)
+        while start < end:
+            stop = min(end, start + _PROBE_BATCH)
+            keys = [self._key(p) for p in range(start, stop)]
+            self._pending.append((start, stop, self._pool.submit(self._probe, keys)))
+            start = stop
+
+    def _note(self, warm: bool, count: int = 1) -> None:
+        if not warm:
+            self._streak = 0
+            return
+        self._streak += count
+        if self._streak >= _WARM_STREAK:
+            self.active = False
+            self.close()
+
+    def saw_read(self, resident: bool | None) -> None:
+        """The reader read an entry; one that was not cached restarts probing."""
+        if not resident:
+            self._streak = 0
+            self.active = True
+
+    def close(self) -> None:
+        for _, _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+
+
+class ShortTransaction:
+    """A read transaction opened lazily and closed every ``_SESSION_ENTRIES`` entries or
+    ``_SESSION_SECONDS`` (and by the caller before any wait), so it never pins pages, or holds off a
+    map resize, for long."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._cm = None
+        self._session = None
+        self._opened_at = 0.0
+        self._entries = 0
+
+    def open(self) -> ReadSession:
+        if self._session is None:
+            self._cm = self._store.read_session()
+            self._session = self._cm.__enter__()
+            self._opened_at, self._entries = time.monotonic(), 0
+        return self._session
+
+    def is_open(self, session) -> bool:
+        return session is self._session
+
+    def tick(self) -> None:
+        self._entries += 1
+        if self._entries >= _SESSION_ENTRIES or time.monotonic() - self._opened_at > _SESSION_SECONDS:
+            self.close()
+
+    def close(self) -> None:
+        if self._cm is not None:
+            cm, self._cm, self._session = self._cm, None, None
+            cm.__exit__(None, None, None)

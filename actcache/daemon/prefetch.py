@@ -1,0 +1,266 @@
+"""The prefetcher: pushed schedules, their readers, the shared memory budget and the thread pools.
+
+The trainer knows its future: it pushes each epoch's order (Schedule) and
+then consumes it (Fetch). Per schedule a reader (actcache.daemon.reader)
+walks the order ahead of the consumer, inside a share of ``prefetch_bytes``,
+and drops each entry once served. No LRU anywhere.
+
+Turns: a reader starts when its schedule is pushed. A reader with a
+consumer (attached) always may read; a reader without one (e.g. the next
+epoch, pushed early) may read only while no attached reader of its
+namespace is still reading, so the current epoch keeps the disk and the
+budget, and the next epoch's head is ready the moment the current one has
+been read: no dip at the boundary.
+
+Cold reads: lookups run on ``probe_threads`` threads ahead of each reader
+and hint the kernel (POSIX_FADV_WILLNEED); the reader then ``pread``s each
+value (actcache.daemon.extents, which holds the measurements).
+Decompression and checksums run on ``decode_threads`` threads (zstd and
+crc32 release the GIL). Fetch serves entries re-encoded with the raw codec,
+so the client's decode is a zero-copy view.
+
+Invariants (asserted in tests through ``stats()``): per reader ``start <=
+served <= ready <= read <= length``; the bytes of every buffered entry are
+held in the budget, and ``budget.used <= budget.limit`` at all times (one
+Fetch frame being sent, at most ``max_frame_bytes``, lives outside it).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from actcache.daemon.budget import MemoryBudget
+from actcache.daemon.config import PrefetchConfig
+from actcache.daemon.prefetch_stats import PrefetchCounters
+from actcache.daemon.reader import ReaderSnapshot, ReaderState, ScheduleReader
+from actcache.daemon.schedule import Schedule
+from actcache.daemon.store import Store
+from actcache.errors import DaemonUnavailable, FetchAborted, InvalidRequest, ScheduleNotFound
+
+__all__ = ["MAX_SCHEDULES_PER_NAMESPACE", "PrefetchStats", "Prefetcher", "ScheduleStatus"]
+
+log = logging.getLogger(__name__)
+
+MAX_SCHEDULES_PER_NAMESPACE = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleStatus:
+    """A live schedule: its reader's positions (None between Fetches) and its counters."""
+
+    namespace_id: int
+    schedule_id: str
+    length: int
+    reader: ReaderSnapshot | None
+    counters: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchStats:
+    """Everything Stats reports about prefetching, taken at one instant."""
+
+    budget_bytes: int
+    buffered_bytes: int
+    max_buffered_bytes: int
+    schedules_total: int
+    fetches_total: int
+    schedules: list[ScheduleStatus]
+    #: namespace id -> counters of its live and finished schedules together.
+    namespaces: dict[int, dict[str, float]]
+
+
+class Prefetcher:
+    """Schedules by (namespace, schedule_id), one reader each, sharing one budget and two pools.
+
+    Invariants (under the budget's condition, asserted in tests through
+    ``stats()``): every reader has ``start <= served <= ready <= read <=
+    len(order)``; ``budget.used`` is the sum of the bytes the readers hold
+    and ``budget.used <= budget.max_used <= budget.limit``; at most one
+    reader per schedule is registered, and a schedule pushed again cancels
+    its old reader before the new one starts. A reader may take budget only
+    while it is active: reading, and attached or its namespace has no
+    attached reader still reading.
+    """
+
+    def __init__(self, store: Store, config: PrefetchConfig) -> None:
+        self.store = store
+        self.config = config
+        self.budget = MemoryBudget(config.prefetch_bytes)
+        self._cond = self.budget.cond  # one condition for the registry, the turns and the budget
+        self._decode = ThreadPoolExecutor(config.decode_threads, thread_name_prefix="actcache-decode")
+        self._probe = (
+            ThreadPoolExecutor(config.probe_threads, thread_name_prefix="actcache-probe")
+            if config.probe_threads and store.config.explicit_reads else None
+        )
+        self._schedules: dict[tuple[int, str], Schedule] = {}
+        self._readers: dict[tuple[int, str], ScheduleReader] = {}
+        self._finished: dict[int, PrefetchCounters] = {}
+        self._all_readers: set[ScheduleReader] = set()
+        self.schedules_total = 0
+        self.fetches_total = 0
+        self._closed = False
+
+    # ---- requests --------------------------------------------------------
+
+    def push(self, schedule: Schedule) -> bool:
+        """Register ``schedule`` (replacing one of the same id) and start reading it; True if it replaced one."""
+        key = (schedule.namespace_id, schedule.schedule_id)
+        evicted: list[Schedule] = []
+        with self._cond:
+            self._check_open()
+            old = self._schedules.pop(key, None)
+            old_reader = self._readers.pop(key, None)
+            evicted = self._evict_for(schedule.namespace_id)
+            evicted_readers = [self._readers.pop((s.namespace_id, s.schedule_id), None) for s in evicted]
+            self._schedules[key] = schedule
+            reader = self._new_reader(schedule, 0, attached=False)
+            self.schedules_total += 1
+            self._update_turns()
+        if old_reader is not None:
+            old_reader.cancel(FetchAborted(
+                f"schedule {schedule.schedule_id!r} was replaced by a new push; Fetch it again"
+            ))
+        for r in evicted_readers:
+            if r is not None:
+                r.cancel(None)
+        for s in ([old] if old is not None else []) + evicted:
+            self._retire(s)
+        reader.begin()
+        return old is not None
+
+    def attach(self, namespace_id: int, schedule_id: str, start: int) -> ScheduleReader:
+        """The reader that serves a Fetch of the schedule from ``start`` (reusing the one reading ahead)."""
+        key = (namespace_id, schedule_id)
+        with self._cond:
+            self._check_open()
+            schedule = self._schedules.get(key)
+            if schedule is None:
+                raise ScheduleNotFound(
+                    f"namespace {namespace_id} has no schedule {schedule_id!r}: it was never pushed, or it was "
+                    "served to its end; push it (Schedule) before fetching it"
+                )
+            if start > len(schedule):
+                raise InvalidRequest(f"Fetch start {start} is past the end of schedule {schedule_id!r} ({len(schedule)} entries)")
+            self.fetches_total += 1
+            reader = self._readers.get(key)
+            if (reader is not None and not reader.attached and reader.start == start
+                    and reader.state not in (ReaderState.CANCELLED, ReaderState.FAILED)):
+                reader.attached = True
+                self._update_turns()
+                return reader
+            old, reader = reader, self._new_reader(schedule, start, attached=True)
+            self._update_turns()
+        if old is not None:
+            old.cancel(FetchAborted(
+                f"a newer Fetch of schedule {schedule_id!r} (from position {start}) took over this stream"
+            ))
+        reader.begin()
+        return reader
+
+    def close(self) -> None:
+        """Cancel every reader (their consumers get UNAVAILABLE) and stop the pools."""
+        with self._cond:
+            self._closed = True
+            readers = list(self._all_readers)
+        for reader in readers:
+            reader.cancel(DaemonUnavailable(
+                f"the daemon is shutting down; after it restarts, push schedule {reader.schedule.schedule_id!r} "
+                f"again and Fetch from position {reader.served}"
+            ))
+        for reader in readers:
+            reader.join(5.0)
+        self._decode.shutdown(wait=True, cancel_futures=True)
+        if self._probe is not None:
+            self._probe.shutdown(wait=True, cancel_futures=True)
+
+    # ---- stats -----------------------------------------------------------
+
+    def stats(self) -> PrefetchStats:
+        with self._cond:
+            live = [(s, self._readers.get((s.namespace_id, s.schedule_id))) for s in self._schedules.values()]
+            finished = {ns: c.snapshot() for ns, c in self._finished.items()}
+            used, max_used = self.budget.used, self.budget.max_used
+            totals = (self.schedules_total, self.fetches_total)
+        statuses = []
+        namespaces: dict[int, dict[str, float]] = {ns: dict(c) for ns, c in finished.items()}
+        for schedule, reader in live:
+            counters = schedule.counters.snapshot()
+            statuses.append(ScheduleStatus(
+                schedule.namespace_id, schedule.schedule_id, len(schedule),
+                reader.snapshot() if reader is not None else None, counters,
+            ))
+            total = namespaces.setdefault(schedule.namespace_id, dict.fromkeys(counters, 0))
+            for name, value in counters.items():
+                total[name] += value
+        return PrefetchStats(self.budget.limit, used, max_used, *totals, statuses, namespaces)
+
+    # ---- internals -------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DaemonUnavailable("the daemon is shutting down; retry against the restarted daemon")
+
+    def _new_reader(self, schedule: Schedule, start: int, *, attached: bool) -> ScheduleReader:
+        """Create and register a reader; caller holds ``_cond`` and calls ``begin()`` after releasing it."""
+        reader = ScheduleReader(
+            schedule, start, store=self.store, budget=self.budget, decode_pool=self._decode,
+            probe_pool=self._probe, probe_bytes=self.config.probe_bytes, attached=attached,
+            on_change=self._on_change,
+        )
+        self._readers[(schedule.namespace_id, schedule.schedule_id)] = reader
+        self._all_readers.add(reader)
+        return reader
+
+    def _evict_for(self, namespace_id: int) -> list[Schedule]:
+        """Make room for one more schedule in the namespace: drop the oldest ones nobody is fetching."""
+        mine = [s for (ns, _), s in self._schedules.items() if ns == namespace_id]
+        evicted = []
+        for schedule in mine:  # dicts keep push order: oldest first
+            if len(mine) - len(evicted) < MAX_SCHEDULES_PER_NAMESPACE:
+                break
+            reader = self._readers.get((namespace_id, schedule.schedule_id))
+            if reader is None or not reader.attached:
+                del self._schedules[(namespace_id, schedule.schedule_id)]
+                evicted.append(schedule)
+                log.info("namespace %d holds %d schedules; released the oldest unfetched one, %r",
+                         namespace_id, MAX_SCHEDULES_PER_NAMESPACE, schedule.schedule_id)
+        return evicted
+
+    def _retire(self, schedule: Schedule) -> None:
+        """Fold a schedule's counters into its namespace's totals once it is gone."""
+        with self._cond:
+            self._finished.setdefault(schedule.namespace_id, PrefetchCounters()).merge(schedule.counters)
+
+    def _update_turns(self) -> None:
+        """Recompute which readers may read and which count for the fair share. Caller holds ``_cond``."""
+        busy = {
+            r.schedule.namespace_id for r in self._readers.values()
+            if r.attached and r.state in (ReaderState.WAITING, ReaderState.READING)
+        }
+        for reader in self._all_readers:
+            reader.allowed = reader.attached or reader.schedule.namespace_id not in busy
+            self.budget.set_active(reader, reader.allowed and reader.state is ReaderState.READING)
+        self._cond.notify_all()
+
+    def _on_change(self, reader: ScheduleReader) -> None:
+        """A reader changed state: update turns; forget ended readers; retire fully served schedules."""
+        key = (reader.schedule.namespace_id, reader.schedule.schedule_id)
+        retired = None
+        cancel = False
+        with self._cond:
+            state = reader.state
+            if state in (ReaderState.DONE, ReaderState.CANCELLED, ReaderState.FAILED):
+                self._all_readers.discard(reader)
+                self.budget.set_active(reader, False)
+                if self._readers.get(key) is reader:
+                    del self._readers[key]
+                    if state is ReaderState.DONE:
+                        retired = self._schedules.pop(key, None)
+                    cancel = state is ReaderState.FAILED and not reader.attached
+            self._update_turns()
+        if cancel:  # nobody will collect the error: free its memory; a later Fetch reads again
+            reader.cancel(None)
+        if retired is not None:
+            self._retire(retired)

@@ -1,0 +1,121 @@
+"""A pushed sample order: numpy arrays of ids (and variants), assembled from chunks.
+
+An order of 10 M ids is 80 MB as uint64 and arrives in chunks of packed
+little-endian arrays, so assembling it costs one copy and no Python ints.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from actcache.daemon.prefetch_stats import PrefetchCounters
+from actcache.errors import InvalidRequest
+from actcache.keys import MAX_DEPTH, check_fingerprint, encode_keys
+
+__all__ = ["MAX_SCHEDULE_LENGTH", "Schedule", "ScheduleBuilder", "unpack_ids", "unpack_variants"]
+
+MAX_SCHEDULE_LENGTH = 1 << 31
+_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass(eq=False)
+class Schedule:
+    """One (namespace, schedule_id): the group it reads and its order. Immutable once built."""
+
+    namespace_id: int
+    schedule_id: str
+    fingerprint: bytes
+    depth: int
+    sample_ids: np.ndarray  # uint64
+    variants: np.ndarray | None  # uint16, or None for all 0
+    counters: PrefetchCounters = field(default_factory=PrefetchCounters)
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def keys(self, start: int, stop: int) -> list[bytes]:
+        """LMDB keys of positions ``start`` to ``stop`` (exclusive)."""
+        variants = None if self.variants is None else self.variants[start:stop]
+        return encode_keys(self.namespace_id, self.fingerprint, self.depth, self.sample_ids[start:stop], variants)
+
+
+def unpack_ids(repeated, packed: bytes) -> np.ndarray:
+    """Sample ids of a chunk from its repeated field or its packed little-endian uint64 bytes."""
+    if packed and len(repeated):
+        raise InvalidRequest("a ScheduleChunk carries both sample_ids and packed_sample_ids; send one of them")
+    if packed:
+        if len(packed) % 8:
+            raise InvalidRequest(f"packed_sample_ids holds {len(packed)} bytes, not a multiple of 8 (uint64 ids)")
+        return np.frombuffer(packed, "<u8").astype(np.uint64, copy=False)
+    return np.array(repeated, dtype=np.uint64)
+
+
+def unpack_variants(repeated, packed: bytes, count: int) -> np.ndarray | None:
+    """Variants of a chunk (None = all 0), checked to be one per id and in 0..65535."""
+    if packed and len(repeated):
+        raise InvalidRequest("a ScheduleChunk carries both variants and packed_variants; send one of them")
+    if packed:
+        if len(packed) % 2:
+            raise InvalidRequest(f"packed_variants holds {len(packed)} bytes, not a multiple of 2 (uint16 variants)")
+        variants = np.frombuffer(packed, "<u2").astype(np.uint16, copy=False)
+    elif len(repeated):
+        wide = np.array(repeated, dtype=np.uint32)
+        if wide.max() > 0xFFFF:
+            raise InvalidRequest(f"variant {int(wide.max())} is out of range 0..65535")
+        variants = wide.astype(np.uint16)
+    else:
+        return None
+    if len(variants) != count:
+        raise InvalidRequest(f"a ScheduleChunk has {len(variants)} variants for {count} sample ids; send one per id or none")
+    return variants
+
+
+class ScheduleBuilder:
+    """Collects the chunks of one Schedule call and checks they agree."""
+
+    def __init__(self) -> None:
+        self._head: tuple[int, bytes, int, str] | None = None
+        self._ids: list[np.ndarray] = []
+        self._variants: list[np.ndarray | None] = []
+        self._length = 0
+
+    def add(
+        self, namespace_id: int, fingerprint: bytes, depth: int, schedule_id: str,
+        ids: np.ndarray, variants: np.ndarray | None,
+    ) -> None:
+        if self._head is None:
+            if not _ID_RE.fullmatch(schedule_id or ""):
+                raise InvalidRequest(
+                    f"schedule id {schedule_id!r} is invalid; use 1-128 characters of A-Z a-z 0-9 . _ : -"
+                )
+            if depth > MAX_DEPTH:
+                raise InvalidRequest(f"depth {depth} is out of range 0..{MAX_DEPTH}")
+            self._head = (namespace_id, check_fingerprint(fingerprint), depth, schedule_id)
+        else:
+            ns, fp, dp, sid = self._head
+            for name, given, first in (("namespace_id", namespace_id, ns), ("fingerprint", fingerprint, fp),
+                                       ("depth", depth, dp), ("schedule_id", schedule_id, sid)):
+                if given and given != first:
+                    raise InvalidRequest(f"ScheduleChunk changes {name} from {first!r} to {given!r} within one push")
+        self._length += len(ids)
+        if self._length > MAX_SCHEDULE_LENGTH:
+            raise InvalidRequest(f"a schedule holds at most {MAX_SCHEDULE_LENGTH} ids; split the order into several schedules")
+        self._ids.append(ids)
+        self._variants.append(variants)
+
+    def build(self) -> Schedule:
+        if self._head is None:
+            raise InvalidRequest("the Schedule stream carried no chunk; send at least one naming the schedule")
+        namespace_id, fingerprint, depth, schedule_id = self._head
+        ids = np.concatenate(self._ids) if len(self._ids) != 1 else self._ids[0].copy()
+        variants = None
+        if any(v is not None for v in self._variants):
+            variants = np.concatenate(
+                [np.zeros(len(i), np.uint16) if v is None else v for i, v in zip(self._ids, self._variants)]
+            )
+            if not variants.any():
+                variants = None
+        return Schedule(namespace_id, schedule_id, fingerprint, depth, ids, variants)

@@ -1,0 +1,369 @@
+"""Serve throughput: tensors a client receives through Schedule/Fetch, against the raw in-process limit.
+
+    python bench/bench_serve.py [--quick] [--mib-per-shape 1024] [--json out.json]
+
+For three activation shapes (conv after ReLU 64x32x32 fp32, conv after ReLU
+256x8x8 fp16, transformer hidden state 128x384 bf16) it stores
+``--mib-per-shape`` of realistic entries through the daemon (zstd level 1,
+the default; it keeps an entry raw when zstd saves under 5%), then measures
+samples/s and MB/s (of tensor bytes) for:
+
+- raw: an in-process loop over the same LMDB, in the same order: ``get``,
+  ``decode_entry`` (checksum verified, zstd decompressed) and
+  ``torch.frombuffer``: the raw limit, single-threaded;
+- served: ``RpcClient.schedule`` then ``fetch_batches``, each entry turned
+  into a torch tensor (``decode_entry(verify=False)``: the daemon verified it;
+  the entries arrive with the raw codec, so this is a view);
+
+warm (page cache hot, after an untimed pass) and cold (page cache dropped
+and the daemon restarted before the run, so nothing is mapped), with the
+ratio served/raw and the CPU seconds per GB of tensors (daemon + client
+for served runs: on a busy machine the CPU cost is the steadier figure).
+Before each cold served run it measures the disk's
+O_DIRECT random 1 MiB read MB/s (queue depth 1) on a scratch file on the
+same filesystem; ``cold_serve_vs_disk`` divides the served MB/s (tensor
+bytes, as the client receives them) by that figure; the "disk-read MB/s"
+column shows the stored bytes per second the daemon read. Last, the
+prefetch hit ratio (entries ready when the consumer asked, from the
+daemon's counters, over the last 80% of the run) with a cold cache,
+``--prefetch-bytes 32MiB`` and a consumer paced at half the cold served
+rate (slower than the disk and than the serve path).
+
+The three figure lines at the end: ``serve_ratio_bytes`` (warm, worst of
+the three shapes), ``cold_serve_vs_disk`` (cold, worst shape),
+``prefetch_hit_ratio`` (worst shape). Sample (``--quick``, 2-core VM shared
+with other jobs, load average ~6: absolute MB/s swing 2x between runs; the
+CPU column moves much less)::
+
+    shape                     path    state   samples/s    MB/s  disk-read MB/s  O_DIRECT MB/s  CPU s/GB   ratio
+    conv_relu_fp32_64x32x32   raw     warm         2925     767                                     1.30
+                              served  warm         1354     355             189                     3.57    0.46
+                              raw     cold         2000     524                                     1.50
+                              served  cold          991     260             138           1539      3.99    0.50
+                              paced   cold          495     130   hit ratio 0.9786 (stalls 0.014 s)
+    conv_relu_fp16_256x8x8    raw     warm        14675     481                                     1.77
+                              served  warm         8807     289             168                     4.76    0.60
+                              raw     cold         9520     312                                     2.00
+                              served  cold         4416     145              84           1104      7.51    0.46
+                              paced   cold         2207      72   hit ratio 0.9981 (stalls 0.018 s)
+    transformer_bf16_128x384  raw     warm         6517     641                                     1.44
+                              served  warm         4199     413             326                     3.36    0.64
+                              raw     cold         3277     322                                     1.51
+                              served  cold         2507     246             195           1224      4.32    0.76
+                              paced   cold         1253     123   hit ratio 1.0000 (stalls 0.000 s)
+    compression (raw/stored): conv_relu_fp32_64x32x32 1.88, conv_relu_fp16_256x8x8 1.71, transformer_bf16_128x384 1.27
+    3 shapes x 64 MiB in 21 s on 2 cores (load average 5.8 before, 5.6 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
+    figure: serve_ratio_bytes = 0.463
+    figure: cold_serve_vs_disk = 0.131
+    figure: prefetch_hit_ratio = 0.9786
+
+On this machine the bytes path is CPU-bound. Measured per GB of tensors
+(conv fp32, warm): decompression and checks 1.5 CPU-s (the raw loop pays
+1.3 of it too: the fresh checksum of the raw re-encoding is the other 0.3),
+the reader, frames and gRPC send in the daemon about 1.2, the gRPC receive
+and tensor views in the client 0.7-0.9; the 32 KiB fp16 entries add
+per-entry Python 32 k times per GB. The shared-memory data plane removes
+the gRPC share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import mmap
+import os
+import random
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "client")]
+
+from actcache.codec import DType, TensorSpec, decode_entry, encode_entry  # noqa: E402
+from actcache.keys import encode_keys  # noqa: E402
+from actcache.malloc import tune_malloc  # noqa: E402
+from actcache.testing import DaemonProcess, run_daemon  # noqa: E402
+
+FP = bytes(range(16))
+HIT_BUDGET = "32MiB"
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    make: Callable[[np.random.Generator, int], np.ndarray]  # (rng, count) -> array of `count` samples
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _relu(rng: np.random.Generator, count: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+    x = rng.standard_normal((count, *shape), dtype=np.float32)
+    # Per-channel bias makes some channels mostly dead and others mostly alive, as after BN + ReLU.
+    x += rng.normal(0.0, 0.7, (1, shape[0]) + (1,) * (len(shape) - 1)).astype(np.float32)
+    return np.maximum(x, 0).astype(dtype)
+
+
+def _bf16_hidden(rng: np.random.Generator, count: int) -> np.ndarray:
+    x = rng.standard_normal((count, 128, 384), dtype=np.float32)
+    x *= rng.lognormal(0.0, 0.5, (1, 1, 384)).astype(np.float32)  # a few large feature dims, as in LayerNorm output
+    bits = x.view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even bf16
+
+
+SHAPES = [
+    Shape("conv_relu_fp32_64x32x32", DType.float32, (64, 32, 32), lambda r, n: _relu(r, n, (64, 32, 32), np.float32)),
+    Shape("conv_relu_fp16_256x8x8", DType.float16, (256, 8, 8), lambda r, n: _relu(r, n, (256, 8, 8), np.float16)),
+    Shape("transformer_bf16_128x384", DType.bfloat16, (128, 384), _bf16_hidden),
+]
+
+
+def drop_page_cache() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def odirect_mbps(path: Path, total: int, block: int = 1 << 20) -> float:
+    size = path.stat().st_size // block
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, block)
+    rng = random.Random(1)
+    try:
+        t0 = time.perf_counter()
+        done = 0
+        while done < total:
+            done += os.preadv(fd, [buf], rng.randrange(size) * block)
+        return done / (time.perf_counter() - t0) / 1e6
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def populate(client, ns: int, shape: Shape, depth: int, count: int) -> int:
+    """Store ``count`` entries; returns their stored bytes."""
+    rng = np.random.default_rng(depth)
+    per_put = max(1, (16 << 20) // shape.nbytes)
+    stored = 0
+    for start in range(0, count, per_put):
+        n = min(per_put, count - start)
+        data = shape.make(rng, n)
+        items = [(start + i, 0, encode_entry([TensorSpec(shape.dtype, shape.shape)], [data[i]])) for i in range(n)]
+        stored += client.put(ns, FP, depth, items).stored_bytes
+    return stored
+
+
+def torch_dtype(dtype: DType):
+    import torch
+
+    return {DType.float32: torch.float32, DType.float16: torch.float16, DType.bfloat16: torch.bfloat16}[dtype]
+
+
+def raw_run(store_dir: Path, keys: list[bytes], shape: Shape) -> dict:
+    """The raw limit: one thread, get + decode (verified) + torch.frombuffer, in schedule order."""
+    import lmdb
+    import torch
+
+    tdtype, count = torch_dtype(shape.dtype), math.prod(shape.shape)
+    env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=8)
+    try:
+        db = env.open_db(b"entries", create=False)
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        nbytes = 0
+        with env.begin(db=db) as txn:
+            for key in keys:
+                header, raw = decode_entry(txn.get(key))
+                tensor = torch.frombuffer(raw, dtype=tdtype, count=count).view(shape.shape)
+                nbytes += tensor.numel() * tensor.element_size()
+        seconds = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
+    finally:
+        env.close()
+    return {"samples_per_s": len(keys) / seconds, "MBps": nbytes / seconds / 1e6, "seconds": seconds,
+            "cpu_s_per_GB": cpu / (nbytes / 1e9)}
+
+
+def served_run(daemon: DaemonProcess, ns: int, depth: int, order: np.ndarray, shape: Shape, schedule_id: str,
+               pace_per_s: float | None = None, stats_at: float | None = None) -> dict:
+    """Push ``order`` and receive it as torch tensors; optionally paced, with Stats taken at a fraction of the run."""
+    import torch
+
+    tdtype, count = torch_dtype(shape.dtype), math.prod(shape.shape)
+    with daemon.client(timeout_s=600) as client:
+        before = _ns_counters(client, ns)
+        marks = []
+        cpu0 = (_process_cpu(daemon.pid), time.process_time())
+        t0 = time.perf_counter()
+        client.schedule(ns, FP, depth, schedule_id, order)
+        received = nbytes = 0
+        for batch in client.fetch_batches(ns, schedule_id):
+            for value in batch.values:
+                if value is None:
+                    raise SystemExit(f"entry missing at position {batch.start}; the bench stores every sample")
+                header, raw = decode_entry(value, verify=False)
+                tensor = torch.frombuffer(raw, dtype=tdtype, count=count).view(shape.shape)
+                nbytes += tensor.numel() * tensor.element_size()
+                received += 1
+                if stats_at is not None and received == int(len(order) * stats_at):
+                    marks.append(_ns_counters(client, ns))
+            if pace_per_s:
+                ahead = received / pace_per_s - (time.perf_counter() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+        seconds = time.perf_counter() - t0
+        cpu1 = (_process_cpu(daemon.pid), time.process_time())
+        after = _ns_counters(client, ns)
+    gb = nbytes / 1e9
+    out = {"samples_per_s": received / seconds, "MBps": nbytes / seconds / 1e6, "seconds": seconds,
+           "read_MBps": (after["read_bytes"] - before["read_bytes"]) / seconds / 1e6,
+           "daemon_cpu_s_per_GB": (cpu1[0] - cpu0[0]) / gb, "client_cpu_s_per_GB": (cpu1[1] - cpu0[1]) / gb}
+    out["cpu_s_per_GB"] = out["daemon_cpu_s_per_GB"] + out["client_cpu_s_per_GB"]
+    if marks:
+        served = (after["hits"] + after["misses"]) - (marks[0]["hits"] + marks[0]["misses"])
+        out["hit_ratio"] = (after["ready_on_ask"] - marks[0]["ready_on_ask"]) / served if served else float("nan")
+        out["stall_seconds"] = after["stall_seconds"] - marks[0]["stall_seconds"]
+    return out
+
+
+def _process_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _ns_counters(client, ns: int) -> dict:
+    stats = client.stats()
+    name = next(n.name for n in stats.namespaces if n.namespace_id == ns)
+    for row in stats.prefetch:
+        if row.namespace == name:
+            c = row.counters
+            return {"hits": c.hits, "misses": c.misses, "ready_on_ask": c.ready_on_ask, "read_bytes": c.read_bytes,
+                    "stall_seconds": c.stall_seconds}
+    return {"hits": 0, "misses": 0, "ready_on_ask": 0, "read_bytes": 0, "stall_seconds": 0.0}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 MiB per shape (under a minute)")
+    parser.add_argument("--mib-per-shape", type=int, default=1024, help="tensor MiB stored per shape")
+    parser.add_argument("--dir", type=Path, help="where the cache lives (default: a temp dir under /var/tmp)")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")  # the views are only read
+    tune_malloc()  # as a training process receiving Fetch streams should (see actcache/malloc.py)
+    import torch  # noqa: F401  (imported before any timed run)
+    mib = 64 if args.quick else args.mib_per_shape
+    cold = drop_page_cache()
+    if not cold:
+        print("cannot write /proc/sys/vm/drop_caches (needs root): skipping the cold runs and measuring the "
+              "prefetch hit ratio warm")
+    rows: list[dict] = []
+    started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(dir=args.dir or "/var/tmp", prefix="actcache-serve-") as tmp:
+        cache = Path(tmp) / "cache"
+        scratch = Path(tmp) / "odirect.bin"
+        with open(scratch, "wb") as f:
+            block = os.urandom(8 << 20)
+            for _ in range((256 if args.quick else 1024) // 8):
+                f.write(block)
+            os.fsync(f.fileno())
+        with run_daemon(cache_dir=cache) as daemon:
+            with daemon.client(timeout_s=600) as client:
+                plan = []
+                for depth, shape in enumerate(SHAPES, start=1):
+                    count = (mib << 20) // shape.nbytes
+                    ns = client.open(f"serve-{depth}").namespace_id
+                    stored = populate(client, ns, shape, depth, count)
+                    order = np.random.default_rng(100 + depth).permutation(count).astype(np.uint64)
+                    plan.append((shape, ns, depth, order, stored))
+                # Warm-up of the serve path (threads, channels): an untimed small run.
+                shape, ns, depth, order, _ = plan[0]
+                served_run(daemon, ns, depth, order[:64], shape, "warmup")
+            print(f"{'shape':<26}{'path':<8}{'state':<6}{'samples/s':>11}{'MB/s':>8}{'disk-read MB/s':>16}"
+                  f"{'O_DIRECT MB/s':>15}{'CPU s/GB':>10}{'ratio':>8}")
+            for shape, ns, depth, order, stored in plan:
+                keys = encode_keys(ns, FP, depth, order)
+                compression = len(order) * shape.nbytes / stored
+                raw_run(cache, keys, shape)  # untimed: loads the page cache
+                warm_raw = raw_run(cache, keys, shape)
+                served_run(daemon, ns, depth, order, shape, "warmup-pass")
+                warm = served_run(daemon, ns, depth, order, shape, "warm")
+                row = {"shape": shape.name, "entries": len(order), "entry_bytes": shape.nbytes,
+                       "compression": compression, "warm_raw": warm_raw, "warm_served": warm,
+                       "warm_ratio": warm["MBps"] / warm_raw["MBps"]}
+                _print(shape.name, "raw", "warm", warm_raw)
+                _print("", "served", "warm", warm, ratio=row["warm_ratio"])
+                if cold:
+                    daemon.stop()
+                    drop_page_cache()
+                    cold_raw = raw_run(cache, keys, shape)
+                    disk = odirect_mbps(scratch, total=min(256, max(64, mib)) << 20)
+                    drop_page_cache()
+                    daemon.start()
+                    cold_served = served_run(daemon, ns, depth, order, shape, "cold")
+                    row.update(cold_raw=cold_raw, cold_served=cold_served, disk_odirect_MBps=disk,
+                               cold_ratio=cold_served["MBps"] / cold_raw["MBps"],
+                               cold_vs_disk=cold_served["MBps"] / disk)
+                    _print("", "raw", "cold", cold_raw)
+                    _print("", "served", "cold", cold_served, disk=disk, ratio=row["cold_ratio"])
+                daemon.stop()
+                drop_page_cache()
+                base = row.get("cold_served", warm)
+                pace = 0.5 * base["samples_per_s"]
+                hit_daemon = DaemonProcess(cache, daemon.socket.parent / "hit.sock",
+                                           ["--prefetch-bytes", HIT_BUDGET, "--max-entry-bytes", "16MiB"])
+                hit_daemon.start()
+                try:
+                    paced = served_run(hit_daemon, ns, depth, order, shape, "paced", pace_per_s=pace, stats_at=0.2)
+                finally:
+                    code = hit_daemon.stop()
+                    if code != 0:
+                        raise SystemExit(f"daemon exited with code {code}\n{hit_daemon.log_tail()}")
+                row["paced"] = dict(paced, pace_samples_per_s=pace)
+                print(f"{'':<26}{'paced':<8}{'cold' if cold else 'warm':<6}{paced['samples_per_s']:>11.0f}"
+                      f"{paced['MBps']:>8.0f}   hit ratio {paced['hit_ratio']:.4f} "
+                      f"(stalls {paced['stall_seconds']:.3f} s)", flush=True)
+                rows.append(row)
+                daemon.start()
+    serve_ratio = min(r["warm_ratio"] for r in rows)
+    cold_vs_disk = min(r["cold_vs_disk"] for r in rows) if cold else float("nan")
+    hit_ratio = min(r["paced"]["hit_ratio"] for r in rows)
+    print(f"compression (raw/stored): " + ", ".join(f"{r['shape']} {r['compression']:.2f}" for r in rows))
+    print(f"{len(rows)} shapes x {mib} MiB in {time.perf_counter() - started:.0f} s on {os.cpu_count()} cores "
+          f"(load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after); hit ratio with "
+          f"--prefetch-bytes {HIT_BUDGET}, consumer paced at half the {'cold' if cold else 'warm'} served rate")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    print(f"figure: serve_ratio_bytes = {serve_ratio:.3f}")
+    print(f"figure: cold_serve_vs_disk = {cold_vs_disk:.3f}")
+    print(f"figure: prefetch_hit_ratio = {hit_ratio:.4f}")
+    return 0
+
+
+def _print(name: str, path: str, state: str, r: dict, disk: float | None = None, ratio: float | None = None) -> None:
+    read = f"{r['read_MBps']:>16.0f}" if "read_MBps" in r else f"{'':>16}"
+    disk_s = f"{disk:>15.0f}" if disk else f"{'':>15}"
+    ratio_s = f"{ratio:>8.2f}" if ratio is not None else ""
+    print(f"{name:<26}{path:<8}{state:<6}{r['samples_per_s']:>11.0f}{r['MBps']:>8.0f}{read}{disk_s}"
+          f"{r['cpu_s_per_GB']:>10.2f}{ratio_s}", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

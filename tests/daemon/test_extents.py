@@ -1,0 +1,85 @@
+"""Explicit reads: located extents hold exactly the stored bytes; anything unrecognized falls back to the map."""
+
+import os
+
+import numpy as np
+import pytest
+
+from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.daemon.config import StoreConfig
+from actcache.daemon.extents import Extent, stored_length
+from actcache.daemon.store import Store
+from actcache.keys import encode_key
+
+FP = b"E" * 16
+SIZES = [16, 1000, 3000, 4096 - 48, 4096, 70_000, 1 << 20]  # inline, around a page, many overflow pages
+
+
+def entry(seed: int, n: int) -> bytes:
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return encode_entry([TensorSpec(DType.uint8, (n,))], [data])
+
+
+@pytest.fixture(params=[True, False], ids=["explicit", "map"])
+def store(tmp_path, request):
+    s = Store(StoreConfig(dir=tmp_path / "c", zstd_level=0, explicit_reads=request.param))
+    yield s
+    s.close()
+
+
+def test_reads_return_the_stored_bytes_for_every_size(store):
+    ns = store.open_namespace("x").id
+    values = {i: entry(i, n) for i, n in enumerate(SIZES)}
+    store.put(ns, FP, 1, [(i, 0, v) for i, v in values.items()])
+    keys = [(i, 0) for i in values] + [(99, 0)]
+    assert store.get(ns, FP, 1, keys) == [*values.values(), None]
+    with store.read_session() as session:
+        for i, value in values.items():
+            key = encode_key(ns, FP, 1, i)
+            extent = session.locate(key)
+            assert extent.length == len(value)
+            assert bytes(session.read(key, extent)) == value
+    counts = store.read_counts()
+    if store.config.explicit_reads:
+        large = sum(len(v) > 2048 for v in values.values())
+        assert counts == {"explicit_reads": 2 * large, "fallback_reads": 0}
+    else:
+        assert counts["explicit_reads"] == 0
+
+
+def test_a_wrong_extent_falls_back_to_the_map(store):
+    ns = store.open_namespace("x").id
+    value = entry(1, 100_000)
+    store.put(ns, FP, 1, [(1, 0, value), (2, 0, entry(2, 100_000))])
+    key = encode_key(ns, FP, 1, 1)
+    with store.read_session() as session:
+        other = session.locate(encode_key(ns, FP, 1, 2))
+        if other.inline is None:
+            # Points into the middle of another value: the page header check rejects it.
+            wrong = Extent(other.offset + 4096, len(value))
+            assert bytes(session.read(key, wrong)) == value
+    if store.config.explicit_reads:
+        assert store.read_counts()["fallback_reads"] == 1
+
+
+def test_probe_and_stored_length(store):
+    ns = store.open_namespace("x").id
+    value = entry(3, 50_000)
+    store.put(ns, FP, 1, [(3, 0, value)])
+    key = encode_key(ns, FP, 1, 3)
+    store.get(ns, FP, 1, [(3, 0)])  # now in the page cache
+    assert store.probe([key, encode_key(ns, FP, 1, 4)]) == [hasattr(os, "RWF_NOWAIT"), None]
+    with store._env.begin(db=store._entries, buffers=True) as txn:
+        cursor = txn.cursor()
+        assert stored_length(cursor, key) == len(value)
+        assert stored_length(cursor, encode_key(ns, FP, 1, 4)) is None
+
+
+def test_replacing_and_deleting_keep_usage_exact(store):
+    ns = store.open_namespace("x").id
+    store.put(ns, FP, 1, [(1, 0, entry(1, 50_000))])
+    result = store.put(ns, FP, 1, [(1, 0, entry(2, 20_000))])
+    assert result.replaced == 1
+    assert store.used_bytes(ns) == len(entry(2, 20_000))
+    assert store.discard_corrupt([encode_key(ns, FP, 1, 1)]) == 0  # intact entries survive
+    assert store.get(ns, FP, 1, [(1, 0)]) == [entry(2, 20_000)]
