@@ -33,6 +33,7 @@ def test_ring_allocations_are_aligned_views_and_grow():
     ring = HostRing(2)
     ring.acquire()
     a = ring.alloc((3,), torch.float32)  # slot is empty: one-off memory, the slot grows next time
+    ring.alloc((5,), torch.int64)  # the same allocations as below, so the grown slots hold both
     ring.release(None)
     ring.acquire()
     ring.release(None)
