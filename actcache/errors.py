@@ -9,7 +9,9 @@
     │                               length, key field out of range)
     ├── EntryCorrupt                stored entry failed its checksum; deleted   DATA_LOSS
     ├── BudgetExceeded              a byte budget or the disk is full           RESOURCE_EXHAUSTED
-    └── StoreError                  the storage engine failed unexpectedly      INTERNAL
+    ├── StoreError                  the storage engine failed unexpectedly      INTERNAL
+    └── ReferenceModelFailed        the client's reference-model process        (client only)
+                                    failed or exited (Egeria plasticity)
 
 Every message says what was wrong, with values and units, and how to fix it.
 """
@@ -26,6 +28,7 @@ __all__ = [
     "EntryCorrupt",
     "InvalidRequest",
     "NamespaceNotFound",
+    "ReferenceModelFailed",
     "StoreError",
     "Unauthenticated",
     "error_from_status",
@@ -85,6 +88,10 @@ class StoreError(ActCacheError):
     """The storage engine failed in a way the daemon did not expect."""
 
     status = grpc.StatusCode.INTERNAL
+
+
+class ReferenceModelFailed(ActCacheError):
+    """The training client's reference-model process (freeze controller) raised or died; never sent over gRPC."""
 
 
 _BY_STATUS: dict[grpc.StatusCode, type[ActCacheError]] = {

@@ -29,7 +29,10 @@ def test_client_never_imports_daemon_internals():
     ["actcache.codec", "actcache.errors", "actcache.keys", "actcache.rpc", "actcache.rpc_client", "actcache.testing",
      "actcache.daemon.store", "actcache.daemon.config", "actcache_client", "actcache_client.cached_forward",
      "actcache_client.connection", "actcache_client.fingerprint", "actcache_client.loader", "actcache_client.lookahead",
-     "actcache_client.stages", "actcache_client.staging", "actcache_client.tensors"],
+     "actcache_client.stages", "actcache_client.staging", "actcache_client.tensors", "actcache_client.freeze",
+     "actcache_client.freeze.controller", "actcache_client.freeze.distributed", "actcache_client.freeze.gradnorm",
+     "actcache_client.freeze.probe", "actcache_client.freeze.quantize", "actcache_client.freeze.reference",
+     "actcache_client.freeze.timeline"],
 )
 def test_public_surface_is_explicit_and_sorted(module):
     mod = importlib.import_module(module)

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from actcache_client.connection import Connection
 from actcache_client.fingerprint import prefix_fingerprints
 from actcache_client.lookahead import Lookahead
-from actcache_client.stages import StagedModel, State
+from actcache_client.stages import StagedModel, State, Suffix
 from actcache_client.staging import Stager
 from actcache_client.tensors import VarLen, collate_entries, encode_samples
 
@@ -55,6 +55,10 @@ class CachedForward:
     and computes their fingerprints once; unfreezing restores gradients and
     the model's train/eval mode. Call it instead of the model:
     ``logits = cached(batch.ids, inputs, variant=batch.variant)``.
+
+    ``set_suffix_wrapper(fn)`` runs the active stages through ``fn(Suffix)``
+    (e.g. a DistributedDataParallel wrapper), rebuilt at every ``set_frozen``
+    so the wrapper always covers exactly the active stages.
     """
 
     def __init__(
@@ -80,6 +84,8 @@ class CachedForward:
         self._fingerprints: list[bytes] = prefix_fingerprints(list(model.stages), 0)
         self._seed_depths: list[int] = []  # frozen depths (< k) whose entries may seed depth k
         self._lookahead = Lookahead(connection, lookahead) if connection is not None and lookahead else None
+        self._suffix_wrapper: Callable[[Suffix], nn.Module] | None = None
+        self._suffix: nn.Module | None = None
 
     # ---- freezing --------------------------------------------------------
 
@@ -110,6 +116,24 @@ class CachedForward:
         self._frozen = depth
         if self._lookahead is not None:
             self._lookahead.retarget(self._fingerprints[depth], depth)
+        self._rewrap()
+
+    # ---- the active suffix -----------------------------------------------
+
+    @property
+    def suffix_module(self) -> nn.Module | None:
+        """The wrapped active stages, or None when they run unwrapped."""
+        return self._suffix
+
+    def set_suffix_wrapper(self, wrapper: Callable[[Suffix], nn.Module] | None) -> None:
+        """Run the active stages as ``wrapper(model.suffix(frozen))``; None runs them directly."""
+        self._suffix_wrapper = wrapper
+        self._rewrap()
+
+    def _rewrap(self) -> None:
+        self._suffix = None  # drop the old wrapper (and its DDP buckets) before building the new one
+        if self._suffix_wrapper is not None:
+            self._suffix = self._suffix_wrapper(self.model.suffix(self._frozen))
 
     # ---- epoch order -----------------------------------------------------
 
@@ -129,7 +153,7 @@ class CachedForward:
         """Full forward pass: the frozen prefix (cached or computed) then the active suffix with grad."""
         state = self.prefix(ids, inputs, variant=variant)
         t1 = time.perf_counter()
-        out = self.model.run(state, self._frozen)
+        out = self.model.run(state, self._frozen) if self._suffix is None else self._suffix(state)
         self.times.suffix_forward += time.perf_counter() - t1
         self.times.steps += 1
         return out
