@@ -32,7 +32,7 @@ def test_client_never_imports_daemon_internals():
      "actcache_client.stages", "actcache_client.staging", "actcache_client.tensors", "actcache_client.freeze",
      "actcache_client.freeze.controller", "actcache_client.freeze.distributed", "actcache_client.freeze.gradnorm",
      "actcache_client.freeze.probe", "actcache_client.freeze.quantize", "actcache_client.freeze.reference",
-     "actcache_client.freeze.timeline"],
+     "actcache_client.freeze.timeline", "actcache_client.plot"],
 )
 def test_public_surface_is_explicit_and_sorted(module):
     mod = importlib.import_module(module)
