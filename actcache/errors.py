@@ -15,7 +15,9 @@
     │                               length, key field out of range)
     ├── EntryCorrupt                stored entry failed its checksum; deleted   DATA_LOSS
     ├── BudgetExceeded              a byte budget or the disk is full           RESOURCE_EXHAUSTED
-    └── StoreError                  the storage engine failed unexpectedly      INTERNAL
+    ├── StoreError                  the storage engine failed unexpectedly      INTERNAL
+    └── ReferenceModelFailed        the client's reference-model process        (client only)
+                                    failed or exited (Egeria plasticity)
 
 Every message says what was wrong, with values and units, and how to fix it.
 The daemon also names the class in the ``actcache-error`` trailing metadata,
@@ -37,6 +39,7 @@ __all__ = [
     "InvalidRequest",
     "NamespaceNotFound",
     "PermissionDenied",
+    "ReferenceModelFailed",
     "ScheduleNotFound",
     "StoreError",
     "Unauthenticated",
@@ -118,6 +121,10 @@ class StoreError(ActCacheError):
     """The storage engine failed in a way the daemon did not expect."""
 
     status = grpc.StatusCode.INTERNAL
+
+
+class ReferenceModelFailed(ActCacheError):
+    """The training client's reference-model process (freeze controller) raised or died; never sent over gRPC."""
 
 
 _BY_STATUS: dict[grpc.StatusCode, type[ActCacheError]] = {

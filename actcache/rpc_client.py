@@ -120,6 +120,11 @@ class RpcClient:
             ("grpc.max_send_message_length", self._max_message_bytes),
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.enable_retries", 0),
+            # Reconnect soon after the daemon comes back: gRPC's default backoff grows to 120 s,
+            # and the Connection already backs off on its own.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         if self._root_certificates is not None:
             creds = grpc.ssl_channel_credentials(self._root_certificates)

@@ -3,20 +3,35 @@
     conn = actcache_client.connect()                      # embedded daemon if none is running
     model = actcache_client.CachedForward(from_resnet(net), conn)
     loader = actcache_client.CachedLoader(DataLoader(IndexedDataset(ds), batch_size=64, shuffle=True), model)
-    model.set_frozen(4)
+    ctl = actcache_client.FreezeController(model, opt, actcache_client.EgeriaPolicy(), eval_every=100)
     for batch in loader:
         x, y = batch.data
         loss = F.cross_entropy(model(batch.ids, x, variant=batch.variant), y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        ctl.step(loss, epoch=batch.epoch)             # freezes stages when the policy says so
 """
 
 from actcache_client.cached_forward import CachedForward, StepTimes
 from actcache_client.connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig, connect
+from actcache_client.freeze import (
+    AutoFreezeConfig,
+    AutoFreezePolicy,
+    EgeriaConfig,
+    EgeriaPolicy,
+    FreezeController,
+    FreezeMilestone,
+    ManualPolicy,
+    ReferenceConfig,
+    StaticPolicy,
+)
 from actcache_client.loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
 from actcache_client.planner import CachePlanner, PlannerConfig
 from actcache_client.stages import StagedModel, auto_partition, from_bert, from_resnet, from_sequential
 from actcache_client.tensors import VarLen
 
 __all__ = [
+    "AutoFreezeConfig",
+    "AutoFreezePolicy",
     "Batch",
     "CacheFallbackWarning",
     "CachePlanner",
@@ -25,9 +40,16 @@ __all__ = [
     "ClientStats",
     "Connection",
     "ConnectionConfig",
+    "EgeriaConfig",
+    "EgeriaPolicy",
+    "FreezeController",
+    "FreezeMilestone",
     "IndexedDataset",
+    "ManualPolicy",
     "PlannerConfig",
+    "ReferenceConfig",
     "StagedModel",
+    "StaticPolicy",
     "StepTimes",
     "UncacheableDataWarning",
     "VarLen",

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from actcache_client.connection import Connection
 from actcache_client.cost_model import Plan, PlanMode, cached_subset
 from actcache_client.fingerprint import prefix_fingerprints
 from actcache_client.lookahead import Lookahead
 from actcache_client.planner import CachePlanner
-from actcache_client.stages import StagedModel, State
+from actcache_client.stages import StagedModel, State, Suffix
 from actcache_client.staging import Stager
 from actcache_client.tensors import VarLen, collate_entries, encode_samples
 
@@ -59,6 +59,10 @@ class CachedForward:
     the model's train/eval mode. Call it instead of the model:
     ``logits = cached(batch.ids, inputs, variant=batch.variant)``. With a
     ``planner``, a cost model decides whether and where to cache.
+
+    ``set_suffix_wrapper(fn)`` runs the active stages through ``fn(Suffix)``
+    (e.g. a DistributedDataParallel wrapper), rebuilt at every ``set_frozen``
+    so the wrapper always covers exactly the active stages.
     """
 
     def __init__(
@@ -89,6 +93,8 @@ class CachedForward:
         self._written: dict[bytes, set[int]] = {}  # fingerprint -> sample ids stored (or found) under it
         self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
         self._connection_seen = (0, 0.0, 0, 0.0)
+        self._suffix_wrapper: Callable[[Suffix], nn.Module] | None = None
+        self._suffix: nn.Module | None = None
 
     # ---- freezing and planning ---------------------------------------------
 
@@ -127,6 +133,24 @@ class CachedForward:
             if depth:
                 self.planner.plan_for(depth)
         self._retarget()
+        self._rewrap()
+
+    # ---- the active suffix -------------------------------------------------
+
+    @property
+    def suffix_module(self) -> nn.Module | None:
+        """The wrapped active stages, or None when they run unwrapped."""
+        return self._suffix
+
+    def set_suffix_wrapper(self, wrapper: Callable[[Suffix], nn.Module] | None) -> None:
+        """Run the active stages as ``wrapper(model.suffix(frozen))``; None runs them directly."""
+        self._suffix_wrapper = wrapper
+        self._rewrap()
+
+    def _rewrap(self) -> None:
+        self._suffix = None  # drop the old wrapper (and its DDP buckets) before building the new one
+        if self._suffix_wrapper is not None:
+            self._suffix = self._suffix_wrapper(self.model.suffix(self._frozen))
 
     def _cache_target(self) -> tuple[int, float] | None:
         """(cache depth j, cached fraction), or None when nothing is looked up or stored."""
@@ -170,7 +194,7 @@ class CachedForward:
         """Full forward pass: the frozen prefix (cached or computed) then the active suffix with grad."""
         state = self.prefix(ids, inputs, variant=variant)
         t1 = time.perf_counter()
-        out = self.model.run(state, self._frozen)
+        out = self.model.run(state, self._frozen) if self._suffix is None else self._suffix(state)
         self.times.suffix_forward += time.perf_counter() - t1
         self.times.steps += 1
         return out

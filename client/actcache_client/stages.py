@@ -23,6 +23,7 @@ __all__ = [
     "Stage",
     "StagedModel",
     "State",
+    "Suffix",
     "auto_partition",
     "from_bert",
     "from_resnet",
@@ -97,6 +98,29 @@ class StagedModel(nn.Module):
 
     def forward(self, x: State) -> State:
         return self.run(x)
+
+    def suffix(self, start: int) -> "Suffix":
+        """A module running ``stages[start:]`` (the same Stage objects, no copies)."""
+        if not 0 <= start < self.num_stages:
+            raise ValueError(f"suffix start must be in 0..{self.num_stages - 1}, got {start}")
+        return Suffix(list(self.stages[start:]))
+
+
+class Suffix(nn.Module):
+    """The active stages of a StagedModel as one module, e.g. to wrap in DistributedDataParallel.
+
+    It holds the StagedModel's own Stage objects, so its parameters are the
+    model's parameters and wrapping it leaves the frozen prefix out.
+    """
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, state: State) -> State:
+        for stage in self.stages:
+            state = stage(state)
+        return state
 
 
 def _merge(stages: Sequence[Stage]) -> Stage:

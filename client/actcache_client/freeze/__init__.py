@@ -1,12 +1,15 @@
 """When to freeze: pluggable policies that turn training signals into freeze decisions.
 
-The controller (not here) applies the decisions to the model. Policies:
+``FreezeController`` collects the signals, calls the policy and applies its
+decisions (``controller.py``); Egeria's reference model runs in a separate
+process (``reference.py``). Policies:
 ``EgeriaPolicy`` (plasticity: SP loss against a reference model),
 ``AutoFreezePolicy`` (gradient-norm change), ``StaticPolicy`` (a schedule) and
 ``ManualPolicy`` (requests). Every one passes ``check_freeze_policy_contract``.
 """
 
 from actcache_client.freeze.autofreeze import AutoFreezeConfig, AutoFreezePolicy
+from actcache_client.freeze.controller import FreezeController
 from actcache_client.freeze.egeria import EgeriaConfig, EgeriaPolicy
 from actcache_client.freeze.plasticity import sp_loss
 from actcache_client.freeze.policy import (
@@ -17,21 +20,34 @@ from actcache_client.freeze.policy import (
     Signals,
     check_freeze_policy_contract,
 )
+from actcache_client.freeze.quantize import PRECISIONS, BuiltReference, build_reference
+from actcache_client.freeze.reference import ReferenceConfig, ReferenceState, ReferenceStats, ReferenceWorker
 from actcache_client.freeze.static import FreezeMilestone, ManualPolicy, StaticPolicy
+from actcache_client.freeze.timeline import Timeline, read_timeline
 
 __all__ = [
     "AutoFreezeConfig",
     "AutoFreezePolicy",
+    "BuiltReference",
     "Decision",
     "DecisionKind",
     "EgeriaConfig",
     "EgeriaPolicy",
+    "FreezeController",
     "FreezeMilestone",
     "FreezePolicy",
     "ManualPolicy",
+    "PRECISIONS",
+    "ReferenceConfig",
+    "ReferenceState",
+    "ReferenceStats",
+    "ReferenceWorker",
     "SIGNAL_NAMES",
     "Signals",
     "StaticPolicy",
+    "Timeline",
+    "build_reference",
     "check_freeze_policy_contract",
+    "read_timeline",
     "sp_loss",
 ]

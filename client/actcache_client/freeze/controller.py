@@ -1,0 +1,311 @@
+"""Applies a freeze policy to a training run: signals in, decisions out, the same on every rank.
+
+A training step with the controller::
+
+    out = cached(batch.ids, x, variant=batch.variant)   # probe steps: stage s's input/output captured
+    loss = F.cross_entropy(out, y)
+    opt.zero_grad(); loss.backward()
+    opt.step()              # pre-hook: ctl.after_backward(): frozen grads -> None, grad sums if needed
+    ctl.step(loss, epoch=batch.epoch)                 # every eval_every steps: an evaluation
+
+An evaluation (step % eval_every == 0): the loss is averaged over the
+interval (and across ranks when the policy needs it), the per-stage gradient
+norms are those of the interval's summed gradients, plasticity is the latest
+reading of the frontmost active stage from the reference process (None if
+none arrived: the step never waits). Rank 0 calls ``policy.observe``, again
+at the same step after each FREEZE_NEXT (AutoFreeze's Algorithm 1 loop;
+schedules catch up), and broadcasts the resulting depth; every rank applies
+it at that step through ``CachedForward.set_frozen`` (requires_grad, eval
+mode, fingerprints, DDP re-wrap of the active stages). The optimizer is
+never rebuilt: active parameters keep their state, frozen ones get
+``grad = None`` so momentum and weight decay cannot move them.
+
+The reference process (plasticity policies, rank 0 only) starts once the
+policy leaves bootstrapping; one probe is captured per evaluation interval,
+on the step after an evaluation, by forward hooks on the frontmost stage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from actcache.errors import ConfigError
+from actcache_client.cached_forward import CachedForward
+from actcache_client.freeze import _refproc
+from actcache_client.freeze.distributed import DdpWrapper, broadcast_depth, mean_across_ranks, rank_and_world
+from actcache_client.freeze.gradnorm import GradNormAccumulator
+from actcache_client.freeze.policy import Decision, DecisionKind, FreezePolicy, Signals
+from actcache_client.freeze.probe import PlasticityProbe
+from actcache_client.freeze.reference import ReferenceConfig, ReferenceStats
+from actcache_client.freeze.timeline import Timeline
+
+__all__ = ["FreezeController"]
+
+log = logging.getLogger("actcache_client.freeze")
+
+_STATE_VERSION = 1
+
+
+class FreezeController:
+    """Drives ``policy`` on ``cached``'s stages; see the module docstring for the step protocol.
+
+    Invariants: ``cached.frozen`` changes only at evaluations, to the depth
+    rank 0 decided, on every rank at the same step; frozen parameters have
+    ``grad is None`` when the optimizer steps; at most one probe per interval.
+
+    Arguments: ``eval_every`` steps between evaluations (Egeria's n, AutoFreeze's
+    interval T); ``reference`` configures the reference process (plasticity
+    policies); ``timeline`` is a JSON-lines file (rank 0 writes it);
+    ``hook_optimizer`` calls ``after_backward`` from an optimizer step
+    pre-hook; ``ddp`` wraps the active stages in DistributedDataParallel
+    (default: when torch.distributed runs with more than one rank) with
+    ``ddp_kwargs``, in ``process_group``. A script using a plasticity policy
+    needs the ``if __name__ == "__main__":`` guard (the reference process is spawned).
+    """
+
+    def __init__(
+        self,
+        cached: CachedForward,
+        optimizer: torch.optim.Optimizer,
+        policy: FreezePolicy,
+        *,
+        eval_every: int,
+        reference: ReferenceConfig | None = None,
+        timeline: str | None = None,
+        hook_optimizer: bool = True,
+        process_group: Any = None,
+        ddp: bool | None = None,
+        ddp_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(eval_every, int) or eval_every < 1:
+            raise ConfigError(f"eval_every={eval_every!r} must be a positive number of steps (Egeria uses "
+                              "~300 for ResNet-56; AutoFreeze: an epoch's steps / 5)")
+        self.cached = cached
+        self.optimizer = optimizer
+        self.policy = policy
+        self.eval_every = eval_every
+        self.group = process_group
+        self.rank, self.world = rank_and_world(process_group)
+        self.distributed = self.world > 1
+        self.timeline = Timeline(timeline if self.rank == 0 else None)
+        self.step_count = 0
+        self.epoch = 0
+        self.evaluations = 0
+        #: (step, depth before, depth after) of every applied change, on every rank.
+        self.changes: list[tuple[int, int, int]] = []
+        self._num_stages = cached.model.num_stages
+        self._counts = cached.model.param_counts()
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        self._grads = GradNormAccumulator(list(cached.model.stages)) if "grad_norms" in policy.needs else None
+        self._probe = (PlasticityProbe(cached, policy, reference, self.timeline)
+                       if "plasticity" in policy.needs and self.rank == 0 else None)
+        self._backward_done = False
+        self._frozen_params: list[nn.Parameter] = []
+        use_ddp = self.distributed if ddp is None else ddp
+        self._ddp = DdpWrapper(process_group, **dict(ddp_kwargs or {})) if use_ddp else None
+        if self._ddp is not None:
+            cached.set_suffix_wrapper(self._ddp)
+        self._hook = optimizer.register_step_pre_hook(lambda *_: self.after_backward()) if hook_optimizer else None
+        self._track_frozen()
+
+    # ---- the step protocol ---------------------------------------------
+
+    @property
+    def frozen(self) -> int:
+        return self.cached.frozen
+
+    @property
+    def reference_stats(self) -> ReferenceStats | None:
+        return self._probe.stats if self._probe is not None else None
+
+    @property
+    def rewrap_seconds(self) -> float | None:
+        """Seconds the last DDP (re-)wrap took; None without DDP."""
+        return self._ddp.last_seconds if self._ddp is not None else None
+
+    def after_backward(self) -> None:
+        """After backward, before the optimizer step (automatic with ``hook_optimizer``); once per step."""
+        if self._backward_done:
+            return
+        self._backward_done = True
+        for p in self._frozen_params:
+            p.grad = None
+        if self._grads is not None:
+            self._grads.add()
+
+    def step(self, loss: torch.Tensor | float | None = None, *, lr: float | None = None,
+             epoch: int | None = None) -> None:
+        """Count one optimizer step; evaluate every ``eval_every`` steps. ``lr`` defaults to param group 0's."""
+        self.step_count += 1
+        self._backward_done = False
+        if epoch is not None:
+            self.epoch = epoch
+        if loss is not None:
+            value = loss.detach().float() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+            self._loss_count += 1
+        if self._probe is not None:
+            self._probe.step(self.step_count)
+        if self.step_count % self.eval_every == 0:
+            self._evaluate(lr if lr is not None else float(self.optimizer.param_groups[0]["lr"]))
+        if self._probe is not None:
+            self._probe.arm()
+
+    # ---- evaluation -------------------------------------------------------
+
+    def _evaluate(self, lr: float) -> None:
+        self.evaluations += 1
+        loss = float(self._loss_sum / self._loss_count) if self._loss_count else None
+        self._loss_sum, self._loss_count = None, 0
+        if self.distributed and "loss" in self.policy.needs:
+            loss = mean_across_ranks(loss, self.group)
+        grad_norms = self._grads.norms() if self._grads is not None else None
+        if self._grads is not None and grad_norms is None:
+            raise RuntimeError("the policy needs gradient norms but no gradients were summed in this interval: "
+                               "call controller.after_backward() after backward (or keep hook_optimizer=True)")
+        reading = self._probe.reading(self.step_count) if self._probe is not None else None
+        depth, records = self._decide(lr, loss, grad_norms, reading) if self.rank == 0 else (None, [])
+        if self.distributed:
+            depth = broadcast_depth(depth, self.group)
+        if depth != self.frozen:
+            self._apply(depth)
+            if records:
+                records[-1]["rewrap_s"] = self.rewrap_seconds
+        for record in records:
+            self.timeline.write(record)
+        if self._probe is not None:
+            self._probe.interval_done()
+
+    def _decide(self, lr: float, loss: float | None, grad_norms: list[float] | None,
+                reading: _refproc.Reading | None) -> tuple[int, list[dict[str, Any]]]:
+        needs = self.policy.needs
+        frozen = self.frozen
+        plasticity = reading.plasticity if reading is not None else None
+        records = []
+        for _ in range(self._num_stages):
+            signals = Signals(step=self.step_count, epoch=self.epoch, frozen=frozen, num_stages=self._num_stages,
+                              lr=lr, loss=loss if "loss" in needs else None,
+                              plasticity=plasticity if "plasticity" in needs else None,
+                              grad_norms=grad_norms if "grad_norms" in needs else None)
+            decision = self.policy.observe(signals)
+            after = self._check(decision, frozen)
+            records.append(self._record(signals, decision, after, reading))
+            if decision.kind is not DecisionKind.FREEZE_NEXT:
+                return after, records
+            frozen, plasticity, reading = after, None, None  # the reading was of the stage just frozen
+        return frozen, records
+
+    def _check(self, decision: Decision, frozen: int) -> int:
+        if decision.kind is DecisionKind.FREEZE_NEXT:
+            if decision.stage != frozen or frozen >= self._num_stages - 1:
+                raise RuntimeError(f"policy {type(self.policy).__name__} asked to freeze stage {decision.stage} with "
+                                   f"{frozen} of {self._num_stages} stages frozen; only stage {frozen} may freeze "
+                                   "and never the head (see check_freeze_policy_contract)")
+            return frozen + 1
+        if decision.kind is DecisionKind.UNFREEZE_ALL:
+            if frozen == 0:
+                raise RuntimeError(f"policy {type(self.policy).__name__} asked to unfreeze with nothing frozen")
+            return 0
+        return frozen
+
+    def _record(self, signals: Signals, decision: Decision, after: int,
+                reading: _refproc.Reading | None) -> dict[str, Any]:
+        numbers = decision.numbers
+        if "plasticity" in self.policy.needs:
+            signal, value = "plasticity", signals.plasticity
+        elif "grad_norms" in self.policy.needs:
+            signal, value = "eta", numbers.get("eta")
+        else:
+            signal, value = ("loss", signals.loss) if "loss" in self.policy.needs else (None, None)
+        stats = self.reference_stats
+        return {
+            "event": "evaluation", "step": signals.step, "epoch": signals.epoch, "stage": signals.frozen,
+            "stage_name": self.cached.model.stage_names[signals.frozen], "signal": signal, "value": value,
+            "loss": signals.loss, "plasticity": signals.plasticity,
+            "plasticity_step": reading.step if reading is not None else None,
+            "grad_norm": signals.grad_norms[signals.frozen] if signals.grad_norms else None,
+            "slope": numbers.get("slope"), "threshold": numbers.get("threshold"),
+            "decision": decision.kind.value, "reason": decision.reason, "lr": signals.lr, "frozen": after,
+            "active_param_share": self.active_param_share(after), "rewrap_s": None, "numbers": dict(numbers),
+            "reference": None if stats is None else {
+                "submitted": stats.submitted, "readings": stats.readings, "skipped_full": stats.skipped_full,
+                "skipped_busy": stats.skipped_busy, "dropped": stats.dropped},
+        }
+
+    def active_param_share(self, frozen: int | None = None) -> float:
+        """Share of parameter elements in the active stages (with ``frozen`` stages frozen)."""
+        frozen = self.frozen if frozen is None else frozen
+        total = sum(self._counts)
+        return sum(self._counts[frozen:]) / total if total else 1.0
+
+    # ---- applying a depth ------------------------------------------------
+
+    def _apply(self, depth: int) -> None:
+        before = self.frozen
+        self.cached.set_frozen(depth)  # requires_grad, eval mode, fingerprints, DDP re-wrap
+        self._track_frozen()
+        self.changes.append((self.step_count, before, depth))
+        if self.rank == 0:
+            log.info("actcache: step %d: frozen stages %d -> %d (%.1f%% of parameters active)",
+                     self.step_count, before, depth, 100 * self.active_param_share(depth))
+        if self._probe is not None:
+            self._probe.depth_changed()
+
+    def _track_frozen(self) -> None:
+        stages = list(self.cached.model.stages)
+        active = {id(p) for s in stages[self.frozen:] for p in s.parameters()}
+        self._frozen_params = [p for s in stages[: self.frozen] for p in s.parameters() if id(p) not in active]
+        for p in self._frozen_params:
+            p.grad = None
+        if self._grads is not None:
+            self._grads.set_frozen(self.frozen)
+
+    # ---- checkpointing and lifecycle -------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, the frozen depth and its fingerprint, the policy's state (save rank 0's)."""
+        return {"version": _STATE_VERSION, "step": self.step_count, "epoch": self.epoch,
+                "evaluations": self.evaluations, "frozen": self.frozen, "fingerprint": self.cached.fingerprint().hex(),
+                "policy": self.policy.state_dict(), "changes": [list(c) for c in self.changes]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume: load the model's weights first; the frozen prefix (and so its cache entries) is restored.
+
+        An interval in progress at the checkpoint restarts (its loss and
+        gradient sums are not saved).
+        """
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"controller state version {state.get('version')!r} is not {_STATE_VERSION}; "
+                              "it was saved by an incompatible actcache version")
+        depth = int(state["frozen"])
+        if depth != self.frozen:
+            self._apply(depth)
+        if self.cached.fingerprint().hex() != state["fingerprint"]:
+            raise ConfigError(f"the model's first {depth} stages have fingerprint {self.cached.fingerprint().hex()} "
+                              f"but the checkpoint recorded {state['fingerprint']}: load the model's state_dict "
+                              "(the same weights) before the controller's")
+        self.policy.load_state_dict(state["policy"])
+        self.step_count, self.epoch = int(state["step"]), int(state["epoch"])
+        self.evaluations = int(state["evaluations"])
+        self.changes = [tuple(c) for c in state["changes"]]
+
+    def close(self) -> None:
+        """Stop the reference process, remove the hooks, close the timeline. The frozen depth stays."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._probe is not None:
+            self._probe.close()
+        self.timeline.close()
+
+    def __enter__(self) -> FreezeController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,167 @@
+"""Rank 0's side of Egeria's plasticity: snapshots, one probe per interval, the latest reading.
+
+Timeline of one evaluation interval (n = eval_every steps)::
+
+    evaluation k  ->  interval_done(): start the reference process once the policy has left
+                      bootstrapping; refresh the snapshot every refresh_every evaluations
+    step k*n + 1  ->  forward hooks on the frontmost active stage copy its input and output
+                      (armed by arm() at the end of the previous step, if the queue has room
+                      and the CPU is not busy: otherwise the interval's probe is skipped, counted)
+                  ->  step(): the copies go to the reference process (put_nowait)
+    evaluation k+1 -> reading(): the latest plasticity reading of the current stage, if one arrived
+
+A depth change bumps the generation: readings of the old stage are ignored
+and the new frontmost stage gets a fresh snapshot. Nothing here waits.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+from actcache_client.cached_forward import CachedForward
+from actcache_client.freeze import _refproc
+from actcache_client.freeze.policy import FreezePolicy
+from actcache_client.freeze.reference import ReferenceConfig, ReferenceState, ReferenceStats, ReferenceWorker, to_shared
+from actcache_client.freeze.timeline import Timeline
+
+__all__ = ["PlasticityProbe"]
+
+log = logging.getLogger("actcache_client.freeze")
+
+
+class _Capture:
+    """Forward hooks copying one training forward's input and output of a stage to shared memory."""
+
+    def __init__(self, stage: nn.Module, rows: int | None) -> None:
+        self.rows = rows
+        self.inputs: Any = None
+        self.output: Any = None
+        self._handles = [stage.register_forward_pre_hook(self._pre), stage.register_forward_hook(self._post)]
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        if module.training and self.inputs is None:  # eval-mode (validation) passes are not probed
+            self.inputs = to_shared(args[0], self.rows)
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if module.training and self.inputs is not None and self.output is None:
+            self.output = to_shared(output, self.rows)
+            self.remove()
+
+    @property
+    def done(self) -> bool:
+        return self.output is not None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class PlasticityProbe:
+    """Feeds the reference process from the training forward; at most one probe per interval."""
+
+    def __init__(self, cached: CachedForward, policy: FreezePolicy, config: ReferenceConfig | None,
+                 timeline: Timeline) -> None:
+        self.cached = cached
+        self.policy = policy
+        self.timeline = timeline
+        self.worker = ReferenceWorker(config)
+        self._generation = 0
+        self._reported: int | None = None
+        self._since_snapshot = 0
+        self._probed = False
+        self._capture: _Capture | None = None
+
+    @property
+    def stats(self) -> ReferenceStats:
+        return self.worker.stats
+
+    @property
+    def running(self) -> bool:
+        return self.worker.state is ReferenceState.RUNNING
+
+    def _head_only(self) -> bool:
+        return self.cached.frozen >= self.cached.model.num_stages - 1  # nothing left to judge
+
+    # ---- per step -------------------------------------------------------
+
+    def step(self, step: int) -> None:
+        """Send the probe captured in this step's forward, if any."""
+        capture = self._capture
+        if capture is not None and capture.done:
+            self._capture = None
+            self.worker.submit(self._generation, step, capture.inputs, capture.output)
+
+    def arm(self) -> None:
+        """Capture the next training forward, once per interval, if the reference can take it."""
+        if not self.running or self._probed or self._capture is not None or self._head_only():
+            return
+        self._probed = True
+        if self.worker.ready_for_probe():
+            self._capture = _Capture(self.cached.model.stages[self.cached.frozen], self.worker.config.max_samples)
+
+    # ---- per evaluation ---------------------------------------------------
+
+    def reading(self, step: int) -> _refproc.Reading | None:
+        """The latest reading of the current frontmost stage that arrived since the last call."""
+        latest = None
+        for message in self.worker.poll():
+            if isinstance(message, _refproc.Built):
+                self._report_build(message, step)
+            elif message.generation == self._generation and (latest is None or message.step >= latest.step):
+                latest = message
+        return latest
+
+    def interval_done(self) -> None:
+        """After an evaluation: a new interval (one probe); start or refresh the reference."""
+        self._probed = False
+        if getattr(self.policy, "bootstrapping", False) or self._head_only():
+            return
+        if self.worker.state is ReferenceState.NEW:
+            self.worker.start()
+            self._snapshot()
+            return
+        self._since_snapshot += 1
+        every = self.worker.config.refresh_every or int(getattr(self.policy, "window", 10))
+        if self.running and self._since_snapshot >= every:
+            self._snapshot()
+
+    def depth_changed(self) -> None:
+        """The frontmost stage changed: old readings are void, the new stage gets a snapshot."""
+        self._generation += 1
+        self._drop_capture()
+        if self.running and not self._head_only():
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        self._drop_capture()  # no hooks on the module while it is copied
+        frozen = self.cached.frozen
+        self.worker.snapshot(self.cached.model.stages[frozen], stage=frozen, generation=self._generation)
+        self._since_snapshot = 0
+
+    def _drop_capture(self) -> None:
+        if self._capture is not None:
+            self._capture.remove()
+            self._capture = None
+
+    def _report_build(self, built: _refproc.Built, step: int) -> None:
+        """Log and record a stage's first build (where ``auto`` measures its candidates); refreshes at debug."""
+        first = self._reported != built.generation
+        self._reported = built.generation
+        speeds = ", ".join(f"{k} {v:.2f} ms" for k, v in built.ms_per_batch.items())
+        errors = ", ".join(f"{k} {v:.2g}" for k, v in built.error_vs_fp32.items())
+        log.log(logging.INFO if first else logging.DEBUG,
+                "actcache: reference of stage %d (%s): %s; per batch: %s; SP loss vs fp32: %s%s", built.stage,
+                self.cached.model.stage_names[built.stage], built.precision, speeds, errors,
+                "".join(f"; {n}" for n in built.notes))
+        if first:
+            self.timeline.write({"event": "reference", "step": step, "stage": built.stage,
+                                 "precision": built.precision, "ms_per_batch": built.ms_per_batch,
+                                 "error_vs_fp32": built.error_vs_fp32, "notes": built.notes})
+
+    def close(self) -> None:
+        self._drop_capture()
+        self.worker.close()

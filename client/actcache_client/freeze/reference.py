@@ -1,0 +1,299 @@
+"""Egeria's reference model, run in a separate CPU process that training never waits for.
+
+What is compared (Egeria §4.1, Eq. 1, on actcache's stages): for the
+frontmost active stage s and one training batch, the training side sends
+
+    x   = the input state of stage s in the training forward pass
+          (the frozen prefix's output, served from the cache or computed;
+          the raw batch when s == 0)
+    A_T = stage s's output in that same forward pass (train mode)
+
+and the reference process computes ``A_R = ref_s(x)`` with ``ref_s`` a
+snapshot of stage s (eval mode, quantized per ``ReferenceConfig.precision``),
+then ``plasticity = sp_loss(A_T, A_R)``. Feeding both the same x isolates
+stage s: the frozen stages before it are identical in both models, and the
+reference never recomputes them. The snapshot is refreshed every
+``refresh_every`` evaluations and whenever the frontmost stage changes.
+
+Lifecycle (``state``)::
+
+    NEW --start()--> RUNNING --close()--> CLOSED
+                        '--child error or exit--> FAILED (poll raises ReferenceModelFailed once)
+
+Never blocking: ``submit`` and ``snapshot`` only ``put_nowait``; ``poll`` only
+``get_nowait``. Invariants: answered <= submitted and submitted - answered <=
+queue_size (a probe past that is skipped and counted, as is one offered while
+the CPU is busier than ``max_cpu_percent``); at most one snapshot is in
+flight, a newer one replaces a pending one. The inbox holds at most
+queue_size probes + 1 snapshot + Stop.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import logging
+import os
+import pickle
+import queue
+from typing import Any, Callable
+
+import psutil
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from actcache.errors import ConfigError, ReferenceModelFailed
+from actcache_client.freeze import _refproc
+from actcache_client.freeze.quantize import PRECISIONS
+from actcache_client.stages import State
+
+__all__ = ["ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWorker", "to_shared"]
+
+log = logging.getLogger("actcache_client.freeze")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReferenceConfig:
+    """How the reference model is built and run."""
+
+    #: auto | dynamic_int8 | static_int8 | fp32 | bf16 (see freeze/quantize.py). Egeria: int8,
+    #: dynamic for NLP, static for CNNs, full precision as the fallback (§4.1.3, §5).
+    precision: str = "auto"
+    #: Refresh the snapshot every this many evaluations; None: the policy's W (Egeria §4.1.3), else 10.
+    refresh_every: int | None = None
+    #: Probes waiting for or in the reference process; more are skipped (Egeria §4.1.2: non-blocking).
+    queue_size: int = 1
+    #: Skip probes while system CPU use over the last interval is above this percentage;
+    #: None never skips. Egeria runs the reference "at low CPU load (e.g., <50%)" (§4.1.2).
+    max_cpu_percent: float | None = 50.0
+    #: torch threads of the reference process.
+    threads: int = 1
+    #: Compare only the first this many samples of a batch (None: the whole batch, as Egeria).
+    max_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.refresh_every is not None and self.refresh_every < 1:
+            raise ConfigError(f"refresh_every={self.refresh_every} must be >= 1 evaluation (or None for W)")
+        if self.queue_size < 1:
+            raise ConfigError(f"queue_size={self.queue_size} must be >= 1 probe")
+        if self.max_cpu_percent is not None and not 0 < self.max_cpu_percent <= 100:
+            raise ConfigError(f"max_cpu_percent={self.max_cpu_percent} must be in (0, 100], or None to never "
+                              "back off (Egeria uses 50)")
+        if self.threads < 1:
+            raise ConfigError(f"threads={self.threads} must be >= 1")
+        if self.max_samples is not None and self.max_samples < 2:
+            raise ConfigError(f"max_samples={self.max_samples}: the SP loss compares samples; use >= 2 or None")
+
+
+@dataclasses.dataclass
+class ReferenceStats:
+    """What the reference process did; the controller copies these into the timeline."""
+
+    submitted: int = 0
+    answered: int = 0
+    readings: int = 0
+    dropped: int = 0
+    skipped_full: int = 0
+    skipped_busy: int = 0
+    snapshots: int = 0
+    #: The first build of each snapshot generation (a new frontmost stage): precision and speeds.
+    builds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    @property
+    def in_flight(self) -> int:
+        return self.submitted - self.answered
+
+
+class ReferenceState(enum.Enum):
+    """Lifecycle of a ReferenceWorker (transitions in the module docstring)."""
+
+    NEW = "new"
+    RUNNING = "running"
+    CLOSED = "closed"
+    FAILED = "failed"
+
+
+class _CpuLoad:
+    """System CPU use since the previous call, from psutil.cpu_times deltas (no shared psutil state)."""
+
+    def __init__(self) -> None:
+        self._last = psutil.cpu_times()
+
+    def percent(self) -> float:
+        now = psutil.cpu_times()
+        total = sum(now) - sum(self._last)
+        idle = (now.idle + getattr(now, "iowait", 0.0)) - (self._last.idle + getattr(self._last, "iowait", 0.0))
+        self._last = now
+        return 0.0 if total <= 0 else 100.0 * (1.0 - idle / total)
+
+
+def to_shared(state: State, rows: int | None = None) -> State:
+    """A copy of ``state`` (its first ``rows`` samples) in shared memory, detached, on the CPU."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()[:rows] if rows is not None else t.detach()
+        out = torch.empty(t.shape, dtype=t.dtype).share_memory_()
+        return out.copy_(t)
+
+    return tuple(copy(t) for t in state) if isinstance(state, tuple) else copy(state)
+
+
+class ReferenceWorker:
+    """The training side of the reference process (one per training job, on rank 0)."""
+
+    def __init__(self, config: ReferenceConfig | None = None, *,
+                 cpu_percent: Callable[[], float] | None = None) -> None:
+        """``cpu_percent()`` gives the system CPU use since its previous call (default: from psutil)."""
+        self.config = config or ReferenceConfig()
+        self.stats = ReferenceStats()
+        self.state = ReferenceState.NEW
+        self.last_cpu_percent: float | None = None
+        self._ctx = mp.get_context("spawn")
+        self._inbox: Any = None
+        self._outbox: Any = None
+        self._process: Any = None
+        self._cpu_percent = cpu_percent or _CpuLoad().percent
+        self._snapshot_ids = 0
+        self._snapshot_in_flight: int | None = None
+        self._pending_snapshot: _refproc.Snapshot | None = None
+        self._warned_busy = False
+
+    def start(self) -> None:
+        """Spawn the process (returns once it is launched, not once it has imported torch)."""
+        if self.state is not ReferenceState.NEW:
+            raise RuntimeError(f"ReferenceWorker.start() in state {self.state.value}; a worker starts once")
+        self._inbox = self._ctx.Queue(maxsize=self.config.queue_size + 2)
+        self._outbox = self._ctx.Queue()
+        self._process = self._ctx.Process(target=_refproc.main, name="actcache-reference", daemon=True,
+                                          args=(self._inbox, self._outbox, self.config.threads, os.getpid()))
+        self._process.start()
+        self.state = ReferenceState.RUNNING
+
+    def snapshot(self, module: nn.Module, *, stage: int, generation: int) -> None:
+        """Send a CPU copy of ``module`` as the reference of ``stage``; probes of ``generation`` use it."""
+        try:
+            payload = pickle.dumps(_cpu_copy(module))
+        except Exception as exc:
+            raise ConfigError(f"stage {stage} ({type(module).__name__}) cannot be pickled for the reference "
+                              f"process: {exc}; define its modules at module level (no lambdas or closures)") from exc
+        self._snapshot_ids += 1
+        self._pending_snapshot = _refproc.Snapshot(generation, self._snapshot_ids, stage, payload,
+                                                   self.config.precision)
+        self._send_snapshot()
+
+    def _send_snapshot(self) -> None:
+        if self.state is not ReferenceState.RUNNING or self._pending_snapshot is None or self._snapshot_in_flight is not None:
+            return
+        try:
+            self._inbox.put_nowait(self._pending_snapshot)
+        except queue.Full:
+            return  # retried at the next poll
+        self._snapshot_in_flight = self._pending_snapshot.snapshot_id
+        self._pending_snapshot = None
+        self.stats.snapshots += 1
+
+    def ready_for_probe(self) -> bool:
+        """True if a probe may be captured now; else the skip is counted (queue full or CPU busy)."""
+        if self.state is not ReferenceState.RUNNING:
+            return False
+        if self.stats.in_flight >= self.config.queue_size:
+            self.stats.skipped_full += 1
+            return False
+        limit = self.config.max_cpu_percent
+        if limit is not None:
+            self.last_cpu_percent = self._cpu_percent()
+            if self.last_cpu_percent > limit:
+                self.stats.skipped_busy += 1
+                if not self._warned_busy:
+                    self._warned_busy = True
+                    log.warning("actcache: reference evaluation skipped: CPU use %.0f%% > max_cpu_percent=%g; "
+                                "plasticity readings wait for a quieter CPU (raise ReferenceConfig.max_cpu_percent "
+                                "or set it to None on CPU-only training)", self.last_cpu_percent, limit)
+                return False
+        return True
+
+    def submit(self, generation: int, step: int, inputs: State, output: State) -> bool:
+        """Queue one probe; False if it was skipped. Never waits.
+
+        ``inputs`` and ``output`` must not change afterwards: pass ``to_shared`` copies.
+        """
+        if self.state is not ReferenceState.RUNNING or self.stats.in_flight >= self.config.queue_size:
+            self.stats.skipped_full += 1
+            return False
+        try:
+            self._inbox.put_nowait(_refproc.Probe(generation, step, inputs, output))
+        except queue.Full:
+            self.stats.skipped_full += 1
+            return False
+        self.stats.submitted += 1
+        return True
+
+    def poll(self, wait_s: float = 0.0) -> list[_refproc.Reading | _refproc.Built]:
+        """Readings and build reports that arrived since the last call.
+
+        The training step calls it with ``wait_s=0`` and never waits; tools and
+        tests may wait up to ``wait_s`` seconds for the first message.
+        """
+        if self.state is not ReferenceState.RUNNING:
+            return []
+        out: list[_refproc.Reading | _refproc.Built] = []
+        timeout = wait_s
+        while True:
+            try:
+                message = self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            timeout = 0.0
+            if isinstance(message, _refproc.Failed):
+                self._fail(f"the reference process failed:\n{message.traceback}")
+            if isinstance(message, _refproc.Loaded):
+                if message.snapshot_id == self._snapshot_in_flight:
+                    self._snapshot_in_flight = None
+            elif isinstance(message, (_refproc.Reading, _refproc.Dropped)):
+                self.stats.answered += 1
+                if isinstance(message, _refproc.Reading):
+                    self.stats.readings += 1
+                    out.append(message)
+                else:
+                    self.stats.dropped += 1
+            elif isinstance(message, _refproc.Built):
+                if not self.stats.builds or self.stats.builds[-1]["generation"] != message.generation:
+                    self.stats.builds.append(dataclasses.asdict(message))  # a stage's first build
+                out.append(message)
+        if self._process.exitcode is not None:
+            self._fail(f"the reference process exited unexpectedly with code {self._process.exitcode}")
+        self._send_snapshot()
+        return out
+
+    def _fail(self, message: str) -> None:
+        self.state = ReferenceState.FAILED
+        self._process.join(timeout=1.0)
+        raise ReferenceModelFailed(message)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the process: ask, wait up to ``timeout_s``, then terminate. Idempotent."""
+        if self._process is None or self.state is ReferenceState.CLOSED:
+            self.state = ReferenceState.CLOSED
+            return
+        if self._process.exitcode is None:
+            try:
+                self._inbox.put(_refproc.Stop(), timeout=timeout_s)
+            except queue.Full:
+                pass
+            self._process.join(timeout=timeout_s)
+            if self._process.exitcode is None:
+                self._process.terminate()
+                self._process.join(timeout=timeout_s)
+        for q in (self._inbox, self._outbox):
+            q.cancel_join_thread()  # unread messages must not keep this process from exiting
+            q.close()
+        self.state = ReferenceState.CLOSED
+
+
+def _cpu_copy(module: nn.Module) -> nn.Module:
+    """A CPU copy in eval mode without gradients; the training module is not touched."""
+    return copy.deepcopy(module).to("cpu").requires_grad_(False).eval()

@@ -1,0 +1,66 @@
+"""The freeze timeline: one JSON object per line for every evaluation, decision and reference build.
+
+Record kinds (``event``):
+
+- ``evaluation``: one policy observation: step, epoch, stage (the frontmost
+  active stage judged), stage_name, signal and value (the policy's main
+  signal: plasticity, eta or loss), loss, plasticity, grad_norm, slope,
+  threshold, decision, reason, lr, frozen (after the decision),
+  active_param_share (after), rewrap_s (DDP re-wrap seconds when the depth
+  changed), numbers (everything the policy reported) and reference counters.
+- ``reference``: a reference stage was built: stage, precision, ms_per_batch
+  per precision tried, error_vs_fp32, notes.
+
+Non-finite numbers are written as null (JSON has no NaN).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["Timeline", "read_timeline"]
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class Timeline:
+    """Appends records to ``path`` (flushed per line, so a crash keeps them) and keeps them in ``records``."""
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.records: list[dict[str, Any]] = []
+        self._file: IO[str] | None = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = _clean(record)
+        self.records.append(record)
+        if self.path is None:
+            return
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_timeline(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a timeline file, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
