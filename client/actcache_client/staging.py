@@ -65,10 +65,11 @@ class HostRing:
         if self._current is None:
             raise RuntimeError("HostRing.alloc called before acquire()")
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        start = (self._used + 63) // 64 * 64
-        self._used = start + nbytes
-        self._wanted = max(self._wanted, self._used)
         buffer = self._buffers[self._current]
+        base = buffer.data_ptr()  # align the address, not the offset: the buffer itself may not be aligned
+        start = (base + self._used + 63) // 64 * 64 - base
+        self._used = start + nbytes
+        self._wanted = max(self._wanted, self._used + 63)  # slack for a regrown buffer's own alignment
         if self._used > buffer.numel():
             # Too small this time: a one-off buffer (never reused); the slot grows at its next acquire.
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
