@@ -26,6 +26,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import psutil
 import torch
 
 import actcache_client as ac
@@ -53,7 +54,11 @@ def run_one(workload: Workload, mode: str, cache: bool, args: argparse.Namespace
         return train(workload, freezer, None, on_eval=on_eval)
     with run_daemon() as daemon, ac.connect(daemon.socket, namespace=f"bench-{workload.name}-{uuid.uuid4().hex[:6]}",
                                             timeout_s=60) as conn:
-        return train(workload, freezer, conn, on_eval=on_eval)
+        daemon_cpu = psutil.Process(daemon.pid)
+        before = sum(daemon_cpu.cpu_times()[:2])
+        result = train(workload, freezer, conn, on_eval=on_eval)
+        result.daemon_cpu_s = sum(daemon_cpu.cpu_times()[:2]) - before
+        return result
 
 
 def main(argv: list[str] | None = None) -> int:

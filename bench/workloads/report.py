@@ -3,7 +3,9 @@
 The target is the full run's best dev metric minus a tolerance (points).
 A run's time to target is the training clock (evaluation excluded) at its
 first evaluation at or above the target. Speedups are the full run's time
-over the run's own, measured in the same invocation.
+over the run's own, measured in the same invocation. CPU seconds (trainer
+process plus, for cached runs, the daemon) are reported beside wall time:
+on a machine shared with other jobs they move less than wall time does.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def summarize(runs: Sequence[RunResult], tolerance: float) -> tuple[float, list[
             "run": label(run), "metric": run.metric_name, "final": run.final_metric, "best": run.best_metric,
             "metric_delta": run.final_metric - full.final_metric, "tta_s": tta, "tta_speedup": _ratio(base_tta, tta),
             "train_s": run.train_s, "wall_s": run.wall_s, "speedup": _ratio(full.train_s, run.train_s),
+            "cpu_s": run.cpu_s + run.daemon_cpu_s, "cpu_speedup": _ratio(full.cpu_s + full.daemon_cpu_s,
+                                                                         run.cpu_s + run.daemon_cpu_s),
             "hit_ratio": c.get("hit_ratio", 0.0), "mb_written": c.get("bytes_written", 0) / 1e6,
             "mb_read": c.get("bytes_read", 0) / 1e6, "steps": run.steps, "samples": run.samples,
             **{f"{k}_s": run.split_s.get(k, 0.0) for k in SPLIT_KEYS}, "eval_s": run.split_s.get("eval", 0.0),
@@ -59,20 +63,22 @@ def summarize(runs: Sequence[RunResult], tolerance: float) -> tuple[float, list[
 
 
 def _fmt(value: Any, spec: str) -> str:
+    """``format(value, spec)``, or a dash as wide for nan (never reached, no baseline)."""
     if isinstance(value, float) and math.isnan(value):
-        return "-"
+        return "-".rjust(int(spec.lstrip("+").split(".")[0]))
     return format(value, spec)
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """Two aligned tables: outcome per run, then where its training time went (seconds)."""
     head = (f"{'run':<16}{'final':>8}{'best':>8}{'delta':>8}{'TTA s':>9}{'train s':>9}{'wall s':>9}"
-            f"{'speedup':>9}{'TTA x':>8}{'hits':>7}{'MB wr':>8}{'MB rd':>8}")
+            f"{'speedup':>9}{'TTA x':>8}{'CPU s':>8}{'CPU x':>7}{'hits':>7}{'MB wr':>8}{'MB rd':>8}")
     lines = [head]
     for r in rows:
         lines.append(f"{r['run']:<16}{_fmt(r['final'], '8.2f')}{_fmt(r['best'], '8.2f')}{_fmt(r['metric_delta'], '+8.2f')}"
                      f"{_fmt(r['tta_s'], '9.1f')}{r['train_s']:>9.1f}{r['wall_s']:>9.1f}{_fmt(r['speedup'], '8.2f')}x"
-                     f"{_fmt(r['tta_speedup'], '7.2f')}x{r['hit_ratio']:>7.0%}{r['mb_written']:>8.0f}{r['mb_read']:>8.0f}")
+                     f"{_fmt(r['tta_speedup'], '7.2f')}x{r['cpu_s']:>8.0f}{_fmt(r['cpu_speedup'], '6.2f')}x"
+                     f"{r['hit_ratio']:>7.0%}{r['mb_written']:>8.0f}{r['mb_read']:>8.0f}")
     lines += ["", f"{'time split (s)':<16}" + "".join(f"{k:>15}" for k in (*SPLIT_KEYS, "eval"))]
     for r in rows:
         lines.append(f"{r['run']:<16}" + "".join(f"{r[f'{k}_s']:>15.1f}" for k in (*SPLIT_KEYS, "eval")))

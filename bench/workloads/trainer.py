@@ -75,6 +75,10 @@ class RunResult:
     samples: int = 0
     wall_s: float = 0.0
     train_s: float = 0.0
+    #: CPU seconds of this process while training (evaluation excluded): less sensitive than wall
+    #: time to other jobs on the machine; bench_train adds the daemon's in daemon_cpu_s.
+    cpu_s: float = 0.0
+    daemon_cpu_s: float = 0.0
     evals: list[EvalPoint] = field(default_factory=list)
     split_s: dict[str, float] = field(default_factory=dict)
     cache_stats: dict[str, float] = field(default_factory=dict)
@@ -149,12 +153,14 @@ def train(
     split = dict.fromkeys(("data", "backward", "optimizer", "eval"), 0.0)
     stats0 = dataclasses.replace(connection.stats) if connection is not None else None
     total_params, loss_sum, loss_n, last_loss = _active(staged), 0.0, 0, None
-    start = time.perf_counter()
+    start, cpu_start, eval_cpu = time.perf_counter(), time.process_time(), 0.0
 
     def record(step: int, epoch: float) -> None:
-        t0 = time.perf_counter()
+        nonlocal eval_cpu
+        t0, c0 = time.perf_counter(), time.process_time()
         metric = evaluate(staged, eval_loader, w.metric)
         split["eval"] += time.perf_counter() - t0
+        eval_cpu += time.process_time() - c0
         now = time.perf_counter() - start
         point = EvalPoint(step, epoch, now - split["eval"], now, metric, model.frozen,
                           loss_sum / loss_n if loss_n else math.nan)
@@ -207,6 +213,7 @@ def train(
             connection.flush(timeout_s=60)  # the next epoch's lookups see this epoch's puts
     result.wall_s = time.perf_counter() - start
     result.train_s = result.wall_s - split["eval"]
+    result.cpu_s = time.process_time() - cpu_start - eval_cpu
     result.steps = step
     t = model.times
     split.update(fetch_wait=t.fetch_wait, prefix=t.prefix, suffix_forward=t.suffix_forward)

@@ -26,7 +26,7 @@ def data_dir(tmp_path_factory):
 def check_real(run: RunResult, *, cached: bool) -> None:
     c = run.cache_stats
     assert run.steps > 0 and run.samples > 0
-    assert 0 < run.train_s <= run.wall_s
+    assert 0 < run.train_s <= run.wall_s and run.cpu_s > 0
     assert all(v >= 0 for k, v in run.split_s.items() if k != "other")
     assert run.split_s["backward"] > 0 and run.split_s["suffix_forward"] > 0
     assert [p.step for p in run.evals] == sorted(p.step for p in run.evals) and run.evals[-1].step == run.steps
@@ -118,6 +118,7 @@ def test_bench_train_writes_results_and_ends_with_the_figures(data_dir, tmp_path
     result = json.loads(next(tmp_path.glob("train-cifar-static-*.json")).read_text())
     assert [r["run"] for r in result["summary"]] == ["full", "static+cache", "static+nocache"]
     assert result["summary"][1]["hit_ratio"] > 0 and result["summary"][2]["hit_ratio"] == 0
+    assert result["runs"][1]["daemon_cpu_s"] > 0 == result["runs"][2]["daemon_cpu_s"]
     assert next(tmp_path.glob("train-cifar-static-*.csv")).read_text().startswith("run,metric,final")
     if importlib.util.find_spec("matplotlib"):
         import plot
