@@ -3,10 +3,11 @@
     python bench/bench_train.py --workload {cifar,sst2,cola,mrpc} --mode {full,static,autofreeze,egeria}
                                 [--cache | --no-cache] [--quick] [--data-dir DIR]
 
-The full run comes first (it sets the target: its best dev metric minus
---tolerance points), then the mode with the cache (a fresh daemon process,
-Unix socket, LMDB in a temp dir) and without it; --cache or --no-cache runs
-only one of the two. Results go to bench/results/ (JSON + CSV); the last
+The full run (it sets the target: its best dev metric minus --tolerance
+points), the mode with the cache (a fresh daemon process, Unix socket, LMDB
+in a temp dir) and without it (--cache or --no-cache keeps one of the two)
+take turns between evaluations, so drifts in the machine's load hit them
+alike; each run's clock counts only its own turns. Results go to bench/results/ (JSON + CSV); the last
 two lines are the mode's figures against the full run. Sample (--quick,
 2 cores shared with other jobs, so times are noisy):
 
@@ -21,9 +22,9 @@ two lines are the mode's figures against the full run. Sample (--quick,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-import uuid
 from pathlib import Path
 
 import psutil
@@ -33,32 +34,48 @@ import actcache_client as ac
 from actcache.testing import run_daemon
 from workloads.data import DataNotFound, resolve_data_dir
 from workloads.freezers import MODES, FreezerUnavailable, make_freezer
-from workloads.report import format_table, label, summarize, write_results
+from workloads.report import format_table, summarize, write_results
 from workloads.tasks import WORKLOADS, make_workload
-from workloads.trainer import EvalPoint, RunResult, Workload, train
+from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run_one(workload: Workload, mode: str, cache: bool, args: argparse.Namespace) -> RunResult:
-    freezer = make_freezer(mode, static_depth=args.freeze_depth or workload.static_depth,
-                           static_at_epoch=workload.static_at_epoch if args.freeze_at is None else args.freeze_at)
-    name = mode if mode == "full" else f"{mode}+{'cache' if cache else 'nocache'}"
+def label_of(mode: str, cache: bool) -> str:
+    return mode if mode == "full" else f"{mode}+{'cache' if cache else 'nocache'}"
 
+
+def run_all(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Namespace) -> list[RunResult]:
+    """The planned (mode, cache) runs, taking turns between evaluations; each cached run has its own daemon."""
+    with contextlib.ExitStack() as stack:
+        training, daemons = [], []
+        for mode, cache in plan:
+            freezer = make_freezer(mode, static_depth=args.freeze_depth or workload.static_depth,
+                                   static_at_epoch=workload.static_at_epoch if args.freeze_at is None else args.freeze_at)
+            conn = None
+            if cache:
+                daemon = stack.enter_context(run_daemon())
+                conn = stack.enter_context(ac.connect(daemon.socket, namespace=f"bench-{workload.name}", timeout_s=60))
+                daemons.append((len(training), psutil.Process(daemon.pid)))
+            training.append(TrainingRun(workload, freezer, conn, on_eval=_printer(label_of(mode, cache), workload)))
+        before = {i: _cpu(p) for i, p in daemons}
+        results = interleave(training)
+        for i, process in daemons:
+            results[i].daemon_cpu_s = _cpu(process) - before[i]
+    return results
+
+
+def _cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def _printer(name: str, workload: Workload):
     def on_eval(p: EvalPoint) -> None:
         print(f"  [{name}] epoch {p.epoch:5.2f} step {p.step:>5}  train {p.train_s:7.1f}s  loss {p.loss:.3f}  "
               f"{workload.metric} {p.metric:6.2f}  frozen {p.frozen}", flush=True)
 
-    print(f"{name}: {workload.name}, {len(workload.train_set)} samples x {workload.epochs} epochs", flush=True)
-    if not cache:
-        return train(workload, freezer, None, on_eval=on_eval)
-    with run_daemon() as daemon, ac.connect(daemon.socket, namespace=f"bench-{workload.name}-{uuid.uuid4().hex[:6]}",
-                                            timeout_s=60) as conn:
-        daemon_cpu = psutil.Process(daemon.pid)
-        before = sum(daemon_cpu.cpu_times()[:2])
-        result = train(workload, freezer, conn, on_eval=on_eval)
-        result.daemon_cpu_s = sum(daemon_cpu.cpu_times()[:2]) - before
-        return result
+    return on_eval
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     print(f"{args.workload}: {len(workload.train_set)} train / {len(workload.eval_set)} eval samples from {data_dir}; "
           f"{torch.get_num_threads()} threads; load average {load_start[0]:.1f} (other jobs make times noisy)")
-    runs = [run_one(workload, "full", False, args)]
+    plan = [("full", False)]
     if args.mode != "full":
-        for cache in (True, False) if args.cache is None else (args.cache,):
-            runs.append(run_one(workload, args.mode, cache, args))
+        plan += [(args.mode, cache) for cache in ((True, False) if args.cache is None else (args.cache,))]
+    print(f"runs: {', '.join(label_of(*p) for p in plan)}, taking turns between evaluations "
+          f"({workload.evals_per_epoch} per epoch, {workload.epochs} epochs)", flush=True)
+    runs = run_all(workload, plan, args)
     target, rows = summarize(runs, args.tolerance)
     print(f"\ntarget {workload.metric} {target:.2f} (full run's best {runs[0].best_metric:.2f} - {args.tolerance})")
     print(format_table(rows))

