@@ -6,12 +6,12 @@
 The full run (it sets the target: its best dev metric minus --tolerance
 points), the mode with the cache (a fresh daemon process, Unix socket, LMDB
 in a temp dir) and without it (--cache or --no-cache keeps one of the two)
-take turns between evaluations, so drifts in the machine's load hit them
-alike; each run's clock counts only its own turns. Results go to bench/results/ (JSON + CSV); the last
-two lines are the mode's figures against the full run. Sample (--quick,
-2 cores shared with other jobs, so times are noisy):
+take turns every 5 steps, so drifts in the machine's load hit them alike;
+each run's clock counts only its own turns. Results go to bench/results/
+(JSON + CSV); the last two lines are the mode's figures against the full
+run. bench/README.md has sample output and what every column means:
 
-    run                final    best   delta    TTA s  train s   wall s  speedup   TTA x   hits   MB wr   MB rd
+    run                final    best   delta    TTA s  train s   wall s  speedup   TTA x   CPU s  CPU x   hits ...
     full               ...
     static+cache       ...
     static+nocache     ...
@@ -38,6 +38,7 @@ from workloads.report import format_table, summarize, write_results
 from workloads.tasks import WORKLOADS, make_workload
 from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave
 
+SLICE_STEPS = 5  # the runs take turns every 5 steps (and at every evaluation)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -46,7 +47,7 @@ def label_of(mode: str, cache: bool) -> str:
 
 
 def run_all(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Namespace) -> list[RunResult]:
-    """The planned (mode, cache) runs, taking turns between evaluations; each cached run has its own daemon."""
+    """The planned (mode, cache) runs, taking turns; each cached run has its own daemon."""
     with contextlib.ExitStack() as stack:
         training, daemons = [], []
         for mode, cache in plan:
@@ -57,7 +58,8 @@ def run_all(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Nam
                 daemon = stack.enter_context(run_daemon())
                 conn = stack.enter_context(ac.connect(daemon.socket, namespace=f"bench-{workload.name}", timeout_s=60))
                 daemons.append((len(training), psutil.Process(daemon.pid)))
-            training.append(TrainingRun(workload, freezer, conn, on_eval=_printer(label_of(mode, cache), workload)))
+            training.append(TrainingRun(workload, freezer, conn, on_eval=_printer(label_of(mode, cache), workload),
+                                        slice_steps=SLICE_STEPS))
         before = {i: _cpu(p) for i, p in daemons}
         results = interleave(training)
         for i, process in daemons:
@@ -109,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [("full", False)]
     if args.mode != "full":
         plan += [(args.mode, cache) for cache in ((True, False) if args.cache is None else (args.cache,))]
-    print(f"runs: {', '.join(label_of(*p) for p in plan)}, taking turns between evaluations "
-          f"({workload.evals_per_epoch} per epoch, {workload.epochs} epochs)", flush=True)
+    print(f"runs: {', '.join(label_of(*p) for p in plan)}, taking turns every {SLICE_STEPS} steps", flush=True)
     runs = run_all(workload, plan, args)
     target, rows = summarize(runs, args.tolerance)
     print(f"\ntarget {workload.metric} {target:.2f} (full run's best {runs[0].best_metric:.2f} - {args.tolerance})")

@@ -8,7 +8,7 @@ freezes the stem and the first two residual layers (about 2/3 of the
 forward compute) after 30% of the epochs; their outputs are computed once
 more, stored by an embedded actcache daemon, and read back from then on.
 ``--freeze-only`` adds a run that freezes without the cache, to show what
-each part buys. The runs take turns epoch by epoch, so a change in the
+each part buys. The runs take turns every 5 steps, so a change in the
 machine's load affects them alike.
 """
 
@@ -26,6 +26,7 @@ from workloads.freezers import make_freezer
 from workloads.tasks import digits
 from workloads.trainer import RunResult, TrainingRun, Workload, interleave
 
+SLICE_STEPS = 5  # runs take turns every 5 steps
 RUNS = {"full": ("full", False), "freeze+cache": ("static", True), "freeze only": ("static", False)}
 
 
@@ -76,10 +77,10 @@ def _show_on(bar: _PlainBar | _TqdmBar) -> Callable[[int, int, float, ac.CachedF
 
 def run_demo(workload: Workload, connection: ac.Connection, runs: list[str], *, progress: bool = True,
              max_steps: int | None = None) -> dict[str, RunResult]:
-    """Train ``workload`` once per named run (see RUNS), taking turns epoch by epoch; cached runs use ``connection``.
+    """Train ``workload`` once per named run (see RUNS), taking turns every few steps; cached runs use ``connection``.
 
     Taking turns (rather than one run after the other) makes the comparison
-    fair on a machine whose load drifts: each run's clock only counts its own epochs.
+    fair on a machine whose load drifts: each run's clock only counts its own turns.
     """
     total = workload.epochs * -(-len(workload.train_set) // workload.batch_size)
     total = min(total, max_steps or total)
@@ -92,7 +93,7 @@ def run_demo(workload: Workload, connection: ac.Connection, runs: list[str], *, 
             bars.append(_bar(name, total, position))
             on_step = _show_on(bars[-1])
         training.append(TrainingRun(workload, freezer, connection if cache else None, max_steps=max_steps,
-                                    on_step=on_step))
+                                    on_step=on_step, slice_steps=SLICE_STEPS))
     try:
         results = interleave(training)
     finally:

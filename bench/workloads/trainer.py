@@ -130,8 +130,9 @@ def _active(staged: ac.StagedModel) -> int:
 class TrainingRun:
     """One run of a workload, advanced in slices so runs can take turns on a shared machine.
 
-    ``slices()`` yields after every evaluation, with this run's puts flushed
-    and its lookups idle, so nothing of it runs while another run has its
+    ``slices()`` yields after every evaluation (and every ``slice_steps``
+    steps if given), with this run's puts flushed, so of this run only its
+    look-ahead of at most two batches' lookups can run during another run's
     turn. Its clocks (training wall and CPU seconds, evaluation excluded)
     advance only during its own slices, and it keeps its own torch RNG
     state (dropout), so interleaved runs compute what they would alone.
@@ -146,8 +147,10 @@ class TrainingRun:
         max_steps: int | None = None,
         on_step: Callable[[int, int, float, ac.CachedForward], None] | None = None,
         on_eval: Callable[[EvalPoint], None] | None = None,
+        slice_steps: int | None = None,
     ) -> None:
         w = self.workload = workload
+        self.slice_steps = slice_steps
         self.freezer, self.connection, self.on_step, self.on_eval = freezer, connection, on_step, on_eval
         torch.manual_seed(w.seed)
         self.staged = w.stage(w.build())
@@ -237,9 +240,11 @@ class TrainingRun:
                 self.result.samples += len(batch.ids)
                 if self.on_step:
                     self.on_step(step, self.total, last_loss, model)
-                if position + 1 in eval_at or step == self.total:
+                evaluate_now = position + 1 in eval_at or step == self.total
+                if evaluate_now:
                     self._record(step, epoch + (position + 1) / per_epoch, loss_sum / loss_n)
                     loss_sum, loss_n = 0.0, 0
+                if evaluate_now or self.slice_steps and step % self.slice_steps == 0:
                     self._pause()
                     yield
                     self._resume()

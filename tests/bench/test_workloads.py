@@ -155,8 +155,8 @@ def test_interleaved_runs_compute_what_they_compute_alone(daemon):
     alone_full = train(w, NoFreeze(), None)
     alone_static = train(w, StaticFreeze(2, 1), None)
     with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
-        runs = [TrainingRun(w, NoFreeze(), None), TrainingRun(w, StaticFreeze(2, 1), conn),
-                TrainingRun(w, StaticFreeze(2, 1), None)]
+        runs = [TrainingRun(w, NoFreeze(), None), TrainingRun(w, StaticFreeze(2, 1), conn, slice_steps=1),
+                TrainingRun(w, StaticFreeze(2, 1), None, slice_steps=3)]
         full, cached, frozen = interleave(runs)
     for a, b in ((alone_full, full), (alone_static, cached), (alone_static, frozen)):
         assert [p.loss for p in a.evals] == pytest.approx([p.loss for p in b.evals], abs=1e-5)
