@@ -313,7 +313,7 @@ class RpcClient:
 
         ``shared_memory=True`` asks for the same-host data plane (Unix socket
         only; see actcache.shm): values are views into a ring of
-        ``ring_bytes`` (0 = 64 MiB) that the daemon reuses, so a batch's
+        ``ring_bytes`` (0 = 8 MiB; it must hold the largest entry) that the daemon reuses, so a batch's
         views are valid only until the next batch is asked for (copy what
         you keep). ``batch.data_plane`` says which path the daemon took.
         """

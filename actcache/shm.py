@@ -75,7 +75,7 @@ __all__ = [
 
 PREFIX = "actcache-"
 HEADER_BYTES = 4096
-DEFAULT_RING_BYTES = 64 << 20
+DEFAULT_RING_BYTES = 8 << 20  # small rings stay in cache: 64 MiB measured ~0.7x the speed of 8 MiB
 MIN_RING_BYTES = 64 << 10
 MAX_RING_BYTES = 4 << 30
 _MAGIC = b"ACTSHM1\0"

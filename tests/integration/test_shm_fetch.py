@@ -154,11 +154,12 @@ def test_kill_9_of_the_daemon_leftovers_removed_at_restart_and_by_clean(shm_dir,
     with run_daemon(env=env, check_exit=False) as daemon:
         with daemon.client() as client:
             ns = client.open("crash").namespace_id
-            put_range(client, ns, range(10))
-            client.schedule(ns, FP, 1, "c", np.arange(10, dtype=np.uint64))
+            put_range(client, ns, range(200))  # more than the ring holds: the stream cannot end unreleased
+            client.schedule(ns, FP, 1, "c", np.arange(200, dtype=np.uint64))
         with grpc.insecure_channel(daemon.target) as channel:
             fetch = channel.unary_stream(method("Fetch"), request_serializer=pb.FetchRequest.SerializeToString)
-            call = fetch(pb.FetchRequest(namespace_id=ns, schedule_id="c", shared_memory=True))
+            call = fetch(pb.FetchRequest(namespace_id=ns, schedule_id="c", shared_memory=True, ring_bytes=RING,
+                                         max_frame_bytes=4 << 10))
             next(iter(call))  # a segment exists; this client never maps it
             dead = daemon.pid
             assert segments(shm_dir) and all(n.startswith(f"actcache-{dead}-") for n in segments(shm_dir))
