@@ -177,3 +177,24 @@ def test_kill_9_of_the_daemon_leftovers_removed_at_restart_and_by_clean(shm_dir,
         assert {(f.action, f.path.rsplit("/", 1)[1].split("-")[1]) for f in findings} == {
             (Action.REMOVED, str(dead)), (Action.KEPT, str(daemon.pid))}
         assert segments(shm_dir) == [f"actcache-{daemon.pid}-0123456789abcdef"]
+
+
+def test_a_tcp_client_asking_for_shared_memory_gets_bytes(shm_dir):
+    import re
+
+    env = {"ACTCACHE_SHM_DIR": str(shm_dir), "ACTCACHE_TOKEN": "t0ken"}
+    with run_daemon("--listen", "127.0.0.1:0", env=env) as daemon:
+        port = re.search(r"\(port (\d+)\)", daemon.log_path.read_text()).group(1)
+        with daemon.client(token="t0ken") as client:
+            ns = client.open("tcp").namespace_id
+            put_range(client, ns, range(5))
+            client.schedule(ns, FP, 1, "t", np.arange(6, dtype=np.uint64))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            fetch = channel.unary_stream(method("Fetch"), request_serializer=pb.FetchRequest.SerializeToString)
+            request = pb.FetchRequest(namespace_id=ns, schedule_id="t", shared_memory=True)
+            frames = list(fetch(request, metadata=[("authorization", "Bearer t0ken")]))
+        header = pb.EntriesHeader.FromString(bytes(decode_frame(frames[0])[0]))
+        assert header.data_plane == "bytes" and "not on this host's Unix socket" in header.data_plane_detail
+        assert sum(len(pb.EntriesHeader.FromString(bytes(decode_frame(f)[0])).lengths) for f in frames) == 6
+        assert len(decode_frame(frames[0])[1]) == sum(header.lengths) > 0
+        assert segments(shm_dir) == []
