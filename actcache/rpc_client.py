@@ -21,6 +21,7 @@ from actcache._proto import actcache_pb2 as pb
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
 from actcache.keys import MAX_VARIANT, check_fingerprint
 from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
+from actcache.shm import ClientSegment
 
 __all__ = ["EntryBatch", "RpcClient", "target_for"]
 
@@ -43,6 +44,8 @@ class EntryBatch:
     sample_ids: Sequence[int]
     variants: Sequence[int]
     values: list[memoryview | None]
+    #: "shared_memory" or "bytes" (the stream's first frame says; later frames repeat the stream's).
+    data_plane: str = "bytes"
 
     @classmethod
     def from_frame(cls, frame: bytes | memoryview) -> "EntryBatch":
@@ -51,6 +54,15 @@ class EntryBatch:
         header = pb.EntriesHeader.FromString(header_bytes)
         values = [view if len(view) else None for view in split_payload(payload, header.lengths)]
         return cls(header.start, header.sample_ids, header.variants, values)
+
+    @classmethod
+    def from_slots(cls, header: pb.EntriesHeader, segment: "ClientSegment") -> "EntryBatch":
+        """Views into the shared-memory segment for a frame of slot descriptors."""
+        if len(header.offsets) != len(header.lengths):
+            raise ActCacheError(f"Fetch frame lists {len(header.lengths)} lengths but {len(header.offsets)} offsets")
+        view = segment.view
+        values = [view[o : o + n] if n else None for o, n in zip(header.offsets, header.lengths)]
+        return cls(header.start, header.sample_ids, header.variants, values, "shared_memory")
 
     def __len__(self) -> int:
         return len(self.values)
@@ -293,7 +305,8 @@ class RpcClient:
         return self._invoke(lambda t: self._call("Schedule")(chunks(), timeout=t, metadata=self._metadata()))
 
     def fetch_batches(
-        self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0
+        self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0,
+        shared_memory: bool = False, ring_bytes: int = 0,
     ) -> Iterator[EntryBatch]:
         """Stream a pushed schedule from position ``start``, one EntryBatch per frame, in schedule order.
 
@@ -302,22 +315,47 @@ class RpcClient:
         from the next position, up to ``retries`` times. Closing the iterator
         (or breaking out of the loop) cancels the call and frees the daemon's
         read-ahead memory for it at once.
+
+        ``shared_memory=True`` asks for the same-host data plane (Unix socket
+        only; see actcache.shm): values are views into a ring of
+        ``ring_bytes`` (0 = 8 MiB; it must hold the largest entry) that the daemon reuses, so a batch's
+        views are valid only until the next batch is asked for (copy what
+        you keep). ``batch.data_plane`` says which path the daemon took.
         """
         position, attempt = start, 0
+        use_shm = shared_memory and self.target.startswith("unix:")
         while True:
             request = pb.FetchRequest(
-                namespace_id=namespace_id, schedule_id=schedule_id, start=position, max_frame_bytes=max_frame_bytes
+                namespace_id=namespace_id, schedule_id=schedule_id, start=position, max_frame_bytes=max_frame_bytes,
+                shared_memory=use_shm, ring_bytes=ring_bytes,
             )
             call = self._call("Fetch")(request, metadata=self._metadata())
+            segment = None
             try:
                 for frame in call:
-                    batch = EntryBatch.from_frame(frame)
+                    header_bytes, payload = decode_frame(frame)
+                    header = pb.EntriesHeader.FromString(header_bytes)
+                    if header.segment:
+                        try:
+                            segment = ClientSegment(header.segment)
+                        except OSError:  # e.g. another mount namespace: ask again for bytes
+                            use_shm = False
+                            break
+                    if segment is not None:
+                        batch = EntryBatch.from_slots(header, segment)
+                    else:
+                        values = [v if len(v) else None for v in split_payload(payload, header.lengths)]
+                        batch = EntryBatch(header.start, header.sample_ids, header.variants, values)
                     if batch.start != position:
                         raise ActCacheError(f"Fetch frame starts at position {batch.start}, expected {position}")
                     position += len(batch)
                     attempt = 0
                     yield batch
-                return
+                    if segment is not None:  # consumed: its slots may be reused (before waiting for more)
+                        segment.release(position)
+                else:
+                    return
+                continue  # fall back to the bytes path from `position`
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE or attempt >= self.retries:
                     raise _error_of(exc) from None
@@ -327,10 +365,12 @@ class RpcClient:
             time.sleep(0.05 * 2**attempt * (1 + random.random()))
 
     def fetch(
-        self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0
+        self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0,
+        shared_memory: bool = False, ring_bytes: int = 0,
     ) -> Iterator[tuple[int, int, int, memoryview | None]]:
         """Like ``fetch_batches`` but one ``(position, sample_id, variant, value or None)`` per entry."""
-        for batch in self.fetch_batches(namespace_id, schedule_id, start, max_frame_bytes=max_frame_bytes):
+        for batch in self.fetch_batches(namespace_id, schedule_id, start, max_frame_bytes=max_frame_bytes,
+                                        shared_memory=shared_memory, ring_bytes=ring_bytes):
             yield from batch
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> pb.DropReply:

@@ -14,6 +14,9 @@ samples/s and MB/s (of tensor bytes) for:
 - served: ``RpcClient.schedule`` then ``fetch_batches``, each entry turned
   into a torch tensor (``decode_entry(verify=False)``: the daemon verified it;
   the entries arrive with the raw codec, so this is a view);
+- shm (warm only): the same through the shared-memory data plane
+  (``fetch_batches(shared_memory=True)``: the frames carry slot descriptors,
+  the tensors are views into the ring);
 
 warm (page cache hot, after an untimed pass) and cold (page cache dropped
 and the daemon restarted before the run, so nothing is mapped), with the
@@ -29,33 +32,37 @@ daemon's counters, over the last 80% of the run) with a cold cache,
 ``--prefetch-bytes 32MiB`` and a consumer paced at half the cold served
 rate (slower than the disk and than the serve path).
 
-The three figure lines at the end: ``serve_ratio_bytes`` (warm, worst of
-the three shapes), ``cold_serve_vs_disk`` (cold, worst shape),
+The figure lines at the end: ``serve_ratio_shm`` and ``serve_ratio_bytes``
+(warm, worst of the three shapes), ``cold_serve_vs_disk`` (cold, worst shape),
 ``prefetch_hit_ratio`` (worst shape). Sample (``--quick``, 2-core VM shared
-with other jobs, load average ~6: absolute MB/s swing 2x between runs; the
+with other jobs, load average ~3: absolute MB/s swing 2x between runs; the
 CPU column moves much less)::
 
     shape                     path    state   samples/s    MB/s  disk-read MB/s  O_DIRECT MB/s  CPU s/GB   ratio
-    conv_relu_fp32_64x32x32   raw     warm         2925     767                                     1.30
-                              served  warm         1354     355             189                     3.57    0.46
-                              raw     cold         2000     524                                     1.50
-                              served  cold          991     260             138           1539      3.99    0.50
-                              paced   cold          495     130   hit ratio 0.9786 (stalls 0.014 s)
-    conv_relu_fp16_256x8x8    raw     warm        14675     481                                     1.77
-                              served  warm         8807     289             168                     4.76    0.60
-                              raw     cold         9520     312                                     2.00
-                              served  cold         4416     145              84           1104      7.51    0.46
-                              paced   cold         2207      72   hit ratio 0.9981 (stalls 0.018 s)
-    transformer_bf16_128x384  raw     warm         6517     641                                     1.44
-                              served  warm         4199     413             326                     3.36    0.64
-                              raw     cold         3277     322                                     1.51
-                              served  cold         2507     246             195           1224      4.32    0.76
-                              paced   cold         1253     123   hit ratio 1.0000 (stalls 0.000 s)
+    conv_relu_fp32_64x32x32   raw     warm         1633     428                                     1.35
+                              served  warm         1812     475             253                     3.40    1.11
+                              shm     warm         1669     438             233                     2.73    1.02
+                              raw     cold         1811     475                                     1.47
+                              served  cold          998     262             139            702      3.82    0.55
+                              paced   cold          499     131   hit ratio 0.9894 (stalls 0.009 s)
+    conv_relu_fp16_256x8x8    raw     warm        11801     387                                     1.78
+                              served  warm         7784     255             149                     4.61    0.66
+                              shm     warm         7260     238             139                     4.69    0.62
+                              raw     cold         9377     307                                     1.98
+                              served  cold         4112     135              79           1178      7.83    0.44
+                              paced   cold         2056      67   hit ratio 1.0000 (stalls 0.000 s)
+    transformer_bf16_128x384  raw     warm         5486     539                                     1.25
+                              served  warm         2605     256             202                     2.99    0.47
+                              shm     warm         4299     423             334                     2.93    0.78
+                              raw     cold         2747     270                                     1.48
+                              served  cold         2449     241             190           2556      4.42    0.89
+                              paced   cold         1224     120   hit ratio 1.0000 (stalls 0.000 s)
     compression (raw/stored): conv_relu_fp32_64x32x32 1.88, conv_relu_fp16_256x8x8 1.71, transformer_bf16_128x384 1.27
-    3 shapes x 64 MiB in 21 s on 2 cores (load average 5.8 before, 5.6 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
-    figure: serve_ratio_bytes = 0.463
-    figure: cold_serve_vs_disk = 0.131
-    figure: prefetch_hit_ratio = 0.9786
+    3 shapes x 64 MiB in 24 s on 2 cores (load average 3.0 before, 3.6 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
+    figure: serve_ratio_shm = 0.615
+    figure: serve_ratio_bytes = 0.475
+    figure: cold_serve_vs_disk = 0.094
+    figure: prefetch_hit_ratio = 0.9894
 
 On this machine the bytes path is CPU-bound. Measured per GB of tensors
 (conv fp32, warm): decompression and checks 1.5 CPU-s (the raw loop pays
@@ -63,7 +70,10 @@ On this machine the bytes path is CPU-bound. Measured per GB of tensors
 the reader, frames and gRPC send in the daemon about 1.2, the gRPC receive
 and tensor views in the client 0.7-0.9; the 32 KiB fp16 entries add
 per-entry Python 32 k times per GB. The shared-memory data plane removes
-the gRPC share.
+the gRPC send and receive but keeps one copy into the ring, the
+decompression and the per-entry Python, so it is not much faster here; its
+ring size matters (a 64 MiB ring ran at about 0.7x an 8 MiB one: fresh
+tmpfs pages and cache misses), hence the 8 MiB default.
 """
 
 from __future__ import annotations
@@ -200,7 +210,7 @@ def raw_run(store_dir: Path, keys: list[bytes], shape: Shape) -> dict:
 
 
 def served_run(daemon: DaemonProcess, ns: int, depth: int, order: np.ndarray, shape: Shape, schedule_id: str,
-               pace_per_s: float | None = None, stats_at: float | None = None) -> dict:
+               pace_per_s: float | None = None, stats_at: float | None = None, shared_memory: bool = False) -> dict:
     """Push ``order`` and receive it as torch tensors; optionally paced, with Stats taken at a fraction of the run."""
     import torch
 
@@ -212,7 +222,9 @@ def served_run(daemon: DaemonProcess, ns: int, depth: int, order: np.ndarray, sh
         t0 = time.perf_counter()
         client.schedule(ns, FP, depth, schedule_id, order)
         received = nbytes = 0
-        for batch in client.fetch_batches(ns, schedule_id):
+        for batch in client.fetch_batches(ns, schedule_id, shared_memory=shared_memory):
+            if shared_memory and batch.data_plane != "shared_memory":
+                raise SystemExit("the daemon did not take the shared-memory path")
             for value in batch.values:
                 if value is None:
                     raise SystemExit(f"entry missing at position {batch.start}; the bench stores every sample")
@@ -310,6 +322,10 @@ def main() -> int:
                        "warm_ratio": warm["MBps"] / warm_raw["MBps"]}
                 _print(shape.name, "raw", "warm", warm_raw)
                 _print("", "served", "warm", warm, ratio=row["warm_ratio"])
+                served_run(daemon, ns, depth, order, shape, "warmup-shm", shared_memory=True)
+                warm_shm = served_run(daemon, ns, depth, order, shape, "warm-shm", shared_memory=True)
+                row.update(warm_shm=warm_shm, warm_shm_ratio=warm_shm["MBps"] / warm_raw["MBps"])
+                _print("", "shm", "warm", warm_shm, ratio=row["warm_shm_ratio"])
                 if cold:
                     daemon.stop()
                     drop_page_cache()
@@ -343,6 +359,7 @@ def main() -> int:
                 rows.append(row)
                 daemon.start()
     serve_ratio = min(r["warm_ratio"] for r in rows)
+    shm_ratio = min(r["warm_shm_ratio"] for r in rows)
     cold_vs_disk = min(r["cold_vs_disk"] for r in rows) if cold else float("nan")
     hit_ratio = min(r["paced"]["hit_ratio"] for r in rows)
     print(f"compression (raw/stored): " + ", ".join(f"{r['shape']} {r['compression']:.2f}" for r in rows))
@@ -351,6 +368,7 @@ def main() -> int:
           f"--prefetch-bytes {HIT_BUDGET}, consumer paced at half the {'cold' if cold else 'warm'} served rate")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+    print(f"figure: serve_ratio_shm = {shm_ratio:.3f}")
     print(f"figure: serve_ratio_bytes = {serve_ratio:.3f}")
     print(f"figure: cold_serve_vs_disk = {cold_vs_disk:.3f}")
     print(f"figure: prefetch_hit_ratio = {hit_ratio:.4f}")

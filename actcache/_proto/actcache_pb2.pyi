@@ -81,16 +81,24 @@ class GetRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EntriesHeader(_message.Message):
-    __slots__ = ("start", "sample_ids", "variants", "lengths")
+    __slots__ = ("start", "sample_ids", "variants", "lengths", "data_plane", "data_plane_detail", "segment", "offsets")
     START_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
     start: int
     sample_ids: _containers.RepeatedScalarFieldContainer[int]
     variants: _containers.RepeatedScalarFieldContainer[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, start: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    data_plane: str
+    data_plane_detail: str
+    segment: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., data_plane: _Optional[str] = ..., data_plane_detail: _Optional[str] = ..., segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduleChunk(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth", "schedule_id", "sample_ids", "variants", "packed_sample_ids", "packed_variants")
@@ -123,16 +131,20 @@ class ScheduleReply(_message.Message):
     def __init__(self, schedule_id: _Optional[str] = ..., length: _Optional[int] = ..., replaced: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("namespace_id", "schedule_id", "start", "max_frame_bytes")
+    __slots__ = ("namespace_id", "schedule_id", "start", "max_frame_bytes", "shared_memory", "ring_bytes")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    RING_BYTES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     schedule_id: str
     start: int
     max_frame_bytes: int
-    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    shared_memory: bool
+    ring_bytes: int
+    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ring_bytes: _Optional[int] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth")

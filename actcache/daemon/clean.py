@@ -178,6 +178,28 @@ def bench_leftovers(target: CleanTarget) -> Iterable[Finding]:
         yield Finding(reclaimer="bench", action=Action.REMOVED, path=str(leftover), detail="left by a bench run that died")
 
 
+@reclaimer
+def stale_shm_segments(target: CleanTarget) -> Iterable[Finding]:
+    """Remove shared-memory segments (``/dev/shm/actcache-<pid>-*``) whose daemon pid is dead.
+
+    Segments are host-wide: those of a live daemon are kept and reported only
+    for the daemon holding ``--dir``; with no ``--dir`` and nothing stale it says nothing.
+    """
+    from actcache.shm import shm_dir, stale_segments
+
+    found = False
+    for path, pid, stale in stale_segments():
+        if stale:
+            path.unlink(missing_ok=True)
+            found = True
+            yield Finding(reclaimer="shm", action=Action.REMOVED, path=str(path), detail=f"left by daemon pid {pid}, which died")
+        elif pid == target.daemon_pid:
+            found = True
+            yield Finding(reclaimer="shm", action=Action.KEPT, path=str(path), detail=f"daemon pid {pid} is running")
+    if not found and target.dir is not None:
+        yield Finding(reclaimer="shm", action=Action.OK, path=str(shm_dir()), detail="no stale shared-memory segments")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -399,10 +399,20 @@ class ScheduleReader:
     # ---- the consumer ----------------------------------------------------
 
     def frames(self, max_frame_bytes: int) -> Iterator[bytes]:
-        """Fetch frames from ``start`` to the end.
+        """Fetch frames (entries in the payload) from ``start`` to the end; see ``batches``."""
+        for batch in self.batches(max_frame_bytes):
+            frame = encode_frame(batch.header.SerializeToString(), [p for parts in batch.entries for p in parts])
+            batch.finish()
+            yield frame
 
-        Raises the reader's error after the entries read before it failed;
-        returns early, quietly, if cancelled without an error for the consumer.
+    def batches(self, max_frame_bytes: int) -> Iterator["ServedBatch"]:
+        """The entries of one frame at a time, from ``start`` to the end.
+
+        The consumer copies the entries out, then calls ``finish()`` (which
+        releases their budget bytes and counts them; closing the generator
+        does it too). Raises the reader's error after the entries read before
+        it failed; returns early, quietly, if cancelled without an error for
+        the consumer.
         """
         schedule = self.schedule
         fill = min(max_frame_bytes, _FILL_BYTES)
@@ -449,15 +459,36 @@ class ScheduleReader:
                 variants=schedule.variants[start:stop].tolist() if schedule.variants is not None else [],
                 lengths=[s.nbytes for s in taken],
             )
-            frame = encode_frame(header.SerializeToString(), [p for s in taken for p in s.parts])
-            self._budget.release(self, sum(s.held for s in taken))
             hits = sum(1 for s in taken if s.parts)
-            schedule.counters.add(
+            counts = dict(
                 hits=hits, misses=len(taken) - hits, corrupt=sum(s.corrupt for s in taken),
                 ready_on_ask=len(taken) - stalled, stalls=int(stalled), stall_seconds=waited, served_bytes=size,
             )
-            yield frame
+            batch = ServedBatch(header, [s.parts for s in taken], size, self, sum(s.held for s in taken), counts)
+            try:
+                yield batch
+            finally:
+                batch.finish()
         self._on_change(self)
+
+
+class ServedBatch:
+    """One frame's entries taken from a reader: ``entries[i]`` is the parts of entry i ([] = a miss)."""
+
+    __slots__ = ("header", "entries", "nbytes", "_reader", "_held", "_counts")
+
+    def __init__(self, header: pb.EntriesHeader, entries: list, nbytes: int, reader: ScheduleReader,
+                 held: int, counts: dict) -> None:
+        self.header, self.entries, self.nbytes = header, entries, nbytes
+        self._reader, self._held, self._counts = reader, held, counts
+
+    def finish(self) -> None:
+        """Release the entries' budget bytes and count them as served (once)."""
+        if self._counts is None:
+            return
+        counts, self._counts = self._counts, None
+        self._reader._budget.release(self._reader, self._held)
+        self._reader.schedule.counters.add(**counts)
 
 
 class _DecodeBatch:

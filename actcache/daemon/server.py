@@ -34,6 +34,7 @@ from actcache.daemon.throttle import Throttle
 from actcache.errors import ConfigError
 from actcache.malloc import tune_malloc
 from actcache.rpc import SERVICE
+from actcache.shm import remove_stale
 
 __all__ = ["Daemon", "DaemonState", "serve"]
 
@@ -151,6 +152,8 @@ class Daemon:
         self.store = Store(self.config.store)
         throttle = Throttle(cfg.throttle_read_mbps * 1e6) if cfg.throttle_read_mbps else None
         self.prefetcher = Prefetcher(self.store, self.config.prefetch)
+        for path in remove_stale():  # shared-memory segments of a killed daemon
+            log.info("removed stale shared-memory segment %s", path)
         service = ActCacheService(
             self.store, self.prefetcher, max_message_bytes=cfg.max_message_bytes, throttle=throttle
         )

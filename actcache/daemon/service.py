@@ -25,6 +25,7 @@ from actcache.daemon.store import Store
 from actcache.daemon.throttle import Throttle
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
 from actcache.rpc import SERVICE, decode_frame, encode_frame, split_payload
+from actcache.shm import ShmRing
 
 __all__ = ["ActCacheService", "Counters"]
 
@@ -227,12 +228,82 @@ class ActCacheService:
         context.add_callback(reader.cancel)
         frame_bytes = min(request.max_frame_bytes or _REPLY_FRAME_BYTES, self.max_message_bytes // 2)
         try:
+            ring, detail = self._ring_for(request, context)
+            if ring is not None:
+                context.add_callback(ring.unlink)  # a client gone before mapping leaves no name behind
+                try:
+                    yield from self._fetch_shm(reader, ring, frame_bytes, context)
+                finally:
+                    ring.close()
+                return
+            first = True
             for frame in reader.frames(frame_bytes):
+                if first and request.shared_memory:  # say why the bytes path was taken
+                    header_bytes, payload = decode_frame(frame)
+                    header = pb.EntriesHeader.FromString(header_bytes)
+                    header.data_plane, header.data_plane_detail = "bytes", detail
+                    frame = encode_frame(header.SerializeToString(), [payload])
+                first = False
                 if self.throttle is not None:
                     self.throttle.consume(len(frame))
                 yield frame
         finally:
             reader.cancel()
+
+    def _ring_for(self, request: pb.FetchRequest, context) -> tuple["ShmRing | None", str]:
+        """A shared-memory ring for this Fetch, or None and why the bytes path is taken."""
+        if not request.shared_memory:
+            return None, "not asked for"
+        if not context.peer().startswith("unix:"):
+            return None, f"client is not on this host's Unix socket ({context.peer()})"
+        try:
+            return ShmRing(request.ring_bytes, request.start), ""
+        except OSError as exc:
+            return None, f"shared memory unavailable: {exc}"
+
+    def _fetch_shm(self, reader, ring: "ShmRing", frame_bytes: int, context) -> Iterator[bytes]:
+        """Frames of slot descriptors: each entry is copied into the ring once its slot is free."""
+        first = True
+
+        def frame(header: pb.EntriesHeader, lo: int, hi: int, offsets: list[int]) -> bytes:
+            nonlocal first
+            out = pb.EntriesHeader(
+                start=header.start + lo, sample_ids=header.sample_ids[lo:hi],
+                variants=header.variants[lo:hi] if header.variants else [], lengths=header.lengths[lo:hi],
+                offsets=offsets,
+            )
+            if first:
+                out.data_plane, out.segment, first = "shared_memory", str(ring.path), False
+            return encode_frame(out.SerializeToString(), [])
+
+        for batch in reader.batches(frame_bytes):
+            header, lo, offsets = batch.header, 0, []
+            ring.poll()
+            for i, parts in enumerate(batch.entries):
+                size = header.lengths[i]
+                if not size:
+                    offsets.append(0)
+                    continue
+                if size > ring.ring_bytes:
+                    raise InvalidRequest(
+                        f"entry at position {header.start + i} has {size} bytes, more than the shared-memory "
+                        f"ring ({ring.ring_bytes} bytes); Fetch with a larger ring_bytes"
+                    )
+                offset = ring.alloc(header.start + i, size)
+                if offset is None:
+                    if i > lo:  # the ring is full: hand over what is written so the client can release it
+                        yield frame(header, lo, i, offsets)
+                        lo, offsets = i, []
+                    offset = ring.wait_alloc(header.start + i, size, context.is_active)
+                    if offset is None:
+                        return
+                ring.write(offset, parts)
+                offsets.append(offset)
+            batch.finish()
+            if self.throttle is not None:
+                self.throttle.consume(batch.nbytes)
+            if lo < len(batch.entries) or not len(batch.entries):
+                yield frame(header, lo, len(batch.entries), offsets)
 
     @_status_on_error
     def Drop(self, request: pb.DropRequest, context) -> pb.DropReply:

@@ -1,0 +1,62 @@
+"""The shared-memory ring: slot allocation, release, wrap, naming and stale segments."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from actcache.shm import HEADER_BYTES, MIN_RING_BYTES, ClientSegment, ShmRing, remove_stale
+
+
+@pytest.fixture
+def ring(tmp_path):
+    r = ShmRing(MIN_RING_BYTES, start=10, directory=tmp_path)
+    yield r
+    r.close()
+
+
+def test_a_slot_is_reused_only_after_the_client_released_it(ring):
+    client = ClientSegment(str(ring.path))
+    size = MIN_RING_BYTES // 4
+    offsets = [ring.alloc(10 + i, size) for i in range(4)]
+    assert offsets == [HEADER_BYTES + i * size for i in range(4)]
+    assert ring.alloc(14, size) is None  # full: nothing released yet
+    client.release(11)  # position 10 consumed
+    assert ring.alloc(14, size) == HEADER_BYTES  # its slot, and only its
+    assert ring.alloc(15, size) is None
+    client.release(13)
+    assert ring.alloc(15, size) == HEADER_BYTES + size
+
+
+def test_an_entry_never_crosses_the_end_of_the_ring(ring):
+    client = ClientSegment(str(ring.path))
+    big = MIN_RING_BYTES * 3 // 4
+    assert ring.alloc(10, big) == HEADER_BYTES
+    assert ring.alloc(11, big) is None
+    client.release(11)
+    assert ring.alloc(11, big) == HEADER_BYTES  # the gap at the end goes with it
+    with pytest.raises(ValueError):
+        ring.alloc(12, MIN_RING_BYTES + 1)
+
+
+def test_writes_land_where_the_client_reads_and_mapping_unlinks_the_name(ring):
+    off = ring.alloc(10, 5)
+    ring.write(off, [b"he", memoryview(b"llo")])
+    client = ClientSegment(str(ring.path))
+    assert bytes(client.view[off : off + 5]) == b"hello"
+    assert ring.path.exists()
+    ring.poll()
+    assert not ring.path.exists()  # the client's mapping keeps the memory
+    assert bytes(client.view[off : off + 5]) == b"hello"
+
+
+def test_remove_stale_keeps_segments_of_live_pids(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    (tmp_path / f"actcache-{dead_pid}-00").write_bytes(b"")
+    (tmp_path / f"actcache-{os.getppid()}-00").write_bytes(b"")
+    (tmp_path / "other-file").write_bytes(b"")
+    removed = remove_stale(tmp_path)
+    assert [p.name for p in removed] == [f"actcache-{dead_pid}-00"]
+    assert sorted(os.listdir(tmp_path)) == sorted([f"actcache-{os.getppid()}-00", "other-file"])

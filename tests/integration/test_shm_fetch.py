@@ -1,0 +1,200 @@
+"""Fetch through the shared-memory data plane, against a real daemon."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import numpy as np
+import pytest
+
+from actcache._proto import actcache_pb2 as pb
+from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.rpc import decode_frame, method
+from actcache.shm import ClientSegment
+from actcache.testing import run_daemon
+
+FP = bytes(range(16))
+SPEC = [TensorSpec(DType.float32, (16, 16))]  # 1 KiB raw
+RING = 64 << 10  # the smallest ring: about 60 entries
+
+
+def put_range(client, ns, ids):
+    rng = np.random.default_rng(0)
+    client.put(ns, FP, 1, [(i, 0, encode_entry(SPEC, [rng.standard_normal((16, 16), dtype=np.float32)])) for i in ids])
+
+
+def fetched(client, ns, schedule_id, **kwargs):
+    out, planes = [], set()
+    for batch in client.fetch_batches(ns, schedule_id, **kwargs):
+        planes.add(batch.data_plane)
+        out.extend((pos, sid, var, None if v is None else bytes(v)) for pos, sid, var, v in batch)
+    return out, planes
+
+
+def segments(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith("actcache-"))
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir()
+    return d
+
+
+def test_shared_memory_equals_bytes_path_with_misses_in_place_and_reuses_the_ring(shm_dir):
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
+        ns = client.open("eq").namespace_id
+        put_range(client, ns, range(0, 600, 2))  # odd ids are misses
+        order = np.random.default_rng(3).permutation(600).astype(np.uint64)  # ~300 KiB of hits: 5 turns of the ring
+        client.schedule(ns, FP, 1, "a", order)
+        expected, planes = fetched(client, ns, "a")
+        assert planes == {"bytes"}
+        client.schedule(ns, FP, 1, "b", order)
+        offsets = []
+        got, planes = [], set()
+        for batch in client.fetch_batches(ns, "b", shared_memory=True, ring_bytes=RING, max_frame_bytes=8 << 10):
+            planes.add(batch.data_plane)
+            got.extend((pos, sid, var, None if v is None else bytes(v)) for pos, sid, var, v in batch)
+        assert planes == {"shared_memory"}
+        assert got == expected
+        assert [g[3] is None for g in got] == [int(s) % 2 == 1 for s in order]
+        assert segments(shm_dir) == []  # unlinked once mapped
+
+
+def test_a_slot_is_reused_only_after_its_release(shm_dir):
+    """A raw call that releases nothing receives exactly what fits in the ring, in disjoint slots."""
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
+        ns = client.open("reuse").namespace_id
+        put_range(client, ns, range(200))
+        client.schedule(ns, FP, 1, "e", np.arange(200, dtype=np.uint64))
+        expected = {pos: v for pos, _, _, v in fetched(client, ns, "e")[0]}
+        capacity = RING // len(expected[0])  # all entries have one size: no wrap gap before the ring is full once
+        client.schedule(ns, FP, 1, "r", np.arange(200, dtype=np.uint64))
+        with grpc.insecure_channel(daemon.target) as channel:
+            fetch = channel.unary_stream(method("Fetch"), request_serializer=pb.FetchRequest.SerializeToString)
+            call = fetch(pb.FetchRequest(namespace_id=ns, schedule_id="r", shared_memory=True, ring_bytes=RING,
+                                         max_frame_bytes=4 << 10))
+            frames = iter(call)
+            segment, held, position = None, [], 0
+            while position < capacity:
+                header = pb.EntriesHeader.FromString(bytes(decode_frame(next(frames))[0]))
+                segment = segment or ClientSegment(header.segment)
+                for i, (off, n) in enumerate(zip(header.offsets, header.lengths)):
+                    held.append((header.start + i, off, n))
+                position = header.start + len(header.lengths)
+            assert position == capacity
+            spans = sorted((off, off + n) for _, off, n in held)
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no slot handed out twice
+            assert all(bytes(segment.view[off : off + n]) == expected[pos] for pos, off, n in held)
+            segment.release(position)  # now the rest comes, reusing the ring
+            for frame in frames:
+                header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
+                for i, (off, n) in enumerate(zip(header.offsets, header.lengths)):
+                    assert bytes(segment.view[off : off + n]) == expected[header.start + i]
+                    held.append((header.start + i, off, n))
+                segment.release(header.start + len(header.lengths))
+            assert [p for p, _, _ in held] == list(range(200))
+            assert len({off for _, off, _ in held}) < 200  # slots were reused
+
+
+_HOLDER = textwrap.dedent("""
+    import sys, time
+    from actcache.rpc_client import RpcClient
+    client = RpcClient(sys.argv[1])
+    batches = client.fetch_batches(int(sys.argv[2]), "k", shared_memory=True, ring_bytes=65536, max_frame_bytes=4096)
+    next(batches)
+    print("holding", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_kill_9_of_a_client_holding_slots_then_a_new_client_works(shm_dir):
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
+        ns = client.open("kill").namespace_id
+        put_range(client, ns, range(300))
+        order = np.arange(300, dtype=np.uint64)
+        client.schedule(ns, FP, 1, "k", order)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, daemon.target, str(ns)], stdout=subprocess.PIPE, env=env)
+        try:
+            assert holder.stdout.readline().strip() == b"holding"
+        finally:
+            holder.send_signal(signal.SIGKILL)
+            holder.wait()
+            holder.stdout.close()
+        got, planes = fetched(client, ns, "k", shared_memory=True, ring_bytes=RING)
+        assert planes == {"shared_memory"}
+        assert [g[1] for g in got] == list(range(300)) and all(g[3] is not None for g in got)
+        assert segments(shm_dir) == []
+
+
+def test_bytes_fallback_when_shared_memory_is_unavailable(tmp_path):
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(tmp_path / "missing")}) as daemon, daemon.client() as client:
+        ns = client.open("fb").namespace_id
+        put_range(client, ns, range(10))
+        client.schedule(ns, FP, 1, "f", np.arange(12, dtype=np.uint64))
+        with grpc.insecure_channel(daemon.target) as channel:
+            fetch = channel.unary_stream(method("Fetch"), request_serializer=pb.FetchRequest.SerializeToString)
+            frame = next(iter(fetch(pb.FetchRequest(namespace_id=ns, schedule_id="f", shared_memory=True))))
+        header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
+        assert header.data_plane == "bytes" and "shared memory unavailable" in header.data_plane_detail
+        client.schedule(ns, FP, 1, "g", np.arange(12, dtype=np.uint64))
+        got, planes = fetched(client, ns, "g", shared_memory=True)
+        assert planes == {"bytes"} and [g[3] is None for g in got] == [False] * 10 + [True] * 2
+
+
+def test_kill_9_of_the_daemon_leftovers_removed_at_restart_and_by_clean(shm_dir, tmp_path):
+    from actcache.daemon.clean import Action, CleanTarget, stale_shm_segments
+
+    env = {"ACTCACHE_SHM_DIR": str(shm_dir)}
+    with run_daemon(env=env, check_exit=False) as daemon:
+        with daemon.client() as client:
+            ns = client.open("crash").namespace_id
+            put_range(client, ns, range(200))  # more than the ring holds: the stream cannot end unreleased
+            client.schedule(ns, FP, 1, "c", np.arange(200, dtype=np.uint64))
+        with grpc.insecure_channel(daemon.target) as channel:
+            fetch = channel.unary_stream(method("Fetch"), request_serializer=pb.FetchRequest.SerializeToString)
+            call = fetch(pb.FetchRequest(namespace_id=ns, schedule_id="c", shared_memory=True, ring_bytes=RING,
+                                         max_frame_bytes=4 << 10))
+            next(iter(call))  # a segment exists; this client never maps it
+            dead = daemon.pid
+            assert segments(shm_dir) and all(n.startswith(f"actcache-{dead}-") for n in segments(shm_dir))
+            daemon.kill()
+        daemon.start()
+        assert segments(shm_dir) == []
+        # `actcache clean` removes one of a dead pid too, and keeps the live daemon's.
+        (shm_dir / f"actcache-{dead}-0123456789abcdef").write_bytes(b"x")
+        (shm_dir / f"actcache-{daemon.pid}-0123456789abcdef").write_bytes(b"x")
+        os.environ["ACTCACHE_SHM_DIR"] = str(shm_dir)
+        try:
+            findings = list(stale_shm_segments(CleanTarget(socket=None, dir=None, daemon_live=True, daemon_pid=daemon.pid)))
+        finally:
+            del os.environ["ACTCACHE_SHM_DIR"]
+        assert {(f.action, f.path.rsplit("/", 1)[1].split("-")[1]) for f in findings} == {
+            (Action.REMOVED, str(dead)), (Action.KEPT, str(daemon.pid))}
+        assert segments(shm_dir) == [f"actcache-{daemon.pid}-0123456789abcdef"]
+
+
+def test_a_tcp_client_asking_for_shared_memory_gets_bytes(shm_dir):
+    import re
+
+    env = {"ACTCACHE_SHM_DIR": str(shm_dir), "ACTCACHE_TOKEN": "t0ken"}
+    with run_daemon("--listen", "127.0.0.1:0", env=env) as daemon:
+        port = re.search(r"\(port (\d+)\)", daemon.log_path.read_text()).group(1)
+        with daemon.client(token="t0ken") as client:
+            ns = client.open("tcp").namespace_id
+            put_range(client, ns, range(5))
+            client.schedule(ns, FP, 1, "t", np.arange(6, dtype=np.uint64))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            fetch = channel.unary_stream(method("Fetch"), request_serializer=pb.FetchRequest.SerializeToString)
+            request = pb.FetchRequest(namespace_id=ns, schedule_id="t", shared_memory=True)
+            frames = list(fetch(request, metadata=[("authorization", "Bearer t0ken")]))
+        header = pb.EntriesHeader.FromString(bytes(decode_frame(frames[0])[0]))
+        assert header.data_plane == "bytes" and "not on this host's Unix socket" in header.data_plane_detail
+        assert sum(len(pb.EntriesHeader.FromString(bytes(decode_frame(f)[0])).lengths) for f in frames) == 6
+        assert len(decode_frame(frames[0])[1]) == sum(header.lengths) > 0
+        assert segments(shm_dir) == []
