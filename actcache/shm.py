@@ -63,10 +63,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 __all__ = [
+    "ClientSegment",
     "DEFAULT_RING_BYTES",
     "HEADER_BYTES",
     "PREFIX",
-    "ClientSegment",
     "ShmRing",
     "remove_stale",
     "shm_dir",
