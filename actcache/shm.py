@@ -68,6 +68,7 @@ __all__ = [
     "HEADER_BYTES",
     "PREFIX",
     "ShmRing",
+    "pid_alive",
     "remove_stale",
     "shm_dir",
     "stale_segments",
@@ -94,7 +95,8 @@ def _pid_of(name: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -114,7 +116,7 @@ def stale_segments(directory: Path | None = None, *, also_pid: int | None = None
     for name in names:
         pid = _pid_of(name)
         if pid is not None:
-            yield directory / name, pid, pid == also_pid or not _alive(pid)
+            yield directory / name, pid, pid == also_pid or not pid_alive(pid)
 
 
 def remove_stale(directory: Path | None = None) -> list[Path]:

@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 
 from actcache.daemon.dirlock import LOCK_NAME, DirLock, holder_pid
 from actcache.errors import ConfigError
+from actcache.shm import pid_alive
 
 __all__ = [
     "Action",
@@ -171,7 +172,7 @@ def bench_leftovers(target: CleanTarget) -> Iterable[Finding]:
         return
     for leftover in sorted(target.dir.glob(f"{BENCH_PREFIX}*")):
         pid = leftover.name[len(BENCH_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and _alive(int(pid)):
+        if pid.isdigit() and pid_alive(int(pid)):
             yield Finding(reclaimer="bench", action=Action.KEPT, path=str(leftover), detail=f"bench pid {pid} is running")
             continue
         shutil.rmtree(leftover)
@@ -198,13 +199,4 @@ def stale_shm_segments(target: CleanTarget) -> Iterable[Finding]:
             yield Finding(reclaimer="shm", action=Action.KEPT, path=str(path), detail=f"daemon pid {pid} is running")
     if not found and target.dir is not None:
         yield Finding(reclaimer="shm", action=Action.OK, path=str(shm_dir()), detail="no stale shared-memory segments")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
