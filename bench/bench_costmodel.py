@@ -1,6 +1,6 @@
 """Epoch times of always-cache, never-cache and the cost model, on a normal and a throttled daemon.
 
-    python bench/bench_costmodel.py [--quick] [--samples 2048] [--epochs 3] [--throttle-mbps 20]
+    python bench/bench_costmodel.py [--quick] [--samples 2048] [--epochs 3] [--throttle-mbps 5]
 
 ResNet-20 with 5 of its 11 stages frozen trains ``--epochs`` epochs per
 strategy (the first epoch writes the cache); each strategy starts from an
@@ -64,7 +64,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--throttle-mbps", type=float, default=20.0, help="served MB/s of the throttled daemon")
+    parser.add_argument("--throttle-mbps", type=float, default=5.0,
+                        help="served MB/s of the throttled daemon (default 5: below what a cached step consumes)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.quick:
