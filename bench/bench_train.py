@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--freeze-at", type=float, help="static mode: when, in (fractional) epochs")
     parser.add_argument("--tolerance", type=float, default=0.3, help="target = full run's best minus this (points)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
+    parser.add_argument("--threads", type=int, help="torch threads of every run (default: torch's choice); "
+                        "on 2 cores, 1 leaves a core to the daemon and the client's I/O threads")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:  # fail before loading anything when the mode cannot run
         make_freezer(args.mode, static_depth=1, static_at_epoch=0)
         data_dir = resolve_data_dir(args.data_dir)

@@ -9,7 +9,11 @@ forward compute) after 30% of the epochs; their outputs are computed once
 more, stored by an embedded actcache daemon, and read back from then on.
 ``--freeze-only`` adds a run that freezes without the cache, to show what
 each part buys. The runs take turns every 5 steps, so a change in the
-machine's load affects them alike.
+machine's load affects them alike. Every run uses one torch thread by
+default, leaving the second core to the daemon and the client's put and
+look-ahead threads: with two torch threads on two cores, that background
+work preempts torch's thread pool and the cache stops paying (``--threads 2``
+shows it).
 """
 
 from __future__ import annotations
@@ -117,12 +121,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--freeze-only", action="store_true", help="also run with freezing but without the cache")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of every run (default 1: the other core serves the cache's I/O)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     workload = digits(epochs=args.epochs)
     runs = ["full", "freeze+cache"] + (["freeze only"] if args.freeze_only else [])
     print(f"ResNet-20 on scikit-learn's handwritten digits (8x8 upsampled to 32x32): {len(workload.train_set)} train / "
           f"{len(workload.eval_set)} test images, {workload.epochs} epochs, batch {workload.batch_size}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} torch thread(s)")
     print(f"freeze+cache: stages 0..{workload.static_depth - 1} of 11 (stem, layer1, layer2) freeze at epoch "
           f"{workload.static_at_epoch:g}; the daemon serves their output from then on")
     with ac.connect(namespace="demo") as conn:  # no socket given: an embedded daemon in a temp dir
