@@ -81,9 +81,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import mmap
 import os
-import random
 import sys
 import tempfile
 import time
@@ -101,6 +99,7 @@ from actcache.codec import DType, TensorSpec, decode_entry, encode_entry  # noqa
 from actcache.keys import encode_keys  # noqa: E402
 from actcache.malloc import tune_malloc  # noqa: E402
 from actcache.testing import DaemonProcess, run_daemon  # noqa: E402
+from bench_cold_read import drop_page_cache, odirect_read_mbps  # noqa: E402  (same directory)
 
 FP = bytes(range(16))
 HIT_BUDGET = "32MiB"
@@ -137,32 +136,6 @@ SHAPES = [
     Shape("conv_relu_fp16_256x8x8", DType.float16, (256, 8, 8), lambda r, n: _relu(r, n, (256, 8, 8), np.float16)),
     Shape("transformer_bf16_128x384", DType.bfloat16, (128, 384), _bf16_hidden),
 ]
-
-
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
-
-
-def odirect_mbps(path: Path, total: int, block: int = 1 << 20) -> float:
-    size = path.stat().st_size // block
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    buf = mmap.mmap(-1, block)
-    rng = random.Random(1)
-    try:
-        t0 = time.perf_counter()
-        done = 0
-        while done < total:
-            done += os.preadv(fd, [buf], rng.randrange(size) * block)
-        return done / (time.perf_counter() - t0) / 1e6
-    finally:
-        os.close(fd)
-        buf.close()
 
 
 def populate(client, ns: int, shape: Shape, depth: int, count: int) -> int:
@@ -330,7 +303,7 @@ def main() -> int:
                     daemon.stop()
                     drop_page_cache()
                     cold_raw = raw_run(cache, keys, shape)
-                    disk = odirect_mbps(scratch, total=min(256, max(64, mib)) << 20)
+                    disk = odirect_read_mbps(scratch, total_bytes=min(256, max(64, mib)) << 20)
                     drop_page_cache()
                     daemon.start()
                     cold_served = served_run(daemon, ns, depth, order, shape, "cold")
