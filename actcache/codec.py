@@ -5,11 +5,12 @@ Layout of one encoded entry (all header integers little-endian)::
     offset  size  field
     0       4     magic b"ACE1"
     4       1     format version (1)
-    5       1     codec: 0 raw, 1 zstd
+    5       1     codec: 0 raw, 1 zstd, 2 raw_verified (served only, see Codec)
     6       2     number of tensors n
     8       8     raw_len: bytes of the uncompressed payload
     16      8     stored_len: bytes of the payload as stored (after the codec)
     24      4     crc32 of the header (this field excluded) and the stored payload
+                  (of the header alone for raw_verified)
     28      ...   per tensor: dtype code (1 B), ndim (1 B), ndim x dim (8 B each)
     ...           zero padding to a multiple of 16 bytes (header_len)
     header_len    stored payload
@@ -86,8 +87,13 @@ _ITEMSIZE = {
 
 
 class Codec(enum.IntEnum):
+    """How the payload is stored. ``raw_verified`` exists only on the serving path: a zstd entry the
+    daemon verified and decompressed, whose checksum covers the header alone (a fresh checksum of
+    the decompressed bytes would cost a fifth of the serving CPU). Put refuses it."""
+
     raw = 0
     zstd = 1
+    raw_verified = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +143,7 @@ def _offsets(specs: Sequence[TensorSpec]) -> tuple[tuple[int, ...], int]:
 
 
 def _pack_header(codec: Codec, specs: Sequence[TensorSpec], raw_len: int, payload: bytes | memoryview) -> bytes:
+    """The header of an entry; its checksum covers ``payload`` too unless ``codec`` is raw_verified."""
     parts = [b""]
     for spec in specs:
         parts.append(_DIMS_HEAD.pack(int(spec.dtype), len(spec.shape)))
@@ -145,7 +152,9 @@ def _pack_header(codec: Codec, specs: Sequence[TensorSpec], raw_len: int, payloa
     header_len = _align(_FIXED.size + len(dims))
     tail = dims + bytes(header_len - _FIXED.size - len(dims))
     head = _FIXED.pack(MAGIC, VERSION, int(codec), len(specs), raw_len, len(payload), 0)
-    crc = zlib.crc32(payload, zlib.crc32(tail, zlib.crc32(head[:_CRC_OFFSET])))
+    crc = zlib.crc32(tail, zlib.crc32(head[:_CRC_OFFSET]))
+    if codec != Codec.raw_verified:
+        crc = zlib.crc32(payload, crc)
     return head[:_CRC_OFFSET] + struct.pack("<I", crc) + tail
 
 
@@ -244,7 +253,7 @@ def parse_header(buf: bytes | memoryview) -> EntryHeader:
             f"entry declares {raw_len} payload bytes but its tensors "
             f"{[(s.dtype.name, list(s.shape)) for s in specs]} need {expected_raw}"
         )
-    if codec == Codec.raw and stored_len != raw_len:
+    if codec != Codec.zstd and stored_len != raw_len:
         raise InvalidRequest(f"raw entry stores {stored_len} bytes but declares {raw_len}")
     if header_len + stored_len != view.nbytes:
         raise InvalidRequest(
@@ -258,7 +267,8 @@ def verify_entry(buf: bytes | memoryview) -> EntryHeader:
     header = parse_header(buf)
     view = memoryview(buf)
     crc = zlib.crc32(view[_CRC_OFFSET + 4 : header.header_len], zlib.crc32(view[:_CRC_OFFSET]))
-    crc = zlib.crc32(view[header.header_len :], crc)
+    if header.codec != Codec.raw_verified:
+        crc = zlib.crc32(view[header.header_len :], crc)
     if crc != header.crc:
         raise InvalidRequest(f"entry checksum mismatch: stored {header.crc:#010x}, computed {crc:#010x}")
     return header
@@ -288,17 +298,17 @@ def compress_entry(buf: bytes | memoryview, zstd_level: int) -> bytes | memoryvi
 
 
 def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes | memoryview, ...]:
-    """The entry re-encoded with the raw codec, as parts to concatenate.
+    """The entry with an uncompressed payload, as parts to concatenate (what Fetch serves).
 
     A raw entry comes back as itself (one part, no copy); a zstd entry is
-    decompressed and gets a raw header with a fresh checksum (two parts:
+    verified, decompressed and gets a ``raw_verified`` header (two parts:
     header, payload). Decoding the result is a zero-copy view of its payload.
     Raises InvalidRequest when ``buf`` is malformed or fails its checksum.
     """
     header, payload = decode_entry(buf, verify=verify)
-    if header.codec == Codec.raw:
+    if header.codec != Codec.zstd:
         return (buf,)
-    return _pack_header(Codec.raw, header.specs, header.raw_len, payload), payload
+    return _pack_header(Codec.raw_verified, header.specs, header.raw_len, payload), payload
 
 
 def decoded_size(buf: bytes | memoryview) -> int:

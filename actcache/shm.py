@@ -3,8 +3,8 @@
 A client on the daemon's host (Unix socket) asks for it in the FetchRequest
 (``shared_memory``, ``ring_bytes``). The daemon creates a segment
 ``<shm dir>/actcache-<daemon pid>-<random>`` (``/dev/shm``, or
-``$ACTCACHE_SHM_DIR``; mode 0600), copies each served entry (raw codec,
-already decompressed by the decode pool) into the ring, and the Fetch frames
+``$ACTCACHE_SHM_DIR``; mode 0600), copies each served entry (decompressed by the
+decode pool) into the ring, and the Fetch frames
 carry only descriptors: the segment's path in the first frame, then per
 entry its offset (and length; 0 = a miss). The client maps the segment
 once; its values are memoryviews into it.

@@ -109,8 +109,9 @@ class ActCacheServicer:
 
     def Fetch(self, request, context):
         """Streams the scheduled entries in schedule order, from `start` to the end.
-        Each reply frame: header = EntriesHeader, payload = entries re-encoded
-        with the raw codec (the daemon decompressed them). A miss is an answer
+        Each reply frame: header = EntriesHeader, payload = uncompressed entries:
+        stored raw ones as they are, zstd ones verified and decompressed by the
+        daemon (codec raw_verified: the checksum covers the header). A miss is an answer
         (length 0) in its place. The stream ends after the last entry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -16,8 +16,8 @@ Cold reads: lookups run on ``probe_threads`` threads ahead of each reader
 and hint the kernel (POSIX_FADV_WILLNEED); the reader then ``pread``s each
 value (actcache.daemon.extents, which holds the measurements).
 Decompression and checksums run on ``decode_threads`` threads (zstd and
-crc32 release the GIL). Fetch serves entries re-encoded with the raw codec,
-so the client's decode is a zero-copy view.
+crc32 release the GIL). Fetch serves entries uncompressed (codec
+raw_verified), so the client's decode is a zero-copy view.
 
 Invariants (asserted in tests through ``stats()``): per reader ``start <=
 served <= ready <= read <= length``; the bytes of every buffered entry are

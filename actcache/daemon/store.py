@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Sequence
 
-from actcache.codec import compress_entry, verify_entry
+from actcache.codec import Codec, compress_entry, verify_entry
 from actcache.daemon.access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.dirlock import DirLock
@@ -269,7 +269,9 @@ class Store:
                     f"{format_size(self.config.max_entry_bytes)} limit; raise --max-entry-bytes"
                 )
             try:
-                verify_entry(value)
+                if verify_entry(value).codec == Codec.raw_verified:
+                    raise InvalidRequest("a raw_verified entry carries no payload checksum and is never "
+                                         "stored; put it with the raw or zstd codec")
             except InvalidRequest as exc:
                 raise InvalidRequest(f"sample {sample_id} variant {variant}: {exc}") from None
             records.append((key, compress_entry(value, self.config.zstd_level)))

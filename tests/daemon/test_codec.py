@@ -75,18 +75,30 @@ def test_length_mismatches_are_invalid():
 
 
 @pytest.mark.parametrize("level", [0, 1])
-def test_to_raw_entry_gives_a_raw_entry_with_the_same_tensors(level):
+def test_to_raw_entry_gives_an_uncompressed_entry_with_the_same_tensors(level):
     a = np.maximum(np.random.default_rng(0).standard_normal((4, 50), dtype=np.float32), 0)
     b = np.arange(7, dtype=np.int64)
     specs = [TensorSpec(DType.float32, a.shape), TensorSpec(DType.int64, b.shape)]
     stored = encode_entry(specs, [a, b], zstd_level=level)
     parts = to_raw_entry(stored)
     raw = b"".join(bytes(p) for p in parts)
-    header, payload = decode_entry(raw)  # verifies the fresh checksum
-    assert header.codec == Codec.raw and header.specs == tuple(specs)
+    header, payload = decode_entry(raw)  # verifies the header checksum (and a raw payload's)
+    assert header.codec == (Codec.raw_verified if level else Codec.raw) and header.specs == tuple(specs)
     assert bytes(payload) == bytes(decode_entry(stored)[1])
     assert len(parts) == (1 if parse_header(stored).codec == Codec.raw else 2)
     corrupt = bytearray(stored)
     corrupt[-1] ^= 1
     with pytest.raises(InvalidRequest):
         to_raw_entry(bytes(corrupt))
+
+
+def test_raw_verified_checksum_covers_the_header_only():
+    a = np.maximum(np.random.default_rng(1).standard_normal((8, 64), dtype=np.float32), 0)
+    served = bytearray(b"".join(bytes(p) for p in to_raw_entry(encode_entry([TensorSpec(DType.float32, a.shape)], [a], zstd_level=1))))
+    header = verify_entry(bytes(served))
+    assert header.codec == Codec.raw_verified and header.stored_len == header.raw_len == a.nbytes
+    served[-1] ^= 1  # the payload is not covered: the daemon verified it before decompressing
+    verify_entry(bytes(served))
+    served[28] ^= 4  # the dtype, float32 -> int32 (same size): covered
+    with pytest.raises(InvalidRequest, match="checksum"):
+        verify_entry(bytes(served))

@@ -67,7 +67,7 @@ def consume(reader, max_frame_bytes=1 << 20, each=None):
                 out.append((pos, sid, None))
             else:
                 header, raw = decode_entry(value)
-                assert header.codec == Codec.raw
+                assert header.codec in (Codec.raw, Codec.raw_verified)  # uncompressed either way
                 out.append((pos, sid, np.frombuffer(raw, np.float32).reshape(16, 32, 32).copy()))
             if each:
                 each()

@@ -10,7 +10,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.codec import DType, TensorSpec, encode_entry, to_raw_entry
 from actcache.daemon.config import StoreConfig
 from actcache.daemon.store import Store
 from actcache.errors import BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, StoreError
@@ -133,6 +133,10 @@ def test_errors_name_the_problem(store):
     with pytest.raises(InvalidRequest, match="sample 5 variant 0: entry checksum mismatch"):
         store.put(ns, FP, 0, [(4, 0, entry(4)), (5, 0, bytes(bad))])
     assert store.get(ns, FP, 0, [(4, 0)]) == [None]  # the whole call was rejected
+    sparse = np.maximum(np.random.default_rng(0).standard_normal(4096, dtype=np.float32), 0)
+    served = b"".join(bytes(p) for p in to_raw_entry(encode_entry([TensorSpec(DType.float32, sparse.shape)], [sparse], zstd_level=1)))
+    with pytest.raises(InvalidRequest, match="sample 6 variant 0: a raw_verified entry carries no payload checksum"):
+        store.put(ns, FP, 0, [(6, 0, served)])
 
 
 def test_corrupt_entry_is_deleted_on_read(tmp_path):
