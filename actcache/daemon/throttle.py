@@ -14,7 +14,11 @@ __all__ = ["Throttle"]
 
 
 class Throttle:
-    """Token bucket of ``rate`` bytes/s with a burst of ``burst_s`` seconds of traffic."""
+    """Token bucket of ``rate`` bytes/s with a burst of ``burst_s`` seconds of traffic.
+
+    After an idle spell a reservation of ``n`` bytes waits ``n / rate - burst_s``;
+    back to back, reservations are paced at exactly ``rate``.
+    """
 
     def __init__(self, bytes_per_s: float, *, burst_s: float = 0.05) -> None:
         if bytes_per_s <= 0:
@@ -28,8 +32,9 @@ class Throttle:
         """Block until ``nbytes`` may be sent; returns the seconds waited."""
         with self._lock:
             now = time.monotonic()
-            start = max(self._ready_at, now - self._burst / self.rate)
-            self._ready_at = start + nbytes / self.rate
+            # The bucket refills while idle but never holds more than the burst: the slack is
+            # granted once, below, not also by backdating the start.
+            self._ready_at = max(self._ready_at, now) + nbytes / self.rate
             wait = self._ready_at - now - self._burst / self.rate
         if wait > 0:
             time.sleep(wait)  # rate limiting: the wait is the point
