@@ -284,7 +284,11 @@ class CachedForward:
         host = collate_entries(entries, varlen=self.varlen, alloc=self.stager.allocator())
         if self.planner is not None:
             self.planner.record_decode(sum(len(e) for e in entries), time.perf_counter() - t0)
-        return self.stager.to_device(host)
+        moved = self.stager.to_device(host)
+        if self.planner is not None:
+            for nbytes, seconds in self.stager.copy_readings():
+                self.planner.record_h2d(nbytes, seconds)
+        return moved
 
     def _compute(self, state: State, start: int, stop: int) -> State:
         t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 CachedForward reports what it observes — each stage's forward time per
 sample and output bytes per sample, fetch and write throughput, decode
-throughput, the step period — and the planner keeps a moving median of the
+throughput, host-to-device copy throughput (CUDA), the step period — and the planner keeps a moving median of the
 last ``window`` readings of each. ``plan_for(k)`` turns them into
 ``cost_model.Measurements`` and asks ``cost_model.plan``; CachedForward asks
 again on every freeze change, at every epoch start, and whenever a measured
@@ -81,7 +81,7 @@ class CachePlanner:
         self._stage_s: dict[int, _Median] = {}
         self._stage_bytes: dict[int, _Median] = {}  # output bytes per sample of stage d-1, i.e. at depth d
         self._fetch_rate, self._fetch_latency = _Median(w), _Median(w)
-        self._write_rate, self._decode_rate = _Median(w), _Median(w)
+        self._write_rate, self._decode_rate, self._h2d_rate = _Median(w), _Median(w), _Median(w)
         self._suffix_s = _Median(w)
         self.batch_size = 1
         self.num_samples = 1
@@ -117,6 +117,11 @@ class CachePlanner:
         if seconds > 0 and nbytes > 0:
             self._decode_rate.add(nbytes / seconds)
 
+    def record_h2d(self, nbytes: int, seconds: float) -> None:
+        """A host-to-device copy (CUDA only; without readings the cost model counts no copy time)."""
+        if seconds > 0 and nbytes > 0:
+            self._h2d_rate.add(nbytes / seconds)
+
     def record_suffix(self, seconds: float, samples: int) -> None:
         """Time of the rest of the step (suffix forward, backward, optimizer) for ``samples``."""
         self._suffix_s.add(seconds / max(samples, 1))
@@ -143,7 +148,7 @@ class CachePlanner:
             # A measured rate already includes the per-call latency; until then use miss-only calls.
             fetch_latency_s=0.0 if self._fetch_rate.get() else self._fetch_latency.get(c.prior_fetch_latency_s),
             write_bytes_per_s=self._write_rate.get(c.prior_write_bytes_per_s),
-            h2d_bytes_per_s=None,
+            h2d_bytes_per_s=self._h2d_rate.get(),
             suffix_step_s_per_sample=self._suffix_s.get(0.0),
             batch_size=self.batch_size,
             num_samples=self.num_samples,

@@ -9,10 +9,15 @@ never overwrites bytes still in flight. Invariant: slots in flight <= slots.
 Without CUDA, the batch is collated into freshly allocated host memory and
 used in place (it is already on the device); the ring is not needed because
 the tensors the model keeps for backward must not be overwritten.
+
+On CUDA each copy is also timed (two timing events on the side stream), and
+``copy_readings()`` hands the cost model the host-to-device bandwidth of the
+copies that have completed, without ever waiting for one.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable
 
 import torch
@@ -20,7 +25,7 @@ from torch import Tensor
 
 from actcache_client.stages import State
 
-__all__ = ["HostRing", "Stager"]
+__all__ = ["CopyTimer", "HostRing", "Stager"]
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 
@@ -83,6 +88,37 @@ class HostRing:
         self._current = None
 
 
+class CopyTimer:
+    """Times asynchronous copies with pairs of events; readings come out once a copy has completed.
+
+    ``new_event`` makes a timing event (``torch.cuda.Event(enable_timing=True)``
+    on CUDA) with ``record()``, ``query()`` and ``elapsed_time(end)`` in ms.
+    At most ``max_pending`` copies are tracked; older ones are dropped unread.
+    """
+
+    def __init__(self, new_event: Callable[[], object], max_pending: int = 64) -> None:
+        self._new_event = new_event
+        self._pending: deque[tuple[object, object, int]] = deque(maxlen=max_pending)
+
+    def start(self) -> object:
+        event = self._new_event()
+        event.record()
+        return event
+
+    def stop(self, start: object, nbytes: int) -> None:
+        end = self._new_event()
+        end.record()
+        self._pending.append((start, end, nbytes))
+
+    def readings(self) -> list[tuple[int, float]]:
+        """``(bytes, seconds)`` of the copies completed since the last call, oldest first."""
+        out = []
+        while self._pending and self._pending[0][1].query():
+            start, end, nbytes = self._pending.popleft()
+            out.append((nbytes, start.elapsed_time(end) / 1e3))
+        return out
+
+
 class Stager:
     """Gives collation an allocator and moves the collated batch state to ``device``."""
 
@@ -91,6 +127,7 @@ class Stager:
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self._ring = HostRing(slots, pin_memory=True) if self.cuda else None
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None
 
     def allocator(self) -> Allocator:
         """An allocator for one batch's host tensors (a ring slot on CUDA, fresh memory otherwise)."""
@@ -105,7 +142,9 @@ class Stager:
             return state if self.device.type == "cpu" else _map(state, lambda t: t.to(self.device))
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
+            started = self._timer.start()
             moved = _map(state, lambda t: t.to(self.device, non_blocking=True))
+            self._timer.stop(started, sum(t.element_size() * t.numel() for t in _tensors(moved)))
             done = torch.cuda.Event()
             done.record(self._stream)
         compute.wait_stream(self._stream)
@@ -113,6 +152,11 @@ class Stager:
             t.record_stream(compute)  # the caching allocator must not reuse it before compute is done
         self._ring.release(done)
         return moved
+
+
+    def copy_readings(self) -> list[tuple[int, float]]:
+        """``(bytes, seconds)`` of host-to-device copies completed since the last call (none on CPU)."""
+        return self._timer.readings() if self._timer is not None else []
 
 
 def _tensors(state: State) -> tuple[Tensor, ...]:

@@ -261,3 +261,21 @@ def test_plasticity_policies_start_the_reference_process_when_bootstrapping_ends
         reasons = [r["reason"] for r in ctl.timeline.records]
         assert all(r.startswith("bootstrapping") for r in reasons) and reasons[-1].startswith("bootstrapping ended")
     assert ctl._probe.worker.state is ReferenceState.CLOSED
+
+
+def test_cost_model_decisions_go_into_the_timeline_with_their_numbers(tmp_path):
+    path = tmp_path / "timeline.jsonl"
+    staged = staged_cnn()
+    planner = ac.CachePlanner(ac.PlannerConfig(total_epochs=4))
+    cached = ac.CachedForward(staged, planner=planner)
+    opt = torch.optim.SGD(staged.parameters(), lr=0.1)
+    ctl = FreezeController(cached, opt, StaticPolicy(stages=2, at_step=2), eval_every=2, timeline=str(path))
+    train(cached, opt, ctl, 4)
+    ctl.close()
+    assert ctl._record_plan not in planner.listeners  # closing detaches the controller
+    plans = [r for r in read_timeline(path) if r["event"] == "plan"]
+    assert plans, "the planner decided for frozen depth 2 but nothing reached the timeline"
+    assert all(p["frozen"] == 2 and p["mode"] in ("cache", "recompute") for p in plans)
+    assert plans[-1]["reason"] == planner.current.reason
+    assert plans[-1]["expected_step_s"] == pytest.approx(planner.current.expected_step_s)
+    assert {"cache_depth", "cached_fraction", "baseline_step_s", "numbers", "step", "epoch"} <= set(plans[-1])

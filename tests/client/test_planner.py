@@ -56,3 +56,15 @@ def test_budget_limits_the_cached_fraction():
 def test_config_is_validated():
     with pytest.raises(ConfigError, match="total_epochs"):
         PlannerConfig(total_epochs=0)
+
+
+def test_a_slow_host_to_device_copy_counts_against_caching():
+    planner = CachePlanner(PlannerConfig(total_epochs=10))
+    planner.begin_epoch(0, 1024, 16)
+    measured(planner, 3)
+    assert planner.measurements(3).h2d_bytes_per_s is None  # no CUDA copy measured: no copy time
+    assert planner.plan_for(3).mode is PlanMode.CACHE
+    for _ in range(20):
+        planner.record_h2d(32_000 * 16, 16 * 32_000 / 1e5)  # 0.1 MB/s copies
+    assert planner.measurements(3).h2d_bytes_per_s == pytest.approx(1e5)
+    assert planner.needs_replan(3) and planner.plan_for(3).mode is PlanMode.RECOMPUTE

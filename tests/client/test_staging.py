@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from actcache_client.staging import HostRing, Stager
+from actcache_client.staging import CopyTimer, HostRing, Stager
 from actcache_client.tensors import collate_entries, encode_samples
 
 
@@ -59,3 +59,48 @@ def test_cuda_stager_copies_through_pinned_ring():
     for _ in range(6):
         out = stager.to_device(collate_entries(encode_samples(x), alloc=stager.allocator()))
         assert out.is_cuda and torch.equal(out.cpu(), x)
+
+
+class FakeTimingEvent:
+    """Stands in for torch.cuda.Event(enable_timing=True): completes when the test says so."""
+
+    clock_ms = 0.0
+
+    def __init__(self) -> None:
+        self.done = False
+        self.at_ms: float | None = None
+
+    def record(self) -> None:
+        self.at_ms = FakeTimingEvent.clock_ms
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "FakeTimingEvent") -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_copy_timer_reports_completed_copies_in_order_without_waiting():
+    events: list[FakeTimingEvent] = []
+
+    def new_event() -> FakeTimingEvent:
+        events.append(FakeTimingEvent())
+        return events[-1]
+
+    timer = CopyTimer(new_event)
+    for nbytes, ms in ((1 << 20, 2.0), (4 << 20, 4.0)):
+        start = timer.start()
+        FakeTimingEvent.clock_ms += ms
+        timer.stop(start, nbytes)
+    assert timer.readings() == []  # nothing completed yet: no reading, no wait
+    events[1].done = True  # the first copy's end event
+    assert timer.readings() == [(1 << 20, 0.002)]
+    events[3].done = True
+    assert timer.readings() == [(4 << 20, 0.004)]
+    assert timer.readings() == []
+
+
+def test_cpu_stager_has_no_copies_to_report():
+    stager = Stager("cpu")
+    stager.to_device(torch.ones(2))
+    assert stager.copy_readings() == []

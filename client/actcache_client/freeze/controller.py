@@ -36,6 +36,7 @@ from torch import nn
 
 from actcache.errors import ConfigError
 from actcache_client.cached_forward import CachedForward
+from actcache_client.cost_model import Plan
 from actcache_client.freeze import _refproc
 from actcache_client.freeze.distributed import DdpWrapper, broadcast_depth, mean_across_ranks, rank_and_world
 from actcache_client.freeze.gradnorm import GradNormAccumulator
@@ -112,6 +113,8 @@ class FreezeController:
         if self._ddp is not None:
             cached.set_suffix_wrapper(self._ddp)
         self._hook = optimizer.register_step_pre_hook(lambda *_: self.after_backward()) if hook_optimizer else None
+        if cached.planner is not None:
+            cached.planner.listeners.append(self._record_plan)
         self._track_frozen()
 
     # ---- the step protocol ---------------------------------------------
@@ -238,6 +241,16 @@ class FreezeController:
                 "skipped_busy": stats.skipped_busy, "dropped": stats.dropped},
         }
 
+    def _record_plan(self, frozen: int, plan: Plan) -> None:
+        """The cost model decided (planner listener): into the timeline, with the numbers behind it."""
+        self.timeline.write({
+            "event": "plan", "step": self.step_count, "epoch": self.epoch, "frozen": frozen,
+            "mode": plan.mode.value, "cache_depth": plan.cache_depth, "recompute_stages": list(plan.recompute_stages),
+            "cached_fraction": plan.cached_fraction, "expected_step_s": plan.expected_step_s,
+            "baseline_step_s": plan.baseline_step_s, "write_epoch_extra_s": plan.write_epoch_extra_s,
+            "reason": plan.reason, "numbers": dict(plan.numbers),
+        })
+
     def active_param_share(self, frozen: int | None = None) -> float:
         """Share of parameter elements in the active stages (with ``frozen`` stages frozen)."""
         frozen = self.frozen if frozen is None else frozen
@@ -302,6 +315,8 @@ class FreezeController:
             self._hook = None
         if self._probe is not None:
             self._probe.close()
+        if self.cached.planner is not None and self._record_plan in self.cached.planner.listeners:
+            self.cached.planner.listeners.remove(self._record_plan)
         self.timeline.close()
 
     def __enter__(self) -> FreezeController:

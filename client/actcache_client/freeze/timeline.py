@@ -1,4 +1,4 @@
-"""The freeze timeline: one JSON object per line for every evaluation, decision and reference build.
+"""The freeze timeline: one JSON object per line for every evaluation, decision, reference build and cache plan.
 
 Record kinds (``event``):
 
@@ -10,6 +10,10 @@ Record kinds (``event``):
   changed), numbers (everything the policy reported) and reference counters.
 - ``reference``: a reference stage was built: stage, precision, ms_per_batch
   per precision tried, error_vs_fp32, notes.
+- ``plan``: the cost model decided (CachedForward with a planner): step,
+  epoch, frozen, mode (cache or recompute), cache_depth, recompute_stages,
+  cached_fraction, expected_step_s, baseline_step_s, write_epoch_extra_s,
+  reason and numbers (every term the decision weighed).
 
 Non-finite numbers are written as null (JSON has no NaN).
 """
