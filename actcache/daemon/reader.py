@@ -41,8 +41,10 @@ __all__ = ["MAX_AHEAD_ENTRIES", "ReaderSnapshot", "ReaderState", "ScheduleReader
 # Entries a reader keeps read ahead of its consumer at most (misses hold no
 # budget bytes, so the budget alone would not bound them).
 MAX_AHEAD_ENTRIES = 1 << 16
-# After a stall, a frame waits up to _LINGER_S for _FILL_BYTES of entries.
+# A frame waits up to _LINGER_S for _FILL_BYTES (or _FILL_ENTRIES) of ready entries: every
+# frame costs a gRPC message and wake-ups on both sides, whatever it holds.
 _FILL_BYTES = 1 << 20
+_FILL_ENTRIES = 1024
 _LINGER_S = 0.005
 
 log = logging.getLogger(__name__)
@@ -144,6 +146,9 @@ class ScheduleReader:
         self._end = len(schedule)
         self._ready_bytes = 0  # bytes of the ready, unserved entries
         self._reader_waits = False  # the reader waits for the consumer (MAX_AHEAD_ENTRIES)
+        #: What the consumer waits for: None (not waiting), "any" ready entry, or a frame's "fill".
+        self._consumer_waits: str | None = None
+        self._fill_bytes = _FILL_BYTES
         self._error: ActCacheError | None = None
         self._stopping = False
         self._keys: dict[int, list[bytes]] = {}
@@ -358,8 +363,14 @@ class ScheduleReader:
             self._ready_bytes += self._slots[self.ready].nbytes
             self.ready += 1
             moved = True
-        if moved:
+        # Wake the consumer only when what it waits for is there (a wake-up per entry cost more CPU
+        # than the entries' decoding); state changes and the end of reading wake it in _set_state.
+        if moved and (self._consumer_waits == "any" or self._consumer_waits == "fill" and self._frame_filled()):
             self._cond.notify_all()
+
+    def _frame_filled(self) -> bool:
+        """A frame's worth is ready. Caller holds ``_cond``."""
+        return self._ready_bytes >= self._fill_bytes or self.ready - self.served >= _FILL_ENTRIES
 
     # ---- decode pool -----------------------------------------------------
 
@@ -415,7 +426,7 @@ class ScheduleReader:
         the consumer.
         """
         schedule = self.schedule
-        fill = min(max_frame_bytes, _FILL_BYTES)
+        self._fill_bytes = min(max_frame_bytes, _FILL_BYTES)
         while True:
             with self._cond:
                 def over() -> bool:  # nothing more will become ready for this consumer
@@ -423,17 +434,21 @@ class ScheduleReader:
                             or self.state is ReaderState.FAILED and self.served not in self._slots)
 
                 def filled() -> bool:  # a frame's worth is ready, or no more is coming soon
-                    return (self._ready_bytes >= fill or over()
+                    return (self._frame_filled() or over()
                             or self.state is not ReaderState.READING and self.ready >= min(self.read, self._end))
 
                 stalled, waited = False, 0.0
                 if self.served == self.ready and not over():
                     stalled, t0 = True, time.monotonic()
+                    self._consumer_waits = "any"
                     self._cond.wait_for(lambda: self.served < self.ready or over())
-                    # The consumer outruns the reader: rather than a frame per entry (costly on
-                    # both sides), give the reader a moment to fill a reasonable frame.
-                    self._cond.wait_for(filled, _LINGER_S)
                     waited = time.monotonic() - t0
+                if not filled():
+                    # Less than a frame is ready: rather than a small frame (costly on both sides),
+                    # give the reader a moment to fill a reasonable one.
+                    self._consumer_waits = "fill"
+                    self._cond.wait_for(filled, _LINGER_S)
+                self._consumer_waits = None
                 if self.served == self.ready:
                     if self.state in (ReaderState.CANCELLED, ReaderState.FAILED):
                         if self._error is not None:
