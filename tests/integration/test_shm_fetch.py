@@ -1,48 +1,17 @@
 """Fetch through the shared-memory data plane, against a real daemon."""
 
 import os
-import signal
-import subprocess
-import sys
-import textwrap
 
 import grpc
 import numpy as np
-import pytest
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.rpc import decode_frame, method
 from actcache.shm import ClientSegment
 from actcache.testing import run_daemon
-
-FP = bytes(range(16))
-SPEC = [TensorSpec(DType.float32, (16, 16))]  # 1 KiB raw
-RING = 64 << 10  # the smallest ring: about 60 entries
-
-
-def put_range(client, ns, ids):
-    rng = np.random.default_rng(0)
-    client.put(ns, FP, 1, [(i, 0, encode_entry(SPEC, [rng.standard_normal((16, 16), dtype=np.float32)])) for i in ids])
-
-
-def fetched(client, ns, schedule_id, **kwargs):
-    out, planes = [], set()
-    for batch in client.fetch_batches(ns, schedule_id, **kwargs):
-        planes.add(batch.data_plane)
-        out.extend((pos, sid, var, None if v is None else bytes(v)) for pos, sid, var, v in batch)
-    return out, planes
-
-
-def segments(directory):
-    return sorted(n for n in os.listdir(directory) if n.startswith("actcache-"))
-
-
-@pytest.fixture
-def shm_dir(tmp_path):
-    d = tmp_path / "shm"
-    d.mkdir()
-    return d
+from tests.integration.conftest import SHM_FP as FP
+from tests.integration.conftest import SMALL_RING as RING
+from tests.integration.conftest import fetched, kill_9, put_range, segments, start_holder
 
 
 def test_shared_memory_equals_bytes_path_with_misses_in_place_and_reuses_the_ring(shm_dir):
@@ -101,31 +70,13 @@ def test_a_slot_is_reused_only_after_its_release(shm_dir):
             assert len({off for _, off, _ in held}) < 200  # slots were reused
 
 
-_HOLDER = textwrap.dedent("""
-    import sys, time
-    from actcache.rpc_client import RpcClient
-    client = RpcClient(sys.argv[1])
-    batches = client.fetch_batches(int(sys.argv[2]), "k", shared_memory=True, ring_bytes=65536, max_frame_bytes=4096)
-    next(batches)
-    print("holding", flush=True)
-    time.sleep(600)
-""")
-
-
 def test_kill_9_of_a_client_holding_slots_then_a_new_client_works(shm_dir):
     with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
         ns = client.open("kill").namespace_id
         put_range(client, ns, range(300))
         order = np.arange(300, dtype=np.uint64)
         client.schedule(ns, FP, 1, "k", order)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        holder = subprocess.Popen([sys.executable, "-c", _HOLDER, daemon.target, str(ns)], stdout=subprocess.PIPE, env=env)
-        try:
-            assert holder.stdout.readline().strip() == b"holding"
-        finally:
-            holder.send_signal(signal.SIGKILL)
-            holder.wait()
-            holder.stdout.close()
+        kill_9(start_holder(daemon.target, ns, "k"))
         got, planes = fetched(client, ns, "k", shared_memory=True, ring_bytes=RING)
         assert planes == {"shared_memory"}
         assert [g[1] for g in got] == list(range(300)) and all(g[3] is not None for g in got)
