@@ -88,7 +88,8 @@ class NamespaceNotFound(ActCacheError):
 
 
 class ScheduleNotFound(ActCacheError):
-    """Fetch named a schedule that was never pushed, was replaced by a push that failed, or was served to its end."""
+    """Fetch named a schedule that was never pushed or was served to its end (a push that fails or is
+    cancelled changes nothing: the schedule it would have replaced stays as it was)."""
 
     status = grpc.StatusCode.NOT_FOUND
 

@@ -44,7 +44,10 @@ Invariants:
 Crash safety: names are unique (pid + 64 random bits). The daemon unlinks
 the segment as soon as it sees ``mapped`` (the client's mapping keeps the
 memory alive), and at the latest when the stream ends, including a client
-that went away (call cancelled) before mapping. A client killed holding
+that went away (call cancelled) before mapping. A stream that sent the
+segment's name does not end (last frame or error) before the client has
+mapped it or gone away: a short stream would otherwise remove the name under
+a client about to open it. A client killed holding
 slots only leaves its mapping, which the kernel drops with the process. A
 daemon killed between creating a segment and the client mapping it leaves
 a file: the next daemon start removes segments of dead daemon pids, and so
@@ -191,6 +194,16 @@ class ShmRing:
             time.sleep(delay)
             delay = min(delay * 2, 2e-3)
         return offset
+
+    def wait_mapped(self, alive: Callable[[], bool]) -> None:
+        """Return once the client has mapped the segment (its name is then removed), or once ``alive()`` is false."""
+        delay = 50e-6
+        while True:
+            self.poll()
+            if self.unlinked or not alive():
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
 
     def unlink(self) -> None:
         """Remove the name (safe from any thread, any number of times); mappings stay valid."""

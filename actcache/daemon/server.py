@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 from concurrent import futures
 from pathlib import Path
 
@@ -231,13 +230,24 @@ def serve(config: DaemonConfig) -> int:
     """Run a daemon until SIGTERM or SIGINT; returns the process exit code."""
     tune_malloc()
     daemon = Daemon(config)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    # The kernel may hand SIGTERM to any of the daemon's threads, and Python runs a handler only
+    # when the main thread next executes bytecode: a main thread asleep in Event.wait() could sleep
+    # through the signal for good. The C-level handler writes the signal's number to the wakeup fd
+    # from whichever thread took it, so the main thread waits on the other end of that pipe.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    for sig in stop_signals:  # a Python handler (doing nothing) keeps the C handler installed
+        signal.signal(sig, lambda *_: None)
     log.info("effective config: %s", config.non_defaults())
     try:
         daemon.start()
-        stop.wait()
+        while not stop_signals & set(os.read(wake_r, 64)):
+            pass
     finally:
+        signal.set_wakeup_fd(-1)
         daemon.stop()
+        os.close(wake_r)
+        os.close(wake_w)
     return 0

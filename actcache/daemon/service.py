@@ -64,6 +64,9 @@ class Counters:
 
 
 def _abort(context, name: str, exc: Exception) -> None:
+    if isinstance(exc, grpc.RpcError) and not context.is_active():  # the client cancelled mid-request
+        log.debug("%s: the client cancelled the call", name)
+        context.abort(grpc.StatusCode.CANCELLED, f"{name} was cancelled by the client")
     if isinstance(exc, ActCacheError):
         context.set_trailing_metadata(((ERROR_METADATA_KEY, type(exc).__name__),))
         context.abort(status_of(exc), str(exc))
@@ -214,9 +217,15 @@ class ActCacheService:
         for chunk in chunks:
             ids = unpack_ids(chunk.sample_ids, chunk.packed_sample_ids)
             variants = unpack_variants(chunk.variants, chunk.packed_variants, len(ids))
-            if chunk.namespace_id not in resolved:  # 0: not repeated after the first chunk
-                resolved[chunk.namespace_id] = self.store.resolve(chunk.namespace_id) if chunk.namespace_id else 0
+            if chunk.namespace_id not in resolved:  # 0 in a later chunk: not repeated; in the first: no namespace
+                first = not resolved
+                resolved[chunk.namespace_id] = self.store.resolve(chunk.namespace_id) if chunk.namespace_id or first else 0
             builder.add(resolved[chunk.namespace_id], chunk.fingerprint, chunk.depth, chunk.schedule_id, ids, variants)
+        # gRPC ends the request stream alike when the client half-closes and when it cancels mid-upload.
+        # Asking for one more message is answered only after a cancellation has been seen (then it raises),
+        # so a truncated upload is never pushed: a push that does not complete changes nothing.
+        for _ in chunks:
+            raise InvalidRequest("the Schedule stream went on after its end")
         schedule = builder.build()
         replaced = self.prefetcher.push(schedule)
         return pb.ScheduleReply(schedule_id=schedule.schedule_id, length=len(schedule), replaced=replaced)
@@ -231,9 +240,14 @@ class ActCacheService:
             ring, detail = self._ring_for(request, context)
             if ring is not None:
                 context.add_callback(ring.unlink)  # a client gone before mapping leaves no name behind
+                named = False
                 try:
-                    yield from self._fetch_shm(reader, ring, frame_bytes, context)
+                    for frame in self._fetch_shm(reader, ring, frame_bytes, context):
+                        named = True
+                        yield frame
                 finally:
+                    if named:  # the client has the segment's name: the stream ends (and the name goes) once it mapped
+                        ring.wait_mapped(context.is_active)
                     ring.close()
                 return
             first = True

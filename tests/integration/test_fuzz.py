@@ -7,14 +7,32 @@ bytes on the raw socket. Properties: the daemon answers only with the
 documented status codes for the method (never INTERNAL or UNKNOWN), its
 process stays alive and healthy, and its RSS stays bounded. The figures
 (examples per test, RSS before/after) are printed at the end of the module.
+
+Schedule and Fetch are also fuzzed structurally, against a model: a valid
+Schedule stream with at most one defect (inconsistent chunk fields, a chunk
+for another namespace or schedule mid-stream, an empty stream, ...) must get
+the exact status documented for that defect, and afterwards the schedule id
+holds the new order (success), or what it held before (a failed push changes
+nothing); Fetch requests with any start, namespace, schedule, data plane,
+ring size and frame size, some cancelled mid-stream and resumed, must get
+their exact status and exactly the model's entries. Giant schedules, Schedule
+uploads cancelled midway and Fetches cancelled mid-stream have tests of their
+own. After each of these examples a normal put/Schedule/Fetch round trip
+must still work, and no shared-memory segment may be left behind.
 """
 
+import itertools
 import os
+import re
 import socket
 import struct
 import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
 
 import grpc
+import numpy as np
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,9 +40,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
+from actcache.daemon.prefetch import MAX_SCHEDULES_PER_NAMESPACE
+from actcache.errors import ActCacheError, InvalidRequest
+from actcache.keys import MAX_DEPTH
 from actcache.rpc import encode_frame, method
+from actcache.rpc_client import RpcClient
 from actcache.testing import run_daemon
+from tests.integration.conftest import fetched, holds_its_tensor, put_range, segments, tensor_of, wait_until
 
 OK = grpc.StatusCode.OK
 DOCUMENTED = {
@@ -34,9 +57,7 @@ DOCUMENTED = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.PERMISSION_DENIED,
 }
-# Prefetch methods may still answer UNIMPLEMENTED in this version.
-ALLOWED = {name: DOCUMENTED for name in ("Open", "Put", "Get", "Drop", "Stats")}
-ALLOWED.update({name: DOCUMENTED | {grpc.StatusCode.UNIMPLEMENTED} for name in ("Schedule", "Fetch")})
+ALLOWED = {name: DOCUMENTED for name in ("Open", "Put", "Get", "Drop", "Stats", "Schedule", "Fetch")}
 RSS_LIMIT_BYTES = 512 << 20  # generous: the daemon runs near 100 MB here
 FUZZ = settings(max_examples=int(os.environ.get("ACTCACHE_FUZZ_EXAMPLES", 150)), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -49,8 +70,11 @@ fingerprints = st.one_of(st.just(bytes(range(16))), st.binary(max_size=40))
 
 
 @pytest.fixture(scope="module")
-def fuzzed():
-    with run_daemon("--zstd-level", "1", "--namespace-budget", "8MiB", "--max-entry-bytes", "1MiB") as daemon:
+def fuzzed(tmp_path_factory):
+    env = {"ACTCACHE_SHM_DIR": str(tmp_path_factory.mktemp("shm"))}
+    # --prefetch-bytes bounds the read-ahead of the schedules the tests leave unfetched (default 512 MiB)
+    with run_daemon("--zstd-level", "1", "--namespace-budget", "8MiB", "--max-entry-bytes", "1MiB",
+                    "--prefetch-bytes", "64MiB", env=env) as daemon:
         channel = grpc.insecure_channel(daemon.target, [("grpc.max_receive_message_length", -1),
                                                         ("grpc.max_send_message_length", -1)])
         proc = psutil.Process(daemon.pid)
@@ -280,6 +304,440 @@ def test_large_entries_within_and_beyond_limits(fuzzed):
         many.SerializeToString(), timeout=60)
     assert sum(len(c) for c in chunks) > 700 * len(fits)
     count("large")
+
+
+# ---- Schedule and Fetch, structured, against a model --------------------------
+
+FP = bytes(range(16))
+STORED = 100  # ids 0..99 hold conftest.tensor_of(id) (1 KiB) at depth 1, variant 0
+BIG_ID = 1000  # one entry of 100 KiB: more than the smallest shared-memory ring (64 KiB) holds
+BIG_SPEC = [TensorSpec(DType.float32, (160, 160))]
+UNSTORED = tuple(range(5000, 5008))
+UNKNOWN_SMALL_ID = 2**31  # never opened (ids are handed out from 1)
+RING_MIN, RING_MAX, RING_DEFAULT = 64 << 10, 4 << 30, 8 << 20  # actcache.shm: ring_bytes is clamped to this range
+
+# Each defect and the status documented for it (actcache/errors.py, daemon/schedule.py, the proto's
+# ScheduleChunk: the first chunk names namespace, fingerprint, depth and schedule id; later chunks leave
+# them unset or repeat them; ids and variants come repeated or packed, not both, one variant per id).
+SCHEDULE_DEFECTS = {
+    None: OK,
+    "empty stream": grpc.StatusCode.INVALID_ARGUMENT,
+    "variants length != ids length": grpc.StatusCode.INVALID_ARGUMENT,
+    "packed ids not a multiple of 8 bytes": grpc.StatusCode.INVALID_ARGUMENT,
+    "packed variants not a multiple of 2 bytes": grpc.StatusCode.INVALID_ARGUMENT,
+    "ids both repeated and packed": grpc.StatusCode.INVALID_ARGUMENT,
+    "variant above 65535": grpc.StatusCode.INVALID_ARGUMENT,
+    "first chunk names no namespace": grpc.StatusCode.NOT_FOUND,
+    "unknown namespace": grpc.StatusCode.NOT_FOUND,
+    "protected namespace by its small id": grpc.StatusCode.PERMISSION_DENIED,
+    "bad schedule id": grpc.StatusCode.INVALID_ARGUMENT,
+    "bad fingerprint": grpc.StatusCode.INVALID_ARGUMENT,
+    "depth out of range": grpc.StatusCode.INVALID_ARGUMENT,
+    "other namespace mid-stream": grpc.StatusCode.INVALID_ARGUMENT,
+    "other schedule id mid-stream": grpc.StatusCode.INVALID_ARGUMENT,
+    "other fingerprint mid-stream": grpc.StatusCode.INVALID_ARGUMENT,
+    "other depth mid-stream": grpc.StatusCode.INVALID_ARGUMENT,
+}
+FIRST_CHUNK_DEFECTS = {"first chunk names no namespace", "bad schedule id", "bad fingerprint", "depth out of range"}
+
+
+def big_tensor() -> np.ndarray:
+    return np.random.default_rng(BIG_ID).standard_normal((160, 160), dtype=np.float32)
+
+
+@dataclass
+class Prefetch:
+    """Namespaces with known entries, and a client, for the Schedule/Fetch tests."""
+
+    client: RpcClient
+    channel: grpc.Channel
+    shm: Path
+    public: int  # handle of "pf-a": ids 0..99 and BIG_ID stored
+    other: int  # handle of "pf-b": nothing stored
+    protected: int  # handle of "fuzz-secret" (same entries as pf-a)
+    protected_id: int  # its small id, which requests may not use
+    round_trips: int  # handle of "pf-rt", where round_trip() puts
+    big_bytes: int  # size of the BIG_ID entry as served (raw codec)
+    #: An entry larger than the shared-memory ring ends the stream with INVALID_ARGUMENT after the entries
+    #: before it (False), or travels in its frame's payload (True); measured once, then held to in every example.
+    big_in_frame: bool
+    counter: Iterator[int] = field(default_factory=itertools.count)
+
+    def schedule_id(self, prefix: str) -> str:
+        return f"{prefix}{next(self.counter)}"
+
+
+@pytest.fixture(scope="module")
+def pf(fuzzed):
+    daemon, channel, (_, protected) = fuzzed
+    with daemon.client(timeout_s=30, retries=0) as client:
+        public, other, rt = (client.open(name).namespace_id for name in ("pf-a", "pf-b", "pf-rt"))
+        protected_id = next(n.namespace_id for n in client.stats().namespaces if n.name == "fuzz-secret")
+        big = encode_entry(BIG_SPEC, [big_tensor()])
+        for ns in (public, protected):
+            put_range(client, ns, range(STORED), fingerprint=FP)
+            client.put(ns, FP, 1, [(BIG_ID, 0, big)])
+        yield Prefetch(client, channel, Path(daemon.env["ACTCACHE_SHM_DIR"]), public, other, protected, protected_id,
+                       rt, len(big), big_entry_in_frame(client, public))
+
+
+def big_entry_in_frame(client, ns: int) -> bool:
+    """How the daemon serves an entry larger than the shared-memory ring (at least 64 KiB): in its frame's payload
+    (True), or by ending the stream with INVALID_ARGUMENT naming the ring size (False)."""
+    client.schedule(ns, FP, 1, "big-probe", [1, BIG_ID, 2])
+    try:
+        got, planes = fetched(client, ns, "big-probe", shared_memory=True, ring_bytes=1)
+    except InvalidRequest as exc:
+        assert f"more than the shared-memory ring ({RING_MIN} bytes)" in str(exc)
+        return False
+    assert planes == {"shared_memory"}
+    check_entries(got, [1, BIG_ID, 2], [0, 0, 0])
+    return True
+
+
+def is_stored(sample_id: int, variant: int) -> bool:
+    return variant == 0 and (sample_id < STORED or sample_id == BIG_ID)
+
+
+def check_entries(got, order, variants, start: int = 0) -> None:
+    """``got`` (from conftest.fetched) is positions ``start..`` of the model order, misses in place, bit-exact."""
+    assert [(pos, sid, var) for pos, sid, var, _ in got] == [
+        (start + i, int(s), int(v)) for i, (s, v) in enumerate(zip(order[start:], variants[start:]))]
+    for _, sid, var, value in got:
+        assert (value is not None) == is_stored(sid, var), (sid, var)
+        if value is not None:
+            want = big_tensor() if sid == BIG_ID else tensor_of(sid)
+            assert bytes(decode_entry(value)[1]) == want.tobytes(), f"entry {sid} does not hold its tensor"
+
+
+def push(channel, chunks) -> tuple[grpc.StatusCode, pb.ScheduleReply | None]:
+    """Send a Schedule stream of ``chunks`` as they are; the status and the reply."""
+    schedule = channel.stream_unary(method("Schedule"), request_serializer=pb.ScheduleChunk.SerializeToString,
+                                    response_deserializer=pb.ScheduleReply.FromString)
+    try:
+        return OK, schedule(iter(chunks), timeout=30)
+    except grpc.RpcError as exc:
+        return exc.code(), None
+
+
+def code_of(exc: ActCacheError) -> grpc.StatusCode:
+    """The gRPC status a client-side error came from (its message ends with ``[CODE]``)."""
+    return grpc.StatusCode[re.search(r"\[(\w+)\]$", str(exc)).group(1)]
+
+
+def fetch_status(pf: Prefetch, ns: int, schedule_id: str, **kwargs) -> tuple[grpc.StatusCode, list, set[str]]:
+    """Status, entries received before it, and data planes of a whole Fetch."""
+    got, planes = [], set()
+    try:
+        for batch in pf.client.fetch_batches(ns, schedule_id, **kwargs):
+            planes.add(batch.data_plane)
+            got.extend((pos, sid, var, None if v is None else bytes(v)) for pos, sid, var, v in batch)
+    except ActCacheError as exc:
+        return code_of(exc), got, planes
+    return OK, got, planes
+
+
+def round_trip(pf: Prefetch) -> None:
+    """A normal put, Schedule and Fetch (bytes, then shared memory, in turn) still work."""
+    n = next(pf.counter)
+    ids = [10**6 + 2 * n, 10**6 + 2 * n + 1]
+    put_range(pf.client, pf.round_trips, ids, fingerprint=FP)
+    order = [ids[0], 10**7 + n, ids[1]]  # the middle one is a miss
+    pf.client.schedule(pf.round_trips, FP, 1, f"rt{n}", order)
+    got, planes = fetched(pf.client, pf.round_trips, f"rt{n}", shared_memory=n % 2 == 1)
+    assert planes == {"shared_memory" if n % 2 else "bytes"}
+    assert [sid for _, sid, _, _ in got] == order
+    assert got[1][3] is None and holds_its_tensor(got[0][3], ids[0]) and holds_its_tensor(got[2][3], ids[1])
+
+
+def settle(pf: Prefetch) -> None:
+    """After an example: no segment is left (a cancelled stream's goes once the daemon sees the cancel), and a
+    round trip works."""
+    wait_until(lambda: segments(pf.shm) == [], what="no shared-memory segment left")
+    round_trip(pf)
+
+
+def _chunk_defect(data, kind: str, chunk: pb.ScheduleChunk, ids: list[int], pf: Prefetch, first_ns: int) -> None:
+    """Make ``chunk`` (holding ``ids``) carry the defect ``kind``."""
+    if kind == "variants length != ids length":
+        n = data.draw(st.integers(1, len(ids) + 3).filter(lambda n: n != len(ids)))
+        chunk.ClearField("variants")
+        chunk.packed_variants = b""
+        if data.draw(st.booleans()):
+            chunk.packed_variants = np.zeros(n, "<u2").tobytes()
+        else:
+            chunk.variants.extend([0] * n)
+    elif kind == "packed ids not a multiple of 8 bytes":
+        chunk.ClearField("sample_ids")
+        chunk.packed_sample_ids = np.array(ids, "<u8").tobytes() + bytes(data.draw(st.integers(1, 7)))
+    elif kind == "packed variants not a multiple of 2 bytes":
+        chunk.ClearField("variants")
+        chunk.packed_variants = bytes(2 * len(ids) + 1)
+    elif kind == "ids both repeated and packed":
+        chunk.ClearField("sample_ids")
+        chunk.sample_ids.extend(ids or [1])
+        chunk.packed_sample_ids = np.array(ids or [1], "<u8").tobytes()
+    elif kind == "variant above 65535":
+        ids = ids or [1]
+        chunk.ClearField("sample_ids")
+        chunk.packed_sample_ids = np.array(ids, "<u8").tobytes()
+        chunk.ClearField("variants")
+        chunk.packed_variants = b""
+        chunk.variants.extend([0] * (len(ids) - 1) + [data.draw(st.integers(2**16, 2**32 - 1))])
+    elif kind == "first chunk names no namespace":
+        chunk.namespace_id = 0
+    elif kind == "unknown namespace":
+        chunk.namespace_id = data.draw(st.sampled_from([UNKNOWN_SMALL_ID, 2**64 - 1, 2**40 + 12345]))
+    elif kind == "protected namespace by its small id":
+        chunk.namespace_id = pf.protected_id
+    elif kind == "bad schedule id":
+        chunk.schedule_id = data.draw(st.sampled_from(["", "x" * 129, "bad id!", "é", "a/b"]))
+    elif kind == "bad fingerprint":
+        chunk.fingerprint = data.draw(st.binary(max_size=40).filter(lambda b: len(b) != 16))
+    elif kind == "depth out of range":
+        chunk.depth = data.draw(st.integers(MAX_DEPTH + 1, 2**32 - 1))
+    elif kind == "other namespace mid-stream":
+        chunk.namespace_id = pf.other if first_ns != pf.other else pf.public
+    elif kind == "other schedule id mid-stream":
+        chunk.schedule_id = "another-schedule"
+    elif kind == "other fingerprint mid-stream":
+        chunk.fingerprint = data.draw(st.binary(min_size=1, max_size=40).filter(lambda b: b != FP))
+    elif kind == "other depth mid-stream":
+        chunk.depth = data.draw(st.integers(2, 2**32 - 1))
+    else:
+        raise AssertionError(f"no such defect {kind!r}")
+
+
+@pytest.mark.parametrize("kind", list(SCHEDULE_DEFECTS), ids=lambda kind: kind or "no defect")
+@settings(FUZZ, max_examples=max(5, FUZZ.max_examples // 10))
+@given(data=st.data())
+def test_schedule_streams_with_one_defect(fuzzed, pf, kind, data):
+    ns = data.draw(st.sampled_from([pf.public, pf.protected]))
+    schedule_id = pf.schedule_id("s")
+    previous = [7, BIG_ID, 5001] if data.draw(st.booleans(), label="pushed before") else None
+    if previous is not None:
+        pf.client.schedule(ns, FP, 1, schedule_id, previous)
+    mid_stream = kind is not None and kind.endswith("mid-stream")
+    n_chunks = 0 if kind == "empty stream" else data.draw(st.integers(2 if mid_stream else 1, 4))
+    at = 0 if kind in FIRST_CHUNK_DEFECTS else data.draw(st.integers(1 if mid_stream else 0, max(0, n_chunks - 1)))
+    head = {"namespace_id": ns, "fingerprint": FP, "depth": 1, "schedule_id": schedule_id}
+    ids_of = st.one_of(st.integers(0, STORED - 1), st.sampled_from([BIG_ID, *UNSTORED]))
+    chunks, order, variants = [], [], []
+    for k in range(n_chunks):
+        ids = data.draw(st.lists(ids_of, max_size=30))
+        vars_ = data.draw(st.one_of(st.none(), st.lists(st.integers(0, 1), min_size=len(ids), max_size=len(ids))))
+        chunk = pb.ScheduleChunk()
+        for name, value in head.items():  # later chunks leave the head unset or repeat it
+            if k == 0 or data.draw(st.booleans()):
+                setattr(chunk, name, value)
+        if data.draw(st.booleans()):
+            chunk.packed_sample_ids = np.array(ids, "<u8").tobytes()
+        else:
+            chunk.sample_ids.extend(ids)
+        if vars_ is not None:
+            if data.draw(st.booleans()):
+                chunk.packed_variants = np.array(vars_, "<u2").tobytes()
+            else:
+                chunk.variants.extend(vars_)
+        if k == at and kind is not None:
+            _chunk_defect(data, kind, chunk, ids, pf, ns)
+        chunks.append(chunk)
+        order += ids
+        variants += vars_ or [0] * len(ids)
+    code, reply = push(pf.channel, chunks)
+    documented = SCHEDULE_DEFECTS[kind]
+    assert code == documented, f"{kind or 'no defect'}: {code.name}, documented {documented.name}"
+    if code == OK:
+        assert (reply.schedule_id, reply.length, reply.replaced) == (schedule_id, len(order), previous is not None)
+    elif previous is not None:  # a failed push changes nothing
+        order, variants = previous, [0] * len(previous)
+    fetch_code, got, _ = fetch_status(pf, ns, schedule_id)
+    if code != OK and previous is None:
+        assert fetch_code == grpc.StatusCode.NOT_FOUND, "a failed push left a schedule behind"
+    else:
+        assert fetch_code == OK
+        check_entries(got, order, variants)
+    settle(pf)
+    count(f"schedule defect: {kind or 'none'}")
+
+
+def ring_of(ring_bytes: int) -> int:
+    return min(max(ring_bytes or RING_DEFAULT, RING_MIN), RING_MAX)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fetch_requests(fuzzed, pf, data):
+    ns = data.draw(st.sampled_from([pf.public, pf.protected]))
+    schedule_id = pf.schedule_id("f")
+    ids_of = st.one_of(st.integers(0, STORED - 1), st.sampled_from([BIG_ID, *UNSTORED]))
+    order = data.draw(st.lists(ids_of, max_size=120))
+    order *= data.draw(st.sampled_from([1, 40]), label="repeats")  # up to 5 MB: more than gRPC sends ahead
+    pf.client.schedule(ns, FP, 1, schedule_id, order)
+    target = data.draw(st.one_of(st.just("schedule"), st.sampled_from([  # half of the examples fetch the schedule
+        "unknown schedule", "unknown namespace", "other namespace", "protected namespace by its small id"])))
+    fetch_ns, fetch_id, expected = {
+        "schedule": (ns, schedule_id, OK),
+        "unknown schedule": (ns, schedule_id + "-x", grpc.StatusCode.NOT_FOUND),
+        "unknown namespace": (data.draw(st.sampled_from([UNKNOWN_SMALL_ID, 2**64 - 1])), schedule_id,
+                              grpc.StatusCode.NOT_FOUND),
+        "other namespace": (pf.other, schedule_id, grpc.StatusCode.NOT_FOUND),
+        "protected namespace by its small id": (pf.protected_id, schedule_id, grpc.StatusCode.PERMISSION_DENIED),
+    }[target]
+    past_end = st.one_of(st.integers(len(order) + 1, 2**64 - 1), st.sampled_from([len(order) + 1, 2**63, 2**64 - 1]))
+    start = data.draw(st.one_of(st.integers(0, len(order)), st.just(0), past_end), label="start")
+    shared_memory = data.draw(st.booleans(), label="shared_memory")
+    ring_bytes = data.draw(st.one_of(st.sampled_from([0, 1, RING_MIN - 1, 1 << 20, 2**64 - 1]), u64),
+                           label="ring_bytes")
+    frame_bytes = data.draw(st.one_of(st.sampled_from([0, 1, 4096, 2**64 - 1]), st.integers(0, 1 << 22)),
+                            label="max_frame_bytes")
+    cancel_after = data.draw(st.one_of(st.none(), st.integers(0, 3)), label="cancel after batches")
+    if expected == OK and start > len(order):
+        expected = grpc.StatusCode.INVALID_ARGUMENT  # start past the end
+    variants = [0] * len(order)
+    too_big = [i for i, s in enumerate(order) if s == BIG_ID and i >= start]
+    if expected == OK and shared_memory and too_big and ring_of(ring_bytes) < pf.big_bytes and not pf.big_in_frame:
+        expected = grpc.StatusCode.INVALID_ARGUMENT  # an entry larger than the ring ends the stream (actcache.shm)
+        stop = too_big[0]  # entries before it may come first
+    else:
+        stop = len(order)
+    kwargs = {"max_frame_bytes": frame_bytes, "shared_memory": shared_memory, "ring_bytes": ring_bytes}
+    got, planes, position, code, stopped = [], set(), start, OK, False
+    batches = pf.client.fetch_batches(fetch_ns, fetch_id, start, **kwargs)
+    try:
+        for i, batch in enumerate(batches):
+            if i == cancel_after:
+                stopped = True
+                break
+            planes.add(batch.data_plane)
+            got.extend((pos, sid, var, None if v is None else bytes(v)) for pos, sid, var, v in batch)
+            position += len(batch)
+    except ActCacheError as exc:
+        code = code_of(exc)
+    finally:
+        batches.close()  # cancels the call if it is still streaming
+    cancelled = stopped and position < len(order)
+    if cancelled:  # resume where the consumer stopped, on the bytes plane
+        code, rest, _ = fetch_status(pf, fetch_ns, fetch_id, start=position, max_frame_bytes=frame_bytes)
+        if code == grpc.StatusCode.NOT_FOUND:
+            # The daemon had sent the last frame before the cancel (gRPC sends ahead of the consumer): the
+            # schedule was served to its end, which retires it (ScheduleNotFound). What came is the model's.
+            assert not rest
+            check_entries(got, order[: start + len(got)], variants, start)
+            settle(pf)
+            count("fetch-requests cancelled after the last frame was sent")
+            return
+        got += rest
+        stop, expected = len(order), OK  # the resumed stream has no ring: a large entry is served too
+    assert code == expected, f"Fetch of {target} from {start} answered {code.name}, documented {expected.name}"
+    assert planes <= {"shared_memory" if shared_memory else "bytes"}
+    if code == OK:
+        check_entries(got, order, variants, start)
+    elif got:  # what came before the error is the model's prefix
+        assert len(got) <= stop - start
+        check_entries(got, order[: start + len(got)], variants, start)
+    settle(pf)
+    count("fetch-requests" + (" cancelled+resumed" if cancelled else ""))
+
+
+def test_giant_schedules_beyond_the_limits(fuzzed, pf):
+    """A chunk larger than the daemon's message limit (OpenReply.max_message_bytes) is RESOURCE_EXHAUSTED, refused
+    by gRPC before the daemon holds it; 4 M ids in chunks are within the limits and served from any start; more than
+    MAX_SCHEDULES_PER_NAMESPACE schedules in a namespace release the oldest unfetched ones. (The length limit,
+    MAX_SCHEDULE_LENGTH = 2**31 ids, is 16 GiB of ids: too much to send here.)"""
+    limit = pf.client.open("pf-a").max_message_bytes
+    too_big = pb.ScheduleChunk(namespace_id=pf.public, fingerprint=FP, depth=1, schedule_id="giant-chunk",
+                               packed_sample_ids=bytes(limit - limit % 8 + 8))
+    assert push(pf.channel, [too_big])[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    del too_big
+    assert fetch_status(pf, pf.public, "giant-chunk")[0] == grpc.StatusCode.NOT_FOUND
+
+    n = 4 << 20
+    order = np.arange(n, dtype=np.uint64) % (STORED + 5)  # ids 100..104: misses
+    assert pf.client.schedule(pf.public, FP, 1, "giant", order, chunk_ids=1 << 18).length == n
+    got, planes = fetched(pf.client, pf.public, "giant", start=n - 300, shared_memory=True)
+    assert planes == {"shared_memory"}
+    check_entries(got, order, np.zeros(n, np.uint16), n - 300)
+    assert fetch_status(pf, pf.public, "giant")[0] == grpc.StatusCode.NOT_FOUND  # served to its end
+
+    many = pf.client.open("pf-many").namespace_id
+    total = MAX_SCHEDULES_PER_NAMESPACE + 6
+    for k in range(total):
+        pf.client.schedule(many, FP, 1, f"m{k}", [k])
+    live = sorted(s.schedule_id for s in pf.client.stats().schedules if s.namespace == "pf-many")
+    assert live == sorted(f"m{k}" for k in range(6, total))
+    for k in range(total):
+        code, got, _ = fetch_status(pf, many, f"m{k}")
+        assert (code, [sid for _, sid, _, _ in got]) == ((grpc.StatusCode.NOT_FOUND, []) if k < 6 else (OK, [k]))
+    settle(pf)
+    count("giant-schedules")
+
+
+def test_schedule_upload_cancelled_midway_changes_nothing(fuzzed, pf):
+    """gRPC ends a request stream alike for a client that half-closed and one that cancelled, yet the daemon
+    must not push what it received of a cancelled upload. In each round, uploads stall after two chunks and are
+    cancelled: a schedule pushed before under the same id stays intact, a new id stays absent, and while the
+    uploads are stalled the daemon serves others."""
+    schedule = pf.channel.stream_unary(method("Schedule"), request_serializer=pb.ScheduleChunk.SerializeToString,
+                                       response_deserializer=pb.ScheduleReply.FromString)
+
+    def stalled(schedule_id: str, sent: threading.Event, resume: threading.Event):
+        yield pb.ScheduleChunk(namespace_id=pf.public, fingerprint=FP, depth=1, schedule_id=schedule_id,
+                               sample_ids=range(40, 60))
+        yield pb.ScheduleChunk(sample_ids=range(60, 80))
+        sent.set()  # asked for a third chunk: both are on their way
+        resume.wait()
+        yield pb.ScheduleChunk(sample_ids=range(80, 90))
+
+    for r in range(10):
+        kept, fresh = f"kept{r}", f"fresh{r}"
+        pf.client.schedule(pf.public, FP, 1, kept, [1, BIG_ID, 5000])
+        uploads = []
+        for schedule_id in (kept, fresh):
+            sent, resume = threading.Event(), threading.Event()
+            uploads.append((schedule.future(stalled(schedule_id, sent, resume), timeout=60), resume))
+            assert sent.wait(30)
+        round_trip(pf)
+        for future, resume in uploads:
+            future.cancel()
+            resume.set()
+            with pytest.raises(grpc.FutureCancelledError):
+                future.result()
+        round_trip(pf)
+        code, got, _ = fetch_status(pf, pf.public, kept)
+        assert code == OK, f"round {r}: the schedule pushed before the cancelled upload is gone ({code.name})"
+        check_entries(got, [1, BIG_ID, 5000], [0, 0, 0])
+        code = fetch_status(pf, pf.public, fresh)[0]
+        assert code == grpc.StatusCode.NOT_FOUND, f"round {r}: a cancelled upload was pushed ({code.name})"
+    settle(pf)
+    count("cancelled-uploads")
+
+
+@pytest.mark.parametrize("plane", ["bytes", "shared_memory"])
+def test_fetch_cancelled_mid_stream_frees_its_memory_and_resumes(fuzzed, pf, plane):
+    name = f"pf-cancel-{plane}"
+    ns = pf.client.open(name).namespace_id
+    put_range(pf.client, ns, range(STORED), fingerprint=FP)
+    # 10 MB in 4 KiB frames: more than gRPC sends ahead of a consumer, and than a 64 KiB ring holds
+    order = np.arange(STORED, dtype=np.uint64).repeat(100)
+    pf.client.schedule(ns, FP, 1, "c", order)
+    kwargs = {"max_frame_bytes": 4096, "shared_memory": plane == "shared_memory", "ring_bytes": RING_MIN}
+    batches = pf.client.fetch_batches(ns, "c", **kwargs)
+    got = []
+    for batch in batches:
+        assert batch.data_plane == plane
+        got.extend((pos, sid, var, None if v is None else bytes(v)) for pos, sid, var, v in batch)
+        if len(got) >= 20:
+            break
+    batches.close()  # cancels the call mid-stream
+    wait_until(lambda: next(p for p in pf.client.stats().prefetch if p.namespace == name).buffered_bytes == 0,
+               what="the cancelled stream's read-ahead memory freed")
+    wait_until(lambda: segments(pf.shm) == [], what="the cancelled stream's segment removed")
+    rest, planes = fetched(pf.client, ns, "c", start=len(got), **kwargs)
+    assert planes == {plane}
+    check_entries(got + rest, order, np.zeros(len(order), np.uint16))
+    settle(pf)
+    count("cancelled-fetches")
 
 
 @pytest.fixture(autouse=True)
