@@ -375,37 +375,47 @@ class ScheduleReader:
     # ---- decode pool -----------------------------------------------------
 
     def _finish_all(self, items: list) -> None:
-        for item in items:
-            self._finish(*item)
-
-    def _finish(self, pos: int, slot: _Slot, key: bytes, data) -> None:
-        try:
-            parts = to_raw_entry(data)
-        except InvalidRequest as exc:
-            parts = ()
-            slot.corrupt = True
-            log.warning("schedule %r position %d: stored entry is corrupt (%s); serving a miss and deleting it",
-                        self.schedule.schedule_id, pos, exc)
+        """Verify and decompress a few read entries (a pool thread), then publish them under one lock."""
+        decoded, failure = [], None
+        for n, (pos, slot, key, data) in enumerate(items):
             try:
-                self._store.discard_corrupt([key])
-            except ActCacheError as delete_error:
-                log.warning("could not delete the corrupt entry: %s", delete_error)
-        except BaseException as exc:
-            with self._cond:
-                self._slots.pop(pos, None)
-            self._budget.release(self, slot.held)
-            self._fail(exc, at=pos)
-            return
-        nbytes = sum(len(p) for p in parts)
+                parts = to_raw_entry(data)
+            except InvalidRequest as exc:
+                parts = ()
+                slot.corrupt = True
+                self._discard_corrupt(pos, key, exc)
+            except BaseException as exc:
+                failure = n, exc
+                break
+            decoded.append((pos, slot, parts))
+        excess, published = 0, False
         with self._cond:
-            if self.state is ReaderState.CANCELLED or pos >= self._end:
-                self._slots.pop(pos, None)
-                excess = slot.held
-            else:
-                excess = slot.held - nbytes
-                slot.parts, slot.nbytes, slot.held, slot.ready = parts, nbytes, nbytes, True
+            for pos, slot, parts in decoded:
+                if self.state is ReaderState.CANCELLED or pos >= self._end:
+                    self._slots.pop(pos, None)
+                    excess += slot.held
+                else:
+                    nbytes = sum(len(p) for p in parts)
+                    excess += slot.held - nbytes
+                    slot.parts, slot.nbytes, slot.held, slot.ready = parts, nbytes, nbytes, True
+                    published = True
+            if published:
                 self._advance()
+            if failure is not None:  # this entry and the rest of the batch are never served
+                for pos, slot, _, _ in items[failure[0]:]:
+                    self._slots.pop(pos, None)
+                    excess += slot.held
         self._budget.release(self, excess)
+        if failure is not None:
+            self._fail(failure[1], at=items[failure[0]][0])
+
+    def _discard_corrupt(self, pos: int, key: bytes, exc: InvalidRequest) -> None:
+        log.warning("schedule %r position %d: stored entry is corrupt (%s); serving a miss and deleting it",
+                    self.schedule.schedule_id, pos, exc)
+        try:
+            self._store.discard_corrupt([key])
+        except ActCacheError as delete_error:
+            log.warning("could not delete the corrupt entry: %s", delete_error)
 
     # ---- the consumer ----------------------------------------------------
 
