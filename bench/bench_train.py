@@ -1,7 +1,10 @@
 """Time to accuracy: full training vs a freeze mode, with and without the activation cache, in one invocation.
 
     python bench/bench_train.py --workload {cifar,sst2,cola,mrpc} --mode {full,static,autofreeze,egeria}
-                                [--cache | --no-cache] [--quick] [--data-dir DIR]
+                                [--cache | --no-cache] [--quick] [--data-dir DIR] [--threads N]
+                                [--epochs N] [--train-size N] [--eval-size N]
+                                [--freeze-depth K] [--freeze-at EPOCHS]     (static)
+                                [--eval-every STEPS]                        (autofreeze, egeria)
 
 The full run (it sets the target: its best dev metric minus --tolerance
 points), the mode with the cache (a fresh daemon process, Unix socket, LMDB
@@ -17,6 +20,17 @@ run. bench/README.md has sample output and what every column means:
     static+nocache     ...
     figure: tta_speedup = R
     figure: metric_delta = D
+
+Modes: ``static`` freezes the workload's fixed prefix at a fixed epoch;
+``autofreeze`` and ``egeria`` run the freeze controller
+(``actcache_client.freeze.FreezeController``) with AutoFreeze's or Egeria's
+policy at the papers' defaults, evaluating every --eval-every steps (default:
+an epoch's steps / 5 for AutoFreeze, from the run's length and stage count for
+Egeria; see workloads/freezers.py). Egeria's reference model runs in a
+spawned CPU process per run, never waited for. For these two modes a list of
+every freeze and unfreeze (step, epoch, stage, reason) is printed after the
+tables, and the JSON holds it with every policy observation under
+``runs[i].freezer``. Sample output for them will follow in bench/README.md.
 """
 
 from __future__ import annotations
@@ -31,10 +45,11 @@ import psutil
 import torch
 
 import actcache_client as ac
+from actcache.errors import ConfigError
 from actcache.testing import run_daemon
 from workloads.data import DataNotFound, resolve_data_dir
-from workloads.freezers import MODES, FreezerUnavailable, make_freezer
-from workloads.report import format_table, summarize, write_results
+from workloads.freezers import MODES, make_freezer
+from workloads.report import format_decisions, format_table, summarize, write_results
 from workloads.tasks import WORKLOADS, make_workload
 from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave
 
@@ -52,7 +67,8 @@ def run_all(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Nam
         training, daemons = [], []
         for mode, cache in plan:
             freezer = make_freezer(mode, static_depth=args.freeze_depth or workload.static_depth,
-                                   static_at_epoch=workload.static_at_epoch if args.freeze_at is None else args.freeze_at)
+                                   static_at_epoch=workload.static_at_epoch if args.freeze_at is None else args.freeze_at,
+                                   eval_every=args.eval_every)
             conn = None
             if cache:
                 daemon = stack.enter_context(run_daemon())
@@ -93,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-size", type=int, help="dev/test samples (fixed-seed subset)")
     parser.add_argument("--freeze-depth", type=int, help="static mode: stages to freeze (default per workload)")
     parser.add_argument("--freeze-at", type=float, help="static mode: when, in (fractional) epochs")
+    parser.add_argument("--eval-every", type=int, help="autofreeze/egeria: steps between the policy's evaluations "
+                        "(default: an epoch's steps / 5 for autofreeze; from the run's length for egeria)")
     parser.add_argument("--tolerance", type=float, default=0.3, help="target = full run's best minus this (points)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     parser.add_argument("--threads", type=int, help="torch threads of every run (default: torch's choice); "
@@ -100,13 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:  # fail before loading anything when the mode cannot run
-        make_freezer(args.mode, static_depth=1, static_at_epoch=0)
+    try:  # fail before loading anything when the mode's settings are invalid
+        make_freezer(args.mode, static_depth=args.freeze_depth or 1, static_at_epoch=args.freeze_at or 0,
+                     eval_every=args.eval_every)
         data_dir = resolve_data_dir(args.data_dir)
         sizes = {k: v for k, v in (("epochs", args.epochs), ("train_size", args.train_size),
                                    ("eval_size", args.eval_size)) if v is not None}
         workload = make_workload(args.workload, data_dir, quick=args.quick, **sizes)
-    except (FreezerUnavailable, DataNotFound, ModuleNotFoundError) as exc:
+    except (ConfigError, DataNotFound, ModuleNotFoundError) as exc:
         print(f"bench_train: {exc}", file=sys.stderr)
         return 2
     load_start = os.getloadavg()
@@ -120,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     target, rows = summarize(runs, args.tolerance)
     print(f"\ntarget {workload.metric} {target:.2f} (full run's best {runs[0].best_metric:.2f} - {args.tolerance})")
     print(format_table(rows))
+    decisions = format_decisions(runs)
+    if decisions:
+        print(f"\n{decisions}")
     payload = {"command": " ".join(sys.argv), "args": vars(args), "data_dir": str(data_dir), "target": target,
                "threads": torch.get_num_threads(), "load_average_start": load_start, "summary": rows,
                "runs": [r.to_dict() for r in runs]}

@@ -6,8 +6,10 @@ With no file, plots the newest bench/results/train-*.json of each workload.
 One figure row per workload: left, the dev metric of each run (full,
 static+cache, static+nocache, ...) against its training clock (evaluation
 excluded) with the full run's target as a dashed line (Egeria Fig. 8 style);
-right, the share of parameters still training. Needs matplotlib (the
-``plot`` extra).
+right, the share of parameters still training, from each run's timeline of
+frozen depth: it steps down at every freeze and, for Egeria, back up at an
+unfreeze (the decisions themselves are in ``runs[i].freezer``). Needs
+matplotlib (the ``plot`` extra).
 """
 
 from __future__ import annotations

@@ -1,34 +1,72 @@
-"""Who decides what is frozen during a benchmark run: the plug-in point for the freeze controller.
+"""Who decides what is frozen during a benchmark run: a fixed schedule or the freeze controller.
 
-The trainer calls ``before_step`` ahead of every step (the place to apply a
-decision with ``model.set_frozen(k)``) and ``after_backward`` once the
-gradients exist and before the optimizer steps (where AutoFreeze reads
-gradient norms). ``full`` never freezes; ``static`` freezes a fixed prefix at
-a fixed point of training. ``autofreeze`` and ``egeria`` need the freeze
-controller (``actcache_client.freeze`` has their policies, not yet the code
-that applies them): when it lands, wrap it in a class with these two methods
-and return it from :func:`make_freezer`.
+A freezer's life in one run (``workloads.trainer.TrainingRun``)::
+
+    start(model, optimizer, steps_per_epoch=, total_steps=)   once, before the first step
+    every step:  before_step(info, model)      apply a decision (model.set_frozen(k))
+                 forward, backward
+                 after_backward(info, model)   gradients exist, the optimizer has not stepped
+                 optimizer step, scheduler step
+    close() -> dict                            once, when the run ends or fails: stop helpers,
+                                               return what the results record about the freezer
+
+``full`` never freezes; ``static`` freezes a fixed prefix at a fixed point of
+training; ``autofreeze`` and ``egeria`` wrap
+:class:`~actcache_client.freeze.FreezeController` with AutoFreeze's and
+Egeria's policies at the papers' defaults. The controller's step protocol
+maps onto the hooks: ``after_backward`` is the controller's
+``after_backward()`` (frozen gradients dropped, AutoFreeze's gradient sums),
+and the controller's ``step(loss, lr=, epoch=)`` for step k runs in
+``before_step`` of step k+1, with the loss of step k and the learning rate
+the scheduler set for step k+1. That is where ``controller.step`` sits in a
+plain loop too (after the optimizer and scheduler, before the next forward),
+so an evaluation's decision applies from the next forward on and Egeria's
+probe, armed by ``step``, captures that forward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+import torch
+
+from actcache.errors import ConfigError
 from actcache_client import CachedForward
+from actcache_client.freeze import (
+    AutoFreezeConfig,
+    AutoFreezePolicy,
+    EgeriaConfig,
+    EgeriaPolicy,
+    FreezeController,
+    FreezePolicy,
+    ReferenceConfig,
+)
 
-__all__ = ["Freezer", "FreezerUnavailable", "MODES", "NoFreeze", "StaticFreeze", "StepInfo", "make_freezer"]
+__all__ = [
+    "AutoFreeze",
+    "ControllerFreeze",
+    "EgeriaFreeze",
+    "Freezer",
+    "MODES",
+    "NoFreeze",
+    "StaticFreeze",
+    "StepInfo",
+    "autofreeze_eval_every",
+    "egeria_eval_every",
+    "make_freezer",
+]
 
 MODES = ("full", "static", "autofreeze", "egeria")
 
 
-class FreezerUnavailable(NotImplementedError):
-    """The requested freeze mode cannot run in this build."""
-
-
 @dataclass(frozen=True)
 class StepInfo:
-    """Where training is: ``epoch`` is fractional (1.5 = halfway through the second epoch)."""
+    """Where training is: ``epoch`` is fractional (1.5 = halfway through the second epoch).
+
+    ``step`` counts the steps done so far; ``lr`` is the one the next step uses.
+    """
 
     step: int
     epoch: float
@@ -39,9 +77,14 @@ class StepInfo:
 class Freezer(Protocol):
     name: str
 
+    def start(self, model: CachedForward, optimizer: torch.optim.Optimizer, *, steps_per_epoch: int,
+              total_steps: int) -> None: ...
+
     def before_step(self, info: StepInfo, model: CachedForward) -> None: ...
 
     def after_backward(self, info: StepInfo, model: CachedForward) -> None: ...
+
+    def close(self) -> dict[str, Any]: ...
 
 
 class NoFreeze:
@@ -49,11 +92,18 @@ class NoFreeze:
 
     name = "full"
 
+    def start(self, model: CachedForward, optimizer: torch.optim.Optimizer, *, steps_per_epoch: int,
+              total_steps: int) -> None:
+        pass
+
     def before_step(self, info: StepInfo, model: CachedForward) -> None:
         pass
 
     def after_backward(self, info: StepInfo, model: CachedForward) -> None:
         pass
+
+    def close(self) -> dict[str, Any]:
+        return {"mode": self.name}
 
 
 class StaticFreeze:
@@ -66,6 +116,10 @@ class StaticFreeze:
             raise ValueError(f"static freezing needs depth >= 1 and at_epoch >= 0, got depth={depth} at_epoch={at_epoch}")
         self.depth, self.at_epoch = depth, at_epoch
 
+    def start(self, model: CachedForward, optimizer: torch.optim.Optimizer, *, steps_per_epoch: int,
+              total_steps: int) -> None:
+        pass
+
     def before_step(self, info: StepInfo, model: CachedForward) -> None:
         if info.epoch >= self.at_epoch and model.frozen != self.depth:
             model.set_frozen(self.depth)
@@ -73,16 +127,210 @@ class StaticFreeze:
     def after_backward(self, info: StepInfo, model: CachedForward) -> None:
         pass
 
+    def close(self) -> dict[str, Any]:
+        return {"mode": self.name, "depth": self.depth, "at_epoch": self.at_epoch}
 
-def make_freezer(mode: str, *, static_depth: int, static_at_epoch: float) -> Freezer:
-    """The freezer of a benchmark mode (see :data:`MODES`)."""
+
+def egeria_eval_every(total_steps: int, num_stages: int, window: int) -> int:
+    """Egeria's evaluation interval n for a run: ``total_steps / (2W) / num_stages / 1.75``, at least 1.
+
+    The controller's rule of thumb (README, Knobs; Egeria §4.2.2 uses ~300
+    iterations for ResNet-56): 2W evaluations for every stage (readings to
+    calibrate its tolerance and fill the window, then W low-slope ones to
+    freeze it) fit in the first 1/1.75 of training. For our workloads
+    at default size: CIFAR ResNet-20, 1,570 steps, 11 stages -> 4; SST-2
+    MiniLM, 500 steps, 8 stages -> 2; CoLA, 564 steps -> 2; ``--quick``
+    sizes -> 1.
+    """
+    return max(1, round(total_steps / (2 * window) / num_stages / 1.75))
+
+
+def autofreeze_eval_every(steps_per_epoch: int, intervals_per_epoch: int) -> int:
+    """AutoFreeze's interval T: an epoch's steps / ``intervals_per_epoch`` (the paper: 5), at least 1.
+
+    CIFAR at default size: 157 steps per epoch -> 31; SST-2: 250 -> 50; CoLA: 188 -> 37.
+    """
+    return max(1, steps_per_epoch // intervals_per_epoch)
+
+
+class ControllerFreeze:
+    """A :class:`FreezeController` driving a policy through the freezer hooks (see the module docstring).
+
+    Subclasses give the policy and the default interval; ``eval_every``
+    overrides it. One instance drives one run: the controller, and with it
+    the policy's state, is built in :meth:`start`. The optimizer is never
+    rebuilt (the controller drops frozen gradients before each step), so
+    the trainer's optimizer and scheduler keep running unchanged.
+    """
+
+    name = "controller"
+
+    def __init__(self, *, eval_every: int | None = None) -> None:
+        if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
+            raise ConfigError(f"eval_every={eval_every!r} must be a positive number of steps, or None for the "
+                              f"{self.name} default")
+        self.eval_every = eval_every
+        self.controller: FreezeController | None = None
+        self.steps_per_epoch = 1
+        self._record: dict[str, Any] | None = None
+
+    def make_policy(self) -> FreezePolicy:
+        raise NotImplementedError
+
+    def default_eval_every(self, *, steps_per_epoch: int, total_steps: int, num_stages: int) -> int:
+        raise NotImplementedError
+
+    def reference(self) -> ReferenceConfig | None:
+        """The reference process's configuration (plasticity policies only)."""
+        return None
+
+    def settings(self) -> dict[str, Any]:
+        """The policy's knobs, for the results."""
+        return {}
+
+    def start(self, model: CachedForward, optimizer: torch.optim.Optimizer, *, steps_per_epoch: int,
+              total_steps: int) -> None:
+        if self.controller is not None:
+            raise RuntimeError(f"this {self.name} freezer already drives a run; make one per run (make_freezer)")
+        self.steps_per_epoch = steps_per_epoch
+        if self.eval_every is None:
+            self.eval_every = self.default_eval_every(steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                                                      num_stages=model.model.num_stages)
+        # hook_optimizer=False: the trainer calls after_backward itself, once per step.
+        self.controller = FreezeController(model, optimizer, self.make_policy(), eval_every=self.eval_every,
+                                           reference=self.reference(), hook_optimizer=False)
+
+    def _controller(self) -> FreezeController:
+        if self.controller is None:
+            raise RuntimeError(f"{self.name} freezer: start() must run before the first step")
+        return self.controller
+
+    def before_step(self, info: StepInfo, model: CachedForward) -> None:
+        ctl = self._controller()
+        if info.step > ctl.step_count:  # step info.step - 1 is done: count it (an evaluation every eval_every)
+            ctl.step(info.loss, lr=info.lr, epoch=(info.step - 1) // self.steps_per_epoch)
+
+    def after_backward(self, info: StepInfo, model: CachedForward) -> None:
+        self._controller().after_backward()
+
+    def close(self) -> dict[str, Any]:
+        """Stop the controller (and Egeria's reference process); return its settings and what it did.
+
+        ``decisions``: every freeze and unfreeze (step, epoch, stage, depth
+        after, lr, reason); ``trace``: every observation (step, stage judged,
+        signal and value, slope and threshold, depth after, reason);
+        ``reference_stats``: Egeria's probes and readings.
+        """
+        if self._record is not None:
+            return self._record
+        ctl = self.controller
+        record: dict[str, Any] = {"mode": self.name, "eval_every": self.eval_every, "settings": self.settings()}
+        if ctl is None:
+            return record
+        ctl.close()
+        observed = [r for r in ctl.timeline.records if r.get("event") == "evaluation"]
+        record.update(policy=type(ctl.policy).__name__, evaluations=ctl.evaluations, final_frozen=ctl.frozen,
+                      decisions=[_decision(r, self.steps_per_epoch) for r in observed if r["decision"] != "none"],
+                      trace=[{k: r[k] for k in _TRACED} for r in observed])
+        stats = ctl.reference_stats
+        if stats is not None:
+            record["reference_stats"] = dataclasses.asdict(stats)
+        self._record = record
+        return record
+
+
+#: What the results keep of every policy observation (the controller's timeline has more).
+_TRACED = ("step", "stage", "signal", "value", "loss", "slope", "threshold", "frozen", "reason")
+
+
+def _decision(record: dict[str, Any], steps_per_epoch: int) -> dict[str, Any]:
+    """One freeze or unfreeze from the controller's timeline: when, which stage, the depth after it, why."""
+    return {"step": record["step"], "epoch": record["step"] / steps_per_epoch, "decision": record["decision"],
+            "stage": record["stage"], "stage_name": record["stage_name"], "frozen": record["frozen"],
+            "active_param_share": record["active_param_share"], "lr": record["lr"], "reason": record["reason"]}
+
+
+class AutoFreeze(ControllerFreeze):
+    """AutoFreeze (gradient-norm change) at the paper's defaults: median percentile, 5 intervals per epoch.
+
+    The interval T is an epoch's steps / 5 (:func:`autofreeze_eval_every`).
+    The paper fine-tunes BERT, as on ``sst2`` and ``cola`` here; on
+    ``cifar`` (ResNet-20 from scratch) the same rule runs unchanged, so the
+    results show what it costs outside its home ground. AutoFreeze never
+    unfreezes, so its frozen prefix only grows and every cached entry stays
+    valid until the next stage freezes.
+    """
+
+    name = "autofreeze"
+
+    def __init__(self, config: AutoFreezeConfig | None = None, *, eval_every: int | None = None) -> None:
+        super().__init__(eval_every=eval_every)
+        self.config = config or AutoFreezeConfig()
+
+    def make_policy(self) -> FreezePolicy:
+        return AutoFreezePolicy(self.config)
+
+    def default_eval_every(self, *, steps_per_epoch: int, total_steps: int, num_stages: int) -> int:
+        return autofreeze_eval_every(steps_per_epoch, self.config.intervals_per_epoch)
+
+    def settings(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.config)
+
+
+class EgeriaFreeze(ControllerFreeze):
+    """Egeria (plasticity against a reference model) at the paper's defaults, its reference on the CPU.
+
+    Policy: W=10, tolerance 20% of the first 3 slopes, bootstrapping until
+    the loss changes < 10% per interval, unfreeze all on a 10x learning-rate
+    drop since stage 0 froze. The interval n comes from the run's length
+    and stage count (:func:`egeria_eval_every`). Reference: the controller's
+    defaults (``precision="auto"``: int8 when it is not slower, one thread,
+    at most one probe in flight) except ``max_cpu_percent=None``: a CPU-only
+    trainer keeps the CPU busy, and the paper's "only below 50% CPU" rule
+    would skip every probe, so Egeria would never freeze.
+
+    What the learning-rate rule does per workload: ``cifar`` drops the LR
+    10x at 50% and 75% of the steps, so stages frozen before 50% are
+    unfrozen there and refreeze with W halved (Egeria's design for step
+    schedules). ``sst2``/``cola`` decay linearly after a 6% warm-up: the
+    LR falls to a tenth of its value at the first freeze only in the last
+    ~10% of the steps (or never, if that freeze comes later), where
+    everything unfreezes once and refreezes with W=5.
+
+    Readings arrive asynchronously (training never waits), so two runs of
+    the same workload can freeze at different steps; the results record
+    each run's decisions.
+    """
+
+    name = "egeria"
+
+    def __init__(self, config: EgeriaConfig | None = None, *, eval_every: int | None = None,
+                 reference: ReferenceConfig | None = None) -> None:
+        super().__init__(eval_every=eval_every)
+        self.config = config or EgeriaConfig()
+        self.reference_config = reference or ReferenceConfig(max_cpu_percent=None)
+
+    def make_policy(self) -> FreezePolicy:
+        return EgeriaPolicy(self.config)
+
+    def default_eval_every(self, *, steps_per_epoch: int, total_steps: int, num_stages: int) -> int:
+        return egeria_eval_every(total_steps, num_stages, self.config.window)
+
+    def reference(self) -> ReferenceConfig | None:
+        return self.reference_config
+
+    def settings(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self.config), "reference": dataclasses.asdict(self.reference_config)}
+
+
+def make_freezer(mode: str, *, static_depth: int, static_at_epoch: float, eval_every: int | None = None) -> Freezer:
+    """A fresh freezer of a benchmark mode (see :data:`MODES`); ``eval_every`` applies to the controller modes."""
     if mode == "full":
         return NoFreeze()
     if mode == "static":
         return StaticFreeze(static_depth, static_at_epoch)
-    if mode in ("autofreeze", "egeria"):
-        raise FreezerUnavailable(
-            f"mode {mode!r} is not available yet: it needs the freeze controller that applies "
-            f"actcache_client.freeze policies during training. Run --mode full or static for now; the plug-in "
-            f"point is make_freezer() in bench/workloads/freezers.py")
+    if mode == "autofreeze":
+        return AutoFreeze(eval_every=eval_every)
+    if mode == "egeria":
+        return EgeriaFreeze(eval_every=eval_every)
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")

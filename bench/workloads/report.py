@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from .trainer import RunResult
 
-__all__ = ["SPLIT_KEYS", "format_table", "label", "summarize", "time_to_target", "write_results"]
+__all__ = ["SPLIT_KEYS", "format_decisions", "format_table", "label", "summarize", "time_to_target", "write_results"]
 
 SPLIT_KEYS = ("data", "fetch_wait", "prefix", "suffix_forward", "backward", "optimizer", "other")
 
@@ -71,17 +71,44 @@ def _fmt(value: Any, spec: str) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """Two aligned tables: outcome per run, then where its training time went (seconds)."""
-    head = (f"{'run':<16}{'final':>8}{'best':>8}{'delta':>8}{'TTA s':>9}{'train s':>9}{'wall s':>9}"
+    w = max([16, *(len(r["run"]) + 2 for r in rows)])  # "autofreeze+nocache" is 18 characters
+    head = (f"{'run':<{w}}{'final':>8}{'best':>8}{'delta':>8}{'TTA s':>9}{'train s':>9}{'wall s':>9}"
             f"{'speedup':>9}{'TTA x':>8}{'CPU s':>8}{'CPU x':>7}{'hits':>7}{'MB wr':>8}{'MB rd':>8}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['run']:<16}{_fmt(r['final'], '8.2f')}{_fmt(r['best'], '8.2f')}{_fmt(r['metric_delta'], '+8.2f')}"
+        lines.append(f"{r['run']:<{w}}{_fmt(r['final'], '8.2f')}{_fmt(r['best'], '8.2f')}{_fmt(r['metric_delta'], '+8.2f')}"
                      f"{_fmt(r['tta_s'], '9.1f')}{r['train_s']:>9.1f}{r['wall_s']:>9.1f}{_fmt(r['speedup'], '8.2f')}x"
                      f"{_fmt(r['tta_speedup'], '7.2f')}x{r['cpu_s']:>8.0f}{_fmt(r['cpu_speedup'], '6.2f')}x"
                      f"{r['hit_ratio']:>7.0%}{r['mb_written']:>8.0f}{r['mb_read']:>8.0f}")
-    lines += ["", f"{'time split (s)':<16}" + "".join(f"{k:>15}" for k in (*SPLIT_KEYS, "eval"))]
+    lines += ["", f"{'time split (s)':<{w}}" + "".join(f"{k:>15}" for k in (*SPLIT_KEYS, "eval"))]
     for r in rows:
-        lines.append(f"{r['run']:<16}" + "".join(f"{r[f'{k}_s']:>15.1f}" for k in (*SPLIT_KEYS, "eval")))
+        lines.append(f"{r['run']:<{w}}" + "".join(f"{r[f'{k}_s']:>15.1f}" for k in (*SPLIT_KEYS, "eval")))
+    return "\n".join(lines)
+
+
+def format_decisions(runs: Sequence[RunResult]) -> str:
+    """Each controller run's freezes and unfreezes (step, epoch, stage, depth after, reason); "" if none ran."""
+
+    def what(d: dict[str, Any]) -> str:
+        return f"freeze stage {d['stage']} ({d['stage_name']})" if d["decision"] == "freeze_next" else "unfreeze all"
+
+    width = max((len(what(d)) for run in runs for d in run.freezer.get("decisions", ())), default=0)
+    lines = []
+    for run in runs:
+        f = run.freezer
+        if "decisions" not in f:
+            continue
+        head = (f"{label(run)}: {len(f['decisions'])} freeze decision(s) in {f['evaluations']} evaluations "
+                f"(every {f['eval_every']} steps), {f['final_frozen']} stage(s) frozen at the end")
+        ref = f.get("reference_stats")
+        if ref is not None:
+            head += (f"; reference: {ref['readings']} readings of {ref['submitted']} probes, skipped "
+                     f"{ref['skipped_full']} (queue full) and {ref['skipped_busy']} (CPU busy)")
+        lines.append(head)
+        for d in f["decisions"]:
+            lines.append(f"  step {d['step']:>5} (epoch {d['epoch']:5.2f}): {what(d):<{width}} -> "
+                         f"{d['frozen']:>2} frozen, {d['active_param_share']:6.1%} of parameters training: "
+                         f"{d['reason']}")
     return "\n".join(lines)
 
 

@@ -5,8 +5,9 @@
 prefix is recomputed every step, so a run with and without the cache is the
 same computation), evaluates the dev metric ``evals_per_epoch`` times per
 epoch, and returns a :class:`RunResult`: metric curve on the training clock
-(wall time minus evaluation), time split, cache counters and the timeline of
-frozen depth and active parameters.
+(wall time minus evaluation), time split, cache counters, the timeline of
+frozen depth and active parameters, and what the freezer recorded (for the
+controller modes, every freeze and unfreeze decision with its step and reason).
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class RunResult:
     split_s: dict[str, float] = field(default_factory=dict)
     cache_stats: dict[str, float] = field(default_factory=dict)
     timeline: list[dict[str, float]] = field(default_factory=list)
+    #: ``Freezer.close()``: the mode's settings and, for the controller modes, its decisions.
+    freezer: dict[str, Any] = field(default_factory=dict)
 
     @property
     def final_metric(self) -> float:
@@ -136,6 +139,9 @@ class TrainingRun:
     turn. Its clocks (training wall and CPU seconds, evaluation excluded)
     advance only during its own slices, and it keeps its own torch RNG
     state (dropout), so interleaved runs compute what they would alone.
+    The freezer is started with the run's model and optimizer here and
+    closed when ``slices()`` ends, also when it fails or is abandoned; time
+    spent in its hooks counts as "other" in the split.
     """
 
     def __init__(
@@ -164,6 +170,7 @@ class TrainingRun:
         self.per_epoch = len(self.loader)
         self.total = w.epochs * self.per_epoch if max_steps is None else min(max_steps, w.epochs * self.per_epoch)
         self.scheduler = w.schedule(self.opt, self.total, self.per_epoch)
+        freezer.start(self.model, self.opt, steps_per_epoch=self.per_epoch, total_steps=self.total)
         self.result = RunResult(w.name, freezer.name, connection is not None, w.metric)
         self.split = dict.fromkeys(("data", "backward", "optimizer", "eval"), 0.0)
         self._rng = torch.get_rng_state()
@@ -203,6 +210,12 @@ class TrainingRun:
 
     def slices(self) -> Iterator[None]:
         """Train to the end, yielding after each evaluation; ``result`` is complete when it returns."""
+        try:
+            yield from self._slices()
+        finally:
+            self.result.freezer = self.freezer.close()
+
+    def _slices(self) -> Iterator[None]:
         w, model, split, per_epoch = self.workload, self.model, self.split, self.per_epoch
         stats0 = dataclasses.replace(self.connection.stats) if self.connection is not None else None
         eval_at = {min(per_epoch, round(per_epoch * (k + 1) / w.evals_per_epoch)) for k in range(w.evals_per_epoch)}

@@ -10,7 +10,7 @@ import torch
 
 import actcache_client as ac
 from tests.bench.fake_data import make_data_dir
-from workloads.freezers import FreezerUnavailable, NoFreeze, StaticFreeze, make_freezer
+from workloads.freezers import NoFreeze, StaticFreeze
 from workloads.report import format_table, summarize, time_to_target
 from workloads.tasks import cifar, glue, make_workload
 from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave, matthews, train
@@ -70,10 +70,7 @@ def test_full_run_never_touches_the_cache(data_dir):
     assert run.steps == 2 and run.split_s["prefix"] == 0 and [t["frozen"] for t in run.timeline] == [0]
 
 
-def test_modes_without_a_controller_say_so_and_mrpc_says_it_is_absent(data_dir):
-    for mode in ("autofreeze", "egeria"):
-        with pytest.raises(FreezerUnavailable, match="needs the freeze controller.*make_freezer"):
-            make_freezer(mode, static_depth=1, static_at_epoch=0)
+def test_mrpc_says_it_is_absent(data_dir):
     with pytest.raises(FileNotFoundError, match=r"MRPC is not in .*runnable text workloads: sst2, cola"):
         make_workload("mrpc", data_dir)
 
@@ -127,11 +124,12 @@ def test_bench_train_writes_results_and_ends_with_the_figures(data_dir, tmp_path
         assert (tmp_path / "p.png").stat().st_size > 0
 
 
-def test_bench_train_refuses_modes_that_need_the_controller(capsys):
+def test_bench_train_refuses_a_bad_interval_before_loading_data(capsys):
     import bench_train
 
-    assert bench_train.main(["--workload", "cifar", "--mode", "egeria"]) == 2
-    assert "not available yet: it needs the freeze controller" in capsys.readouterr().err
+    assert bench_train.main(["--workload", "cifar", "--mode", "egeria", "--eval-every", "0",
+                             "--data-dir", "/nonexistent"]) == 2
+    assert "eval_every=0 must be a positive number of steps" in capsys.readouterr().err
 
 
 def tiny_text_workload() -> Workload:
