@@ -56,12 +56,15 @@ class EntryBatch:
         return cls(header.start, header.sample_ids, header.variants, values)
 
     @classmethod
-    def from_slots(cls, header: pb.EntriesHeader, segment: "ClientSegment") -> "EntryBatch":
-        """Views into the shared-memory segment for a frame of slot descriptors."""
+    def from_slots(cls, header: pb.EntriesHeader, segment: "ClientSegment",
+                   payload: bytes | memoryview = b"") -> "EntryBatch":
+        """Views into the shared-memory segment for a frame of slot descriptors (offset 0: the
+        entry is in the frame's payload, as one larger than the ring is)."""
         if len(header.offsets) != len(header.lengths):
             raise ActCacheError(f"Fetch frame lists {len(header.lengths)} lengths but {len(header.offsets)} offsets")
         view = segment.view
-        values = [view[o : o + n] if n else None for o, n in zip(header.offsets, header.lengths)]
+        inline = iter(split_payload(payload, [n for o, n in zip(header.offsets, header.lengths) if n and not o]))
+        values = [(view[o : o + n] if o else next(inline)) if n else None for o, n in zip(header.offsets, header.lengths)]
         return cls(header.start, header.sample_ids, header.variants, values, "shared_memory")
 
     def __len__(self) -> int:
@@ -318,7 +321,7 @@ class RpcClient:
 
         ``shared_memory=True`` asks for the same-host data plane (Unix socket
         only; see actcache.shm): values are views into a ring of
-        ``ring_bytes`` (0 = 8 MiB; it must hold the largest entry) that the daemon reuses, so a batch's
+        ``ring_bytes`` (0 = 8 MiB; an entry larger than the ring comes in the frame) that the daemon reuses, so a batch's
         views are valid only until the next batch is asked for (copy what
         you keep). ``batch.data_plane`` says which path the daemon took.
         """
@@ -342,7 +345,7 @@ class RpcClient:
                             use_shm = False
                             break
                     if segment is not None:
-                        batch = EntryBatch.from_slots(header, segment)
+                        batch = EntryBatch.from_slots(header, segment, payload)
                     else:
                         values = [v if len(v) else None for v in split_payload(payload, header.lengths)]
                         batch = EntryBatch(header.start, header.sample_ids, header.variants, values)

@@ -36,8 +36,8 @@ Invariants:
 - when the ring is full the daemon first sends the frame of the entries it
   has already written, then polls ``released`` (backing off to 2 ms) while
   the call is alive, so the client always holds what it needs to move on:
-  no deadlock as long as one entry fits in the ring (a larger entry ends the
-  stream with INVALID_ARGUMENT naming the ring size);
+  no deadlock: an entry larger than the whole ring is never allocated a
+  slot, it travels in its frame's payload instead;
 - the ring is outside the prefetch budget: an entry's budget bytes are
   released once it is copied into the ring.
 

@@ -276,10 +276,14 @@ class ActCacheService:
             return None, f"shared memory unavailable: {exc}"
 
     def _fetch_shm(self, reader, ring: "ShmRing", frame_bytes: int, context) -> Iterator[bytes]:
-        """Frames of slot descriptors: each entry is copied into the ring once its slot is free."""
+        """Frames of slot descriptors: each entry is copied into the ring once its slot is free.
+
+        An entry larger than the whole ring travels alone in a frame of its own, in the payload
+        (offset 0), so no entry size ends the stream.
+        """
         first = True
 
-        def frame(header: pb.EntriesHeader, lo: int, hi: int, offsets: list[int]) -> bytes:
+        def frame(header: pb.EntriesHeader, lo: int, hi: int, offsets: list[int], inline: tuple = ()) -> bytes:
             nonlocal first
             out = pb.EntriesHeader(
                 start=header.start + lo, sample_ids=header.sample_ids[lo:hi],
@@ -288,7 +292,7 @@ class ActCacheService:
             )
             if first:
                 out.data_plane, out.segment, first = "shared_memory", str(ring.path), False
-            return encode_frame(out.SerializeToString(), [])
+            return encode_frame(out.SerializeToString(), list(inline))
 
         for batch in reader.batches(frame_bytes):
             header, lo, offsets = batch.header, 0, []
@@ -299,10 +303,11 @@ class ActCacheService:
                     offsets.append(0)
                     continue
                 if size > ring.ring_bytes:
-                    raise InvalidRequest(
-                        f"entry at position {header.start + i} has {size} bytes, more than the shared-memory "
-                        f"ring ({ring.ring_bytes} bytes); Fetch with a larger ring_bytes"
-                    )
+                    if i > lo:
+                        yield frame(header, lo, i, offsets)
+                    yield frame(header, i, i + 1, [0], parts)
+                    lo, offsets = i + 1, []
+                    continue
                 offset = ring.alloc(header.start + i, size)
                 if offset is None:
                     if i > lo:  # the ring is full: hand over what is written so the client can release it

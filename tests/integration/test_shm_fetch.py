@@ -8,6 +8,7 @@ import numpy as np
 from actcache._proto import actcache_pb2 as pb
 from actcache.rpc import decode_frame, method
 from actcache.shm import ClientSegment
+from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.testing import run_daemon
 from tests.integration.conftest import SHM_FP as FP
 from tests.integration.conftest import SMALL_RING as RING
@@ -149,3 +150,20 @@ def test_a_tcp_client_asking_for_shared_memory_gets_bytes(shm_dir):
         assert sum(len(pb.EntriesHeader.FromString(bytes(decode_frame(f)[0])).lengths) for f in frames) == 6
         assert len(decode_frame(frames[0])[1]) == sum(header.lengths) > 0
         assert segments(shm_dir) == []
+
+
+def test_entries_larger_than_the_ring_travel_in_their_frame(shm_dir):
+    """Small entries go through the ring and larger-than-ring ones inline; the stream never ends early."""
+    rng = np.random.default_rng(5)
+    tensors = {i: rng.standard_normal(40_000 if i % 3 == 0 else 1_000, dtype=np.float32) for i in range(30)}
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
+        ns = client.open("large").namespace_id
+        client.put(ns, FP, 1, [(i, 0, encode_entry([TensorSpec(DType.float32, t.shape)], [t])) for i, t in tensors.items()])
+        order = np.arange(30, dtype=np.uint64)[::-1].copy()
+        client.schedule(ns, FP, 1, "bytes", order)
+        expected, _ = fetched(client, ns, "bytes")
+        client.schedule(ns, FP, 1, "shm", order)
+        got, planes = fetched(client, ns, "shm", shared_memory=True, ring_bytes=RING, max_frame_bytes=16 << 10)
+    assert planes == {"shared_memory"}
+    assert got == expected and all(v is not None for *_, v in got)
+    assert {len(v) > RING for *_, v in got} == {True, False}  # 160 KB entries beside 4 KB ones
