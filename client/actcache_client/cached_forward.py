@@ -90,6 +90,7 @@ class CachedForward:
         self._fingerprints: list[bytes] = prefix_fingerprints(list(model.stages), 0)
         self._seed_depths: list[int] = []  # frozen depths whose entries may seed deeper ones
         self._lookahead = Lookahead(connection, lookahead) if connection is not None and lookahead else None
+        self._probed = False  # a read-speed probe was sent this epoch
         self._written: dict[bytes, set[int]] = {}  # fingerprint -> sample ids stored (or found) under it
         self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
         self._connection_seen = (0, 0.0, 0, 0.0)
@@ -160,7 +161,9 @@ class CachedForward:
         if self.planner is None:
             return k, 1.0
         current = self.planner.current
-        if current is None or current.mode is PlanMode.RECOMPUTE:
+        if current is None:  # not measured yet: this pass computes the prefix anyway, so keep what it computes
+            return k, 1.0
+        if current.mode is PlanMode.RECOMPUTE:
             return None
         return current.cache_depth, current.cached_fraction
 
@@ -175,6 +178,7 @@ class CachedForward:
     def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0) -> None:
         """Called by CachedLoader with this rank's batches for the epoch, so lookups run ahead."""
         if self.planner is not None and batches:
+            self._probed = False
             self.planner.begin_epoch(epoch, sum(len(b) for b in batches), len(batches[0]))
             if self._frozen:
                 self.planner.plan_for(self._frozen)
@@ -315,9 +319,10 @@ class CachedForward:
         snapshot = tuple(t.detach().clone() for t in state) if isinstance(state, tuple) else state.detach().clone()
         varlen, level = self.varlen, self.zstd_level
         self._mark_written(depth, ids)
-        # Without a read-speed measurement yet, read this put back once: a slow disk then shows
-        # during the write epoch, before the cache is relied upon.
-        probe = self.planner is not None and not self.planner.has_fetch_rate()
+        # Without a read-speed measurement yet, read one put back (once per epoch until it is
+        # measured): a slow disk then shows during the write epoch, before the cache is relied upon.
+        probe = self.planner is not None and not self.planner.has_fetch_rate() and not self._probed
+        self._probed = self._probed or probe
         self.connection.store(
             self._fingerprints[depth], depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, zstd_level=level, varlen=varlen), probe=probe,

@@ -11,8 +11,8 @@ fraction; B = batch size; R = remaining epochs; 1/h2d is 0 on CPU-only machines:
     transfer(j, c) = c·e_j·(1/fetch + 1/h2d) + latency/B      daemon read-ahead, side-stream H2D copy
     decode(j, c)   = c·e_j/decode                            bytes -> tensor on the client thread
     steady(j, c)   = max(transfer, device) + decode          one read epoch
-    write(j, c)    = c·e_j·(1/write + 1/h2d)                 D2H copy + put, in the write epoch only
-    amortized(j,c) = (baseline + write + (R - 1)·steady) / R
+    write(j, c)    = (c - w)·e_j·(1/write + 1/h2d)           D2H copy + put of what is not stored yet
+    amortized(j,c) = (steady(j, w) + write + (R - 1)·steady) / R    w = share already stored (steady(j, 0) = baseline)
 
 Overlap: the daemon reads ahead along the pushed epoch order and the client copies to
 the device on a side stream, so fetch + H2D run while the device computes the step (the
@@ -22,13 +22,15 @@ same in every plan and left out. Entries written in epoch e are first read in ep
 the write epoch runs the full prefix anyway (capturing depth j on the way), gains nothing
 and pays ``write``, so the benefit is (R - 1)·(baseline - steady); R <= 1 never caches.
 
-Entries already written (``written_fraction[j]`` of the samples at depth j) cost nothing
-more: a plan within them has no write epoch (amortized = steady), even in the last epoch.
+Entries already written (w = ``written_fraction[j]`` of the samples at depth j) cost nothing
+more: a plan within them has no write epoch (amortized = steady), even in the last epoch; a
+plan beyond them reads them in its write epoch and writes only the rest (so a cache that is
+99% filled is completed, not left at 99% because a full write epoch looked too costly).
 
 Partial caching (AutoFreeze's I < D): c <= c_budget = budget / (num_samples·e_j), members
 chosen by :func:`cached_subset`. amortized is convex piecewise linear in c, so its minimum
-is at c_budget or at the balance point c* where transfer = device (caching more only makes
-the step wait for the disk). All j in 1..k with both fractions are tried (deeper j wins
+is at c_budget, at the balance point c* where transfer = device (caching more only makes
+the step wait for the disk), or at w (where the write term starts). All j in 1..k with both fractions are tried (deeper j wins
 ties); CACHE needs strictly faster and ``1 - amortized/baseline >= min_gain``.
 """
 
@@ -138,16 +140,22 @@ def _size(n: float) -> str:
 def _evaluate(j: int, c: float, k: int, pre: list[float], m: Measurements) -> dict[str, float]:
     e, inv_h2d = m.entry_bytes_per_sample[j], 0.0 if m.h2d_bytes_per_s is None else 1.0 / m.h2d_bytes_per_s
     baseline = pre[k] + m.suffix_step_s_per_sample
-    device = c * (pre[k] - pre[j]) + (1.0 - c) * pre[k] + m.suffix_step_s_per_sample
-    transfer = c * e * (1.0 / m.fetch_bytes_per_s + inv_h2d) + m.fetch_latency_s / m.batch_size
-    decode = c * e / m.decode_bytes_per_s
-    steady = max(transfer, device) + decode
+
+    def reading(x: float) -> tuple[float, float, float, float]:
+        """(device, transfer, decode, step) per sample with a share x of the samples read at depth j."""
+        device = x * (pre[k] - pre[j]) + (1.0 - x) * pre[k] + m.suffix_step_s_per_sample
+        transfer = x * e * (1.0 / m.fetch_bytes_per_s + inv_h2d) + m.fetch_latency_s / m.batch_size
+        decode = x * e / m.decode_bytes_per_s
+        return device, transfer, decode, max(transfer, device) + decode
+
+    device, transfer, decode, steady = reading(c)
     written = m.written_fraction[j] if j < len(m.written_fraction) else 0.0
     if c <= written:  # already stored: no write epoch, every remaining epoch reads
         write, amortized = 0.0, steady
-    else:
+    else:  # this epoch reads what is stored and writes the rest of the share; later epochs read it all
         write = (c - written) * e * (1.0 / m.write_bytes_per_s + inv_h2d)
-        amortized = (baseline + write + (m.remaining_epochs - 1.0) * steady) / m.remaining_epochs
+        this_epoch = (reading(written)[3] if written else baseline) + write
+        amortized = (this_epoch + (m.remaining_epochs - 1.0) * steady) / m.remaining_epochs
     # c* solves transfer(c) = device(c): both are linear in c.
     slope = e * (1.0 / m.fetch_bytes_per_s + inv_h2d) + pre[j]
     balance = (baseline - m.fetch_latency_s / m.batch_size) / slope if slope > 0 else math.inf

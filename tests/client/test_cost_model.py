@@ -332,3 +332,19 @@ def test_entries_already_written_are_read_even_in_the_last_epoch():
     assert filled.mode is PlanMode.CACHE and filled.cache_depth == 2 and filled.write_epoch_extra_s == 0.0
     half = plan(2, dataclasses.replace(m, written_fraction=[0.0, 0.0, 0.5]))
     assert half.mode is PlanMode.CACHE and half.cached_fraction == 0.5
+
+
+def test_a_nearly_filled_cache_is_completed_not_left_at_its_fill():
+    # 99% of the samples are stored at depth 2; writing the last 1% costs only their put, so the
+    # plan caches them all (a model charging a whole recompute epoch for that would stop at 99%).
+    m = Measurements(
+        stage_forward_s_per_sample=[1e-3, 1e-3], entry_bytes_per_sample=[0.0, 32e3, 32e3],
+        fetch_bytes_per_s=1e9, fetch_latency_s=1e-4, write_bytes_per_s=5e8, h2d_bytes_per_s=None,
+        suffix_step_s_per_sample=1e-3, batch_size=16, num_samples=1000, remaining_epochs=2.0,
+        budget_bytes=math.inf, decode_bytes_per_s=2e9, written_fraction=[0.0, 0.0, 0.99],
+    )
+    p = plan(2, m)
+    assert p.mode is PlanMode.CACHE and p.cached_fraction == 1.0
+    assert p.write_epoch_extra_s == pytest.approx(0.01 * 1000 * 32e3 / 5e8)  # only the missing 1% is written
+    last = plan(2, dataclasses.replace(m, remaining_epochs=1.0))
+    assert last.mode is PlanMode.CACHE and last.cached_fraction == 0.99  # nothing new in the last epoch
