@@ -10,7 +10,11 @@ consumer (attached) always may read; a reader without one (e.g. the next
 epoch, pushed early) may read only while no attached reader of its
 namespace is still reading, so the current epoch keeps the disk and the
 budget, and the next epoch's head is ready the moment the current one has
-been read: no dip at the boundary.
+been read: no dip at the boundary. Read-ahead without a consumer never
+starves one: an attached reader that cannot get its bytes makes readers
+without a consumer give theirs back (they are cancelled and read again,
+from where the Fetch starts, once fetched), so schedules pushed and never
+fetched cannot hold the budget.
 
 Cold reads: lookups run on ``probe_threads`` threads ahead of each reader
 and hint the kernel (POSIX_FADV_WILLNEED); the reader then ``pread``s each
@@ -207,11 +211,27 @@ class Prefetcher:
         reader = ScheduleReader(
             schedule, start, store=self.store, budget=self.budget, decode_pool=self._decode,
             probe_pool=self._probe, probe_bytes=self.config.probe_bytes, attached=attached,
-            on_change=self._on_change,
+            on_change=self._on_change, on_starved=self._reclaim_for,
         )
         self._readers[(schedule.namespace_id, schedule.schedule_id)] = reader
         self._all_readers.add(reader)
         return reader
+
+    def _reclaim_for(self, starved: ScheduleReader, need: int) -> None:
+        """``starved`` has a consumer and cannot get ``need`` bytes: readers without one give theirs back."""
+        with self._cond:
+            idle = sorted(((self.budget.held(r), r) for r in self._all_readers if not r.attached and r is not starved),
+                          key=lambda pair: pair[0], reverse=True)
+            victims, freed = [], 0
+            for held, reader in idle:
+                if held == 0 or self.budget.used - freed + need <= self.budget.limit:
+                    break
+                victims.append(reader)
+                freed += held
+        for reader in victims:
+            log.info("schedule %r gives back its read-ahead to schedule %r, whose consumer waits; it is read "
+                     "again when fetched", reader.schedule.schedule_id, starved.schedule.schedule_id)
+            reader.cancel(None)
 
     def _evict_for(self, namespace_id: int) -> list[Schedule]:
         """Make room for one more schedule in the namespace: drop the oldest ones nobody is fetching."""

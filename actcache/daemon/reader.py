@@ -126,6 +126,7 @@ class ScheduleReader:
         probe_bytes: int,
         attached: bool,
         on_change: Callable[["ScheduleReader"], None],
+        on_starved: Callable[["ScheduleReader", int], None] | None = None,
     ) -> None:
         self.schedule = schedule
         self.start = start
@@ -140,6 +141,7 @@ class ScheduleReader:
         self._probe = probe_pool
         self._probe_bytes = probe_bytes
         self._on_change = on_change
+        self._on_starved = on_starved
         self._cond = threading.Condition()
         self._slots: dict[int, _Slot] = {}
         #: Positions from here on are never served (the length, or where the reader failed).
@@ -265,6 +267,8 @@ class ScheduleReader:
             return
         txn.close()
         batch.flush()
+        if self.attached and self._on_starved is not None:
+            self._on_starved(self, n)
         if not self._budget.acquire(self, n, lambda: self._stopping):
             raise _Stop
 

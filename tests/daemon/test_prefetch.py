@@ -319,3 +319,22 @@ def test_read_ahead_of_misses_is_bounded_in_entries(store, monkeypatch):
         assert status.state is ReaderState.READING and status.read == 100
         got = consume(p.attach(1, "e0", 0), each=lambda: check_invariants(p))
     assert len(got) == 1000 and all(v is None for _, _, v in got)
+
+
+def test_read_ahead_without_a_consumer_gives_its_budget_to_a_fetch(store):
+    """Schedules pushed and never fetched fill the budget; a Fetch of another namespace still gets served."""
+    other = store.open_namespace("q").id
+    store.put(other, FP, 1, [(i, 0, encode_entry(SPEC, [tensor(i)])) for i in range(8)])
+    with prefetcher_of(store, prefetch_bytes=1 << 20) as p:
+        p.push(schedule(range(0, 120, 2), "idle0"))  # alone, its share is the whole budget
+        wait_until(lambda: p.stats().buffered_bytes > (1 << 20) - (64 << 10))  # no room for one more entry
+        p.push(schedule(range(8), "wanted", ns=other))
+        done = []
+        consumer = threading.Thread(target=lambda: done.append(consume(p.attach(other, "wanted", 0))), daemon=True)
+        consumer.start()
+        consumer.join(30)
+        assert done, "the Fetch waited for budget held by schedules nobody fetches"
+        assert [sid for _, sid, _ in done[0]] == list(range(8))
+        check_invariants(p)
+        got = consume(p.attach(1, "idle0", 0))  # a cancelled read-ahead is read again when fetched
+    assert [sid for _, sid, _ in got] == list(range(0, 120, 2)) and all(v is not None for *_, v in got)
