@@ -7,6 +7,9 @@ Invariants, under ``cond``:
   ``used + n <= limit``, and either its bytes stay within the fair share
   (``limit // number of active holders``) or it holds nothing yet (so an
   entry larger than the share still makes progress, one at a time);
+- while any holder waits ``first`` (a reader whose consumer waits for it),
+  holders that do not are granted nothing: bytes given back for a starving
+  consumer go to it, not to read-ahead nobody asked for yet;
 - ``max_used`` is the highest ``used`` ever seen.
 
 Holders are schedule readers; the prefetcher decides which are active (a
@@ -17,7 +20,8 @@ registry, so one ``notify_all`` wakes everything that may proceed.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Hashable
+from contextlib import contextmanager
+from typing import Callable, Hashable, Iterator
 
 __all__ = ["MemoryBudget"]
 
@@ -32,6 +36,7 @@ class MemoryBudget:
         self.max_used = 0
         self._held: dict[Hashable, int] = {}
         self._active: set[Hashable] = set()
+        self._first: dict[Hashable, int] = {}  # holders waiting first -> how many waits
 
     def set_active(self, holder: Hashable, active: bool) -> None:
         """Mark ``holder`` as allowed to acquire (or not). Caller holds ``cond``."""
@@ -46,6 +51,8 @@ class MemoryBudget:
 
     def _fits(self, holder: Hashable, n: int) -> bool:
         if holder not in self._active or self.used + n > self.limit:
+            return False
+        if self._first and holder not in self._first:
             return False
         mine = self._held.get(holder, 0)
         return mine == 0 or mine + n <= self.limit // len(self._active)
@@ -71,6 +78,21 @@ class MemoryBudget:
                 return False
             self._grant(holder, n)
             return True
+
+    @contextmanager
+    def first(self, holder: Hashable) -> Iterator[None]:
+        """Within this block ``holder`` waits first: holders outside any ``first`` block get nothing meanwhile."""
+        with self.cond:
+            self._first[holder] = self._first.get(holder, 0) + 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                if self._first[holder] == 1:
+                    del self._first[holder]
+                else:
+                    self._first[holder] -= 1
+                self.cond.notify_all()
 
     def release(self, holder: Hashable, n: int) -> None:
         """Give back ``n`` of ``holder``'s bytes and wake the waiters."""

@@ -267,10 +267,18 @@ class ScheduleReader:
             return
         txn.close()
         batch.flush()
-        if self.attached and self._on_starved is not None:
-            self._on_starved(self, n)
-        if not self._budget.acquire(self, n, lambda: self._stopping):
+        # Without a consumer, wait for the bytes or for a consumer to attach (a Fetch reuses this reader).
+        if not self.attached and self._budget.acquire(self, n, lambda: self._stopping or self.attached):
+            return
+        if self._stopping:
             raise _Stop
+        # Its consumer waits: read-ahead without one gives its bytes back (on_starved), and gets none while this
+        # reader waits, so what is given back comes here.
+        with self._budget.first(self):
+            if self._on_starved is not None:
+                self._on_starved(self, n)
+            if not self._budget.acquire(self, n, lambda: self._stopping):
+                raise _Stop
 
     def _read_all(self) -> None:
         n = len(self.schedule)
