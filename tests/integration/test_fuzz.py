@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.daemon.prefetch import MAX_SCHEDULES_PER_NAMESPACE
-from actcache.errors import ActCacheError, InvalidRequest
+from actcache.errors import ActCacheError
 from actcache.keys import MAX_DEPTH
 from actcache.rpc import encode_frame, method
 from actcache.rpc_client import RpcClient
@@ -314,7 +314,7 @@ BIG_ID = 1000  # one entry of 100 KiB: more than the smallest shared-memory ring
 BIG_SPEC = [TensorSpec(DType.float32, (160, 160))]
 UNSTORED = tuple(range(5000, 5008))
 UNKNOWN_SMALL_ID = 2**31  # never opened (ids are handed out from 1)
-RING_MIN, RING_MAX, RING_DEFAULT = 64 << 10, 4 << 30, 8 << 20  # actcache.shm: ring_bytes is clamped to this range
+RING_MIN = 64 << 10  # actcache.shm: a smaller ring_bytes is raised to this
 
 # Each defect and the status documented for it (actcache/errors.py, daemon/schedule.py, the proto's
 # ScheduleChunk: the first chunk names namespace, fingerprint, depth and schedule id; later chunks leave
@@ -357,10 +357,6 @@ class Prefetch:
     protected: int  # handle of "fuzz-secret" (same entries as pf-a)
     protected_id: int  # its small id, which requests may not use
     round_trips: int  # handle of "pf-rt", where round_trip() puts
-    big_bytes: int  # size of the BIG_ID entry as served (raw codec)
-    #: An entry larger than the shared-memory ring ends the stream with INVALID_ARGUMENT after the entries
-    #: before it (False), or travels in its frame's payload (True); measured once, then held to in every example.
-    big_in_frame: bool
     counter: Iterator[int] = field(default_factory=itertools.count)
 
     def schedule_id(self, prefix: str) -> str:
@@ -378,21 +374,7 @@ def pf(fuzzed):
             put_range(client, ns, range(STORED), fingerprint=FP)
             client.put(ns, FP, 1, [(BIG_ID, 0, big)])
         yield Prefetch(client, channel, Path(daemon.env["ACTCACHE_SHM_DIR"]), public, other, protected, protected_id,
-                       rt, len(big), big_entry_in_frame(client, public))
-
-
-def big_entry_in_frame(client, ns: int) -> bool:
-    """How the daemon serves an entry larger than the shared-memory ring (at least 64 KiB): in its frame's payload
-    (True), or by ending the stream with INVALID_ARGUMENT naming the ring size (False)."""
-    client.schedule(ns, FP, 1, "big-probe", [1, BIG_ID, 2])
-    try:
-        got, planes = fetched(client, ns, "big-probe", shared_memory=True, ring_bytes=1)
-    except InvalidRequest as exc:
-        assert f"more than the shared-memory ring ({RING_MIN} bytes)" in str(exc)
-        return False
-    assert planes == {"shared_memory"}
-    check_entries(got, [1, BIG_ID, 2], [0, 0, 0])
-    return True
+                       rt)
 
 
 def is_stored(sample_id: int, variant: int) -> bool:
@@ -561,10 +543,6 @@ def test_schedule_streams_with_one_defect(fuzzed, pf, kind, data):
     count(f"schedule defect: {kind or 'none'}")
 
 
-def ring_of(ring_bytes: int) -> int:
-    return min(max(ring_bytes or RING_DEFAULT, RING_MIN), RING_MAX)
-
-
 @FUZZ
 @given(data=st.data())
 def test_fetch_requests(fuzzed, pf, data):
@@ -595,12 +573,7 @@ def test_fetch_requests(fuzzed, pf, data):
     if expected == OK and start > len(order):
         expected = grpc.StatusCode.INVALID_ARGUMENT  # start past the end
     variants = [0] * len(order)
-    too_big = [i for i, s in enumerate(order) if s == BIG_ID and i >= start]
-    if expected == OK and shared_memory and too_big and ring_of(ring_bytes) < pf.big_bytes and not pf.big_in_frame:
-        expected = grpc.StatusCode.INVALID_ARGUMENT  # an entry larger than the ring ends the stream (actcache.shm)
-        stop = too_big[0]  # entries before it may come first
-    else:
-        stop = len(order)
+    # Any ring_bytes works: the ring is at least 64 KiB, and BIG_ID (100 KiB) then travels in its frame (actcache.shm).
     kwargs = {"max_frame_bytes": frame_bytes, "shared_memory": shared_memory, "ring_bytes": ring_bytes}
     got, planes, position, code, stopped = [], set(), start, OK, False
     batches = pf.client.fetch_batches(fetch_ns, fetch_id, start, **kwargs)
@@ -628,16 +601,29 @@ def test_fetch_requests(fuzzed, pf, data):
             count("fetch-requests cancelled after the last frame was sent")
             return
         got += rest
-        stop, expected = len(order), OK  # the resumed stream has no ring: a large entry is served too
     assert code == expected, f"Fetch of {target} from {start} answered {code.name}, documented {expected.name}"
     assert planes <= {"shared_memory" if shared_memory else "bytes"}
     if code == OK:
         check_entries(got, order, variants, start)
-    elif got:  # what came before the error is the model's prefix
-        assert len(got) <= stop - start
-        check_entries(got, order[: start + len(got)], variants, start)
+    else:  # every documented error of Fetch comes before its first entry
+        assert got == []
     settle(pf)
     count("fetch-requests" + (" cancelled+resumed" if cancelled else ""))
+
+
+@pytest.mark.parametrize("ring_bytes", [1, RING_MIN - 1, 2**64 - 1])
+def test_absurd_ring_sizes_still_serve_every_entry(fuzzed, pf, ring_bytes):
+    """ring_bytes is raised to 64 KiB or capped at 4 GiB (actcache.shm); an entry larger than the ring (BIG_ID)
+    travels in its frame's payload, so the stream neither ends early nor stalls."""
+    order = [1, BIG_ID, 5000, 2] * 40
+    schedule_id = pf.schedule_id("ring")
+    pf.client.schedule(pf.public, FP, 1, schedule_id, order)
+    got, planes = fetched(pf.client, pf.public, schedule_id, shared_memory=True, ring_bytes=ring_bytes,
+                          max_frame_bytes=4096)
+    assert planes == {"shared_memory"}
+    check_entries(got, order, [0] * len(order))
+    settle(pf)
+    count("absurd-rings")
 
 
 def test_giant_schedules_beyond_the_limits(fuzzed, pf):
