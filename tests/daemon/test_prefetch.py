@@ -338,3 +338,21 @@ def test_read_ahead_without_a_consumer_gives_its_budget_to_a_fetch(store):
         check_invariants(p)
         got = consume(p.attach(1, "idle0", 0))  # a cancelled read-ahead is read again when fetched
     assert [sid for _, sid, _ in got] == list(range(0, 120, 2)) and all(v is not None for *_, v in got)
+
+
+def test_a_reader_waiting_for_budget_before_its_fetch_reclaims_once_fetched(store):
+    """The schedule's reader already waits for budget (pushed, no consumer) when its Fetch arrives."""
+    other = store.open_namespace("q").id
+    store.put(other, FP, 1, [(i, 0, encode_entry(SPEC, [tensor(i)])) for i in range(8)])
+    with prefetcher_of(store, prefetch_bytes=1 << 20) as p:
+        p.push(schedule(range(0, 120, 2), "idle0"))
+        wait_until(lambda: p.stats().buffered_bytes > (1 << 20) - (64 << 10))
+        p.push(schedule(range(8), "wanted", ns=other))
+        wait_until(lambda: {s.schedule_id: s.reader.state for s in p.stats().schedules}["wanted"]
+                   is ReaderState.READING)
+        time.sleep(0.1)  # its reader now waits for bytes nobody will release
+        done = []
+        consumer = threading.Thread(target=lambda: done.append(consume(p.attach(other, "wanted", 0))), daemon=True)
+        consumer.start()
+        consumer.join(30)
+        assert done and [sid for _, sid, _ in done[0]] == list(range(8))
