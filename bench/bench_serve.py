@@ -13,7 +13,7 @@ samples/s and MB/s (of tensor bytes) for:
   ``torch.frombuffer``: the raw limit, single-threaded;
 - served: ``RpcClient.schedule`` then ``fetch_batches``, each entry turned
   into a torch tensor (``decode_entry(verify=False)``: the daemon verified it;
-  the entries arrive with the raw codec, so this is a view);
+  the entries arrive uncompressed, so this is a view);
 - shm (warm only): the same through the shared-memory data plane
   (``fetch_batches(shared_memory=True)``: the frames carry slot descriptors,
   the tensors are views into the ring);
@@ -34,46 +34,44 @@ rate (slower than the disk and than the serve path).
 
 The figure lines at the end: ``serve_ratio_shm`` and ``serve_ratio_bytes``
 (warm, worst of the three shapes), ``cold_serve_vs_disk`` (cold, worst shape),
-``prefetch_hit_ratio`` (worst shape). Sample (``--quick``, 2-core VM shared
-with other jobs, load average ~3: absolute MB/s swing 2x between runs; the
-CPU column moves much less)::
+``prefetch_hit_ratio`` (worst shape). Sample (``--quick``, quiet 2-core VM, load average 1.0)::
 
     shape                     path    state   samples/s    MB/s  disk-read MB/s  O_DIRECT MB/s  CPU s/GB   ratio
-    conv_relu_fp32_64x32x32   raw     warm         1633     428                                     1.35
-                              served  warm         1812     475             253                     3.40    1.11
-                              shm     warm         1669     438             233                     2.73    1.02
-                              raw     cold         1811     475                                     1.47
-                              served  cold          998     262             139            702      3.82    0.55
-                              paced   cold          499     131   hit ratio 0.9894 (stalls 0.009 s)
-    conv_relu_fp16_256x8x8    raw     warm        11801     387                                     1.78
-                              served  warm         7784     255             149                     4.61    0.66
-                              shm     warm         7260     238             139                     4.69    0.62
-                              raw     cold         9377     307                                     1.98
-                              served  cold         4112     135              79           1178      7.83    0.44
-                              paced   cold         2056      67   hit ratio 1.0000 (stalls 0.000 s)
-    transformer_bf16_128x384  raw     warm         5486     539                                     1.25
-                              served  warm         2605     256             202                     2.99    0.47
-                              shm     warm         4299     423             334                     2.93    0.78
-                              raw     cold         2747     270                                     1.48
-                              served  cold         2449     241             190           2556      4.42    0.89
-                              paced   cold         1224     120   hit ratio 1.0000 (stalls 0.000 s)
+    conv_relu_fp32_64x32x32   raw     warm         2978     781                                     1.28
+                              served  warm         2122     556             296                     3.00    0.71
+                              shm     warm         2657     697             370                     2.44    0.89
+                              raw     cold         2187     573                                     1.47
+                              served  cold         1584     415             221           1262      3.62    0.72
+                              paced   cold          792     208   hit ratio 1.0000 (stalls 0.000 s)
+    conv_relu_fp16_256x8x8    raw     warm        16993     557                                     1.80
+                              served  warm         7412     243             142                     5.94    0.44
+                              shm     warm         8421     276             161                     5.04    0.50
+                              raw     cold        12292     403                                     1.83
+                              served  cold         3529     116              67           2196     11.72    0.29
+                              paced   cold         1764      58   hit ratio 0.9926 (stalls 0.034 s)
+    transformer_bf16_128x384  raw     warm         6122     602                                     1.66
+                              served  warm         4082     401             317                     4.03    0.67
+                              shm     warm         4703     462             365                     3.26    0.77
+                              raw     cold         3974     391                                     1.57
+                              served  cold         2744     270             213           1475      5.42    0.69
+                              paced   cold         1371     135   hit ratio 0.9908 (stalls 0.014 s)
     compression (raw/stored): conv_relu_fp32_64x32x32 1.88, conv_relu_fp16_256x8x8 1.71, transformer_bf16_128x384 1.27
-    3 shapes x 64 MiB in 24 s on 2 cores (load average 3.0 before, 3.6 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
-    figure: serve_ratio_shm = 0.615
-    figure: serve_ratio_bytes = 0.475
-    figure: cold_serve_vs_disk = 0.094
-    figure: prefetch_hit_ratio = 0.9894
+    3 shapes x 64 MiB in 21 s on 2 cores (load average 1.0 before, 1.2 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
+    figure: serve_ratio_shm = 0.496
+    figure: serve_ratio_bytes = 0.436
+    figure: cold_serve_vs_disk = 0.053
+    figure: prefetch_hit_ratio = 0.9908
 
-On this machine the bytes path is CPU-bound. Measured per GB of tensors
-(conv fp32, warm): decompression and checks 1.5 CPU-s (the raw loop pays
-1.3 of it too: the fresh checksum of the raw re-encoding is the other 0.3),
-the reader, frames and gRPC send in the daemon about 1.2, the gRPC receive
-and tensor views in the client 0.7-0.9; the 32 KiB fp16 entries add
-per-entry Python 32 k times per GB. The shared-memory data plane removes
-the gRPC send and receive but keeps one copy into the ring, the
-decompression and the per-entry Python, so it is not much faster here; its
-ring size matters (a 64 MiB ring ran at about 0.7x an 8 MiB one: fresh
-tmpfs pages and cache misses), hence the 8 MiB default.
+Serving is CPU-bound on this machine. The raw loop verifies and
+decompresses (checksum + zstd: 1.5-1.6 CPU-s/GB measured on these
+entries); served entries add the reader, the decode pool's hand-offs, the
+frames and, on the bytes path, gRPC's send and receive. Small entries pay
+that per entry: 32 KiB fp16 entries cost about 5 CPU-s/GB through shared
+memory. Cold, the daemon also looks every entry up and hints the kernel,
+and the --quick store (37-105 MiB per shape) is small enough that the raw
+loop's memory map reads it all sequentially with readahead. Two cores
+cannot decompress faster than about 1.3 GB/s, so cold_serve_vs_disk stays
+far below 0.7 here for compressed entries.
 """
 
 from __future__ import annotations
