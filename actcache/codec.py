@@ -312,7 +312,7 @@ def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes
 
 
 def decoded_size(buf: bytes | memoryview) -> int:
-    """Bytes of ``buf`` re-encoded with the raw codec (header + raw payload), from the fixed header alone.
+    """Bytes of ``buf`` with its payload uncompressed (header + raw payload), from the fixed header alone.
 
     Cheap (no checksum, no per-tensor parsing): for sizing buffers before decoding.
     """

@@ -35,7 +35,7 @@ _SCHEDULE_CHUNK_IDS = 1 << 16
 class EntryBatch:
     """The entries of one Fetch frame: positions ``start .. start + len - 1`` of the schedule.
 
-    ``values[i]`` is a raw-codec entry (``actcache.codec.decode_entry`` gives a
+    ``values[i]`` is an uncompressed entry (``actcache.codec.decode_entry`` gives a
     zero-copy view of its tensors), or None for a miss. Views stay valid as
     long as the batch is referenced.
     """

@@ -51,7 +51,7 @@ def put_range(client, ns, ids, *, fingerprint: bytes = SHM_FP, depth: int = 1) -
 
 
 def holds_its_tensor(value, sample_id: int) -> bool:
-    """A fetched entry (raw codec) holds exactly ``tensor_of(sample_id)``."""
+    """A fetched (uncompressed) entry holds exactly ``tensor_of(sample_id)``."""
     return bytes(decode_entry(value)[1]) == tensor_of(sample_id).tobytes()
 
 
