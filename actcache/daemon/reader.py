@@ -371,8 +371,9 @@ class ScheduleReader:
     def _advance(self) -> None:
         """Move ``ready`` past every ready slot; wake the consumer. Caller holds ``_cond``."""
         moved = False
-        while self.ready < min(self.read, self._end) and self._slots[self.ready].ready:
-            self._ready_bytes += self._slots[self.ready].nbytes
+        # A slot can be gone for a moment: a failing decode task drops its entries before _fail moves _end.
+        while self.ready < min(self.read, self._end) and (slot := self._slots.get(self.ready)) is not None and slot.ready:
+            self._ready_bytes += slot.nbytes
             self.ready += 1
             moved = True
         # Wake the consumer only when what it waits for is there (a wake-up per entry cost more CPU
