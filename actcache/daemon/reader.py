@@ -297,7 +297,7 @@ class ScheduleReader:
                     self._wait_for_consumer()
                 pos = self.read
                 if prober is not None:
-                    prober.advance(pos, read_total // read_entries if read_entries else 64 << 10)
+                    prober.advance(pos, read_total // read_entries if read_entries else 0)
                 session = txn.open()
                 key = self._key(pos)
                 extent = session.locate(key)

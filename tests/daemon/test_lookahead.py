@@ -2,7 +2,7 @@
 
 from concurrent.futures import Executor, Future
 
-from actcache.daemon.lookahead import Prober
+from actcache.daemon.lookahead import MIN_PROBED_ENTRY_BYTES, Prober
 
 
 class Inline(Executor):
@@ -47,3 +47,14 @@ def test_probes_pause_when_warm_and_resume_on_a_cold_read():
         prober.advance(pos, 1 << 20)
         pos += 1
     assert prober.active  # cold data keeps probing on
+
+
+def test_small_entries_are_not_probed():
+    pool = Inline()
+    prober = Prober(pool, lambda keys: [False] * len(keys), lambda p: p.to_bytes(4, "big"), length=10_000,
+                    window_bytes=64 << 20)
+    prober.advance(0, avg_bytes=0)  # nothing read yet: the entry size is unknown
+    prober.advance(1, avg_bytes=MIN_PROBED_ENTRY_BYTES // 2)
+    assert pool.calls == 0
+    prober.advance(2, avg_bytes=MIN_PROBED_ENTRY_BYTES)
+    assert pool.calls > 0
