@@ -17,7 +17,8 @@ from where the Fetch starts, once fetched), so schedules pushed and never
 fetched cannot hold the budget.
 
 Cold reads: lookups run on ``probe_threads`` threads ahead of each reader
-and hint the kernel (POSIX_FADV_WILLNEED); the reader then ``pread``s each
+(entries of MIN_PROBED_ENTRY_BYTES and more) and hint the kernel
+(POSIX_FADV_WILLNEED); the reader then ``pread``s each
 value (actcache.daemon.extents, which holds the measurements).
 Decompression and checksums run on ``decode_threads`` threads (zstd and
 crc32 release the GIL). Fetch serves entries uncompressed (codec
