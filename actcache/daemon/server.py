@@ -244,7 +244,7 @@ def serve(config: DaemonConfig) -> int:
     try:
         daemon.start()
         while not stop_signals & set(os.read(wake_r, 64)):
-            pass
+            pass  # another signal's number (SIGCHLD, say): keep waiting
     finally:
         signal.set_wakeup_fd(-1)
         daemon.stop()

@@ -26,6 +26,7 @@ probe, armed by ``step``, captures that forward.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -87,26 +88,32 @@ class Freezer(Protocol):
     def close(self) -> dict[str, Any]: ...
 
 
-class NoFreeze:
-    """Full training: every stage trains for the whole run."""
+class _FixedSchedule:
+    """A freezer that needs nothing from the run: every hook does nothing unless overridden."""
 
-    name = "full"
+    name: str
 
     def start(self, model: CachedForward, optimizer: torch.optim.Optimizer, *, steps_per_epoch: int,
               total_steps: int) -> None:
-        pass
+        """Nothing to set up: the schedule is fixed in advance."""
 
     def before_step(self, info: StepInfo, model: CachedForward) -> None:
-        pass
+        """No decision to apply."""
 
     def after_backward(self, info: StepInfo, model: CachedForward) -> None:
-        pass
+        """No gradient signal is read."""
 
     def close(self) -> dict[str, Any]:
         return {"mode": self.name}
 
 
-class StaticFreeze:
+class NoFreeze(_FixedSchedule):
+    """Full training: every stage trains for the whole run."""
+
+    name = "full"
+
+
+class StaticFreeze(_FixedSchedule):
     """Freeze ``stages[:depth]`` once ``at_epoch`` (fractional) epochs have run; never unfreeze."""
 
     name = "static"
@@ -116,16 +123,9 @@ class StaticFreeze:
             raise ValueError(f"static freezing needs depth >= 1 and at_epoch >= 0, got depth={depth} at_epoch={at_epoch}")
         self.depth, self.at_epoch = depth, at_epoch
 
-    def start(self, model: CachedForward, optimizer: torch.optim.Optimizer, *, steps_per_epoch: int,
-              total_steps: int) -> None:
-        pass
-
     def before_step(self, info: StepInfo, model: CachedForward) -> None:
         if info.epoch >= self.at_epoch and model.frozen != self.depth:
             model.set_frozen(self.depth)
-
-    def after_backward(self, info: StepInfo, model: CachedForward) -> None:
-        pass
 
     def close(self) -> dict[str, Any]:
         return {"mode": self.name, "depth": self.depth, "at_epoch": self.at_epoch}
@@ -153,7 +153,7 @@ def autofreeze_eval_every(steps_per_epoch: int, intervals_per_epoch: int) -> int
     return max(1, steps_per_epoch // intervals_per_epoch)
 
 
-class ControllerFreeze:
+class ControllerFreeze(abc.ABC):
     """A :class:`FreezeController` driving a policy through the freezer hooks (see the module docstring).
 
     Subclasses give the policy and the default interval; ``eval_every``
@@ -174,11 +174,13 @@ class ControllerFreeze:
         self.steps_per_epoch = 1
         self._record: dict[str, Any] | None = None
 
+    @abc.abstractmethod
     def make_policy(self) -> FreezePolicy:
-        raise NotImplementedError
+        """A fresh policy for one run."""
 
+    @abc.abstractmethod
     def default_eval_every(self, *, steps_per_epoch: int, total_steps: int, num_stages: int) -> int:
-        raise NotImplementedError
+        """Steps between evaluations when ``eval_every`` was not given."""
 
     def reference(self) -> ReferenceConfig | None:
         """The reference process's configuration (plasticity policies only)."""
