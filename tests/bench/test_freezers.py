@@ -1,7 +1,6 @@
 """The controller modes (AutoFreeze, Egeria) through the real trainer and a real daemon, on tiny generated workloads."""
 
 import dataclasses
-import json
 import uuid
 
 import pytest
@@ -12,7 +11,7 @@ from actcache.errors import ConfigError
 from actcache_client.freeze import AutoFreezeConfig, EgeriaConfig, ReferenceConfig
 from actcache_client.freeze.reference import ReferenceWorker
 from tests.bench.fake_data import make_data_dir
-from tests.bench.test_workloads import check_real
+from tests.bench.test_workloads import check_real, run_bench_train
 from workloads.freezers import (
     AutoFreeze, EgeriaFreeze, NoFreeze, StaticFreeze, autofreeze_eval_every, egeria_eval_every, make_freezer,
 )
@@ -118,16 +117,8 @@ def test_egeria_freezes_on_plasticity_unfreezes_on_the_lr_drop_and_the_cache_ser
 
 
 def test_bench_train_runs_a_controller_mode_and_records_its_decisions(data_dir, tmp_path, capsys):
-    import bench_train
-
-    code = bench_train.main(["--workload", "cifar", "--mode", "autofreeze", "--data-dir", str(data_dir),
-                             "--epochs", "4", "--train-size", "48", "--eval-size", "16",
-                             "--results-dir", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert code == 0
-    lines = out.strip().splitlines()
-    assert lines[-2].startswith("figure: tta_speedup = ") and lines[-1].startswith("figure: metric_delta = ")
-    result = json.loads(next(tmp_path.glob("train-cifar-autofreeze-*.json")).read_text())
+    out, result = run_bench_train("autofreeze", ["--epochs", "4", "--train-size", "48", "--eval-size", "16"],
+                                  data_dir, tmp_path, capsys)
     assert [r["run"] for r in result["summary"]] == ["full", "autofreeze+cache", "autofreeze+nocache"]
     full, cached, uncached = result["runs"]
     assert full["freezer"] == {"mode": "full"} and "decisions" not in full["freezer"]

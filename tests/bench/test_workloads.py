@@ -102,17 +102,22 @@ def test_matthews_correlation():
     assert matthews(torch.tensor([1, 0, 0, 0, 1, 1]), gold) == pytest.approx(1 / 3)
 
 
-def test_bench_train_writes_results_and_ends_with_the_figures(data_dir, tmp_path, capsys):
+def run_bench_train(mode: str, args: list[str], data_dir, results_dir, capsys) -> tuple[str, dict]:
+    """``bench_train.main`` on cifar: checks it succeeds and ends with the figures; its output and JSON."""
     import bench_train
 
-    code = bench_train.main(["--workload", "cifar", "--mode", "static", "--data-dir", str(data_dir), "--epochs", "3",
-                             "--train-size", "32", "--eval-size", "16", "--freeze-at", "0",
-                             "--results-dir", str(tmp_path)])
+    code = bench_train.main(["--workload", "cifar", "--mode", mode, "--data-dir", str(data_dir), *args,
+                             "--results-dir", str(results_dir)])
     out = capsys.readouterr().out
     assert code == 0
     lines = out.strip().splitlines()
     assert lines[-2].startswith("figure: tta_speedup = ") and lines[-1].startswith("figure: metric_delta = ")
-    result = json.loads(next(tmp_path.glob("train-cifar-static-*.json")).read_text())
+    return out, json.loads(next(results_dir.glob(f"train-cifar-{mode}-*.json")).read_text())
+
+
+def test_bench_train_writes_results_and_ends_with_the_figures(data_dir, tmp_path, capsys):
+    _, result = run_bench_train("static", ["--epochs", "3", "--train-size", "32", "--eval-size", "16", "--freeze-at", "0"],
+                                data_dir, tmp_path, capsys)
     assert [r["run"] for r in result["summary"]] == ["full", "static+cache", "static+nocache"]
     assert result["summary"][1]["hit_ratio"] > 0 and result["summary"][2]["hit_ratio"] == 0
     assert result["runs"][1]["daemon_cpu_s"] > 0 == result["runs"][2]["daemon_cpu_s"]
