@@ -44,6 +44,7 @@ __all__ = [
     "encode_entry",
     "parse_header",
     "to_raw_entry",
+    "to_raw_entry_into",
     "verify_entry",
 ]
 
@@ -262,10 +263,32 @@ def parse_header(buf: bytes | memoryview) -> EntryHeader:
     return EntryHeader(Codec(codec), tuple(specs), raw_len, stored_len, crc, header_len)
 
 
+# Headers seen lately, to parse entries of a known layout with a dict lookup: (magic, version, codec,
+# n, raw_len) -> (header_len, the header's tensor part, specs). The entries of one cache group share
+# their layout; one not in here (or not matching) is parsed in full.
+_KNOWN_HEADERS: dict[bytes, tuple[int, bytes, tuple[TensorSpec, ...]]] = {}
+_MAX_KNOWN_HEADERS = 256
+
+
+def _known_header(view: memoryview) -> EntryHeader:
+    """``parse_header`` of ``view``, with the same result and errors, mostly from ``_KNOWN_HEADERS``."""
+    layout = bytes(view[:16]) if view.nbytes >= _FIXED.size else b""
+    known = _KNOWN_HEADERS.get(layout)
+    if known is not None and view[_FIXED.size : known[0]] == known[1]:
+        _, _, codec, _, raw_len, stored_len, crc = _FIXED.unpack_from(view)
+        if known[0] + stored_len == view.nbytes and (codec == Codec.zstd or stored_len == raw_len):
+            return EntryHeader(Codec(codec), known[2], raw_len, stored_len, crc, known[0])
+    header = parse_header(view)
+    if len(_KNOWN_HEADERS) >= _MAX_KNOWN_HEADERS:
+        _KNOWN_HEADERS.clear()
+    _KNOWN_HEADERS[layout] = (header.header_len, bytes(view[_FIXED.size : header.header_len]), header.specs)
+    return header
+
+
 def verify_entry(buf: bytes | memoryview) -> EntryHeader:
     """Parse the header and check the checksum; raises InvalidRequest on any mismatch."""
-    header = parse_header(buf)
     view = memoryview(buf)
+    header = _known_header(view)
     crc = zlib.crc32(view[_CRC_OFFSET + 4 : header.header_len], zlib.crc32(view[:_CRC_OFFSET]))
     if header.codec != Codec.raw_verified:
         crc = zlib.crc32(view[header.header_len :], crc)
@@ -309,6 +332,32 @@ def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes
     if header.codec != Codec.zstd:
         return (buf,)
     return _pack_header(Codec.raw_verified, header.specs, header.raw_len, payload), payload
+
+
+def to_raw_entry_into(buf: bytes | memoryview, out: memoryview) -> None:
+    """Write ``to_raw_entry(buf)`` into ``out`` (``decoded_size(buf)`` bytes), decompressing straight into it.
+
+    Raises InvalidRequest when ``buf`` is malformed or fails its checksum
+    (``out`` then holds garbage) or ``out`` has the wrong size.
+    """
+    header = verify_entry(buf)
+    view = memoryview(buf)
+    if out.nbytes != header.header_len + header.raw_len:
+        raise InvalidRequest(f"{out.nbytes}-byte buffer for an entry of {header.header_len + header.raw_len} bytes")
+    if header.codec != Codec.zstd:
+        out[:] = view
+        return
+    raw = out[header.header_len :]
+    got = 0
+    try:
+        with _decompressor().stream_reader(view[header.header_len :], read_across_frames=False) as reader:
+            while got < header.raw_len and (n := reader.readinto(raw[got:])):
+                got += n
+    except Exception as exc:  # zstandard.ZstdError
+        raise InvalidRequest(f"zstd payload does not decompress: {exc}") from exc
+    if got != header.raw_len:
+        raise InvalidRequest(f"zstd payload decompressed to {got} bytes, header says {header.raw_len}")
+    out[: header.header_len] = _pack_header(Codec.raw_verified, header.specs, header.raw_len, raw)
 
 
 def decoded_size(buf: bytes | memoryview) -> int:

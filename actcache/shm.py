@@ -150,6 +150,7 @@ class ShmRing:
             raise
         finally:
             os.close(fd)
+        self._view = memoryview(self._mm)
         self._mm[:8] = _MAGIC
         struct.pack_into("<QQQ", self._mm, 8, self.ring_bytes, start, 0)
         self._write = 0  # monotonic byte position of the next slot
@@ -179,11 +180,9 @@ class ShmRing:
         self._slots.append((position, self._write))
         return HEADER_BYTES + (self._write - size) % self.ring_bytes
 
-    def write(self, offset: int, parts: Iterable[bytes | memoryview]) -> None:
-        for part in parts:
-            n = memoryview(part).nbytes
-            self._mm[offset : offset + n] = part
-            offset += n
+    def view(self, offset: int, size: int) -> memoryview:
+        """The writable bytes of the slot at ``offset`` (from ``alloc``)."""
+        return self._view[offset : offset + size]
 
     def wait_alloc(self, position: int, size: int, alive: Callable[[], bool]) -> int | None:
         """``alloc``, polling the client's releases while ``alive()``; None if the call ended first."""
@@ -216,6 +215,7 @@ class ShmRing:
     def close(self) -> None:
         self.unlink()
         try:
+            self._view.release()
             self._mm.close()
         except (BufferError, ValueError):
             pass

@@ -20,14 +20,18 @@ Cold reads: lookups run on ``probe_threads`` threads ahead of each reader
 (entries of MIN_PROBED_ENTRY_BYTES and more) and hint the kernel
 (POSIX_FADV_WILLNEED); the reader then ``pread``s each
 value (actcache.daemon.extents, which holds the measurements).
-Decompression and checksums run on ``decode_threads`` threads (zstd and
-crc32 release the GIL). Fetch serves entries uncompressed (codec
-raw_verified), so the client's decode is a zero-copy view.
+Entries are buffered as stored (compressed); the Fetch thread verifies
+and decompresses each frame's entries straight into the frame or the
+shared-memory slots, with ``decode_threads - 1`` pool threads taking part
+of each large frame (zstd releases the GIL). Fetch serves entries
+uncompressed (codec raw_verified), so the client's decode is a zero-copy
+view.
 
 Invariants (asserted in tests through ``stats()``): per reader ``start <=
 served <= ready <= read <= length``; the bytes of every buffered entry are
 held in the budget, and ``budget.used <= budget.limit`` at all times (one
-Fetch frame being sent, at most ``max_frame_bytes``, lives outside it).
+Fetch frame being sent, at most ``max_frame_bytes`` decoded, lives outside
+it).
 """
 
 from __future__ import annotations
@@ -94,7 +98,11 @@ class Prefetcher:
         self.config = config
         self.budget = MemoryBudget(config.prefetch_bytes)
         self._cond = self.budget.cond  # one condition for the registry, the turns and the budget
-        self._decode = ThreadPoolExecutor(config.decode_threads, thread_name_prefix="actcache-decode")
+        # The Fetch thread decodes its frames itself; these threads take part of each large frame.
+        self._decode = (
+            ThreadPoolExecutor(config.decode_threads - 1, thread_name_prefix="actcache-decode")
+            if config.decode_threads > 1 else None
+        )
         self._probe = (
             ThreadPoolExecutor(config.probe_threads, thread_name_prefix="actcache-probe")
             if config.probe_threads and store.config.explicit_reads else None
@@ -150,7 +158,7 @@ class Prefetcher:
                 raise InvalidRequest(f"Fetch start {start} is past the end of schedule {schedule_id!r} ({len(schedule)} entries)")
             self.fetches_total += 1
             reader = self._readers.get(key)
-            if (reader is not None and not reader.attached and reader.start == start
+            if (reader is not None and not reader.attached and not reader.reclaimed and reader.start == start
                     and reader.state not in (ReaderState.CANCELLED, ReaderState.FAILED)):
                 reader.attached = True
                 self._update_turns()
@@ -176,7 +184,8 @@ class Prefetcher:
             ))
         for reader in readers:
             reader.join(5.0)
-        self._decode.shutdown(wait=True, cancel_futures=True)
+        if self._decode is not None:
+            self._decode.shutdown(wait=True, cancel_futures=True)
         if self._probe is not None:
             self._probe.shutdown(wait=True, cancel_futures=True)
 
@@ -227,6 +236,7 @@ class Prefetcher:
             for held, reader in idle:
                 if held == 0 or self.budget.used - freed + need <= self.budget.limit:
                     break
+                reader.reclaimed = True  # a Fetch arriving now starts a new reader: this one is cancelled
                 victims.append(reader)
                 freed += held
         for reader in victims:

@@ -10,9 +10,14 @@ Lifecycle (ReaderState)::
                                                 the error after the entries read before it
 
 Threads: the reader's own thread walks the order (lookups, budget,
-``pread``); a shared pool verifies and decompresses; the probe pool runs
-lookups ahead (see actcache.daemon.extents); the consumer is the gRPC
-thread running ``frames()``.
+``pread``) and buffers entries as stored; the probe pool runs lookups ahead
+(see actcache.daemon.extents); the consumer, the gRPC thread running
+``frames()`` or ``batches()``, verifies and decompresses each frame's
+entries straight into their destination (the frame, or a shared-memory
+slot), with the decode pool taking part of a large frame. Decoding where
+the bytes go costs one copy and no hand-off per entry: handing every few
+entries to a pool thread and back cost more CPU than their decompression on
+small entries (the threads take turns at the interpreter lock).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import Codec, decoded_size, to_raw_entry
+from actcache.codec import decoded_size, to_raw_entry, to_raw_entry_into
 from actcache.daemon.budget import MemoryBudget
 from actcache.daemon.lookahead import Prober, ShortTransaction
 from actcache.daemon.schedule import Schedule
@@ -50,9 +55,8 @@ _LINGER_S = 0.005
 log = logging.getLogger(__name__)
 
 _KEY_BLOCK = 512
-# Entries (or bytes) verified and decompressed by one decode task.
-_BATCH_ENTRIES = 8
-_BATCH_BYTES = 512 << 10
+# A frame's entries are split with the decode pool from this many decoded bytes on.
+_SPLIT_BYTES = 256 << 10
 
 
 class ReaderState(enum.Enum):
@@ -86,16 +90,14 @@ class ReaderSnapshot:
 
 
 class _Slot:
-    """One read position: pending until decoded, then ready with its parts (no parts = a miss)."""
+    """One read position: the entry as stored (None = a miss), its budget bytes, its size as served."""
 
-    __slots__ = ("held", "parts", "nbytes", "ready", "corrupt")
+    __slots__ = ("held", "data", "nbytes")
 
-    def __init__(self, held: int = 0, ready: bool = False) -> None:
+    def __init__(self, held: int = 0, data=None, nbytes: int = 0) -> None:
         self.held = held
-        self.parts: tuple = ()
-        self.nbytes = 0
-        self.ready = ready
-        self.corrupt = False
+        self.data = data
+        self.nbytes = nbytes
 
 
 class _Stop(Exception):
@@ -107,11 +109,12 @@ class ScheduleReader:
 
     Invariants (under ``_cond``): ``start <= served <= ready <= read <=
     len(schedule)`` and ``read - served <= MAX_AHEAD_ENTRIES``; positions in
-    ``[served, read)`` have a slot, those below ``ready`` are ready; the budget bytes this reader holds equal the bytes of
-    its slots plus at most one reservation for the entry being read, so the
+    ``[served, read)`` have a slot; an entry is ready as soon as it is read
+    (``ready == read`` while reading; a failure moves ``ready`` back to where
+    serving ends). The budget bytes this reader holds equal the bytes of its
+    slots plus at most one reservation for the entry being read, so the
     budget's ``used <= limit`` bounds its memory. A slot is dropped as soon as
-    its frame is built. A cancelled reader frees every ready slot at once and
-    each in-flight one when its decode ends.
+    its frame is built. A cancelled reader frees every slot at once.
     """
 
     def __init__(
@@ -121,7 +124,7 @@ class ScheduleReader:
         *,
         store: Store,
         budget: MemoryBudget,
-        decode_pool: Executor,
+        decode_pool: Executor | None,
         probe_pool: Executor | None,
         probe_bytes: int,
         attached: bool,
@@ -133,6 +136,8 @@ class ScheduleReader:
         self.attached = attached
         #: Set by the prefetcher (under the budget's condition): may this reader read now?
         self.allowed = attached
+        #: Set by the prefetcher (same condition): gives its bytes back to a starving consumer; never attached.
+        self.reclaimed = False
         self.state = ReaderState.WAITING
         self.served = self.ready = self.read = start
         self._store = store
@@ -182,9 +187,8 @@ class ScheduleReader:
                 return
             self._stopping = True
             self._error = error
-            freed = 0
-            for pos in [p for p, slot in self._slots.items() if slot.ready]:
-                freed += self._slots.pop(pos).held  # entries still decoding free themselves when done
+            freed = sum(slot.held for slot in self._slots.values())
+            self._slots.clear()
             self.ready = self.served
             self._ready_bytes = 0
             self._set_state(ReaderState.CANCELLED)
@@ -208,7 +212,7 @@ class ScheduleReader:
             self._stopping = True
             self._error = error
             self._end = min(self._end, at)
-            for pos in [p for p, slot in self._slots.items() if slot.ready and p >= self._end]:
+            for pos in [p for p in self._slots if p >= self._end]:
                 freed += self._slots.pop(pos).held
             self.ready = min(self.ready, self._end)
             self._ready_bytes = sum(self._slots[p].nbytes for p in range(self.served, self.ready))
@@ -255,9 +259,8 @@ class ScheduleReader:
             keys = self._keys[block] = self.schedule.keys(start, min(len(self.schedule), start + _KEY_BLOCK))
         return keys[pos - block * _KEY_BLOCK]
 
-    def _reserve(self, n: int, txn: ShortTransaction, batch: "_DecodeBatch") -> None:
-        """Take ``n`` budget bytes; before waiting for them, close the read transaction and hand the
-        decode pool what was read (the consumer needs it to free memory)."""
+    def _reserve(self, n: int, txn: ShortTransaction) -> None:
+        """Take ``n`` budget bytes; close the read transaction before waiting for them."""
         if n > self._budget.limit:
             raise BudgetExceeded(
                 f"entry at position {self.read} of schedule {self.schedule.schedule_id!r} needs {n} bytes in "
@@ -266,7 +269,6 @@ class ScheduleReader:
         if self._budget.try_acquire(self, n):
             return
         txn.close()
-        batch.flush()
         # Without a consumer, wait for the bytes or for a consumer to attach (a Fetch reuses this reader).
         if not self.attached and self._budget.acquire(self, n, lambda: self._stopping or self.attached):
             return
@@ -283,7 +285,6 @@ class ScheduleReader:
     def _read_all(self) -> None:
         n = len(self.schedule)
         txn = ShortTransaction(self._store)
-        batch = _DecodeBatch(self)
         prober = Prober(self._probe, self._store.probe, self._key, n, self._probe_bytes) if self._probe else None
         carry = 0  # budget bytes already held for the entry at ``read`` (taken while the txn was closed)
         read_entries = read_total = unflushed = 0
@@ -293,7 +294,6 @@ class ScheduleReader:
                     raise _Stop
                 if self.read - self.served >= MAX_AHEAD_ENTRIES:
                     txn.close()
-                    batch.flush()
                     self._wait_for_consumer()
                 pos = self.read
                 if prober is not None:
@@ -304,13 +304,13 @@ class ScheduleReader:
                 if extent is None:
                     self._budget.release(self, carry)
                     carry = 0
-                    self._publish(pos, _Slot(ready=True))
+                    self._publish(pos, _Slot())
                     continue
                 need = extent.read_bytes or extent.length
                 if carry >= need:
                     self._budget.release(self, carry - need)
                 else:
-                    self._reserve(need - carry, txn, batch)
+                    self._reserve(need - carry, txn)
                 carry = 0
                 if not txn.is_open(session):  # waited with the transaction closed: look the key up again
                     carry = need
@@ -324,27 +324,10 @@ class ScheduleReader:
                 if read_entries % 64 == 0:
                     self.schedule.counters.add(read_bytes=unflushed)
                     unflushed = 0
-                slot = _Slot(held=need)
-                try:
-                    extra = _decoded_bytes(data)
-                    if extra:
-                        self._reserve(extra, txn, batch)
-                        slot.held += extra
-                except BaseException:
-                    self._budget.release(self, slot.held)
-                    raise
-                self._publish(pos, slot)
-                batch.add(pos, slot, key, data)
+                self._publish(pos, _Slot(need, data, _served_size(data)))
                 txn.tick()
-            batch.flush()
         finally:
             self.schedule.counters.add(read_bytes=unflushed)
-            if not self._stopping:  # a failure: what was read is still served before the error
-                try:
-                    batch.flush()
-                except _Stop:
-                    pass
-            batch.drop()
             txn.close()
             self._budget.release(self, carry)
             if prober is not None:
@@ -364,69 +347,22 @@ class ScheduleReader:
                 self._budget.release(self, slot.held)
                 raise _Stop
             self._slots[pos] = slot
-            self.read = pos + 1
-            if slot.ready:
-                self._advance()
-
-    def _advance(self) -> None:
-        """Move ``ready`` past every ready slot; wake the consumer. Caller holds ``_cond``."""
-        moved = False
-        # A slot can be gone for a moment: a failing decode task drops its entries before _fail moves _end.
-        while self.ready < min(self.read, self._end) and (slot := self._slots.get(self.ready)) is not None and slot.ready:
+            self.read = self.ready = pos + 1
             self._ready_bytes += slot.nbytes
-            self.ready += 1
-            moved = True
-        # Wake the consumer only when what it waits for is there (a wake-up per entry cost more CPU
-        # than the entries' decoding); state changes and the end of reading wake it in _set_state.
-        if moved and (self._consumer_waits == "any" or self._consumer_waits == "fill" and self._frame_filled()):
-            self._cond.notify_all()
+            # Wake the consumer only when what it waits for is there (a wake-up per entry costs more
+            # CPU than the entry's decoding); state changes and the end of reading wake it in _set_state.
+            if self._consumer_waits == "any" or self._consumer_waits == "fill" and self._frame_filled():
+                self._cond.notify_all()
 
     def _frame_filled(self) -> bool:
         """A frame's worth is ready. Caller holds ``_cond``."""
         return self._ready_bytes >= self._fill_bytes or self.ready - self.served >= _FILL_ENTRIES
 
-    # ---- decode pool -----------------------------------------------------
-
-    def _finish_all(self, items: list) -> None:
-        """Verify and decompress a few read entries (a pool thread), then publish them under one lock."""
-        decoded, failure = [], None
-        for n, (pos, slot, key, data) in enumerate(items):
-            try:
-                parts = to_raw_entry(data)
-            except InvalidRequest as exc:
-                parts = ()
-                slot.corrupt = True
-                self._discard_corrupt(pos, key, exc)
-            except BaseException as exc:
-                failure = n, exc
-                break
-            decoded.append((pos, slot, parts))
-        excess, published = 0, False
-        with self._cond:
-            for pos, slot, parts in decoded:
-                if self.state is ReaderState.CANCELLED or pos >= self._end:
-                    self._slots.pop(pos, None)
-                    excess += slot.held
-                else:
-                    nbytes = sum(len(p) for p in parts)
-                    excess += slot.held - nbytes
-                    slot.parts, slot.nbytes, slot.held, slot.ready = parts, nbytes, nbytes, True
-                    published = True
-            if published:
-                self._advance()
-            if failure is not None:  # this entry and the rest of the batch are never served
-                for pos, slot, _, _ in items[failure[0]:]:
-                    self._slots.pop(pos, None)
-                    excess += slot.held
-        self._budget.release(self, excess)
-        if failure is not None:
-            self._fail(failure[1], at=items[failure[0]][0])
-
-    def _discard_corrupt(self, pos: int, key: bytes, exc: InvalidRequest) -> None:
+    def _discard_corrupt(self, pos: int, exc: InvalidRequest) -> None:
         log.warning("schedule %r position %d: stored entry is corrupt (%s); serving a miss and deleting it",
                     self.schedule.schedule_id, pos, exc)
         try:
-            self._store.discard_corrupt([key])
+            self._store.discard_corrupt(self.schedule.keys(pos, pos + 1))
         except ActCacheError as delete_error:
             log.warning("could not delete the corrupt entry: %s", delete_error)
 
@@ -435,16 +371,17 @@ class ScheduleReader:
     def frames(self, max_frame_bytes: int) -> Iterator[bytes]:
         """Fetch frames (entries in the payload) from ``start`` to the end; see ``batches``."""
         for batch in self.batches(max_frame_bytes):
-            frame = encode_frame(batch.header.SerializeToString(), [p for parts in batch.entries for p in parts])
+            parts = batch.decode()
+            frame = encode_frame(batch.header.SerializeToString(), [p for entry in parts for p in entry])
             batch.finish()
             yield frame
 
     def batches(self, max_frame_bytes: int) -> Iterator["ServedBatch"]:
         """The entries of one frame at a time, from ``start`` to the end.
 
-        The consumer copies the entries out, then calls ``finish()`` (which
-        releases their budget bytes and counts them; closing the generator
-        does it too). Raises the reader's error after the entries read before
+        The consumer decodes the entries (``decode`` or ``decode_into``), then
+        calls ``finish()`` (which releases their budget bytes and counts them;
+        closing the generator does it too). Raises the reader's error after the entries read before
         it failed; returns early, quietly, if cancelled without an error for
         the consumer.
         """
@@ -497,12 +434,8 @@ class ScheduleReader:
                 variants=schedule.variants[start:stop].tolist() if schedule.variants is not None else [],
                 lengths=[s.nbytes for s in taken],
             )
-            hits = sum(1 for s in taken if s.parts)
-            counts = dict(
-                hits=hits, misses=len(taken) - hits, corrupt=sum(s.corrupt for s in taken),
-                ready_on_ask=len(taken) - stalled, stalls=int(stalled), stall_seconds=waited, served_bytes=size,
-            )
-            batch = ServedBatch(header, [s.parts for s in taken], size, self, sum(s.held for s in taken), counts)
+            counts = dict(ready_on_ask=len(taken) - stalled, stalls=int(stalled), stall_seconds=waited)
+            batch = ServedBatch(header, [s.data for s in taken], self, sum(s.held for s in taken), counts)
             try:
                 yield batch
             finally:
@@ -511,66 +444,101 @@ class ScheduleReader:
 
 
 class ServedBatch:
-    """One frame's entries taken from a reader: ``entries[i]`` is the parts of entry i ([] = a miss)."""
+    """One frame's entries taken from a reader, as stored (None = a miss).
 
-    __slots__ = ("header", "entries", "nbytes", "_reader", "_held", "_counts")
+    ``header.lengths[i]`` is entry i's size as served; decoding an entry that
+    fails verification sets it to 0 (a miss) and deletes the stored entry.
+    """
 
-    def __init__(self, header: pb.EntriesHeader, entries: list, nbytes: int, reader: ScheduleReader,
-                 held: int, counts: dict) -> None:
-        self.header, self.entries, self.nbytes = header, entries, nbytes
+    __slots__ = ("header", "stored", "_reader", "_held", "_counts", "_failed")
+
+    def __init__(self, header: pb.EntriesHeader, stored: list, reader: ScheduleReader, held: int, counts: dict) -> None:
+        self.header, self.stored = header, stored
         self._reader, self._held, self._counts = reader, held, counts
+        self._failed: list[int] = []  # entries that failed verification (list.append is thread-safe)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.header.lengths)
+
+    def decode(self) -> list[tuple]:
+        """Every entry as the parts of its served form (() for a miss)."""
+        out: list[tuple] = [()] * len(self.stored)
+
+        def run(indices: range) -> None:
+            for i in indices:
+                out[i] = self.decode_one(i)
+
+        self._split(range(len(self.stored)), run)
+        return out
+
+    def decode_one(self, i: int) -> tuple:
+        """Entry ``i`` as the parts of its served form (() for a miss)."""
+        if self.stored[i] is None:
+            return ()
+        try:
+            return to_raw_entry(self.stored[i])
+        except InvalidRequest as exc:
+            self._fail_entry(i, exc)
+            return ()
+
+    def decode_into(self, indices: range, outputs: list[memoryview | None]) -> None:
+        """Decode entries ``indices`` straight into ``outputs`` (one per index: ``header.lengths[i]`` bytes,
+        None for a miss)."""
+
+        def run(part: range) -> None:
+            for i in part:
+                out = outputs[i - indices.start]
+                if out is not None:
+                    try:
+                        to_raw_entry_into(self.stored[i], out)
+                    except InvalidRequest as exc:
+                        self._fail_entry(i, exc)
+
+        self._split(indices, run)
+
+    def _split(self, indices: range, run: Callable[[range], None]) -> None:
+        """``run(indices)``, with the decode pool taking the second half of a large run."""
+        pool = self._reader._decode
+        lengths = self.header.lengths
+        total = sum(lengths[i] for i in indices)
+        if pool is None or total < _SPLIT_BYTES or len(indices) < 2:
+            run(indices)
+            return
+        half, mid = 0, indices.start
+        while mid < indices.stop - 1 and half < total // 2:
+            half += lengths[mid]
+            mid += 1
+        try:
+            future = pool.submit(run, range(mid, indices.stop))
+        except RuntimeError:  # the pool is shut down: the daemon is stopping
+            run(indices)
+            return
+        run(range(indices.start, mid))
+        future.result()
+
+    def _fail_entry(self, i: int, exc: InvalidRequest) -> None:
+        self.header.lengths[i] = 0
+        self._failed.append(i)
+        self._reader._discard_corrupt(self.header.start + i, exc)
 
     def finish(self) -> None:
         """Release the entries' budget bytes and count them as served (once)."""
         if self._counts is None:
             return
         counts, self._counts = self._counts, None
+        lengths = self.header.lengths
+        hits = sum(1 for n in lengths if n)
         self._reader._budget.release(self._reader, self._held)
-        self._reader.schedule.counters.add(**counts)
+        self._reader.schedule.counters.add(
+            hits=hits, misses=len(lengths) - hits, corrupt=len(self._failed), served_bytes=sum(lengths), **counts
+        )
 
 
-class _DecodeBatch:
-    """Entries read but not yet handed to the decode pool: one pool task per few entries, not per entry.
-
-    Handed over when it holds ``_BATCH_ENTRIES`` entries or ``_BATCH_BYTES``
-    bytes, when the consumer has nothing ready, and before the reader waits.
-    """
-
-    def __init__(self, reader: ScheduleReader) -> None:
-        self._reader = reader
-        self._items: list = []
-        self._bytes = 0
-
-    def add(self, pos: int, slot: _Slot, key: bytes, data) -> None:
-        self._items.append((pos, slot, key, data))
-        self._bytes += len(data)
-        r = self._reader
-        if len(self._items) >= _BATCH_ENTRIES or self._bytes >= _BATCH_BYTES or r.ready == r.served:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self._items:
-            return
-        items, self._items, self._bytes = self._items, [], 0
-        try:
-            self._reader._decode.submit(self._reader._finish_all, items)
-        except RuntimeError:  # the pool is shut down: the daemon is stopping
-            self._items = items
-            raise _Stop from None
-
-    def drop(self) -> None:
-        """Free what was never handed over (the reader is stopping)."""
-        r = self._reader
-        for pos, slot, _, _ in self._items:
-            with r._cond:
-                r._slots.pop(pos, None)
-            r._budget.release(r, slot.held)
-        self._items = []
-
-
-def _decoded_bytes(data) -> int:
-    """Extra bytes decoding ``data`` will allocate (0 for raw or malformed entries: served as they are)."""
+def _served_size(data) -> int:
+    """Bytes of ``data`` as served (payload uncompressed); a malformed entry keeps its size (it is served as
+    a miss once its verification fails)."""
     try:
-        return decoded_size(data) if data[5] == Codec.zstd else 0
-    except (InvalidRequest, IndexError):
-        return 0
+        return decoded_size(data)
+    except InvalidRequest:
+        return len(data)

@@ -276,10 +276,11 @@ class ActCacheService:
             return None, f"shared memory unavailable: {exc}"
 
     def _fetch_shm(self, reader, ring: "ShmRing", frame_bytes: int, context) -> Iterator[bytes]:
-        """Frames of slot descriptors: each entry is copied into the ring once its slot is free.
+        """Frames of slot descriptors: each entry is decoded straight into its slot once the slot is free.
 
-        An entry larger than the whole ring travels alone in a frame of its own, in the payload
-        (offset 0), so no entry size ends the stream.
+        When the ring is full, the entries already written go out in a frame (so the client can
+        release their slots) before waiting. An entry larger than the whole ring travels alone in
+        a frame of its own, in the payload (offset 0), so no entry size ends the stream.
         """
         first = True
 
@@ -295,34 +296,50 @@ class ActCacheService:
             return encode_frame(out.SerializeToString(), list(inline))
 
         for batch in reader.batches(frame_bytes):
-            header, lo, offsets = batch.header, 0, []
+            header, count, lo = batch.header, len(batch.stored), 0
             ring.poll()
-            for i, parts in enumerate(batch.entries):
-                size = header.lengths[i]
-                if not size:
-                    offsets.append(0)
+            if not count:
+                yield frame(header, 0, 0, [])
+            while lo < count:
+                hi, offsets = self._alloc_run(ring, header, lo, count, context)
+                if hi is None:
+                    return
+                if hi == lo:  # larger than the ring: in the payload
+                    yield frame(header, lo, lo + 1, [0], batch.decode_one(lo))
+                    lo += 1
                     continue
-                if size > ring.ring_bytes:
-                    if i > lo:
-                        yield frame(header, lo, i, offsets)
-                    yield frame(header, i, i + 1, [0], parts)
-                    lo, offsets = i + 1, []
-                    continue
-                offset = ring.alloc(header.start + i, size)
-                if offset is None:
-                    if i > lo:  # the ring is full: hand over what is written so the client can release it
-                        yield frame(header, lo, i, offsets)
-                        lo, offsets = i, []
-                    offset = ring.wait_alloc(header.start + i, size, context.is_active)
-                    if offset is None:
-                        return
-                ring.write(offset, parts)
-                offsets.append(offset)
+                sizes = header.lengths[lo:hi]
+                batch.decode_into(range(lo, hi), [ring.view(o, n) if n else None for o, n in zip(offsets, sizes)])
+                yield frame(header, lo, hi, [o if n else 0 for o, n in zip(offsets, header.lengths[lo:hi])])
+                lo = hi
             batch.finish()
             if self.throttle is not None:
                 self.throttle.consume(batch.nbytes)
-            if lo < len(batch.entries) or not len(batch.entries):
-                yield frame(header, lo, len(batch.entries), offsets)
+
+    @staticmethod
+    def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, context) -> tuple[int | None, list[int]]:
+        """Ring slots for entries ``lo..hi`` (misses get offset 0): as many as fit now, waiting only for the
+        first. Returns ``(hi, offsets)``; ``hi == lo`` when entry ``lo`` is larger than the ring, None if
+        the call ended while waiting."""
+        offsets: list[int] = []
+        hi = lo
+        while hi < count:
+            size = header.lengths[hi]
+            if not size:
+                offsets.append(0)
+            elif size > ring.ring_bytes:
+                break
+            else:
+                offset = ring.alloc(header.start + hi, size)
+                if offset is None:
+                    if hi > lo:
+                        break
+                    offset = ring.wait_alloc(header.start + hi, size, context.is_active)
+                    if offset is None:
+                        return None, offsets
+                offsets.append(offset)
+            hi += 1
+        return hi, offsets
 
     @_status_on_error
     def Drop(self, request: pb.DropRequest, context) -> pb.DropReply:

@@ -216,11 +216,12 @@ def test_a_second_fetch_takes_over(store):
 
 
 class _FailingStore:
-    """A store whose reads fail after ``ok`` lookups (as a dying disk would)."""
+    """A store whose reads fail after ``ok`` lookups (as a dying disk would); lookups wait for ``go``."""
 
     def __init__(self, store: Store, ok: int, error: Exception) -> None:
         self._store, self._left, self._error = store, ok, error
         self.config = store.config
+        self.go = threading.Event()
 
     def probe(self, keys):
         return [None] * len(keys)
@@ -237,6 +238,7 @@ class _FailingStore:
                 self._inner = inner
 
             def locate(self, key):
+                outer.go.wait()
                 if outer._left <= 0:
                     raise outer._error
                 outer._left -= 1
@@ -258,11 +260,14 @@ class _FailingStore:
     (OSError(5, "Input/output error"), StoreError, "failed at position 7.*Input/output error"),
 ])
 def test_a_failing_reader_is_an_error_on_the_stream_after_what_it_read(store, error, expected, match):
-    with prefetcher_of(_FailingStore(store, 7, error)) as p:
+    failing = _FailingStore(store, 7, error)
+    with prefetcher_of(failing) as p:
         p.push(schedule(range(0, 40, 2)))
+        reader = p.attach(1, "e0", 0)
+        failing.go.set()  # a reader failing before its Fetch is dropped (a Fetch reads again): fail after it
         got = []
         with pytest.raises(expected, match=match):
-            for frame in p.attach(1, "e0", 0).frames(1 << 20):
+            for frame in reader.frames(1 << 20):
                 got.extend(EntryBatch.from_frame(frame))
         assert [pos for pos, *_ in got] == list(range(7))
         wait_until(lambda: p.stats().buffered_bytes == 0)
