@@ -73,6 +73,9 @@ def _rank_main(rank: int, store: str, out_dir: str) -> None:
         Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    # The rank's work is on disk. Leave without the C++ teardown at interpreter exit, which aborted a
+    # gloo rank now and then ("terminate called without an active exception", after its results).
+    os._exit(0)
 
 
 def test_two_ranks_switch_at_the_same_steps_with_rank_zeros_decisions(tmp_path):
