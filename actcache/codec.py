@@ -224,7 +224,10 @@ def _finish(specs: Sequence[TensorSpec], raw: bytes | bytearray | memoryview, zs
 
 def parse_header(buf: bytes | memoryview) -> EntryHeader:
     """Parse and sanity-check the header of ``buf``; raises InvalidRequest if malformed."""
-    view = memoryview(buf)
+    return _known_header(memoryview(buf))
+
+
+def _parse_header(view: memoryview) -> EntryHeader:
     if view.nbytes < _FIXED.size:
         raise InvalidRequest(f"entry of {view.nbytes} bytes is shorter than the {_FIXED.size}-byte header")
     magic, version, codec, n, raw_len, stored_len, crc = _FIXED.unpack_from(view)
@@ -271,14 +274,14 @@ _MAX_KNOWN_HEADERS = 256
 
 
 def _known_header(view: memoryview) -> EntryHeader:
-    """``parse_header`` of ``view``, with the same result and errors, mostly from ``_KNOWN_HEADERS``."""
+    """``_parse_header`` of ``view``, with the same result and errors, mostly from ``_KNOWN_HEADERS``."""
     layout = bytes(view[:16]) if view.nbytes >= _FIXED.size else b""
     known = _KNOWN_HEADERS.get(layout)
     if known is not None and view[_FIXED.size : known[0]] == known[1]:
         _, _, codec, _, raw_len, stored_len, crc = _FIXED.unpack_from(view)
         if known[0] + stored_len == view.nbytes and (codec == Codec.zstd or stored_len == raw_len):
             return EntryHeader(Codec(codec), known[2], raw_len, stored_len, crc, known[0])
-    header = parse_header(view)
+    header = _parse_header(view)
     if len(_KNOWN_HEADERS) >= _MAX_KNOWN_HEADERS:
         _KNOWN_HEADERS.clear()
     _KNOWN_HEADERS[layout] = (header.header_len, bytes(view[_FIXED.size : header.header_len]), header.specs)
@@ -288,7 +291,7 @@ def _known_header(view: memoryview) -> EntryHeader:
 def verify_entry(buf: bytes | memoryview) -> EntryHeader:
     """Parse the header and check the checksum; raises InvalidRequest on any mismatch."""
     view = memoryview(buf)
-    header = _known_header(view)
+    header = parse_header(view)
     crc = zlib.crc32(view[_CRC_OFFSET + 4 : header.header_len], zlib.crc32(view[:_CRC_OFFSET]))
     if header.codec != Codec.raw_verified:
         crc = zlib.crc32(view[header.header_len :], crc)

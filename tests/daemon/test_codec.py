@@ -3,9 +3,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import struct
+
 from actcache.codec import (
-    Codec, DType, TensorSpec, compress_entry, decode_entry, encode_entry, parse_header, to_raw_entry, verify_entry,
+    Codec, DType, TensorSpec, compress_entry, decode_entry, decoded_size, encode_entry, parse_header, to_raw_entry,
+    to_raw_entry_into, verify_entry,
 )
+from actcache.codec import _parse_header
 from actcache.errors import InvalidRequest
 
 NUMPY = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16,
@@ -102,3 +106,41 @@ def test_raw_verified_checksum_covers_the_header_only():
     served[28] ^= 4  # the dtype, float32 -> int32 (same size): covered
     with pytest.raises(InvalidRequest, match="checksum"):
         verify_entry(bytes(served))
+
+
+def _outcome(parse, buf):
+    try:
+        return parse(memoryview(buf))
+    except InvalidRequest as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_a_known_layout_parses_exactly_as_a_full_parse(level):
+    a = np.maximum(np.random.default_rng(2).standard_normal((6, 40), dtype=np.float32), 0)
+    good = encode_entry([TensorSpec(DType.float32, a.shape)], [a], zstd_level=level)
+    parse_header(good)  # the layout is now known
+    stored_len = bytearray(good)
+    struct.pack_into("<Q", stored_len, 16, len(good) + 8)
+    other_dtype = bytearray(good)
+    other_dtype[28] = DType.int32  # same size, other tensor part
+    other_dims = bytearray(good)
+    struct.pack_into("<Q", other_dims, 30, 3)  # 3 x 40 floats: raw_len no longer matches
+    for variant in (good, good + b"\0", good[:-1], bytes(stored_len), bytes(other_dtype), bytes(other_dims)):
+        assert _outcome(parse_header, variant) == _outcome(_parse_header, variant)
+    assert parse_header(other_dtype).specs == (TensorSpec(DType.int32, a.shape),)
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_to_raw_entry_into_writes_what_to_raw_entry_gives(level):
+    a = np.maximum(np.random.default_rng(3).standard_normal((64, 300), dtype=np.float32), 0)  # several zstd blocks
+    stored = encode_entry([TensorSpec(DType.float32, a.shape)], [a], zstd_level=level)
+    out = bytearray(decoded_size(stored))
+    to_raw_entry_into(stored, memoryview(out))
+    assert bytes(out) == b"".join(bytes(p) for p in to_raw_entry(stored))
+    with pytest.raises(InvalidRequest, match="buffer for an entry"):
+        to_raw_entry_into(stored, memoryview(out)[1:])
+    corrupt = bytearray(stored)
+    corrupt[-1] ^= 1
+    with pytest.raises(InvalidRequest):
+        to_raw_entry_into(bytes(corrupt), memoryview(out))
