@@ -34,44 +34,52 @@ rate (slower than the disk and than the serve path).
 
 The figure lines at the end: ``serve_ratio_shm`` and ``serve_ratio_bytes``
 (warm, worst of the three shapes), ``cold_serve_vs_disk`` (cold, worst shape),
-``prefetch_hit_ratio`` (worst shape). Sample (``--quick``, quiet 2-core VM, load average 1.0)::
+``prefetch_hit_ratio`` (worst shape). Each warm path is timed three times,
+taking turns with the others, and reported by its median run. Sample
+(``--quick``, quiet 2-core VM, load average 0.7)::
 
     shape                     path    state   samples/s    MB/s  disk-read MB/s  O_DIRECT MB/s  CPU s/GB   ratio
-    conv_relu_fp32_64x32x32   raw     warm         2978     781                                     1.28
-                              served  warm         2122     556             296                     3.00    0.71
-                              shm     warm         2657     697             370                     2.44    0.89
-                              raw     cold         2187     573                                     1.47
-                              served  cold         1584     415             221           1262      3.62    0.72
-                              paced   cold          792     208   hit ratio 1.0000 (stalls 0.000 s)
-    conv_relu_fp16_256x8x8    raw     warm        16993     557                                     1.80
-                              served  warm         7412     243             142                     5.94    0.44
-                              shm     warm         8421     276             161                     5.04    0.50
-                              raw     cold        12292     403                                     1.83
-                              served  cold         3529     116              67           2196     11.72    0.29
-                              paced   cold         1764      58   hit ratio 0.9926 (stalls 0.034 s)
-    transformer_bf16_128x384  raw     warm         6122     602                                     1.66
-                              served  warm         4082     401             317                     4.03    0.67
-                              shm     warm         4703     462             365                     3.26    0.77
-                              raw     cold         3974     391                                     1.57
-                              served  cold         2744     270             213           1475      5.42    0.69
-                              paced   cold         1371     135   hit ratio 0.9908 (stalls 0.014 s)
+    conv_relu_fp32_64x32x32   raw     warm         2786     730                                     1.37
+                              served  warm         1945     510             271                     2.89    0.70
+                              shm     warm         3057     801             426                     2.06    1.10
+                              raw     cold         2186     573                                     1.45
+                              served  cold         1569     411             219           1606      3.65    0.72
+                              paced   cold          784     206   hit ratio 1.0000 (stalls 0.000 s)
+    conv_relu_fp16_256x8x8    raw     warm        17294     567                                     1.76
+                              served  warm        11105     364             212                     3.91    0.64
+                              shm     warm        12365     405             236                     3.74    0.72
+                              raw     cold        11725     384                                     1.83
+                              served  cold         4147     136              79           1844      7.22    0.35
+                              paced   cold         2073      68   hit ratio 1.0000 (stalls 0.000 s)
+    transformer_bf16_128x384  raw     warm         7506     738                                     1.36
+                              served  warm         4265     419             331                     3.13    0.57
+                              shm     warm         6719     661             521                     2.39    0.90
+                              raw     cold         4322     425                                     1.45
+                              served  cold         3105     305             241           1390      4.43    0.72
+                              paced   cold         1552     153   hit ratio 1.0000 (stalls 0.000 s)
     compression (raw/stored): conv_relu_fp32_64x32x32 1.88, conv_relu_fp16_256x8x8 1.71, transformer_bf16_128x384 1.27
-    3 shapes x 64 MiB in 21 s on 2 cores (load average 1.0 before, 1.2 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
-    figure: serve_ratio_shm = 0.496
-    figure: serve_ratio_bytes = 0.436
-    figure: cold_serve_vs_disk = 0.053
-    figure: prefetch_hit_ratio = 0.9908
+    3 shapes x 64 MiB in 22 s on 2 cores (load average 0.7 before, 0.7 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
+    figure: serve_ratio_shm = 0.715
+    figure: serve_ratio_bytes = 0.568
+    figure: cold_serve_vs_disk = 0.074
+    figure: prefetch_hit_ratio = 1.0000
 
 Serving is CPU-bound on this machine. The raw loop verifies and
 decompresses (checksum + zstd: 1.5-1.6 CPU-s/GB measured on these
-entries); served entries add the reader, the decode pool's hand-offs, the
-frames and, on the bytes path, gRPC's send and receive. Small entries pay
-that per entry: 32 KiB fp16 entries cost about 5 CPU-s/GB through shared
-memory. Cold, the daemon also looks every entry up and hints the kernel,
-and the --quick store (37-105 MiB per shape) is small enough that the raw
-loop's memory map reads it all sequentially with readahead. Two cores
-cannot decompress faster than about 1.3 GB/s, so cold_serve_vs_disk stays
-far below 0.7 here for compressed entries.
+entries) on one thread. Served entries add the reader (a lookup and a
+``pread`` each), the frames and, on the bytes path, gRPC's send and
+receive; the Fetch thread verifies and decompresses each frame straight
+into the shared-memory slots (a pool thread takes half of a large frame).
+Small entries pay per entry: 32 KiB fp16 entries cost about 3.4-3.8
+CPU-s/GB through shared memory (daemon + client), and every thread that
+gives up the interpreter lock for a system call or for zstd waits to take
+it back. Cold, each 32 KiB entry costs the reader a random read at a
+queue depth of one (probes, which look entries up ahead on 8 threads, cost
+more CPU than they save below 64 KiB), and the --quick store (37-105 MiB
+per shape) is small enough that the raw loop's memory map reads it all
+sequentially with readahead. Two cores cannot decompress faster than
+about 1.3 GB/s, so cold_serve_vs_disk stays far below 0.7 here for
+compressed entries.
 """
 
 from __future__ import annotations
