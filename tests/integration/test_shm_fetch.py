@@ -8,7 +8,7 @@ import numpy as np
 from actcache._proto import actcache_pb2 as pb
 from actcache.rpc import decode_frame, method
 from actcache.shm import ClientSegment
-from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.testing import run_daemon
 from tests.integration.conftest import SHM_FP as FP
 from tests.integration.conftest import SMALL_RING as RING
@@ -167,3 +167,34 @@ def test_entries_larger_than_the_ring_travel_in_their_frame(shm_dir):
     assert planes == {"shared_memory"}
     assert got == expected and all(v is not None for *_, v in got)
     assert {len(v) > RING for *_, v in got} == {True, False}  # 160 KB entries beside 4 KB ones
+
+
+def test_a_corrupt_entry_is_a_counted_miss_in_its_place_on_both_planes(shm_dir, tmp_path):
+    """The daemon verifies entries as it decodes them into the frame or the ring; a bad one is a miss."""
+    spec = [TensorSpec(DType.uint8, (8192,))]
+    marker = bytes(range(256)) * 32  # distinctive payload to find in data.mdb (stored raw: zstd level 0)
+    others = {i: np.full(8192, i, np.uint8) for i in (1, 3)}
+    env = {"ACTCACHE_SHM_DIR": str(shm_dir)}
+    with run_daemon("--zstd-level", "0", cache_dir=tmp_path / "c", env=env) as daemon:
+        with daemon.client() as client:
+            ns = client.open("bad").namespace_id
+            client.put(ns, FP, 1, [(2, 0, encode_entry(spec, [marker]))] +
+                       [(i, 0, encode_entry(spec, [a])) for i, a in others.items()])
+        daemon.stop()
+        data = bytearray((tmp_path / "c" / "data.mdb").read_bytes())
+        where = data.find(marker)
+        assert where > 0
+        data[where + 100] ^= 0xFF
+        (tmp_path / "c" / "data.mdb").write_bytes(bytes(data))
+        daemon.start()
+        with daemon.client() as client:
+            for shared_memory, sid in ((True, "shm"), (False, "bytes")):
+                client.schedule(ns, FP, 1, sid, np.array([1, 2, 3], np.uint64))
+                got, planes = fetched(client, ns, sid, shared_memory=shared_memory, ring_bytes=RING)
+                assert planes == {"shared_memory" if shared_memory else "bytes"}
+                assert [sample for _, sample, _, _ in got] == [1, 2, 3]
+                assert got[1][3] is None  # corrupt: a miss in its place (the shm run deleted it)
+                for _, sample, _, value in (got[0], got[2]):
+                    assert bytes(decode_entry(value)[1]) == others[sample].tobytes()
+            counters = next(p for p in client.stats().prefetch if p.namespace == "bad").counters
+            assert (counters.hits, counters.misses, counters.corrupt) == (4, 2, 1)
