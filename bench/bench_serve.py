@@ -73,9 +73,8 @@ into the shared-memory slots (a pool thread takes half of a large frame).
 Small entries pay per entry: 32 KiB fp16 entries cost about 3.4-3.8
 CPU-s/GB through shared memory (daemon + client), and every thread that
 gives up the interpreter lock for a system call or for zstd waits to take
-it back. Cold, each 32 KiB entry costs the reader a random read at a
-queue depth of one (probes, which look entries up ahead on 8 threads, cost
-more CPU than they save below 64 KiB), and the --quick store (37-105 MiB
+it back. Cold, the reader looks entries up 64 ahead and hints the kernel
+to read them (probes), then reads each with a ``pread``; the --quick store (37-105 MiB
 per shape) is small enough that the raw loop's memory map reads it all
 sequentially with readahead. Two cores cannot decompress faster than
 about 1.3 GB/s, so cold_serve_vs_disk stays far below 0.7 here for

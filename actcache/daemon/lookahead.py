@@ -11,27 +11,33 @@ if TYPE_CHECKING:
     from actcache.daemon.extents import ReadSession
     from actcache.daemon.store import Store
 
-__all__ = ["MIN_PROBED_ENTRY_BYTES", "Prober", "ShortTransaction"]
+__all__ = ["INLINE_PROBE_AHEAD", "MIN_PROBED_ENTRY_BYTES", "Prober", "ShortTransaction"]
 
 # Probing pauses after this many entries in a row needed no hint.
 _WARM_STREAK = 128
 # Entries looked up by one probe task (one read transaction).
 _PROBE_BATCH = 8
-# Entries smaller than this (stored bytes, on average) are not probed: for them a probe's second
-# lookup, residency check and hint cost more CPU than the read wait they save. Measured on this
-# VM's virtio disk, page cache dropped: 19 KiB entries served 156 MB/s without probes and 115 with
-# them (in-process prefetcher); 136 KB entries the same either way; 160 KiB values from a 2 GiB
-# store 2.7x faster with probes (bench/bench_cold_read.py).
+# Entries of at least this size (stored bytes, on average) are probed on the probe pool; smaller
+# ones from the reader's own thread, INLINE_PROBE_AHEAD entries ahead: on the pool, a task per few
+# entries cost more CPU than the read wait it saved. Measured on this VM's virtio disk, page cache
+# dropped: 19 KiB entries served 156 MB/s without probes and 115 with pool probes (in-process
+# prefetcher); through the daemon (bench_serve --quick, 32 KiB fp16 entries, 19 KiB stored)
+# 127-136 MB/s without probes and 149-183 with probes from the reader's thread, at less CPU per GB;
+# 136 KB entries the same either way; 160 KiB values from a 2 GiB store 2.7x faster with pool probes
+# (bench/bench_cold_read.py).
 MIN_PROBED_ENTRY_BYTES = 64 << 10
+INLINE_PROBE_AHEAD = 64
 _SESSION_ENTRIES = 256
 _SESSION_SECONDS = 0.05
 
 
 class Prober:
-    """Lookups ahead of one reader on the probe pool, while its data is cold.
+    """Lookups ahead of one reader while its data is cold: on the probe pool, or for small entries
+    from the reader's own thread (see MIN_PROBED_ENTRY_BYTES).
 
     A probe looks entries up (a random 4 KiB read each when cold) and hints
-    the kernel to read the values not in the page cache yet. Probing pauses
+    the kernel to read the values not in the page cache yet, so the disk
+    sees many reads at once instead of the reader's one at a time. Probing pauses
     after ``_WARM_STREAK`` entries in a row needed no hint (their probe found
     them cached, or the reader got there first and read them from the cache:
     probes then only cost CPU) and resumes as soon as a read had to wait for
@@ -45,6 +51,7 @@ class Prober:
         self._pending: deque[tuple[int, int, Future]] = deque()  # (first, stop, future)
         self._streak = 0
         self.active = True
+        self._inline_end = 0  # entries before this were probed from the reader's thread
 
     def advance(self, pos: int, avg_bytes: int) -> None:
         """The reader is at ``pos`` (entries so far: ``avg_bytes`` each, 0 = none read yet): collect the
@@ -57,7 +64,10 @@ class Prober:
             else:
                 future.cancel()
                 self._note(True, stop - first)  # the reader passed first; saw_read reports cold reads
-        if not self.active or avg_bytes < MIN_PROBED_ENTRY_BYTES:
+        if not self.active:
+            return
+        if avg_bytes < MIN_PROBED_ENTRY_BYTES:  # small entries, or none read yet
+            self._probe_inline(pos)
             return
         window = max(8, min(1024, self._window_bytes // avg_bytes))
         start = self._pending[-1][1] if self._pending else pos + 1
@@ -67,6 +77,16 @@ class Prober:
             keys = [self._key(p) for p in range(start, stop)]
             self._pending.append((start, stop, self._pool.submit(self._probe, keys)))
             start = stop
+
+    def _probe_inline(self, pos: int) -> None:
+        """Probe up to ``INLINE_PROBE_AHEAD`` entries past ``pos`` in this thread, half a window at a time."""
+        if pos + INLINE_PROBE_AHEAD // 2 < self._inline_end:
+            return
+        start, end = max(pos + 1, self._inline_end), min(self._length, pos + 1 + INLINE_PROBE_AHEAD)
+        if start < end:
+            for resident in self._probe([self._key(p) for p in range(start, end)]):
+                self._note(resident is not False)
+        self._inline_end = end
 
     def _note(self, warm: bool, count: int = 1) -> None:
         if not warm:

@@ -16,9 +16,10 @@ without a consumer give theirs back (they are cancelled and read again,
 from where the Fetch starts, once fetched), so schedules pushed and never
 fetched cannot hold the budget.
 
-Cold reads: lookups run on ``probe_threads`` threads ahead of each reader
-(entries of MIN_PROBED_ENTRY_BYTES and more) and hint the kernel
-(POSIX_FADV_WILLNEED); the reader then ``pread``s each
+Cold reads: lookups run ahead of each reader (on ``probe_threads`` threads
+for entries of MIN_PROBED_ENTRY_BYTES and more, in the reader's thread for
+smaller ones) and hint the kernel (POSIX_FADV_WILLNEED); the reader then
+``pread``s each
 value (actcache.daemon.extents, which holds the measurements).
 Entries are buffered as stored (compressed); the Fetch thread verifies
 and decompresses each frame's entries straight into the frame or the

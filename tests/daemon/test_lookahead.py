@@ -2,7 +2,7 @@
 
 from concurrent.futures import Executor, Future
 
-from actcache.daemon.lookahead import MIN_PROBED_ENTRY_BYTES, Prober
+from actcache.daemon.lookahead import INLINE_PROBE_AHEAD, MIN_PROBED_ENTRY_BYTES, Prober
 
 
 class Inline(Executor):
@@ -49,12 +49,24 @@ def test_probes_pause_when_warm_and_resume_on_a_cold_read():
     assert prober.active  # cold data keeps probing on
 
 
-def test_small_entries_are_not_probed():
-    pool = Inline()
-    prober = Prober(pool, lambda keys: [False] * len(keys), lambda p: p.to_bytes(4, "big"), length=10_000,
-                    window_bytes=64 << 20)
+def test_small_entries_are_probed_from_the_readers_thread_each_once():
+    pool, probed = Inline(), []
+
+    def probe(keys):
+        probed.extend(int.from_bytes(k, "big") for k in keys)
+        return [False] * len(keys)  # cold: probing goes on
+
+    prober = Prober(pool, probe, lambda p: p.to_bytes(4, "big"), length=1000, window_bytes=64 << 20)
     prober.advance(0, avg_bytes=0)  # nothing read yet: the entry size is unknown
-    prober.advance(1, avg_bytes=MIN_PROBED_ENTRY_BYTES // 2)
-    assert pool.calls == 0
-    prober.advance(2, avg_bytes=MIN_PROBED_ENTRY_BYTES)
-    assert pool.calls > 0
+    assert probed == list(range(1, 1 + INLINE_PROBE_AHEAD)) and pool.calls == 0
+    for pos in range(1, 1000):
+        prober.advance(pos, avg_bytes=MIN_PROBED_ENTRY_BYTES // 2)
+        assert probed[-1] - pos <= INLINE_PROBE_AHEAD  # never further ahead than the window
+        if pos + INLINE_PROBE_AHEAD < 1000:
+            assert probed[-1] - pos >= INLINE_PROBE_AHEAD // 2  # nor closer than half of it
+    assert probed == list(range(1, 1000)) and pool.calls == 0  # each entry once, none on the pool
+    prober.advance(1000, avg_bytes=MIN_PROBED_ENTRY_BYTES)
+    assert pool.calls == 0  # past the end: nothing left to probe
+    big = Prober(pool, probe, lambda p: p.to_bytes(4, "big"), length=1000, window_bytes=64 << 20)
+    big.advance(0, avg_bytes=MIN_PROBED_ENTRY_BYTES)
+    assert pool.calls > 0  # large entries: on the pool
