@@ -43,8 +43,9 @@ __all__ = [
     "decoded_size",
     "encode_entry",
     "parse_header",
+    "to_raw_entries",
+    "to_raw_entries_into",
     "to_raw_entry",
-    "to_raw_entry_into",
     "verify_entry",
 ]
 
@@ -305,14 +306,18 @@ def decode_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[Entry
     header = verify_entry(buf) if verify else parse_header(buf)
     payload = memoryview(buf)[header.header_len :]
     if header.codec == Codec.zstd:
-        try:
-            raw = _decompressor().decompress(payload, max_output_size=header.raw_len)
-        except Exception as exc:  # zstandard.ZstdError
-            raise InvalidRequest(f"zstd payload does not decompress: {exc}") from exc
-        if len(raw) != header.raw_len:
-            raise InvalidRequest(f"zstd payload decompressed to {len(raw)} bytes, header says {header.raw_len}")
-        return header, memoryview(raw)
+        return header, memoryview(_decompress(payload, header.raw_len))
     return header, payload
+
+
+def _decompress(payload: memoryview, raw_len: int) -> bytes:
+    try:
+        raw = _decompressor().decompress(payload, max_output_size=raw_len)
+    except Exception as exc:  # zstandard.ZstdError
+        raise InvalidRequest(f"zstd payload does not decompress: {exc}") from exc
+    if len(raw) != raw_len:
+        raise InvalidRequest(f"zstd payload decompressed to {len(raw)} bytes, header says {raw_len}")
+    return raw
 
 
 def compress_entry(buf: bytes | memoryview, zstd_level: int) -> bytes | memoryview:
@@ -337,32 +342,6 @@ def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes
     return _pack_header(Codec.raw_verified, header.specs, header.raw_len, payload), payload
 
 
-def to_raw_entry_into(buf: bytes | memoryview, out: memoryview) -> None:
-    """Write ``to_raw_entry(buf)`` into ``out`` (``decoded_size(buf)`` bytes), decompressing straight into it.
-
-    Raises InvalidRequest when ``buf`` is malformed or fails its checksum
-    (``out`` then holds garbage) or ``out`` has the wrong size.
-    """
-    header = verify_entry(buf)
-    view = memoryview(buf)
-    if out.nbytes != header.header_len + header.raw_len:
-        raise InvalidRequest(f"{out.nbytes}-byte buffer for an entry of {header.header_len + header.raw_len} bytes")
-    if header.codec != Codec.zstd:
-        out[:] = view
-        return
-    raw = out[header.header_len :]
-    got = 0
-    try:
-        with _decompressor().stream_reader(view[header.header_len :], read_across_frames=False) as reader:
-            while got < header.raw_len and (n := reader.readinto(raw[got:])):
-                got += n
-    except Exception as exc:  # zstandard.ZstdError
-        raise InvalidRequest(f"zstd payload does not decompress: {exc}") from exc
-    if got != header.raw_len:
-        raise InvalidRequest(f"zstd payload decompressed to {got} bytes, header says {header.raw_len}")
-    out[: header.header_len] = _pack_header(Codec.raw_verified, header.specs, header.raw_len, raw)
-
-
 def decoded_size(buf: bytes | memoryview) -> int:
     """Bytes of ``buf`` with its payload uncompressed (header + raw payload), from the fixed header alone.
 
@@ -376,3 +355,82 @@ def decoded_size(buf: bytes | memoryview) -> int:
         raise InvalidRequest(f"entry has magic {bytes(magic)!r} version {version} and {stored_len} payload bytes "
                              f"in {view.nbytes}; it is not a valid entry")
     return view.nbytes - stored_len + raw_len
+
+
+
+def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, bytes | memoryview] | InvalidRequest]:
+    """Per entry, verified: (header, raw payload) or the InvalidRequest it raised.
+
+    The zstd payloads are decompressed in one call that holds no lock: a
+    batch of small entries gives up and takes back the interpreter lock once
+    instead of once per entry, which is what bounds a multi-threaded server
+    on small entries.
+    """
+    out: list = [None] * len(bufs)
+    frames, sizes, pending = [], [], []
+    for i, buf in enumerate(bufs):
+        try:
+            header = verify_entry(buf)
+        except InvalidRequest as exc:
+            out[i] = exc
+            continue
+        payload = memoryview(buf)[header.header_len :]
+        if header.codec != Codec.zstd:
+            out[i] = header, payload
+            continue
+        frames.append(payload)
+        sizes.append(header.raw_len)
+        pending.append((i, header))
+    if frames:
+        try:
+            raws = _decompressor().multi_decompress_to_buffer(
+                frames, decompressed_sizes=struct.pack(f"={len(sizes)}Q", *sizes), threads=1
+            )
+        except Exception:  # zstandard.ZstdError: a bad frame; decompressed one by one below, to find it
+            raws = None
+        for n, (i, header) in enumerate(pending):
+            raw = raws[n] if raws is not None else None
+            if raw is None or len(raw) != header.raw_len:
+                try:
+                    raw = _decompress(frames[n], header.raw_len)
+                except InvalidRequest as exc:
+                    out[i] = exc
+                    continue
+            out[i] = header, raw
+    return out
+
+
+def to_raw_entries(bufs: Sequence[bytes | memoryview]) -> list[tuple[bytes | memoryview, ...] | InvalidRequest]:
+    """``to_raw_entry`` of many entries at once: per entry its parts, or the InvalidRequest it raised."""
+    out: list = []
+    for buf, decoded in zip(bufs, _decode_many(bufs)):
+        if isinstance(decoded, InvalidRequest):
+            out.append(decoded)
+        elif decoded[0].codec != Codec.zstd:
+            out.append((buf,))
+        else:
+            header, raw = decoded
+            out.append((_pack_header(Codec.raw_verified, header.specs, header.raw_len, raw), raw))
+    return out
+
+
+def to_raw_entries_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memoryview]) -> list[InvalidRequest | None]:
+    """Write ``to_raw_entries(bufs)`` into ``outs`` (``decoded_size`` bytes each): per entry None or the
+    InvalidRequest it raised (that entry's buffer then holds garbage)."""
+    errors: list[InvalidRequest | None] = []
+    for buf, out, decoded in zip(bufs, outs, _decode_many(bufs)):
+        if isinstance(decoded, InvalidRequest):
+            errors.append(decoded)
+            continue
+        header, raw = decoded
+        if out.nbytes != header.header_len + header.raw_len:
+            errors.append(InvalidRequest(
+                f"{out.nbytes}-byte buffer for an entry of {header.header_len + header.raw_len} bytes"))
+            continue
+        if header.codec != Codec.zstd:
+            out[:] = buf
+        else:
+            out[header.header_len :] = raw
+            out[: header.header_len] = _pack_header(Codec.raw_verified, header.specs, header.raw_len, raw)
+        errors.append(None)
+    return errors

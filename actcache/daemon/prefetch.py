@@ -22,9 +22,9 @@ smaller ones) and hint the kernel (POSIX_FADV_WILLNEED); the reader then
 ``pread``s each
 value (actcache.daemon.extents, which holds the measurements).
 Entries are buffered as stored (compressed); the Fetch thread verifies
-and decompresses each frame's entries straight into the frame or the
-shared-memory slots, with ``decode_threads - 1`` pool threads taking part
-of each large frame (zstd releases the GIL). Fetch serves entries
+and decompresses each frame's entries as it serves them (a batch per zstd
+call, which releases the GIL) into the frame or the shared-memory slots,
+with ``decode_threads - 1`` pool threads taking part of each large frame. Fetch serves entries
 uncompressed (codec raw_verified), so the client's decode is a zero-copy
 view.
 

@@ -276,7 +276,7 @@ class ActCacheService:
             return None, f"shared memory unavailable: {exc}"
 
     def _fetch_shm(self, reader, ring: "ShmRing", frame_bytes: int, context) -> Iterator[bytes]:
-        """Frames of slot descriptors: each entry is decoded straight into its slot once the slot is free.
+        """Frames of slot descriptors: each entry is decoded into its slot once the slot is free.
 
         When the ring is full, the entries already written go out in a frame (so the client can
         release their slots) before waiting. An entry larger than the whole ring travels alone in

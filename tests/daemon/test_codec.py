@@ -6,10 +6,10 @@ from hypothesis import strategies as st
 import struct
 
 from actcache.codec import (
-    Codec, DType, TensorSpec, compress_entry, decode_entry, decoded_size, encode_entry, parse_header, to_raw_entry,
-    to_raw_entry_into, verify_entry,
+    Codec, DType, TensorSpec, compress_entry, decode_entry, decoded_size, encode_entry, parse_header, to_raw_entries,
+    to_raw_entries_into, to_raw_entry, verify_entry,
 )
-from actcache.codec import _parse_header
+from actcache.codec import _pack_header, _parse_header
 from actcache.errors import InvalidRequest
 
 NUMPY = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16,
@@ -131,16 +131,25 @@ def test_a_known_layout_parses_exactly_as_a_full_parse(level):
     assert parse_header(other_dtype).specs == (TensorSpec(DType.int32, a.shape),)
 
 
-@pytest.mark.parametrize("level", [0, 1])
-def test_to_raw_entry_into_writes_what_to_raw_entry_gives(level):
-    a = np.maximum(np.random.default_rng(3).standard_normal((64, 300), dtype=np.float32), 0)  # several zstd blocks
-    stored = encode_entry([TensorSpec(DType.float32, a.shape)], [a], zstd_level=level)
-    out = bytearray(decoded_size(stored))
-    to_raw_entry_into(stored, memoryview(out))
-    assert bytes(out) == b"".join(bytes(p) for p in to_raw_entry(stored))
-    with pytest.raises(InvalidRequest, match="buffer for an entry"):
-        to_raw_entry_into(stored, memoryview(out)[1:])
-    corrupt = bytearray(stored)
-    corrupt[-1] ^= 1
-    with pytest.raises(InvalidRequest):
-        to_raw_entry_into(bytes(corrupt), memoryview(out))
+def test_batch_decoding_gives_what_to_raw_entry_gives_and_isolates_bad_entries():
+    rng = np.random.default_rng(3)
+    arrays = [np.maximum(rng.standard_normal((64, 300), dtype=np.float32), 0) for _ in range(4)]  # several zstd blocks
+    spec = [TensorSpec(DType.float32, arrays[0].shape)]
+    good = [encode_entry(spec, [a], zstd_level=level) for a, level in zip(arrays, [1, 0, 1, 1])]
+    bad_crc = bytearray(good[2])
+    bad_crc[-1] ^= 1
+    garbage = bytes(100)  # a checksum-valid entry whose zstd payload does not decompress
+    bad_zstd = _pack_header(Codec.zstd, spec, arrays[0].nbytes, garbage) + garbage
+    stored = [good[0], good[1], bytes(bad_crc), bad_zstd, good[3]]
+    expected = [b"".join(bytes(p) for p in to_raw_entry(e)) for e in good]
+
+    parts = to_raw_entries(stored)
+    assert [b"".join(bytes(p) for p in parts[i]) for i in (0, 1, 4)] == [expected[0], expected[1], expected[3]]
+    assert isinstance(parts[2], InvalidRequest) and "checksum" in str(parts[2])
+    assert isinstance(parts[3], InvalidRequest) and "decompress" in str(parts[3])
+
+    outs = [bytearray(decoded_size(good[0])) for _ in stored]
+    outs[4] = bytearray(len(outs[4]) - 1)  # the wrong size
+    errors = to_raw_entries_into(stored, [memoryview(o) for o in outs])
+    assert [bytes(outs[i]) for i in (0, 1)] == [expected[0], expected[1]] and errors[:2] == [None, None]
+    assert "checksum" in str(errors[2]) and "decompress" in str(errors[3]) and "buffer for an entry" in str(errors[4])
