@@ -36,49 +36,50 @@ The figure lines at the end: ``serve_ratio_shm`` and ``serve_ratio_bytes``
 (warm, worst of the three shapes), ``cold_serve_vs_disk`` (cold, worst shape),
 ``prefetch_hit_ratio`` (worst shape). Each warm path is timed three times,
 taking turns with the others, and reported by its median run. Sample
-(``--quick``, quiet 2-core VM, load average 0.7)::
+(``--quick``, 2-core VM running nothing else; load average 1.4 left by
+the previous runs)::
 
     shape                     path    state   samples/s    MB/s  disk-read MB/s  O_DIRECT MB/s  CPU s/GB   ratio
-    conv_relu_fp32_64x32x32   raw     warm         2786     730                                     1.37
-                              served  warm         1945     510             271                     2.89    0.70
-                              shm     warm         3057     801             426                     2.06    1.10
-                              raw     cold         2186     573                                     1.45
-                              served  cold         1569     411             219           1606      3.65    0.72
-                              paced   cold          784     206   hit ratio 1.0000 (stalls 0.000 s)
-    conv_relu_fp16_256x8x8    raw     warm        17294     567                                     1.76
-                              served  warm        11105     364             212                     3.91    0.64
-                              shm     warm        12365     405             236                     3.74    0.72
-                              raw     cold        11725     384                                     1.83
-                              served  cold         4147     136              79           1844      7.22    0.35
-                              paced   cold         2073      68   hit ratio 1.0000 (stalls 0.000 s)
-    transformer_bf16_128x384  raw     warm         7506     738                                     1.36
-                              served  warm         4265     419             331                     3.13    0.57
-                              shm     warm         6719     661             521                     2.39    0.90
-                              raw     cold         4322     425                                     1.45
-                              served  cold         3105     305             241           1390      4.43    0.72
-                              paced   cold         1552     153   hit ratio 1.0000 (stalls 0.000 s)
+    conv_relu_fp32_64x32x32   raw     warm         2820     739                                     1.35
+                              served  warm         2013     528             281                     2.69    0.71
+                              shm     warm         3125     819             436                     2.07    1.11
+                              raw     cold         2348     616                                     1.36
+                              served  cold         1437     377             200           1768      3.68    0.61
+                              paced   cold          718     188   hit ratio 1.0000 (stalls 0.000 s)
+    conv_relu_fp16_256x8x8    raw     warm        17462     572                                     1.75
+                              served  warm         9917     325             190                     4.57    0.57
+                              shm     warm        14006     459             268                     3.43    0.80
+                              raw     cold        11250     369                                     1.92
+                              served  cold         6109     200             117           1550      6.37    0.54
+                              paced   cold         3053     100   hit ratio 1.0000 (stalls 0.000 s)
+    transformer_bf16_128x384  raw     warm         7263     714                                     1.41
+                              served  warm         4393     432             341                     3.19    0.60
+                              shm     warm         6306     620             489                     2.56    0.87
+                              raw     cold         4119     405                                     1.54
+                              served  cold         2950     290             229           1676      4.93    0.72
+                              paced   cold         1475     145   hit ratio 1.0000 (stalls 0.000 s)
     compression (raw/stored): conv_relu_fp32_64x32x32 1.88, conv_relu_fp16_256x8x8 1.71, transformer_bf16_128x384 1.27
-    3 shapes x 64 MiB in 22 s on 2 cores (load average 0.7 before, 0.7 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
-    figure: serve_ratio_shm = 0.715
+    3 shapes x 64 MiB in 22 s on 2 cores (load average 1.4 before, 1.7 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
+    figure: serve_ratio_shm = 0.802
     figure: serve_ratio_bytes = 0.568
-    figure: cold_serve_vs_disk = 0.074
+    figure: cold_serve_vs_disk = 0.129
     figure: prefetch_hit_ratio = 1.0000
 
 Serving is CPU-bound on this machine. The raw loop verifies and
 decompresses (checksum + zstd: 1.5-1.6 CPU-s/GB measured on these
 entries) on one thread. Served entries add the reader (a lookup and a
 ``pread`` each), the frames and, on the bytes path, gRPC's send and
-receive; the Fetch thread verifies and decompresses each frame straight
-into the shared-memory slots (a pool thread takes half of a large frame).
-Small entries pay per entry: 32 KiB fp16 entries cost about 3.4-3.8
-CPU-s/GB through shared memory (daemon + client), and every thread that
-gives up the interpreter lock for a system call or for zstd waits to take
-it back. Cold, the reader looks entries up 64 ahead and hints the kernel
-to read them (probes), then reads each with a ``pread``; the --quick store (37-105 MiB
-per shape) is small enough that the raw loop's memory map reads it all
-sequentially with readahead. Two cores cannot decompress faster than
-about 1.3 GB/s, so cold_serve_vs_disk stays far below 0.7 here for
-compressed entries.
+receive; the Fetch thread verifies each frame's entries, decompresses them
+a batch per zstd call and writes them to the shared-memory slots (a pool
+thread takes part of a large frame). Small entries pay per entry: 32 KiB
+fp16 entries cost about 3.2-3.6 CPU-s/GB through shared memory (daemon +
+client), and every thread that gives up the interpreter lock for a system
+call waits to take it back. Cold, the reader looks entries up 64 ahead and
+hints the kernel to read them (probes), then reads each with a ``pread``;
+the --quick store (37-105 MiB per shape) is small enough that the raw
+loop's memory map reads it all sequentially with readahead. Two cores
+cannot decompress faster than about 1.3 GB/s, so cold_serve_vs_disk stays
+far below 0.7 here for compressed entries.
 """
 
 from __future__ import annotations
