@@ -382,9 +382,9 @@ class ScheduleReader:
 
         The consumer decodes the entries (``decode`` or ``decode_into``), then
         calls ``finish()`` (which releases their budget bytes and counts them;
-        closing the generator does it too). Raises the reader's error after the entries read before
-        it failed; returns early, quietly, if cancelled without an error for
-        the consumer.
+        closing the generator does it too). Raises the reader's error after
+        the entries read before it failed; returns early, quietly, if
+        cancelled without an error for the consumer.
         """
         schedule = self.schedule
         self._fill_bytes = min(max_frame_bytes, _FILL_BYTES)
