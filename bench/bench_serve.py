@@ -5,7 +5,8 @@
 For three activation shapes (conv after ReLU 64x32x32 fp32, conv after ReLU
 256x8x8 fp16, transformer hidden state 128x384 bf16) it stores
 ``--mib-per-shape`` of realistic entries through the daemon (zstd level 1,
-the default; it keeps an entry raw when zstd saves under 5%), then measures
+the default; it keeps an entry raw when zstd saves under 5%; ``--zstd-level 0`` stores
+them all raw), then measures
 samples/s and MB/s (of tensor bytes) for:
 
 - raw: an in-process loop over the same LMDB, in the same order: ``get``,
@@ -14,7 +15,7 @@ samples/s and MB/s (of tensor bytes) for:
 - served: ``RpcClient.schedule`` then ``fetch_batches``, each entry turned
   into a torch tensor (``decode_entry(verify=False)``: the daemon verified it;
   the entries arrive uncompressed, so this is a view);
-- shm (warm only): the same through the shared-memory data plane
+- shm: the same through the shared-memory data plane
   (``fetch_batches(shared_memory=True)``: the frames carry slot descriptors,
   the tensors are views into the ring);
 
@@ -22,10 +23,11 @@ warm (page cache hot, after an untimed pass) and cold (page cache dropped
 and the daemon restarted before the run, so nothing is mapped), with the
 ratio served/raw and the CPU seconds per GB of tensors (daemon + client
 for served runs: on a busy machine the CPU cost is the steadier figure).
-Before each cold served run it measures the disk's
-O_DIRECT random 1 MiB read MB/s (queue depth 1) on a scratch file on the
-same filesystem; ``cold_serve_vs_disk`` divides the served MB/s (tensor
-bytes, as the client receives them) by that figure; the "disk-read MB/s"
+Before the cold served runs (bytes path, then shared memory, each from a
+dropped page cache and a restarted daemon) it measures the disk's O_DIRECT
+random 1 MiB read MB/s (queue depth 1) on a scratch file on the same
+filesystem; ``cold_serve_vs_disk`` divides the served MB/s (tensor bytes,
+as the client receives them) by that figure; the "disk-read MB/s"
 column shows the stored bytes per second the daemon read. Last, the
 prefetch hit ratio (entries ready when the consumer asked, from the
 daemon's counters, over the last 80% of the run) with a cold cache,
@@ -33,8 +35,9 @@ daemon's counters, over the last 80% of the run) with a cold cache,
 rate (slower than the disk and than the serve path).
 
 The figure lines at the end: ``serve_ratio_shm`` and ``serve_ratio_bytes``
-(warm, worst of the three shapes), ``cold_serve_vs_disk`` (cold, worst shape),
-``prefetch_hit_ratio`` (worst shape). Each warm path is timed three times,
+(warm, worst of the three shapes), ``cold_serve_vs_disk`` and
+``cold_serve_vs_disk_shm`` (cold, worst shape, bytes path and shared
+memory), ``prefetch_hit_ratio`` (worst shape). Each warm path is timed three times,
 taking turns with the others, and reported by its median run. Sample
 (``--quick``, 2-core VM running nothing else; load average 1.4 left by
 the previous runs)::
@@ -262,6 +265,8 @@ def main() -> int:
     parser.add_argument("--mib-per-shape", type=int, default=1024, help="tensor MiB stored per shape")
     parser.add_argument("--dir", type=Path, help="where the cache lives (default: a temp dir under /var/tmp)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--zstd-level", type=int, default=1,
+                        help="the daemon's --zstd-level for the stored entries (0 stores them raw)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="The given buffer is not writable")  # the views are only read
     tune_malloc()  # as a training process receiving Fetch streams should (see actcache/malloc.py)
@@ -282,7 +287,7 @@ def main() -> int:
             for _ in range((256 if args.quick else 1024) // 8):
                 f.write(block)
             os.fsync(f.fileno())
-        with run_daemon(cache_dir=cache) as daemon:
+        with run_daemon("--zstd-level", str(args.zstd_level), cache_dir=cache) as daemon:
             with daemon.client(timeout_s=600) as client:
                 plan = []
                 for depth, shape in enumerate(SHAPES, start=1):
@@ -324,11 +329,17 @@ def main() -> int:
                     drop_page_cache()
                     daemon.start()
                     cold_served = served_run(daemon, ns, depth, order, shape, "cold")
-                    row.update(cold_raw=cold_raw, cold_served=cold_served, disk_odirect_MBps=disk,
+                    daemon.stop()
+                    drop_page_cache()
+                    daemon.start()
+                    cold_shm = served_run(daemon, ns, depth, order, shape, "cold-shm", shared_memory=True)
+                    row.update(cold_raw=cold_raw, cold_served=cold_served, cold_shm=cold_shm, disk_odirect_MBps=disk,
                                cold_ratio=cold_served["MBps"] / cold_raw["MBps"],
-                               cold_vs_disk=cold_served["MBps"] / disk)
+                               cold_shm_ratio=cold_shm["MBps"] / cold_raw["MBps"],
+                               cold_vs_disk=cold_served["MBps"] / disk, cold_shm_vs_disk=cold_shm["MBps"] / disk)
                     _print("", "raw", "cold", cold_raw)
                     _print("", "served", "cold", cold_served, disk=disk, ratio=row["cold_ratio"])
+                    _print("", "shm", "cold", cold_shm, disk=disk, ratio=row["cold_shm_ratio"])
                 daemon.stop()
                 drop_page_cache()
                 base = row.get("cold_served", warm)
@@ -351,6 +362,7 @@ def main() -> int:
     serve_ratio = min(r["warm_ratio"] for r in rows)
     shm_ratio = min(r["warm_shm_ratio"] for r in rows)
     cold_vs_disk = min(r["cold_vs_disk"] for r in rows) if cold else float("nan")
+    cold_shm_vs_disk = min(r["cold_shm_vs_disk"] for r in rows) if cold else float("nan")
     hit_ratio = min(r["paced"]["hit_ratio"] for r in rows)
     print(f"compression (raw/stored): " + ", ".join(f"{r['shape']} {r['compression']:.2f}" for r in rows))
     print(f"{len(rows)} shapes x {mib} MiB in {time.perf_counter() - started:.0f} s on {os.cpu_count()} cores "
@@ -361,6 +373,7 @@ def main() -> int:
     print(f"figure: serve_ratio_shm = {shm_ratio:.3f}")
     print(f"figure: serve_ratio_bytes = {serve_ratio:.3f}")
     print(f"figure: cold_serve_vs_disk = {cold_vs_disk:.3f}")
+    print(f"figure: cold_serve_vs_disk_shm = {cold_shm_vs_disk:.3f}")
     print(f"figure: prefetch_hit_ratio = {hit_ratio:.4f}")
     return 0
 
