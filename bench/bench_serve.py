@@ -39,33 +39,36 @@ The figure lines at the end: ``serve_ratio_shm`` and ``serve_ratio_bytes``
 ``cold_serve_vs_disk_shm`` (cold, worst shape, bytes path and shared
 memory), ``prefetch_hit_ratio`` (worst shape). Each warm path is timed three times,
 taking turns with the others, and reported by its median run. Sample
-(``--quick``, 2-core VM running nothing else; load average 1.4 left by
-the previous runs)::
+(``--quick``, 2-core VM running nothing else)::
 
     shape                     path    state   samples/s    MB/s  disk-read MB/s  O_DIRECT MB/s  CPU s/GB   ratio
-    conv_relu_fp32_64x32x32   raw     warm         2820     739                                     1.35
-                              served  warm         2013     528             281                     2.69    0.71
-                              shm     warm         3125     819             436                     2.07    1.11
-                              raw     cold         2348     616                                     1.36
-                              served  cold         1437     377             200           1768      3.68    0.61
-                              paced   cold          718     188   hit ratio 1.0000 (stalls 0.000 s)
-    conv_relu_fp16_256x8x8    raw     warm        17462     572                                     1.75
-                              served  warm         9917     325             190                     4.57    0.57
-                              shm     warm        14006     459             268                     3.43    0.80
-                              raw     cold        11250     369                                     1.92
-                              served  cold         6109     200             117           1550      6.37    0.54
-                              paced   cold         3053     100   hit ratio 1.0000 (stalls 0.000 s)
-    transformer_bf16_128x384  raw     warm         7263     714                                     1.41
-                              served  warm         4393     432             341                     3.19    0.60
-                              shm     warm         6306     620             489                     2.56    0.87
-                              raw     cold         4119     405                                     1.54
-                              served  cold         2950     290             229           1676      4.93    0.72
-                              paced   cold         1475     145   hit ratio 1.0000 (stalls 0.000 s)
+    conv_relu_fp32_64x32x32   raw     warm         2792     732                                     1.37
+                              served  warm         1609     422             224                     3.33    0.58
+                              shm     warm         2931     768             409                     2.05    1.05
+                              raw     cold         2189     574                                     1.45
+                              served  cold         1239     325             173           1856      4.14    0.57
+                              shm     cold         1995     523             278           1856      2.83    0.91
+                              paced   cold          619     162   hit ratio 1.0000 (stalls 0.000 s)
+    conv_relu_fp16_256x8x8    raw     warm        16700     547                                     1.83
+                              served  warm        11681     383             223                     3.90    0.70
+                              shm     warm        13526     443             259                     3.44    0.81
+                              raw     cold        10751     352                                     1.92
+                              served  cold         5462     179             104           1364      6.20    0.51
+                              shm     cold         5846     192             112           1364      5.56    0.54
+                              paced   cold         2730      89   hit ratio 1.0000 (stalls 0.000 s)
+    transformer_bf16_128x384  raw     warm         7131     701                                     1.43
+                              served  warm         4424     435             343                     3.40    0.62
+                              shm     warm         6296     619             489                     2.72    0.88
+                              raw     cold         4567     449                                     1.53
+                              served  cold         2522     248             196           2481      5.07    0.55
+                              shm     cold         3149     310             244           2481      4.10    0.69
+                              paced   cold         1261     124   hit ratio 1.0000 (stalls 0.000 s)
     compression (raw/stored): conv_relu_fp32_64x32x32 1.88, conv_relu_fp16_256x8x8 1.71, transformer_bf16_128x384 1.27
-    3 shapes x 64 MiB in 22 s on 2 cores (load average 1.4 before, 1.7 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
-    figure: serve_ratio_shm = 0.802
-    figure: serve_ratio_bytes = 0.568
-    figure: cold_serve_vs_disk = 0.129
+    3 shapes x 64 MiB in 27 s on 2 cores (load average 0.5 before, 0.8 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
+    figure: serve_ratio_shm = 0.810
+    figure: serve_ratio_bytes = 0.576
+    figure: cold_serve_vs_disk = 0.100
+    figure: cold_serve_vs_disk_shm = 0.125
     figure: prefetch_hit_ratio = 1.0000
 
 Serving is CPU-bound on this machine. The raw loop verifies and
