@@ -32,17 +32,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import decoded_size, to_raw_entries, to_raw_entries_into, to_raw_entry
+from actcache.codec import decoded_size
 from actcache.daemon.budget import MemoryBudget
 from actcache.daemon.lookahead import Prober, ShortTransaction
 from actcache.daemon.schedule import Schedule
+from actcache.daemon.served import ServedBatch
 from actcache.errors import ActCacheError, BudgetExceeded, InvalidRequest, StoreError
 from actcache.rpc import encode_frame
 
 if TYPE_CHECKING:
     from actcache.daemon.store import Store
 
-__all__ = ["MAX_AHEAD_ENTRIES", "ReaderSnapshot", "ReaderState", "ScheduleReader"]
+__all__ = ["MAX_AHEAD_ENTRIES", "ReaderSnapshot", "ReaderState", "ScheduleReader", "ServedBatch"]
 
 # Entries a reader keeps read ahead of its consumer at most (misses hold no
 # budget bytes, so the budget alone would not bound them).
@@ -56,8 +57,6 @@ _LINGER_S = 0.005
 log = logging.getLogger(__name__)
 
 _KEY_BLOCK = 512
-# A frame's entries are split with the decode pool from this many decoded bytes on.
-_SPLIT_BYTES = 256 << 10
 
 
 class ReaderState(enum.Enum):
@@ -359,6 +358,15 @@ class ScheduleReader:
         """A frame's worth is ready. Caller holds ``_cond``."""
         return self._ready_bytes >= self._fill_bytes or self.ready - self.served >= _FILL_ENTRIES
 
+    def _served_done(self, held: int) -> Callable[[dict], None]:
+        """What a served frame calls once: give back its ``held`` budget bytes and count it."""
+
+        def done(counts: dict) -> None:
+            self._budget.release(self, held)
+            self.schedule.counters.add(**counts)
+
+        return done
+
     def _discard_corrupt(self, pos: int, exc: InvalidRequest) -> None:
         log.warning("schedule %r position %d: stored entry is corrupt (%s); serving a miss and deleting it",
                     self.schedule.schedule_id, pos, exc)
@@ -377,7 +385,7 @@ class ScheduleReader:
             batch.finish()
             yield frame
 
-    def batches(self, max_frame_bytes: int) -> Iterator["ServedBatch"]:
+    def batches(self, max_frame_bytes: int) -> Iterator[ServedBatch]:
         """The entries of one frame at a time, from ``start`` to the end.
 
         The consumer decodes the entries (``decode`` or ``decode_into``), then
@@ -436,106 +444,13 @@ class ScheduleReader:
                 lengths=[s.nbytes for s in taken],
             )
             counts = dict(ready_on_ask=len(taken) - stalled, stalls=int(stalled), stall_seconds=waited)
-            batch = ServedBatch(header, [s.data for s in taken], self, sum(s.held for s in taken), counts)
+            batch = ServedBatch(header, [s.data for s in taken], pool=self._decode, discard=self._discard_corrupt,
+                                done=self._served_done(sum(s.held for s in taken)), counts=counts)
             try:
                 yield batch
             finally:
                 batch.finish()
         self._on_change(self)
-
-
-class ServedBatch:
-    """One frame's entries taken from a reader, as stored (None = a miss).
-
-    ``header.lengths[i]`` is entry i's size as served; decoding an entry that
-    fails verification sets it to 0 (a miss) and deletes the stored entry.
-    """
-
-    __slots__ = ("header", "stored", "_reader", "_held", "_counts", "_failed")
-
-    def __init__(self, header: pb.EntriesHeader, stored: list, reader: ScheduleReader, held: int, counts: dict) -> None:
-        self.header, self.stored = header, stored
-        self._reader, self._held, self._counts = reader, held, counts
-        self._failed: list[int] = []  # entries that failed verification (list.append is thread-safe)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.header.lengths)
-
-    def decode(self) -> list[tuple]:
-        """Every entry as the parts of its served form (() for a miss)."""
-        out: list[tuple] = [()] * len(self.stored)
-
-        def run(part: range) -> None:
-            todo = [i for i in part if self.stored[i] is not None]
-            for i, parts in zip(todo, to_raw_entries([self.stored[i] for i in todo])):
-                if isinstance(parts, InvalidRequest):
-                    self._fail_entry(i, parts)
-                else:
-                    out[i] = parts
-
-        self._split(range(len(self.stored)), run)
-        return out
-
-    def decode_one(self, i: int) -> tuple:
-        """Entry ``i`` as the parts of its served form (() for a miss)."""
-        if self.stored[i] is None:
-            return ()
-        try:
-            return to_raw_entry(self.stored[i])
-        except InvalidRequest as exc:
-            self._fail_entry(i, exc)
-            return ()
-
-    def decode_into(self, indices: range, outputs: list[memoryview | None]) -> None:
-        """Decode entries ``indices`` into ``outputs`` (one per index: ``header.lengths[i]`` bytes,
-        None for a miss)."""
-
-        def run(part: range) -> None:
-            todo = [i for i in part if outputs[i - indices.start] is not None]
-            errors = to_raw_entries_into([self.stored[i] for i in todo], [outputs[i - indices.start] for i in todo])
-            for i, exc in zip(todo, errors):
-                if exc is not None:
-                    self._fail_entry(i, exc)
-
-        self._split(indices, run)
-
-    def _split(self, indices: range, run: Callable[[range], None]) -> None:
-        """``run(indices)``, with the decode pool taking the second half of a large run."""
-        pool = self._reader._decode
-        lengths = self.header.lengths
-        total = sum(lengths[i] for i in indices)
-        if pool is None or total < _SPLIT_BYTES or len(indices) < 2:
-            run(indices)
-            return
-        half, mid = 0, indices.start
-        while mid < indices.stop - 1 and half < total // 2:
-            half += lengths[mid]
-            mid += 1
-        try:
-            future = pool.submit(run, range(mid, indices.stop))
-        except RuntimeError:  # the pool is shut down: the daemon is stopping
-            run(indices)
-            return
-        run(range(indices.start, mid))
-        future.result()
-
-    def _fail_entry(self, i: int, exc: InvalidRequest) -> None:
-        self.header.lengths[i] = 0
-        self._failed.append(i)
-        self._reader._discard_corrupt(self.header.start + i, exc)
-
-    def finish(self) -> None:
-        """Release the entries' budget bytes and count them as served (once)."""
-        if self._counts is None:
-            return
-        counts, self._counts = self._counts, None
-        lengths = self.header.lengths
-        hits = sum(1 for n in lengths if n)
-        self._reader._budget.release(self._reader, self._held)
-        self._reader.schedule.counters.add(
-            hits=hits, misses=len(lengths) - hits, corrupt=len(self._failed), served_bytes=sum(lengths), **counts
-        )
 
 
 def _served_size(data) -> int:

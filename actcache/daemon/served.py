@@ -1,0 +1,117 @@
+"""One Fetch frame's entries taken from a schedule reader, and their decoding as they are served.
+
+The reader buffers entries as stored (compressed); the consumer of a frame
+(the Fetch thread) verifies and decompresses them into the frame or the
+shared-memory slots, with the decode pool's threads taking part of a large
+frame. An entry that fails verification becomes a miss in its place and is
+deleted from the store.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from typing import Callable
+
+from actcache._proto import actcache_pb2 as pb
+from actcache.codec import to_raw_entries, to_raw_entries_into, to_raw_entry
+from actcache.errors import InvalidRequest
+
+__all__ = ["ServedBatch"]
+
+# A frame's entries are split with the decode pool from this many decoded bytes on.
+_SPLIT_BYTES = 256 << 10
+
+
+class ServedBatch:
+    """One frame's entries taken from a reader, as stored (None = a miss).
+
+    ``header.lengths[i]`` is entry i's size as served; decoding an entry that
+    fails verification sets it to 0 (a miss) and deletes the stored entry.
+    """
+
+    __slots__ = ("header", "stored", "_pool", "_discard", "_done", "_counts", "_failed")
+
+    def __init__(self, header: pb.EntriesHeader, stored: list, *, pool: Executor | None,
+                 discard: Callable[[int, InvalidRequest], None], done: Callable[[dict], None], counts: dict) -> None:
+        """``discard(position, error)`` deletes a corrupt entry; ``done(counts)`` releases the entries' memory
+        and adds ``counts`` (``counts`` given here plus hits, misses, corrupt and served bytes)."""
+        self.header, self.stored = header, stored
+        self._pool, self._discard, self._done, self._counts = pool, discard, done, counts
+        self._failed: list[int] = []  # entries that failed verification (list.append is thread-safe)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.header.lengths)
+
+    def decode(self) -> list[tuple]:
+        """Every entry as the parts of its served form (() for a miss)."""
+        out: list[tuple] = [()] * len(self.stored)
+
+        def run(part: range) -> None:
+            todo = [i for i in part if self.stored[i] is not None]
+            for i, parts in zip(todo, to_raw_entries([self.stored[i] for i in todo])):
+                if isinstance(parts, InvalidRequest):
+                    self._fail_entry(i, parts)
+                else:
+                    out[i] = parts
+
+        self._split(range(len(self.stored)), run)
+        return out
+
+    def decode_one(self, i: int) -> tuple:
+        """Entry ``i`` as the parts of its served form (() for a miss)."""
+        if self.stored[i] is None:
+            return ()
+        try:
+            return to_raw_entry(self.stored[i])
+        except InvalidRequest as exc:
+            self._fail_entry(i, exc)
+            return ()
+
+    def decode_into(self, indices: range, outputs: list[memoryview | None]) -> None:
+        """Decode entries ``indices`` into ``outputs`` (one per index: ``header.lengths[i]`` bytes,
+        None for a miss)."""
+
+        def run(part: range) -> None:
+            todo = [i for i in part if outputs[i - indices.start] is not None]
+            errors = to_raw_entries_into([self.stored[i] for i in todo], [outputs[i - indices.start] for i in todo])
+            for i, exc in zip(todo, errors):
+                if exc is not None:
+                    self._fail_entry(i, exc)
+
+        self._split(indices, run)
+
+    def _split(self, indices: range, run: Callable[[range], None]) -> None:
+        """``run(indices)``, with the decode pool taking the second half of a large run."""
+        pool = self._pool
+        lengths = self.header.lengths
+        total = sum(lengths[i] for i in indices)
+        if pool is None or total < _SPLIT_BYTES or len(indices) < 2:
+            run(indices)
+            return
+        half, mid = 0, indices.start
+        while mid < indices.stop - 1 and half < total // 2:
+            half += lengths[mid]
+            mid += 1
+        try:
+            future = pool.submit(run, range(mid, indices.stop))
+        except RuntimeError:  # the pool is shut down: the daemon is stopping
+            run(indices)
+            return
+        run(range(indices.start, mid))
+        future.result()
+
+    def _fail_entry(self, i: int, exc: InvalidRequest) -> None:
+        self.header.lengths[i] = 0
+        self._failed.append(i)
+        self._discard(self.header.start + i, exc)
+
+    def finish(self) -> None:
+        """Release the entries' budget bytes and count them as served (once)."""
+        if self._counts is None:
+            return
+        counts, self._counts = self._counts, None
+        lengths = self.header.lengths
+        hits = sum(1 for n in lengths if n)
+        self._done(dict(counts, hits=hits, misses=len(lengths) - hits, corrupt=len(self._failed),
+                        served_bytes=sum(lengths)))
