@@ -357,7 +357,6 @@ def decoded_size(buf: bytes | memoryview) -> int:
     return view.nbytes - stored_len + raw_len
 
 
-
 def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, bytes | memoryview] | InvalidRequest]:
     """Per entry, verified: (header, raw payload) or the InvalidRequest it raised.
 
