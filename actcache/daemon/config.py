@@ -200,8 +200,8 @@ class PrefetchConfig:
 
     #: Memory for read-ahead entries, shared fairly by every schedule being read.
     prefetch_bytes: int = 512 << 20
-    #: Threads that verify and decompress one Fetch frame, the Fetch's own thread included (zstd releases
-    #: the GIL); default one per core.
+    #: Threads that verify and decompress Fetch frames (zstd releases the GIL), the Fetch's own thread
+    #: included: it splits a large frame with one of the other ``decode_threads - 1``. Default one per core.
     decode_threads: int = field(default_factory=_cpu_count)
     #: Threads that look entries up ahead of the readers and hint the kernel to
     #: read them (cold reads); 0 turns this off.

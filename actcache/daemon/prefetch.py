@@ -24,9 +24,9 @@ value (actcache.daemon.extents, which holds the measurements).
 Entries are buffered as stored (compressed); the Fetch thread verifies
 and decompresses each frame's entries as it serves them (a batch per zstd
 call, which releases the GIL) into the frame or the shared-memory slots,
-with ``decode_threads - 1`` pool threads taking part of each large frame. Fetch serves entries
-uncompressed (codec raw_verified), so the client's decode is a zero-copy
-view.
+with one of ``decode_threads - 1`` pool threads taking half of each large
+frame. Fetch serves entries uncompressed (codec raw_verified), so the
+client's decode is a zero-copy view.
 
 Invariants (asserted in tests through ``stats()``): per reader ``start <=
 served <= ready <= read <= length``; the bytes of every buffered entry are
