@@ -77,11 +77,10 @@ class EntryBatch:
 
 
 def _error_of(exc: grpc.RpcError) -> ActCacheError:
-    name = None
     try:
         name = dict(exc.trailing_metadata() or ()).get(ERROR_METADATA_KEY)
     except Exception:  # a call that never reached the daemon has no metadata
-        pass
+        name = None
     return error_from_status(exc.code(), exc.details() or "", name)
 
 

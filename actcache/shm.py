@@ -56,6 +56,7 @@ does ``actcache clean``.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -127,11 +128,9 @@ def remove_stale(directory: Path | None = None) -> list[Path]:
     removed = []
     for path, _, stale in stale_segments(directory, also_pid=os.getpid()):
         if stale:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # removed by another process meanwhile
                 path.unlink()
                 removed.append(path)
-            except FileNotFoundError:
-                pass
     return removed
 
 
@@ -207,18 +206,14 @@ class ShmRing:
     def unlink(self) -> None:
         """Remove the name (safe from any thread, any number of times); mappings stay valid."""
         self.unlinked = True
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def close(self) -> None:
         self.unlink()
-        try:
+        with contextlib.suppress(BufferError, ValueError):  # views still exported: the mapping goes with them
             self._view.release()
             self._mm.close()
-        except (BufferError, ValueError):
-            pass
 
 
 class ClientSegment:

@@ -367,7 +367,7 @@ def main() -> int:
     cold_vs_disk = min(r["cold_vs_disk"] for r in rows) if cold else float("nan")
     cold_shm_vs_disk = min(r["cold_shm_vs_disk"] for r in rows) if cold else float("nan")
     hit_ratio = min(r["paced"]["hit_ratio"] for r in rows)
-    print(f"compression (raw/stored): " + ", ".join(f"{r['shape']} {r['compression']:.2f}" for r in rows))
+    print("compression (raw/stored): " + ", ".join(f"{r['shape']} {r['compression']:.2f}" for r in rows))
     print(f"{len(rows)} shapes x {mib} MiB in {time.perf_counter() - started:.0f} s on {os.cpu_count()} cores "
           f"(load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after); hit ratio with "
           f"--prefetch-bytes {HIT_BUDGET}, consumer paced at half the {'cold' if cold else 'warm'} served rate")

@@ -48,7 +48,7 @@ class _PlainBar:
                   file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: every update printed a whole line."""
 
 
 class _TqdmBar:

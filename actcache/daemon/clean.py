@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import errno
-import os
 import shutil
 import socket
 import stat

@@ -245,7 +245,7 @@ class ScheduleReader:
                     self._set_state(ReaderState.READ_ALL)
             self._on_change(self)
         except _Stop:
-            pass
+            return  # cancelled, or failed and already ended by _fail
         except BaseException as exc:  # delivered to the consumer, never a silent stall
             self._fail(exc)
 

@@ -243,8 +243,9 @@ def serve(config: DaemonConfig) -> int:
     log.info("effective config: %s", config.non_defaults())
     try:
         daemon.start()
-        while not stop_signals & set(os.read(wake_r, 64)):
-            pass  # another signal's number (SIGCHLD, say): keep waiting
+        received: set[int] = set()
+        while not stop_signals & received:  # other signals' numbers (SIGCHLD, say) only loop again
+            received = set(os.read(wake_r, 64))
     finally:
         signal.set_wakeup_fd(-1)
         daemon.stop()

@@ -12,6 +12,7 @@ controller modes, every freeze and unfreeze decision with its step and reason).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -280,8 +281,7 @@ class TrainingRun:
 def train(workload: Workload, freezer: Freezer, connection: ac.Connection | None, **options: Any) -> RunResult:
     """One run from start to end (options as for :class:`TrainingRun`; ``max_steps`` cuts it short)."""
     run = TrainingRun(workload, freezer, connection, **options)
-    for _ in run.slices():
-        pass
+    collections.deque(run.slices(), maxlen=0)  # run every slice to the end
     return run.result
 
 

@@ -103,7 +103,7 @@ class _Skipper:
         return {}
 
     def load_state_dict(self, state):
-        pass
+        """Nothing to restore: the policy keeps no state."""
 
 
 class _Forgetful(_Skipper):

@@ -35,7 +35,7 @@ def _careless_stream(handler):
 
 @pytest.fixture(scope="module")
 def channel(tmp_path_factory):
-    parse, reply = pb.ScheduleChunk.FromString, lambda _: b""
+    parse = pb.ScheduleChunk.FromString
     handlers = {
         "UU": grpc.unary_unary_rpc_method_handler(_careless(lambda r, c: r.schedule_id), parse, str.encode),
         "US": grpc.unary_stream_rpc_method_handler(_careless_stream(lambda r, c: iter([r.schedule_id])), parse, str.encode),

@@ -21,6 +21,8 @@ own. After each of these examples a normal put/Schedule/Fetch round trip
 must still work, and no shared-memory segment may be left behind.
 """
 
+import collections
+import contextlib
 import itertools
 import os
 import re
@@ -113,9 +115,8 @@ def call(channel, name: str, payload, *, stream_request=False, stream_response=F
             channel.stream_unary(path, request_serializer=_identity, response_deserializer=_identity)(
                 iter(payload), timeout=30)
         elif stream_response:
-            for _ in channel.unary_stream(path, request_serializer=_identity, response_deserializer=_identity)(
-                    payload, timeout=30):
-                pass
+            collections.deque(channel.unary_stream(path, request_serializer=_identity, response_deserializer=_identity)(
+                payload, timeout=30), maxlen=0)  # read the whole stream
         else:
             channel.unary_unary(path, request_serializer=_identity, response_deserializer=_identity)(payload, timeout=30)
     except grpc.RpcError as exc:
@@ -262,11 +263,9 @@ def test_random_bytes_on_the_socket(fuzzed, preface, garbage):
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
         raw.settimeout(2)
         raw.connect(str(fuzzed[0].socket))
-        try:
+        with contextlib.suppress(OSError):  # the daemon closing the connection is the expected answer
             raw.sendall((b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" if preface else b"") + garbage)
             raw.recv(4096)
-        except OSError:  # the daemon closing the connection is the expected answer
-            pass
     count("raw-socket")
 
 

@@ -24,7 +24,6 @@ def test_shared_memory_equals_bytes_path_with_misses_in_place_and_reuses_the_rin
         expected, planes = fetched(client, ns, "a")
         assert planes == {"bytes"}
         client.schedule(ns, FP, 1, "b", order)
-        offsets = []
         got, planes = [], set()
         for batch in client.fetch_batches(ns, "b", shared_memory=True, ring_bytes=RING, max_frame_bytes=8 << 10):
             planes.add(batch.data_plane)

@@ -49,7 +49,7 @@ class Probe:
 
 @dataclass(frozen=True)
 class Stop:
-    pass
+    """Tells the reference process to end."""
 
 
 @dataclass(frozen=True)

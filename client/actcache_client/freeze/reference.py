@@ -30,6 +30,7 @@ queue_size probes + 1 snapshot + Stop.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import enum
@@ -280,10 +281,8 @@ class ReferenceWorker:
             self.state = ReferenceState.CLOSED
             return
         if self._process.exitcode is None:
-            try:
+            with contextlib.suppress(queue.Full):  # a full inbox: the join below times out and terminates
                 self._inbox.put(_refproc.Stop(), timeout=timeout_s)
-            except queue.Full:
-                pass
             self._process.join(timeout=timeout_s)
             if self._process.exitcode is None:
                 self._process.terminate()
