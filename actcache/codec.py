@@ -336,10 +336,14 @@ def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes
     header, payload). Decoding the result is a zero-copy view of its payload.
     Raises InvalidRequest when ``buf`` is malformed or fails its checksum.
     """
-    header, payload = decode_entry(buf, verify=verify)
+    return _served_parts(buf, *decode_entry(buf, verify=verify))
+
+
+def _served_parts(buf: bytes | memoryview, header: EntryHeader, raw: bytes | memoryview) -> tuple:
+    """The parts of ``buf`` as served, given its header and raw payload."""
     if header.codec != Codec.zstd:
         return (buf,)
-    return _pack_header(Codec.raw_verified, header.specs, header.raw_len, payload), payload
+    return _pack_header(Codec.raw_verified, header.specs, header.raw_len, raw), raw
 
 
 def decoded_size(buf: bytes | memoryview) -> int:
@@ -401,35 +405,25 @@ def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, 
 
 def to_raw_entries(bufs: Sequence[bytes | memoryview]) -> list[tuple[bytes | memoryview, ...] | InvalidRequest]:
     """``to_raw_entry`` of many entries at once: per entry its parts, or the InvalidRequest it raised."""
-    out: list = []
-    for buf, decoded in zip(bufs, _decode_many(bufs)):
-        if isinstance(decoded, InvalidRequest):
-            out.append(decoded)
-        elif decoded[0].codec != Codec.zstd:
-            out.append((buf,))
-        else:
-            header, raw = decoded
-            out.append((_pack_header(Codec.raw_verified, header.specs, header.raw_len, raw), raw))
-    return out
+    return [decoded if isinstance(decoded, InvalidRequest) else _served_parts(buf, *decoded)
+            for buf, decoded in zip(bufs, _decode_many(bufs))]
 
 
 def to_raw_entries_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memoryview]) -> list[InvalidRequest | None]:
     """Write ``to_raw_entries(bufs)`` into ``outs`` (``decoded_size`` bytes each): per entry None or the
     InvalidRequest it raised (that entry's buffer then holds garbage)."""
     errors: list[InvalidRequest | None] = []
-    for buf, out, decoded in zip(bufs, outs, _decode_many(bufs)):
-        if isinstance(decoded, InvalidRequest):
-            errors.append(decoded)
+    for out, parts in zip(outs, to_raw_entries(bufs)):
+        if isinstance(parts, InvalidRequest):
+            errors.append(parts)
             continue
-        header, raw = decoded
-        if out.nbytes != header.header_len + header.raw_len:
-            errors.append(InvalidRequest(
-                f"{out.nbytes}-byte buffer for an entry of {header.header_len + header.raw_len} bytes"))
+        sizes = [memoryview(p).nbytes for p in parts]
+        if out.nbytes != sum(sizes):
+            errors.append(InvalidRequest(f"{out.nbytes}-byte buffer for an entry of {sum(sizes)} bytes"))
             continue
-        if header.codec != Codec.zstd:
-            out[:] = buf
-        else:
-            out[header.header_len :] = raw
-            out[: header.header_len] = _pack_header(Codec.raw_verified, header.specs, header.raw_len, raw)
+        at = 0
+        for part, size in zip(parts, sizes):
+            out[at : at + size] = part
+            at += size
         errors.append(None)
     return errors
