@@ -50,6 +50,21 @@ def put_range(client, ns, ids, *, fingerprint: bytes = SHM_FP, depth: int = 1) -
     client.put(ns, fingerprint, depth, [(i, 0, encode_entry(SHM_SPEC, [tensor_of(i)])) for i in ids])
 
 
+# A distinctive raw payload (an 8 KiB uint8 tensor) to find again in data.mdb: store it with --zstd-level 0.
+MARKER_SPEC = [TensorSpec(DType.uint8, (8192,))]
+MARKER = bytes(range(256)) * 32
+
+
+def flip_marker_byte(cache_dir) -> None:
+    """Corrupt the stored entry whose payload is MARKER (the daemon is stopped): flip one of its bytes."""
+    path = cache_dir / "data.mdb"
+    data = bytearray(path.read_bytes())
+    where = data.find(MARKER)
+    assert where > 0, "the marker entry is not stored raw in data.mdb"
+    data[where + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def holds_its_tensor(value, sample_id: int) -> bool:
     """A fetched (uncompressed) entry holds exactly ``tensor_of(sample_id)``."""
     return bytes(decode_entry(value)[1]) == tensor_of(sample_id).tobytes()

@@ -20,6 +20,7 @@ from actcache.errors import BudgetExceeded, EntryCorrupt, InvalidRequest, Namesp
 from actcache.rpc import encode_frame
 from actcache.rpc_client import RpcClient
 from actcache.testing import run_daemon
+from tests.integration.conftest import MARKER, MARKER_SPEC, flip_marker_byte
 
 FP = bytes(range(16))
 NUMPY = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16, DType.int64: np.int64,
@@ -140,18 +141,13 @@ def test_socket_is_private_and_daemon_has_no_torch(daemon):
 
 
 def test_entries_survive_restart_and_corruption_is_data_loss(tmp_path):
-    spec = [TensorSpec(DType.uint8, (8192,))]
-    marker = bytes(range(256)) * 32  # distinctive raw payload to find in data.mdb
+    spec = MARKER_SPEC
     with run_daemon("--zstd-level", "0", cache_dir=tmp_path / "c") as d:
         with d.client() as c:
             ns = c.open("survive").namespace_id
-            c.put(ns, FP, 5, [(1, 0, encode_entry(spec, [marker])), (2, 0, make_entry(2, spec)[0])])
+            c.put(ns, FP, 5, [(1, 0, encode_entry(spec, [MARKER])), (2, 0, make_entry(2, spec)[0])])
         d.stop()
-        data = bytearray((tmp_path / "c" / "data.mdb").read_bytes())
-        where = data.find(marker)
-        assert where > 0
-        data[where + 100] ^= 0xFF
-        (tmp_path / "c" / "data.mdb").write_bytes(bytes(data))
+        flip_marker_byte(tmp_path / "c")
         d.start()
         with d.client() as c:
             assert tensors_of(c.get(ns, FP, 5, [2])[0]) == make_entry(2, spec)[1]

@@ -12,7 +12,7 @@ from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.testing import run_daemon
 from tests.integration.conftest import SHM_FP as FP
 from tests.integration.conftest import SMALL_RING as RING
-from tests.integration.conftest import fetched, kill_9, put_range, segments, start_holder
+from tests.integration.conftest import MARKER, MARKER_SPEC, fetched, flip_marker_byte, kill_9, put_range, segments, start_holder
 
 
 def test_shared_memory_equals_bytes_path_with_misses_in_place_and_reuses_the_ring(shm_dir):
@@ -170,21 +170,15 @@ def test_entries_larger_than_the_ring_travel_in_their_frame(shm_dir):
 
 def test_a_corrupt_entry_is_a_counted_miss_in_its_place_on_both_planes(shm_dir, tmp_path):
     """The daemon verifies entries as it decodes them into the frame or the ring; a bad one is a miss."""
-    spec = [TensorSpec(DType.uint8, (8192,))]
-    marker = bytes(range(256)) * 32  # distinctive payload to find in data.mdb (stored raw: zstd level 0)
     others = {i: np.full(8192, i, np.uint8) for i in (1, 3)}
     env = {"ACTCACHE_SHM_DIR": str(shm_dir)}
     with run_daemon("--zstd-level", "0", cache_dir=tmp_path / "c", env=env) as daemon:
         with daemon.client() as client:
             ns = client.open("bad").namespace_id
-            client.put(ns, FP, 1, [(2, 0, encode_entry(spec, [marker]))] +
-                       [(i, 0, encode_entry(spec, [a])) for i, a in others.items()])
+            client.put(ns, FP, 1, [(2, 0, encode_entry(MARKER_SPEC, [MARKER]))] +
+                       [(i, 0, encode_entry(MARKER_SPEC, [a])) for i, a in others.items()])
         daemon.stop()
-        data = bytearray((tmp_path / "c" / "data.mdb").read_bytes())
-        where = data.find(marker)
-        assert where > 0
-        data[where + 100] ^= 0xFF
-        (tmp_path / "c" / "data.mdb").write_bytes(bytes(data))
+        flip_marker_byte(tmp_path / "c")
         daemon.start()
         with daemon.client() as client:
             for shared_memory, sid in ((True, "shm"), (False, "bytes")):
