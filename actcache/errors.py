@@ -16,8 +16,10 @@
     ├── EntryCorrupt                stored entry failed its checksum; deleted   DATA_LOSS
     ├── BudgetExceeded              a byte budget or the disk is full           RESOURCE_EXHAUSTED
     ├── StoreError                  the storage engine failed unexpectedly      INTERNAL
-    └── ReferenceModelFailed        the client's reference-model process        (client only)
-                                    failed or exited (Egeria plasticity)
+    ├── ReferenceModelFailed        the client's reference-model process        (client only)
+    │                               failed or exited (Egeria plasticity)
+    └── CacheMismatchError          an audited entry differs from what the      (client only)
+                                    prefix computes for it (strict mode)
 
 Every message says what was wrong, with values and units, and how to fix it.
 The daemon also names the class in the ``actcache-error`` trailing metadata,
@@ -31,6 +33,7 @@ import grpc
 __all__ = [
     "ActCacheError",
     "BudgetExceeded",
+    "CacheMismatchError",
     "ConfigError",
     "DaemonUnavailable",
     "ERROR_METADATA_KEY",
@@ -126,6 +129,11 @@ class StoreError(ActCacheError):
 
 class ReferenceModelFailed(ActCacheError):
     """The training client's reference-model process (freeze controller) raised or died; never sent over gRPC."""
+
+
+class CacheMismatchError(ActCacheError):
+    """An audit recomputed a served sample and got something else: the entry was not made by this
+    computation (strict mode; otherwise the client warns, drops the fingerprint and recomputes)."""
 
 
 _BY_STATUS: dict[grpc.StatusCode, type[ActCacheError]] = {

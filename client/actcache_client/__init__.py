@@ -11,6 +11,7 @@
         ctl.step(loss, epoch=batch.epoch)             # freezes stages when the policy says so
 """
 
+from actcache_client.audit import AuditConfig, CacheMismatchWarning
 from actcache_client.cached_forward import CachedForward, StepTimes
 from actcache_client.connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig, connect
 from actcache_client.freeze import (
@@ -30,10 +31,12 @@ from actcache_client.stages import StagedModel, auto_partition, from_bert, from_
 from actcache_client.tensors import VarLen
 
 __all__ = [
+    "AuditConfig",
     "AutoFreezeConfig",
     "AutoFreezePolicy",
     "Batch",
     "CacheFallbackWarning",
+    "CacheMismatchWarning",
     "CachePlanner",
     "CachedForward",
     "CachedLoader",

@@ -12,6 +12,15 @@ unless a cost-model plan chose a shallower, smaller entry):
 3. samples outside the subset run stages[0:k] directly;
 4. the parts are merged back in batch order and stages[k:] run with grad.
 
+Hits are audited (actcache_client.audit): a small deterministic share is
+recomputed and compared; a mismatch drops the fingerprint's entries in the
+daemon, warns (CacheMismatchWarning) and recomputes, or raises
+CacheMismatchError in strict mode.
+
+Generations: when a fingerprint this process wrote can no longer be served
+(its prefix was unfrozen and trained further), its entries are dropped in
+the daemon at the next ``set_frozen``, unless ``keep_generations=True``.
+
 Everything before step 4 runs under ``no_grad`` with the frozen stages in
 eval mode. With no connection (or uncacheable data, or a RECOMPUTE plan) the
 prefix is computed every step, so a run with and without the cache is the
@@ -27,9 +36,11 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from actcache.errors import CacheMismatchError
+from actcache_client.audit import AuditConfig, Auditor, same_entry, warn_mismatch
 from actcache_client.connection import Connection
 from actcache_client.cost_model import Plan, PlanMode, cached_subset
-from actcache_client.fingerprint import prefix_fingerprints
+from actcache_client.fingerprint import cache_fingerprints, prefix_fingerprints
 from actcache_client.lookahead import Lookahead
 from actcache_client.planner import CachePlanner
 from actcache_client.stages import StagedModel, State, Suffix
@@ -49,6 +60,9 @@ class StepTimes:
     computed_samples: int = 0
     seeded_samples: int = 0
     cached_samples: int = 0
+    #: Seconds spent recomputing audited hits, and how many were audited.
+    audit: float = 0.0
+    audited_samples: int = 0
 
 
 class CachedForward:
@@ -59,6 +73,12 @@ class CachedForward:
     the model's train/eval mode. Call it instead of the model:
     ``logits = cached(batch.ids, inputs, variant=batch.variant)``. With a
     ``planner``, a cost model decides whether and where to cache.
+
+    The fingerprints in cache keys cover the frozen weights and the data
+    (``bind_data``, called by CachedLoader with the dataset's fingerprint).
+    ``audit`` (an AuditConfig, default on; False: off) recomputes a share of
+    hits to catch what no key can see. ``keep_generations=True`` keeps the
+    entries of superseded fingerprints in the daemon.
 
     ``set_suffix_wrapper(fn)`` runs the active stages through ``fn(Suffix)``
     (e.g. a DistributedDataParallel wrapper), rebuilt at every ``set_frozen``
@@ -75,6 +95,8 @@ class CachedForward:
         lookahead: int = 2,
         planner: CachePlanner | None = None,
         device: torch.device | str | None = None,
+        audit: AuditConfig | bool = True,
+        keep_generations: bool = False,
     ) -> None:
         self.model = model
         self.connection = connection
@@ -87,7 +109,16 @@ class CachedForward:
         device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
         self.stager = Stager(device)
         self._frozen = 0
-        self._fingerprints: list[bytes] = prefix_fingerprints(list(model.stages), 0)
+        self._data = b""  # the data fingerprint folded into cache keys (empty: unknown)
+        self._weights: list[bytes] = prefix_fingerprints(list(model.stages), 0)
+        self._fingerprints: list[bytes] = cache_fingerprints(self._weights, self._data)
+        if audit is True:
+            audit = AuditConfig()
+        self._auditor = Auditor(audit) if audit else None
+        self._audited_opens = 0  # connection.opens when the auditor last restarted
+        self._target: tuple[bytes, int] | None = None
+        self.keep_generations = keep_generations
+        self._generations: dict[bytes, tuple[int, bytes]] = {}  # fingerprint written -> (depth, data fingerprint)
         self._seed_depths: list[int] = []  # frozen depths whose entries may seed deeper ones
         self._lookahead = Lookahead(connection, lookahead) if connection is not None and lookahead else None
         self._probed = False  # a read-speed probe was sent this epoch
@@ -108,8 +139,21 @@ class CachedForward:
         return self.planner.current if self.planner is not None else None
 
     def fingerprint(self, depth: int | None = None) -> bytes:
-        """Fingerprint of stages[:depth] (default: the frozen prefix)."""
+        """The fingerprint cache keys carry for stages[:depth] (default: the frozen prefix): weights and data."""
         return self._fingerprints[self._frozen if depth is None else depth]
+
+    def weights_fingerprint(self, depth: int | None = None) -> bytes:
+        """Fingerprint of the weights of stages[:depth] alone (default: the frozen prefix)."""
+        return self._weights[self._frozen if depth is None else depth]
+
+    def bind_data(self, data: bytes) -> None:
+        """Key entries by this data fingerprint from now on (actcache_client.identity; CachedLoader calls it)."""
+        if data == self._data:
+            return
+        self._data = data
+        self._fingerprints = cache_fingerprints(self._weights, data)
+        self._seed_depths = []  # seeds were entries of the other data
+        self._retarget()
 
     def set_frozen(self, depth: int) -> None:
         """Freeze stages[:depth] and unfreeze the rest; the last stage always trains."""
@@ -120,7 +164,11 @@ class CachedForward:
         for i, stage in enumerate(stages):
             stage.requires_grad_(i >= depth)
             stage.train(self.model.training if i >= depth else False)
-        self._fingerprints = prefix_fingerprints(stages, depth)
+        deepest = max([depth, *(d for d, _ in self._generations.values())])
+        weights = prefix_fingerprints(stages, deepest)
+        self._drop_superseded(weights)
+        self._weights = weights[: depth + 1]
+        self._fingerprints = cache_fingerprints(self._weights, self._data)
         # Depths still frozen with unchanged weights keep their entries as seeds.
         candidates = set(self._seed_depths) | ({old} if old else set())
         self._seed_depths = sorted(
@@ -167,16 +215,34 @@ class CachedForward:
             return None
         return current.cache_depth, current.cached_fraction
 
+    def _drop_superseded(self, weights: list[bytes]) -> None:
+        """Drop the entries of fingerprints this process wrote whose prefix weights have changed since."""
+        for fingerprint, (depth, data) in list(self._generations.items()):
+            if cache_fingerprints([weights[depth]], data)[0] == fingerprint:
+                continue
+            del self._generations[fingerprint]
+            self._written.pop(fingerprint, None)
+            if self.connection is not None and not self.keep_generations:
+                self.connection.drop(fingerprint)
+
     def _retarget(self) -> None:
+        target = self._cache_target()
+        key = None if target is None else (self._fingerprints[target[0]], target[0])
+        if key != self._target and self._auditor is not None:
+            self._auditor.restart()
+        self._target = key
         if self._lookahead is not None:
-            target = self._cache_target()
             if target is None:
                 self._lookahead.retarget(b"", 0)
             else:
                 self._lookahead.retarget(self._fingerprints[target[0]], target[0], target[1])
 
-    def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0) -> None:
-        """Called by CachedLoader with this rank's batches for the epoch, so lookups run ahead."""
+    def begin_epoch(
+        self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0, data: bytes | None = None,
+    ) -> None:
+        """Called by CachedLoader with this rank's batches for the epoch and its data fingerprint."""
+        if data is not None:
+            self.bind_data(data)
         if self.planner is not None and batches:
             self._probed = False
             self.planner.begin_epoch(epoch, sum(len(b) for b in batches), len(batches[0]))
@@ -247,6 +313,8 @@ class CachedForward:
         values = self._lookup(self._fingerprints[j], j, ids, variant)
         self.times.fetch_wait += time.perf_counter() - t0
         found = [i for i, v in enumerate(values) if v is not None]
+        if found and self._auditor is not None and not self._audit(j, ids, rows, inputs, values, found):
+            values, found = [None] * len(ids), []
         parts: list[tuple[list[int], State]] = []
         if found:
             parts.append((found, self._collate([values[i] for i in found])))
@@ -294,6 +362,35 @@ class CachedForward:
                 self.planner.record_h2d(nbytes, seconds)
         return moved
 
+    def _audit(self, j: int, ids: list[int], rows: list[int], inputs: State, values: list, found: list[int]) -> bool:
+        """Recompute the hits the auditor picks; False (after dropping the fingerprint) if one differs."""
+        if self.connection.opens != self._audited_opens:
+            self._audited_opens = self.connection.opens
+            self._auditor.restart()
+        chosen = [found[p] for p in self._auditor.choose(len(found))]
+        if not chosen:
+            return True
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            computed = self.model.run(_select(inputs, [rows[i] for i in chosen]), 0, j)
+        entries = encode_samples(computed, varlen=self.varlen)
+        bad = sum(not same_entry(values[i], entry) for i, entry in zip(chosen, entries))
+        self.times.audit += time.perf_counter() - t0
+        self.times.audited_samples += len(chosen)
+        if not bad:
+            return True
+        fingerprint, namespace = self._fingerprints[j], self.connection.config.namespace
+        self.connection.drop(fingerprint)
+        self._written.pop(fingerprint, None)
+        self._auditor.restart()
+        if self.connection.config.strict:
+            raise CacheMismatchError(
+                f"{bad} of {len(chosen)} audited entries of namespace {namespace!r}, fingerprint "
+                f"{fingerprint.hex()}, depth {j} differ from what the frozen prefix computes for them; "
+                "their fingerprint's entries were dropped")
+        warn_mismatch(namespace, fingerprint, j, bad)
+        return False
+
     def _compute(self, state: State, start: int, stop: int) -> State:
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -319,6 +416,7 @@ class CachedForward:
         snapshot = tuple(t.detach().clone() for t in state) if isinstance(state, tuple) else state.detach().clone()
         varlen, level = self.varlen, self.zstd_level
         self._mark_written(depth, ids)
+        self._generations.setdefault(self._fingerprints[depth], (depth, self._data))
         # Without a read-speed measurement yet, read one put back (once per epoch until it is
         # measured): a slow disk then shows during the write epoch, before the cache is relied upon.
         probe = self.planner is not None and not self.planner.has_fetch_rate() and not self._probed

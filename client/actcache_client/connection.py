@@ -81,6 +81,8 @@ class ClientStats:
     bytes_written: int = 0
     write_seconds: float = 0.0
     puts_dropped: int = 0
+    #: Entries of superseded or mismatching fingerprints this process dropped in the daemon.
+    dropped_entries: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -97,6 +99,11 @@ class _Put:
     variants: Sequence[int]
     encode: Callable[[], list[bytes]]
     probe: bool = False
+
+
+@dataclass
+class _Drop:
+    fingerprint: bytes
 
 
 _STOP = object()
@@ -116,6 +123,8 @@ class Connection:
         )
         self._lock = threading.Lock()
         self._namespace_id: int | None = None
+        #: How many times the namespace was opened (a new daemon, or the daemon restarted).
+        self.opens = 0
         self._warned: set[str] = set()
         self._last_log: dict[str, float] = {}
         self._paused_until = 0.0
@@ -180,6 +189,14 @@ class Connection:
             self._count_dropped()
             return False
 
+    def drop(self, fingerprint: bytes) -> None:
+        """Drop every entry of ``fingerprint`` in the daemon, after the puts already queued; never blocks long."""
+        try:
+            self._queue.put(_Drop(fingerprint), timeout=self.config.timeout_s)
+        except queue.Full:
+            log.warning("actcache: could not queue the drop of fingerprint %s: the put queue stayed full",
+                        fingerprint.hex())
+
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every queued put was sent (or dropped)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -197,7 +214,10 @@ class Connection:
             try:
                 if item is _STOP:
                     return
-                self._write(item)
+                if isinstance(item, _Drop):
+                    self._drop(item.fingerprint)
+                else:
+                    self._write(item)
             finally:
                 self._queue.task_done()
 
@@ -223,6 +243,16 @@ class Connection:
             self.stats.bytes_written += sum(len(e) for e in entries)
         if put.probe:
             self._probe(put, [len(e) for e in entries])
+
+    def _drop(self, fingerprint: bytes) -> None:
+        try:
+            reply = self._call(lambda ns: self._rpc.drop(ns, fingerprint))
+        except ActCacheError as exc:
+            log.warning("actcache: dropping fingerprint %s failed (%s); the daemon reclaims it when space is needed",
+                        fingerprint.hex(), exc)
+            return
+        with self._lock:
+            self.stats.dropped_entries += reply.entries
 
     def _probe(self, put: _Put, sizes: list[int]) -> None:
         """Read back the first entries of ``put`` (about _PROBE_BYTES) to measure the daemon's read speed."""
@@ -258,6 +288,7 @@ class Connection:
     def _namespace(self) -> int:
         if self._namespace_id is None:
             self._namespace_id = self._rpc.open(self.config.namespace, secret=self.config.secret).namespace_id
+            self.opens += 1
         return self._namespace_id
 
     def _call(self, fn: Callable[[int], T]) -> T:

@@ -4,6 +4,10 @@
 any of them changes, so an unfrozen-then-retrained prefix can never be served
 stale entries, and it stays the same for ``stages[:d]`` when more stages are
 frozen behind them, so entries at depth d remain valid to seed deeper ones.
+
+``cache_fingerprints`` folds the data's fingerprint (actcache_client.identity)
+into those: the fingerprint a cache key carries covers the weights *and* what
+produced the stage-0 input.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ import hashlib
 import torch
 from torch import nn
 
-__all__ = ["prefix_fingerprints", "stage_digest"]
+__all__ = ["cache_fingerprints", "prefix_fingerprints", "stage_digest"]
 
 _ROOT = b"actcache/prefix/v1"
+_KEY_ROOT = b"actcache/key/v1"
 
 
 def stage_digest(stage: nn.Module) -> bytes:
@@ -37,3 +42,14 @@ def prefix_fingerprints(stages: list[nn.Module], depth: int) -> list[bytes]:
     for stage in stages[:depth]:
         out.append(hashlib.blake2b(out[-1] + stage_digest(stage), digest_size=16).digest())
     return out
+
+
+def cache_fingerprints(weights: list[bytes], data: bytes) -> list[bytes]:
+    """The fingerprints cache keys carry: each prefix fingerprint combined with the data fingerprint.
+
+    ``data`` empty (no data identity known, e.g. CachedForward used without a
+    CachedLoader) leaves the weights' fingerprints as they are.
+    """
+    if not data:
+        return list(weights)
+    return [hashlib.blake2b(_KEY_ROOT + data + fp, digest_size=16).digest() for fp in weights]

@@ -10,7 +10,9 @@ exactly those batches. ``state_dict`` captures the epoch's order and position
 for a mid-epoch resume.
 
 Variants: with ``variants=K``, epoch e uses variant ``e % K`` and K
-augmented versions of each sample are cached. A dataset with augmentation
+augmented versions of each sample are cached. The data's fingerprint
+(actcache_client.identity) is computed once per loader, over all K variants,
+and is part of every cache key. A dataset with augmentation
 and no ``variants`` (or one that declares uncontrolled randomness) is not
 cached: the loader warns and the model recomputes every step.
 """
@@ -28,6 +30,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from actcache.errors import ConfigError
 from actcache_client.cached_forward import CachedForward
+from actcache_client.identity import data_fingerprint
 
 __all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "sample_seed"]
 
@@ -58,6 +61,7 @@ class IndexedDataset(Dataset):
         augment: Callable[[Any, torch.Generator], Any] | None = None,
         sample_ids: Sequence[int] | None = None,
         random_transforms: bool = False,
+        data_id: str | None = None,
     ) -> None:
         if sample_ids is not None and len(sample_ids) != len(dataset):
             raise ConfigError(f"{len(sample_ids)} sample ids for a dataset of {len(dataset)} items")
@@ -65,6 +69,14 @@ class IndexedDataset(Dataset):
         self.augment = augment
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
         self.random_transforms = random_transforms
+        self.data_id = data_id
+        self._fingerprints: dict[int, bytes] = {}
+
+    def fingerprint(self, variants: int = 1) -> bytes:
+        """The data fingerprint over variants ``0..variants-1`` (computed once, then remembered)."""
+        if variants not in self._fingerprints:
+            self._fingerprints[variants] = data_fingerprint(self, variants)
+        return self._fingerprints[variants]
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -147,6 +159,10 @@ class CachedLoader:
                           "Pass augment= to IndexedDataset and variants=K to CachedLoader to cache K variants.",
                           UncacheableDataWarning, stacklevel=2)
             model.disable(why)
+        self.data_identity = b""
+        if model is not None and self.cacheable:
+            self.data_identity = dataset.fingerprint(variants if dataset.augment is not None else 1)
+            model.bind_data(self.data_identity)
         self._inner = self._build_inner(loader)
 
     def _build_inner(self, loader: DataLoader) -> DataLoader:
@@ -192,7 +208,7 @@ class CachedLoader:
         start, variant = self._position, self.variant
         if self.model is not None and self.cacheable:
             ids = [[dataset.sample_id(i) for i in batch] for batch in self._order]
-            self.model.begin_epoch(ids, variant, start, epoch=self.epoch)
+            self.model.begin_epoch(ids, variant, start, epoch=self.epoch, data=self.data_identity)
         self._replay.batches = [[(i, variant) for i in batch] for batch in self._order[start:]]
         for position, (ids, data) in enumerate(self._inner, start=start):
             self._position = position + 1

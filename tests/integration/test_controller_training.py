@@ -98,7 +98,7 @@ def test_a_resumed_run_keeps_its_frozen_prefix_and_its_cache(daemon, tmp_path):
         conn.flush(timeout_s=30)
         checkpoint = {"model": staged.state_dict(), "opt": opt.state_dict(), "ctl": ctl.state_dict()}
         torch.save(checkpoint, tmp_path / "ckpt.pt")
-        fingerprint = cached.fingerprint()
+        fingerprint = cached.weights_fingerprint()
     checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     with ac.connect(daemon.socket, namespace=namespace, strict=True) as conn:
         staged = small_cnn()
@@ -108,6 +108,6 @@ def test_a_resumed_run_keeps_its_frozen_prefix_and_its_cache(daemon, tmp_path):
         opt.load_state_dict(checkpoint["opt"])
         ctl = FreezeController(cached, opt, StaticPolicy(stages=2, at_step=2), eval_every=1)
         ctl.load_state_dict(checkpoint["ctl"])
-        assert ctl.frozen == 2 and cached.fingerprint() == fingerprint
+        assert ctl.frozen == 2 and cached.weights_fingerprint() == fingerprint
         run_epoch(loader_for(dataset, cached), cached, opt, ctl)
         assert conn.stats.hits == len(dataset) and conn.stats.misses == 0

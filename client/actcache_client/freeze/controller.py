@@ -284,7 +284,7 @@ class FreezeController:
     def state_dict(self) -> dict[str, Any]:
         """Counters, the frozen depth and its fingerprint, the policy's state (save rank 0's)."""
         return {"version": _STATE_VERSION, "step": self.step_count, "epoch": self.epoch,
-                "evaluations": self.evaluations, "frozen": self.frozen, "fingerprint": self.cached.fingerprint().hex(),
+                "evaluations": self.evaluations, "frozen": self.frozen, "fingerprint": self.cached.weights_fingerprint().hex(),
                 "policy": self.policy.state_dict(), "changes": [list(c) for c in self.changes]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -299,8 +299,8 @@ class FreezeController:
         depth = int(state["frozen"])
         if depth != self.frozen:
             self._apply(depth)
-        if self.cached.fingerprint().hex() != state["fingerprint"]:
-            raise ConfigError(f"the model's first {depth} stages have fingerprint {self.cached.fingerprint().hex()} "
+        if self.cached.weights_fingerprint().hex() != state["fingerprint"]:
+            raise ConfigError(f"the model's first {depth} stages have fingerprint {self.cached.weights_fingerprint().hex()} "
                               f"but the checkpoint recorded {state['fingerprint']}: load the model's state_dict "
                               "(the same weights) before the controller's")
         self.policy.load_state_dict(state["policy"])

@@ -1,0 +1,110 @@
+"""Audits: recompute a small, deterministic share of served samples and compare with the entries.
+
+A key covers the weights and a fingerprint of the data (actcache_client.identity),
+but no key sees everything: an item outside the fingerprint's spread that
+changed, a dataset that returns other data under the same type and length, a
+peer that wrote wrong bytes under the right key. The auditor picks which hits
+to recompute:
+
+- the first ``first_samples`` hits after each (re)connection to the daemon
+  and each change of the cache target (fingerprint, depth);
+- then one hit in every ``every`` (a running count, so the share is exact and
+  the choice deterministic for a given order).
+
+``same_entry`` compares a served entry with the entry the prefix computes now,
+tensor by tensor: same dtypes and shapes, values within a tolerance for the
+stored dtype (kernels differ slightly between batch sizes, so bit equality is
+too strict; another sample's or another dataset's activations are far off).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from actcache.errors import ConfigError
+from actcache_client.tensors import collate_entries
+
+__all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "same_entry"]
+
+# Largest |served - computed| allowed, relative to the largest |computed| of that tensor.
+_RELATIVE_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+class CacheMismatchWarning(RuntimeWarning):
+    """An audited entry differed from its recomputation: its fingerprint's entries were dropped."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditConfig:
+    """Which served samples ``CachedForward`` recomputes to check the cache (``audit=False``: none)."""
+
+    #: Hits audited after each (re)connection and each change of cache target.
+    first_samples: int = 8
+    #: Then one hit in ``every``; 0 audits only the first samples.
+    every: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.first_samples < 0:
+            raise ConfigError(f"first_samples must be >= 0, got {self.first_samples}")
+        if self.every < 0:
+            raise ConfigError(f"every must be >= 0 (0: only the first samples), got {self.every}")
+
+
+class Auditor:
+    """Chooses the hits to audit; ``restart()`` after a reconnection or retarget."""
+
+    def __init__(self, config: AuditConfig) -> None:
+        self.config = config
+        self._first_left = config.first_samples
+        self._count = 0  # hits since the last periodic audit
+
+    def restart(self) -> None:
+        self._first_left = self.config.first_samples
+
+    def choose(self, hits: int) -> list[int]:
+        """Positions (in ``range(hits)``) of the hits of this batch to audit."""
+        chosen = list(range(min(hits, self._first_left)))
+        self._first_left -= len(chosen)
+        every = self.config.every
+        if every:
+            due = (self._count + hits) // every
+            chosen += [p for p in (every - 1 - self._count + k * every for k in range(due)) if p not in chosen]
+            self._count = (self._count + hits) % every
+        return sorted(chosen)
+
+
+def same_entry(served: bytes | memoryview, computed: bytes | memoryview) -> bool:
+    """Whether two entries hold the same tensors, within the stored dtype's tolerance."""
+    a, b = collate_entries([served]), collate_entries([computed])
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        tolerance = _RELATIVE_TOLERANCE.get(y.dtype)
+        if tolerance is None:
+            if not torch.equal(x, y):
+                return False
+            continue
+        x, y = x.float(), y.float()
+        if not torch.isfinite(x).equal(torch.isfinite(y)):
+            return False
+        finite = torch.isfinite(y)
+        scale = float(y[finite].abs().max()) if finite.any() else 0.0
+        if finite.any() and float((x[finite] - y[finite]).abs().max()) > tolerance * max(scale, 1e-6):
+            return False
+    return True
+
+
+def warn_mismatch(namespace: str, fingerprint: bytes, depth: int, samples: int) -> None:
+    warnings.warn(
+        f"actcache: {samples} audited entries of namespace {namespace!r}, fingerprint {fingerprint.hex()}, "
+        f"depth {depth} differ from what the frozen prefix computes for them: they were not made from this "
+        "data or these weights. Dropped that fingerprint's entries and recomputing; if the data changed "
+        "without changing its spread, name the version with IndexedDataset(data_id=...)",
+        CacheMismatchWarning, stacklevel=4,
+    )

@@ -1,0 +1,103 @@
+"""What the model's stage-0 input is: a fingerprint of the data, folded into every cache key.
+
+Two jobs that start from the same pretrained weights must never read each
+other's entries, so the key covers the data as well as the weights.
+``data_fingerprint`` digests:
+
+- the dataset's type, its length and the sample-id mapping (all of it);
+- the ``data_id`` the user gives to name a dataset version;
+- the content of a deterministic spread of items (``SPREAD_ITEMS`` indices
+  evenly across the index range) *exactly as the model receives them*: after
+  the dataset's own transform and the seeded augmentation of every variant.
+  Tensors, arrays and images are digested by dtype, shape and bytes.
+
+So changing the data, its preprocessing (a scale factor, a crop size), a
+tokenizer setting (max length, vocabulary) or the id mapping gives new keys.
+What it cannot see: a change to an item outside the spread that leaves the
+spread, the length and the type as they were (e.g. a few relabelled or
+replaced files). Name such versions with ``data_id``; audits
+(actcache_client.audit) recompute a share of hits to catch what a key cannot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import struct
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from actcache_client.loader import IndexedDataset
+
+__all__ = ["SPREAD_ITEMS", "data_fingerprint", "spread"]
+
+#: Items whose content goes into a data fingerprint.
+SPREAD_ITEMS = 64
+_ROOT = b"actcache/data/v1"
+
+
+def spread(length: int, count: int = SPREAD_ITEMS) -> list[int]:
+    """``count`` indices evenly across ``range(length)``, first and last included (all of them if fewer)."""
+    if length <= count:
+        return list(range(length))
+    return sorted({round(i * (length - 1) / (count - 1)) for i in range(count)})
+
+
+def data_fingerprint(dataset: "IndexedDataset", variants: int = 1) -> bytes:
+    """16-byte fingerprint of what ``dataset`` gives the model, over augmentation variants ``0..variants-1``."""
+    h = hashlib.blake2b(_ROOT, digest_size=16)
+    inner = dataset.dataset
+    _text(h, f"{type(inner).__module__}.{type(inner).__qualname__}")
+    _text(h, dataset.data_id or "")
+    h.update(struct.pack("<QQ", len(dataset), variants))
+    if dataset.sample_ids is not None:
+        h.update(np.asarray(dataset.sample_ids, dtype=np.int64).tobytes())
+    for index in spread(len(dataset)):
+        for variant in range(variants):
+            sample_id, item = dataset[index, variant]
+            h.update(struct.pack("<q", sample_id))
+            _digest(h, item)
+    return h.digest()
+
+
+def _text(h, text: str) -> None:
+    data = text.encode()
+    h.update(struct.pack("<Q", len(data)) + data)
+
+
+def _digest(h, obj: Any) -> None:
+    """Feed ``obj`` to ``h``: type tag, then dtype, shape and bytes for arrays, recursing into containers."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        _text(h, f"tensor:{t.dtype}:{tuple(t.shape)}")
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    elif isinstance(obj, np.ndarray):
+        _text(h, f"ndarray:{obj.dtype.str}:{obj.shape}")
+        h.update(np.ascontiguousarray(obj).tobytes())
+    elif isinstance(obj, (bool, int, float, complex, str, bytes, type(None))):
+        _text(h, f"{type(obj).__name__}:{obj!r}")
+    elif isinstance(obj, (tuple, list)):
+        _text(h, f"{type(obj).__name__}:{len(obj)}")
+        for x in obj:
+            _digest(h, x)
+    elif isinstance(obj, Mapping):
+        _text(h, f"mapping:{len(obj)}")
+        for key in sorted(obj, key=repr):
+            _text(h, repr(key))
+            _digest(h, obj[key])
+    elif hasattr(obj, "tobytes") and hasattr(obj, "mode") and hasattr(obj, "size"):  # a PIL image
+        _text(h, f"image:{obj.mode}:{obj.size}")
+        h.update(obj.tobytes())
+    else:
+        # Anything else: its pickle (deterministic for plain data objects); failing that, its type only.
+        try:
+            data = pickle.dumps(obj, protocol=4)
+        except Exception:  # an unpicklable item: the type, length and data_id still count
+            data = b""
+        _text(h, f"object:{type(obj).__module__}.{type(obj).__qualname__}")
+        h.update(data)
