@@ -1,16 +1,20 @@
-"""Training steps/s of ResNet-20 with its first half frozen: prefix recomputed vs served from the cache.
+"""Training steps/s of ResNet-20 with its first half frozen: prefix recomputed vs served from the cache, with and without audits.
 
     python bench/bench_step.py [--quick] [--samples 4096] [--batch 128] [--frozen 5]
 
 Both modes run in the same process on the same data against one real daemon
 (Unix socket, LMDB in a temp dir). The cache is filled by one epoch first;
-then each mode runs the same epochs and we report steps/s, samples/s and the
-time split per step. Sample output (2 cores, --quick):
+then the modes take turns, epoch by epoch, and we report steps/s, samples/s
+and the time split per step. ``cached`` audits hits as CachedForward does by
+default (the first 8 hits of each run, then 1 in 1,000); ``cached-noaudit``
+serves them unchecked. Sample output (2 cores, --quick):
 
-    mode        steps/s  samples/s  fetch_wait  prefix  suffix_fwd  backward  optimizer   (ms/step)
-    recompute      ...
-    cached         ...
+    mode              steps/s  samples/s  fetch_wait  prefix  suffix_fwd  backward  optimizer  audit   (ms/step)
+    recompute            ...
+    cached               ...
+    cached-noaudit       ...
     figure: cached_step_speedup = R
+    figure: audit_overhead = R
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from actcache_client.models import resnet20
 
 def run_epochs(model: ac.CachedForward, loader: ac.CachedLoader, epochs: int) -> dict[str, float]:
     opt = torch.optim.SGD([p for p in model.model.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
-    model.times = ac.StepTimes()
+    model.times = ac.StepTimes()  # per call: each turn reports its own split
     backward = optimizer = 0.0
     steps = samples = 0
     start = time.perf_counter()
@@ -54,7 +58,7 @@ def run_epochs(model: ac.CachedForward, loader: ac.CachedLoader, epochs: int) ->
         "steps_per_s": steps / wall, "samples_per_s": samples / wall, "wall_s": wall,
         "fetch_wait_ms": 1e3 * t.fetch_wait / steps, "prefix_ms": 1e3 * t.prefix / steps,
         "suffix_forward_ms": 1e3 * t.suffix_forward / steps, "backward_ms": 1e3 * backward / steps,
-        "optimizer_ms": 1e3 * optimizer / steps, "cached_samples": t.cached_samples,
+        "optimizer_ms": 1e3 * optimizer / steps, "audit_ms": 1e3 * t.audit / steps, "cached_samples": t.cached_samples,
         "computed_samples": t.computed_samples,
     }
 
@@ -85,30 +89,36 @@ def main() -> int:
     data = TensorDataset(torch.randn(args.samples, 3, 32, 32), torch.randint(0, 10, (args.samples,)))
     staged = ac.from_resnet(resnet20())
     with run_daemon() as daemon, ac.connect(daemon.socket, namespace="bench-step", strict=True) as conn:
-        model = ac.CachedForward(staged, conn)
-        loader = ac.CachedLoader(DataLoader(ac.IndexedDataset(data), batch_size=args.batch, shuffle=True), model)
-        model.set_frozen(args.frozen)
-        run_epochs(model, loader, 1)  # fills the cache (and warms up)
+        # One CachedForward per mode over the same stages; each keeps its own auditor across its turns.
+        models = {"recompute": ac.CachedForward(staged), "cached": ac.CachedForward(staged, conn),
+                  "cached-noaudit": ac.CachedForward(staged, conn, audit=False)}
+        loaders = {mode: ac.CachedLoader(DataLoader(ac.IndexedDataset(data), batch_size=args.batch, shuffle=True), m)
+                   for mode, m in models.items()}
+        for m in models.values():
+            m.set_frozen(args.frozen)
+        run_epochs(models["cached"], loaders["cached"], 1)  # fills the cache (and warms up)
         conn.flush()
-        runs: dict[str, list[dict[str, float]]] = {"recompute": [], "cached": []}
-        for _ in range(args.epochs):  # alternate the modes so machine drift hits both alike
+        runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in models}
+        for _ in range(args.epochs):  # the modes take turns so machine drift hits them alike
             for mode in runs:
-                model.enabled = mode == "cached"
-                runs[mode].append(run_epochs(model, loader, 1))
+                runs[mode].append(run_epochs(models[mode], loaders[mode], 1))
         rows = {mode: _combine(parts) for mode, parts in runs.items()}
         hit_ratio = conn.stats.hit_ratio
     print(f"ResNet-20, {args.frozen}/{staged.num_stages} stages frozen, batch {args.batch}, "
           f"{args.samples} samples x {args.epochs} epochs, {torch.get_num_threads()} threads")
-    cols = ["fetch_wait_ms", "prefix_ms", "suffix_forward_ms", "backward_ms", "optimizer_ms"]
-    print(f"{'mode':<11}{'steps/s':>8}{'samples/s':>11}" + "".join(f"{c[:-3]:>16}" for c in cols) + "   (ms/step)")
+    cols = ["fetch_wait_ms", "prefix_ms", "suffix_forward_ms", "backward_ms", "optimizer_ms", "audit_ms"]
+    print(f"{'mode':<16}{'steps/s':>8}{'samples/s':>11}" + "".join(f"{c[:-3]:>16}" for c in cols) + "   (ms/step)")
     for mode, r in rows.items():
-        print(f"{mode:<11}{r['steps_per_s']:>8.2f}{r['samples_per_s']:>11.0f}" + "".join(f"{r[c]:>16.1f}" for c in cols))
+        print(f"{mode:<16}{r['steps_per_s']:>8.2f}{r['samples_per_s']:>11.0f}" + "".join(f"{r[c]:>16.1f}" for c in cols))
     speedup = rows["cached"]["steps_per_s"] / rows["recompute"]["steps_per_s"]
+    audit_overhead = rows["cached-noaudit"]["steps_per_s"] / rows["cached"]["steps_per_s"]
     print(f"cache hit ratio {hit_ratio:.1%} (fill epoch included); cached mode served "
           f"{rows['cached']['cached_samples']} samples, computed {rows['cached']['computed_samples']}")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "speedup": speedup}, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "speedup": speedup, "audit_overhead": audit_overhead}, indent=2))
+    print(f"audits took {rows['cached']['audit_ms']:.2f} ms of {1e3 / rows['cached']['steps_per_s']:.1f} ms per cached step")
     print(f"figure: cached_step_speedup = {speedup:.2f}")
+    print(f"figure: audit_overhead = {audit_overhead:.3f}")
     return 0
 
 

@@ -112,9 +112,8 @@ class CachedForward:
         self._data = b""  # the data fingerprint folded into cache keys (empty: unknown)
         self._weights: list[bytes] = prefix_fingerprints(list(model.stages), 0)
         self._fingerprints: list[bytes] = cache_fingerprints(self._weights, self._data)
-        if audit is True:
-            audit = AuditConfig()
-        self._auditor = Auditor(audit) if audit else None
+        self._auditor: Auditor | None = None
+        self.set_audit(audit)
         self._audited_opens = 0  # connection.opens when the auditor last restarted
         self._target: tuple[bytes, int] | None = None
         self.keep_generations = keep_generations
@@ -141,6 +140,11 @@ class CachedForward:
     def fingerprint(self, depth: int | None = None) -> bytes:
         """The fingerprint cache keys carry for stages[:depth] (default: the frozen prefix): weights and data."""
         return self._fingerprints[self._frozen if depth is None else depth]
+
+    def set_audit(self, audit: AuditConfig | bool) -> None:
+        """Audit served hits per ``audit`` (True: the default AuditConfig; False: no audits)."""
+        config = AuditConfig() if audit is True else audit
+        self._auditor = Auditor(config) if config else None
 
     def weights_fingerprint(self, depth: int | None = None) -> bytes:
         """Fingerprint of the weights of stages[:depth] alone (default: the frozen prefix)."""

@@ -177,7 +177,7 @@ def test_without_audits_wrong_content_is_served(daemon):
     dataset, namespace = random_data(22), f"t-{uuid.uuid4().hex[:8]}"
     with ac.connect(daemon.socket, namespace=namespace, strict=True) as conn:
         model = primed(conn, dataset)
-        model._auditor = None
+        model.set_audit(False)
         x = torch.stack([dataset[i][0] for i in range(32)])
         served = model.prefix(torch.arange(32), x)
         with torch.no_grad():
