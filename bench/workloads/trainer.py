@@ -135,8 +135,8 @@ class TrainingRun:
     """One run of a workload, advanced in slices so runs can take turns on a shared machine.
 
     ``slices()`` yields after every evaluation (and every ``slice_steps``
-    steps if given), with this run's puts flushed, so of this run only its
-    look-ahead of at most two batches' lookups can run during another run's
+    steps if given), with this run's puts flushed, so of this run only the
+    daemon's read-ahead of its pushed order can run during another run's
     turn. Its clocks (training wall and CPU seconds, evaluation excluded)
     advance only during its own slices, and it keeps its own torch RNG
     state (dropout), so interleaved runs compute what they would alone.
@@ -300,9 +300,9 @@ def _cache_stats(connection: ac.Connection | None, before: ac.ClientStats | None
            "seeded_samples": times.seeded_samples, "hits": times.cached_samples,
            "hit_ratio": times.cached_samples / needed if needed else 0.0}
     if connection is None or before is None:
-        return {**out, "lookups": 0, "bytes_written": 0, "bytes_read": 0, "puts": 0, "puts_dropped": 0}
+        return {**out, "gets": 0, "streamed": 0, "bytes_written": 0, "bytes_read": 0, "puts": 0, "puts_dropped": 0}
     connection.flush(timeout_s=60)
     s = connection.stats
-    return {**out, "lookups": s.lookups - before.lookups, "bytes_written": s.bytes_written - before.bytes_written,
+    return {**out, "gets": s.gets - before.gets, "streamed": s.streamed - before.streamed, "bytes_written": s.bytes_written - before.bytes_written,
             "bytes_read": s.bytes_read - before.bytes_read, "puts": s.puts - before.puts,
             "puts_dropped": s.puts_dropped - before.puts_dropped}

@@ -4,8 +4,9 @@ For a batch ``(ids, inputs)``, frozen depth k and cache depth j <= k (j = k
 unless a cost-model plan chose a shallower, smaller entry):
 
 1. samples in the cached subset (all, unless the plan caches a fraction)
-   are looked up at depth j — ahead of need when the loader told us the
-   epoch's order — collated into (pinned) host memory and staged to the device;
+   are served at depth j by the daemon's stream of the epoch's order
+   (actcache_client.stream; ``Get`` only when no stream serves the batch),
+   collated into (pinned) host memory and staged to the device;
 2. misses are seeded from a shallower frozen depth when its entries exist,
    else stages[0:j] run on the raw inputs; what was computed is put
    asynchronously; then stages[j:k] run on all of them;
@@ -41,7 +42,7 @@ from actcache_client.audit import AuditConfig, Auditor, same_entry, warn_mismatc
 from actcache_client.connection import Connection
 from actcache_client.cost_model import Plan, PlanMode, cached_subset
 from actcache_client.fingerprint import cache_fingerprints, prefix_fingerprints
-from actcache_client.lookahead import Lookahead
+from actcache_client.stream import EpochStream
 from actcache_client.planner import CachePlanner
 from actcache_client.stages import StagedModel, State, Suffix
 from actcache_client.staging import Stager
@@ -51,12 +52,20 @@ __all__ = ["CachedForward", "StepTimes"]
 
 @dataclass
 class StepTimes:
-    """Seconds spent per part of the forward pass and samples per source, accumulated."""
+    """Seconds per part of the forward pass, and samples per source, accumulated.
+
+    Samples: ``prefix_samples`` needed the frozen prefix; each of them was
+    served from the cache (``cached_samples``), computed from a shallower
+    cached depth (``seeded_samples``) or computed from its raw input
+    (``computed_samples``): ``prefix_samples == cached + seeded + computed``.
+    ``fetch_wait`` is the time the step waited for entries (stream or Get).
+    """
 
     fetch_wait: float = 0.0
     prefix: float = 0.0
     suffix_forward: float = 0.0
     steps: int = 0
+    prefix_samples: int = 0
     computed_samples: int = 0
     seeded_samples: int = 0
     cached_samples: int = 0
@@ -92,7 +101,7 @@ class CachedForward:
         *,
         varlen: VarLen | None = None,
         zstd_level: int = 0,
-        lookahead: int = 2,
+        stream: bool = True,
         planner: CachePlanner | None = None,
         device: torch.device | str | None = None,
         audit: AuditConfig | bool = True,
@@ -119,7 +128,10 @@ class CachedForward:
         self.keep_generations = keep_generations
         self._generations: dict[bytes, tuple[int, bytes]] = {}  # fingerprint written -> (depth, data fingerprint)
         self._seed_depths: list[int] = []  # frozen depths whose entries may seed deeper ones
-        self._lookahead = Lookahead(connection, lookahead) if connection is not None and lookahead else None
+        self._stream = EpochStream(connection, rank=_rank()) if connection is not None and stream else None
+        self._epoch: tuple[list[list[int]], int] | None = None  # this epoch's batches (sample ids) and variant
+        self._position = 0  # the epoch position of the next batch the step runs
+        self._epoch_misses = 0  # samples of the cached subset that missed this epoch
         self._probed = False  # a read-speed probe was sent this epoch
         self._written: dict[bytes, set[int]] = {}  # fingerprint -> sample ids stored (or found) under it
         self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
@@ -235,16 +247,19 @@ class CachedForward:
         if key != self._target and self._auditor is not None:
             self._auditor.restart()
         self._target = key
-        if self._lookahead is not None:
-            if target is None:
-                self._lookahead.retarget(b"", 0)
-            else:
-                self._lookahead.retarget(self._fingerprints[target[0]], target[0], target[1])
+        if self._stream is None or self._epoch is None:
+            return
+        if target is None:
+            self._stream.close()
+        elif not self._stream.serves(key[0], key[1], target[1], self._epoch[1]):
+            # A new target mid-epoch: the rest of the epoch is pushed again from the current batch.
+            self._stream.push(key[0], key[1], target[1], self._epoch[1], self._epoch[0][self._position:], self._position)
 
     def begin_epoch(
         self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0, data: bytes | None = None,
     ) -> None:
-        """Called by CachedLoader with this rank's batches for the epoch and its data fingerprint."""
+        """Called by CachedLoader with this rank's batches for the epoch (from batch ``start`` on) and its data."""
+        self._epoch = None  # retargets below must not push the previous epoch's order
         if data is not None:
             self.bind_data(data)
         if self.planner is not None and batches:
@@ -253,8 +268,28 @@ class CachedForward:
             if self._frozen:
                 self.planner.plan_for(self._frozen)
                 self._retarget()
-        if self._lookahead is not None:
-            self._lookahead.begin_epoch(batches, variant, start)
+        batches = [list(b) for b in batches]
+        self._epoch, self._position, self._epoch_misses = (batches, variant), start, 0
+        target = self._cache_target()
+        if self._stream is None or target is None:
+            return
+        fingerprint, fraction = self._fingerprints[target[0]], target[1]
+        if start == 0 and self._stream.adopt_next(fingerprint, target[0], fraction, variant, batches):
+            return
+        # Entries the last epoch stored must be in the daemon before it looks them up for this one.
+        self.connection.flush(timeout_s=self.connection.config.timeout_s)
+        self._stream.push(fingerprint, target[0], fraction, variant, batches[start:], start)
+
+    def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
+        """Called by CachedLoader during an epoch with the next epoch's batches: push them ahead.
+
+        Only after an epoch served without misses so far, so the daemon does not read ahead
+        entries that are still being stored.
+        """
+        target = self._cache_target()
+        if self._stream is None or target is None or self._epoch_misses:
+            return
+        self._stream.push_next(self._fingerprints[target[0]], target[0], target[1], variant, [list(b) for b in batches])
 
     def disable(self, reason: str) -> None:
         """Stop using the cache (recompute every step), e.g. for uncacheable data."""
@@ -279,7 +314,11 @@ class CachedForward:
         id_list = ids.tolist() if isinstance(ids, Tensor) else list(ids)
         if self.planner is not None and self._prefix_done is not None:
             self.planner.record_suffix(start - self._prefix_done, len(id_list))
-        state = self._prefix(id_list, inputs, variant)
+        position = None  # this batch's epoch position, if it is the one the stream serves next
+        if self._epoch is not None and self._position < len(self._epoch[0]) and self._epoch[0][self._position] == id_list:
+            position = self._position
+            self._position += 1
+        state = self._prefix(id_list, inputs, variant, position)
         self._prefix_done = time.perf_counter()
         if self.planner is not None:
             self._observe_connection()
@@ -288,14 +327,16 @@ class CachedForward:
                 self._retarget()
         return state
 
-    def _prefix(self, id_list: list[int], inputs: State, variant: int) -> State:
+    def _prefix(self, id_list: list[int], inputs: State, variant: int, position: int | None) -> State:
         k = self._frozen
         if k == 0:
             return inputs
         for stage in self.model.stages[:k]:
             stage.train(False)  # a user's model.train() must not put frozen stages back in train mode
+        self.times.prefix_samples += len(id_list)
         target = self._cache_target()
         if target is None:
+            self.times.computed_samples += len(id_list)
             return self._compute(inputs, 0, k)
         self.connection.surface()
         j, fraction = target
@@ -303,7 +344,7 @@ class CachedForward:
             i for i, s in enumerate(id_list) if cached_subset(s, fraction)]
         parts: list[tuple[list[int], State]] = []
         if rows:
-            at_j = self._state_at(j, [id_list[i] for i in rows], rows, inputs, variant)
+            at_j = self._state_at(j, [id_list[i] for i in rows], rows, inputs, variant, position)
             parts.append((rows, self._compute(at_j, j, k) if j < k else at_j))
         direct = [i for i in range(len(id_list)) if i not in set(rows)] if len(rows) < len(id_list) else []
         if direct:
@@ -311,10 +352,13 @@ class CachedForward:
             self.times.computed_samples += len(direct)
         return parts[0][1] if len(parts) == 1 else _merge(len(id_list), parts, self.varlen)
 
-    def _state_at(self, j: int, ids: list[int], rows: list[int], inputs: State, variant: int) -> State:
+    def _state_at(self, j: int, ids: list[int], rows: list[int], inputs: State, variant: int,
+                  position: int | None) -> State:
         """States at depth j of the batch rows ``rows`` (sample ids ``ids``): hits, seeded, computed."""
         t0 = time.perf_counter()
-        values = self._lookup(self._fingerprints[j], j, ids, variant)
+        values = self._stream.take(position, ids) if self._stream is not None and position is not None else None
+        if values is None:
+            values = self._lookup(self._fingerprints[j], j, ids, variant)
         self.times.fetch_wait += time.perf_counter() - t0
         found = [i for i, v in enumerate(values) if v is not None]
         if found and self._auditor is not None and not self._audit(j, ids, rows, inputs, values, found):
@@ -328,7 +372,7 @@ class CachedForward:
         for depth in (d for d in self._seed_depths if d < j):
             if not missing:
                 break
-            seeds = self._lookup(self._fingerprints[depth], depth, [ids[i] for i in missing], variant, ahead=False)
+            seeds = self._lookup(self._fingerprints[depth], depth, [ids[i] for i in missing], variant)
             hit = [i for i, v in zip(missing, seeds) if v is not None]
             if hit:
                 seeded = self._compute(self._collate([v for v in seeds if v is not None]), depth, j)
@@ -336,6 +380,7 @@ class CachedForward:
                 parts.append((hit, seeded))
                 self.times.seeded_samples += len(hit)
                 missing = [i for i in missing if i not in set(hit)]
+        self._epoch_misses += len(missing)
         if missing:
             raw = inputs if len(missing) == len(rows) == len(_first(inputs)) else _select(inputs, [rows[i] for i in missing])
             computed = self._compute(raw, 0, j)
@@ -346,13 +391,9 @@ class CachedForward:
 
     # ---- helpers -----------------------------------------------------------
 
-    def _lookup(self, fingerprint: bytes, depth: int, ids: list[int], variant: int, *, ahead: bool = True) -> list:
-        assert self.connection is not None
-        values = None
-        if ahead and self._lookahead is not None:
-            values = self._lookahead.take(fingerprint, depth, ids, variant)
-        if values is None:
-            values = self.connection.lookup(fingerprint, depth, ids, [variant] * len(ids))
+    def _lookup(self, fingerprint: bytes, depth: int, ids: list[int], variant: int) -> list:
+        """Entries by ``Get`` (None per miss): seeds, and batches no stream serves."""
+        values = self.connection.lookup(fingerprint, depth, ids, [variant] * len(ids))
         return values if values is not None else [None] * len(ids)
 
     def _collate(self, entries: list) -> State:
@@ -442,6 +483,12 @@ class CachedForward:
         if write_s > ws0:
             self.planner.record_write(written - w0, write_s - ws0)
         self._connection_seen = (read, fetch_s, written, write_s)
+
+
+def _rank() -> int:
+    """This process's rank when torch.distributed is initialized, else 0."""
+    distributed = torch.distributed
+    return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
 
 
 def _first(state: State) -> Tensor:

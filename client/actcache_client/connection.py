@@ -26,10 +26,10 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from actcache.errors import ActCacheError, BudgetExceeded, ConfigError, DaemonUnavailable, EntryCorrupt, NamespaceNotFound
-from actcache.rpc_client import RpcClient, target_for
+from actcache.rpc_client import EntryBatch, RpcClient, target_for
 
 __all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "connect"]
 
@@ -70,9 +70,16 @@ class ConnectionConfig:
 
 @dataclass
 class ClientStats:
-    """What the cache did for this process."""
+    """What the cache did for this process, in entries (one per sample and depth) unless named otherwise.
 
-    lookups: int = 0
+    ``hits + misses`` is every entry asked for, through a stream (``streamed``
+    of them) or through ``Get`` calls (``gets``: seeds from a shallower depth,
+    batches no stream served). ``fetch_seconds`` is the time spent waiting for
+    either. ``puts`` counts entries stored; ``puts_dropped`` puts not sent.
+    """
+
+    gets: int = 0
+    streamed: int = 0
     hits: int = 0
     misses: int = 0
     bytes_read: int = 0
@@ -155,17 +162,55 @@ class Connection:
         try:
             values = self._call(lambda ns: self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None))
         except ActCacheError as exc:
-            self._fallback(exc)
+            self.fallback(exc)
             return None
         hits = sum(v is not None for v in values)
         with self._lock:
             self.stats.fetch_seconds += time.perf_counter() - t0
-            self.stats.lookups += 1
+            self.stats.gets += 1
             self.stats.hits += hits
             self.stats.misses += len(values) - hits
             self.stats.bytes_read += sum(len(v) for v in values if v is not None)
         self._backoff_s = self.config.backoff_s
         return values
+
+    def push(self, fingerprint: bytes, depth: int, schedule_id: str, ids: Sequence[int],
+             variants: Sequence[int] | None) -> bool:
+        """Push an order (Schedule) the daemon reads ahead; False if the cache is unusable right now."""
+        self.surface()
+        if self._paused():
+            return False
+        try:
+            self._call(lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids, variants))
+        except ActCacheError as exc:
+            self.fallback(exc)
+            return False
+        return True
+
+    def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0) -> Iterator[EntryBatch]:
+        """Fetch a pushed schedule from ``start``: shared memory on a Unix socket of this host, else bytes.
+
+        Counts hits, misses, bytes and the seconds spent waiting for frames in ``stats``; errors are
+        raised to the caller (who hands them to ``fallback``).
+        """
+        frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes)
+        while True:
+            t0 = time.perf_counter()
+            batch = next(frames, None)
+            if batch is None:
+                return
+            hits = sum(v is not None for v in batch.values)
+            with self._lock:
+                self.stats.fetch_seconds += time.perf_counter() - t0
+                self.stats.streamed += len(batch.values)
+                self.stats.hits += hits
+                self.stats.misses += len(batch.values) - hits
+                self.stats.bytes_read += sum(len(v) for v in batch.values if v is not None)
+            try:
+                yield batch
+            except GeneratorExit:
+                frames.close()
+                raise
 
     # ---- writes ----------------------------------------------------------
 
@@ -235,7 +280,7 @@ class Connection:
                 with self._lock:
                     self._put_errors.append(exc)
             else:
-                self._fallback(exc)
+                self.fallback(exc)
             return
         with self._lock:
             self.stats.write_seconds += time.perf_counter() - t0
@@ -302,7 +347,8 @@ class Connection:
     def _paused(self) -> bool:
         return time.monotonic() < self._paused_until
 
-    def _fallback(self, exc: ActCacheError) -> None:
+    def fallback(self, exc: ActCacheError) -> None:
+        """Handle a failed cache operation: raise in strict mode, else count, warn once per cause and back off."""
         if self.config.strict:
             raise exc
         cause = {DaemonUnavailable: "unavailable", BudgetExceeded: "full", EntryCorrupt: "corrupt"}.get(type(exc), "error")

@@ -4,9 +4,14 @@
 its randomness from ``(sample_id, variant)`` so a cached entry always matches
 the exact input it was computed from. ``CachedLoader`` wraps a DataLoader by
 composition: at each epoch start it draws this rank's batches from the
-loader's own batch sampler once, tells the CachedForward (which looks them
-up ahead of need), then has an inner DataLoader with the same settings load
-exactly those batches. ``state_dict`` captures the epoch's order and position
+loader's own batch sampler once, tells the CachedForward (which pushes them
+to the daemon, so it reads their entries ahead), then has an inner
+DataLoader with the same settings load exactly those batches. Halfway
+through an epoch it draws the next epoch's batches and hands them over too,
+so the daemon has the next epoch's head ready at the boundary — when drawing
+early cannot change the order or anyone's random numbers: the sampler has
+``set_epoch`` (DistributedSampler), the DataLoader has its own
+``generator``, or the order is sequential. ``state_dict`` captures the epoch's order and position
 for a mid-epoch resume.
 
 Variants: with ``variants=K``, epoch e uses variant ``e % K`` and K
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
 from actcache.errors import ConfigError
@@ -149,6 +154,7 @@ class CachedLoader:
         self.epoch = 0
         self._position = 0
         self._order: list[list[int]] | None = None  # indices of the current epoch's batches
+        self._next_order: tuple[int, list[list[int]]] | None = None  # (epoch, its batches), drawn ahead
         self._replay = _Replay()
         dataset: IndexedDataset = loader.dataset
         self.cacheable = not dataset.random_transforms and (dataset.augment is None or variants is not None)
@@ -183,11 +189,7 @@ class CachedLoader:
     @property
     def variant(self) -> int:
         """The augmentation variant of the current epoch (0 without augmentation)."""
-        if self.loader.dataset.augment is None:
-            return 0
-        if self.variants is None:
-            return self.epoch  # not cached: a fresh augmentation every epoch
-        return self.epoch % self.variants
+        return self._variant_of(self.epoch)  # without variants (not cached): a fresh augmentation every epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (forwarded to the sampler's ``set_epoch`` when it has one)."""
@@ -197,21 +199,42 @@ class CachedLoader:
     def __len__(self) -> int:
         return len(self.loader.batch_sampler)
 
-    def __iter__(self) -> Iterator[Batch]:
+    def _draw(self, epoch: int) -> list[list[int]]:
+        """The batches (dataset indices) the sampler gives for ``epoch``."""
         sampler = getattr(self.loader.batch_sampler, "sampler", None)
-        if self._order is None:
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.epoch)
-            self._order = [list(b) for b in self.loader.batch_sampler]
-            self._position = 0
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        return [list(b) for b in self.loader.batch_sampler]
+
+    def _draws_deterministically(self) -> bool:
+        sampler = getattr(self.loader.batch_sampler, "sampler", None)
+        return hasattr(sampler, "set_epoch") or self.loader.generator is not None or isinstance(sampler, SequentialSampler)
+
+    def _variant_of(self, epoch: int) -> int:
+        if self.loader.dataset.augment is None:
+            return 0
+        return epoch if self.variants is None else epoch % self.variants
+
+    def _ids(self, order: list[list[int]]) -> list[list[int]]:
         dataset: IndexedDataset = self.loader.dataset
+        return [[dataset.sample_id(i) for i in batch] for batch in order]
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._order is None:
+            ahead, self._next_order = self._next_order, None
+            self._order = ahead[1] if ahead is not None and ahead[0] == self.epoch else self._draw(self.epoch)
+            self._position = 0
         start, variant = self._position, self.variant
-        if self.model is not None and self.cacheable:
-            ids = [[dataset.sample_id(i) for i in batch] for batch in self._order]
-            self.model.begin_epoch(ids, variant, start, epoch=self.epoch, data=self.data_identity)
+        streaming = self.model is not None and self.cacheable
+        if streaming:
+            self.model.begin_epoch(self._ids(self._order), variant, start, epoch=self.epoch, data=self.data_identity)
+        ahead_at = len(self._order) // 2 if streaming and self._draws_deterministically() else -1
         self._replay.batches = [[(i, variant) for i in batch] for batch in self._order[start:]]
         for position, (ids, data) in enumerate(self._inner, start=start):
             self._position = position + 1
+            if position == ahead_at and self._next_order is None:
+                self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
+                self.model.prepare_next_epoch(self._ids(self._next_order[1]), self._variant_of(self.epoch + 1))
             yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position)
         self.epoch, self._position, self._order = self.epoch + 1, 0, None
 

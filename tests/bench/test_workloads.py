@@ -33,9 +33,9 @@ def check_real(run: RunResult, *, cached: bool) -> None:
     assert all(0 < a.train_s <= b.train_s for a, b in zip(run.evals, run.evals[1:]))
     if cached:
         assert c["hits"] > 0 and c["puts"] > 0 and c["bytes_written"] > 0 and c["bytes_read"] > 0
-        assert c["hits"] == c["cached_samples"] and 0 < c["hit_ratio"] < 1 and c["lookups"] > 0
+        assert c["hits"] == c["cached_samples"] and 0 < c["hit_ratio"] < 1 and c["streamed"] > 0
     else:
-        assert c["hits"] == c["puts"] == c["bytes_read"] == c["lookups"] == 0
+        assert c["hits"] == c["puts"] == c["bytes_read"] == c["streamed"] == c["gets"] == 0
 
 
 def test_cifar_workload_trains_the_same_with_and_without_the_cache(data_dir, daemon):

@@ -124,7 +124,7 @@ def test_cache_on_and_off_train_identically(daemon, name):
 def test_partial_hits_merge_in_batch_order(daemon):
     staged = ac.from_sequential(cnn(), groups=[3, 3, 2, 2])
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
-        model = ac.CachedForward(staged, conn, lookahead=0)
+        model = ac.CachedForward(staged, conn, stream=False)
         model.set_frozen(2)
         x = image_data(16).tensors[0]
         ids = torch.arange(100, 116)
@@ -185,7 +185,7 @@ def test_random_augmentation_without_variants_is_not_cached(daemon):
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
         with pytest.warns(ac.UncacheableDataWarning, match="no variants=K"):
             train(make, data(), connection=conn, epochs=2, freeze=((0, 2),), augment=lambda item, g: item)
-        assert conn.stats.puts == 0 and conn.stats.lookups == 0
+        assert conn.stats.puts == 0 and conn.stats.gets == conn.stats.streamed == 0
 
 
 def test_daemon_killed_mid_epoch_training_completes_and_hits_resume(tmp_path):
@@ -212,7 +212,7 @@ def test_daemon_killed_mid_epoch_training_completes_and_hits_resume(tmp_path):
 def test_strict_mode_raises_when_the_daemon_is_gone(tmp_path):
     with run_daemon(cache_dir=tmp_path / "c") as daemon:
         conn = ac.connect(daemon.socket, namespace="strict", strict=True, timeout_s=2)
-        model = ac.CachedForward(ac.from_sequential(cnn(), groups=[3, 3, 2, 2]), conn, lookahead=0)
+        model = ac.CachedForward(ac.from_sequential(cnn(), groups=[3, 3, 2, 2]), conn, stream=False)
         model.set_frozen(2)
         x = image_data(4).tensors[0]
         model.prefix(torch.arange(4), x)

@@ -1,0 +1,193 @@
+"""The epoch's cached entries, streamed by the daemon in the order the step will ask for them.
+
+The loader hands over this rank's batches for the epoch; the stream pushes
+their ids (the cached subset of each batch, at the current cache target) as
+one schedule, so the daemon reads them ahead within its prefetch budget, and
+reads them back with Fetch: through shared memory when the daemon is on a
+Unix socket of this host, in bytes otherwise. ``take`` returns one batch's
+entries (None per miss), in batch order, as views the caller copies once
+(collation) before taking the next batch.
+
+Schedule ids are ``<job>-r<rank>-<slot>``: each rank of each process has its
+own, and the two slots alternate between epochs, so pushing epoch e+1 ahead
+leaves epoch e streaming; pushing a slot again replaces what it held.
+
+Lifecycle: IDLE (nothing pushed, or the target is not cached) -> PUSHED
+(schedule pushed, Fetch opened at the first ``take``) -> BROKEN (the push or
+the Fetch failed, or the step asked out of order: every ``take`` answers None
+until the next push, and the caller falls back to Get). A retarget that
+changes the (fingerprint, depth) re-pushes the rest of the epoch from the
+current batch; one that keeps it keeps the stream.
+
+Invariant: entries are consumed in schedule order; a batch's entries are
+the schedule positions ``offsets[b] .. offsets[b+1] - 1``.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from actcache.errors import ActCacheError
+from actcache.rpc_client import EntryBatch
+from actcache_client.connection import Connection
+from actcache_client.cost_model import cached_subset
+
+__all__ = ["EpochStream", "StreamState"]
+
+_JOB = f"{socket.gethostname()[:40]}.{os.getpid()}"
+_JOBS = itertools.count()
+
+
+class StreamState(enum.Enum):
+    IDLE = "idle"
+    PUSHED = "pushed"
+    BROKEN = "broken"
+
+
+@dataclass(frozen=True)
+class _Order:
+    """One epoch's batches at one target, from batch ``first`` on."""
+
+    fingerprint: bytes
+    depth: int
+    fraction: float
+    variant: int
+    first: int  # epoch position of batches[0]
+    batches: tuple[tuple[int, ...], ...]  # the cached subset of each batch
+    offsets: tuple[int, ...]  # schedule position of each batch's first entry, plus the end
+
+
+class EpochStream:
+    """Pushes an epoch's order and streams its entries back; used by CachedForward on the training thread."""
+
+    def __init__(self, connection: Connection, *, rank: int = 0, ring_bytes: int = 32 << 20) -> None:
+        self._connection = connection
+        self._prefix = f"{_JOB}.{next(_JOBS)}-r{rank}"
+        self._ring_bytes = ring_bytes
+        self._slot = 0
+        self._state = StreamState.IDLE
+        self._order: _Order | None = None
+        self._next: _Order | None = None  # the next epoch's order, pushed ahead
+        self._frames: Iterator[EntryBatch] | None = None
+        self._pending: deque = deque()  # entries of the last frame not taken yet
+        self._shared = False  # the last frame's values are views into the shared-memory ring
+        #: Seconds the step waited for frames, and entries served by the stream (hits and misses).
+        self.wait_seconds = 0.0
+        self.entries = 0
+
+    @property
+    def state(self) -> StreamState:
+        return self._state
+
+    @property
+    def schedule_id(self) -> str:
+        return f"{self._prefix}-{self._slot}"
+
+    def push(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
+             batches: Sequence[Sequence[int]], first: int) -> None:
+        """Push ``batches`` (epoch positions ``first``, ``first + 1``, ...) at this target, replacing the stream."""
+        self.close()
+        subset = tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches)
+        offsets = (0, *itertools.accumulate(len(b) for b in subset))
+        self._order = _Order(fingerprint, depth, fraction, variant, first, subset, offsets)
+        self._slot ^= 1
+        if offsets[-1] == 0:
+            self._state = StreamState.IDLE
+            return
+        ids = [s for b in subset for s in b]
+        pushed = self._connection.push(fingerprint, depth, self.schedule_id, ids, [variant] * len(ids) if variant else None)
+        self._state = StreamState.PUSHED if pushed else StreamState.BROKEN
+
+    def push_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
+                  batches: Sequence[Sequence[int]]) -> None:
+        """Push the next epoch's order ahead, into the other slot: the daemon reads its head once the
+        current epoch is read, so there is no dip at the boundary. ``adopt_next`` switches to it."""
+        subset = tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches)
+        ids = [s for b in subset for s in b]
+        if not ids:
+            return
+        offsets = (0, *itertools.accumulate(len(b) for b in subset))
+        schedule_id = f"{self._prefix}-{self._slot ^ 1}"
+        if self._connection.push(fingerprint, depth, schedule_id, ids, [variant] * len(ids) if variant else None):
+            self._next = _Order(fingerprint, depth, fraction, variant, 0, subset, offsets)
+
+    def adopt_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
+                   batches: Sequence[Sequence[int]]) -> bool:
+        """Switch to the order ``push_next`` pushed, if it is this one; False (nothing changed) otherwise."""
+        o, self._next = self._next, None
+        if o is None or (o.fingerprint, o.depth, o.fraction, o.variant) != (fingerprint, depth, fraction, variant):
+            return False
+        if o.batches != tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches):
+            return False
+        self.close()
+        self._slot ^= 1
+        self._order, self._state = o, StreamState.PUSHED
+        return True
+
+    def serves(self, fingerprint: bytes, depth: int, fraction: float, variant: int) -> bool:
+        """Whether the pushed order is for this target (a re-plan that keeps it keeps the stream)."""
+        o = self._order
+        return o is not None and (o.fingerprint, o.depth, o.fraction, o.variant) == (fingerprint, depth, fraction, variant)
+
+    def take(self, position: int, ids: Sequence[int]) -> list | None:
+        """Entries (None per miss) of the cached subset ``ids`` of epoch batch ``position``; None if the
+        stream cannot serve it (nothing pushed, failed, another order)."""
+        o = self._order
+        if self._state is not StreamState.PUSHED or o is None or not o.first <= position < o.first + len(o.batches):
+            return None
+        b = position - o.first
+        if tuple(ids) != o.batches[b]:
+            self._break()
+            return None
+        lo, hi = o.offsets[b], o.offsets[b + 1]
+        out: list = []
+        try:
+            while len(out) < hi - lo:
+                if not self._pending:
+                    self._next_frame(out, lo)
+                pos, sample_id, variant, value = self._pending.popleft()
+                if pos < lo:
+                    continue  # a batch the step skipped
+                if sample_id != ids[len(out)]:
+                    raise ActCacheError(f"the stream served sample {sample_id} at position {pos}, expected {ids[len(out)]}")
+                out.append(value)
+        except ActCacheError as exc:
+            self._break()
+            self._connection.fallback(exc)
+            return None
+        self.entries += len(out)
+        return out
+
+    def _next_frame(self, out: list, lo: int) -> None:
+        """Read the next frame; views into the ring held in ``out`` are copied first (the ring reuses them)."""
+        if self._shared:
+            out[:] = [None if v is None else bytes(v) for v in out]
+        if self._frames is None:
+            self._frames = self._connection.stream(self.schedule_id, lo, ring_bytes=self._ring_bytes)
+        t0 = time.perf_counter()
+        batch = next(self._frames, None)
+        self.wait_seconds += time.perf_counter() - t0
+        if batch is None:
+            raise ActCacheError(f"schedule {self.schedule_id} ended before position {lo + len(out)}")
+        self._shared = batch.data_plane == "shared_memory"
+        self._pending.extend(batch)
+
+    def _break(self) -> None:
+        self.close()
+        self._state = StreamState.BROKEN
+
+    def close(self) -> None:
+        """Cancel the Fetch (the daemon frees its read-ahead for it at once)."""
+        if self._frames is not None:
+            self._frames.close()
+        self._frames = None
+        self._pending.clear()
+        self._shared = False
+        self._state = StreamState.IDLE

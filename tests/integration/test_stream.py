@@ -1,0 +1,125 @@
+"""Training reads the daemon's stream of its pushed order: freeze changes, re-plans, ranks, workers, resume."""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import actcache_client as ac
+
+N, BATCH = 96, 16
+
+
+def mlp() -> ac.StagedModel:
+    torch.manual_seed(0)
+    return ac.from_sequential(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)))
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+
+def namespace() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def forward_epoch(model: ac.CachedForward, loader: ac.CachedLoader, *, on_batch=None) -> None:
+    """One epoch of forward passes (the weights stay as they are, so fingerprints stay valid)."""
+    with torch.no_grad():
+        for batch in loader:
+            x, _ = batch.data
+            model(batch.ids, x, variant=batch.variant)
+            if on_batch is not None:
+                on_batch(batch.position)
+
+
+def cached_loader(model, **options) -> ac.CachedLoader:
+    options.setdefault("shuffle", True)
+    options.setdefault("generator", torch.Generator().manual_seed(1))
+    return ac.CachedLoader(DataLoader(ac.IndexedDataset(data()), batch_size=BATCH, **options), model)
+
+
+def test_a_cached_epoch_is_served_by_the_stream_ready_when_asked(daemon):
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        model = ac.CachedForward(mlp(), conn)
+        loader = cached_loader(model)
+        model.set_frozen(2)
+        forward_epoch(model, loader)  # stores every entry
+        before = conn.rpc().stats()
+        forward_epoch(model, loader)
+        forward_epoch(model, loader)  # its order was pushed halfway through the previous epoch
+        after = conn.rpc().stats()
+        assert conn.stats.gets == 0 and conn.stats.streamed == 3 * N and conn.stats.hits == 2 * N
+        assert model.times.cached_samples == 2 * N and model.times.prefix_samples == 3 * N
+        ns = conn.config.namespace
+        ready = [p.counters.ready_on_ask for p in after.prefetch if p.namespace == ns][0] - \
+            [p.counters.ready_on_ask for p in before.prefetch if p.namespace == ns][0]
+        assert ready > 0
+        # pushes: the second epoch's at its start (the first one stored entries), then each next epoch's
+        # halfway through the one before, adopted at its start without a second push
+        assert after.schedules_total - before.schedules_total == 3
+
+
+def test_a_freeze_change_mid_epoch_re_pushes_the_rest_and_a_same_target_replan_keeps_it(daemon):
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        model = ac.CachedForward(mlp(), conn)
+        loader = cached_loader(model)
+        model.set_frozen(3)
+        forward_epoch(model, loader)  # depth-3 entries
+        model.set_frozen(2)
+        forward_epoch(model, loader)  # depth-2 entries
+        pushes = conn.rpc().stats().schedules_total
+        hits, gets = model.times.cached_samples, conn.stats.gets
+
+        def switch(position: int) -> None:
+            if position == 1:
+                model.set_frozen(2)  # the same target: the stream goes on
+                assert conn.rpc().stats().schedules_total == pushes + 1
+            if position == 2:
+                model.set_frozen(3)  # another depth: the rest of the epoch is pushed again
+
+        forward_epoch(model, loader, on_batch=switch)
+        # the epoch's push, the re-push at the new depth, and the next epoch's (halfway, at batch 3)
+        assert conn.rpc().stats().schedules_total == pushes + 3
+        assert model.times.cached_samples - hits == N  # every batch hit, before and after the switch
+        assert conn.stats.gets == gets
+
+
+def test_two_ranks_with_workers_stream_their_own_orders_and_resume_mid_epoch(daemon):
+    dataset = ac.IndexedDataset(data())
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        def rank_loader(rank: int, model):
+            sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=3)
+            return ac.CachedLoader(DataLoader(dataset, batch_size=8, sampler=sampler, num_workers=2,
+                                              persistent_workers=True), model)
+
+        ranks = [ac.CachedForward(mlp(), conn) for _ in range(2)]
+        loaders = [rank_loader(r, m) for r, m in enumerate(ranks)]
+        for m in ranks:
+            m.set_frozen(2)
+        for epoch in range(2):
+            for m, loader in zip(ranks, loaders):
+                loader.set_epoch(epoch)
+                forward_epoch(m, loader)
+        assert sum(m.times.cached_samples for m in ranks) == N  # the second epoch hit on both ranks
+        assert conn.stats.gets == 0
+
+        # rank 0 stops after 2 batches of epoch 2 and resumes in a new loader and model
+        loaders[0].set_epoch(2)
+        with torch.no_grad():
+            for i, batch in enumerate(loaders[0]):
+                ranks[0](batch.ids, batch.data[0])
+                if i == 1:
+                    state = loaders[0].state_dict()
+                    break
+        resumed = ac.CachedForward(mlp(), conn)
+        loader = rank_loader(0, resumed)
+        loader.load_state_dict(state)
+        resumed.set_frozen(2)
+        forward_epoch(resumed, loader)
+        assert resumed.times.cached_samples == resumed.times.prefix_samples == N // 2 - 16
+        assert conn.stats.gets == 0
