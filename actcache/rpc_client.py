@@ -150,6 +150,7 @@ class RpcClient:
         )
         self._calls = {
             "Open": unary("Open", pb.OpenRequest, pb.OpenReply),
+            "Contains": unary("Contains", pb.ContainsRequest, pb.ContainsReply),
             "Drop": unary("Drop", pb.DropRequest, pb.DropReply),
             "Stats": unary("Stats", pb.StatsRequest, pb.StatsReply),
             "Put": channel.stream_unary(method("Put"), request_serializer=_identity, response_deserializer=pb.PutReply.FromString),
@@ -374,6 +375,23 @@ class RpcClient:
         for batch in self.fetch_batches(namespace_id, schedule_id, start, max_frame_bytes=max_frame_bytes,
                                         shared_memory=shared_memory, ring_bytes=ring_bytes):
             yield from batch
+
+    def contains(
+        self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: Sequence[int] | np.ndarray,
+        variants: Sequence[int] | np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Which entries are stored (a bool array parallel to ``sample_ids``), without reading their values."""
+        fingerprint = check_fingerprint(fingerprint)
+        ids = _as_array(sample_ids, np.uint64, "sample id", 2**64 - 1)
+        request = pb.ContainsRequest(namespace_id=namespace_id, fingerprint=fingerprint, depth=depth,
+                                     packed_sample_ids=ids.astype("<u8", copy=False).tobytes())
+        if variants is not None:
+            vars_ = _as_array(variants, np.uint16, "variant", MAX_VARIANT)
+            if len(vars_) != len(ids):
+                raise InvalidRequest(f"{len(vars_)} variants for {len(ids)} sample ids; pass one per id or none")
+            request.packed_variants = vars_.astype("<u2", copy=False).tobytes()
+        reply = self._invoke(lambda t: self._call("Contains")(request, timeout=t, metadata=self._metadata()))
+        return np.frombuffer(reply.present, np.uint8).astype(bool)
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> pb.DropReply:
         """Delete a namespace's entries, optionally only one fingerprint (and depth)."""

@@ -146,6 +146,26 @@ class FetchRequest(_message.Message):
     ring_bytes: int
     def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ring_bytes: _Optional[int] = ...) -> None: ...
 
+class ContainsRequest(_message.Message):
+    __slots__ = ("namespace_id", "fingerprint", "depth", "packed_sample_ids", "packed_variants")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    PACKED_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    fingerprint: bytes
+    depth: int
+    packed_sample_ids: bytes
+    packed_variants: bytes
+    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., packed_sample_ids: _Optional[bytes] = ..., packed_variants: _Optional[bytes] = ...) -> None: ...
+
+class ContainsReply(_message.Message):
+    __slots__ = ("present",)
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    present: bytes
+    def __init__(self, present: _Optional[bytes] = ...) -> None: ...
+
 class DropRequest(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class ActCacheStub:
                 request_serializer=actcache_dot___proto_dot_actcache__pb2.FetchRequest.SerializeToString,
                 response_deserializer=actcache_dot___proto_dot_actcache__pb2.Frame.FromString,
                 _registered_method=True)
+        self.Contains = channel.unary_unary(
+                '/actcache.v1.ActCache/Contains',
+                request_serializer=actcache_dot___proto_dot_actcache__pb2.ContainsRequest.SerializeToString,
+                response_deserializer=actcache_dot___proto_dot_actcache__pb2.ContainsReply.FromString,
+                _registered_method=True)
         self.Drop = channel.unary_unary(
                 '/actcache.v1.ActCache/Drop',
                 request_serializer=actcache_dot___proto_dot_actcache__pb2.DropRequest.SerializeToString,
@@ -118,6 +123,14 @@ class ActCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Contains(self, request, context):
+        """Which of the given entries are stored, without reading their values
+        (the training client asks before loading raw items it may skip).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drop(self, request, context):
         """Deletes entries of a namespace, optionally narrowed by fingerprint/depth.
         """
@@ -159,6 +172,11 @@ def add_ActCacheServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=actcache_dot___proto_dot_actcache__pb2.FetchRequest.FromString,
                     response_serializer=actcache_dot___proto_dot_actcache__pb2.Frame.SerializeToString,
+            ),
+            'Contains': grpc.unary_unary_rpc_method_handler(
+                    servicer.Contains,
+                    request_deserializer=actcache_dot___proto_dot_actcache__pb2.ContainsRequest.FromString,
+                    response_serializer=actcache_dot___proto_dot_actcache__pb2.ContainsReply.SerializeToString,
             ),
             'Drop': grpc.unary_unary_rpc_method_handler(
                     servicer.Drop,
@@ -306,6 +324,33 @@ class ActCache:
             '/actcache.v1.ActCache/Fetch',
             actcache_dot___proto_dot_actcache__pb2.FetchRequest.SerializeToString,
             actcache_dot___proto_dot_actcache__pb2.Frame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Contains(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/actcache.v1.ActCache/Contains',
+            actcache_dot___proto_dot_actcache__pb2.ContainsRequest.SerializeToString,
+            actcache_dot___proto_dot_actcache__pb2.ContainsReply.FromString,
             options,
             channel_credentials,
             insecure,

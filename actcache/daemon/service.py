@@ -125,6 +125,7 @@ class ActCacheService:
             SERVICE,
             {
                 "Open": unary(self.Open, pb.OpenRequest.FromString, pb.OpenReply.SerializeToString),
+                "Contains": unary(self.Contains, pb.ContainsRequest.FromString, pb.ContainsReply.SerializeToString),
                 "Drop": unary(self.Drop, pb.DropRequest.FromString, pb.DropReply.SerializeToString),
                 "Stats": unary(self.Stats, pb.StatsRequest.FromString, pb.StatsReply.SerializeToString),
                 "Put": grpc.stream_unary_rpc_method_handler(self.Put, raw, pb.PutReply.SerializeToString),
@@ -340,6 +341,16 @@ class ActCacheService:
                 offsets.append(offset)
             hi += 1
         return hi, offsets
+
+    @_status_on_error
+    def Contains(self, request: pb.ContainsRequest, context) -> pb.ContainsReply:
+        ids = unpack_ids((), request.packed_sample_ids)
+        if len(ids) > _MAX_IDS_PER_GET:
+            raise InvalidRequest(f"Contains asks about {len(ids)} entries; at most {_MAX_IDS_PER_GET} per call")
+        variants = unpack_variants((), request.packed_variants, len(ids))
+        keys = zip(ids.tolist(), variants.tolist() if variants is not None else [0] * len(ids))
+        present = self.store.contains(request.namespace_id, request.fingerprint, request.depth, list(keys))
+        return pb.ContainsReply(present=bytes(present))
 
     @_status_on_error
     def Drop(self, request: pb.DropRequest, context) -> pb.DropReply:

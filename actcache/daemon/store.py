@@ -357,6 +357,13 @@ class Store:
                     self._read_counts["explicit_reads"] += session.explicit_reads
                     self._read_counts["fallback_reads"] += session.fallback_reads
 
+    def contains(self, namespace_id: int, fingerprint: bytes, depth: int, keys: Sequence[tuple[int, int]]) -> list[bool]:
+        """Whether each ``(sample_id, variant)`` is stored; locates the keys, reads no value."""
+        namespace_id = self.resolve(namespace_id)
+        encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
+        with self.read_session() as session:
+            return [session.locate(key) is not None for key in encoded]
+
     def probe(self, keys: Sequence[bytes]) -> list[bool | None]:
         """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask
         the kernel to start reading it. Per key: None if absent, else whether it was already cached

@@ -201,3 +201,19 @@ def test_cli_stats_ls_drop(daemon, client):
     assert int(json.loads(cli("stats", "--json"))["puts_total"]) >= 5
     assert json.loads(cli("drop", "cli", "--fingerprint", FP.hex(), "--depth", "7", "--json"))["entries"] == 5
     assert not [r for r in json.loads(cli("ls", "--json")) if r["namespace"] == "cli"]
+
+
+def test_contains_answers_which_entries_are_stored_without_reading_them(client):
+    ns = client.open("contains").namespace_id
+    entry = encode_entry([TensorSpec(DType.uint8, (4,))], [b"abcd"])
+    client.put(ns, FP, 2, [(1, 0, entry), (3, 0, entry), (3, 1, entry)])
+    assert client.contains(ns, FP, 2, [0, 1, 2, 3]).tolist() == [False, True, False, True]
+    assert client.contains(ns, FP, 2, [3, 3, 1], variants=[0, 1, 1]).tolist() == [True, True, False]
+    assert client.contains(ns, FP, 1, [1]).tolist() == [False]  # another depth
+    assert client.contains(ns, FP, 2, []).tolist() == []
+    bad = pb.ContainsRequest(namespace_id=ns, fingerprint=FP, depth=2, packed_sample_ids=b"\x01" * 7)
+    with pytest.raises(grpc.RpcError) as info:
+        client._call("Contains")(bad, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "multiple of 8" in info.value.details()
+    with pytest.raises(NamespaceNotFound):
+        client.contains(999_999, FP, 2, [1])
