@@ -2,11 +2,12 @@
 
     conn = actcache_client.connect()                      # embedded daemon if none is running
     model = actcache_client.CachedForward(from_resnet(net), conn)
-    loader = actcache_client.CachedLoader(DataLoader(IndexedDataset(ds), batch_size=64, shuffle=True), model)
+    data = actcache_client.IndexedDataset(ds, targets=ds.targets)  # the cache serves what is not loaded
+    loader = actcache_client.CachedLoader(DataLoader(data, batch_size=64, shuffle=True), model)
     ctl = actcache_client.FreezeController(model, opt, actcache_client.EgeriaPolicy(), eval_every=100)
     for batch in loader:
         x, y = batch.data
-        loss = F.cross_entropy(model(batch.ids, x, variant=batch.variant), y)
+        loss = F.cross_entropy(model(batch), y)
         opt.zero_grad(); loss.backward(); opt.step()
         ctl.step(loss, epoch=batch.epoch)             # freezes stages when the policy says so
 """

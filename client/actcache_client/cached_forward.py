@@ -37,11 +37,12 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from actcache.errors import CacheMismatchError
+from actcache.errors import CacheMismatchError, ConfigError
 from actcache_client.audit import AuditConfig, Auditor, same_entry, warn_mismatch
 from actcache_client.connection import Connection
 from actcache_client.cost_model import Plan, PlanMode, cached_subset
 from actcache_client.fingerprint import cache_fingerprints, prefix_fingerprints
+from actcache_client.batch import Batch
 from actcache_client.stream import EpochStream
 from actcache_client.planner import CachePlanner
 from actcache_client.stages import StagedModel, State, Suffix
@@ -69,6 +70,8 @@ class StepTimes:
     computed_samples: int = 0
     seeded_samples: int = 0
     cached_samples: int = 0
+    #: Raw items (dataset inputs) the batches carried or that were loaded on the spot.
+    raw_loaded: int = 0
     #: Seconds spent recomputing audited hits, and how many were audited.
     audit: float = 0.0
     audited_samples: int = 0
@@ -132,6 +135,8 @@ class CachedForward:
         self._epoch: tuple[list[list[int]], int] | None = None  # this epoch's batches (sample ids) and variant
         self._position = 0  # the epoch position of the next batch the step runs
         self._epoch_misses = 0  # samples of the cached subset that missed this epoch
+        self._skip_loads = False  # the loader can skip loading inputs (its dataset has targets)
+        self._skips: dict[int, frozenset[int]] = {}  # epoch position -> sample ids the loader need not load
         self._probed = False  # a read-speed probe was sent this epoch
         self._written: dict[bytes, set[int]] = {}  # fingerprint -> sample ids stored (or found) under it
         self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
@@ -254,12 +259,19 @@ class CachedForward:
         elif not self._stream.serves(key[0], key[1], target[1], self._epoch[1]):
             # A new target mid-epoch: the rest of the epoch is pushed again from the current batch.
             self._stream.push(key[0], key[1], target[1], self._epoch[1], self._epoch[0][self._position:], self._position)
+        else:
+            return
+        self._plan_skips()
 
     def begin_epoch(
         self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0, data: bytes | None = None,
+        skip_loads: bool = False,
     ) -> None:
-        """Called by CachedLoader with this rank's batches for the epoch (from batch ``start`` on) and its data."""
-        self._epoch = None  # retargets below must not push the previous epoch's order
+        """Called by CachedLoader with this rank's batches for the epoch (from batch ``start`` on) and its data.
+
+        ``skip_loads``: the loader can leave out the inputs of samples the cache will serve (``skipped``).
+        """
+        self._epoch, self._skips, self._skip_loads = None, {}, skip_loads  # retargets below push nothing
         if data is not None:
             self.bind_data(data)
         if self.planner is not None and batches:
@@ -274,11 +286,33 @@ class CachedForward:
         if self._stream is None or target is None:
             return
         fingerprint, fraction = self._fingerprints[target[0]], target[1]
-        if start == 0 and self._stream.adopt_next(fingerprint, target[0], fraction, variant, batches):
+        if not (start == 0 and self._stream.adopt_next(fingerprint, target[0], fraction, variant, batches)):
+            # Entries the last epoch stored must be in the daemon before it looks them up for this one.
+            self.connection.flush(timeout_s=self.connection.config.timeout_s)
+            self._stream.push(fingerprint, target[0], fraction, variant, batches[start:], start)
+        self._plan_skips()
+
+    def skipped(self, position: int) -> frozenset[int]:
+        """Sample ids of epoch batch ``position`` whose inputs the loader need not load (the cache has them)."""
+        return self._skips.get(position, frozenset())
+
+    def _plan_skips(self) -> None:
+        """Ask the daemon which samples of the rest of the epoch are stored at the cache target: the
+        loader skips their inputs, except for those the auditor picks (they are recomputed)."""
+        self._skips = {}
+        target = self._cache_target()
+        if not self._skip_loads or self._epoch is None or target is None or self._stream is None:
             return
-        # Entries the last epoch stored must be in the daemon before it looks them up for this one.
-        self.connection.flush(timeout_s=self.connection.config.timeout_s)
-        self._stream.push(fingerprint, target[0], fraction, variant, batches[start:], start)
+        (j, fraction), (batches, variant) = target, self._epoch
+        subset = [[s for s in b if fraction >= 1.0 or cached_subset(s, fraction)] for b in batches[self._position:]]
+        present = self.connection.contains(self._fingerprints[j], j, [s for b in subset for s in b], variant)
+        if present is None:
+            return
+        flags = iter(present)
+        for position, ids in enumerate(subset, start=self._position):
+            stored = [s for s in ids if next(flags)]
+            audited = {stored[p] for p in self._auditor.choose(len(stored))} if self._auditor is not None else set()
+            self._skips[position] = frozenset(s for s in stored if s not in audited)
 
     def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
         """Called by CachedLoader during an epoch with the next epoch's batches: push them ahead.
@@ -299,18 +333,28 @@ class CachedForward:
 
     # ---- the step ----------------------------------------------------------
 
-    def __call__(self, ids: Tensor | Sequence[int], inputs: State, *, variant: int = 0) -> State:
-        """Full forward pass: the frozen prefix (cached or computed) then the active suffix with grad."""
-        state = self.prefix(ids, inputs, variant=variant)
+    def __call__(self, batch: "Batch | Tensor | Sequence[int]", inputs: State | None = None, *, variant: int = 0) -> State:
+        """Full forward pass: the frozen prefix (cached or computed) then the active suffix with grad.
+
+        ``model(batch)`` takes a CachedLoader Batch (its input is ``batch.data[0]``, possibly only
+        the rows the loader loaded); ``model(ids, inputs, variant=v)`` takes every row's input.
+        """
+        state = self.prefix(batch, inputs, variant=variant)
         t1 = time.perf_counter()
         out = self.model.run(state, self._frozen) if self._suffix is None else self._suffix(state)
         self.times.suffix_forward += time.perf_counter() - t1
         self.times.steps += 1
         return out
 
-    def prefix(self, ids: Tensor | Sequence[int], inputs: State, *, variant: int = 0) -> State:
-        """The state after the frozen stages for this batch (no grad)."""
+    def prefix(self, batch: "Batch | Tensor | Sequence[int]", inputs: State | None = None, *, variant: int = 0) -> State:
+        """The state after the frozen stages for this batch (no grad); arguments as for calling the model."""
         start = time.perf_counter()
+        if isinstance(batch, Batch):
+            ids, variant = batch.ids, batch.variant
+            loaded = None if batch.loaded is None else batch.loaded.tolist()
+            raw = _Raw(batch.data[0], len(ids), loaded, batch.load)
+        else:
+            ids, raw = batch, _Raw(inputs, len(batch), None, None)
         id_list = ids.tolist() if isinstance(ids, Tensor) else list(ids)
         if self.planner is not None and self._prefix_done is not None:
             self.planner.record_suffix(start - self._prefix_done, len(id_list))
@@ -318,7 +362,8 @@ class CachedForward:
         if self._epoch is not None and self._position < len(self._epoch[0]) and self._epoch[0][self._position] == id_list:
             position = self._position
             self._position += 1
-        state = self._prefix(id_list, inputs, variant, position)
+        state = self._prefix(id_list, raw, variant, position)
+        self.times.raw_loaded += raw.count()
         self._prefix_done = time.perf_counter()
         if self.planner is not None:
             self._observe_connection()
@@ -327,32 +372,33 @@ class CachedForward:
                 self._retarget()
         return state
 
-    def _prefix(self, id_list: list[int], inputs: State, variant: int, position: int | None) -> State:
+    def _prefix(self, id_list: list[int], raw: "_Raw", variant: int, position: int | None) -> State:
         k = self._frozen
+        every = list(range(len(id_list)))
         if k == 0:
-            return inputs
+            return raw.rows(every)
         for stage in self.model.stages[:k]:
             stage.train(False)  # a user's model.train() must not put frozen stages back in train mode
         self.times.prefix_samples += len(id_list)
         target = self._cache_target()
         if target is None:
             self.times.computed_samples += len(id_list)
-            return self._compute(inputs, 0, k)
+            return self._compute(raw.rows(every), 0, k)
         self.connection.surface()
         j, fraction = target
         rows = list(range(len(id_list))) if fraction >= 1.0 else [
             i for i, s in enumerate(id_list) if cached_subset(s, fraction)]
         parts: list[tuple[list[int], State]] = []
         if rows:
-            at_j = self._state_at(j, [id_list[i] for i in rows], rows, inputs, variant, position)
+            at_j = self._state_at(j, [id_list[i] for i in rows], rows, raw, variant, position)
             parts.append((rows, self._compute(at_j, j, k) if j < k else at_j))
         direct = [i for i in range(len(id_list)) if i not in set(rows)] if len(rows) < len(id_list) else []
         if direct:
-            parts.append((direct, self._compute(_select(inputs, direct), 0, k)))
+            parts.append((direct, self._compute(raw.rows(direct), 0, k)))
             self.times.computed_samples += len(direct)
         return parts[0][1] if len(parts) == 1 else _merge(len(id_list), parts, self.varlen)
 
-    def _state_at(self, j: int, ids: list[int], rows: list[int], inputs: State, variant: int,
+    def _state_at(self, j: int, ids: list[int], rows: list[int], raw: "_Raw", variant: int,
                   position: int | None) -> State:
         """States at depth j of the batch rows ``rows`` (sample ids ``ids``): hits, seeded, computed."""
         t0 = time.perf_counter()
@@ -361,7 +407,7 @@ class CachedForward:
             values = self._lookup(self._fingerprints[j], j, ids, variant)
         self.times.fetch_wait += time.perf_counter() - t0
         found = [i for i, v in enumerate(values) if v is not None]
-        if found and self._auditor is not None and not self._audit(j, ids, rows, inputs, values, found):
+        if found and self._auditor is not None and not self._audit(j, rows, raw, values, found):
             values, found = [None] * len(ids), []
         parts: list[tuple[list[int], State]] = []
         if found:
@@ -382,8 +428,7 @@ class CachedForward:
                 missing = [i for i in missing if i not in set(hit)]
         self._epoch_misses += len(missing)
         if missing:
-            raw = inputs if len(missing) == len(rows) == len(_first(inputs)) else _select(inputs, [rows[i] for i in missing])
-            computed = self._compute(raw, 0, j)
+            computed = self._compute(raw.rows([rows[i] for i in missing]), 0, j)
             self._store(j, [ids[i] for i in missing], variant, computed)
             parts.append((missing, computed))
             self.times.computed_samples += len(missing)
@@ -407,17 +452,24 @@ class CachedForward:
                 self.planner.record_h2d(nbytes, seconds)
         return moved
 
-    def _audit(self, j: int, ids: list[int], rows: list[int], inputs: State, values: list, found: list[int]) -> bool:
-        """Recompute the hits the auditor picks; False (after dropping the fingerprint) if one differs."""
+    def _audit(self, j: int, rows: list[int], raw: "_Raw", values: list, found: list[int]) -> bool:
+        """Recompute the hits the auditor picks; False (after dropping the fingerprint) if one differs.
+
+        When the loader skipped inputs, the auditor chose at the epoch's start (``_plan_skips``) and
+        the hits whose input was loaded anyway are the ones audited.
+        """
         if self.connection.opens != self._audited_opens:
             self._audited_opens = self.connection.opens
             self._auditor.restart()
-        chosen = [found[p] for p in self._auditor.choose(len(found))]
+        if raw.partial:
+            chosen = [i for i in found if raw.has(rows[i])]
+        else:
+            chosen = [found[p] for p in self._auditor.choose(len(found))]
         if not chosen:
             return True
         t0 = time.perf_counter()
         with torch.no_grad():
-            computed = self.model.run(_select(inputs, [rows[i] for i in chosen]), 0, j)
+            computed = self.model.run(raw.rows([rows[i] for i in chosen]), 0, j)
         entries = encode_samples(computed, varlen=self.varlen)
         bad = sum(not same_entry(values[i], entry) for i, entry in zip(chosen, entries))
         self.times.audit += time.perf_counter() - t0
@@ -491,8 +543,36 @@ def _rank() -> int:
     return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
 
 
-def _first(state: State) -> Tensor:
-    return state[0] if isinstance(state, tuple) else state
+class _Raw:
+    """The raw inputs of a batch's rows: those the loader loaded, and an on-the-spot load for the rest."""
+
+    def __init__(self, inputs: State | None, size: int, loaded: list[int] | None,
+                 load: Callable[[list[int]], State] | None) -> None:
+        self.inputs, self.size, self.load = inputs, size, load
+        self._at = None if loaded is None else {row: i for i, row in enumerate(loaded)}
+        self.loaded_now = 0  # rows loaded on the spot
+
+    @property
+    def partial(self) -> bool:
+        return self._at is not None
+
+    def has(self, row: int) -> bool:
+        return self._at is None or row in self._at
+
+    def count(self) -> int:
+        """Raw items this batch loaded (by the loader or on the spot)."""
+        return (self.size if self._at is None else len(self._at)) + self.loaded_now
+
+    def rows(self, rows: list[int]) -> State:
+        """The inputs of ``rows``, in that order."""
+        if self._at is None:
+            return self.inputs if rows == list(range(self.size)) else _select(self.inputs, rows)
+        if all(r in self._at for r in rows):
+            return _select(self.inputs, [self._at[r] for r in rows])
+        if self.load is None:
+            raise ConfigError("this batch carries only some rows' inputs and no loader to load the others")
+        self.loaded_now += len(rows)  # an entry the loader expected was not served: load it now
+        return self.load(rows)
 
 
 def _select(state: State, rows: list[int]) -> State:

@@ -174,6 +174,19 @@ class Connection:
         self._backoff_s = self.config.backoff_s
         return values
 
+    def contains(self, fingerprint: bytes, depth: int, ids: Sequence[int], variant: int) -> list[bool] | None:
+        """Which entries are stored (values not read), or None when the cache is unusable right now."""
+        self.surface()
+        if self._paused():
+            return None
+        variants = [variant] * len(ids) if variant else None
+        try:
+            present = self._call(lambda ns: self._rpc.contains(ns, fingerprint, depth, ids, variants))
+        except ActCacheError as exc:
+            self.fallback(exc)
+            return None
+        return present.tolist()
+
     def push(self, fingerprint: bytes, depth: int, schedule_id: str, ids: Sequence[int],
              variants: Sequence[int] | None) -> bool:
         """Push an order (Schedule) the daemon reads ahead; False if the cache is unusable right now."""

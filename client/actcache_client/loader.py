@@ -34,10 +34,11 @@ from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
 from actcache.errors import ConfigError
+from actcache_client.batch import Batch, Skipped
 from actcache_client.cached_forward import CachedForward
 from actcache_client.identity import data_fingerprint
 
-__all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "sample_seed"]
+__all__ = ["Batch", "CachedLoader", "IndexedDataset", "Skipped", "UncacheableDataWarning", "sample_seed"]
 
 
 class UncacheableDataWarning(UserWarning):
@@ -57,6 +58,15 @@ class IndexedDataset(Dataset):
     ``generator``, which is seeded by ``(sample_id, variant)``. Set
     ``random_transforms=True`` if ``dataset`` itself draws randomness that
     actcache cannot control: such data is never cached.
+
+    ``data_id`` names a dataset version; it is part of the data fingerprint,
+    with the dataset's type, length, id mapping and the content of a spread
+    of items (actcache_client.identity says what that can and cannot see).
+
+    ``targets`` (a sequence, e.g. torchvision's ``dataset.targets``, or a
+    function of the index) gives each item's target without loading it: items
+    are then ``(input, target)`` pairs, and the loader does not load the
+    inputs of samples whose frozen-prefix output the cache will serve.
     """
 
     def __init__(
@@ -67,9 +77,13 @@ class IndexedDataset(Dataset):
         sample_ids: Sequence[int] | None = None,
         random_transforms: bool = False,
         data_id: str | None = None,
+        targets: Sequence[Any] | Callable[[int], Any] | None = None,
     ) -> None:
         if sample_ids is not None and len(sample_ids) != len(dataset):
             raise ConfigError(f"{len(sample_ids)} sample ids for a dataset of {len(dataset)} items")
+        if targets is not None and not callable(targets) and len(targets) != len(dataset):
+            raise ConfigError(f"{len(targets)} targets for a dataset of {len(dataset)} items")
+        self.targets = targets
         self.dataset = dataset
         self.augment = augment
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
@@ -89,9 +103,18 @@ class IndexedDataset(Dataset):
     def sample_id(self, index: int) -> int:
         return self.sample_ids[index] if self.sample_ids is not None else index
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[int, Any]:
-        index, variant = key if isinstance(key, tuple) else (key, 0)
+    def target(self, index: int) -> Any:
+        """The target of item ``index``, without loading the item (needs ``targets``)."""
+        if self.targets is None:
+            raise ConfigError("IndexedDataset(targets=...) is needed to skip loading items")
+        return self.targets(index) if callable(self.targets) else self.targets[index]
+
+    def __getitem__(self, key: int | tuple[int, int] | tuple[int, int, bool]) -> tuple[int, Any]:
+        """``(sample_id, item)``; for ``(index, variant, False)`` the item is not loaded: ``(sample_id, Skipped(target))``."""
+        index, variant, load = (*key, True)[:3] if isinstance(key, tuple) else (key, 0, True)
         sample_id = self.sample_id(index)
+        if not load:
+            return sample_id, Skipped(self.target(index))
         item = self.dataset[index]
         if self.augment is not None:
             generator = torch.Generator().manual_seed(sample_seed(sample_id, variant))
@@ -99,38 +122,57 @@ class IndexedDataset(Dataset):
         return sample_id, item
 
 
-@dataclass(frozen=True)
-class Batch:
-    """One batch: sample ids, the augmentation variant, the collated items, and where it sits."""
-
-    ids: torch.Tensor
-    data: Any
-    variant: int
-    epoch: int
-    position: int
-
-
 class _Collate:
-    """Collates ``(sample_id, item)`` pairs into ``(ids, user_collate(items))``; picklable for workers."""
+    """Collates ``(sample_id, item)`` pairs into ``(ids, loaded rows or None, data)``; picklable for workers.
+
+    With skipped items, ``data`` is ``(inputs of the loaded rows, targets of all rows)``.
+    """
 
     def __init__(self, collate: Callable[[list], Any]) -> None:
         self.collate = collate
 
-    def __call__(self, samples: list[tuple[int, Any]]) -> tuple[torch.Tensor, Any]:
-        return torch.tensor([s for s, _ in samples], dtype=torch.int64), self.collate([item for _, item in samples])
+    def __call__(self, samples: list[tuple[int, Any]]) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        ids = torch.tensor([s for s, _ in samples], dtype=torch.int64)
+        loaded = [i for i, (_, item) in enumerate(samples) if not isinstance(item, Skipped)]
+        if len(loaded) == len(samples):
+            return ids, None, self.collate([item for _, item in samples])
+        inputs = self.collate([samples[i][1] for i in loaded])[0] if loaded else None
+        targets = default_collate([item.target if isinstance(item, Skipped) else item[1] for _, item in samples])
+        return ids, torch.tensor(loaded, dtype=torch.int64), (inputs, targets)
 
 
 class _Replay:
-    """The inner loader's batch sampler: replays the batches CachedLoader chose for this epoch."""
+    """The inner loader's batch sampler: replays the batches CachedLoader chose for this epoch.
+
+    Keys are ``(index, variant, load)``. Whether a sample is loaded is asked of ``skipped(position)``
+    (the sample ids not to load) when the DataLoader dispatches the batch, so a decision made after
+    the epoch started (a freeze change) reaches the batches not yet dispatched.
+    """
 
     def __init__(self) -> None:
-        self.batches: list[list[tuple[int, int]]] = []
+        self.batches: list[list[int]] = []
+        self.first = 0
+        self.variant = 0
+        self.sample_id: Callable[[int], int] = int
+        self.skipped: Callable[[int], frozenset[int]] | None = None
 
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        return iter(list(self.batches))
+    def __iter__(self) -> Iterator[list[tuple[int, int, bool]]]:
+        for position, batch in enumerate(list(self.batches), start=self.first):
+            skip = self.skipped(position) if self.skipped is not None else frozenset()
+            yield [(i, self.variant, self.sample_id(i) not in skip) for i in batch]
 
     def __len__(self) -> int:
         return len(self.batches)
+
+
+class _Load:
+    """Loads rows of one batch on the spot (in the training process) and collates their inputs."""
+
+    def __init__(self, dataset: "IndexedDataset", collate: Callable[[list], Any], indices: list[int], variant: int) -> None:
+        self.dataset, self.collate, self.indices, self.variant = dataset, collate, indices, variant
+
+    def __call__(self, rows: list[int]) -> Any:
+        return self.collate([self.dataset[self.indices[r], self.variant][1] for r in rows])[0]
 
 
 class CachedLoader:
@@ -156,6 +198,8 @@ class CachedLoader:
         self._order: list[list[int]] | None = None  # indices of the current epoch's batches
         self._next_order: tuple[int, list[list[int]]] | None = None  # (epoch, its batches), drawn ahead
         self._replay = _Replay()
+        #: Raw items the loader loaded (the inputs of skipped samples are not loaded).
+        self.raw_items_loaded = 0
         dataset: IndexedDataset = loader.dataset
         self.cacheable = not dataset.random_transforms and (dataset.augment is None or variants is not None)
         if not self.cacheable and model is not None:
@@ -225,17 +269,25 @@ class CachedLoader:
             self._order = ahead[1] if ahead is not None and ahead[0] == self.epoch else self._draw(self.epoch)
             self._position = 0
         start, variant = self._position, self.variant
+        dataset: IndexedDataset = self.loader.dataset
         streaming = self.model is not None and self.cacheable
+        skipping = streaming and dataset.targets is not None
         if streaming:
-            self.model.begin_epoch(self._ids(self._order), variant, start, epoch=self.epoch, data=self.data_identity)
+            self.model.begin_epoch(self._ids(self._order), variant, start, epoch=self.epoch, data=self.data_identity,
+                                   skip_loads=skipping)
         ahead_at = len(self._order) // 2 if streaming and self._draws_deterministically() else -1
-        self._replay.batches = [[(i, variant) for i in batch] for batch in self._order[start:]]
-        for position, (ids, data) in enumerate(self._inner, start=start):
+        replay = self._replay
+        replay.batches, replay.first, replay.variant = self._order[start:], start, variant
+        replay.sample_id, replay.skipped = dataset.sample_id, (self.model.skipped if skipping else None)
+        collate = self._inner.collate_fn.collate
+        for position, (ids, loaded, data) in enumerate(self._inner, start=start):
             self._position = position + 1
+            self.raw_items_loaded += len(ids) if loaded is None else len(loaded)
             if position == ahead_at and self._next_order is None:
                 self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
                 self.model.prepare_next_epoch(self._ids(self._next_order[1]), self._variant_of(self.epoch + 1))
-            yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position)
+            load = _Load(dataset, collate, self._order[position], variant) if loaded is not None else None
+            yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position, loaded=loaded, load=load)
         self.epoch, self._position, self._order = self.epoch + 1, 0, None
 
     def state_dict(self) -> dict[str, Any]:

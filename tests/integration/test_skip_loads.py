@@ -1,0 +1,163 @@
+"""Hits are never loaded: with targets known, the loader leaves out the inputs the cache will serve."""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import actcache_client as ac
+
+N, BATCH = 96, 16
+
+
+class Counting(Dataset):
+    """Random (input, label) items; counts ``__getitem__`` calls made in this process."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(N, 8, generator=g), torch.randint(0, 3, (N,), generator=g)
+        self.calls: list[int] = []
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        self.calls.append(i)
+        return self.x[i], self.y[i]
+
+
+def mlp() -> ac.StagedModel:
+    torch.manual_seed(0)
+    return ac.from_sequential(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)))
+
+
+def setup(connection, data: Counting, *, num_workers=0, **forward_options):
+    staged = mlp()
+    model = ac.CachedForward(staged, connection, **forward_options)
+    dataset = ac.IndexedDataset(data, targets=data.y)
+    loader = ac.CachedLoader(
+        DataLoader(dataset, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(1),
+                   num_workers=num_workers, persistent_workers=num_workers > 0),
+        model,
+    )
+    return staged, model, loader
+
+
+def train_epoch(staged, model, loader, opt, losses) -> None:
+    for batch in loader:
+        loss = nn.functional.cross_entropy(model(batch), batch.data[1])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+
+
+def run(connection, epochs=3, **options):
+    data = Counting()
+    staged, model, loader = setup(connection, data, **options)
+    opt = torch.optim.SGD(staged.parameters(), lr=0.05)
+    model.set_frozen(2)
+    losses, calls = [], []
+    for _ in range(epochs):
+        before = len(data.calls)
+        train_epoch(staged, model, loader, opt, losses)
+        calls.append(len(data.calls) - before)
+        if connection is not None:
+            connection.flush(timeout_s=30)
+    return losses, calls, model, loader
+
+
+def namespace() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_stored_epoch_loads_no_input_and_trains_as_without_the_cache(daemon):
+    off, off_calls, _, _ = run(None)
+    assert off_calls == [N, N, N]
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        on, calls, model, loader = run(conn, audit=False)
+    assert calls == [N, 0, 0]
+    assert max(abs(a - b) for a, b in zip(off, on)) <= 1e-5
+    assert model.times.raw_loaded == loader.raw_items_loaded == N
+    assert model.times.cached_samples == 2 * N and model.times.prefix_samples == 3 * N
+
+
+def test_audited_samples_are_loaded_like_misses(daemon):
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        _, calls, model, _ = run(conn, epochs=2, audit=ac.AuditConfig(first_samples=5, every=40))
+    # the second epoch: 5 first audits, then one stored sample in 40 of the other 91
+    assert model.times.audited_samples == 5 + 91 // 40
+    assert calls == [N, model.times.audited_samples]
+
+
+def test_a_partly_stored_epoch_loads_exactly_the_misses(daemon):
+    data = Counting()
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        staged, model, loader = setup(conn, data, audit=False)
+        model.set_frozen(2)
+        stored = list(range(0, N, 3))
+        with torch.no_grad():
+            model.prefix(stored, data.x[stored])  # stores a third of the samples
+        conn.flush(timeout_s=30)
+        data.calls.clear()
+        train_epoch(staged, model, loader, torch.optim.SGD(staged.parameters(), lr=0.05), [])
+        assert sorted(data.calls) == [i for i in range(N) if i % 3]
+        assert model.times.cached_samples == len(stored)
+
+
+def test_workers_persistent_workers_and_resume_skip_the_stored_inputs(daemon):
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        data = Counting()
+        staged, model, loader = setup(conn, data, num_workers=2, audit=False)
+        model.set_frozen(2)
+        opt = torch.optim.SGD(staged.parameters(), lr=0.05)
+        train_epoch(staged, model, loader, opt, [])  # stores every entry
+        conn.flush(timeout_s=30)
+        assert loader.raw_items_loaded == N
+        for i, batch in enumerate(loader):  # stop after two batches, then resume in a new loader and model
+            with torch.no_grad():
+                model(batch)
+            if i == 1:
+                state = loader.state_dict()
+                break
+        assert loader.raw_items_loaded == N
+        staged, resumed, loader = setup(conn, data, num_workers=2, audit=False)
+        loader.load_state_dict(state)
+        resumed.set_frozen(2)
+        train_epoch(staged, resumed, loader, opt, [])
+        assert loader.raw_items_loaded == 0 and resumed.times.cached_samples == N - 2 * BATCH
+
+
+def test_inputs_that_cannot_be_served_are_loaded_on_the_spot(daemon):
+    """A freeze change after the loader skipped a batch's inputs: the cache has nothing at the new
+    depth, so the skipped rows are loaded on the spot and computed; training is as without the cache."""
+
+    def train(connection):
+        data = Counting()
+        staged, model, loader = setup(connection, data, audit=False)
+        opt = torch.optim.SGD(staged.parameters(), lr=0.05)
+        model.set_frozen(2)
+        losses: list[float] = []
+        train_epoch(staged, model, loader, opt, losses)  # stores depth 2
+        if connection is not None:
+            connection.flush(timeout_s=30)
+        for batch in loader:
+            if batch.position == 0:
+                model.set_frozen(1)  # nothing stored at depth 1, and no shallower depth to seed from
+            loss = nn.functional.cross_entropy(model(batch), batch.data[1])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, model, loader
+
+    off = train(None)[0]
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        on, model, loader = train(conn)
+    assert max(abs(a - b) for a, b in zip(off, on)) <= 1e-5
+    # batch 0 of the second epoch came without inputs and loaded them on the spot; later batches were
+    # dispatched after the freeze change and loaded theirs as usual
+    assert loader.raw_items_loaded == 2 * N - BATCH and model.times.raw_loaded == 2 * N
