@@ -103,6 +103,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, help="RPC threads (default 16)")
     p.add_argument("--throttle-read-mbps", type=float,
                    help="cap served bytes at this many MB/s, to reproduce a slow disk (experiments; default off)")
+    p.add_argument("--idle-timeout", type=float, metavar="SECONDS",
+                   help="exit (as on SIGTERM) once no call has been in flight for this long; a Fetch stream is a "
+                        "call while it streams (env ACTCACHE_IDLE_TIMEOUT; default 0 = never)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this TCP port, 0 = any free port (default off)")
     p.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")

@@ -133,6 +133,8 @@ class ServerConfig:
     grace_s: float = 10.0
     #: Cap on served bytes/s (in MB/s), to reproduce a slow disk; 0 = off.
     throttle_read_mbps: float = 0.0
+    #: Stop (as on SIGTERM) once no call has been in flight for this many seconds; 0 = never.
+    idle_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.listen and not self.token:
@@ -161,6 +163,8 @@ class ServerConfig:
             raise ConfigError(f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow about 100")
         if self.throttle_read_mbps < 0:
             raise ConfigError(f"--throttle-read-mbps must be >= 0, got {self.throttle_read_mbps}")
+        if not 0 <= self.idle_timeout_s < float("inf"):
+            raise ConfigError(f"--idle-timeout must be a number of seconds >= 0 (0 = never), got {self.idle_timeout_s}")
         if self.workers < 2:
             raise ConfigError(f"workers must be >= 2, got {self.workers}")
 
@@ -315,6 +319,7 @@ class DaemonConfig:
             **given(
                 workers=pick("workers", int),
                 throttle_read_mbps=pick("throttle_read_mbps", float),
+                idle_timeout_s=pick("idle_timeout", _seconds),
                 allow_remote=pick("allow_remote", as_bool),
                 tls_cert=pick("tls_cert", Path),
                 tls_key=pick("tls_key", Path),
@@ -324,6 +329,13 @@ class DaemonConfig:
         )
         metrics = MetricsConfig(**given(port=pick("metrics_port", _port), host=pick("metrics_host")))
         return cls(store=store, server=server, metrics=metrics, prefetch=prefetch, log_level=pick("log_level") or "INFO")
+
+
+def _seconds(value: Any) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"idle timeout must be a number of seconds (0 = never), got {value!r}") from None
 
 
 def _port(value: Any) -> int:

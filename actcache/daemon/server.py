@@ -7,6 +7,8 @@ reports SERVING. TCP listens on loopback only unless ``--allow-remote``,
 requires the token on every call and speaks TLS with ``--tls-cert/--tls-key``.
 DRAINING refuses new calls, lets in-flight ones finish (``grace_s``; Fetch
 streams end at once with UNAVAILABLE), commits queued writes and closes LMDB.
+SIGTERM, SIGINT and, with ``--idle-timeout``, a time without calls
+(actcache.daemon.idle) all lead there on the same path.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import signal
 import socket
 from concurrent import futures
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from actcache.daemon.config import DaemonConfig, ServerConfig, is_loopback
 from actcache.daemon.guard import RequestGuard
+from actcache.daemon.idle import IdleMonitor
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service import ActCacheService
 from actcache.daemon.store import Store
@@ -133,10 +137,16 @@ def _tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 class Daemon:
-    """One actcache daemon: a Store behind a gRPC server."""
+    """One actcache daemon: a Store behind a gRPC server.
 
-    def __init__(self, config: DaemonConfig) -> None:
+    ``on_idle``: called (from the idle monitor's thread) once ``idle_timeout_s`` passed without a
+    call; it should make the owner call :meth:`stop`, as :func:`serve` does.
+    """
+
+    def __init__(self, config: DaemonConfig, *, on_idle: Callable[[], None] | None = None) -> None:
         self.config = config
+        self._on_idle = on_idle
+        self.idle: IdleMonitor | None = None
         self.state = DaemonState.STARTING
         self.store: Store | None = None
         self.prefetcher: Prefetcher | None = None
@@ -156,11 +166,15 @@ class Daemon:
         service = ActCacheService(
             self.store, self.prefetcher, max_message_bytes=cfg.max_message_bytes, throttle=throttle
         )
+        if cfg.idle_timeout_s and self._on_idle is not None:
+            self.idle = IdleMonitor(cfg.idle_timeout_s, self._on_idle)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="actcache-rpc"),
             handlers=[service.handler()],
-            # The token check runs first; the guard makes unparsable requests INVALID_ARGUMENT.
-            interceptors=([_TokenInterceptor(cfg.token)] if cfg.token else []) + [RequestGuard(SERVICE)],
+            # The token check runs first; the guard makes unparsable requests INVALID_ARGUMENT; the idle
+            # monitor counts the calls that passed both (health checks included).
+            interceptors=([_TokenInterceptor(cfg.token)] if cfg.token else []) + [RequestGuard(SERVICE)]
+            + ([self.idle] if self.idle else []),
             options=[
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -194,6 +208,8 @@ class Daemon:
         for name in ("", SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.state = DaemonState.SERVING
+        if self.idle is not None:
+            self.idle.start()
 
     def _bind(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
         try:
@@ -211,6 +227,8 @@ class Daemon:
         if self.state in (DaemonState.DRAINING, DaemonState.STOPPED):
             return
         self.state = DaemonState.DRAINING
+        if self.idle is not None:
+            self.idle.close()
         self._health.enter_graceful_shutdown()
         if self.prefetcher is not None:  # ends Fetch streams now instead of after the grace period
             self.prefetcher.close()
@@ -226,16 +244,21 @@ class Daemon:
         log.info("actcache daemon stopped")
 
 
+#: Written to the wakeup pipe by the idle monitor (no signal has the number 0).
+_IDLE = 0
+
+
 def serve(config: DaemonConfig) -> int:
-    """Run a daemon until SIGTERM or SIGINT; returns the process exit code."""
+    """Run a daemon until SIGTERM, SIGINT or ``--idle-timeout``; returns the process exit code."""
     tune_malloc()
-    daemon = Daemon(config)
     # The kernel may hand SIGTERM to any of the daemon's threads, and Python runs a handler only
     # when the main thread next executes bytecode: a main thread asleep in Event.wait() could sleep
     # through the signal for good. The C-level handler writes the signal's number to the wakeup fd
-    # from whichever thread took it, so the main thread waits on the other end of that pipe.
+    # from whichever thread took it, so the main thread waits on the other end of that pipe; the
+    # idle monitor writes _IDLE to it.
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
+    daemon = Daemon(config, on_idle=lambda: os.write(wake_w, bytes([_IDLE])))
     signal.set_wakeup_fd(wake_w)
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     for sig in stop_signals:  # a Python handler (doing nothing) keeps the C handler installed
@@ -244,7 +267,7 @@ def serve(config: DaemonConfig) -> int:
     try:
         daemon.start()
         received: set[int] = set()
-        while not stop_signals & received:  # other signals' numbers (SIGCHLD, say) only loop again
+        while not (stop_signals | {_IDLE}) & received:  # other signals' numbers (SIGCHLD, say) only loop again
             received = set(os.read(wake_r, 64))
     finally:
         signal.set_wakeup_fd(-1)
