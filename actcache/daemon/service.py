@@ -348,8 +348,7 @@ class ActCacheService:
         if len(ids) > _MAX_IDS_PER_GET:
             raise InvalidRequest(f"Contains asks about {len(ids)} entries; at most {_MAX_IDS_PER_GET} per call")
         variants = unpack_variants((), request.packed_variants, len(ids))
-        keys = zip(ids.tolist(), variants.tolist() if variants is not None else [0] * len(ids))
-        present = self.store.contains(request.namespace_id, request.fingerprint, request.depth, list(keys))
+        present = self.store.contains(request.namespace_id, request.fingerprint, request.depth, ids, variants)
         return pb.ContainsReply(present=bytes(present))
 
     @_status_on_error

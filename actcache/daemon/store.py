@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Sequence
 
+import numpy as np
+
 from actcache.codec import Codec, compress_entry, verify_entry
 from actcache.daemon.access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
@@ -50,7 +52,7 @@ from actcache.errors import (
     PermissionDenied,
     StoreError,
 )
-from actcache.keys import MAX_NAMESPACE_ID, encode_key, group_prefix
+from actcache.keys import MAX_NAMESPACE_ID, encode_key, encode_keys, group_prefix
 
 __all__ = ["GroupUsage", "NamespaceInfo", "PutResult", "Store"]
 
@@ -357,12 +359,13 @@ class Store:
                     self._read_counts["explicit_reads"] += session.explicit_reads
                     self._read_counts["fallback_reads"] += session.fallback_reads
 
-    def contains(self, namespace_id: int, fingerprint: bytes, depth: int, keys: Sequence[tuple[int, int]]) -> list[bool]:
-        """Whether each ``(sample_id, variant)`` is stored; locates the keys, reads no value."""
-        namespace_id = self.resolve(namespace_id)
-        encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
-        with self.read_session() as session:
-            return [session.locate(key) is not None for key in encoded]
+    def contains(self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: "np.ndarray",
+                 variants: "np.ndarray | None" = None) -> list[bool]:
+        """Whether each sample id (uint64 array; variants uint16 or None for 0) is stored; reads no value."""
+        keys = encode_keys(self.resolve(namespace_id), fingerprint, depth, sample_ids, variants)
+        with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
+            cursor = txn.cursor()
+            return [cursor.set_key(key) for key in keys]
 
     def probe(self, keys: Sequence[bytes]) -> list[bool | None]:
         """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask

@@ -24,6 +24,7 @@ __all__ = [
     "DataNotFound",
     "GLUE_TASKS",
     "ImageSet",
+    "JpegSet",
     "TextSet",
     "crop_flip",
     "pad_collate",
@@ -93,6 +94,30 @@ def read_cifar10(data_dir: Path, split: str, limit: int | None = None, seed: int
         data = blob[offsets[i] : offsets[i + 1]].tobytes()
         images[out] = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
     return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(labels[rows].astype(np.int64))
+
+
+class JpegSet(Dataset):
+    """CIFAR-10 JPEGs decoded and normalized on every access, as a data loader over image files does."""
+
+    def __init__(self, data_dir: Path, split: str = "train", limit: int | None = None, seed: int = 0) -> None:
+        path = _need(data_dir / "cifar10" / CIFAR_FILES[split], f"CIFAR-10 {split} split")
+        with np.load(path, allow_pickle=False) as npz:
+            blob, offsets, labels = npz["jpeg_bytes"], npz["offsets"], npz["labels"]
+        rows = subset(len(labels), limit, seed)
+        self.jpegs = [blob[offsets[i] : offsets[i + 1]].tobytes() for i in rows]
+        self.labels = torch.from_numpy(labels[rows].astype(np.int64))
+        self.mean = torch.tensor(CIFAR_MEAN)[:, None, None]
+        self.std = torch.tensor(CIFAR_STD)[:, None, None]
+
+    def __len__(self) -> int:
+        return len(self.jpegs)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        from PIL import Image
+
+        pixels = np.array(Image.open(io.BytesIO(self.jpegs[i])).convert("RGB"))  # writable: torch needs it
+        x = torch.from_numpy(pixels).permute(2, 0, 1).float().div_(255)
+        return (x - self.mean) / self.std, self.labels[i]
 
 
 def read_glue(data_dir: Path, task: str, split: str) -> tuple[list[str], list[int]]:

@@ -378,7 +378,8 @@ class CachedForward:
         if k == 0:
             return raw.rows(every)
         for stage in self.model.stages[:k]:
-            stage.train(False)  # a user's model.train() must not put frozen stages back in train mode
+            if stage.training:  # a user's model.train() must not put frozen stages back in train mode
+                stage.train(False)
         self.times.prefix_samples += len(id_list)
         target = self._cache_target()
         if target is None:
@@ -403,6 +404,7 @@ class CachedForward:
         """States at depth j of the batch rows ``rows`` (sample ids ``ids``): hits, seeded, computed."""
         t0 = time.perf_counter()
         values = self._stream.take(position, ids) if self._stream is not None and position is not None else None
+        streamed = values is not None  # Fetch verified every entry it served
         if values is None:
             values = self._lookup(self._fingerprints[j], j, ids, variant)
         self.times.fetch_wait += time.perf_counter() - t0
@@ -411,7 +413,7 @@ class CachedForward:
             values, found = [None] * len(ids), []
         parts: list[tuple[list[int], State]] = []
         if found:
-            parts.append((found, self._collate([values[i] for i in found])))
+            parts.append((found, self._collate([values[i] for i in found], verify=not streamed)))
             self.times.cached_samples += len(found)
             self._mark_written(j, [ids[i] for i in found])
         missing = [i for i, v in enumerate(values) if v is None]
@@ -441,9 +443,9 @@ class CachedForward:
         values = self.connection.lookup(fingerprint, depth, ids, [variant] * len(ids))
         return values if values is not None else [None] * len(ids)
 
-    def _collate(self, entries: list) -> State:
+    def _collate(self, entries: list, *, verify: bool = True) -> State:
         t0 = time.perf_counter()
-        host = collate_entries(entries, varlen=self.varlen, alloc=self.stager.allocator())
+        host = collate_entries(entries, varlen=self.varlen, alloc=self.stager.allocator(), verify=verify)
         if self.planner is not None:
             self.planner.record_decode(sum(len(e) for e in entries), time.perf_counter() - t0)
         moved = self.stager.to_device(host)

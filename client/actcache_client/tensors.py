@@ -102,14 +102,17 @@ def collate_entries(
     *,
     varlen: VarLen | None = None,
     alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None,
+    verify: bool = True,
 ) -> State:
     """Decode one entry per sample and stack them into a batch state.
 
     Bytes are copied once, straight into the batch tensors that ``alloc``
     returns (e.g. a pinned staging slot; default fresh host memory).
+    ``verify=False`` skips the checksums, for entries the daemon verified
+    as it served them (Fetch).
     """
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
-    decoded = [decode_entry(e) for e in entries]
+    decoded = [decode_entry(e, verify=verify) for e in entries]
     first = decoded[0][0]
     count = len(first.specs)
     lengths = [h.specs[0].shape[0] for h, _ in decoded] if varlen else None
