@@ -39,17 +39,18 @@ from torch import Tensor, nn
 
 from actcache.errors import CacheMismatchError, ConfigError
 from actcache_client.audit import AuditConfig, Auditor, same_entry, warn_mismatch
+from actcache_client.batch import Batch
 from actcache_client.connection import Connection
 from actcache_client.cost_model import Plan, PlanMode, cached_subset
 from actcache_client.fingerprint import cache_fingerprints, prefix_fingerprints
-from actcache_client.batch import Batch
-from actcache_client.stream import EpochStream
 from actcache_client.planner import CachePlanner
 from actcache_client.stages import StagedModel, State, Suffix
 from actcache_client.staging import Stager
+from actcache_client.stream import EpochStream
 from actcache_client.tensors import VarLen, collate_entries, encode_samples
 
 __all__ = ["CachedForward", "StepTimes"]
+
 
 @dataclass
 class StepTimes:
@@ -82,9 +83,11 @@ class CachedForward:
 
     ``set_frozen(k)`` freezes stages[:k] (``requires_grad=False``, eval mode)
     and computes their fingerprints once; unfreezing restores gradients and
-    the model's train/eval mode. Call it instead of the model:
-    ``logits = cached(batch.ids, inputs, variant=batch.variant)``. With a
-    ``planner``, a cost model decides whether and where to cache.
+    the model's train/eval mode. Call it instead of the model with a
+    CachedLoader batch, ``logits = cached(batch)``, or with every row's
+    inputs, ``cached(ids, inputs, variant=v)``. With a ``planner``, a cost
+    model decides whether and where to cache. ``stream=False`` reads entries
+    with ``Get`` instead of the daemon's stream of the pushed order.
 
     The fingerprints in cache keys cover the frozen weights and the data
     (``bind_data``, called by CachedLoader with the dataset's fingerprint).

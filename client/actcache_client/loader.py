@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
