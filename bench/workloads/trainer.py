@@ -163,7 +163,9 @@ class TrainingRun:
         self.staged = w.stage(w.build())
         self.model = ac.CachedForward(self.staged, connection, varlen=w.varlen)
         self.loader = ac.CachedLoader(
-            DataLoader(ac.IndexedDataset(w.train_set, augment=w.augment), batch_size=w.batch_size, shuffle=True,
+            # targets: the inputs of samples the cache serves are not loaded
+            DataLoader(ac.IndexedDataset(w.train_set, augment=w.augment, targets=getattr(w.train_set, "labels", None)),
+                       batch_size=w.batch_size, shuffle=True,
                        generator=torch.Generator().manual_seed(w.seed), collate_fn=w.collate),
             self.model, variants=w.variants)
         self.eval_loader = DataLoader(w.eval_set, batch_size=w.eval_batch_size, collate_fn=w.collate)
@@ -237,8 +239,7 @@ class TrainingRun:
                 split["data"] += time.perf_counter() - t0
                 if batch is None or step >= self.total:
                     break
-                x, y = batch.data
-                loss = nn.functional.cross_entropy(model(batch.ids, x, variant=batch.variant), y)
+                loss = nn.functional.cross_entropy(model(batch), batch.data[1])
                 self.opt.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
                 loss.backward()
