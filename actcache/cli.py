@@ -5,6 +5,7 @@
     actcache ls [--json]                        namespaces, fingerprints, depths
     actcache drop NAMESPACE [--fingerprint HEX [--depth N]]
     actcache clean [--socket PATH] [--dir DIR]  reclaim leftovers of crashes
+    actcache stop [--socket PATH]               stop a daemon (default: this node's, see actcache.node)
     actcache bench disk --dir DIR [--size 1GiB] [--json]   size a node: disk and LMDB MB/s
 """
 
@@ -48,7 +49,8 @@ def _size(text: str) -> int:
 
 
 def _connection_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", help="daemon Unix socket (default: $ACTCACHE_SOCKET or the per-user runtime dir)")
+    p.add_argument("--socket", help="daemon Unix socket (default: $ACTCACHE_SOCKET, else the node daemon's when it "
+                                    "runs, else the per-user runtime dir)")
     p.add_argument("--address", help="daemon HOST:PORT instead of a socket")
     p.add_argument("--token-file", help="file holding the daemon's token (or set ACTCACHE_TOKEN)")
     p.add_argument("--tls-ca", help="PEM certificate(s) to verify a TLS daemon at --address")
@@ -57,6 +59,7 @@ def _connection_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace):
+    from actcache.node import tool_socket
     from actcache.rpc_client import RpcClient, target_for
 
     token = os.environ.get("ACTCACHE_TOKEN")
@@ -67,7 +70,7 @@ def _client(args: argparse.Namespace):
     if args.tls_ca:
         with open(args.tls_ca, "rb") as f:
             roots = f.read()
-    return RpcClient(target_for(args.socket, args.address), token=token, timeout_s=args.timeout, retries=1,
+    return RpcClient(target_for(args.socket or tool_socket(), args.address), token=token, timeout_s=args.timeout, retries=1,
                      root_certificates=roots)
 
 
@@ -235,6 +238,24 @@ def _run_clean(args: argparse.Namespace) -> int:
         for f in findings:
             print(f"{f.action.value:<8} {f.reclaimer:<13} {f.path}: {f.detail}")
     return 1 if any(f.action is Action.FAILED for f in findings) else 0
+
+
+def _add_stop(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", help="Unix socket of the daemon to stop (default: $ACTCACHE_SOCKET, else this node's "
+                                    "daemon, $ACTCACHE_DIR or ~/.cache/actcache)")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to exit (default 30)")
+
+
+@command("stop", "stop a daemon: SIGTERM to the process on its socket, then wait until it has exited")(_add_stop)
+def _run_stop(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from actcache.node import stop_daemon, tool_socket
+
+    socket = Path(args.socket) if args.socket else tool_socket()
+    pid = stop_daemon(socket, args.timeout)
+    print(f"stopped the daemon on {socket} (pid {pid})" if pid else f"no daemon is listening on {socket}; nothing to stop")
+    return 0
 
 
 def _add_bench_disk(p: argparse.ArgumentParser) -> None:

@@ -132,7 +132,7 @@ def main() -> int:
           f"{torch.get_num_threads()} torch thread(s)")
     print(f"freeze+cache: stages 0..{workload.static_depth - 1} of 11 (stem, layer1, layer2) freeze at epoch "
           f"{workload.static_at_epoch:g}; the daemon serves their output from then on")
-    with ac.connect(namespace="demo") as conn:  # no socket given: an embedded daemon in a temp dir
+    with ac.connect(namespace="demo", embedded=True) as conn:  # a private daemon in a temp dir, stopped at the end
         print(f"actcache daemon: {conn.target}")
         results = run_demo(workload, conn, runs)
     print()

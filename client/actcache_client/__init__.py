@@ -1,6 +1,6 @@
 """actcache_client: serve a network's frozen prefix from the actcache daemon.
 
-    conn = actcache_client.connect()                      # embedded daemon if none is running
+    conn = actcache_client.connect()                      # this node's daemon, started on first use
     model = actcache_client.CachedForward(from_resnet(net), conn)
     data = actcache_client.IndexedDataset(ds, targets=ds.targets)  # the cache serves what is not loaded
     loader = actcache_client.CachedLoader(DataLoader(data, batch_size=64, shuffle=True), model)

@@ -15,17 +15,13 @@ counted.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
-import os
 import queue
-import tempfile
 import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from actcache.errors import ActCacheError, BudgetExceeded, ConfigError, DaemonUnavailable, EntryCorrupt, NamespaceNotFound
@@ -121,7 +117,7 @@ _PROBE_BYTES = 1 << 20
 class Connection:
     """A namespace on a daemon, used by CachedForward; safe to share between threads."""
 
-    def __init__(self, config: ConnectionConfig, *, embedded: "EmbeddedDaemon | None" = None) -> None:
+    def __init__(self, config: ConnectionConfig, *, embedded: "EmbeddedDaemon | NodeDaemonLease | None" = None) -> None:
         self.config = config
         self.stats = ClientStats()
         self._embedded = embedded
@@ -387,7 +383,7 @@ class Connection:
     # ---- lifecycle -------------------------------------------------------
 
     def close(self) -> None:
-        """Send queued puts, stop the writer thread and an embedded daemon."""
+        """Send queued puts, stop the writer thread and an embedded daemon (or the node daemon's lease)."""
         if self._closed:
             return
         self._closed = True
@@ -404,54 +400,5 @@ class Connection:
         self.close()
 
 
-class EmbeddedDaemon:
-    """A daemon subprocess private to this process, in a temp dir removed at exit."""
-
-    def __init__(self) -> None:
-        from actcache.testing import DaemonProcess
-
-        self._tmp = tempfile.TemporaryDirectory(prefix="actcache-embedded-")
-        tmp = Path(self._tmp.name)
-        self.process = DaemonProcess(tmp / "cache", tmp / "daemon.sock")
-        self.process.start()
-        atexit.register(self.stop)
-
-    @property
-    def socket(self) -> str:
-        return str(self.process.socket)
-
-    def stop(self) -> None:
-        if self.process.proc is not None:
-            self.process.stop()
-        self._tmp.cleanup()
-
-
-def connect(
-    socket: str | os.PathLike | None = None,
-    *,
-    address: str | None = None,
-    namespace: str = "default",
-    secret: str | None = None,
-    token: str | None = None,
-    strict: bool = False,
-    **options,
-) -> Connection:
-    """Connect to a daemon; with no socket, address or ``$ACTCACHE_SOCKET``, start an embedded one.
-
-    The embedded daemon lives in a temp dir and is stopped when the
-    connection closes or the process exits: good for trying actcache out.
-    """
-    embedded = None
-    if socket is None and address is None and not os.environ.get("ACTCACHE_SOCKET"):
-        embedded = EmbeddedDaemon()
-        socket = embedded.socket
-    config = ConnectionConfig(
-        socket=os.fspath(socket) if socket is not None else None,
-        address=address,
-        namespace=namespace,
-        secret=secret,
-        token=token or os.environ.get("ACTCACHE_TOKEN"),
-        strict=strict,
-        **options,
-    )
-    return Connection(config, embedded=embedded)
+# Re-exported: connect() and the daemons it starts live in node_daemon (imported last, as it uses Connection).
+from actcache_client.node_daemon import EmbeddedDaemon, NodeDaemonLease, connect  # noqa: E402

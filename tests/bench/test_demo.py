@@ -18,7 +18,7 @@ def test_demo_runs_report_real_numbers(monkeypatch):
     workload = digits(epochs=3, limit=60, blocks=1, batch_size=16)
     assert len(workload.train_set) == 48 and workload.static_depth == 3
     workload.static_at_epoch = 1  # epoch 1 stores the prefix outputs, epoch 2 reads them back
-    with ac.connect(namespace="demo-test") as conn:  # embedded daemon, as in the demo
+    with ac.connect(namespace="demo-test", embedded=True) as conn:  # a private daemon, as in the demo
         results = demo.run_demo(workload, conn, list(demo.RUNS), progress=False)
     full, cached, frozen = results["full"], results["freeze+cache"], results["freeze only"]
     for r in results.values():

@@ -1,0 +1,406 @@
+"""The node daemon: one ``actcache serve`` per user and node, found or started on first use.
+
+``actcache_client.connect()`` with no socket, address or ``$ACTCACHE_SOCKET``
+lands here, the way build caches start their server on first use: every
+local rank of a ``torchrun`` reaches the same daemon, and what it stored is
+there for the next run.
+
+- **Directory** (NodeDaemon.dir): ``$ACTCACHE_DIR``, else
+  ``$XDG_CACHE_HOME/actcache``, else ``~/.cache/actcache``; created 0700. It is
+  the daemon's ``--dir`` (``data.mdb``, ``lock.mdb``, ``daemon.lock`` holding
+  the daemon's pid while it runs), with ``daemon.log`` (the daemon's output,
+  rotated to ``daemon.log.1`` past 8 MiB) and ``start.lock`` beside them.
+- **Socket**: ``DIR/daemon.sock`` when that path fits a Unix socket (100
+  characters), else ``node-<hash of DIR>.sock`` in ``$XDG_RUNTIME_DIR/actcache``
+  or ``/tmp/actcache-<uid>`` (a directory that must be the user's own, mode
+  0700).
+- **Command**: ``python -m actcache serve --dir DIR --socket SOCKET
+  --idle-timeout T [--budget B]`` with this interpreter, in a new session (a
+  terminal's Ctrl-C or hang-up never reaches it), cwd DIR, stdin closed,
+  output appended to ``DIR/daemon.log``, the environment inherited: every
+  ``ACTCACHE_*`` variable of ``actcache serve`` applies to it.
+- **Idle timeout**: ``$ACTCACHE_IDLE_TIMEOUT`` seconds, default 900 (0 = never).
+- **Budget**: ``$ACTCACHE_BUDGET``, else min(20 GiB, half of what the file
+  system holding DIR could give the cache at start: its free space plus what
+  ``data.mdb`` already occupies), worked out at every start.
+
+Starting (:func:`ensure_running`): a health check on the socket; if it does
+not answer SERVING, take ``flock(LOCK_EX)`` on ``DIR/start.lock``, check again
+(another process may just have started it), wait for a daemon that still holds
+DIR (one stopping after its idle timeout) to exit, start one, wait until it
+answers SERVING, release the lock. Concurrent starters (the local ranks) thus
+start exactly one daemon; the others find it healthy once they hold the lock.
+A start that failed while a process waited for the lock is not tried again by
+that process: the failure (``DIR/start.failed``) is raised instead, so N ranks
+do not each wait out the same failing start. A stale socket of a crashed
+daemon is removed by the new daemon (actcache.daemon.server); the kernel
+released the crashed one's ``daemon.lock``.
+
+Invariants: at most one process at a time, the holder of ``start.lock``,
+starts a daemon; it holds the lock at most ``start_timeout_s`` plus
+DRAIN_TIMEOUT_S. A daemon is started only after the previous one (if any) has
+released DIR.
+
+Stopping: :func:`stop_daemon` (``actcache stop``) finds the pid listening on a
+socket (``SO_PEERCRED``), sends SIGTERM and waits for it to exit.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import select
+import shlex
+import signal
+import socket as socketlib
+import struct
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from actcache.errors import ConfigError, DaemonUnavailable
+
+__all__ = [
+    "DEFAULT_BUDGET_CAP",
+    "DEFAULT_IDLE_TIMEOUT_S",
+    "DRAIN_TIMEOUT_S",
+    "NodeDaemon",
+    "default_budget",
+    "ensure_running",
+    "healthy",
+    "peer_pid",
+    "stop_daemon",
+    "tool_socket",
+    "wait_exit",
+]
+
+DEFAULT_IDLE_TIMEOUT_S = 900.0
+DEFAULT_BUDGET_CAP = 20 << 30
+#: How long a starter waits for a daemon that still holds DIR (stopping) to exit.
+DRAIN_TIMEOUT_S = 30.0
+#: Longest socket path accepted (ServerConfig's limit; the kernel's is 107 bytes).
+MAX_SOCKET_PATH = 100
+_LOG_ROTATE_BYTES = 8 << 20
+_DIR_LOCK = "daemon.lock"  # actcache.daemon.dirlock.LOCK_NAME; the client side does not import the daemon
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeDaemon:
+    """Where this user's node daemon lives and how it is started."""
+
+    dir: Path
+    socket: Path
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+
+    @property
+    def log_path(self) -> Path:
+        return self.dir / "daemon.log"
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.socket}"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "NodeDaemon":
+        """The node daemon of ``env`` (default ``os.environ``); ConfigError for a malformed variable."""
+        env = os.environ if env is None else env
+        if env.get("ACTCACHE_DIR"):
+            directory = Path(env["ACTCACHE_DIR"]).expanduser()
+        elif env.get("XDG_CACHE_HOME"):
+            directory = Path(env["XDG_CACHE_HOME"]).expanduser() / "actcache"
+        else:
+            directory = Path.home() / ".cache" / "actcache"
+        directory = directory.absolute()
+        text = env.get("ACTCACHE_IDLE_TIMEOUT", "")
+        try:
+            idle = float(text) if text else DEFAULT_IDLE_TIMEOUT_S
+        except ValueError:
+            idle = -1.0
+        if not 0 <= idle < float("inf"):
+            raise ConfigError(f"ACTCACHE_IDLE_TIMEOUT must be a number of seconds >= 0 (0 = never), got {text!r}")
+        return cls(dir=directory, socket=_socket_for(directory, env), idle_timeout_s=idle)
+
+
+def _socket_for(directory: Path, env: Mapping[str, str]) -> Path:
+    here = directory / "daemon.sock"
+    if len(str(here)) <= MAX_SOCKET_PATH:
+        return here
+    name = f"node-{hashlib.sha256(str(directory).encode()).hexdigest()[:12]}.sock"
+    runtime = env.get("XDG_RUNTIME_DIR")
+    if runtime and len(str(Path(runtime) / "actcache" / name)) <= MAX_SOCKET_PATH:
+        return Path(runtime) / "actcache" / name
+    return Path(f"/tmp/actcache-{os.getuid()}") / name
+
+
+def tool_socket(env: Mapping[str, str] | None = None) -> Path:
+    """The daemon the CLI talks to by default: ``$ACTCACHE_SOCKET``, else the node daemon's socket when it
+    exists, else the ``actcache serve`` default (actcache.rpc.default_socket_path)."""
+    from actcache.rpc import default_socket_path
+
+    env = os.environ if env is None else env
+    if env.get("ACTCACHE_SOCKET"):
+        return Path(env["ACTCACHE_SOCKET"])
+    with suppress(ConfigError):
+        node = NodeDaemon.from_env(env)
+        if node.socket.exists():
+            return node.socket
+    return default_socket_path()
+
+
+def default_budget(directory: Path) -> int:
+    """min(DEFAULT_BUDGET_CAP, half of the free space of ``directory``'s file system plus what data.mdb occupies)."""
+    st = os.statvfs(directory)
+    held = 0
+    with suppress(FileNotFoundError):
+        held = (directory / "data.mdb").stat().st_blocks * 512
+    return max(1 << 20, min(DEFAULT_BUDGET_CAP, (st.f_bavail * st.f_frsize + held) // 2))
+
+
+def healthy(target: str, timeout_s: float = 5.0) -> bool:
+    """Whether a daemon answers SERVING at ``target`` (``unix:PATH``); False at once when nothing listens."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def ensure_running(node: NodeDaemon, *, start_timeout_s: float = 60.0) -> None:
+    """Make sure the node daemon answers on ``node.socket``, starting it if needed (module docstring).
+
+    Raises DaemonUnavailable, quoting the daemon's log, when it cannot be started.
+    """
+    if healthy(node.target):
+        return
+    waiting_since = time.time_ns()
+    try:
+        node.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if node.socket.parent != node.dir:
+            _private_dir(node.socket.parent)
+        with _locked(node.dir / "start.lock"):
+            _start_locked(node, waiting_since, start_timeout_s)
+    except OSError as exc:
+        raise DaemonUnavailable(
+            f"cannot start the node daemon in {node.dir}: {exc}; set ACTCACHE_DIR to a writable directory "
+            "of your own, or ACTCACHE_SOCKET to a running daemon's socket"
+        ) from exc
+
+
+def _private_dir(path: Path) -> None:
+    """A directory in a shared place (/tmp) that must be this user's alone, as another could swap the socket."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise DaemonUnavailable(
+            f"the node daemon's socket directory {path} belongs to uid {st.st_uid} (you are {os.getuid()}) or "
+            f"others may use it (mode {st.st_mode & 0o7777:o}, must be 700); remove it, or set ACTCACHE_DIR to "
+            "a directory with a shorter path (the socket then lives there)"
+        )
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited (O_CLOEXEC): the daemon never holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _start_locked(node: NodeDaemon, waiting_since_ns: int, timeout_s: float) -> None:
+    if healthy(node.target):
+        return
+    failed = node.dir / "start.failed"
+    with suppress(FileNotFoundError):
+        if failed.stat().st_mtime_ns >= waiting_since_ns:
+            raise DaemonUnavailable(f"another process failed to start the node daemon just now: {failed.read_text()}")
+    _wait_for_holder(node)
+    try:
+        proc, log_from = _spawn(node)
+        _wait_healthy(proc, node, log_from, timeout_s)
+    except DaemonUnavailable as exc:
+        failed.write_text(str(exc))
+        raise
+    failed.unlink(missing_ok=True)
+
+
+def _wait_for_holder(node: NodeDaemon) -> None:
+    """Wait for a daemon that still holds ``node.dir`` to exit: the node daemon stopping (idle) exits soon;
+    a daemon that does not serve this socket, or a node daemon that hangs, is an error naming its pid."""
+    pid = _dir_holder(node.dir)
+    if pid is None:
+        return
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if pid > 0 else []
+    except OSError:
+        cmdline = [os.fsencode(node.socket)]  # cannot tell: assume it is ours
+    if os.fsencode(node.socket) not in cmdline:
+        raise DaemonUnavailable(
+            f"cache directory {node.dir} is in use by another actcache daemon (pid {pid}) that does not listen "
+            f"on {node.socket}; point ACTCACHE_SOCKET at that daemon's socket, stop it, or set ACTCACHE_DIR "
+            "to another directory"
+        )
+    if not wait_exit(pid, DRAIN_TIMEOUT_S) and _dir_holder(node.dir) == pid:
+        raise DaemonUnavailable(
+            f"the node daemon (pid {pid}) holds {node.dir} but does not answer on {node.socket} and did not exit "
+            f"within {DRAIN_TIMEOUT_S:.0f} s; stop it (`actcache stop --socket {node.socket}` or `kill {pid}`) "
+            f"and look at {node.log_path}"
+        )
+
+
+def _dir_holder(directory: Path) -> int | None:
+    """The pid of the daemon holding ``directory`` (-1 when unrecorded), or None when none does."""
+    try:
+        fd = os.open(directory / _DIR_LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else -1
+    else:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _package_root() -> str:
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def _spawn(node: NodeDaemon) -> tuple[subprocess.Popen, int]:
+    """Start the daemon detached; returns it and the log offset where its output begins."""
+    cmd = [sys.executable, "-m", "actcache", "serve", "--dir", str(node.dir), "--socket", str(node.socket),
+           "--idle-timeout", f"{node.idle_timeout_s:g}"]
+    if not os.environ.get("ACTCACHE_BUDGET"):
+        cmd += ["--budget", str(default_budget(node.dir))]
+    env = dict(os.environ)
+    # The daemon imports the same actcache as this process, wherever it came from (appended: shadows nothing).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), _package_root()) if p)
+    with suppress(FileNotFoundError):
+        if node.log_path.stat().st_size > _LOG_ROTATE_BYTES:
+            os.replace(node.log_path, node.log_path.with_name("daemon.log.1"))
+    with open(node.log_path, "ab") as log:
+        log_from = log.tell()
+        log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} started by pid {os.getpid()}: {shlex.join(cmd)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=node.dir,
+                                env=env, start_new_session=True)
+    return proc, log_from
+
+
+def _wait_healthy(proc: subprocess.Popen, node: NodeDaemon, log_from: int, timeout_s: float) -> None:
+    """Wait until the daemon answers SERVING, exits, or ``timeout_s`` passes, on an event (not polling)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    settled = threading.Event()
+
+    def reap() -> None:  # whenever the daemon exits while this process lives, it leaves no zombie
+        proc.wait()
+        settled.set()
+
+    threading.Thread(target=reap, name="actcache-node-reaper", daemon=True).start()
+    options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+               ("grpc.max_reconnect_backoff_ms", 500)]
+    with grpc.insecure_channel(node.target, options=options) as channel:
+        future = health_pb2_grpc.HealthStub(channel).Check.future(
+            health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
+        future.add_done_callback(lambda _: settled.set())
+        settled.wait(timeout_s + 5)
+        try:
+            if future.done() and future.result().status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            why = "did not answer SERVING"
+        except grpc.RpcError as exc:
+            why = f"did not answer its health check within {timeout_s:.0f} s ({exc.code().name})"
+        finally:
+            future.cancel()
+    code = proc.poll()
+    if code is None:
+        proc.kill()
+    else:
+        why = f"exited with code {code}"
+    raise DaemonUnavailable(
+        f"the node daemon (pid {proc.pid}, {node.dir}) {why}; its log {node.log_path} says:\n"
+        f"{_log_tail(node.log_path, log_from)}\n"
+        "Fix what it says, set ACTCACHE_DIR to another directory, or run a daemon yourself "
+        "(`actcache serve`) and set ACTCACHE_SOCKET"
+    )
+
+
+def _log_tail(path: Path, start: int, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+    except OSError as exc:
+        return f"(cannot read it: {exc.strerror})"
+    return "\n".join(text.splitlines()[-lines:]) or "(nothing)"
+
+
+def peer_pid(socket: Path) -> int | None:
+    """The pid of the process listening on the Unix socket ``socket`` (SO_PEERCRED), or None when none is."""
+    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as s:
+        try:
+            s.connect(str(socket))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return None
+        pid, uid, _gid = struct.unpack("3i", s.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_PEERCRED, 12))
+    if uid != os.getuid() and os.getuid() != 0:
+        raise ConfigError(f"the daemon on {socket} (pid {pid}) belongs to uid {uid}; only its owner or root may stop it")
+    return pid
+
+
+def wait_exit(pid: int, timeout_s: float) -> bool:
+    """Wait until process ``pid`` exits (a pidfd, not polling); False if it still runs after ``timeout_s``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout_s * 1000))))
+    finally:
+        os.close(fd)
+
+
+def stop_daemon(socket: Path, timeout_s: float = 30.0) -> int | None:
+    """SIGTERM the daemon listening on ``socket`` and wait for it to exit; its pid, or None when none listens.
+
+    Raises DaemonUnavailable when it is still running after ``timeout_s``.
+    """
+    pid = peer_pid(socket)
+    if pid is None:
+        return None
+    try:
+        fd = os.pidfd_open(pid)  # signals through the pidfd cannot reach a reused pid
+    except ProcessLookupError:
+        return pid
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGTERM)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(int(timeout_s * 1000)):
+            raise DaemonUnavailable(
+                f"the daemon (pid {pid}) on {socket} is still running {timeout_s:.0f} s after SIGTERM "
+                f"(it lets calls in flight finish first); wait, or `kill -9 {pid}`"
+            )
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(fd)
+    return pid

@@ -1,0 +1,143 @@
+"""``connect()``: which daemon a training process uses, and the daemons it starts.
+
+In order: the ``socket`` or ``address`` given, else ``$ACTCACHE_SOCKET``, else
+this node's daemon (actcache.node: one per user, in ``$ACTCACHE_DIR`` or
+``~/.cache/actcache``, started on first use, gone after ``$ACTCACHE_IDLE_TIMEOUT``
+seconds without calls). ``embedded=True`` instead starts a daemon private to
+this process, in a temp dir removed when the connection closes or the process
+exits (tests, the demo): nothing is shared and nothing kept.
+
+While a connection to the node daemon is open, a lease thread checks its
+health every third of the idle timeout (at most every 60 s): the check is a
+call, so the daemon does not stop under a trainer that has not needed the cache
+for a while (nothing is frozen yet), and a daemon that died is started again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from actcache.errors import ConfigError, DaemonUnavailable
+from actcache.node import NodeDaemon, ensure_running
+
+if TYPE_CHECKING:
+    from actcache_client.connection import Connection
+
+__all__ = ["EmbeddedDaemon", "NodeDaemonLease", "connect"]
+
+log = logging.getLogger("actcache_client")
+
+
+class EmbeddedDaemon:
+    """A daemon subprocess private to this process, in a temp dir removed at exit."""
+
+    def __init__(self) -> None:
+        from actcache.testing import DaemonProcess
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="actcache-embedded-")
+        tmp = Path(self._tmp.name)
+        self.process = DaemonProcess(tmp / "cache", tmp / "daemon.sock")
+        self.process.start()
+        atexit.register(self.stop)
+
+    @property
+    def socket(self) -> str:
+        return str(self.process.socket)
+
+    def stop(self) -> None:
+        if self.process.proc is not None:
+            self.process.stop()
+        self._tmp.cleanup()
+
+
+class NodeDaemonLease:
+    """Keeps the node daemon up while a connection uses it (module docstring); ``stop`` ends it.
+
+    After a failed start it tries again at twice the interval each time, up to 15 minutes.
+    """
+
+    def __init__(self, node: NodeDaemon) -> None:
+        self.node = node
+        idle = node.idle_timeout_s
+        self.interval_s = max(0.1, min(60.0, idle / 3)) if idle else 60.0
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="actcache-node-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        wait = self.interval_s
+        while not self._stopped.wait(wait):
+            try:
+                ensure_running(self.node)
+            except DaemonUnavailable as exc:
+                if wait == self.interval_s:
+                    log.warning("actcache: the node daemon is not running and could not be started: %s", exc)
+                wait = min(wait * 2, 900.0)
+            else:
+                wait = self.interval_s
+
+    def stop(self) -> None:
+        """End the lease (does not wait for a check in progress); the daemon stops once idle."""
+        self._stopped.set()
+
+
+def connect(
+    socket: str | os.PathLike | None = None,
+    *,
+    address: str | None = None,
+    embedded: bool = False,
+    namespace: str = "default",
+    secret: str | None = None,
+    token: str | None = None,
+    strict: bool = False,
+    **options,
+) -> "Connection":
+    """Connect to ``socket``, ``address``, ``$ACTCACHE_SOCKET``, or this node's daemon, started if needed.
+
+    ``embedded=True``: a private daemon in a temp dir, stopped when the connection closes or the process
+    exits. When the node daemon cannot be started, training goes on without the cache (a
+    CacheFallbackWarning, as when a daemon goes away) and the lease tries again later; ``strict=True``
+    raises DaemonUnavailable instead. A malformed ``$ACTCACHE_IDLE_TIMEOUT`` is a ConfigError.
+    ``options`` are ConnectionConfig fields (``timeout_s``, ``put_queue``, ...).
+    """
+    from actcache_client.connection import Connection, ConnectionConfig
+
+    if embedded and (socket is not None or address is not None):
+        raise ConfigError("connect(embedded=True) starts a daemon of its own; pass no socket or address with it")
+    lease: EmbeddedDaemon | NodeDaemonLease | None = None
+    failure: DaemonUnavailable | None = None
+    node = None
+    if not embedded and socket is None and address is None and not os.environ.get("ACTCACHE_SOCKET"):
+        node = NodeDaemon.from_env()
+        socket = node.socket
+    config = ConnectionConfig(
+        socket=os.fspath(socket) if socket is not None else None,
+        address=address,
+        namespace=namespace,
+        secret=secret,
+        token=token or os.environ.get("ACTCACHE_TOKEN"),
+        strict=strict,
+        **options,
+    )
+    if embedded:
+        lease = EmbeddedDaemon()
+        config = dataclasses.replace(config, socket=lease.socket)
+    elif node is not None:
+        try:
+            ensure_running(node)
+        except DaemonUnavailable as exc:
+            if strict:
+                raise
+            failure = exc
+        lease = NodeDaemonLease(node)
+    connection = Connection(config, embedded=lease)
+    if failure is not None:
+        connection.fallback(failure)
+    return connection
