@@ -30,8 +30,9 @@ same computation.
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Sequence
 
 import torch
@@ -49,7 +50,7 @@ from actcache_client.staging import Stager
 from actcache_client.stream import EpochStream
 from actcache_client.tensors import VarLen, collate_entries, encode_samples
 
-__all__ = ["CachedForward", "StepTimes"]
+__all__ = ["CachedForward", "EpochCounters", "StepTimes"]
 
 
 @dataclass
@@ -76,6 +77,20 @@ class StepTimes:
     #: Seconds spent recomputing audited hits, and how many were audited.
     audit: float = 0.0
     audited_samples: int = 0
+
+    def since(self, earlier: "StepTimes") -> "StepTimes":
+        """What was counted after ``earlier`` (a copy of these counters taken before)."""
+        return StepTimes(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class EpochCounters:
+    """What one epoch counted: the model's samples and seconds, and the connection's entries."""
+
+    epoch: int
+    times: StepTimes
+    #: Entries asked, hits, misses, streamed, gets, puts... of ClientStats during the epoch (None without a connection).
+    entries: dict[str, float] | None
 
 
 class CachedForward:
@@ -140,6 +155,7 @@ class CachedForward:
         self._epoch_misses = 0  # samples of the cached subset that missed this epoch
         self._skip_loads = False  # the loader can skip loading inputs (its dataset has targets)
         self._skips: dict[int, frozenset[int]] = {}  # epoch position -> sample ids the loader need not load
+        self._epoch_marks: list[tuple[int, StepTimes, dict[str, float] | None]] = []  # counters at each epoch start
         self._probed = False  # a read-speed probe was sent this epoch
         self._written: dict[bytes, set[int]] = {}  # fingerprint -> sample ids stored (or found) under it
         self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
@@ -275,6 +291,7 @@ class CachedForward:
         ``skip_loads``: the loader can leave out the inputs of samples the cache will serve (``skipped``).
         """
         self._epoch, self._skips, self._skip_loads = None, {}, skip_loads  # retargets below push nothing
+        self._epoch_marks.append((epoch, copy.copy(self.times), self._connection_counts()))
         if data is not None:
             self.bind_data(data)
         if self.planner is not None and batches:
@@ -294,6 +311,22 @@ class CachedForward:
             self.connection.flush(timeout_s=self.connection.config.timeout_s)
             self._stream.push(fingerprint, target[0], fraction, variant, batches[start:], start)
         self._plan_skips()
+
+    def epoch_counters(self) -> list[EpochCounters]:
+        """Per epoch (from each CachedLoader epoch start to the next, the last one until now): the
+        StepTimes and ClientStats counts it added. Resetting ``times`` mid-run makes these meaningless."""
+        marks = [*self._epoch_marks, (None, self.times, self._connection_counts())]
+        out = []
+        for (epoch, times, entries), (_, later_times, later_entries) in zip(marks, marks[1:]):
+            delta = None if entries is None else {k: later_entries[k] - v for k, v in entries.items()}
+            out.append(EpochCounters(epoch, later_times.since(times), delta))
+        return out
+
+    def _connection_counts(self) -> dict[str, float] | None:
+        if self.connection is None:
+            return None
+        stats = self.connection.stats
+        return {f.name: getattr(stats, f.name) for f in fields(stats) if f.name != "fallbacks"}
 
     def skipped(self, position: int) -> frozenset[int]:
         """Sample ids of epoch batch ``position`` whose inputs the loader need not load (the cache has them)."""

@@ -197,6 +197,7 @@ class CachedLoader:
         self._order: list[list[int]] | None = None  # indices of the current epoch's batches
         self._next_order: tuple[int, list[list[int]]] | None = None  # (epoch, its batches), drawn ahead
         self._replay = _Replay()
+        self._drawn = False  # an order was drawn (persistent workers draw their base seed once)
         #: Raw items the loader loaded (the inputs of skipped samples are not loaded).
         self.raw_items_loaded = 0
         dataset: IndexedDataset = loader.dataset
@@ -222,7 +223,8 @@ class CachedLoader:
             timeout=loader.timeout,
             worker_init_fn=loader.worker_init_fn,
             multiprocessing_context=loader.multiprocessing_context,
-            generator=loader.generator,
+            # Its own generator: the wrapped loader's one draws exactly what the wrapped loader would (_draw).
+            generator=torch.Generator().manual_seed(loader.generator.initial_seed() if loader.generator else 0),
             persistent_workers=loader.persistent_workers,
         )
         if loader.num_workers > 0:
@@ -243,11 +245,20 @@ class CachedLoader:
         return len(self.loader.batch_sampler)
 
     def _draw(self, epoch: int) -> list[list[int]]:
-        """The batches (dataset indices) the sampler gives for ``epoch``."""
-        sampler = getattr(self.loader.batch_sampler, "sampler", None)
+        """The batches (dataset indices) the wrapped loader's sampler gives for ``epoch``.
+
+        A DataLoader draws its workers' base seed from its generator (or the global RNG) before
+        its sampler draws the order; the same draw is made here first, so the wrapped loader's
+        generator (and the global RNG) give the same order with and without actcache.
+        """
+        loader = self.loader
+        if loader.num_workers == 0 or not loader.persistent_workers or not self._drawn:
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        self._drawn = True
+        sampler = getattr(loader.batch_sampler, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        return [list(b) for b in self.loader.batch_sampler]
+        return [list(b) for b in loader.batch_sampler]
 
     def _draws_deterministically(self) -> bool:
         sampler = getattr(self.loader.batch_sampler, "sampler", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -55,6 +56,13 @@ def test_a_cached_epoch_is_served_by_the_stream_ready_when_asked(daemon):
         after = conn.rpc().stats()
         assert conn.stats.gets == 0 and conn.stats.streamed == 3 * N and conn.stats.hits == 2 * N
         assert model.times.cached_samples == 2 * N and model.times.prefix_samples == 3 * N
+        epochs = model.epoch_counters()
+        assert [e.epoch for e in epochs] == [0, 1, 2]
+        assert [e.times.cached_samples for e in epochs] == [0, N, N]
+        assert [e.times.computed_samples for e in epochs] == [N, 0, 0]
+        assert all(e.times.prefix_samples == N for e in epochs)
+        assert [e.entries["hits"] for e in epochs] == [0, N, N]
+        assert sum(e.entries["puts"] for e in epochs) == N  # asynchronous: counted when the daemon acknowledged
         ns = conn.config.namespace
         ready = [p.counters.ready_on_ask for p in after.prefetch if p.namespace == ns][0] - \
             [p.counters.ready_on_ask for p in before.prefetch if p.namespace == ns][0]
@@ -123,3 +131,25 @@ def test_two_ranks_with_workers_stream_their_own_orders_and_resume_mid_epoch(dae
         forward_epoch(resumed, loader)
         assert resumed.times.cached_samples == resumed.times.prefix_samples == N // 2 - 16
         assert conn.stats.gets == 0
+
+
+@pytest.mark.parametrize("generator", [True, False])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_wrapped_loaders_order_is_kept(daemon, generator, workers):
+    """The same seed gives the same batches with and without actcache."""
+    dataset = ac.IndexedDataset(data())
+
+    def plain_loader():
+        torch.manual_seed(5)
+        return DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
+                          generator=torch.Generator().manual_seed(1) if generator else None)
+
+    plain = plain_loader()
+    expected = [[ids.tolist() for ids, _ in plain] for _ in range(3)]
+    after_plain = torch.rand(())
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        model = ac.CachedForward(mlp(), conn)  # mlp() seeds the global RNG: before plain_loader() seeds it again
+        loader = ac.CachedLoader(plain_loader(), model)
+        got = [[b.ids.tolist() for b in loader] for _ in range(3)]
+    assert got == expected
+    assert torch.equal(torch.rand(()), after_plain)  # the global RNG advanced alike
