@@ -29,6 +29,13 @@ from actcache_client.freeze import (
 from actcache_client.loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
 from actcache_client.planner import CachePlanner, PlannerConfig
 from actcache_client.stages import StagedModel, auto_partition, from_bert, from_resnet, from_sequential
+from actcache_client.teacher import (
+    CachedTeacher,
+    MovingTeacherWarning,
+    TeacherOutput,
+    distillation_loss,
+    topk_soft_targets,
+)
 from actcache_client.tensors import VarLen
 
 __all__ = [
@@ -41,6 +48,7 @@ __all__ = [
     "CachePlanner",
     "CachedForward",
     "CachedLoader",
+    "CachedTeacher",
     "ClientStats",
     "Connection",
     "ConnectionConfig",
@@ -50,16 +58,20 @@ __all__ = [
     "FreezeMilestone",
     "IndexedDataset",
     "ManualPolicy",
+    "MovingTeacherWarning",
     "PlannerConfig",
     "ReferenceConfig",
     "StagedModel",
     "StaticPolicy",
     "StepTimes",
+    "TeacherOutput",
     "UncacheableDataWarning",
     "VarLen",
     "auto_partition",
     "connect",
+    "distillation_loss",
     "from_bert",
     "from_resnet",
     "from_sequential",
+    "topk_soft_targets",
 ]

@@ -174,23 +174,59 @@ class _Load:
         return self.collate([self.dataset[self.indices[r], self.variant][1] for r in rows])[0]
 
 
+class _Models:
+    """Several models fed by one loader: each gets the data and every epoch's order; an input is skipped
+    only when no model needs it."""
+
+    def __init__(self, models: list[CachedForward]) -> None:
+        self.models = models
+
+    def disable(self, reason: str) -> None:
+        for m in self.models:
+            m.disable(reason)
+
+    def bind_data(self, data: bytes) -> None:
+        for m in self.models:
+            m.bind_data(data)
+
+    def begin_epoch(self, *args: Any, **kwargs: Any) -> None:
+        for m in self.models:
+            m.begin_epoch(*args, **kwargs)
+
+    def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
+        for m in self.models:
+            m.prepare_next_epoch(batches, variant)
+
+    def skipped(self, position: int) -> frozenset[int]:
+        return frozenset.intersection(*(m.skipped(position) for m in self.models))
+
+
 class CachedLoader:
     """Wraps a DataLoader over an IndexedDataset; yields Batch objects and feeds the cache its order.
 
     Works with any sampler and batch sampler (``RandomSampler``,
     ``DistributedSampler`` — call ``set_epoch`` as usual —, ``drop_last``),
     ``num_workers > 0`` and persistent workers.
+
+    ``model`` is a CachedForward (or a CachedTeacher), or a list of them fed
+    by the same batches (a student and its teacher): each gets the data's
+    fingerprint and every epoch's order, and the loader leaves out an input
+    only when every one of them can do without it (the intersection of their
+    ``skipped``). ``models`` lists them.
     """
 
-    def __init__(self, loader: DataLoader, model: CachedForward | None = None, *, variants: int | None = None) -> None:
+    def __init__(self, loader: DataLoader, model: CachedForward | Sequence[CachedForward] | None = None, *,
+                 variants: int | None = None) -> None:
         if not isinstance(loader.dataset, IndexedDataset):
             raise ConfigError("CachedLoader needs a DataLoader over an IndexedDataset (items paired with sample ids)")
         if loader.batch_sampler is None:
             raise ConfigError("CachedLoader needs automatic batching (a batch_size or batch_sampler on the DataLoader)")
         if variants is not None and variants < 1:
             raise ConfigError(f"variants must be >= 1, got {variants}")
+        self.models = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
+        model = None if not self.models else self.models[0] if len(self.models) == 1 else _Models(self.models)
         self.loader = loader
-        self.model = model
+        self.model = model  # the one model, or the fan-out over several
         self.variants = variants
         self.epoch = 0
         self._position = 0

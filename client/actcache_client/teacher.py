@@ -1,0 +1,402 @@
+"""Knowledge distillation with the teacher's outputs served from the cache.
+
+A fixed teacher (classic knowledge distillation) only ever runs forward, and
+its output for an input never changes: it is a frozen prefix that happens to
+be a whole network (TSPipe, ICML '22). After the first epoch its forward
+pass is pure waste. ``CachedTeacher`` is a CachedForward over a two-stage
+StagedModel, frozen at depth 1: stage 0 runs the whole teacher (eval mode,
+``no_grad``) and returns the tensors to store, stage 1 is an identity. So
+the teacher gets everything a frozen prefix gets: keys covering its weights
+and the data (never served for another teacher or other data), the epoch's
+prefetch stream (shared memory on a local daemon), fallback to recomputing,
+audits, and loaders that skip the inputs the cache serves.
+
+What is stored per sample, in this order (the layout is fixed by the
+arguments, which are part of the key):
+
+- ``"logits"`` in ``outputs``: the teacher's return value (a tensor, the
+  ``logits`` attribute of an HF-style output, or a tuple's first element);
+  with ``top_k=k`` only the k largest logits and their class indices
+  (int32 in the cache, int64 when served);
+- every other name in ``outputs``: the output of that submodule of the
+  teacher (``teacher.get_submodule(name)``; a tuple's first element), e.g.
+  ``"bert.encoder.layer.3"`` for intermediate-layer distillation.
+
+Text: with ``varlen=VarLen()`` the teacher's input is a tuple whose element
+``varlen.mask_index`` is the right-padded 0/1 attention mask; submodule
+outputs (and the logits with ``token_logits=True``) are per token, ``(B, L,
+...)``, and are stored without their padding; served or computed, their
+padded positions are zeros and ``L`` is the batch's longest sample.
+
+Top-k: a teacher over a 30k vocabulary stores 120 KB of float32 logits per
+token, its top 20 take 160 bytes. What it changes: the soft target
+``softmax(logits / T)`` becomes ``softmax(top_values / T)`` over the k
+classes, zero elsewhere — the distribution is renormalised over the top k
+and the tail's mass (the small "dark knowledge" probabilities) is dropped,
+which matters more at high temperatures. ``topk_soft_targets`` rebuilds
+that target; ``distillation_loss`` computes the KD loss from either form.
+
+Moving teachers (an EMA of the student, a teacher trained alongside) are not
+cacheable: at every epoch start (CachedLoader) and at ``check_weights()``,
+the teacher's weights fingerprint is compared with the one its keys carry.
+If the weights changed after the teacher was used, it warns once
+(``MovingTeacherWarning``), drops what it stored under the old fingerprint
+and recomputes the teacher every step from then on. A change before any use
+(weights loaded after wrapping) just re-keys. Changes within an epoch are
+seen at the next epoch start.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from actcache.errors import ConfigError
+from actcache_client.audit import AuditConfig
+from actcache_client.batch import Batch
+from actcache_client.cached_forward import CachedForward, StepTimes
+from actcache_client.connection import Connection
+from actcache_client.fingerprint import prefix_fingerprints
+from actcache_client.stages import Stage, StagedModel, State
+from actcache_client.tensors import VarLen
+
+__all__ = ["CachedTeacher", "MovingTeacherWarning", "TeacherOutput", "distillation_loss", "topk_soft_targets"]
+
+LOGITS = "logits"
+
+
+class MovingTeacherWarning(UserWarning):
+    """The teacher's weights changed while it was in use (e.g. an EMA teacher): its outputs are not cached."""
+
+
+@dataclass(frozen=True)
+class TeacherOutput:
+    """What the teacher gives for one batch, served or computed.
+
+    ``logits``: the full logits (None with ``top_k``); ``top_values`` /
+    ``top_indices``: the k largest logits, in descending order, and their
+    class indices (None without ``top_k``); ``hidden``: the chosen
+    submodules' outputs by name; ``mask``: the (B, L) attention mask of the
+    per-token outputs (None without them).
+    """
+
+    logits: Tensor | None = None
+    top_values: Tensor | None = None
+    top_indices: Tensor | None = None
+    hidden: dict[str, Tensor] = field(default_factory=dict)
+    mask: Tensor | None = None
+
+    def soft_targets(self, temperature: float = 1.0, num_classes: int | None = None) -> Tensor:
+        """The distillation target ``softmax(logits / T)``; from top-k, renormalised over the k (``num_classes`` needed)."""
+        if self.logits is not None:
+            return F.softmax(self.logits.float() / temperature, dim=-1)
+        if self.top_values is None:
+            raise ConfigError("this teacher output has no logits: add 'logits' to CachedTeacher(outputs=...)")
+        if num_classes is None:
+            raise ConfigError("soft targets from top-k logits need num_classes (the size of the full distribution)")
+        return topk_soft_targets(self.top_values, self.top_indices, num_classes, temperature)
+
+
+def topk_soft_targets(values: Tensor, indices: Tensor, num_classes: int, temperature: float = 1.0) -> Tensor:
+    """The soft target rebuilt from top-k logits: ``softmax(values / T)`` at ``indices``, zero elsewhere.
+
+    The probabilities are renormalised over the k classes (they sum to 1);
+    the full distribution's mass outside the top k is dropped.
+    """
+    if temperature <= 0:
+        raise ConfigError(f"temperature must be > 0, got {temperature}")
+    probabilities = F.softmax(values.float() / temperature, dim=-1)
+    out = torch.zeros((*values.shape[:-1], num_classes), dtype=probabilities.dtype, device=values.device)
+    return out.scatter_(-1, indices.long(), probabilities)
+
+
+def distillation_loss(student_logits: Tensor, teacher: TeacherOutput | Tensor, temperature: float = 1.0, *,
+                      reduction: str = "mean") -> Tensor:
+    """Hinton's KD loss: ``T² · KL(p || softmax(student / T))``, p the teacher's soft target.
+
+    ``teacher`` is a TeacherOutput (full or top-k logits) or a logits tensor.
+    With top-k, p lives on the k classes (renormalised) and only the
+    student's log-probabilities of those classes enter. The KL is summed over
+    classes; ``reduction="mean"`` averages it over every other position
+    (samples, tokens), ``"none"`` returns it per position.
+    """
+    if temperature <= 0:
+        raise ConfigError(f"temperature must be > 0, got {temperature}")
+    if reduction not in ("mean", "none"):
+        raise ConfigError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    logits = teacher if isinstance(teacher, Tensor) else teacher.logits
+    if logits is not None:
+        log_p = F.log_softmax(logits.float() / temperature, dim=-1)
+    elif teacher.top_values is not None:
+        log_p = F.log_softmax(teacher.top_values.float() / temperature, dim=-1)
+        log_q = log_q.gather(-1, teacher.top_indices.long())
+    else:
+        raise ConfigError("this teacher output has no logits: add 'logits' to CachedTeacher(outputs=...)")
+    kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1) * temperature**2
+    return kl.mean() if reduction == "mean" else kl
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One stored tensor: which output it is, and whether it has a token axis (with VarLen)."""
+
+    name: str
+    kind: str  # "logits", "top_values", "top_indices" or "hidden"
+    per_token: bool
+
+
+class _TeacherStage(nn.Module):
+    """Stage 0 of a CachedTeacher: the whole teacher, returning the tensors to store.
+
+    The ``spec`` buffer holds the teacher's class and the output layout, so
+    the weights fingerprint (and every cache key) covers what is stored.
+    """
+
+    def __init__(self, teacher: nn.Module, outputs: Sequence[str], top_k: int | None, token_logits: bool,
+                 varlen: VarLen | None) -> None:
+        super().__init__()
+        self.teacher = teacher
+        self.varlen = varlen
+        parts = []
+        for name in outputs:
+            if name == LOGITS:
+                kinds = ["top_values", "top_indices"] if top_k else ["logits"]
+                parts += [_Part(name, kind, varlen is not None and token_logits) for kind in kinds]
+            else:
+                try:
+                    teacher.get_submodule(name)
+                except AttributeError:
+                    raise ConfigError(f"CachedTeacher output {name!r} is neither 'logits' nor a submodule of the "
+                                      f"teacher ({type(teacher).__name__}); name one of its named_modules()") from None
+                parts.append(_Part(name, "hidden", varlen is not None))
+        # With VarLen: the mask first, then per-token tensors (the first one gives each sample's length), then
+        # per-sample tensors with a token axis of 1 (stored whole).
+        self.parts = sorted(parts, key=lambda p: not p.per_token) if varlen is not None else parts
+        self.top_k = top_k
+        spec = {"teacher": f"{type(teacher).__module__}.{type(teacher).__qualname__}", "top_k": top_k,
+                "parts": [[p.name, p.kind, p.per_token] for p in self.parts],
+                "mask_index": None if varlen is None else varlen.mask_index}
+        self.register_buffer("spec", torch.tensor(list(json.dumps(spec).encode()), dtype=torch.uint8), persistent=False)
+
+    @property
+    def stores_mask(self) -> bool:
+        return self.varlen is not None and any(p.per_token for p in self.parts)
+
+    def forward(self, state: State) -> State:
+        if self.teacher.training:  # the user's teacher.train() must not turn dropout back on
+            self.teacher.eval()
+        captured: dict[str, Tensor] = {}
+        hidden = sorted({p.name for p in self.parts if p.kind == "hidden"})
+        handles = [self.teacher.get_submodule(name).register_forward_hook(_Capture(captured, name)) for name in hidden]
+        try:
+            if isinstance(state, tuple) and not isinstance(self.teacher, StagedModel):
+                result = self.teacher(*state)
+            else:
+                result = self.teacher(state)
+        finally:
+            for handle in handles:
+                handle.remove()
+        values: dict[str, Tensor] = {}
+        if any(p.name == LOGITS for p in self.parts):
+            values["logits"] = _logits(result)
+            if self.top_k:
+                top = values["logits"].topk(self.top_k, dim=-1)
+                values["top_values"], values["top_indices"] = top.values, top.indices.to(torch.int32)
+        tensors = [captured[p.name] if p.kind == "hidden" else values[p.kind] for p in self.parts]
+        if not self.stores_mask:
+            return tuple(tensors)
+        if not isinstance(state, tuple) or not -len(state) <= self.varlen.mask_index < len(state):
+            raise ConfigError(f"CachedTeacher(varlen=...) needs the teacher's input as a tuple holding the attention "
+                              f"mask at index {self.varlen.mask_index}")
+        mask = state[self.varlen.mask_index]
+        keep = mask.ne(0)
+        out = [mask.to(self.varlen.mask_dtype)]
+        for part, t in zip(self.parts, tensors):
+            if not part.per_token:
+                out.append(t.unsqueeze(1))
+            elif t.dim() < 2 or t.shape[:2] != mask.shape:
+                raise ConfigError(f"teacher output {part.name!r} has shape {tuple(t.shape)}; a per-token output "
+                                  f"needs (batch, length, ...) = {tuple(mask.shape)}, ... like the mask")
+            else:  # padded positions are zeros, as in served entries
+                out.append(t * keep.view(*keep.shape, *[1] * (t.dim() - 2)).to(t.dtype))
+        return tuple(out)
+
+    def unpack(self, state: State) -> TeacherOutput:
+        """The TeacherOutput of a stored (served or computed) state."""
+        tensors = list(state) if isinstance(state, tuple) else [state]
+        mask = tensors.pop(0) if self.stores_mask else None
+        fields: dict[str, Any] = {"hidden": {}, "mask": mask}
+        for part, t in zip(self.parts, tensors):
+            if mask is not None and not part.per_token:
+                t = t[:, 0]
+            if part.kind == "hidden":
+                fields["hidden"][part.name] = t
+            else:
+                fields[part.kind] = t.long() if part.kind == "top_indices" else t
+        return TeacherOutput(**fields)
+
+
+class _Capture:
+    """A forward hook keeping a submodule's output (a tuple's first element) under its name."""
+
+    def __init__(self, into: dict[str, Tensor], name: str) -> None:
+        self.into, self.name = into, name
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.into[self.name] = output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _logits(result: Any) -> Tensor:
+    if isinstance(result, Tensor):
+        return result
+    if isinstance(getattr(result, "logits", None), Tensor):
+        return result.logits
+    if isinstance(result, (tuple, list)) and result and isinstance(result[0], Tensor):
+        return result[0]
+    raise ConfigError(f"the teacher returned a {type(result).__name__}; 'logits' needs a tensor, an object with "
+                      "a .logits tensor, or a tuple whose first element is the logits")
+
+
+class CachedTeacher:
+    """A frozen teacher whose outputs are served from the cache: ``out = teacher(batch)``.
+
+    Call it with a CachedLoader Batch, ``cached_teacher(batch)``, or with
+    every row's inputs, ``cached_teacher(ids, inputs, variant=v)``; it
+    returns a TeacherOutput. The teacher is called as ``teacher(*inputs)``
+    for a tuple of inputs (``teacher(inputs)`` for a tensor or a
+    StagedModel); its parameters get ``requires_grad=False`` and it runs in
+    eval mode under ``no_grad``. Stored entries are keyed by the teacher's
+    weights, ``outputs``, ``top_k`` and the data (``bind_data``; CachedLoader
+    calls it). Feed it and its student from one loader,
+    ``CachedLoader(loader, model=[student, cached_teacher])``; a student that
+    is a plain module and reads ``batch.data`` needs every input: wrap it in
+    a CachedForward (nothing frozen, no connection needed) and list it, or
+    give the dataset no ``targets`` (then no input is ever skipped).
+
+    The other arguments are CachedForward's; ``cached_forward`` is the
+    CachedForward doing the work (``times``, ``enabled``, fingerprints).
+    """
+
+    def __init__(
+        self,
+        teacher: nn.Module,
+        connection: Connection | None = None,
+        *,
+        outputs: Sequence[str] = (LOGITS,),
+        top_k: int | None = None,
+        token_logits: bool = False,
+        varlen: VarLen | None = None,
+        zstd_level: int = 0,
+        stream: bool = True,
+        device: torch.device | str | None = None,
+        audit: AuditConfig | bool = True,
+        keep_generations: bool = False,
+    ) -> None:
+        outputs = [outputs] if isinstance(outputs, str) else list(outputs)
+        if not outputs or len(set(outputs)) != len(outputs):
+            raise ConfigError(f"CachedTeacher needs distinct outputs ('logits' and/or submodule names), got {outputs}")
+        if top_k is not None and (top_k < 1 or LOGITS not in outputs):
+            raise ConfigError(f"top_k must be >= 1 and needs 'logits' in outputs, got top_k={top_k}, outputs={outputs}")
+        if token_logits and varlen is None:
+            raise ConfigError("token_logits=True describes per-token logits of text: it needs varlen=VarLen()")
+        self.teacher = teacher
+        self.stage = _TeacherStage(teacher, outputs, top_k, token_logits, varlen)
+        self.staged = StagedModel([Stage("teacher", self.stage), Stage("output", nn.Identity())])
+        self.cached_forward = CachedForward(
+            self.staged, connection, varlen=VarLen(0, varlen.mask_dtype) if self.stage.stores_mask else None,
+            zstd_level=zstd_level, stream=stream, device=device, audit=audit, keep_generations=keep_generations,
+        )
+        self.cached_forward.set_frozen(1)
+        self.moved = False  # the weights changed while in use: not cached any more
+        self._used = False  # called since the weights were last fingerprinted
+
+    # ---- identity and state --------------------------------------------------
+
+    @property
+    def connection(self) -> Connection | None:
+        return self.cached_forward.connection
+
+    @property
+    def times(self) -> StepTimes:
+        return self.cached_forward.times
+
+    @property
+    def enabled(self) -> bool:
+        return self.cached_forward.enabled
+
+    @property
+    def disabled_reason(self) -> str:
+        return self.cached_forward.disabled_reason
+
+    def fingerprint(self) -> bytes:
+        """The fingerprint the teacher's cache keys carry: its weights, outputs, and the data."""
+        return self.cached_forward.fingerprint(1)
+
+    def weights_fingerprint(self) -> bytes:
+        """The fingerprint of the teacher's weights (and output layout) its keys were made with."""
+        return self.cached_forward.weights_fingerprint(1)
+
+    def check_weights(self) -> bool:
+        """Compare the teacher's weights with its keys' fingerprint; False once it is known to move.
+
+        A change before the teacher was used re-keys it; a change after it was
+        used disables the cache (MovingTeacherWarning, once) and drops what it
+        stored under the old fingerprint (unless ``keep_generations``).
+        """
+        if self.moved:
+            return False
+        current = prefix_fingerprints(list(self.staged.stages), 1)[1]
+        if current == self.weights_fingerprint():
+            return True
+        if not self._used:
+            self.cached_forward.set_frozen(1)
+            return True
+        old = self.fingerprint()
+        self.moved = True
+        self.cached_forward.disable("the teacher's weights changed between epochs (a moving teacher)")
+        if self.connection is not None and not self.cached_forward.keep_generations:
+            self.connection.drop(old)
+        warnings.warn(
+            f"actcache: the teacher's weights changed after its outputs were cached (fingerprint {old.hex()[:12]} "
+            "no longer matches): a moving teacher (e.g. an EMA of the student) is not cacheable; its outputs are "
+            "recomputed every step from now on and what it stored was dropped. Cache only a fixed teacher.",
+            MovingTeacherWarning, stacklevel=2)
+        return False
+
+    # ---- what CachedLoader calls -------------------------------------------
+
+    def bind_data(self, data: bytes) -> None:
+        """Key entries by this data fingerprint (CachedLoader calls it)."""
+        self.cached_forward.bind_data(data)
+
+    def disable(self, reason: str) -> None:
+        """Stop using the cache (recompute the teacher every step)."""
+        self.cached_forward.disable(reason)
+
+    def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0,
+                    data: bytes | None = None, skip_loads: bool = False) -> None:
+        """Called by CachedLoader at each epoch start: checks the teacher's weights, then pushes the order."""
+        self.check_weights()
+        self.cached_forward.begin_epoch(batches, variant, start, epoch=epoch, data=data, skip_loads=skip_loads)
+
+    def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
+        self.cached_forward.prepare_next_epoch(batches, variant)
+
+    def skipped(self, position: int) -> frozenset[int]:
+        """Sample ids of epoch batch ``position`` whose inputs the teacher does not need (served)."""
+        return self.cached_forward.skipped(position)
+
+    # ---- the step ----------------------------------------------------------
+
+    def __call__(self, batch: Batch | Tensor | Sequence[int], inputs: State | None = None, *,
+                 variant: int = 0) -> TeacherOutput:
+        """The teacher's outputs for a batch: served from the cache, or computed (no grad, eval) and stored."""
+        self._used = True
+        return self.stage.unpack(self.cached_forward(batch, inputs, variant=variant))
