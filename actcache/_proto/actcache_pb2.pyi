@@ -15,14 +15,28 @@ class Frame(_message.Message):
     def __init__(self, header: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("name", "create", "secret")
+    __slots__ = ("name", "create", "secret", "job")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CREATE_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     name: str
     create: bool
     secret: bytes
-    def __init__(self, name: _Optional[str] = ..., create: _Optional[bool] = ..., secret: _Optional[bytes] = ...) -> None: ...
+    job: JobInfo
+    def __init__(self, name: _Optional[str] = ..., create: _Optional[bool] = ..., secret: _Optional[bytes] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("pid", "host", "start_time", "data_id")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_FIELD_NUMBER: _ClassVar[int]
+    DATA_ID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    host: str
+    start_time: float
+    data_id: str
+    def __init__(self, pid: _Optional[int] = ..., host: _Optional[str] = ..., start_time: _Optional[float] = ..., data_id: _Optional[str] = ...) -> None: ...
 
 class OpenReply(_message.Message):
     __slots__ = ("namespace_id", "namespace_budget_bytes", "daemon_budget_bytes", "max_message_bytes", "max_entry_bytes", "server_version")
@@ -189,35 +203,59 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GroupStats(_message.Message):
-    __slots__ = ("namespace", "fingerprint", "depth", "entries", "bytes")
+    __slots__ = ("namespace", "fingerprint", "depth", "entries", "bytes", "last_write_time", "last_read_time", "reclaimable", "live_schedules")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_WRITE_TIME_FIELD_NUMBER: _ClassVar[int]
+    LAST_READ_TIME_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMABLE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SCHEDULES_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     fingerprint: bytes
     depth: int
     entries: int
     bytes: int
-    def __init__(self, namespace: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    last_write_time: float
+    last_read_time: float
+    reclaimable: bool
+    live_schedules: int
+    def __init__(self, namespace: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., last_write_time: _Optional[float] = ..., last_read_time: _Optional[float] = ..., reclaimable: _Optional[bool] = ..., live_schedules: _Optional[int] = ...) -> None: ...
+
+class JobStats(_message.Message):
+    __slots__ = ("job", "first_seen", "last_seen", "opens")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    OPENS_FIELD_NUMBER: _ClassVar[int]
+    job: JobInfo
+    first_seen: float
+    last_seen: float
+    opens: int
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., first_seen: _Optional[float] = ..., last_seen: _Optional[float] = ..., opens: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("name", "namespace_id", "entries", "bytes", "budget_bytes")
+    __slots__ = ("name", "namespace_id", "entries", "bytes", "budget_bytes", "reclaimable_bytes", "jobs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
     name: str
     namespace_id: int
     entries: int
     bytes: int
     budget_bytes: int
-    def __init__(self, name: _Optional[str] = ..., namespace_id: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ...) -> None: ...
+    reclaimable_bytes: int
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStats]
+    def __init__(self, name: _Optional[str] = ..., namespace_id: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStats, _Mapping]]] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version", "schedules", "prefetch", "prefetch_budget_bytes", "prefetch_buffered_bytes", "prefetch_max_buffered_bytes", "schedules_total", "fetches_total", "explicit_reads_total", "fallback_reads_total")
+    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version", "schedules", "prefetch", "prefetch_budget_bytes", "prefetch_buffered_bytes", "prefetch_max_buffered_bytes", "schedules_total", "fetches_total", "explicit_reads_total", "fallback_reads_total", "reclaimable_bytes", "reclaimed_generations_total", "reclaimed_bytes_total", "reclaim_after_seconds", "now")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +280,11 @@ class StatsReply(_message.Message):
     FETCHES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     EXPLICIT_READS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_READS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_GENERATIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NOW_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
     used_bytes: int
@@ -266,7 +309,12 @@ class StatsReply(_message.Message):
     fetches_total: int
     explicit_reads_total: int
     fallback_reads_total: int
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScheduleStats, _Mapping]]] = ..., prefetch: _Optional[_Iterable[_Union[NamespacePrefetchStats, _Mapping]]] = ..., prefetch_budget_bytes: _Optional[int] = ..., prefetch_buffered_bytes: _Optional[int] = ..., prefetch_max_buffered_bytes: _Optional[int] = ..., schedules_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., explicit_reads_total: _Optional[int] = ..., fallback_reads_total: _Optional[int] = ...) -> None: ...
+    reclaimable_bytes: int
+    reclaimed_generations_total: int
+    reclaimed_bytes_total: int
+    reclaim_after_seconds: float
+    now: float
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScheduleStats, _Mapping]]] = ..., prefetch: _Optional[_Iterable[_Union[NamespacePrefetchStats, _Mapping]]] = ..., prefetch_budget_bytes: _Optional[int] = ..., prefetch_buffered_bytes: _Optional[int] = ..., prefetch_max_buffered_bytes: _Optional[int] = ..., schedules_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., explicit_reads_total: _Optional[int] = ..., fallback_reads_total: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., reclaimed_generations_total: _Optional[int] = ..., reclaimed_bytes_total: _Optional[int] = ..., reclaim_after_seconds: _Optional[float] = ..., now: _Optional[float] = ...) -> None: ...
 
 class PrefetchCounters(_message.Message):
     __slots__ = ("hits", "misses", "hit_ratio", "corrupt", "ready_on_ask", "stalls", "stall_seconds", "read_bytes", "served_bytes")
