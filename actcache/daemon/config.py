@@ -95,9 +95,18 @@ class StoreConfig:
     #: Read values with one ``pread`` each at their offset in data.mdb (fast when
     #: cold); off: copy them out of LMDB's memory map (readahead on).
     explicit_reads: bool = True
+    #: A generation (namespace, fingerprint) that no live schedule reads and that was neither
+    #: read nor written for this many seconds is dead: a put over a budget reclaims dead
+    #: generations (oldest write first) before it is refused. 0: only live schedules protect
+    #: a generation (actcache.daemon.generations).
+    reclaim_after_s: float = 600.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", Path(self.dir))
+        if not 0 <= self.reclaim_after_s < float("inf"):
+            raise ConfigError(
+                f"--reclaim-after must be a number of seconds >= 0 (0 = no recency check), got {self.reclaim_after_s}"
+            )
         for name in ("budget_bytes", "namespace_budget_bytes", "disk_reserve_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -298,6 +307,7 @@ class DaemonConfig:
                 disk_reserve_bytes=pick("disk_reserve", parse_size),
                 on_corrupt=pick("on_corrupt"),
                 explicit_reads=pick("explicit_reads", as_bool),
+                reclaim_after_s=pick("reclaim_after", _reclaim_after),
             ),
         )
         prefetch = PrefetchConfig(
@@ -336,6 +346,13 @@ def _seconds(value: Any) -> float:
         return float(value)
     except ValueError:
         raise ConfigError(f"idle timeout must be a number of seconds (0 = never), got {value!r}") from None
+
+
+def _reclaim_after(value: Any) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"--reclaim-after must be a number of seconds (0 = no recency check), got {value!r}") from None
 
 
 def _port(value: Any) -> int:

@@ -39,7 +39,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DB_NAMES = (b"entries", b"namespaces", b"groups", b"meta", b"secrets")
+DB_NAMES = (b"entries", b"namespaces", b"groups", b"meta", b"secrets", b"generations")
 DAMAGED_MARKER = "actcache.damaged"
 _FILES = ("data.mdb", "lock.mdb", DAMAGED_MARKER)
 # LMDB errors that mean the file's contents are wrong, not that the machine is.

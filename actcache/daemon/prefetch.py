@@ -28,6 +28,11 @@ with one of ``decode_threads - 1`` pool threads taking half of each large
 frame. Fetch serves entries uncompressed (codec raw_verified), so the
 client's decode is a zero-copy view.
 
+Live schedules protect their generation: a push pins its (namespace,
+fingerprint) in ``store.generations`` and retiring the schedule (served to
+its end, replaced or released) unpins it, so a put over a budget never
+reclaims what a schedule is about to read.
+
 Invariants (asserted in tests through ``stats()``): per reader ``start <=
 served <= ready <= read <= length``; the bytes of every buffered entry are
 held in the budget, and ``budget.used <= budget.limit`` at all times (one
@@ -48,6 +53,7 @@ from actcache.daemon.reader import ReaderSnapshot, ReaderState, ScheduleReader
 from actcache.daemon.schedule import Schedule
 from actcache.daemon.store import Store
 from actcache.errors import DaemonUnavailable, FetchAborted, InvalidRequest, ScheduleNotFound
+from actcache.keys import group_prefix
 
 __all__ = ["MAX_SCHEDULES_PER_NAMESPACE", "PrefetchStats", "Prefetcher", "ScheduleStatus"]
 
@@ -129,6 +135,7 @@ class Prefetcher:
             evicted = self._evict_for(schedule.namespace_id)
             evicted_readers = [self._readers.pop((s.namespace_id, s.schedule_id), None) for s in evicted]
             self._schedules[key] = schedule
+            self.store.generations.pin(_generation(schedule))  # unpinned by _retire
             reader = self._new_reader(schedule, 0, attached=False)
             self.schedules_total += 1
             self._update_turns()
@@ -158,6 +165,7 @@ class Prefetcher:
             if start > len(schedule):
                 raise InvalidRequest(f"Fetch start {start} is past the end of schedule {schedule_id!r} ({len(schedule)} entries)")
             self.fetches_total += 1
+            self.store.generations.read(_generation(schedule))
             reader = self._readers.get(key)
             if (reader is not None and not reader.attached and not reader.reclaimed and reader.start == start
                     and reader.state not in (ReaderState.CANCELLED, ReaderState.FAILED)):
@@ -261,7 +269,8 @@ class Prefetcher:
         return evicted
 
     def _retire(self, schedule: Schedule) -> None:
-        """Fold a schedule's counters into its namespace's totals once it is gone."""
+        """Fold a schedule's counters into its namespace's totals once it is gone; unpin its generation."""
+        self.store.generations.unpin(_generation(schedule))
         with self._cond:
             self._finished.setdefault(schedule.namespace_id, PrefetchCounters()).merge(schedule.counters)
 
@@ -296,3 +305,8 @@ class Prefetcher:
             reader.cancel(None)
         if retired is not None:
             self._retire(retired)
+
+
+def _generation(schedule: Schedule) -> bytes:
+    """The (namespace, fingerprint) prefix of the generation a schedule reads."""
+    return group_prefix(schedule.namespace_id, schedule.fingerprint)

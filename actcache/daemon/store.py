@@ -6,6 +6,7 @@ Named databases:
     groups      (namespace, fingerprint, depth) key prefix -> entries u64, bytes u64
     meta        format marker and the next namespace id
     secrets     namespace id (u32) -> salted scrypt hash of its secret (actcache.daemon.access)
+    generations (namespace, fingerprint) key prefix -> last write, f64 seconds (actcache.daemon.generations)
 
 Concurrency: every write (put, drop, namespace creation, deleting a corrupt
 entry) runs on the single writer thread, which batches queued operations
@@ -22,6 +23,14 @@ reuse inside ``data.mdb``), so that drops always find room to commit. Usage coun
 ``groups`` table, updated in the same transaction as the entries, so they are
 exact across restarts. Invariant: for every group, the in-memory usage equals
 the committed ``groups`` row.
+
+Dead generations: a put that would exceed a budget first reclaims whole
+generations (namespace, fingerprint) that no live schedule reads and that
+were not used for ``reclaim_after_s`` (actcache.daemon.generations chooses
+them). The put's transaction only plans: it raises before writing, the
+caller's thread submits a drop of each chosen generation (in chunks, each
+checking in its own transaction that the generation is still dead and
+unwritten since the plan) and then submits the put again.
 """
 
 from __future__ import annotations
@@ -43,6 +52,15 @@ from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.dirlock import DirLock
 from actcache.daemon.extents import ReadSession, ValueFile, stored_length
 from actcache.daemon.envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
+from actcache.daemon.generations import (
+    GEN_PREFIX_BYTES,
+    Generation,
+    Generations,
+    ReclaimPlan,
+    plan_reclaim,
+    read_write_time,
+    write_time,
+)
 from actcache.daemon.writer import ReadGate, WriteOp, Writer
 from actcache.errors import (
     BudgetExceeded,
@@ -64,6 +82,8 @@ _GROUP_PREFIX_BYTES = 4 + 16 + 2
 _USAGE = struct.Struct(">QQ")
 _DROP_CHUNK_BYTES = 256 << 20
 _DROP_CHUNK_ENTRIES = 100_000
+# Plan-reclaim-retry rounds of one put before it is refused (concurrent puts may take the room freed).
+_RECLAIM_ROUNDS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +160,10 @@ class Store:
         self._usage: dict[bytes, list[int]] = {}  # group prefix -> [entries, bytes]
         self._secret_of: dict[int, bytes] = {}  # namespace id -> scrypt record, for protected namespaces
         self._handles = Handles()
+        #: Last write, last read and live schedules of each (namespace, fingerprint).
+        self.generations = Generations(self.config.reclaim_after_s)
         try:
-            self._entries, self._namespaces, self._groups, self._meta, self._secrets = (
+            self._entries, self._namespaces, self._groups, self._meta, self._secrets, self._generations = (
                 self._env.open_db(n) for n in DB_NAMES
             )
             self._load()
@@ -182,6 +204,7 @@ class Store:
                 self._usage[bytes(prefix)] = list(_USAGE.unpack(value))
             for ns_id, record in txn.cursor(db=self._secrets):
                 self._secret_of[struct.unpack(">I", ns_id)[0]] = bytes(record)
+            self.generations.load((bytes(g), read_write_time(t)) for g, t in txn.cursor(db=self._generations))
 
     # ---- namespaces ------------------------------------------------------
 
@@ -279,7 +302,14 @@ class Store:
             records.append((key, compress_entry(value, self.config.zstd_level)))
         if not records:
             return PutResult(0, 0, 0)
-        return self._writer.submit(_PutOp(self, prefix, records))
+        for round_ in range(_RECLAIM_ROUNDS):
+            try:
+                return self._writer.submit(_PutOp(self, prefix, records))
+            except _ReclaimNeeded as need:
+                if round_ == _RECLAIM_ROUNDS - 1:
+                    raise BudgetExceeded(str(need)) from None
+                self._reclaim(need.plan)
+        raise AssertionError("unreachable")
 
     def get(
         self,
@@ -299,6 +329,8 @@ class Store:
         """
         namespace_id = self.resolve(namespace_id)
         encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
+        if encoded:
+            self.generations.read(encoded[0][:GEN_PREFIX_BYTES])
         out: list[bytes | memoryview | None] = []
         corrupt: list[tuple[bytes, str]] = []
         try:
@@ -363,6 +395,8 @@ class Store:
                  variants: "np.ndarray | None" = None) -> list[bool]:
         """Whether each sample id (uint64 array; variants uint16 or None for 0) is stored; reads no value."""
         keys = encode_keys(self.resolve(namespace_id), fingerprint, depth, sample_ids, variants)
+        if keys:
+            self.generations.read(keys[0][:GEN_PREFIX_BYTES])
         with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
             cursor = txn.cursor()
             return [cursor.set_key(key) for key in keys]
@@ -405,7 +439,30 @@ class Store:
             if done:
                 return entries, nbytes
 
+    def _reclaim(self, plan: ReclaimPlan) -> None:
+        """Drop the generations of ``plan`` (caller's thread; each chunk runs on the writer thread)."""
+        for gen in plan.victims:
+            entries = nbytes = 0
+            while True:
+                op = _ReclaimOp(self, gen)
+                removed, freed, done = self._writer.submit(op)
+                entries, nbytes = entries + removed, nbytes + freed
+                if done or op.aborted:
+                    break
+            with self._lock:
+                name = self._ns_by_id.get(gen.namespace_id, str(gen.namespace_id))
+            self.generations.reclaimed(name, gen, entries, nbytes, complete=not op.aborted)
+
     # ---- usage -----------------------------------------------------------
+
+    def generation_stats(self) -> list[Generation]:
+        """Every stored generation (namespace, fingerprint) with its bytes, activity and whether it is dead now."""
+        usage: dict[bytes, int] = {}
+        with self._lock:
+            for p, (n, b) in self._usage.items():
+                if n:
+                    usage[p[:GEN_PREFIX_BYTES]] = usage.get(p[:GEN_PREFIX_BYTES], 0) + b
+        return self.generations.snapshot(usage)
 
     def groups(self) -> list[GroupUsage]:
         with self._lock:
@@ -442,7 +499,7 @@ class Store:
         """About how many bytes of ``data.mdb`` are free pages LMDB will reuse (file pages minus tree pages)."""
         used = 2  # meta pages
         main = self._env.stat()
-        tables = (self._entries, self._namespaces, self._groups, self._meta, self._secrets)
+        tables = (self._entries, self._namespaces, self._groups, self._meta, self._secrets, self._generations)
         for stat in [main, *(txn.stat(db) for db in tables)]:
             used += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
         return max(0, self._env.info()["last_pgno"] + 1 - used) * main["psize"]
@@ -469,37 +526,62 @@ class Store:
     # ---- helpers for write operations (writer thread only) ---------------
 
     def _check_budget(self, prefix: bytes, delta: int, pending: dict[bytes, list[int]]) -> None:
-        if delta <= 0:
+        """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op).
+
+        Raises _ReclaimNeeded when dropping dead generations would make the put
+        fit (the caller reclaims them and puts again), else BudgetExceeded
+        saying how many bytes were reclaimable.
+        """
+        ns_limit, limit = self.config.namespace_budget_bytes, self.config.budget_bytes
+        if delta <= 0 or not (ns_limit or limit):
             return
         ns = prefix[:4]
+        ns_used = all_used = 0
+        for p, u in self._usage.items():
+            size = pending[p][1] if p in pending else u[1]
+            all_used += size
+            ns_used += size if p[:4] == ns else 0
+        for p, u in pending.items():
+            if p not in self._usage:
+                all_used += u[1]
+                ns_used += u[1] if p[:4] == ns else 0
+        ns_need = ns_used + delta - ns_limit if ns_limit else 0
+        all_need = all_used + delta - limit if limit else 0
+        if ns_need <= 0 and all_need <= 0:
+            return
+        sizes: dict[bytes, int] = {}
+        for p in set(self._usage) | set(pending):
+            size = pending[p][1] if p in pending else self._usage[p][1]
+            sizes[p[:GEN_PREFIX_BYTES]] = sizes.get(p[:GEN_PREFIX_BYTES], 0) + size
+        busy = {p[:GEN_PREFIX_BYTES] for p in pending}  # touched in this transaction: not planned around
+        dead = [g for g in self.generations.snapshot(sizes) if g.dead and g.prefix not in busy]
+        plan = plan_reclaim(dead, own=prefix[:GEN_PREFIX_BYTES], namespace=ns, namespace_need=ns_need,
+                            daemon_need=all_need)
+        reclaimable = f"; {self.generations.describe(plan)}"
+        if ns_need > 0:
+            name = self._ns_by_id.get(struct.unpack(">I", ns)[0], "?")
+            message = (
+                f"namespace {name!r} uses {ns_used} of its {ns_limit} byte budget "
+                f"({format_size(ns_used)} of {format_size(ns_limit)}) and this put needs {delta} more bytes"
+                f"{reclaimable}; raise --namespace-budget, lower --reclaim-after or run `actcache drop {name}`"
+            )
+        else:
+            message = (
+                f"the daemon uses {all_used} of its {limit} byte budget "
+                f"({format_size(all_used)} of {format_size(limit)}) and this put needs {delta} more bytes"
+                f"{reclaimable}; raise --budget, lower --reclaim-after or drop namespaces with `actcache drop`"
+            )
+        if plan.fits:
+            raise _ReclaimNeeded(message, plan)
+        raise BudgetExceeded(message)
 
-        def used(match) -> int:
-            total = 0
-            for p, u in self._usage.items():
-                if match(p):
-                    total += pending.get(p, u)[1]
-            total += sum(u[1] for p, u in pending.items() if p not in self._usage and match(p))
-            return total
 
-        limit = self.config.namespace_budget_bytes
-        if limit:
-            ns_used = used(lambda p: p[:4] == ns)
-            if ns_used + delta > limit:
-                name = self._ns_by_id.get(struct.unpack(">I", ns)[0], "?")
-                raise BudgetExceeded(
-                    f"namespace {name!r} uses {ns_used} of its {limit} byte budget "
-                    f"({format_size(ns_used)} of {format_size(limit)}) and this put needs {delta} more bytes; "
-                    f"raise --namespace-budget or run `actcache drop {name}`"
-                )
-        limit = self.config.budget_bytes
-        if limit:
-            all_used = used(lambda p: True)
-            if all_used + delta > limit:
-                raise BudgetExceeded(
-                    f"the daemon uses {all_used} of its {limit} byte budget "
-                    f"({format_size(all_used)} of {format_size(limit)}) and this put needs {delta} more bytes; "
-                    "raise --budget or drop namespaces with `actcache drop`"
-                )
+class _ReclaimNeeded(BudgetExceeded):
+    """A put fits once ``plan``'s dead generations are dropped (never leaves Store.put)."""
+
+    def __init__(self, message: str, plan: ReclaimPlan) -> None:
+        super().__init__(message)
+        self.plan = plan
 
 
 class _StoreOp(WriteOp):
@@ -547,7 +629,13 @@ class _PutOp(_StoreOp):
         for key, value in self.records:
             txn.put(key, value, db=db)
         self._adjust(txn, pending, self.prefix, added, delta)
+        self.written = self.store.generations.now()
+        txn.put(self.prefix[:GEN_PREFIX_BYTES], write_time(self.written), db=self.store._generations)
         return PutResult(len(self.records), sum(len(v) for _, v in self.records), replaced)
+
+    def publish(self, pending):
+        super().publish(pending)
+        self.store.generations.wrote(self.prefix[:GEN_PREFIX_BYTES], self.written)
 
 
 class _DropOp(_StoreOp):
@@ -558,8 +646,10 @@ class _DropOp(_StoreOp):
     def __init__(self, store: Store, prefix: bytes) -> None:
         super().__init__(store)
         self.prefix = prefix
+        self.emptied: list[bytes] = []  # generations left without entries (their last-write rows went)
 
     def apply(self, txn, pending):
+        self.emptied = []
         removed: dict[bytes, list[int]] = {}
         entries = nbytes = 0
         cursor = txn.cursor(db=self.store._entries)
@@ -588,7 +678,46 @@ class _DropOp(_StoreOp):
                     log.warning("drop: usage of group %s was %s after its entries were deleted", group.hex(), usage)
                 pending[group] = [0, 0]
                 txn.delete(group, db=self.store._groups)
+            self._forget_empty_generations(txn, pending)
         return entries, nbytes, done
+
+    def _forget_empty_generations(self, txn, pending) -> None:
+        store = self.store
+        groups = set(store._usage) | set(pending)
+        if len(self.prefix) >= GEN_PREFIX_BYTES:
+            touched = {self.prefix[:GEN_PREFIX_BYTES]}
+        else:
+            touched = {p[:GEN_PREFIX_BYTES] for p in groups if p.startswith(self.prefix)}
+            touched |= {g for g in store.generations.known() if g.startswith(self.prefix)}
+        for gen in touched:
+            if not any(pending.get(p, store._usage.get(p, [0, 0]))[0] for p in groups if p.startswith(gen)):
+                txn.delete(gen, db=store._generations)
+                self.emptied.append(gen)
+
+    def publish(self, pending):
+        super().publish(pending)
+        for gen in self.emptied:
+            self.store.generations.forget(gen)
+
+
+class _ReclaimOp(_DropOp):
+    """One chunk of reclaiming a dead generation: a drop of its (namespace, fingerprint) prefix that
+    first checks, in its own transaction, that the generation is still as planned: no write since
+    (its last-write row unchanged, puts earlier in this transaction included), no live schedule, no
+    recent read. Otherwise it deletes nothing and sets ``aborted``."""
+
+    def __init__(self, store: Store, gen: Generation) -> None:
+        super().__init__(store, gen.prefix)
+        self.gen = gen
+        self.aborted = False
+
+    def apply(self, txn, pending):
+        written = read_write_time(txn.get(self.gen.prefix, db=self.store._generations))
+        self.aborted = written != self.gen.last_write or not self.store.generations.is_dead(self.gen.prefix)
+        if self.aborted:
+            self.emptied = []
+            return 0, 0, True
+        return super().apply(txn, pending)
 
 
 class _DeleteOp(_StoreOp):

@@ -33,3 +33,13 @@ def test_bad_prefetch_settings_are_named(tmp_path, flags, message):
 def test_prefetch_config_is_keyword_only():
     with pytest.raises(TypeError):
         PrefetchConfig(1 << 30)  # type: ignore[misc]
+
+
+def test_reclaim_after_from_flags_env_and_default(tmp_path):
+    base = {"dir": tmp_path, "socket": tmp_path / "s"}
+    assert DaemonConfig.from_sources(base, env={}).store.reclaim_after_s == 600.0
+    assert DaemonConfig.from_sources(base, env={"ACTCACHE_RECLAIM_AFTER": "0"}).store.reclaim_after_s == 0.0
+    assert DaemonConfig.from_sources({**base, "reclaim_after": 30.0}, env={}).store.reclaim_after_s == 30.0
+    for bad in ("-1", "soon", "inf"):
+        with pytest.raises(ConfigError, match="--reclaim-after must be a number of seconds"):
+            DaemonConfig.from_sources(base, env={"ACTCACHE_RECLAIM_AFTER": bad})

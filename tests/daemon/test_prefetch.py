@@ -221,6 +221,7 @@ class _FailingStore:
     def __init__(self, store: Store, ok: int, error: Exception) -> None:
         self._store, self._left, self._error = store, ok, error
         self.config = store.config
+        self.generations = store.generations
         self.go = threading.Event()
 
     def probe(self, keys):

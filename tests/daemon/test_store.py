@@ -287,3 +287,98 @@ def test_a_key_listed_twice_in_one_put_is_counted_once(store):
     assert (result.entries, result.replaced) == (3, 1)
     assert store.get(ns, FP, 1, [(1, 0)]) == [entry(3, 5000)]
     assert [(g.entries, g.bytes) for g in store.groups()] == [(2, len(entry(2)) + len(entry(3, 5000)))]
+
+
+def _gen(ns: int, fp: bytes) -> bytes:
+    return ns.to_bytes(4, "big") + fp
+
+
+def test_a_put_over_the_budget_reclaims_dead_generations_oldest_written_first(tmp_path):
+    one = len(entry(0))
+    s = Store(StoreConfig(dir=tmp_path, budget_bytes=10 * one, zstd_level=0, reclaim_after_s=0))
+    try:
+        ns = s.open_namespace("gens").id
+        old, mid, new = b"1" * 16, b"2" * 16, b"3" * 16
+        s.put(ns, old, 1, [(i, 0, entry(i)) for i in range(3)])
+        s.put(ns, old, 2, [(i, 0, entry(i)) for i in range(1)])  # one generation, two depths
+        s.put(ns, mid, 1, [(i, 0, entry(i)) for i in range(4)])
+        s.put(ns, new, 1, [(i, 0, entry(i)) for i in range(2)])  # fits: 10 of 10
+        s.put(ns, new, 1, [(i, 0, entry(i)) for i in range(2, 5)])  # 3 more: the oldest generation goes, whole
+        assert sorted({g.fingerprint for g in s.groups()}) == [mid, new]
+        assert s.used_bytes() == 9 * one
+        assert (s.generations.reclaimed_generations, s.generations.reclaimed_bytes) == (1, 4 * one)
+        assert s.generations.last_write(_gen(ns, old)) is None  # its bookkeeping went with it
+        s.put(ns, new, 1, [(i, 0, entry(i)) for i in range(5, 10)])  # 5 more: `mid` goes too
+        assert {g.fingerprint for g in s.groups()} == {new} and s.used_bytes() == 10 * one
+        # Its own generation is never reclaimed: now the put is refused, saying what was reclaimable.
+        with pytest.raises(BudgetExceeded, match=r"dead generations \(no live schedule\) hold 0 bytes .* not enough"):
+            s.put(ns, new, 1, [(10, 0, entry(10))])
+    finally:
+        s.close()
+
+
+def test_scheduled_and_recent_generations_are_not_reclaimed(tmp_path):
+    one = len(entry(0))
+    s = Store(StoreConfig(dir=tmp_path, budget_bytes=6 * one, zstd_level=0, reclaim_after_s=0))
+    try:
+        ns = s.open_namespace("pinned").id
+        a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+        s.put(ns, a, 1, [(i, 0, entry(i)) for i in range(3)])
+        s.put(ns, b, 1, [(i, 0, entry(i)) for i in range(3)])
+        s.generations.pin(_gen(ns, a))  # a live schedule reads the oldest
+        s.put(ns, c, 1, [(0, 0, entry(0))])
+        assert sorted({g.fingerprint for g in s.groups()}) == [a, c]
+        with pytest.raises(BudgetExceeded, match=rf"hold {one} bytes .* that could be reclaimed, not enough"):
+            s.put(ns, b"d" * 16, 1, [(i, 0, entry(i)) for i in range(4)])  # c (1 entry) is not enough
+        assert sorted({g.fingerprint for g in s.groups()}) == [a, c]  # nothing reclaimed for a refused put
+    finally:
+        s.close()
+    s = Store(StoreConfig(dir=tmp_path, budget_bytes=6 * one, zstd_level=0, reclaim_after_s=3600))
+    try:
+        with pytest.raises(BudgetExceeded, match=r"unused for 3600 s \(--reclaim-after\)\) hold 0 bytes"):
+            s.put(ns, b"d" * 16, 1, [(i, 0, entry(i)) for i in range(4)])  # just restarted: nothing is dead yet
+    finally:
+        s.close()
+
+
+def test_a_namespace_over_its_budget_reclaims_only_its_own_generations(tmp_path):
+    one = len(entry(0))
+    s = Store(StoreConfig(dir=tmp_path, namespace_budget_bytes=4 * one, zstd_level=0, reclaim_after_s=0))
+    try:
+        x, y = s.open_namespace("x").id, s.open_namespace("y").id
+        s.put(y, FP, 1, [(i, 0, entry(i)) for i in range(4)])  # older, and dead, but another namespace's
+        s.put(x, b"o" * 16, 1, [(i, 0, entry(i)) for i in range(2)])
+        s.put(x, b"n" * 16, 1, [(i, 0, entry(i)) for i in range(3)])
+        assert s.used_bytes(y) == 4 * one and s.used_bytes(x) == 3 * one
+        assert [g.fingerprint for g in s.groups() if g.namespace_id == x] == [b"n" * 16]
+    finally:
+        s.close()
+
+
+def test_last_writes_survive_a_restart_and_a_drop_removes_them(tmp_path):
+    config = StoreConfig(dir=tmp_path)
+    s = Store(config)
+    ns = s.open_namespace("times").id
+    s.put(ns, FP, 1, [(0, 0, entry(0))])
+    s.put(ns, b"G" * 16, 1, [(0, 0, entry(0))])
+    written = s.generations.last_write(_gen(ns, FP))
+    s.get(ns, FP, 1, [(0, 0)])
+    assert written is not None and s.generations.snapshot({_gen(ns, FP): 1})[0].last_read is not None
+    s.close()
+    s = Store(config)
+    try:
+        [stats] = [g for g in s.generation_stats() if g.fingerprint == FP]
+        assert (stats.last_write, stats.last_read, stats.dead) == (written, None, False)
+        s.drop(ns, FP, 2)  # another depth: the generation keeps its entries and its time
+        assert s.generations.last_write(_gen(ns, FP)) == written
+        s.drop(ns, FP)
+        assert s.generations.last_write(_gen(ns, FP)) is None
+        s.drop(ns)
+        assert s.generations.known() == []
+    finally:
+        s.close()
+    s = Store(config)
+    try:
+        assert s.generations.known() == []
+    finally:
+        s.close()

@@ -1,0 +1,244 @@
+"""Generations: the activity of each (namespace, fingerprint), and which dead ones a put may reclaim.
+
+A generation is every entry of one (namespace, fingerprint), at every depth.
+Unfreezing and refreezing a trained prefix starts a new one, and the old one
+can never be served again, yet it keeps its bytes until it is dropped. Per
+generation the daemon knows:
+
+- its last write (wall clock seconds): persisted by the store in its
+  ``generations`` table, in the same transaction as the put, so it survives
+  restarts (None: the store was written before this was recorded);
+- its last read: a Get or Contains of its entries, a pushed Schedule naming
+  it, a Fetch of such a schedule and the end of its serving. In memory only
+  (a write per read would cost too much); after a restart it is unknown,
+  and the daemon's start time stands in for it, so nothing is reclaimed as
+  "never read" before ``reclaim_after_s`` has passed since the start;
+- its pins: live schedules (pushed, not yet served to their end) reading it.
+
+A generation is *dead* when nothing pins it and, with ``reclaim_after_s`` >
+0, neither a read nor a write touched it for ``reclaim_after_s`` seconds.
+When a put would exceed a budget, the store asks ``plan_reclaim`` which dead
+generations to drop: whole generations, oldest last write first, never the
+put's own, first those of the namespace over its budget, then (for the
+daemon budget) of any namespace, and only as many as the put needs.
+
+Concurrency: the tracker's lock is a leaf (nothing else is locked while it
+is held); RPC threads (reads), the prefetcher (pins) and the store's writer
+thread (writes, reclaims) call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+
+from actcache.daemon.config import format_size
+
+__all__ = ["GEN_PREFIX_BYTES", "Generation", "Generations", "ReclaimPlan", "plan_reclaim", "read_write_time",
+           "write_time"]
+
+log = logging.getLogger(__name__)
+
+#: A generation's key: namespace id (u32, big-endian) + fingerprint (16 bytes), the head of its entries' keys.
+GEN_PREFIX_BYTES = 4 + 16
+_TIME = struct.Struct(">d")
+
+
+def write_time(when: float) -> bytes:
+    """The ``generations`` table's value for a last write at ``when``."""
+    return _TIME.pack(when)
+
+
+def read_write_time(value: bytes | memoryview | None) -> float | None:
+    """The last write a ``generations`` table value holds (None for no value)."""
+    return None if value is None else _TIME.unpack(bytes(value))[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One generation as Stats and a reclaim decision see it."""
+
+    prefix: bytes
+    bytes: int
+    #: Wall clock seconds; None = unknown (written before last writes were recorded).
+    last_write: float | None
+    #: Wall clock seconds; None = not read since the daemon started.
+    last_read: float | None
+    #: Live schedules reading it.
+    pins: int
+    dead: bool
+
+    @property
+    def namespace_id(self) -> int:
+        return struct.unpack(">I", self.prefix[:4])[0]
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self.prefix[4:GEN_PREFIX_BYTES]
+
+
+@dataclass(frozen=True, slots=True)
+class ReclaimPlan:
+    """What ``plan_reclaim`` found: the generations to drop (empty when they would not make the put fit)."""
+
+    victims: list[Generation]
+    #: Bytes of the dead generations that could count for the put (its namespace's, or all for the daemon budget).
+    reclaimable_bytes: int
+    fits: bool
+
+
+def plan_reclaim(
+    dead: Sequence[Generation], *, own: bytes, namespace: bytes, namespace_need: int, daemon_need: int
+) -> ReclaimPlan:
+    """Choose whole dead generations to drop so that a put fits its budgets.
+
+    ``dead``: the dead generations of every namespace; ``own``: the put's
+    generation (never chosen); ``namespace``: the put's namespace id (4
+    bytes); ``*_need``: bytes to free for each budget (<= 0: it fits). The
+    namespace's generations are taken first, oldest last write first (an
+    unknown one counts as oldest) until its need is met; freeing them helps
+    the daemon budget too, and any namespace's then make up the rest of it.
+    """
+    order = sorted((g for g in dead if g.prefix != own and g.bytes > 0),
+                   key=lambda g: (g.last_write is not None, g.last_write or 0.0, g.prefix))
+    mine = [g for g in order if g.prefix[:4] == namespace]
+    scope = order if daemon_need > 0 else mine
+    reclaimable = sum(g.bytes for g in scope)
+    victims: dict[bytes, Generation] = {}
+    freed = 0
+    for need, candidates in ((namespace_need, mine), (daemon_need, order)):
+        for g in candidates:
+            if freed >= need:
+                break
+            if g.prefix not in victims:
+                victims[g.prefix] = g
+                freed += g.bytes
+        if freed < need:
+            return ReclaimPlan([], reclaimable, False)
+    return ReclaimPlan(list(victims.values()), reclaimable, True)
+
+
+class Generations:
+    """Last write, last read and pins of every generation, and the reclaim counters (thread-safe)."""
+
+    def __init__(self, reclaim_after_s: float, *, clock: Callable[[], float] = time.time) -> None:
+        self.reclaim_after_s = reclaim_after_s
+        self._clock = clock
+        self.started = clock()
+        self._lock = threading.Lock()
+        self._written: dict[bytes, float] = {}
+        self._read: dict[bytes, float] = {}
+        self._pins: dict[bytes, int] = {}
+        self.reclaimed_generations = 0
+        self.reclaimed_bytes = 0
+
+    def now(self) -> float:
+        return self._clock()
+
+    # ---- events ------------------------------------------------------------
+
+    def load(self, rows: Iterable[tuple[bytes, float]]) -> None:
+        """The persisted last writes, at start."""
+        with self._lock:
+            self._written.update(rows)
+
+    def wrote(self, prefix: bytes, when: float) -> None:
+        """A put to the generation committed (called after the commit that persisted ``when``)."""
+        with self._lock:
+            if when > self._written.get(prefix, float("-inf")):
+                self._written[prefix] = when
+
+    def read(self, prefix: bytes) -> None:
+        """Entries of the generation were read or asked for (hot path: one dict store)."""
+        when = self._clock()
+        with self._lock:
+            self._read[prefix] = when
+
+    def pin(self, prefix: bytes) -> None:
+        """A live schedule reads the generation (a push); counts as a read too."""
+        when = self._clock()
+        with self._lock:
+            self._pins[prefix] = self._pins.get(prefix, 0) + 1
+            self._read[prefix] = when
+
+    def unpin(self, prefix: bytes) -> None:
+        """A schedule of the generation is gone (served to its end, replaced or released); counts as a read."""
+        when = self._clock()
+        with self._lock:
+            left = self._pins.get(prefix, 0) - 1
+            if left > 0:
+                self._pins[prefix] = left
+            else:
+                self._pins.pop(prefix, None)
+            self._read[prefix] = when
+
+    def forget(self, prefix: bytes) -> None:
+        """The generation's entries are all gone (a drop): its times go too; pins stay with their schedules."""
+        with self._lock:
+            self._written.pop(prefix, None)
+            self._read.pop(prefix, None)
+
+    def reclaimed(self, namespace: str, gen: Generation, entries: int, nbytes: int, *, complete: bool) -> None:
+        """Count and log a reclaim of ``gen`` (of the namespace called ``namespace``) that deleted ``entries``;
+        ``complete`` False: it stopped early, the generation having been used since it was chosen."""
+        if not complete:
+            log.info("reclaim of generation %s/%s stopped after %d entries (%d bytes): it was written, read or "
+                     "scheduled since it was chosen", namespace, gen.fingerprint.hex(), entries, nbytes)
+        if not entries:
+            return
+        now = self._clock()
+        with self._lock:
+            self.reclaimed_generations += 1
+            self.reclaimed_bytes += nbytes
+        log.info("reclaimed dead generation %s/%s: %d entries, %d bytes (%s); last write %s, last read %s",
+                 namespace, gen.fingerprint.hex(), entries, nbytes, format_size(nbytes),
+                 _age(gen.last_write, now, "unknown"),
+                 _age(gen.last_read, now, f"none since the daemon started {now - self.started:.0f} s ago"))
+
+    def describe(self, plan: ReclaimPlan) -> str:
+        """What a refusal says about ``plan``: how many bytes were reclaimable, under which rule."""
+        after = f", unused for {self.reclaim_after_s:g} s (--reclaim-after)" if self.reclaim_after_s else ""
+        return (f"dead generations (no live schedule{after}) hold {plan.reclaimable_bytes} bytes "
+                f"({format_size(plan.reclaimable_bytes)}) that could be reclaimed{'' if plan.fits else ', not enough'}")
+
+    # ---- queries -----------------------------------------------------------
+
+    def last_write(self, prefix: bytes) -> float | None:
+        with self._lock:
+            return self._written.get(prefix)
+
+    def known(self) -> list[bytes]:
+        """Generations with a recorded last write."""
+        with self._lock:
+            return list(self._written)
+
+    def is_dead(self, prefix: bytes, now: float | None = None) -> bool:
+        now = self._clock() if now is None else now
+        with self._lock:
+            return self._dead(prefix, now)
+
+    def _dead(self, prefix: bytes, now: float) -> bool:
+        if self._pins.get(prefix):
+            return False
+        if not self.reclaim_after_s:
+            return True
+        active = max(self._written.get(prefix, float("-inf")), self._read.get(prefix, self.started))
+        return now - active >= self.reclaim_after_s
+
+    def snapshot(self, usage: Mapping[bytes, int], now: float | None = None) -> list[Generation]:
+        """Every generation in ``usage`` (prefix -> stored bytes) with its activity, at ``now``."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            return [
+                Generation(prefix, nbytes, self._written.get(prefix), self._read.get(prefix),
+                           self._pins.get(prefix, 0), self._dead(prefix, now))
+                for prefix, nbytes in sorted(usage.items())
+            ]
+
+
+def _age(when: float | None, now: float, unknown: str) -> str:
+    return unknown if when is None else f"{now - when:.0f} s ago"
