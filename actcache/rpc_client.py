@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from actcache.keys import MAX_VARIANT, check_fingerprint
 from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
 from actcache.shm import ClientSegment
 
-__all__ = ["EntryBatch", "RpcClient", "target_for"]
+__all__ = ["EntryBatch", "JobInfo", "RpcClient", "target_for"]
 
 T = TypeVar("T")
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -74,6 +75,44 @@ class EntryBatch:
         """(position, sample_id, variant, value) per entry."""
         variants = self.variants or [0] * len(self.values)
         return zip(range(self.start, self.start + len(self.values)), self.sample_ids, variants, self.values)
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    """A job as it describes itself to the daemon when it opens a namespace (``actcache ls``/``stats`` list
+    the jobs of each namespace). ``JobInfo.current(data_id=...)`` describes this process."""
+
+    pid: int
+    host: str
+    #: When the process started, wall clock seconds since the epoch.
+    start_time: float
+    #: What data the job reads (e.g. IndexedDataset's data_id); may be empty.
+    data_id: str = ""
+
+    @classmethod
+    def current(cls, data_id: str = "") -> "JobInfo":
+        return cls(os.getpid(), socket.gethostname(), _process_start_time(), data_id)
+
+    def to_message(self) -> pb.JobInfo:
+        return pb.JobInfo(pid=self.pid, host=self.host, start_time=self.start_time, data_id=self.data_id)
+
+
+def _process_start_time() -> float:
+    """This process's start (wall clock), from /proc on Linux; elsewhere the first time this is asked."""
+    global _START_TIME
+    if _START_TIME is None:
+        try:
+            with open("/proc/self/stat") as f:  # field 22 (after the parenthesised name): start in clock ticks
+                ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+            with open("/proc/stat") as f:
+                boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+            _START_TIME = boot + ticks / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, StopIteration):
+            _START_TIME = time.time()
+    return _START_TIME
+
+
+_START_TIME: float | None = None
 
 
 def _error_of(exc: grpc.RpcError) -> ActCacheError:
@@ -198,16 +237,21 @@ class RpcClient:
 
     # ---- RPCs ------------------------------------------------------------
 
-    def open(self, name: str, *, create: bool = True, secret: bytes | str | None = None) -> pb.OpenReply:
+    def open(
+        self, name: str, *, create: bool = True, secret: bytes | str | None = None, job: JobInfo | None = None
+    ) -> pb.OpenReply:
         """Open (or create) a namespace; returns its handle and limits.
 
         With a ``secret`` the namespace is protected: only Opens presenting it
         get the handle (a random 64-bit value valid until the daemon restarts;
-        on NamespaceNotFound for it, open again).
+        on NamespaceNotFound for it, open again). ``job`` (e.g.
+        ``JobInfo.current(data_id)``) tells the daemon who opens it; it lists
+        the last jobs of each namespace in Stats.
         """
         if isinstance(secret, str):
             secret = secret.encode()
-        request = pb.OpenRequest(name=name, create=create, secret=secret or b"")
+        request = pb.OpenRequest(name=name, create=create, secret=secret or b"",
+                                 job=job.to_message() if job is not None else None)
         return self._invoke(lambda t: self._call("Open")(request, timeout=t, metadata=self._metadata()))
 
     def put(

@@ -116,6 +116,12 @@ def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
                store.file_bytes),
         Family("actcache_uptime_seconds", "Seconds since the daemon started", "gauge",
                lambda: time.monotonic() - service.started),
+        Family("actcache_reclaimable_bytes", "Bytes of dead generations (reclaimed when a put needs room) per namespace",
+               "gauge", lambda: _reclaimable(store), labels=("namespace",)),
+        Family("actcache_reclaimed_generations", "Dead generations reclaimed to make room for puts", "counter",
+               lambda: store.generations.reclaimed_generations),
+        Family("actcache_reclaimed_bytes", "Bytes of dead generations reclaimed to make room for puts", "counter",
+               lambda: store.generations.reclaimed_bytes),
     ]
     families += _prefetch_families(store, service)
     for f in fields(counters):
@@ -125,6 +131,16 @@ def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
         else:
             families.append(Family(f"actcache_{f.name}", help_text, "gauge", counter_field(f.name)))
     return families
+
+
+def _reclaimable(store: "Store") -> dict[tuple[str], int]:
+    names = {info.id: info.name for info, *_ in store.namespaces()}
+    out = {(name,): 0 for name in names.values()}
+    for gen in store.generation_stats():
+        if gen.dead:
+            key = (names.get(gen.namespace_id, str(gen.namespace_id)),)
+            out[key] = out.get(key, 0) + gen.bytes
+    return out
 
 
 class MetricsEndpoint:

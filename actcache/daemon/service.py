@@ -18,12 +18,14 @@ import grpc
 
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
+from actcache.daemon.jobs import NamespaceJobs
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.prefetch_stats import PrefetchCounters
 from actcache.daemon.schedule import ScheduleBuilder, unpack_ids, unpack_variants
 from actcache.daemon.store import Store
 from actcache.daemon.throttle import Throttle
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
+from actcache.keys import group_prefix
 from actcache.rpc import SERVICE, decode_frame, encode_frame, split_payload
 from actcache.shm import ShmRing
 
@@ -116,6 +118,8 @@ class ActCacheService:
         self.max_message_bytes = max_message_bytes
         self.counters = Counters()
         self.started = time.monotonic()
+        #: Jobs that opened each namespace (OpenRequest.job), for Stats.
+        self.jobs = NamespaceJobs()
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler registering every method with its (de)serializers."""
@@ -140,6 +144,9 @@ class ActCacheService:
     @_status_on_error
     def Open(self, request: pb.OpenRequest, context) -> pb.OpenReply:
         info = self.store.open_namespace(request.name, create=request.create, secret=request.secret)
+        if request.HasField("job"):
+            job = request.job
+            self.jobs.record(info.id, pid=job.pid, host=job.host, start_time=job.start_time, data_id=job.data_id)
         cfg = self.store.config
         return pb.OpenReply(
             namespace_id=info.handle,
@@ -384,21 +391,41 @@ class ActCacheService:
             fetches_total=prefetch.fetches_total,
             explicit_reads_total=reads["explicit_reads"],
             fallback_reads_total=reads["fallback_reads"],
+            reclaimed_generations_total=store.generations.reclaimed_generations,
+            reclaimed_bytes_total=store.generations.reclaimed_bytes,
+            reclaim_after_seconds=store.config.reclaim_after_s,
+            now=store.generations.now(),
             **counters,
         )
+        generations = {g.prefix: g for g in store.generation_stats()}
+        reclaimable: dict[int, int] = {}
+        for g in generations.values():
+            if g.dead:
+                reclaimable[g.namespace_id] = reclaimable.get(g.namespace_id, 0) + g.bytes
+        reply.reclaimable_bytes = sum(reclaimable.values())
         for info, entries, nbytes in store.namespaces():
             names[info.id] = info.name
-            reply.namespaces.add(
+            row = reply.namespaces.add(
                 name=info.name, namespace_id=info.id, entries=entries, bytes=nbytes,
-                budget_bytes=store.config.namespace_budget_bytes,
+                budget_bytes=store.config.namespace_budget_bytes, reclaimable_bytes=reclaimable.get(info.id, 0),
             )
+            for job in self.jobs.of(info.id):
+                row.jobs.add(
+                    job=pb.JobInfo(pid=job.pid, host=job.host, start_time=job.start_time, data_id=job.data_id),
+                    first_seen=job.first_seen, last_seen=job.last_seen, opens=job.opens,
+                )
         for group in store.groups():
+            gen = generations.get(group_prefix(group.namespace_id, group.fingerprint))
             reply.groups.add(
                 namespace=names.get(group.namespace_id, str(group.namespace_id)),
                 fingerprint=group.fingerprint,
                 depth=group.depth,
                 entries=group.entries,
                 bytes=group.bytes,
+                last_write_time=(gen and gen.last_write) or 0.0,
+                last_read_time=(gen and gen.last_read) or 0.0,
+                reclaimable=bool(gen and gen.dead),
+                live_schedules=gen.pins if gen else 0,
             )
         live: dict[int, list] = {}
         for status in prefetch.schedules:
