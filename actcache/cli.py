@@ -2,7 +2,7 @@
 
     actcache serve --dir DIR [--socket PATH]    run the daemon
     actcache stats [--json]                     usage and counters
-    actcache ls [--json]                        namespaces, fingerprints, depths
+    actcache ls [--json]                        namespaces, fingerprints, depths; last write/read, reclaimable; jobs
     actcache drop NAMESPACE [--fingerprint HEX [--depth N]]
     actcache clean [--socket PATH] [--dir DIR]  reclaim leftovers of crashes
     actcache stop [--socket PATH]               stop a daemon (default: this node's, see actcache.node)
@@ -87,6 +87,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", help="PEM private key for TLS on --listen")
     p.add_argument("--budget", type=_size, help="byte budget of the whole cache, e.g. 100GiB (default unlimited)")
     p.add_argument("--namespace-budget", type=_size, help="byte budget of each namespace (default unlimited)")
+    p.add_argument("--reclaim-after", type=float, metavar="SECONDS",
+                   help="a put over a budget first reclaims dead generations: fingerprints no live schedule reads, "
+                        "unused for this long (env ACTCACHE_RECLAIM_AFTER; default 600; 0 = only live schedules "
+                        "protect a generation)")
     p.add_argument("--map-size", type=_size, help="initial LMDB map size (default 1GiB; grows as needed)")
     p.add_argument("--zstd-level", type=int, help="zstd level for raw entries, 0 = store raw (default 1)")
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=None,
@@ -142,6 +146,8 @@ def _run_stats(args: argparse.Namespace) -> int:
     budget = _fmt(reply.budget_bytes) if reply.budget_bytes else "unlimited"
     print(f"actcache {reply.server_version}, up {reply.uptime_seconds:.0f} s")
     print(f"stored   {_fmt(reply.used_bytes)} of {budget} budget; file {_fmt(reply.file_bytes)}, map {_fmt(reply.map_size_bytes)}")
+    print(f"reclaim  {_fmt(reply.reclaimable_bytes)} in dead generations ({_dead_rule(reply)}); reclaimed "
+          f"{reply.reclaimed_generations_total} generations ({_fmt(reply.reclaimed_bytes_total)}) since start")
     hits, misses = reply.hits_total, reply.misses_total
     ratio = f"{hits / (hits + misses):.1%}" if hits + misses else "n/a"
     print(f"puts     {reply.puts_total} entries, {_fmt(reply.put_bytes_total)}")
@@ -149,7 +155,9 @@ def _run_stats(args: argparse.Namespace) -> int:
           f"(hit ratio {ratio}), served {_fmt(reply.served_bytes_total)}")
     print(f"corrupt  {reply.corrupt_total} entries deleted")
     for ns in reply.namespaces:
-        print(f"  {ns.name:<24} {ns.entries:>10} entries {_fmt(ns.bytes):>12}")
+        print(f"  {ns.name:<24} {ns.entries:>10} entries {_fmt(ns.bytes):>12}, {_fmt(ns.reclaimable_bytes)} reclaimable")
+        for job in ns.jobs:
+            print(f"    {_job_line(job, reply.now)}")
     print(f"prefetch budget {_fmt(reply.prefetch_budget_bytes)}, buffered {_fmt(reply.prefetch_buffered_bytes)} "
           f"(max {_fmt(reply.prefetch_max_buffered_bytes)}); {reply.schedules_total} schedules pushed, "
           f"{reply.fetches_total} fetches; reads: {reply.explicit_reads_total} explicit, "
@@ -162,6 +170,29 @@ def _run_stats(args: argparse.Namespace) -> int:
               f"(ready {sc.ready}, read {sc.read}), read-ahead {sc.read_ahead_entries} entries "
               f"({_fmt(sc.buffered_bytes)}); {_counters_line(sc.counters)}")
     return 0
+
+
+def _ago(when: float, now: float) -> str:
+    """``3m ago`` for a wall-clock time (on the daemon's clock ``now``); ``-`` for 0 (unknown)."""
+    if not when:
+        return "-"
+    age = max(0.0, now - when)
+    for unit, seconds in (("d", 86400), ("h", 3600), ("m", 60)):
+        if age >= seconds:
+            return f"{age // seconds:.0f}{unit} ago"
+    return f"{age:.0f}s ago"
+
+
+def _dead_rule(reply) -> str:
+    after = reply.reclaim_after_seconds
+    return f"no live schedule, unused for {after:g} s" if after else "no live schedule"
+
+
+def _job_line(job, now: float) -> str:
+    info = job.job
+    data = f", data {info.data_id!r}" if info.data_id else ""
+    return (f"job pid {info.pid} on {info.host or '?'}, started {_ago(info.start_time, now)}{data}: opened "
+            f"{job.opens} times, first {_ago(job.first_seen, now)}, last {_ago(job.last_seen, now)}")
 
 
 def _counters_line(c) -> str:
@@ -177,15 +208,27 @@ def _run_ls(args: argparse.Namespace) -> int:
     with _client(args) as client:
         reply = client.stats()
     rows = [
-        {"namespace": g.namespace, "fingerprint": g.fingerprint.hex(), "depth": g.depth, "entries": g.entries, "bytes": g.bytes}
+        {"namespace": g.namespace, "fingerprint": g.fingerprint.hex(), "depth": g.depth, "entries": g.entries, "bytes": g.bytes,
+         "last_write": g.last_write_time or None, "last_read": g.last_read_time or None,
+         "reclaimable": g.reclaimable, "live_schedules": g.live_schedules}
         for g in reply.groups
     ]
-    if args.json:
+    if args.json:  # times: wall clock seconds (null = unknown); jobs: `actcache stats --json`
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'NAMESPACE':<24} {'FINGERPRINT':<32} {'DEPTH':>5} {'ENTRIES':>10} {'BYTES':>12}")
+    print(f"{'NAMESPACE':<24} {'FINGERPRINT':<32} {'DEPTH':>5} {'ENTRIES':>10} {'BYTES':>12} "
+          f"{'WRITTEN':>9} {'READ':>9}  RECLAIMABLE")
     for r in rows:
-        print(f"{r['namespace']:<24} {r['fingerprint']:<32} {r['depth']:>5} {r['entries']:>10} {_fmt(r['bytes']):>12}")
+        live = r["live_schedules"]
+        reclaim = "yes" if r["reclaimable"] else f"no ({live} live schedule{'s' * (live != 1)})" if live else "no"
+        print(f"{r['namespace']:<24} {r['fingerprint']:<32} {r['depth']:>5} {r['entries']:>10} {_fmt(r['bytes']):>12} "
+              f"{_ago(r['last_write'] or 0, reply.now):>9} {_ago(r['last_read'] or 0, reply.now):>9}  {reclaim}")
+    print(f"(a generation, a namespace's fingerprint at every depth, is reclaimable when dead: {_dead_rule(reply)})")
+    for ns in reply.namespaces:
+        if ns.jobs:
+            print(f"jobs of {ns.name}:")
+            for job in ns.jobs:
+                print(f"  {_job_line(job, reply.now)}")
     return 0
 
 

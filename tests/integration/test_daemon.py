@@ -196,7 +196,9 @@ def test_cli_stats_ls_drop(daemon, client):
         return out.stdout
 
     rows = [r for r in json.loads(cli("ls", "--json")) if r["namespace"] == "cli"]
-    assert rows == [{"namespace": "cli", "fingerprint": FP.hex(), "depth": 7, "entries": 5, "bytes": rows[0]["bytes"]}]
+    assert rows == [{"namespace": "cli", "fingerprint": FP.hex(), "depth": 7, "entries": 5, "bytes": rows[0]["bytes"],
+                     "last_write": rows[0]["last_write"], "last_read": None, "reclaimable": False, "live_schedules": 0}]
+    assert rows[0]["last_write"] > 0
     assert "cli" in cli("stats") and "hit ratio" in cli("stats")
     assert int(json.loads(cli("stats", "--json"))["puts_total"]) >= 5
     assert json.loads(cli("drop", "cli", "--fingerprint", FP.hex(), "--depth", "7", "--json"))["entries"] == 5
