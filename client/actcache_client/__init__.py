@@ -28,6 +28,7 @@ from actcache_client.freeze import (
 )
 from actcache_client.loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
 from actcache_client.planner import CachePlanner, PlannerConfig
+from actcache_client.sampler import NodeStableSampler
 from actcache_client.stages import StagedModel, auto_partition, from_bert, from_resnet, from_sequential
 from actcache_client.teacher import (
     CachedTeacher,
@@ -59,6 +60,7 @@ __all__ = [
     "IndexedDataset",
     "ManualPolicy",
     "MovingTeacherWarning",
+    "NodeStableSampler",
     "PlannerConfig",
     "ReferenceConfig",
     "StagedModel",
