@@ -37,8 +37,8 @@ the ranks of one node are disjoint (a rank repeats only its own samples), so
 no two ranks of a node compute the same entry; the one exception is a node
 left with fewer samples than ranks, whose idle ranks repeat its samples.
 
-Resume: ``state_dict(consumed=k)`` (k samples taken by every rank in the
-current epoch) records which samples the epoch has seen, for any layout;
+Resume: ``state_dict(consumed=k, epoch=e)`` (k samples of epoch e taken by
+every rank) records which samples the epoch has seen, for any layout;
 ``load_state_dict`` on another number of nodes or ranks visits exactly the
 unseen ones in the rest of that epoch, each on its node under the new
 placement. Seeds, block size and canonical nodes are the sampler's own.
@@ -247,14 +247,17 @@ class NodeStableSampler(Sampler[int]):
 
     # ---- resume --------------------------------------------------------------
 
-    def state_dict(self, consumed: int = 0) -> dict[str, Any]:
-        """The state after every rank took ``consumed`` samples of the current epoch (the same on every rank).
+    def state_dict(self, consumed: int = 0, *, epoch: int | None = None) -> dict[str, Any]:
+        """The state after every rank took ``consumed`` samples of ``epoch`` (the same count on every rank).
 
-        With a CachedLoader: ``consumed = batches done in the epoch * batch_size``.
+        ``epoch`` defaults to the last ``set_epoch``. Pass it with a CachedLoader, which draws the next
+        epoch's order (``set_epoch(e + 1)``) halfway through epoch e: ``state_dict(consumed=(batch.position
+        + 1) * batch_size, epoch=batch.epoch)`` after the step of ``batch``.
         """
         if consumed < 0:
             raise ConfigError(f"consumed must be >= 0 samples, got {consumed}")
-        epoch, seen = self.epoch, self._seen(self.epoch)
+        epoch = self.epoch if epoch is None else epoch
+        seen = self._seen(epoch)
         length = self._length(seen)
         if consumed >= length:  # the epoch is over
             epoch, seen, consumed = epoch + 1, None, 0

@@ -122,6 +122,8 @@ def test_resume_on_the_same_layout_continues_each_ranks_order():
     full = orders(samplers, 3)
     state = samplers[0][0].state_dict(consumed=10)
     assert state["epoch"] == 3 and state["seen"] is not None
+    samplers[0][0].set_epoch(4)  # as CachedLoader does halfway through epoch 3
+    assert samplers[0][0].state_dict(consumed=10, epoch=3) == state
     resumed = world(120, 2, 2)
     for node in resumed:
         for s in node:
