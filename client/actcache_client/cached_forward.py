@@ -186,8 +186,13 @@ class CachedForward:
         """Fingerprint of the weights of stages[:depth] alone (default: the frozen prefix)."""
         return self._weights[self._frozen if depth is None else depth]
 
-    def bind_data(self, data: bytes) -> None:
-        """Key entries by this data fingerprint from now on (actcache_client.identity; CachedLoader calls it)."""
+    def bind_data(self, data: bytes, name: str = "") -> None:
+        """Key entries by this data fingerprint from now on (actcache_client.identity; CachedLoader calls it).
+
+        ``name`` (the dataset's ``data_id``, else the fingerprint) is how the daemon lists this job's data.
+        """
+        if self.connection is not None:
+            self.connection.describe(data_id=name or data.hex()[:16])
         if data == self._data:
             return
         self._data = data

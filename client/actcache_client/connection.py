@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from actcache.errors import ActCacheError, BudgetExceeded, ConfigError, DaemonUnavailable, EntryCorrupt, NamespaceNotFound
-from actcache.rpc_client import EntryBatch, RpcClient, target_for
+from actcache.rpc_client import EntryBatch, JobInfo, RpcClient, target_for
 
 __all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "connect"]
 
@@ -126,6 +126,7 @@ class Connection:
         )
         self._lock = threading.Lock()
         self._namespace_id: int | None = None
+        self._data_id = ""
         #: How many times the namespace was opened (a new daemon, or the daemon restarted).
         self.opens = 0
         self._warned: set[str] = set()
@@ -339,9 +340,17 @@ class Connection:
 
     # ---- failure handling ------------------------------------------------
 
+    def describe(self, *, data_id: str) -> None:
+        """Name the data this job reads; the daemon lists it with the job's pid, host and start time
+        (``actcache ls``/``stats``). Sent when the namespace is (re)opened."""
+        if data_id != self._data_id:
+            self._data_id = data_id
+            self._namespace_id = None  # opened again, with the description, at the next call
+
     def _namespace(self) -> int:
         if self._namespace_id is None:
-            self._namespace_id = self._rpc.open(self.config.namespace, secret=self.config.secret).namespace_id
+            job = JobInfo.current(self._data_id)
+            self._namespace_id = self._rpc.open(self.config.namespace, secret=self.config.secret, job=job).namespace_id
             self.opens += 1
         return self._namespace_id
 

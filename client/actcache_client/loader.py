@@ -185,9 +185,9 @@ class _Models:
         for m in self.models:
             m.disable(reason)
 
-    def bind_data(self, data: bytes) -> None:
+    def bind_data(self, data: bytes, name: str = "") -> None:
         for m in self.models:
-            m.bind_data(data)
+            m.bind_data(data, name)
 
     def begin_epoch(self, *args: Any, **kwargs: Any) -> None:
         for m in self.models:
@@ -248,7 +248,7 @@ class CachedLoader:
         self.data_identity = b""
         if model is not None and self.cacheable:
             self.data_identity = dataset.fingerprint(variants if dataset.augment is not None else 1)
-            model.bind_data(self.data_identity)
+            model.bind_data(self.data_identity, dataset.data_id or "")
         self._inner = self._build_inner(loader)
 
     def _build_inner(self, loader: DataLoader) -> DataLoader:

@@ -360,21 +360,22 @@ class CachedTeacher:
             return True
         old = self.fingerprint()
         self.moved = True
-        self.cached_forward.disable("the teacher's weights changed between epochs (a moving teacher)")
+        self.cached_forward.disable("the teacher's weights changed while it was in use (a moving teacher)")
         if self.connection is not None and not self.cached_forward.keep_generations:
             self.connection.drop(old)
         warnings.warn(
-            f"actcache: the teacher's weights changed after its outputs were cached (fingerprint {old.hex()[:12]} "
-            "no longer matches): a moving teacher (e.g. an EMA of the student) is not cacheable; its outputs are "
-            "recomputed every step from now on and what it stored was dropped. Cache only a fixed teacher.",
+            f"actcache: the teacher's weights changed while it was in use (its key's fingerprint {old.hex()[:12]} "
+            "no longer matches them): a moving teacher (e.g. an EMA of the student) is not cacheable; its outputs "
+            "are recomputed every step from now on and what it stored under that fingerprint is dropped. "
+            "CachedTeacher pays off only for a fixed teacher.",
             MovingTeacherWarning, stacklevel=2)
         return False
 
     # ---- what CachedLoader calls -------------------------------------------
 
-    def bind_data(self, data: bytes) -> None:
-        """Key entries by this data fingerprint (CachedLoader calls it)."""
-        self.cached_forward.bind_data(data)
+    def bind_data(self, data: bytes, name: str = "") -> None:
+        """Key entries by this data fingerprint (CachedLoader calls it; ``name``: the dataset's data_id)."""
+        self.cached_forward.bind_data(data, name)
 
     def disable(self, reason: str) -> None:
         """Stop using the cache (recompute the teacher every step)."""

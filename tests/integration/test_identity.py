@@ -200,3 +200,19 @@ def test_a_refrozen_prefix_drops_the_generation_it_superseded(daemon, keep):
         assert model.fingerprint(2) != old
         conn.flush(timeout_s=30)
         assert (old in groups_of(conn, namespace)) == keep
+
+
+def test_the_daemon_lists_the_job_and_its_data(daemon):
+    import os
+
+    namespace = f"t-{uuid.uuid4().hex[:8]}"
+    with ac.connect(daemon.socket, namespace=namespace, strict=True) as conn:
+        model = ac.CachedForward(mlp(), conn)
+        ac.CachedLoader(DataLoader(ac.IndexedDataset(random_data(40), data_id="digits-v2"), batch_size=8), model)
+        model.set_frozen(2)
+        x = random_data(40).tensors[0][:8]
+        model.prefix(list(range(8)), x)
+        conn.flush(timeout_s=30)
+        stats = conn.rpc().stats()
+    jobs = [j.job for ns in stats.namespaces if ns.name == namespace for j in ns.jobs]
+    assert [(j.pid, j.data_id) for j in jobs] == [(os.getpid(), "digits-v2")]
