@@ -32,65 +32,27 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from actcache.errors import CacheMismatchError, ConfigError
+from actcache.errors import CacheMismatchError
 from actcache_client.audit import AuditConfig, Auditor, same_entry, warn_mismatch
 from actcache_client.batch import Batch
 from actcache_client.connection import Connection
 from actcache_client.cost_model import Plan, PlanMode, cached_subset
+from actcache_client.counters import EpochCounters, StepTimes
 from actcache_client.fingerprint import cache_fingerprints, prefix_fingerprints
 from actcache_client.planner import CachePlanner
+from actcache_client.rows import RawInputs, merge
 from actcache_client.stages import StagedModel, State, Suffix
 from actcache_client.staging import Stager
 from actcache_client.stream import EpochStream
 from actcache_client.tensors import VarLen, collate_entries, encode_samples
 
-__all__ = ["CachedForward", "EpochCounters", "StepTimes"]
-
-
-@dataclass
-class StepTimes:
-    """Seconds per part of the forward pass, and samples per source, accumulated.
-
-    Samples: ``prefix_samples`` needed the frozen prefix; each of them was
-    served from the cache (``cached_samples``), computed from a shallower
-    cached depth (``seeded_samples``) or computed from its raw input
-    (``computed_samples``): ``prefix_samples == cached + seeded + computed``.
-    ``fetch_wait`` is the time the step waited for entries (stream or Get).
-    """
-
-    fetch_wait: float = 0.0
-    prefix: float = 0.0
-    suffix_forward: float = 0.0
-    steps: int = 0
-    prefix_samples: int = 0
-    computed_samples: int = 0
-    seeded_samples: int = 0
-    cached_samples: int = 0
-    #: Raw items (dataset inputs) the batches carried or that were loaded on the spot.
-    raw_loaded: int = 0
-    #: Seconds spent recomputing audited hits, and how many were audited.
-    audit: float = 0.0
-    audited_samples: int = 0
-
-    def since(self, earlier: "StepTimes") -> "StepTimes":
-        """What was counted after ``earlier`` (a copy of these counters taken before)."""
-        return StepTimes(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
-
-
-@dataclass(frozen=True)
-class EpochCounters:
-    """What one epoch counted: the model's samples and seconds, and the connection's entries."""
-
-    epoch: int
-    times: StepTimes
-    #: Entries asked, hits, misses, streamed, gets, puts... of ClientStats during the epoch (None without a connection).
-    entries: dict[str, float] | None
+__all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # the counters are re-exported from actcache_client.counters
 
 
 class CachedForward:
@@ -393,9 +355,9 @@ class CachedForward:
         if isinstance(batch, Batch):
             ids, variant = batch.ids, batch.variant
             loaded = None if batch.loaded is None else batch.loaded.tolist()
-            raw = _Raw(batch.data[0], len(ids), loaded, batch.load)
+            raw = RawInputs(batch.data[0], len(ids), loaded, batch.load)
         else:
-            ids, raw = batch, _Raw(inputs, len(batch), None, None)
+            ids, raw = batch, RawInputs(inputs, len(batch), None, None)
         id_list = ids.tolist() if isinstance(ids, Tensor) else list(ids)
         if self.planner is not None and self._prefix_done is not None:
             self.planner.record_suffix(start - self._prefix_done, len(id_list))
@@ -413,7 +375,7 @@ class CachedForward:
                 self._retarget()
         return state
 
-    def _prefix(self, id_list: list[int], raw: "_Raw", variant: int, position: int | None) -> State:
+    def _prefix(self, id_list: list[int], raw: RawInputs, variant: int, position: int | None) -> State:
         k = self._frozen
         every = list(range(len(id_list)))
         if k == 0:
@@ -438,9 +400,9 @@ class CachedForward:
         if direct:
             parts.append((direct, self._compute(raw.rows(direct), 0, k)))
             self.times.computed_samples += len(direct)
-        return parts[0][1] if len(parts) == 1 else _merge(len(id_list), parts, self.varlen)
+        return parts[0][1] if len(parts) == 1 else merge(len(id_list), parts, self.varlen)
 
-    def _state_at(self, j: int, ids: list[int], rows: list[int], raw: "_Raw", variant: int,
+    def _state_at(self, j: int, ids: list[int], rows: list[int], raw: RawInputs, variant: int,
                   position: int | None) -> State:
         """States at depth j of the batch rows ``rows`` (sample ids ``ids``): hits, seeded, computed."""
         t0 = time.perf_counter()
@@ -475,7 +437,7 @@ class CachedForward:
             self._store(j, [ids[i] for i in missing], variant, computed)
             parts.append((missing, computed))
             self.times.computed_samples += len(missing)
-        return parts[0][1] if len(parts) == 1 else _merge(len(ids), parts, self.varlen)
+        return parts[0][1] if len(parts) == 1 else merge(len(ids), parts, self.varlen)
 
     # ---- helpers -----------------------------------------------------------
 
@@ -495,7 +457,7 @@ class CachedForward:
                 self.planner.record_h2d(nbytes, seconds)
         return moved
 
-    def _audit(self, j: int, rows: list[int], raw: "_Raw", values: list, found: list[int]) -> bool:
+    def _audit(self, j: int, rows: list[int], raw: RawInputs, values: list, found: list[int]) -> bool:
         """Recompute the hits the auditor picks; False (after dropping the fingerprint) if one differs.
 
         When the loader skipped inputs, the auditor chose at the epoch's start (``_plan_skips``) and
@@ -586,63 +548,3 @@ def _rank() -> int:
     return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
 
 
-class _Raw:
-    """The raw inputs of a batch's rows: those the loader loaded, and an on-the-spot load for the rest."""
-
-    def __init__(self, inputs: State | None, size: int, loaded: list[int] | None,
-                 load: Callable[[list[int]], State] | None) -> None:
-        self.inputs, self.size, self.load = inputs, size, load
-        self._at = None if loaded is None else {row: i for i, row in enumerate(loaded)}
-        self.loaded_now = 0  # rows loaded on the spot
-
-    @property
-    def partial(self) -> bool:
-        return self._at is not None
-
-    def has(self, row: int) -> bool:
-        return self._at is None or row in self._at
-
-    def count(self) -> int:
-        """Raw items this batch loaded (by the loader or on the spot)."""
-        return (self.size if self._at is None else len(self._at)) + self.loaded_now
-
-    def rows(self, rows: list[int]) -> State:
-        """The inputs of ``rows``, in that order."""
-        if self._at is None:
-            return self.inputs if rows == list(range(self.size)) else _select(self.inputs, rows)
-        if all(r in self._at for r in rows):
-            return _select(self.inputs, [self._at[r] for r in rows])
-        if self.load is None:
-            raise ConfigError("this batch carries only some rows' inputs and no loader to load the others")
-        self.loaded_now += len(rows)  # an entry the loader expected was not served: load it now
-        return self.load(rows)
-
-
-def _select(state: State, rows: list[int]) -> State:
-    index = torch.tensor(rows)
-    if isinstance(state, tuple):
-        return tuple(t.index_select(0, index.to(t.device)) for t in state)
-    return state.index_select(0, index.to(state.device))
-
-
-def _merge(batch: int, parts: list[tuple[list[int], State]], varlen: VarLen | None) -> State:
-    """Put part states back in batch order; with VarLen, pad to the longest part and rebuild the mask."""
-    tuples = [(rows, s if isinstance(s, tuple) else (s,)) for rows, s in parts]
-    count = len(tuples[0][1])
-    merged = []
-    for j in range(count):
-        pieces = [(rows, s[j]) for rows, s in tuples]
-        ref = pieces[0][1]
-        shape = list(ref.shape)
-        shape[0] = batch
-        if varlen is not None:
-            shape[1] = max(p.shape[1] for _, p in pieces)
-        out = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
-        for rows, piece in pieces:
-            index = torch.tensor(rows, device=ref.device)
-            if varlen is not None:
-                out[index, : piece.shape[1]] = piece
-            else:
-                out.index_copy_(0, index, piece)
-        merged.append(out)
-    return merged[0] if count == 1 and not isinstance(parts[0][1], tuple) else tuple(merged)

@@ -1,0 +1,47 @@
+"""What the forward pass counts: seconds per part and samples per source, overall and per epoch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["EpochCounters", "StepTimes"]
+
+
+@dataclass
+class StepTimes:
+    """Seconds per part of the forward pass, and samples per source, accumulated.
+
+    Samples: ``prefix_samples`` needed the frozen prefix; each of them was
+    served from the cache (``cached_samples``), computed from a shallower
+    cached depth (``seeded_samples``) or computed from its raw input
+    (``computed_samples``): ``prefix_samples == cached + seeded + computed``.
+    ``fetch_wait`` is the time the step waited for entries (stream or Get).
+    """
+
+    fetch_wait: float = 0.0
+    prefix: float = 0.0
+    suffix_forward: float = 0.0
+    steps: int = 0
+    prefix_samples: int = 0
+    computed_samples: int = 0
+    seeded_samples: int = 0
+    cached_samples: int = 0
+    #: Raw items (dataset inputs) the batches carried or that were loaded on the spot.
+    raw_loaded: int = 0
+    #: Seconds spent recomputing audited hits, and how many were audited.
+    audit: float = 0.0
+    audited_samples: int = 0
+
+    def since(self, earlier: "StepTimes") -> "StepTimes":
+        """What was counted after ``earlier`` (a copy of these counters taken before)."""
+        return StepTimes(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class EpochCounters:
+    """What one epoch counted: the model's samples and seconds, and the connection's entries."""
+
+    epoch: int
+    times: StepTimes
+    #: Entries asked, hits, misses, streamed, gets, puts... of ClientStats during the epoch (None without a connection).
+    entries: dict[str, float] | None

@@ -1,0 +1,80 @@
+"""Batch rows: the raw inputs a batch carries (all, or those the loader loaded), selecting rows, merging parts.
+
+A step splits a batch into parts by where each row's prefix output comes
+from (served, seeded, computed); ``merge`` puts the parts back in batch
+order, padding variable-length text states to the longest part.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from actcache.errors import ConfigError
+from actcache_client.stages import State
+from actcache_client.tensors import VarLen
+
+__all__ = ["RawInputs", "merge", "select"]
+
+
+class RawInputs:
+    """The raw inputs of a batch's rows: those the loader loaded, and an on-the-spot load for the rest."""
+
+    def __init__(self, inputs: State | None, size: int, loaded: list[int] | None,
+                 load: Callable[[list[int]], State] | None) -> None:
+        self.inputs, self.size, self.load = inputs, size, load
+        self._at = None if loaded is None else {row: i for i, row in enumerate(loaded)}
+        self.loaded_now = 0  # rows loaded on the spot
+
+    @property
+    def partial(self) -> bool:
+        return self._at is not None
+
+    def has(self, row: int) -> bool:
+        return self._at is None or row in self._at
+
+    def count(self) -> int:
+        """Raw items this batch loaded (by the loader or on the spot)."""
+        return (self.size if self._at is None else len(self._at)) + self.loaded_now
+
+    def rows(self, rows: list[int]) -> State:
+        """The inputs of ``rows``, in that order."""
+        if self._at is None:
+            return self.inputs if rows == list(range(self.size)) else select(self.inputs, rows)
+        if all(r in self._at for r in rows):
+            return select(self.inputs, [self._at[r] for r in rows])
+        if self.load is None:
+            raise ConfigError("this batch carries only some rows' inputs and no loader to load the others")
+        self.loaded_now += len(rows)  # an entry the loader expected was not served: load it now
+        return self.load(rows)
+
+
+def select(state: State, rows: list[int]) -> State:
+    index = torch.tensor(rows)
+    if isinstance(state, tuple):
+        return tuple(t.index_select(0, index.to(t.device)) for t in state)
+    return state.index_select(0, index.to(state.device))
+
+
+def merge(batch: int, parts: list[tuple[list[int], State]], varlen: VarLen | None) -> State:
+    """Put part states back in batch order; with VarLen, pad to the longest part and rebuild the mask."""
+    tuples = [(rows, s if isinstance(s, tuple) else (s,)) for rows, s in parts]
+    count = len(tuples[0][1])
+    merged = []
+    for j in range(count):
+        pieces = [(rows, s[j]) for rows, s in tuples]
+        ref = pieces[0][1]
+        shape = list(ref.shape)
+        shape[0] = batch
+        if varlen is not None:
+            shape[1] = max(p.shape[1] for _, p in pieces)
+        out = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+        for rows, piece in pieces:
+            index = torch.tensor(rows, device=ref.device)
+            if varlen is not None:
+                out[index, : piece.shape[1]] = piece
+            else:
+                out.index_copy_(0, index, piece)
+        merged.append(out)
+    return merged[0] if count == 1 and not isinstance(parts[0][1], tuple) else tuple(merged)
