@@ -133,8 +133,9 @@ def run_depth(daemon, dataset: JpegSet, frozen: int, args) -> tuple[dict[str, di
     torch.manual_seed(0)
     staged = ac.from_resnet(resnet20())
     with ac.connect(daemon.socket, namespace=f"bench-step-{frozen}", strict=True) as conn:
-        models = {"recompute": ac.CachedForward(staged), "cached": ac.CachedForward(staged, conn),
-                  "cached-noaudit": ac.CachedForward(staged, conn, audit=False)}
+        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.store_dtype)
+        models = {"recompute": ac.CachedForward(staged), "cached": ac.CachedForward(staged, conn, store_dtype=dtype),
+                  "cached-noaudit": ac.CachedForward(staged, conn, audit=False, store_dtype=dtype)}
         loaders = {mode: ac.CachedLoader(DataLoader(ac.IndexedDataset(dataset, targets=dataset.labels),
                                                     batch_size=args.batch, shuffle=True,
                                                     generator=torch.Generator().manual_seed(i)), m)
@@ -173,6 +174,8 @@ def main() -> int:
     parser.add_argument("--frozen", type=int, nargs="+", default=[5, 10],
                         help="frozen depths (ResNet-20 has 11 stages: stem, 9 blocks, head); 5 and 10 give the figures")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the trainer's own work per step is small)")
+    parser.add_argument("--store-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                        help="precision of the stored entries (CachedForward(store_dtype=...))")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -186,7 +189,7 @@ def main() -> int:
             rows, hit_ratio = run_depth(daemon, dataset, frozen, args)
             results[frozen] = {"rows": rows, "train_prefetch_hit_ratio": hit_ratio}
             print(f"ResNet-20, frozen {frozen}/11, batch {args.batch}, {args.samples} samples x {args.epochs} epochs, "
-                  f"{args.threads} torch thread(s)")
+                  f"{args.threads} torch thread(s), entries stored as {args.store_dtype}")
             print(f"{'mode':<16}{'ms/step':>9}" + "".join(f"{c[:-3]:>16}" for c in COLUMNS) + "   (ms/step)")
             for mode, r in rows.items():
                 print(f"{mode:<16}{r['step_ms']:>9.1f}" + "".join(f"{r[c]:>16.1f}" for c in COLUMNS))

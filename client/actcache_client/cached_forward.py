@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from actcache.errors import CacheMismatchError
+from actcache.errors import CacheMismatchError, ConfigError
 from actcache_client.audit import AuditConfig, Auditor, same_entry, warn_mismatch
 from actcache_client.batch import Batch
 from actcache_client.connection import Connection
@@ -70,7 +70,11 @@ class CachedForward:
     (``bind_data``, called by CachedLoader with the dataset's fingerprint).
     ``audit`` (an AuditConfig, default on; False: off) recomputes a share of
     hits to catch what no key can see. ``keep_generations=True`` keeps the
-    entries of superseded fingerprints in the daemon.
+    entries of superseded fingerprints in the daemon. ``store_dtype``
+    (torch.float16 or torch.bfloat16) stores the prefix's floating-point
+    outputs in 16 bits (half the bytes to store, read and decode) and casts
+    them back when served: not the default, since served activations are then
+    rounded (a run is no longer bit-identical to one without the cache).
 
     ``set_suffix_wrapper(fn)`` runs the active stages through ``fn(Suffix)``
     (e.g. a DistributedDataParallel wrapper), rebuilt at every ``set_frozen``
@@ -89,6 +93,7 @@ class CachedForward:
         device: torch.device | str | None = None,
         audit: AuditConfig | bool = True,
         keep_generations: bool = False,
+        store_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.connection = connection
@@ -101,9 +106,15 @@ class CachedForward:
         device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
         self.stager = Stager(device)
         self._frozen = 0
+        if store_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ConfigError(f"store_dtype must be torch.float16, torch.bfloat16 or None, got {store_dtype}")
+        self.store_dtype = store_dtype
+        # Entries stored in 16 bits are another computation's: their keys differ from full-precision ones.
+        self._key_tag = b"" if store_dtype is None else f"store:{store_dtype}".encode()
+        self._compute_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         self._data = b""  # the data fingerprint folded into cache keys (empty: unknown)
         self._weights: list[bytes] = prefix_fingerprints(list(model.stages), 0)
-        self._fingerprints: list[bytes] = cache_fingerprints(self._weights, self._data)
+        self._fingerprints: list[bytes] = self._keyed(self._weights, self._data)
         self._auditor: Auditor | None = None
         self.set_audit(audit)
         self._audited_opens = 0  # connection.opens when the auditor last restarted
@@ -158,7 +169,7 @@ class CachedForward:
         if data == self._data:
             return
         self._data = data
-        self._fingerprints = cache_fingerprints(self._weights, data)
+        self._fingerprints = self._keyed(self._weights, data)
         self._seed_depths = []  # seeds were entries of the other data
         self._retarget()
 
@@ -175,7 +186,7 @@ class CachedForward:
         weights = prefix_fingerprints(stages, deepest)
         self._drop_superseded(weights)
         self._weights = weights[: depth + 1]
-        self._fingerprints = cache_fingerprints(self._weights, self._data)
+        self._fingerprints = self._keyed(self._weights, self._data)
         # Depths still frozen with unchanged weights keep their entries as seeds.
         candidates = set(self._seed_depths) | ({old} if old else set())
         self._seed_depths = sorted(
@@ -222,10 +233,14 @@ class CachedForward:
             return None
         return current.cache_depth, current.cached_fraction
 
+    def _keyed(self, weights: list[bytes], data: bytes) -> list[bytes]:
+        """The fingerprints cache keys carry: weights, data, and the stored precision."""
+        return cache_fingerprints(weights, data + self._key_tag)
+
     def _drop_superseded(self, weights: list[bytes]) -> None:
         """Drop the entries of fingerprints this process wrote whose prefix weights have changed since."""
         for fingerprint, (depth, data) in list(self._generations.items()):
-            if cache_fingerprints([weights[depth]], data)[0] == fingerprint:
+            if self._keyed([weights[depth]], data)[0] == fingerprint:
                 continue
             del self._generations[fingerprint]
             self._written.pop(fingerprint, None)
@@ -455,6 +470,8 @@ class CachedForward:
         if self.planner is not None:
             for nbytes, seconds in self.stager.copy_readings():
                 self.planner.record_h2d(nbytes, seconds)
+        if self.store_dtype is not None:  # back to the precision the stages compute in (on the device: half the copy)
+            moved = _cast(moved, self.store_dtype, self._compute_dtype)
         return moved
 
     def _audit(self, j: int, rows: list[int], raw: RawInputs, values: list, found: list[int]) -> bool:
@@ -475,6 +492,8 @@ class CachedForward:
         t0 = time.perf_counter()
         with torch.no_grad():
             computed = self.model.run(raw.rows([rows[i] for i in chosen]), 0, j)
+        if self.store_dtype is not None:
+            computed = _cast(computed, self._compute_dtype, self.store_dtype)
         entries = encode_samples(computed, varlen=self.varlen)
         bad = sum(not same_entry(values[i], entry) for i, entry in zip(chosen, entries))
         self.times.audit += time.perf_counter() - t0
@@ -516,6 +535,8 @@ class CachedForward:
     def _store(self, depth: int, ids: list[int], variant: int, state: State) -> None:
         # A private copy: the suffix may modify its input in place (e.g. ReLU(inplace=True)).
         snapshot = tuple(t.detach().clone() for t in state) if isinstance(state, tuple) else state.detach().clone()
+        if self.store_dtype is not None:
+            snapshot = _cast(snapshot, self._compute_dtype, self.store_dtype)
         varlen, level = self.varlen, self.zstd_level
         self._mark_written(depth, ids)
         self._generations.setdefault(self._fingerprints[depth], (depth, self._data))
@@ -540,6 +561,13 @@ class CachedForward:
         if write_s > ws0:
             self.planner.record_write(written - w0, write_s - ws0)
         self._connection_seen = (read, fetch_s, written, write_s)
+
+
+def _cast(state: State, source: torch.dtype, target: torch.dtype) -> State:
+    """``state`` with its ``source``-dtype tensors cast to ``target`` (masks and ids stay as they are)."""
+    if isinstance(state, tuple):
+        return tuple(t.to(target) if t.dtype == source else t for t in state)
+    return state.to(target) if state.dtype == source else state
 
 
 def _rank() -> int:
