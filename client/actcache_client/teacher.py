@@ -35,6 +35,9 @@ classes, zero elsewhere — the distribution is renormalised over the top k
 and the tail's mass (the small "dark knowledge" probabilities) is dropped,
 which matters more at high temperatures. ``topk_soft_targets`` rebuilds
 that target; ``distillation_loss`` computes the KD loss from either form.
+``store_dtype=torch.float16`` (CachedForward's) halves the stored floats
+again; served values are then rounded to 16 bits (the epoch that computes
+them uses them unrounded), class indices are kept exact.
 
 Moving teachers (an EMA of the student, a teacher trained alongside) are not
 cacheable: at every epoch start (CachedLoader) and at ``check_weights()``,
@@ -298,6 +301,7 @@ class CachedTeacher:
         device: torch.device | str | None = None,
         audit: AuditConfig | bool = True,
         keep_generations: bool = False,
+        store_dtype: torch.dtype | None = None,
     ) -> None:
         outputs = [outputs] if isinstance(outputs, str) else list(outputs)
         if not outputs or len(set(outputs)) != len(outputs):
@@ -312,6 +316,7 @@ class CachedTeacher:
         self.cached_forward = CachedForward(
             self.staged, connection, varlen=VarLen(0, varlen.mask_dtype) if self.stage.stores_mask else None,
             zstd_level=zstd_level, stream=stream, device=device, audit=audit, keep_generations=keep_generations,
+            store_dtype=store_dtype,
         )
         self.cached_forward.set_frozen(1)
         self.moved = False  # the weights changed while in use: not cached any more

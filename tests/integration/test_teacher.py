@@ -244,3 +244,18 @@ def test_a_teacher_whose_weights_change_between_epochs_stops_being_cached(daemon
         assert not teacher.enabled and teacher.moved
         assert teacher.times.cached_samples == 0 and teacher.times.computed_samples == 3 * N
         assert conn.contains(first, 1, list(range(N)), 0) == [False] * N  # what the first epoch stored is gone
+
+
+def test_top_k_in_16_bits_keeps_the_classes_exact_and_rounds_the_values(daemon):
+    classes, k = 100, 5
+    data = Items(classes)
+    net = teacher_net(classes)
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        teacher = ac.CachedTeacher(net, conn, top_k=k, store_dtype=torch.float16)
+        assert teacher.fingerprint() != ac.CachedTeacher(net, conn, top_k=k).fingerprint()
+        stored, served = forward_epochs(teacher, loader_for(teacher, data, shuffle=False, augment=None), epochs=2)
+    assert teacher.times.cached_samples == N
+    for i in range(N):
+        assert torch.equal(served[i].top_indices, stored[i].top_indices)
+        assert served[i].top_values.dtype == torch.float32
+        assert torch.equal(served[i].top_values, stored[i].top_values.half().float())
