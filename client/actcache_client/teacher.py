@@ -11,7 +11,7 @@ and the data (never served for another teacher or other data), the epoch's
 prefetch stream (shared memory on a local daemon), fallback to recomputing,
 audits, and loaders that skip the inputs the cache serves.
 
-What is stored per sample, in this order (the layout is fixed by the
+What is stored per sample (the layout is fixed by the
 arguments, which are part of the key):
 
 - ``"logits"`` in ``outputs``: the teacher's return value (a tensor, the
