@@ -125,7 +125,53 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     config = DaemonConfig.from_sources(vars(args))
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(config)
+    try:
+        _make_dirs(config)
+        return serve(config)
+    except OSError as exc:
+        raise _path_error(exc, config, vars(args)) or exc
+
+
+def _make_dirs(config) -> None:
+    """Create the cache directory and the socket's, as the daemon would, before it starts: a path that
+    cannot be made is one line naming its flag instead of a start that fails half-way. A socket shared
+    with a group gets its directory from the daemon (mode 2710, the group's)."""
+    config.store.dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(config.store.dir, os.W_OK | os.X_OK):
+        raise PermissionError(13, "not writable", str(config.store.dir))
+    if config.server.socket is not None and config.server.socket_group is None:
+        config.server.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def _path_error(exc: OSError, config, flags: dict) -> ActCacheError | None:
+    """A one-line error naming --dir or --socket when ``exc`` is about one of their paths
+    (``--dir /proc/actcache``: the directory cannot be created); None for any other OSError."""
+    from pathlib import Path
+
+    from actcache.errors import ConfigError
+
+    if exc.filename is None:
+        return None
+    failed = Path(os.fsdecode(exc.filename))
+    directory, socket = config.store.dir, config.server.socket
+
+    def within(path: Path | None) -> bool:
+        return path is not None and (failed == path or failed in path.parents)
+
+    if within(directory) or (directory in failed.parents and failed != socket):
+        flag, path = "--dir", directory
+    elif within(socket):
+        flag, path = "--socket", socket
+    else:
+        return None
+    var = "ACTCACHE_" + flag[2:].upper()
+    given = flag if flags.get(flag[2:]) is not None else var if os.environ.get(var) else f"{flag} (default)"
+    what = "the cache directory" if flag == "--dir" else "the socket's directory"
+    why = "not a directory" if failed.exists() and not failed.is_dir() else exc.strerror
+    return ConfigError(
+        f"{given} {path}: cannot create or use {what} ({why}: {failed}); pass {flag} (or set {var}) "
+        "to a path this user can create and write"
+    )
 
 
 def _fmt(n: float) -> str:

@@ -8,7 +8,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from actcache.errors import ConfigError
 from actcache.rpc import default_socket_path
@@ -107,17 +107,22 @@ class StoreConfig:
             raise ConfigError(
                 f"--reclaim-after must be a number of seconds >= 0 (0 = no recency check), got {self.reclaim_after_s}"
             )
-        for name in ("budget_bytes", "namespace_budget_bytes", "disk_reserve_bytes"):
+        for name, flag in (("budget_bytes", "--budget"), ("namespace_budget_bytes", "--namespace-budget"),
+                           ("disk_reserve_bytes", "--disk-reserve")):
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}; pass {flag} SIZE")
         if self.map_size_bytes < 1 << 20:
-            raise ConfigError(f"map_size_bytes must be at least 1 MiB, got {self.map_size_bytes}")
+            raise ConfigError(f"map_size_bytes must be at least 1 MiB, got {self.map_size_bytes} bytes; raise --map-size")
         if not 0 <= self.zstd_level <= 22:
-            raise ConfigError(f"zstd_level must be 0..22, got {self.zstd_level}")
+            raise ConfigError(f"zstd_level must be 0..22 (0 = store raw), got {self.zstd_level}; pass --zstd-level 0..22")
         if self.on_corrupt not in ("refuse", "move-aside"):
-            raise ConfigError(f"on_corrupt must be 'refuse' or 'move-aside', got {self.on_corrupt!r}")
+            raise ConfigError(
+                f"on_corrupt must be 'refuse' or 'move-aside', got {self.on_corrupt!r}; pass --on-corrupt refuse|move-aside"
+            )
         if self.max_entry_bytes < 1024:
-            raise ConfigError(f"max_entry_bytes must be at least 1 KiB, got {self.max_entry_bytes}")
+            raise ConfigError(
+                f"max_entry_bytes must be at least 1 KiB, got {self.max_entry_bytes} bytes; raise --max-entry-bytes"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,12 +151,14 @@ class ServerConfig:
     idle_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
+        port = re.fullmatch(r".+:(\d+)", self.listen or "")
+        if self.listen and (port is None or int(port.group(1)) > 65535):
+            raise ConfigError(f"--listen must be HOST:PORT with a port 0..65535, got {self.listen!r}")
         if self.listen and not self.token:
             raise ConfigError(
-                f"refusing to listen on TCP {self.listen} without a token; pass --token-file FILE or set ACTCACHE_TOKEN"
+                f"refusing to listen on TCP {self.listen} without a token (none given, or an empty one); "
+                "pass --token-file FILE or set ACTCACHE_TOKEN"
             )
-        if self.listen and not re.fullmatch(r".+:\d+", self.listen):
-            raise ConfigError(f"--listen must be HOST:PORT, got {self.listen!r}")
         if self.listen and not self.allow_remote and not is_loopback(self.listen.rsplit(":", 1)[0]):
             raise ConfigError(
                 f"--listen {self.listen} is not a loopback address; the daemon listens on 127.0.0.1, ::1 or "
@@ -169,22 +176,29 @@ class ServerConfig:
                 "share the socket with a group instead (--socket-mode 0660 --socket-group GROUP)"
             )
         if self.socket is not None and len(str(self.socket)) > 100:
-            raise ConfigError(f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow about 100")
-        if self.throttle_read_mbps < 0:
-            raise ConfigError(f"--throttle-read-mbps must be >= 0, got {self.throttle_read_mbps}")
+            raise ConfigError(
+                f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow about 100: "
+                "pass a shorter --socket"
+            )
+        if not 0 <= self.throttle_read_mbps < float("inf"):
+            raise ConfigError(f"--throttle-read-mbps must be a number of MB/s >= 0 (0 = off), got {self.throttle_read_mbps}")
         if not 0 <= self.idle_timeout_s < float("inf"):
             raise ConfigError(f"--idle-timeout must be a number of seconds >= 0 (0 = never), got {self.idle_timeout_s}")
         if self.workers < 2:
-            raise ConfigError(f"workers must be >= 2, got {self.workers}")
+            raise ConfigError(f"workers must be >= 2, got {self.workers}; pass --workers 2 or more")
+        if self.socket_group is not None:
+            _check_group(self.socket_group)
 
 
-def _octal(text: str | int) -> int:
-    if isinstance(text, int):
-        return text
+def _check_group(group: str) -> None:
+    import grp
+
     try:
-        return int(text, 8)
-    except ValueError:
-        raise ConfigError(f"--socket-mode must be octal permission bits such as 0660, got {text!r}") from None
+        grp.getgrgid(int(group)) if group.isdigit() else grp.getgrnam(group)
+    except KeyError:
+        raise ConfigError(
+            f"--socket-group {group!r} is not a group on this machine; pass a group name or gid (see /etc/group)"
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,8 +213,19 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535 (0 = any free port), got {self.port}")
-        if not self.host:
-            raise ConfigError("--metrics-host must be an address such as 127.0.0.1 or 0.0.0.0")
+        if not _is_host(self.host):
+            raise ConfigError(
+                f"--metrics-host must be an address or host name such as 127.0.0.1 or 0.0.0.0 (the port is "
+                f"--metrics-port), got {self.host!r}"
+            )
+
+
+def _is_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        return bool(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?", host))
 
 
 def _cpu_count() -> int:
@@ -224,13 +249,13 @@ class PrefetchConfig:
 
     def __post_init__(self) -> None:
         if self.prefetch_bytes < 1 << 20:
-            raise ConfigError(f"prefetch_bytes must be at least 1 MiB, got {self.prefetch_bytes} bytes")
+            raise ConfigError(f"prefetch_bytes must be at least 1 MiB, got {self.prefetch_bytes} bytes; raise --prefetch-bytes")
         if self.decode_threads < 1:
-            raise ConfigError(f"decode_threads must be >= 1, got {self.decode_threads}")
+            raise ConfigError(f"decode_threads must be >= 1, got {self.decode_threads}; pass --decode-threads 1 or more")
         if self.probe_threads < 0:
-            raise ConfigError(f"probe_threads must be >= 0, got {self.probe_threads}")
+            raise ConfigError(f"probe_threads must be >= 0 (0 = off), got {self.probe_threads}; pass --probe-threads 0 or more")
         if self.probe_bytes < 0:
-            raise ConfigError(f"probe_bytes must be >= 0, got {self.probe_bytes}")
+            raise ConfigError(f"probe_bytes must be >= 0, got {self.probe_bytes}; pass --probe-bytes SIZE")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,6 +267,8 @@ class DaemonConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.prefetch.prefetch_bytes < self.store.max_entry_bytes:
             raise ConfigError(
                 f"--prefetch-bytes {format_size(self.prefetch.prefetch_bytes)} is below --max-entry-bytes "
@@ -269,94 +296,138 @@ class DaemonConfig:
 
     @classmethod
     def from_sources(cls, flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "DaemonConfig":
-        """Merge ``flags`` (None = not given) over ``ACTCACHE_<NAME>`` env vars over defaults."""
+        """Merge ``flags`` (None = not given) over ``ACTCACHE_<NAME>`` env vars (empty = not set) over defaults.
+
+        A value that does not parse, or that a config rejects, is a ConfigError naming the flag (and the
+        variable, when the value came from the environment), the value given and what is accepted.
+        """
         env = os.environ if env is None else env
+        shm = env.get("ACTCACHE_SHM_DIR")
+        if shm and not Path(shm).is_dir():
+            raise ConfigError(
+                f"ACTCACHE_SHM_DIR must be a directory for shared-memory segments, got {shm!r}; "
+                "unset it (default /dev/shm) or point it at a tmpfs directory"
+            )
+        from_env: dict[str, str] = {}  # "--flag" -> "ACTCACHE_FLAG='value'", for the values taken from env
 
-        def pick(name: str, convert=lambda v: v):
+        def pick(name: str, convert: Callable[[Any], Any] = str, accepted: str = "") -> Any:
+            flag, var = "--" + name.replace("_", "-"), f"ACTCACHE_{name.upper()}"
             if flags.get(name) is not None:
-                return convert(flags[name])
-            if f"ACTCACHE_{name.upper()}" in env:
-                return convert(env[f"ACTCACHE_{name.upper()}"])
-            return None
+                raw, source = flags[name], ""
+            elif env.get(var):
+                raw, source = env[var], f" (from {var})"
+                from_env[flag] = f"{var}={raw!r}"
+            else:
+                return None
+            try:
+                return convert(raw)
+            except ValueError:  # ConfigError is one
+                raise ConfigError(f"{flag} must be {accepted}, got {raw!r}{source}") from None
 
-        def given(**values: Any) -> dict[str, Any]:
-            return {k: v for k, v in values.items() if v is not None}
+        try:
+            return cls._build(pick)
+        except ConfigError as exc:
+            message = str(exc)
+            blamed = [
+                source for flag, source in from_env.items()
+                if re.search(rf"{re.escape(flag)}(?![\w-])", message) and source.split("=")[0] not in message
+            ]
+            if not blamed:
+                raise
+            raise ConfigError(f"{message} (from {', '.join(blamed)})") from None
 
-        def as_bool(v: Any) -> bool:
-            return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
-
-        directory = pick("dir")
+    @classmethod
+    def _build(cls, pick: Callable[..., Any]) -> "DaemonConfig":
+        size, count = _SIZE, "a whole number"
+        directory = pick("dir", _path, "a directory path")
         if directory is None:
             raise ConfigError("no cache directory; pass --dir DIR or set ACTCACHE_DIR")
         token = pick("token")
-        token_file = pick("token_file")
-        if token_file and not token:
+        token_file = pick("token_file", _path, "a file path")
+        if token_file:  # the file wins over ACTCACHE_TOKEN: it was asked for by name
             try:
-                token = Path(token_file).read_text().strip()
+                token = token_file.read_text().strip()
             except OSError as exc:
-                raise ConfigError(f"cannot read token file {token_file}: {exc.strerror}") from exc
+                raise ConfigError(
+                    f"cannot read --token-file {token_file}: {exc.strerror}; pass a readable file holding the token"
+                ) from exc
         store = StoreConfig(
-            dir=Path(directory),
-            **given(
-                budget_bytes=pick("budget", parse_size),
-                namespace_budget_bytes=pick("namespace_budget", parse_size),
-                map_size_bytes=pick("map_size", parse_size),
-                zstd_level=pick("zstd_level", int),
-                sync=pick("sync", as_bool),
-                max_entry_bytes=pick("max_entry_bytes", parse_size),
-                disk_reserve_bytes=pick("disk_reserve", parse_size),
+            dir=directory,
+            **_given(
+                budget_bytes=pick("budget", parse_size, size),
+                namespace_budget_bytes=pick("namespace_budget", parse_size, size),
+                map_size_bytes=pick("map_size", parse_size, size),
+                zstd_level=pick("zstd_level", int, "a whole number 0..22 (0 = store raw)"),
+                sync=pick("sync", _bool, _BOOL),
+                max_entry_bytes=pick("max_entry_bytes", parse_size, size),
+                disk_reserve_bytes=pick("disk_reserve", parse_size, size),
                 on_corrupt=pick("on_corrupt"),
-                explicit_reads=pick("explicit_reads", as_bool),
-                reclaim_after_s=pick("reclaim_after", _reclaim_after),
+                explicit_reads=pick("explicit_reads", _bool, _BOOL),
+                reclaim_after_s=pick("reclaim_after", float, "a number of seconds (0 = no recency check)"),
             ),
         )
         prefetch = PrefetchConfig(
-            **given(
-                prefetch_bytes=pick("prefetch_bytes", parse_size),
-                decode_threads=pick("decode_threads", int),
-                probe_threads=pick("probe_threads", int),
-                probe_bytes=pick("probe_bytes", parse_size),
+            **_given(
+                prefetch_bytes=pick("prefetch_bytes", parse_size, size),
+                decode_threads=pick("decode_threads", int, count),
+                probe_threads=pick("probe_threads", int, count),
+                probe_bytes=pick("probe_bytes", parse_size, size),
             )
         )
         listen = pick("listen")
-        socket = pick("socket", Path)
+        socket = pick("socket", _path, "a socket path")
         if socket is None and not listen:
             socket = default_socket_path()
         server = ServerConfig(
             socket=socket,
             listen=listen,
             token=token,
-            **given(
-                workers=pick("workers", int),
-                throttle_read_mbps=pick("throttle_read_mbps", float),
-                idle_timeout_s=pick("idle_timeout", _seconds),
-                allow_remote=pick("allow_remote", as_bool),
-                tls_cert=pick("tls_cert", Path),
-                tls_key=pick("tls_key", Path),
-                socket_mode=pick("socket_mode", _octal),
-                socket_group=pick("socket_group", str),
+            **_given(
+                workers=pick("workers", int, count),
+                throttle_read_mbps=pick("throttle_read_mbps", float, "a number of MB/s (0 = off)"),
+                idle_timeout_s=pick("idle_timeout", float, "a number of seconds (0 = never)"),
+                allow_remote=pick("allow_remote", _bool, _BOOL),
+                tls_cert=pick("tls_cert", _path, "a PEM file"),
+                tls_key=pick("tls_key", _path, "a PEM file"),
+                socket_mode=pick("socket_mode", _octal, "octal permission bits such as 0600 or 0660"),
+                socket_group=pick("socket_group"),
             ),
         )
-        metrics = MetricsConfig(**given(port=pick("metrics_port", _port), host=pick("metrics_host")))
+        for flag, path in (("--tls-cert", server.tls_cert), ("--tls-key", server.tls_key)):
+            if path is not None and not (path.is_file() and os.access(path, os.R_OK)):
+                raise ConfigError(f"{flag} {path} is not a readable file; pass a PEM file")
+        metrics = MetricsConfig(
+            **_given(port=pick("metrics_port", int, "a number 0..65535 (0 = any free port)"), host=pick("metrics_host"))
+        )
         return cls(store=store, server=server, metrics=metrics, prefetch=prefetch, log_level=pick("log_level") or "INFO")
 
 
-def _seconds(value: Any) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"idle timeout must be a number of seconds (0 = never), got {value!r}") from None
+#: What ``--log-level`` accepts (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_SIZE = "a size such as 512MiB or 100GiB (a number and an optional unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+_BOOL = "one of 1, true, yes, on, 0, false, no, off"
 
 
-def _reclaim_after(value: Any) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"--reclaim-after must be a number of seconds (0 = no recency check), got {value!r}") from None
+def _given(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
 
 
-def _port(value: Any) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"metrics port must be a number 0..65535, got {value!r}") from None
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+def _path(value: Any) -> Path:
+    if not str(value):
+        raise ValueError(value)
+    return Path(value)
+
+
+def _octal(value: str | int) -> int:
+    return value if isinstance(value, int) else int(value, 8)
