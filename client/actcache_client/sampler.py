@@ -46,7 +46,6 @@ placement. Seeds, block size and canonical nodes are the sampler's own.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Iterator, Sized
 

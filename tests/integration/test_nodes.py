@@ -80,8 +80,8 @@ def _rank_main(rank: int, sockets: list[str], namespace: str, store: str, out_di
                 dist.barrier()
                 epochs.append({"ids": ids, "losses": losses, "cached": cached.times.cached_samples - before[0],
                                "prefix": cached.times.prefix_samples - before[1]})
-            result = {"epochs": epochs, "shard": sampler.node_shard().tolist(), "fingerprint": cached.fingerprint().hex(),
-                      "puts": conn.stats.puts, "node": node}
+            result = {"epochs": epochs, "shard": sampler.node_shard().tolist(), "puts": conn.stats.puts,
+                      "fingerprint": cached.fingerprint().hex(), "node": node}
         if rank == 0:
             torch.save({"sampler": state, "weights": cached.model.state_dict(), "opt": opts[0].state_dict()},
                        Path(out_dir, "checkpoint.pt"))
