@@ -23,8 +23,10 @@ Placement (``node_assignment``), as in mosaicml/streaming's canonical nodes:
 
 ``DEFAULT_CANONICAL_NODES`` is 3840 = 2^8 * 3 * 5: every node count that
 divides it (all powers of two to 256, 3, 5, 6, 10, 12, 24, 48, 96, 120, ...)
-gets equal shards; others differ by one canonical node (N/3840 samples, made
-up by padding); at most 3840 nodes. Unlike in streaming, a large count costs
+gets the same number of canonical nodes per node (shards then differ only by
+the rounding of N/3840: 12,496 to 12,503 of 50,000 samples on 4 nodes);
+others differ by one canonical node (N/3840 samples, made up by padding or
+dropped with drop_last); at most 3840 nodes. Unlike in streaming, a large count costs
 nothing in shuffle quality (each node shuffles its whole shard); a dataset
 with fewer blocks than that uses one canonical node per block.
 
