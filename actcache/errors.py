@@ -18,8 +18,12 @@
     ├── StoreError                  the storage engine failed unexpectedly      INTERNAL
     ├── ReferenceModelFailed        the client's reference-model process        (client only)
     │                               failed or exited (Egeria plasticity)
-    └── CacheMismatchError          an audited entry differs from what the      (client only)
-                                    prefix computes for it (strict mode)
+    ├── CacheMismatchError          an audited entry differs from what the      (client only)
+    │                               prefix computes for it (strict mode)
+    └── LifecycleError              a method called in a state that does not    (client only)
+                                    allow it (also a RuntimeError)
+
+ConfigError is also a ValueError, so ``except ValueError`` still catches a bad argument.
 
 Every message says what was wrong, with values and units, and how to fix it.
 The daemon also names the class in the ``actcache-error`` trailing metadata,
@@ -40,6 +44,7 @@ __all__ = [
     "EntryCorrupt",
     "FetchAborted",
     "InvalidRequest",
+    "LifecycleError",
     "NamespaceNotFound",
     "PermissionDenied",
     "ReferenceModelFailed",
@@ -134,6 +139,11 @@ class ReferenceModelFailed(ActCacheError):
 class CacheMismatchError(ActCacheError):
     """An audit recomputed a served sample and got something else: the entry was not made by this
     computation (strict mode; otherwise the client warns, drops the fingerprint and recomputes)."""
+
+
+class LifecycleError(ActCacheError, RuntimeError):
+    """A method was called in a state that does not allow it: ``HostRing.alloc`` before ``acquire``,
+    a worker started twice. The message names the call that should have come first."""
 
 
 _BY_STATUS: dict[grpc.StatusCode, type[ActCacheError]] = {

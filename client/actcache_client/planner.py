@@ -52,12 +52,12 @@ class PlannerConfig:
 
     def __post_init__(self) -> None:
         if self.total_epochs is not None and self.total_epochs <= 0:
-            raise ConfigError(f"total_epochs must be > 0, got {self.total_epochs}")
+            raise ConfigError(f"PlannerConfig.total_epochs must be > 0 (None: unknown), got {self.total_epochs}")
         if self.window < 1:
-            raise ConfigError(f"window must be >= 1, got {self.window}")
+            raise ConfigError(f"PlannerConfig.window must be >= 1 reading, got {self.window}")
         for name in ("prior_fetch_bytes_per_s", "prior_write_bytes_per_s", "prior_decode_bytes_per_s"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"PlannerConfig.{name} must be > 0, got {getattr(self, name)}")
 
 
 class _Median:

@@ -19,6 +19,8 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
+from actcache.errors import ConfigError
+
 __all__ = [
     "Stage",
     "StagedModel",
@@ -41,9 +43,9 @@ class Stage(nn.Module):
     def __init__(self, name: str, module: nn.Module) -> None:
         super().__init__()
         if not isinstance(name, str) or not name:
-            raise ValueError(f"stage name must be a non-empty str, got {name!r}")
+            raise ConfigError(f"stage name must be a non-empty str, got {name!r}")
         if not isinstance(module, nn.Module):
-            raise ValueError(f"stage {name!r}: module must be an nn.Module, got {type(module).__name__}")
+            raise ConfigError(f"stage {name!r}: module must be an nn.Module, got {type(module).__name__}")
         self.name = name
         self.module = module
 
@@ -64,14 +66,14 @@ class StagedModel(nn.Module):
         super().__init__()
         stages = list(stages)
         if not stages:
-            raise ValueError("StagedModel needs at least one stage, got an empty list")
+            raise ConfigError("StagedModel needs at least one stage, got an empty list")
         for i, s in enumerate(stages):
             if not isinstance(s, Stage):
-                raise ValueError(f"stage {i} is a {type(s).__name__}, not a Stage; wrap it as Stage(name, module)")
+                raise ConfigError(f"stage {i} is a {type(s).__name__}, not a Stage; wrap it as Stage(name, module)")
         names = [s.name for s in stages]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"stage names must be unique; repeated: {dupes}")
+            raise ConfigError(f"stage names must be unique; repeated: {dupes}; rename them in Stage(name, module)")
         self.stages = nn.ModuleList(stages)
 
     @property
@@ -91,7 +93,10 @@ class StagedModel(nn.Module):
         n = self.num_stages
         stop = n if stop is None else stop
         if not 0 <= start <= stop <= n:
-            raise ValueError(f"need 0 <= start <= stop <= {n} (num_stages), got start={start}, stop={stop}")
+            raise ConfigError(
+                f"StagedModel.run needs 0 <= start <= stop <= {n} (num_stages), got start={start}, stop={stop}; "
+                "pass start and stop within the model's stages"
+            )
         for stage in self.stages[start:stop]:
             state = stage(state)
         return state
@@ -102,7 +107,9 @@ class StagedModel(nn.Module):
     def suffix(self, start: int) -> "Suffix":
         """A module running ``stages[start:]`` (the same Stage objects, no copies)."""
         if not 0 <= start < self.num_stages:
-            raise ValueError(f"suffix start must be in 0..{self.num_stages - 1}, got {start}")
+            raise ConfigError(
+                f"StagedModel.suffix(start) needs start in 0..{self.num_stages - 1} (num_stages - 1), got {start}"
+            )
         return Suffix(list(self.stages[start:]))
 
 
@@ -138,19 +145,20 @@ def from_sequential(seq: nn.Sequential, groups: Sequence[int] | None = None) -> 
     keys); a group of several children is named ``"first..last"``.
     """
     if not isinstance(seq, nn.Sequential):
-        raise ValueError(
+        raise ConfigError(
             f"from_sequential expects an nn.Sequential, got {type(seq).__name__}; "
             "use from_resnet / from_bert, or build stages with StagedModel([...])"
         )
     children = [Stage(name, child) for name, child in seq.named_children()]
     if not children:
-        raise ValueError("from_sequential got an empty nn.Sequential; it has no stages to split")
+        raise ConfigError("from_sequential got an empty nn.Sequential; it has no stages to split")
     if groups is None:
         return StagedModel(children)
     groups = list(groups)
     if any(not isinstance(g, int) or g < 1 for g in groups) or sum(groups) != len(children):
-        raise ValueError(
-            f"groups must be positive ints summing to {len(children)} (the number of children), got {groups}"
+        raise ConfigError(
+            f"from_sequential: groups must be positive ints summing to {len(children)} (the number of children), "
+            f"got {groups}"
         )
     bounds = [sum(groups[:i]) for i in range(len(groups) + 1)]
     return StagedModel(_merge(children[a:b]) for a, b in zip(bounds, bounds[1:]))
@@ -161,7 +169,7 @@ def _require(model: object, path: str, expected: str) -> nn.Module:
     for part in path.split("."):
         obj = getattr(obj, part, None)
     if not isinstance(obj, nn.Module):
-        raise ValueError(f"model has no attribute {path!r}; expected {expected}; {_FALLBACK}")
+        raise ConfigError(f"model has no attribute {path!r}; expected {expected}; {_FALLBACK}")
     return obj
 
 
@@ -186,7 +194,7 @@ def from_resnet(model: nn.Module) -> StagedModel:
         if layer is None:
             break
         if not isinstance(layer, nn.Sequential) or len(layer) == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"model.layer{i} is a {type(layer).__name__}; expected a non-empty nn.Sequential of "
                 f"residual blocks as in {_RESNET}; {_FALLBACK}"
             )
@@ -260,7 +268,7 @@ def from_bert(model: nn.Module) -> StagedModel:
     embeddings = _require(body, "embeddings", _BERT)
     layers = _require(body, "encoder.layer", _BERT)
     if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or len(layers) == 0:
-        raise ValueError(
+        raise ConfigError(
             f"model.encoder.layer is a {type(layers).__name__}; expected a non-empty nn.ModuleList "
             f"as in {_BERT}; {_FALLBACK}"
         )
@@ -304,9 +312,9 @@ def auto_partition(
     split; a merged stage is named ``"first..last"`` and shares parameters.
     """
     if max_stages is not None and max_stages < 1:
-        raise ValueError(f"max_stages must be >= 1, got {max_stages}")
+        raise ConfigError(f"auto_partition: max_stages must be >= 1, got {max_stages}")
     if target_params is not None and target_params < 1:
-        raise ValueError(f"target_params must be >= 1 parameter, got {target_params}")
+        raise ConfigError(f"auto_partition: target_params must be >= 1 parameter, got {target_params}")
     counts = staged.param_counts()
     total = sum(counts)
     if target_params is not None:
@@ -314,7 +322,7 @@ def auto_partition(
     elif max_stages is not None:
         capacity = -(-total // max_stages)
     else:
-        raise ValueError("auto_partition needs max_stages or target_params (or both); got neither")
+        raise ConfigError("auto_partition needs max_stages or target_params (or both); got neither")
     if max_stages is not None and len(_greedy(counts, capacity)) > max_stages:
         lo, hi = capacity + 1, total  # capacity >= total makes one group
         while lo < hi:

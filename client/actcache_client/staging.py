@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from actcache.errors import ConfigError, LifecycleError
 from actcache_client.stages import State
 
 __all__ = ["CopyTimer", "HostRing", "Stager"]
@@ -41,7 +42,7 @@ class HostRing:
 
     def __init__(self, slots: int = 4, *, pin_memory: bool = False) -> None:
         if slots < 2:
-            raise ValueError(f"a ring needs at least 2 slots, got {slots}")
+            raise ConfigError(f"HostRing(slots=) needs at least 2 slots, got {slots}")
         self.pin_memory = pin_memory
         self._buffers: list[Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
         self._events: list[object | None] = [None] * slots
@@ -68,7 +69,7 @@ class HostRing:
 
     def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         if self._current is None:
-            raise RuntimeError("HostRing.alloc called before acquire()")
+            raise LifecycleError("HostRing.alloc called before acquire(); acquire a slot for each batch first")
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         buffer = self._buffers[self._current]
         base = buffer.data_ptr()  # align the address, not the offset: the buffer itself may not be aligned
@@ -83,7 +84,7 @@ class HostRing:
     def release(self, event: object | None) -> None:
         """Mark the acquired slot busy until ``event`` completes (None: free at once)."""
         if self._current is None:
-            raise RuntimeError("HostRing.release called before acquire()")
+            raise LifecycleError("HostRing.release called before acquire(); release only the slot acquire() gave")
         self._events[self._current] = event
         self._current = None
 
