@@ -336,7 +336,7 @@ class CachedForward:
         """Called by CachedLoader during an epoch with the next epoch's batches: push them ahead.
 
         Only after an epoch served without misses so far, so the daemon does not read ahead
-        entries that are still being stored.
+        entries that are still being stored; a miss later in the epoch discards it.
         """
         target = self._cache_target()
         if self._stream is None or target is None or self._epoch_misses:
@@ -447,6 +447,8 @@ class CachedForward:
                 self.times.seeded_samples += len(hit)
                 missing = [i for i in missing if i not in set(hit)]
         self._epoch_misses += len(missing)
+        if missing and self._stream is not None:
+            self._stream.discard_next()  # pushed before these misses were stored: push it again at its start
         if missing:
             computed = self._compute(raw.rows([rows[i] for i in missing]), 0, j)
             self._store(j, [ids[i] for i in missing], variant, computed)

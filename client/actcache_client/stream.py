@@ -131,6 +131,11 @@ class EpochStream:
         self._order, self._state = o, StreamState.PUSHED
         return True
 
+    def discard_next(self) -> None:
+        """Forget the order ``push_next`` pushed (its entries were read ahead before this epoch's
+        misses were stored); the next epoch pushes its order again at its start."""
+        self._next = None
+
     def serves(self, fingerprint: bytes, depth: int, fraction: float, variant: int) -> bool:
         """Whether the pushed order is for this target (a re-plan that keeps it keeps the stream)."""
         o = self._order

@@ -153,3 +153,16 @@ def test_the_wrapped_loaders_order_is_kept(daemon, generator, workers):
         got = [[b.ids.tolist() for b in loader] for _ in range(3)]
     assert got == expected
     assert torch.equal(torch.rand(()), after_plain)  # the global RNG advanced alike
+
+
+def test_a_miss_after_the_next_epoch_was_pushed_makes_it_push_again(daemon):
+    """One batch per epoch: the next epoch's order is pushed before the step runs; its misses then
+    discard that push, and the next epoch pushes again once the entries are stored."""
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        model = ac.CachedForward(mlp(), conn)
+        loader = ac.CachedLoader(DataLoader(ac.IndexedDataset(data()), batch_size=N, shuffle=True,
+                                            generator=torch.Generator().manual_seed(1)), model)
+        model.set_frozen(2)
+        for _ in range(3):
+            forward_epoch(model, loader)
+        assert [e.times.cached_samples for e in model.epoch_counters()] == [0, N, N]
