@@ -13,7 +13,7 @@
 """
 
 from actcache_client.audit import AuditConfig, CacheMismatchWarning
-from actcache_client.cached_forward import CachedForward, StepTimes
+from actcache_client.cached_forward import CachedForward, EpochCounters, StepTimes
 from actcache_client.connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig, connect
 from actcache_client.freeze import (
     AutoFreezeConfig,
@@ -55,6 +55,7 @@ __all__ = [
     "ConnectionConfig",
     "EgeriaConfig",
     "EgeriaPolicy",
+    "EpochCounters",
     "FreezeController",
     "FreezeMilestone",
     "IndexedDataset",
