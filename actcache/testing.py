@@ -6,7 +6,8 @@
 
 The daemon listens on a Unix socket in a fresh temp dir; ``run_daemon``
 waits for its health check, always stops it, and raises if it did not exit
-cleanly (exit code 0 after SIGTERM).
+cleanly (exit code 0 after SIGTERM). ``wait_until`` is the one polling helper
+for tests that observe another thread or process.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import grpc
 
 from actcache.rpc_client import RpcClient
 
-__all__ = ["DaemonProcess", "run_daemon"]
+__all__ = ["DaemonProcess", "run_daemon", "wait_until"]
 
 
 class DaemonProcess:
@@ -118,3 +120,16 @@ def run_daemon(
         shutil.rmtree(tmp, ignore_errors=True)
         if check_exit and running and code != 0:
             raise RuntimeError(f"daemon exited with code {code}\n{log}")
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until it is true; AssertionError naming ``what`` after ``timeout`` seconds.
+
+    Only for tests observing state another thread or process changes (a daemon's counters, files it
+    removes): the code under test waits on conditions, its observers poll every 10 ms.
+    """
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout:g} s")
+        time.sleep(0.01)

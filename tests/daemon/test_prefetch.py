@@ -17,6 +17,7 @@ from actcache.daemon.store import Store
 from actcache.errors import BudgetExceeded, FetchAborted, ScheduleNotFound, StoreError
 from actcache.keys import encode_key
 from actcache.rpc_client import EntryBatch
+from actcache.testing import wait_until
 
 FP = b"P" * 16
 SPEC = [TensorSpec(DType.float32, (16, 32, 32))]  # 64 KiB raw
@@ -25,15 +26,6 @@ SPEC = [TensorSpec(DType.float32, (16, 32, 32))]  # 64 KiB raw
 def tensor(i: int) -> np.ndarray:
     rng = np.random.default_rng(i)
     return np.maximum(rng.standard_normal((16, 32, 32), dtype=np.float32), 0)
-
-
-def wait_until(predicate, timeout: float = 20.0) -> None:
-    """Test helper: the code under test waits on conditions; the test only needs an outcome."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached within the test's timeout")
-        time.sleep(0.005)
 
 
 @pytest.fixture

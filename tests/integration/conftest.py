@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -138,12 +137,3 @@ def kill_9(proc: subprocess.Popen) -> None:
     proc.wait()
     if proc.stdout is not None:
         proc.stdout.close()
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    """Poll ``predicate`` (state of another process) until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout:.0f} s")
-        time.sleep(0.01)

@@ -48,8 +48,8 @@ from actcache.errors import ActCacheError
 from actcache.keys import MAX_DEPTH
 from actcache.rpc import encode_frame, method
 from actcache.rpc_client import RpcClient
-from actcache.testing import run_daemon
-from tests.integration.conftest import fetched, holds_its_tensor, put_range, segments, tensor_of, wait_until
+from actcache.testing import run_daemon, wait_until
+from tests.integration.conftest import fetched, holds_its_tensor, put_range, segments, tensor_of
 
 OK = grpc.StatusCode.OK
 DOCUMENTED = {

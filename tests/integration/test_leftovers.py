@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from actcache.shm import pid_alive
-from actcache.testing import DaemonProcess
+from actcache.testing import DaemonProcess, wait_until
 from tests.integration.conftest import SHM_FP as FP
 from tests.integration.conftest import SMALL_RING as RING
 from tests.integration.conftest import (
@@ -31,7 +31,6 @@ from tests.integration.conftest import (
     put_range,
     segments,
     start_holder,
-    wait_until,
 )
 
 STORED = 300  # ~300 KiB of entries: more than the 64 KiB ring holds

@@ -13,7 +13,7 @@ import pytest
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import Codec, DType, TensorSpec, decode_entry, encode_entry
 from actcache.errors import DaemonUnavailable, FetchAborted, InvalidRequest, NamespaceNotFound, ScheduleNotFound
-from actcache.testing import run_daemon
+from actcache.testing import run_daemon, wait_until
 
 FP = bytes(range(16))
 SPEC = [TensorSpec(DType.float32, (8, 32, 32))]  # 32 KiB raw
@@ -27,14 +27,6 @@ def put_range(client, ns, ids) -> dict[int, bytes]:
     stored = {i: encode_entry(SPEC, [tensor(i)]) for i in ids}
     client.put(ns, FP, 1, list((i, 0, v) for i, v in stored.items()))
     return stored
-
-
-def wait_until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached within the test's timeout")
-        time.sleep(0.01)
 
 
 def prefetch_of(stats, namespace: str):
