@@ -14,6 +14,7 @@ import actcache_client as ac
 from actcache.errors import CacheMismatchError
 from actcache_client.audit import CacheMismatchWarning
 from actcache_client.tensors import encode_samples
+from tests.client.test_identity import Scaled
 
 
 def mlp() -> ac.StagedModel:
@@ -24,18 +25,6 @@ def mlp() -> ac.StagedModel:
 def random_data(seed: int, n: int = 256) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
-
-
-class Scaled(Dataset):
-    def __init__(self, base: Dataset, factor: float) -> None:
-        self.base, self.factor = base, factor
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, i: int):
-        x, y = self.base[i]
-        return x * self.factor, y
 
 
 class Tokenized(Dataset):

@@ -46,7 +46,7 @@ def setup(connection, data: Counting, *, num_workers=0, **forward_options):
     return staged, model, loader
 
 
-def train_epoch(staged, model, loader, opt, losses) -> None:
+def train_epoch(model, loader, opt, losses) -> None:
     for batch in loader:
         loss = nn.functional.cross_entropy(model(batch), batch.data[1])
         opt.zero_grad()
@@ -63,7 +63,7 @@ def run(connection, epochs=3, **options):
     losses, calls = [], []
     for _ in range(epochs):
         before = len(data.calls)
-        train_epoch(staged, model, loader, opt, losses)
+        train_epoch(model, loader, opt, losses)
         calls.append(len(data.calls) - before)
         if connection is not None:
             connection.flush(timeout_s=30)
@@ -103,7 +103,7 @@ def test_a_partly_stored_epoch_loads_exactly_the_misses(daemon):
             model.prefix(stored, data.x[stored])  # stores a third of the samples
         conn.flush(timeout_s=30)
         data.calls.clear()
-        train_epoch(staged, model, loader, torch.optim.SGD(staged.parameters(), lr=0.05), [])
+        train_epoch(model, loader, torch.optim.SGD(staged.parameters(), lr=0.05), [])
         assert sorted(data.calls) == [i for i in range(N) if i % 3]
         assert model.times.cached_samples == len(stored)
 
@@ -114,7 +114,7 @@ def test_workers_persistent_workers_and_resume_skip_the_stored_inputs(daemon):
         staged, model, loader = setup(conn, data, num_workers=2, audit=False)
         model.set_frozen(2)
         opt = torch.optim.SGD(staged.parameters(), lr=0.05)
-        train_epoch(staged, model, loader, opt, [])  # stores every entry
+        train_epoch(model, loader, opt, [])  # stores every entry
         conn.flush(timeout_s=30)
         assert loader.raw_items_loaded == N
         for i, batch in enumerate(loader):  # stop after two batches, then resume in a new loader and model
@@ -127,7 +127,7 @@ def test_workers_persistent_workers_and_resume_skip_the_stored_inputs(daemon):
         staged, resumed, loader = setup(conn, data, num_workers=2, audit=False)
         loader.load_state_dict(state)
         resumed.set_frozen(2)
-        train_epoch(staged, resumed, loader, opt, [])
+        train_epoch(resumed, loader, opt, [])
         assert loader.raw_items_loaded == 0 and resumed.times.cached_samples == N - 2 * BATCH
 
 
@@ -141,7 +141,7 @@ def test_inputs_that_cannot_be_served_are_loaded_on_the_spot(daemon):
         opt = torch.optim.SGD(staged.parameters(), lr=0.05)
         model.set_frozen(2)
         losses: list[float] = []
-        train_epoch(staged, model, loader, opt, losses)  # stores depth 2
+        train_epoch(model, loader, opt, losses)  # stores depth 2
         if connection is not None:
             connection.flush(timeout_s=30)
         for batch in loader:

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import actcache_client as ac
 from actcache.errors import ConfigError
+from tests.integration.test_skip_loads import train_epoch
 
 N = 64
 
@@ -33,14 +34,9 @@ def train(connection, epochs=2, **options):
                                         shuffle=True, generator=torch.Generator().manual_seed(1)), model)
     opt = torch.optim.SGD(staged.parameters(), lr=0.05)
     model.set_frozen(2)
-    losses = []
+    losses: list[float] = []
     for _ in range(epochs):
-        for batch in loader:
-            loss = nn.functional.cross_entropy(model(batch), batch.data[1])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        train_epoch(model, loader, opt, losses)
         if connection is not None:
             connection.flush(timeout_s=30)
     return losses, model
