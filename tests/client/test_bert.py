@@ -6,7 +6,14 @@ import torch
 
 import actcache_client as ac
 from actcache.errors import ConfigError
-from actcache_client.bert import BertConfig, BertForSequenceClassification, load_minilm
+from actcache_client.bert import (
+    BertConfig,
+    BertForSequenceClassification,
+    TokenBatcher,
+    collate_tokens,
+    load_minilm,
+    pad_tokens,
+)
 
 TINY = BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=3, num_attention_heads=4, intermediate_size=32,
                   max_position_embeddings=20, num_labels=3)
@@ -33,6 +40,45 @@ def test_staged_tiny_bert_matches_its_own_forward():
         assert torch.equal(staged((ids, mask)), model(ids, mask))
         cached_state = staged.run((ids, mask), 0, 2)
         assert torch.equal(staged.run(cached_state, 2), model(ids, mask))
+
+
+def pair_batch(pairs, vocab=60, seed=0):
+    """[CLS] a [SEP] b [SEP] for (len(a), len(b)) pairs, right-padded: ids, mask, token types (1 on b [SEP])."""
+    g = torch.Generator().manual_seed(seed)
+    longest = max(a + b + 3 for a, b in pairs)
+    ids, mask, types = (torch.zeros(len(pairs), longest, dtype=torch.int64) for _ in range(3))
+    for row, (a, b) in enumerate(pairs):
+        n = a + b + 3
+        ids[row, :n] = torch.randint(4, vocab, (n,), generator=g)
+        ids[row, 0], ids[row, a + 1], ids[row, n - 1] = 1, 2, 2  # [CLS], [SEP], [SEP]
+        mask[row, :n] = 1
+        types[row, a + 2 : n] = 1
+    return ids, mask, types
+
+
+def test_sentence_pairs_staged_match_the_model_and_use_the_segments():
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(TINY).eval()
+    staged = ac.from_bert(model)
+    ids, mask, types = pair_batch([(3, 4), (6, 2), (1, 1)])
+    with torch.no_grad():
+        expected = model(ids, mask, types)
+        assert torch.equal(staged((ids, mask, types)), expected)
+        for k in range(staged.num_stages + 1):  # every depth a cache could serve from
+            assert torch.equal(staged.run(staged.run((ids, mask, types), 0, k), k), expected)
+        assert not torch.allclose(expected, model(ids, mask))  # segment 1 has its own embedding
+        assert torch.equal(model(ids, mask, torch.zeros_like(ids)), model(ids, mask))
+
+
+def test_pad_tokens_and_collate_tokens_pad_right_to_the_longest():
+    one = (torch.tensor([1, 5, 2, 7, 2]), torch.tensor([0, 0, 0, 1, 1]))
+    ids, mask, types = pad_tokens([one, torch.tensor([1, 9, 2])])  # a pair, and a single sentence
+    assert ids.tolist() == [[1, 5, 2, 7, 2], [1, 9, 2, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert types.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]]
+    (ids2, mask2, types2), targets = collate_tokens([(one, 1), (torch.tensor([1, 9, 2]), 0)])
+    assert torch.equal(ids2, ids) and torch.equal(mask2, mask) and torch.equal(types2, types)
+    assert targets.tolist() == [1, 0]
 
 
 def test_padding_does_not_change_a_sentence_logits():
@@ -120,3 +166,23 @@ def test_staged_minilm_matches_its_own_forward(minilm):
     model.eval()
     with torch.no_grad():
         assert torch.equal(ac.from_bert(model)((ids, mask)), model(ids, mask))
+
+
+def test_minilm_token_batcher_pads_pairs_and_the_staged_model_agrees(minilm):
+    model, tokenizer = minilm
+    batch = TokenBatcher(tokenizer)
+    firsts, seconds = ["A man is eating food.", "A dog runs."], ["Someone eats.", "A cat sleeps on the warm mat."]
+    ids, mask, types = batch(firsts, seconds)
+    for row, (a, b) in enumerate(zip(firsts, seconds)):
+        encoding = tokenizer.encode(a, b)
+        n = len(encoding.ids)
+        assert ids[row, :n].tolist() == encoding.ids and types[row, :n].tolist() == encoding.type_ids
+        assert mask[row].tolist() == [1] * n + [0] * (ids.shape[1] - n)
+        item_ids, item_types = batch.encode(a, b)
+        assert item_ids.tolist() == encoding.ids and item_types.tolist() == encoding.type_ids
+    assert types.sum() > 0 and ids.shape[0] == 2
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(ac.from_bert(model)((ids, mask, types)), model(ids, mask, types))
+    singles = batch(firsts)
+    assert singles[2].sum() == 0

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from actcache.errors import ConfigError
 from actcache_client import models, stages
 from actcache_client.models import BasicBlock, resnet20
 from tests.client.tiny_bert import TinyBertForSequenceClassification, TinyBertModel, TinyFlatBert
@@ -308,6 +309,25 @@ def test_from_bert_flat_layout_and_tensor_layers() -> None:
     with torch.no_grad():
         model.encoder.layer[1].out.weight.zero_()
     assert torch.equal(staged((ids, mask)), model(ids, mask))
+
+
+@pytest.mark.parametrize("make", [TinyBertForSequenceClassification, TinyFlatBert])
+def test_from_bert_sentence_pairs_match_the_model(make) -> None:
+    """(input_ids, attention_mask, token_type_ids): segment 1 reaches the embeddings, at every split point."""
+    torch.manual_seed(0)
+    model = make()
+    staged = from_bert(model)
+    ids, mask = _bert_inputs()
+    types = torch.zeros_like(ids)
+    types[:, 4:] = mask[:, 4:]  # the second sentence of each pair starts at token 4
+    _check_identical(model, staged, ids, mask, types)
+    model.eval()
+    assert not torch.equal(staged((ids, mask, types)), staged((ids, mask)))  # the segments count
+    assert torch.equal(staged((ids, mask, torch.zeros_like(ids))), staged((ids, mask)))
+    hidden, carried = staged.run((ids, mask, types), 0, 1)  # what a cache stores: the mask, not the types
+    assert hidden.shape == (4, 10, 16) and carried is mask
+    with pytest.raises(ConfigError, match="token_type_ids"):
+        staged((ids, mask, types, types))
 
 
 def test_from_bert_rejects_other_models() -> None:

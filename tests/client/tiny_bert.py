@@ -77,8 +77,8 @@ class TinyBertModel(nn.Module):
         self.encoder = TinyEncoder(n_layers, return_tuple)
         self.pooler = TinyPooler()
 
-    def encode(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        h = self.embeddings(input_ids=input_ids)
+    def encode(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        h = self.embeddings(input_ids=input_ids, token_type_ids=token_type_ids)
         ext = attention_mask[:, None, None, :].to(dtype=h.dtype)
         ext = (1.0 - ext) * torch.finfo(h.dtype).min
         for layer in self.encoder.layer:
@@ -96,8 +96,8 @@ class TinyBertForSequenceClassification(nn.Module):
         self.dropout = nn.Dropout(0.1)
         self.classifier = nn.Linear(16, num_labels)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        return self.classifier(self.dropout(self.bert.encode(input_ids, attention_mask)))
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        return self.classifier(self.dropout(self.bert.encode(input_ids, attention_mask, token_type_ids)))
 
 
 class TinyFlatBert(TinyBertModel):
@@ -107,5 +107,5 @@ class TinyFlatBert(TinyBertModel):
         super().__init__(n_layers=2, return_tuple=False)
         self.classifier = nn.Linear(16, 2)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        return self.classifier(self.encode(input_ids, attention_mask))
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        return self.classifier(self.encode(input_ids, attention_mask, token_type_ids))

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import actcache_client as ac
 from actcache.errors import DaemonUnavailable, PermissionDenied
 from actcache.testing import run_daemon
+from actcache_client.bert import collate_tokens
 from actcache_client.models import resnet20
 from tests.client.tiny_bert import TinyBertForSequenceClassification
 
@@ -57,6 +58,26 @@ def pad_collate(items):
         ids[row, : len(t)] = t
         mask[row, : len(t)] = 1
     return (ids, mask), torch.stack([y for _, y in items])
+
+
+class PairData(torch.utils.data.Dataset):
+    """Sentence pairs: [CLS] a [SEP] b [SEP] with segment 1 on b [SEP], 5..11 tokens, a label."""
+
+    def __init__(self, n: int = N) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.lengths = torch.randint(1, 5, (n, 2), generator=g)
+        self.tokens = torch.randint(3, 50, (n, 8), generator=g)
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        a, b = self.lengths[i].tolist()
+        ids = torch.cat([torch.tensor([1]), self.tokens[i, :a], torch.tensor([2]), self.tokens[i, a : a + b],
+                         torch.tensor([2])])
+        types = torch.cat([torch.zeros(a + 2, dtype=torch.int64), torch.ones(b + 1, dtype=torch.int64)])
+        return (ids, types), self.labels[i]
 
 
 def namespace() -> str:
@@ -107,6 +128,8 @@ MODELS = {
     "resnet20": (lambda: ac.from_resnet(resnet20()), lambda: image_data(64), {"freeze": ((1, 5),)}),
     "tiny-bert": (lambda: ac.from_bert(TinyBertForSequenceClassification(n_layers=3)), TextData,
                   {"varlen": ac.VarLen(), "collate": pad_collate, "freeze": ((1, 2),)}),
+    "tiny-bert-pairs": (lambda: ac.from_bert(TinyBertForSequenceClassification(n_layers=3)), PairData,
+                        {"varlen": ac.VarLen(), "collate": collate_tokens, "freeze": ((1, 1),)}),
 }
 
 
@@ -119,6 +142,41 @@ def test_cache_on_and_off_train_identically(daemon, name):
         assert conn.stats.hits > 0 and conn.stats.puts > 0
         assert on[2].times.cached_samples == conn.stats.hits
     assert_same_training(off, on)
+
+
+def test_sentence_pairs_skip_loading_what_is_served(daemon):
+    """(input_ids, attention_mask, token_type_ids) states from collate_tokens under IndexedDataset(targets=):
+    once the embeddings are stored no pair is loaded, and training is the same as without the cache."""
+
+    def run(connection):
+        torch.manual_seed(0)
+        staged = ac.from_bert(TinyBertForSequenceClassification(n_layers=2))
+        model = ac.CachedForward(staged, connection, varlen=ac.VarLen(), audit=False)
+        data = PairData()
+        loader = ac.CachedLoader(DataLoader(ac.IndexedDataset(data, targets=data.labels), batch_size=16, shuffle=True,
+                                            generator=torch.Generator().manual_seed(1), collate_fn=collate_tokens),
+                                 model)
+        opt = torch.optim.SGD(staged.parameters(), lr=0.05)
+        model.set_frozen(1)
+        losses, loaded = [], []
+        for _ in range(3):
+            before = loader.raw_items_loaded
+            for batch in loader:
+                loss = nn.functional.cross_entropy(model(batch), batch.data[1])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            loaded.append(loader.raw_items_loaded - before)
+            if connection is not None:
+                connection.flush(timeout_s=30)
+        return losses, loaded
+
+    off, off_loaded = run(None)
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        on, on_loaded = run(conn)
+    assert (off_loaded, on_loaded) == ([N, N, N], [N, 0, 0])
+    assert max(abs(a - b) for a, b in zip(off, on)) <= 1e-5
 
 
 def test_partial_hits_merge_in_batch_order(daemon):
