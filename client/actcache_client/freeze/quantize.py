@@ -9,9 +9,13 @@ for convolutional ones, full precision when int8 does not work. Precisions:
     static_int8   FX graph mode: prepare_fx with the backend's default qconfig,
                   calibrated on one batch, convert_fx
     fp32, bf16    the stage as is, or cast to bfloat16 (outputs back to float32)
-    auto          dynamic_int8 for stages with more Linear than conv parameters,
-                  static_int8 otherwise; the int8 build is kept if it works and is
-                  not slower than fp32, else the faster of fp32 and bf16
+    auto          fp32 for a stage with neither Linear nor conv layers (an embedding
+                  lookup, a norm: nothing to quantize); otherwise dynamic_int8 for
+                  stages with more Linear than conv parameters, static_int8 for the
+                  others, and bf16 beside it for conv stages. fp32 is kept unless a
+                  candidate is faster by AUTO_MARGIN (10%) in every one of the
+                  interleaved timing rounds; of those that are, the fastest (median
+                  over the rounds) wins. A one-off timing win by noise never decides.
 
 Why torch.ao and not torchao: in torch 2.13 eager and FX quantization warn
 that they are deprecated in favour of torchao. torchao 0.18 installs on this
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -38,10 +43,12 @@ from torch import nn
 from actcache_client.freeze.plasticity import sp_loss
 from actcache_client.stages import State
 
-__all__ = ["BuiltReference", "PRECISIONS", "build_reference", "linear_heavy"]
+__all__ = ["AUTO_MARGIN", "BuiltReference", "PRECISIONS", "build_reference", "linear_heavy", "quantizable"]
 
 PRECISIONS = ("auto", "dynamic_int8", "static_int8", "fp32", "bf16")
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: Under ``auto`` a candidate replaces fp32 only if it is this much faster in every timing round.
+AUTO_MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -78,11 +85,21 @@ def _floats(state: State) -> State:
     return _map(state, lambda t: t.float() if t.is_floating_point() else t)
 
 
-def linear_heavy(module: nn.Module) -> bool:
-    """More parameters in nn.Linear layers than in convolutions."""
+def _counts(module: nn.Module) -> tuple[int, int]:
     linear = sum(p.numel() for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters(False))
     conv = sum(p.numel() for m in module.modules() if isinstance(m, _CONV) for p in m.parameters(False))
+    return linear, conv
+
+
+def linear_heavy(module: nn.Module) -> bool:
+    """More parameters in nn.Linear layers than in convolutions."""
+    linear, conv = _counts(module)
     return linear > conv
+
+
+def quantizable(module: nn.Module) -> bool:
+    """Has nn.Linear or convolution layers with parameters: something int8 can speed up."""
+    return sum(_counts(module)) > 0
 
 
 def _build(module: nn.Module, precision: str, example: State) -> Callable[[State], State]:
@@ -113,24 +130,35 @@ def _time(fn: Callable[[State], State], example: State) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
-def build_reference(module: nn.Module, precision: str, example: State, *, repeats: int = 3) -> BuiltReference:
+def build_reference(module: nn.Module, precision: str, example: State, *, repeats: int = 5) -> BuiltReference:
     """Build the reference of ``module`` (a CPU copy, switched to eval mode) and measure it on ``example``.
 
     With ``precision="auto"`` every candidate is built and timed, interleaved,
-    ``repeats`` times; a candidate that fails to build or gives non-finite
-    outputs is skipped with a note. A fixed precision that fails raises.
+    ``repeats`` times (see the module docstring for the choice); a candidate
+    that fails to build or gives non-finite outputs is skipped with a note. A
+    fixed precision that fails raises. ``repeats=0`` with a fixed precision
+    only builds it (no timing, no error measured): a refreshed snapshot of a
+    stage whose precision was chosen before.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if repeats < 0 or (repeats == 0 and precision == "auto"):
+        raise ValueError(f"repeats={repeats}: auto needs timings (repeats >= 1); a fixed precision takes >= 0")
     module = module.eval()
-    if precision == "auto":
+    notes: list[str] = []
+    if precision == "auto" and not quantizable(module):
+        notes.append("no Linear or convolution layers to quantize: full precision")
+        candidates = ["fp32"]
+    elif precision == "auto":
         first = "dynamic_int8" if linear_heavy(module) else "static_int8"
-        candidates = [first, "fp32"] + ([] if first == "dynamic_int8" else ["bf16"])
+        candidates = ["fp32", first] + ([] if first == "dynamic_int8" else ["bf16"])
     else:
         candidates = [precision]
+    if repeats == 0:
+        with torch.no_grad():
+            return BuiltReference(_build(module, precision, example), precision, {}, {}, notes)
     built: dict[str, Callable[[State], State]] = {}
     error: dict[str, float] = {}
-    notes: list[str] = []
     with torch.no_grad():
         baseline = _floats(module(example))
         for name in candidates:
@@ -149,12 +177,33 @@ def build_reference(module: nn.Module, precision: str, example: State, *, repeat
             built[name] = fn
         if not built:
             raise RuntimeError(f"no reference precision works for this stage: {'; '.join(notes)}")
-        times = {name: math.inf for name in built}
+        rounds: dict[str, list[float]] = {name: [] for name in built}
         for _ in range(repeats):
             for name, fn in built.items():
-                times[name] = min(times[name], _time(fn, example))
-    chosen = candidates[0] if candidates[0] in built else min(built, key=times.__getitem__)
-    if precision == "auto" and chosen.endswith("int8") and "fp32" in times and times[chosen] > times["fp32"]:
-        notes.append(f"{chosen} ({times[chosen]:.2f} ms) is slower than fp32 ({times['fp32']:.2f} ms)")
-        chosen = min((n for n in built if not n.endswith("int8")), key=times.__getitem__)
-    return BuiltReference(built[chosen], chosen, times, error, notes)
+                rounds[name].append(_time(fn, example))
+    times = {name: min(t) for name, t in rounds.items()}
+    if precision != "auto":
+        return BuiltReference(built[precision], precision, times, error, notes)
+    return BuiltReference(*_choose(built, rounds, notes), times, error, notes)
+
+
+def _choose(built: dict[str, Callable[[State], State]], rounds: dict[str, list[float]],
+            notes: list[str]) -> tuple[Callable[[State], State], str]:
+    """fp32 unless a candidate is AUTO_MARGIN faster in every round; then the fastest by median."""
+    if "fp32" not in built:  # fp32 is the stage itself: it fails only if the stage does
+        name = min(built, key=lambda n: statistics.median(rounds[n]))
+        return built[name], name
+    winners = {}
+    for name, times in rounds.items():
+        if name == "fp32":
+            continue
+        ratios = [t / f for t, f in zip(times, rounds["fp32"], strict=True)]
+        if max(ratios) <= 1 - AUTO_MARGIN:
+            winners[name] = statistics.median(ratios)
+        else:
+            notes.append(f"{name} not faster than fp32 by {AUTO_MARGIN:.0%} in every round "
+                         f"(time ratios {', '.join(f'{r:.2f}' for r in ratios)})")
+    if not winners:
+        return built["fp32"], "fp32"
+    name = min(winners, key=winners.__getitem__)
+    return built[name], name
