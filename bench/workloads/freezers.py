@@ -242,7 +242,7 @@ class ControllerFreeze(abc.ABC):
 
 
 #: What the results keep of every policy observation (the controller's timeline has more).
-_TRACED = ("step", "stage", "signal", "value", "loss", "slope", "threshold", "frozen", "reason")
+_TRACED = ("step", "stage", "signal", "value", "loss", "smoothed", "threshold", "frozen", "reason")
 
 
 def _decision(record: dict[str, Any], steps_per_epoch: int) -> dict[str, Any]:
@@ -310,7 +310,7 @@ class EgeriaFreeze(ControllerFreeze):
                  reference: ReferenceConfig | None = None) -> None:
         super().__init__(eval_every=eval_every)
         self.config = config or EgeriaConfig()
-        self.reference_config = reference or ReferenceConfig(max_cpu_percent=None)
+        self.reference_config = reference or ReferenceConfig()
 
     def make_policy(self) -> FreezePolicy:
         return EgeriaPolicy(self.config)
@@ -322,7 +322,9 @@ class EgeriaFreeze(ControllerFreeze):
         return self.reference_config
 
     def settings(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self.config), "reference": dataclasses.asdict(self.reference_config)}
+        """The policy's knobs and the reference's, ``max_cpu_percent`` as resolved for the run's device."""
+        resolved = self.controller.reference_config if self.controller is not None else None
+        return {**dataclasses.asdict(self.config), "reference": dataclasses.asdict(resolved or self.reference_config)}
 
 
 def make_freezer(mode: str, *, static_depth: int, static_at_epoch: float, eval_every: int | None = None) -> Freezer:

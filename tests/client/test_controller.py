@@ -72,7 +72,8 @@ def test_config_is_validated():
     with pytest.raises(ConfigError, match="eval_every=0"):
         FreezeController(cached, opt, ManualPolicy(), eval_every=0)
     for bad, text in [({"precision": "int4"}, "precision"), ({"queue_size": 0}, "queue_size"),
-                      ({"max_cpu_percent": 0}, "max_cpu_percent"), ({"refresh_every": 0}, "refresh_every"),
+                      ({"max_cpu_percent": 0}, "max_cpu_percent"), ({"reference_age": 0}, "reference_age"),
+                      ({"max_cpu_percent": "busy"}, "max_cpu_percent"),
                       ({"max_samples": 1}, "max_samples"), ({"threads": 0}, "threads")]:
         with pytest.raises(ConfigError, match=text):
             ReferenceConfig(**bad)
@@ -98,8 +99,8 @@ def test_a_schedule_freezes_at_its_step_in_one_go_and_writes_the_timeline(tmp_pa
     assert records[-1]["frozen"] == 2
     assert records[-1]["active_param_share"] == pytest.approx(sum(counts[2:]) / sum(counts))
     assert records[1]["frozen"] == 1 and records[0]["active_param_share"] == 1.0
-    assert {"step", "epoch", "stage", "signal", "slope", "threshold", "decision", "lr", "active_param_share",
-            "rewrap_s"} <= set(records[0])
+    assert {"step", "epoch", "stage", "signal", "smoothed", "threshold", "decision", "lr", "active_param_share",
+            "rewrap_s", "plasticity_raw", "plasticity_floor", "reference_age"} <= set(records[0])
     assert records == ctl.timeline.records
 
 
@@ -243,9 +244,11 @@ def test_state_round_trip_resumes_the_frozen_prefix_and_policy(tmp_path):
 
 
 def test_plasticity_policies_start_the_reference_process_when_bootstrapping_ends():
-    from actcache_client.freeze import EgeriaPolicy, ReferenceState
+    from actcache_client.freeze import EgeriaConfig, EgeriaPolicy, ReferenceState
 
-    staged, cached, opt, ctl = setup(EgeriaPolicy(), reference=ReferenceConfig(max_cpu_percent=None))
+    # bootstrap_steps=2: every interval of 2 steps is a span of its own, Egeria's rule as in the paper
+    staged, cached, opt, ctl = setup(EgeriaPolicy(EgeriaConfig(bootstrap_steps=2)),
+                                     reference=ReferenceConfig(max_cpu_percent=None))
     losses = [8.0, 4.0, 2.0, 1.0, 0.5, 0.25, 0.24]  # halving: bootstrapping until the last 4% change
     with ctl:
         for step, loss in enumerate(losses, start=1):
@@ -279,3 +282,67 @@ def test_cost_model_decisions_go_into_the_timeline_with_their_numbers(tmp_path):
     assert plans[-1]["reason"] == planner.current.reason
     assert plans[-1]["expected_step_s"] == pytest.approx(planner.current.expected_step_s)
     assert {"cache_depth", "cached_fraction", "baseline_step_s", "numbers", "step", "epoch"} <= set(plans[-1])
+
+
+class DropoutStage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(12, 12)
+        self.dropout = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.dropout(self.linear(x))
+
+
+def test_plasticity_compares_snapshots_of_constant_age_with_the_floor_taken_off(monkeypatch):
+    # A snapshot at every evaluation; the probe on the step after evaluation k is read against snapshots
+    # k - age and k. With the weights held still the two are the same weights, so the reading is exactly 0
+    # although dropout in the training forward puts a floor under the SP loss; when the stage moves, the
+    # reading is what it gained over `age` evaluations, never more for an older snapshot.
+    from actcache_client.freeze import EgeriaConfig, EgeriaPolicy
+    from actcache_client.freeze.reference import ReferenceWorker
+
+    poll = ReferenceWorker.poll
+
+    def answered(self, wait_s=0.0):  # each evaluation waits for the probe in flight: one reading per evaluation
+        out = poll(self, wait_s=wait_s)
+        while self.stats.in_flight and self.state.value == "running":
+            out += poll(self, wait_s=60.0)
+        return out
+
+    monkeypatch.setattr(ReferenceWorker, "poll", answered)
+    torch.manual_seed(0)
+    stage = DropoutStage()
+    staged = ac.from_sequential(nn.Sequential(stage, nn.Linear(12, 3)))
+    cached = ac.CachedForward(staged)
+    opt = torch.optim.SGD(staged.parameters(), lr=0.0)
+    policy = EgeriaPolicy(EgeriaConfig(window=6, bootstrap_threshold=None, tolerance_fraction=1e-9))
+    g = torch.Generator().manual_seed(2)
+    with FreezeController(cached, opt, policy, eval_every=2, reference=ReferenceConfig(precision="fp32")) as ctl:
+        def steps(n, move):
+            for _ in range(n):
+                loss = cached(torch.arange(16), torch.randn(16, 12, generator=g)).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if move:
+                    with torch.no_grad():
+                        stage.linear.weight.add_(0.05 * torch.ones(12, 12))
+                ctl.step(loss)
+
+        steps(20, move=False)
+        def read():
+            return [r for r in ctl.timeline.records if r["event"] == "evaluation" and r["plasticity"] is not None]
+
+        still = read()
+        steps(30, move=True)
+        moving = read()[len(still):]
+    assert ctl.reference_stats.snapshots == ctl.evaluations  # one per evaluation once the reference runs
+    first = min(r["step"] for r in still)
+    assert first == 2 * (3 + 1) + 2  # snapshots at evaluations 1..4 (age 3: W / 2), probe at step 9, read at 10
+    assert all(r["reference_age"] == 3 for r in still + moving)
+    assert all(r["plasticity_floor"] > 0 and r["plasticity"] == 0.0 for r in still)
+    for r in still + moving:
+        assert r["plasticity"] == pytest.approx(r["plasticity_raw"] - r["plasticity_floor"], abs=1e-15)
+    late = [r["plasticity"] for r in moving if r["step"] > 20 + 2 * 2 * 3 + 2]  # both snapshots moving ones
+    assert len(late) >= 5 and sum(late) / len(late) > 0  # single readings scatter with dropout, the mean does not

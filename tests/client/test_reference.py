@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import queue
 import threading
 import time
 
@@ -12,7 +14,7 @@ from torch import nn
 from actcache.errors import ReferenceModelFailed
 from actcache_client.freeze import ReferenceConfig, ReferenceState, ReferenceWorker, sp_loss
 from actcache_client.freeze._refproc import Built, Reading
-from actcache_client.freeze.reference import _CpuLoad, to_shared
+from actcache_client.freeze.reference import MAX_PENDING_SNAPSHOTS, _CpuLoad, to_shared
 
 WAIT_S = 120.0  # an upper bound for a loaded machine, never a timing assertion
 
@@ -49,29 +51,67 @@ def stage_and_probe(seed: int = 0):
         return stage, x, stage(x)
 
 
-def test_plasticity_is_the_sp_loss_of_the_same_input_through_the_snapshot():
-    stage, x, out = stage_and_probe()
-    worker = ReferenceWorker(ReferenceConfig(precision="fp32", max_cpu_percent=None, queue_size=3))
+def test_a_reading_compares_snapshots_age_apart_on_the_same_batch_and_takes_off_the_floor():
+    stage, x, _ = stage_and_probe()
+    frozen_copies = []
+    worker = ReferenceWorker(ReferenceConfig(precision="fp32", queue_size=3))
+    assert worker.config.max_cpu_percent is None  # "auto" with training on the CPU
     worker.start()
     try:
-        assert worker.submit(0, 1, to_shared(x), to_shared(out))  # before any snapshot: answered, dropped
-        worker.snapshot(stage, stage=0, generation=0)
+        assert worker.submit(0, 0, 1, to_shared(x), to_shared(stage(x)))  # before any snapshot: answered, dropped
+        for index in range(3):  # evaluations 0, 1, 2: the stage moves on after each snapshot
+            worker.snapshot(stage, stage=0, generation=0, index=index, age=2)
+            frozen_copies.append(copy.deepcopy(stage).eval())
+            with torch.no_grad():
+                stage[0].weight.mul_(0.7).add_(0.1)
+        stage.train()  # the training forward: batch statistics in BN, unlike the eval-mode snapshots
         with torch.no_grad():
-            stage[0].weight.mul_(-1)  # the training stage moves on; the snapshot keeps the old weights
-            moved = stage(x)
-        assert worker.submit(0, 2, to_shared(x), to_shared(out))
-        assert worker.submit(0, 3, to_shared(x), to_shared(moved))
-        messages = wait_for(worker, Reading, 2)
+            out = stage(x)
+        assert worker.submit(0, 1, 5, to_shared(x), to_shared(out))  # index 1 - age 2: no such snapshot
+        assert worker.submit(0, 2, 6, to_shared(x), to_shared(out))
+        messages = wait_for(worker, Reading, 1)  # answered in order: the two drops came before it
     finally:
         worker.close()
-    readings = [m for m in messages if isinstance(m, Reading)]
-    assert [r.step for r in readings] == [2, 3] and all(r.stage == 0 and r.generation == 0 for r in readings)
-    assert readings[0].plasticity == pytest.approx(0.0, abs=1e-12)
-    assert readings[1].plasticity == pytest.approx(sp_loss(moved, out), rel=1e-6) and readings[1].plasticity > 0
+    reading = next(m for m in messages if isinstance(m, Reading))
+    with torch.no_grad():
+        raw, floor = sp_loss(out, frozen_copies[0](x)), sp_loss(out, frozen_copies[2](x))
+    assert (reading.step, reading.index, reading.age, reading.stage) == (6, 2, 2, 0)
+    assert reading.raw == pytest.approx(raw, rel=1e-6) and reading.floor == pytest.approx(floor, rel=1e-6)
+    assert reading.floor > 0  # BN train vs eval mode on identical weights: the measurement's floor
+    assert reading.plasticity == pytest.approx(raw - floor, rel=1e-6, abs=1e-12)
     built = next(m for m in messages if isinstance(m, Built))
     assert built.precision == "fp32" and built.ms_per_batch["fp32"] > 0
-    assert worker.stats.dropped == 1 and worker.stats.readings == 2 and worker.stats.in_flight == 0
-    assert worker.state is ReferenceState.CLOSED
+    assert worker.stats.dropped == 2 and worker.stats.readings == 1 and worker.stats.in_flight == 0
+    assert worker.stats.snapshots == 3 and worker.state is ReferenceState.CLOSED
+
+
+def test_snapshots_wait_in_order_while_the_inbox_is_full_and_the_oldest_are_dropped():
+    class Full:
+        def put_nowait(self, message):
+            raise queue.Full
+
+    stage, _, _ = stage_and_probe()
+    worker = ReferenceWorker(ReferenceConfig(precision="fp32"))
+    worker.state, worker._inbox = ReferenceState.RUNNING, Full()  # no process: the inbox never takes anything
+    for index in range(MAX_PENDING_SNAPSHOTS + 5):
+        worker.snapshot(stage, stage=0, generation=3, index=index, age=2)
+    pending = list(worker._pending)
+    assert len(pending) == MAX_PENDING_SNAPSHOTS and worker.stats.snapshots_dropped == 5
+    assert pending[0].index == 0 and pending[0].payload is not None  # the one that opens the generation stays
+    assert [m.index for m in pending[1:]] == list(range(6, MAX_PENDING_SNAPSHOTS + 5))
+    assert all(m.state is not None and m.payload is None for m in pending[1:])
+    worker.snapshot(stage, stage=1, generation=4, index=0, age=2)  # a new generation: the old one is of no use
+    assert [(m.generation, m.index) for m in worker._pending] == [(4, 0)]
+
+
+def test_max_cpu_percent_auto_follows_where_training_runs():
+    assert ReferenceConfig().max_cpu_percent == "auto"
+    assert ReferenceConfig().for_device("cpu").max_cpu_percent is None
+    assert ReferenceConfig().for_device("cuda:0").max_cpu_percent == 50.0
+    assert ReferenceConfig(max_cpu_percent=30).for_device("cpu").max_cpu_percent == 30
+    assert ReferenceWorker(training_device="cuda").config.max_cpu_percent == 50.0
+    assert ReferenceConfig().age_for(10) == 5 and ReferenceConfig().age_for(2) == 1
+    assert ReferenceConfig(reference_age=3).age_for(10) == 3
 
 
 def test_a_busy_reference_process_turns_probes_into_skips_not_waits():
@@ -80,7 +120,7 @@ def test_a_busy_reference_process_turns_probes_into_skips_not_waits():
     worker.start()
     try:
         worker.snapshot(Stall(), stage=0, generation=0)
-        results = [worker.submit(0, step, to_shared(x), to_shared(out)) for step in range(1, 21)]
+        results = [worker.submit(0, 0, step, to_shared(x), to_shared(out)) for step in range(1, 21)]
         assert results[0] and not any(results[1:])
         assert worker.stats.submitted == 1 and worker.stats.skipped_full == 19 and worker.stats.in_flight == 1
         assert not worker.ready_for_probe() and worker.stats.skipped_full == 20
@@ -105,8 +145,9 @@ def test_a_failing_reference_raises_in_the_training_process():
     worker = ReferenceWorker(ReferenceConfig(precision="fp32", max_cpu_percent=None))
     worker.start()
     try:
-        worker.snapshot(Broken(), stage=0, generation=0)
-        worker.submit(0, 1, to_shared(x), to_shared(out))
+        worker.snapshot(Broken(), stage=0, generation=0, index=0, age=1)
+        worker.snapshot(Broken(), stage=0, generation=0, index=1, age=1)
+        worker.submit(0, 1, 1, to_shared(x), to_shared(out))
         with pytest.raises(ReferenceModelFailed, match="this stage cannot run"):
             wait_for(worker, Reading)
         assert worker.state is ReferenceState.FAILED and worker.poll() == []

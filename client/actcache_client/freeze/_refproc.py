@@ -1,29 +1,43 @@
 """The reference process: messages and main loop (runs in a spawned CPU process).
 
-Inbox, in order: ``Snapshot`` (a pickled CPU copy of the frontmost active
-stage), ``Probe`` (that stage's input and the training model's output for one
-batch), ``Stop``. Outbox: ``Loaded`` for every snapshot, exactly one
-``Reading`` or ``Dropped`` for every probe, ``Built`` when a snapshot's
-reference is first built, ``Failed`` (then the process exits) on any error.
+Inbox, in order: ``Snapshot`` (the frontmost active stage at one evaluation:
+the first of a generation carries the pickled module, later ones its
+``state_dict`` in shared memory), ``Probe`` (that stage's input and the
+training model's output for one batch, taken on the step after evaluation
+``index``), ``Stop``. Outbox: exactly one ``Reading`` or ``Dropped`` for
+every probe, ``Built`` when a generation's first reference is built,
+``Failed`` (then the process exits) on any error.
 
-The reference of a snapshot is built lazily on its first probe, which also
-calibrates static int8. Under ``precision="auto"`` the choice made for a
-stage is kept for its later snapshots, so candidates are timed once per stage.
+A reading compares the probe's output with two snapshots of the stage: the
+one of the probe's own evaluation (age 0: the same weights, so the SP loss
+is only the floor of the measurement: train vs eval mode, dropout, int8
+error) and the one ``age`` evaluations older::
+
+    raw = sp_loss(A_T, ref[index - age](x));  floor = sp_loss(A_T, ref[index](x))
+    plasticity = raw - floor
+
+A snapshot's reference is built once, lazily, on its first use (which also
+calibrates static int8) and kept until no later probe can need it (indices
+below ``index - age``). Under ``precision="auto"`` the choice is made on a
+stage's first build and kept for its later snapshots, so candidates are
+timed once per stage.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from actcache_client.freeze.plasticity import sp_loss
-from actcache_client.freeze.quantize import BuiltReference, build_reference
+from actcache_client.freeze.quantize import build_reference
 from actcache_client.stages import State
 
 #: How often a waiting reference process checks that its parent is still alive.
@@ -33,15 +47,18 @@ PARENT_CHECK_S = 5.0
 @dataclass(frozen=True)
 class Snapshot:
     generation: int
-    snapshot_id: int
+    index: int  # evaluations since the generation started
     stage: int
-    payload: bytes  # pickle.dumps of the stage module on the CPU
     precision: str
+    age: int  # evaluations between the two references of a reading
+    payload: bytes | None = None  # pickle.dumps of the stage module on the CPU (index 0 of a generation)
+    state: dict[str, torch.Tensor] | None = None  # its state_dict in shared memory (later indices)
 
 
 @dataclass(frozen=True)
 class Probe:
     generation: int
+    index: int  # the snapshot taken at the evaluation just before the probed step
     step: int
     inputs: State
     output: State
@@ -53,17 +70,15 @@ class Stop:
 
 
 @dataclass(frozen=True)
-class Loaded:
-    snapshot_id: int
-
-
-@dataclass(frozen=True)
 class Reading:
     generation: int
-    snapshot_id: int
     stage: int
     step: int
-    plasticity: float
+    index: int
+    plasticity: float  # raw - floor
+    raw: float  # against the snapshot ``age`` evaluations old
+    floor: float  # against the snapshot of the probe's own evaluation
+    age: int
     seconds: float
 
 
@@ -77,7 +92,7 @@ class Dropped:
 @dataclass(frozen=True)
 class Built:
     generation: int
-    snapshot_id: int
+    index: int
     stage: int
     precision: str
     ms_per_batch: dict[str, float]
@@ -99,10 +114,48 @@ def main(inbox, outbox, threads: int, parent_pid: int) -> None:
         outbox.put(Failed(traceback.format_exc()))
 
 
+class _Generation:
+    """The snapshots of one frontmost stage, by evaluation index, and their built references."""
+
+    def __init__(self, first: Snapshot) -> None:
+        if first.payload is None:
+            raise ValueError(f"snapshot {first.index} of generation {first.generation} opens it without a module")
+        self.first = first
+        self.module: torch.nn.Module = pickle.loads(first.payload)
+        self.states: dict[int, dict[str, torch.Tensor] | None] = {first.index: None}  # None: the module as sent
+        self.runs: dict[int, Callable[[State], State]] = {}
+
+    def add(self, snapshot: Snapshot) -> None:
+        self.states[snapshot.index] = snapshot.state
+
+    def reference(self, index: int, example: State, chosen: dict[int, str], outbox) -> Callable[[State], State]:
+        run = self.runs.get(index)
+        if run is not None:
+            return run
+        state = self.states[index]
+        module = self.module if state is None else copy.deepcopy(self.module)
+        if state is not None:
+            module.load_state_dict(state)
+        stage = self.first.stage
+        if stage in chosen:
+            built = build_reference(module, chosen[stage], example, repeats=0)
+        else:
+            built = build_reference(module, self.first.precision, example)
+            chosen[stage] = built.precision
+            outbox.put(Built(self.first.generation, index, stage, built.precision, built.ms_per_batch,
+                             built.error_vs_fp32, built.notes))
+        self.runs[index] = built.run
+        return built.run
+
+    def prune(self, below: int) -> None:
+        """Forget snapshots no later probe can use (every later probe has a larger index)."""
+        for index in [i for i in self.states if i < below]:
+            del self.states[index]
+            self.runs.pop(index, None)
+
+
 def _serve(inbox, outbox, parent_pid: int) -> None:
-    snapshot: Snapshot | None = None
-    module: torch.nn.Module | None = None
-    built: BuiltReference | None = None
+    current: _Generation | None = None
     chosen: dict[int, str] = {}  # stage -> precision picked by "auto"
     while True:
         try:
@@ -114,21 +167,27 @@ def _serve(inbox, outbox, parent_pid: int) -> None:
         if isinstance(message, Stop):
             return
         if isinstance(message, Snapshot):
-            snapshot, built = message, None
-            module = pickle.loads(message.payload)
-            outbox.put(Loaded(message.snapshot_id))
+            if message.payload is not None:
+                current = _Generation(message)
+            elif current is not None and current.first.generation == message.generation:
+                current.add(message)
             continue
         probe: Probe = message
-        if snapshot is None or module is None or probe.generation != snapshot.generation:
+        if current is None or probe.generation != current.first.generation:
             outbox.put(Dropped(probe.generation, probe.step, "no reference snapshot of this stage yet"))
             continue
-        if built is None:
-            built = build_reference(module, chosen.get(snapshot.stage, snapshot.precision), probe.inputs)
-            chosen.setdefault(snapshot.stage, built.precision)
-            outbox.put(Built(snapshot.generation, snapshot.snapshot_id, snapshot.stage, built.precision,
-                             built.ms_per_batch, built.error_vs_fp32, built.notes))
+        age = current.first.age
+        missing = [i for i in (probe.index - age, probe.index) if i not in current.states]
+        if missing:
+            outbox.put(Dropped(probe.generation, probe.step, f"snapshot(s) {missing} of generation "
+                                                            f"{probe.generation} never arrived"))
+            continue
+        old = current.reference(probe.index - age, probe.inputs, chosen, outbox)
+        new = current.reference(probe.index, probe.inputs, chosen, outbox)
         start = time.perf_counter()
         with torch.no_grad():
-            plasticity = sp_loss(probe.output, built.run(probe.inputs))
-        outbox.put(Reading(snapshot.generation, snapshot.snapshot_id, snapshot.stage, probe.step, plasticity,
-                           time.perf_counter() - start))
+            raw = sp_loss(probe.output, old(probe.inputs))
+            floor = sp_loss(probe.output, new(probe.inputs))
+        outbox.put(Reading(probe.generation, current.first.stage, probe.step, probe.index, raw - floor, raw, floor,
+                           age, time.perf_counter() - start))
+        current.prune(probe.index - age)

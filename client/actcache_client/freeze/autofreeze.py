@@ -5,10 +5,17 @@ controller passes each stage's norm of the gradients accumulated over it. For
 every active stage l::
 
     eta_l = | ||Δ_{T-1,l}|| - ||Δ_{T,l}|| | / ||Δ_{T-1,l}||
-    threshold = N-th percentile of eta over the active stages (linear interpolation,
-                numpy's default rule; a zero previous norm makes eta infinite)
+    threshold = N-th percentile of eta over the active judged stages: not the head (the
+                last stage, which always trains), not the embedding stages (linear
+                interpolation, numpy's default rule; a zero previous norm makes eta infinite)
 
-The frontmost active stage freezes while its eta < threshold. Algorithm 1
+The frontmost active stage freezes while its eta < threshold. The paper
+judges BERT's encoder blocks: the classifier is never a candidate, so its
+eta (the new head's gradients change fastest) does not raise the
+percentile, and "when transformer blocks are frozen, we also freeze the
+Embedding layer" (§4): with ``embedding_stages=k`` the first k stages are
+not judged on their own but freeze together with stage k, in the same
+evaluation, when stage k passes the test. Algorithm 1
 loops over the active stages in one interval; here each observation answers
 for one stage, so after applying a FREEZE_NEXT the controller calls again with
 the same ``step`` and the next stage is judged against the same interval's
@@ -42,8 +49,13 @@ class AutoFreezeConfig:
     #: Evaluation intervals per epoch, i.e. how often the controller calls observe. Paper:
     #: 5 (§4 setup); 2 to 5 balance speed and accuracy, 10 loses accuracy (§4.3).
     intervals_per_epoch: int = 5
+    #: Stages before the first judged one (BERT staged by ``from_bert``: 1, the embeddings). They
+    #: freeze together with the first judged stage (AutoFreeze §4); 0 judges every stage but the head.
+    embedding_stages: int = 0
 
     def __post_init__(self) -> None:
+        if self.embedding_stages < 0:
+            raise ConfigError(f"embedding_stages={self.embedding_stages} must be >= 0 (1 for BERT's embeddings)")
         if not 0 < self.percentile <= 100:
             raise ConfigError(f"percentile={self.percentile} must be in (0, 100] (the paper uses 50, the median)")
         if self.intervals_per_epoch < 1:
@@ -93,14 +105,19 @@ class AutoFreezePolicy:
         stage = signals.frozen
         if stage >= signals.num_stages - 1:
             return Decision.none("only the head is active; it always trains")
-        eta = self._eta[stage] if stage < len(self._eta) else None
+        judged = max(stage, self.config.embedding_stages)  # embedding stages go with the first judged one
+        if judged >= signals.num_stages - 1:
+            return Decision.none(f"stage {stage}: no judged stage before the head "
+                                 f"(embedding_stages={self.config.embedding_stages})")
+        eta = self._eta[judged] if judged < len(self._eta) else None
+        which = f"stage {stage}" if judged == stage else f"stage {stage} (with stage {judged})"
         if eta is None or self._threshold is None:
-            return Decision.none(f"stage {stage}: needs gradient norms from two consecutive intervals")
+            return Decision.none(f"{which}: needs gradient norms from two consecutive intervals")
         numbers = {"eta": eta, "threshold": self._threshold, "percentile": self.config.percentile}
         if eta < self._threshold:
-            return Decision.freeze(stage, f"stage {stage}: eta {eta:.3g} < {self.config.percentile:g}th "
+            return Decision.freeze(stage, f"{which}: eta {eta:.3g} < {self.config.percentile:g}th "
                                           f"percentile {self._threshold:.3g}", numbers)
-        return Decision.none(f"stage {stage}: eta {eta:.3g} >= {self.config.percentile:g}th "
+        return Decision.none(f"{which}: eta {eta:.3g} >= {self.config.percentile:g}th "
                              f"percentile {self._threshold:.3g}", numbers)
 
     def _close_interval(self, signals: Signals) -> None:
@@ -111,7 +128,8 @@ class AutoFreezePolicy:
                  for i, g in enumerate(signals.grad_norms)]
         prev = self._prev if len(self._prev) == len(norms) else [None] * len(norms)
         self._eta = [_eta(p, c) for p, c in zip(prev, norms, strict=True)]
-        pool = [e for e in self._eta[signals.frozen:] if e is not None]
+        first = max(signals.frozen, self.config.embedding_stages)
+        pool = [e for e in self._eta[first: signals.num_stages - 1] if e is not None]  # the head is no candidate
         self._threshold = _percentile(pool, self.config.percentile) if pool else None
         self._prev = norms
         self._step = signals.step

@@ -12,7 +12,7 @@ An evaluation (step % eval_every == 0): the loss is averaged over the
 interval (and across ranks when the policy needs it), the per-stage gradient
 norms are those of the interval's summed gradients, plasticity is the latest
 reading of the frontmost active stage from the reference process (None if
-none arrived: the step never waits). Rank 0 calls ``policy.observe``, again
+none arrived: the step never waits; see probe.py for the snapshots it compares). Rank 0 calls ``policy.observe``, again
 at the same step after each FREEZE_NEXT (AutoFreeze's Algorithm 1 loop;
 schedules catch up), and broadcasts the resulting depth; every rank applies
 it at that step through ``CachedForward.set_frozen`` (requires_grad, eval
@@ -21,8 +21,10 @@ never rebuilt: active parameters keep their state, frozen ones get
 ``grad = None`` so momentum and weight decay cannot move them.
 
 The reference process (plasticity policies, rank 0 only) starts once the
-policy leaves bootstrapping; one probe is captured per evaluation interval,
-on the step after an evaluation, by forward hooks on the frontmost stage.
+policy leaves bootstrapping; from then on the frontmost stage is snapshot at
+every evaluation, and one probe per evaluation interval is captured on the
+step after an evaluation by forward hooks on the frontmost stage. The
+reference's ``max_cpu_percent="auto"`` is resolved from the model's device.
 """
 
 from __future__ import annotations
@@ -126,6 +128,11 @@ class FreezeController:
     @property
     def reference_stats(self) -> ReferenceStats | None:
         return self._probe.stats if self._probe is not None else None
+
+    @property
+    def reference_config(self) -> ReferenceConfig | None:
+        """The reference process's configuration, ``max_cpu_percent="auto"`` resolved; None without one."""
+        return self._probe.worker.config if self._probe is not None else None
 
     @property
     def rewrap_seconds(self) -> float | None:
@@ -232,13 +239,17 @@ class FreezeController:
             "stage_name": self.cached.model.stage_names[signals.frozen], "signal": signal, "value": value,
             "loss": signals.loss, "plasticity": signals.plasticity,
             "plasticity_step": reading.step if reading is not None else None,
+            "plasticity_raw": reading.raw if reading is not None else None,
+            "plasticity_floor": reading.floor if reading is not None else None,
+            "reference_age": reading.age if reading is not None else None,
             "grad_norm": signals.grad_norms[signals.frozen] if signals.grad_norms else None,
-            "slope": numbers.get("slope"), "threshold": numbers.get("threshold"),
+            "smoothed": numbers.get("smoothed"), "threshold": numbers.get("threshold"),
             "decision": decision.kind.value, "reason": decision.reason, "lr": signals.lr, "frozen": after,
             "active_param_share": self.active_param_share(after), "rewrap_s": None, "numbers": dict(numbers),
             "reference": None if stats is None else {
                 "submitted": stats.submitted, "readings": stats.readings, "skipped_full": stats.skipped_full,
-                "skipped_busy": stats.skipped_busy, "dropped": stats.dropped},
+                "skipped_busy": stats.skipped_busy, "dropped": stats.dropped,
+                "snapshots_dropped": stats.snapshots_dropped},
         }
 
     def _record_plan(self, frozen: int, plan: Plan) -> None:

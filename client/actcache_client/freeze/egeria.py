@@ -1,25 +1,102 @@
-"""Egeria's plasticity-based freezing (EuroSys '23, §4.2.2 and Algorithm 1).
+"""Egeria's plasticity-based freezing (EuroSys '23, §4.2.2 and Algorithm 1), on readings of constant age.
 
 Per evaluation, for the frontmost active stage ``s == signals.frozen``::
 
-    bootstrapping --(|Δloss| / loss_prev < bootstrap_threshold)--> knowledge-guided   (one way)
+    bootstrapping --(smoothed loss changes < bootstrap_threshold per interval)--> knowledge-guided   (one way)
 
-    knowledge-guided, per reading p of stage s:
-      smoothed = mean(last W readings)                         (Eq. 2)
-      slope    = least-squares slope of the last W smoothed values, per evaluation
-      T[s]     = tolerance_fraction * max |slope| of s's first tolerance_readings slopes
-                 (those readings only calibrate; T[s] is kept for refreezing)
-      |slope| < T[s] -> consecutive += 1, else consecutive = 0
+    knowledge-guided, per reading p of stage s (the plasticity it gained over the last
+    `age` evaluations, floor taken off: reference.py):
+      smoothed = mean(last W readings)                                   (Eq. 2)
+      T[s]     = tolerance_fraction * max |smoothed| of s so far; the first tolerance_readings
+                 values only calibrate it (T[s] is kept for refreezing)
+      smoothed < T[s] -> consecutive += 1, else consecutive = 0
       consecutive == W -> FREEZE_NEXT(s); stage s+1 starts with fresh readings
 
-    any time frozen > 0 and lr <= lr_at_freeze / unfreeze_lr_factor
+    frozen > 0, the lr fell at this evaluation after a flat interval (a discrete drop), and
+    lr <= lr_at_freeze / unfreeze_lr_factor
       -> UNFREEZE_ALL; W = max(W // 2, min_window); stage 0 starts with fresh readings
 
-``lr_at_freeze`` is the lr when stage 0 was frozen (re-anchored by
-``on_schedule_restart`` for cyclic schedules). Algorithm 1 performs the freeze
-one call after the counter reaches W; here it happens on the W-th low-slope
-evaluation itself. The paper's test reads ``s < T``; plasticity falls, so the
-slope is compared by magnitude.
+Why readings of constant age, and a test on their level
+--------------------------------------------------------
+Egeria compares the stage with a snapshot refreshed every W evaluations and
+fits a slope to the smoothed SP loss. The reading then measures how far the
+stage moved since the snapshot, so it grows with the snapshot's age and
+falls back at every refresh: a sawtooth of period W whatever the stage does.
+The moving average over W flattens any such sawtooth once it spans a period,
+and T, calibrated on the first slopes (the ramp of the cumulative mean),
+is then far above what follows, so every stage froze 1 + 3 + W + ~W
+evaluations in, on a timer. ``bench/bench_policy.py`` reproduces it and
+tries the alternatives on synthetic stages (a 64->32 linear layer with
+dropout 0.1 in the training forward, rotated in weight space at a constant
+rate, converging, or still, with 1% jitter per step; real ``sp_loss``
+against int8-rounded references; W=10, 5 seeds, 200 evaluations; a stage
+that freezes is judged afresh). First freeze per seed (all freezes):
+
+    reference                    test    drifting            converging          still
+    refreshed every W (before)   slope   16 22 13 16 26 (32) 18 32 13 18 26 (39) 15 17 13 15 15 (30)
+    refreshed, reading / age     slope   24 26 23 20 24 (45) 24 26 23 20 24 (45) 24 26 23 21 24 (45)
+    constant age 5               slope   18 20 18 18 32 (49) 18 20 18 18 18 (36) 19 20 21 18 18 (32)
+    constant age 5, minus age 0  slope   19 22 38 24 24 (36) 42 24 44 37 38 (37) 19 21 21 34 31 (41)
+    refreshed every W            level   never               never               never
+    refreshed, reading / age     level   never               100 once            81 once
+    refreshed, (p - p0) / age    level   never               48 38 40 48 40 (36) 138 12 91 18 12 (27)
+    constant age 5               level   never               never               never
+    constant age 5, minus age 0  level   never               42 34 40 45 41 (21) 38 17 25 17 49 (21)
+
+Any slope test freezes a stage that keeps moving at a constant rate: against
+a reference of constant age such a stage gives a flat reading (the distance
+it covers per span does not change), which is exactly what the slope test
+calls converged. What separates the cases is the level of that reading: the
+plasticity gained over a fixed span is the slope of Egeria's plasticity curve
+against a fixed reference (the quantity its §4.2.2 test looks at), measured
+directly and comparable across readings. Dividing by the snapshot's age does
+not make readings comparable: the SP loss grows with the square of a small
+weight change and linearly with the spread of SGD noise, so no single
+divisor fits both, and within each snapshot's life the divided reading
+still ramps; it froze converging stages a few evaluations later than a
+constant age did and still ones anywhere from 12 to 138 evaluations in,
+depending on where in the sawtooth calibration fell. A constant age needs
+no model of how the SP loss scales. And a raw level never falls: the
+reading has a floor even for identical weights (train vs eval mode,
+dropout, int8 error), so each reading subtracts the same batch's SP loss
+against a snapshot of the stage's current weights. Measured on ResNet-20's
+stem training on the digits (every step an evaluation), that floor is 1e-8
+to 1e-6 per batch, as large as the signal late in training; the difference
+falls from ~2e-6 to ~2e-7 before the first LR drop and to ~0 after it.
+
+T is 20% of the stage's early readings (§4.2.2), now of the plasticity
+gained per span rather than of a fitted slope, and it follows the largest
+smoothed reading after them too: a stage that speeds up after its first
+readings (an lr warm-up, a stage that starts slowly) is judged against its
+peak, while for a stage whose drift only falls it is the paper's rule. The
+age defaults to W / 2, the mean age of Egeria's reference (refreshed every
+W). A reading is late
+by one evaluation (the probe runs on the step after an evaluation) and the
+first comes ``age`` evaluations into a stage, so a stage needs at least
+age + 1 + tolerance_readings + W evaluations (19 at the defaults). The
+moving average delays the test by about W / 2 evaluations of the underlying
+drift; once the smoothed reading is below T the stage freezes W - 1
+evaluations later unless noise resets the count.
+
+Bootstrapping (§4.2.2: "the changing rate of the training loss", 10%) is
+judged on the loss averaged over spans of at least ``bootstrap_steps``
+steps (or one interval if longer), the change between two spans scaled to
+one evaluation interval: ``1 - exp(-|ln(prev / cur)| * n / gap)`` (n: steps
+per interval; gap: steps between the spans' centres). With intervals of >= 32
+steps this is Egeria's rule as is; with shorter ones single-batch losses no
+longer end it by chance (batch losses spread by ~50% of the loss on
+ResNet-20/digits; over 32 steps the noise of the scaled change is
+0.5 * sqrt(2/32) * n/gap, a tenth of the threshold or less for n <= 4).
+
+Unfreezing follows the paper's step decays: everything unfreezes when the lr
+*drops* at an evaluation after being flat for the interval before it, and
+has fallen 10x since stage 0 froze. A smooth schedule that changes the lr at
+every step (warm-up + linear decay, cosine, one-cycle) never makes such a
+drop, so frozen stages stay frozen to the end of those runs (the paper: "the
+learning rate scheduler does not trigger the unfreezing mechanism" for BERT
+fine-tuning); a schedule stepped per epoch (exponential or cosine decay per
+epoch) drops discretely and unfreezes where it reaches 10x. Cyclic
+schedules: ``on_schedule_restart`` re-anchors the lr.
 """
 
 from __future__ import annotations
@@ -27,7 +104,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, cast
 
 from actcache.errors import ConfigError
@@ -36,32 +113,39 @@ from actcache_client.freeze.policy import Decision, Signals
 
 __all__ = ["EgeriaConfig", "EgeriaPolicy"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+_SAME = 1e-9  # relative tolerance for "the lr did not change"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EgeriaConfig:
-    """Knobs of Egeria's freezing rule; defaults are the paper's (§4.2.2, §6.4)."""
+    """Knobs of Egeria's freezing rule; defaults are the paper's (§4.2.2, §6.4) unless marked ours."""
 
-    #: W: moving-average span, slope-fit span, and consecutive low-slope evaluations to
-    #: freeze. Paper: W=10 (§4.2.2 guideline; §6.4: 5 freezes too eagerly, 20 too late).
+    #: W: moving-average span and consecutive low evaluations to freeze. Paper: W=10 (§4.2.2
+    #: guideline; §6.4: 5 freezes too eagerly, 20 too late).
     window: int = 10
-    #: T as a fraction of the largest |slope| among a stage's first readings. Paper: 20%
-    #: (§4.2.2); §6.4: 40% freezes unconverged stages, 10% practically never freezes.
+    #: T as a fraction of the largest |smoothed reading| of a stage (its first readings and any
+    #: larger one after). Paper: 20% of the early slopes (§4.2.2); §6.4: 40% freezes unconverged
+    #: stages, 10% practically never freezes.
     tolerance_fraction: float = 0.2
-    #: How many initial slope readings calibrate T per stage. Paper: 3 (§4.2.2).
+    #: How many initial smoothed readings calibrate T per stage. Paper: 3 (§4.2.2).
     tolerance_readings: int = 3
-    #: Bootstrapping ends once the training loss changes by less than this fraction per
+    #: Bootstrapping ends once the smoothed training loss changes by less than this fraction per
     #: evaluation interval. Paper: 10% (§4.2.2). None skips bootstrapping.
     bootstrap_threshold: float | None = 0.1
-    #: Unfreeze all once lr has dropped by this factor since stage 0 froze. Paper: 10 (§4.2.2).
+    #: Ours: the loss is averaged over spans of at least this many steps before two spans are
+    #: compared (the module docstring says why 32).
+    bootstrap_steps: int = 32
+    #: Unfreeze all once a discrete lr drop brings it this factor below its value when stage 0
+    #: froze. Paper: 10 (§4.2.2).
     unfreeze_lr_factor: float = 10.0
-    #: W halves at every unfreeze but never below this; a slope needs 2 points.
+    #: W halves at every unfreeze but never below this. Ours.
     min_window: int = 2
 
     def __post_init__(self) -> None:
         if self.min_window < 2:
-            raise ConfigError(f"min_window={self.min_window}: a slope needs at least 2 points; use min_window >= 2")
+            raise ConfigError(f"min_window={self.min_window}: the moving average needs at least 2 readings; "
+                              "use min_window >= 2")
         if self.window < self.min_window:
             raise ConfigError(f"window={self.window} is below min_window={self.min_window}; raise window "
                               "(the paper uses 10)")
@@ -73,23 +157,32 @@ class EgeriaConfig:
         if self.bootstrap_threshold is not None and not 0 < self.bootstrap_threshold <= 1:
             raise ConfigError(f"bootstrap_threshold={self.bootstrap_threshold} must be in (0, 1] as a fraction "
                               "of the loss (the paper uses 0.1), or None to skip bootstrapping")
+        if self.bootstrap_steps < 1:
+            raise ConfigError(f"bootstrap_steps={self.bootstrap_steps} must be >= 1 step (default 32)")
         if not (math.isfinite(self.unfreeze_lr_factor) and self.unfreeze_lr_factor > 1):
             raise ConfigError(f"unfreeze_lr_factor={self.unfreeze_lr_factor} must be > 1 (the paper uses 10)")
 
 
-def _slope(values: Sequence[float]) -> float:
-    n = len(values)
-    x_mean = (n - 1) / 2
-    y_mean = sum(values) / n
-    num = sum((x - x_mean) * (y - y_mean) for x, y in enumerate(values))
-    return num / sum((x - x_mean) ** 2 for x in range(n))
+def _per_interval_change(prev: float, cur: float, fraction: float) -> float:
+    """Relative change from ``prev`` to ``cur``, scaled to ``fraction`` of the span between them.
+
+    Geometric scaling (exact for a loss falling or rising exponentially): over a
+    span of 32 intervals a loss falling 15% per interval falls 99.5%, and the
+    scaled change is 15% again. Non-positive losses fall back to a linear scaling.
+    """
+    if prev > 0 and cur > 0:
+        return 1 - math.exp(-abs(math.log(prev / cur)) * fraction)
+    if prev == 0:
+        return 0.0 if cur == 0 else math.inf
+    return abs(prev - cur) / abs(prev) * fraction
 
 
 class EgeriaPolicy:
-    """Freeze the frontmost active stage once its plasticity has been flat for W evaluations.
+    """Freeze the frontmost active stage once its plasticity per span has stayed below T for W evaluations.
 
-    Invariants: min_window <= window <= config.window; len(raw), len(smoothed) <= window;
-    consecutive <= window; lr_at_freeze is None whenever nothing is frozen.
+    Invariants: min_window <= window <= config.window; len(raw) <= window;
+    consecutive <= window; lr_at_freeze is None whenever nothing is frozen;
+    lrs holds the lr of the last two evaluations (distinct steps).
     """
 
     def __init__(self, config: EgeriaConfig | None = None) -> None:
@@ -97,10 +190,13 @@ class EgeriaPolicy:
         bootstrap = self.config.bootstrap_threshold is not None
         self.needs = frozenset({"plasticity", "loss"} if bootstrap else {"plasticity"})
         self._bootstrapping = bootstrap
-        self._prev_loss: float | None = None
         self._window = self.config.window
         self._tolerance: dict[int, float] = {}
         self._lr_at_freeze: float | None = None
+        self._lrs: list[float] = []
+        self._last_step: int | None = None
+        self._span = [0.0, 0]  # loss x steps, steps of the span being summed
+        self._prev_span: tuple[float, int] | None = None  # mean, steps
         self._reset_stage(0)
 
     @property
@@ -120,11 +216,19 @@ class EgeriaPolicy:
     def _reset_stage(self, stage: int) -> None:
         self._stage = stage
         self._raw: collections.deque[float] = collections.deque(maxlen=self._window)
-        self._smoothed: collections.deque[float] = collections.deque(maxlen=self._window)
         self._calibration: list[float] = []
         self._consecutive = 0
 
     def observe(self, signals: Signals) -> Decision:
+        new_step = signals.step != self._last_step
+        interval = signals.step - self._last_step if self._last_step is not None else signals.step
+        self._last_step = signals.step
+        dropped = False
+        if new_step:
+            prev = self._lrs[-2:]
+            dropped = (len(prev) == 2 and abs(prev[1] - prev[0]) <= _SAME * prev[0]
+                       and signals.lr < prev[1] * (1 - _SAME))
+            self._lrs = [*prev[-1:], signals.lr]
         if signals.frozen != self._stage:
             self._reset_stage(signals.frozen)
         if signals.frozen == 0:
@@ -135,52 +239,59 @@ class EgeriaPolicy:
         if self._lr_at_freeze is not None:
             lr_numbers["lr_at_freeze"] = self._lr_at_freeze
             limit = self._lr_at_freeze / self.config.unfreeze_lr_factor
-            if signals.lr <= limit * (1 + 1e-9):  # 0.1 * 0.1 == 0.010000000000000002 still counts
+            if dropped and signals.lr <= limit * (1 + _SAME):  # 0.1 * 0.1 == 0.010000000000000002 still counts
                 self._window = max(self._window // 2, self.config.min_window)
                 self._lr_at_freeze = None
                 self._reset_stage(0)
                 return Decision.unfreeze_all(
-                    f"lr {signals.lr:g} <= {lr_numbers['lr_at_freeze']:g} (at the freeze) / "
+                    f"lr dropped to {signals.lr:g} <= {lr_numbers['lr_at_freeze']:g} (at the freeze) / "
                     f"{self.config.unfreeze_lr_factor:g}; refreezing with W={self._window}", lr_numbers)
         if self._bootstrapping:
-            return self._bootstrap(signals.loss)
+            return self._bootstrap(signals.loss, interval if new_step else 0)
         if signals.frozen >= signals.num_stages - 1:
             return Decision.none("only the head is active; it always trains", lr_numbers)
         if signals.plasticity is None or not math.isfinite(signals.plasticity):
             return Decision.none(f"no usable plasticity reading ({signals.plasticity})", lr_numbers)
         return self._evaluate(float(signals.plasticity), signals.lr)
 
-    def _bootstrap(self, loss: float | None) -> Decision:
+    def _bootstrap(self, loss: float | None, steps: int) -> Decision:
         if loss is None:
             raise ValueError("EgeriaPolicy needs signals.loss while bootstrapping; pass the training loss "
                              "or set EgeriaConfig(bootstrap_threshold=None)")
         if not math.isfinite(loss):
             return Decision.none(f"bootstrapping: non-finite loss {loss} ignored")
-        prev, self._prev_loss = self._prev_loss, loss
+        if steps <= 0:
+            return Decision.none("bootstrapping: same step observed again", {"loss": loss})
+        self._span[0] += loss * steps
+        self._span[1] += steps
+        total, span_steps = self._span
+        need = max(self.config.bootstrap_steps, steps)
+        if span_steps < need:
+            return Decision.none(f"bootstrapping: averaging the loss ({span_steps}/{need} steps)", {"loss": loss})
+        mean = total / span_steps
+        self._span = [0.0, 0]
+        prev, self._prev_span = self._prev_span, (mean, span_steps)
+        numbers = {"loss": mean, "span_steps": float(span_steps)}
         if prev is None:
-            return Decision.none("bootstrapping: first loss reading", {"loss": loss})
-        change = abs(prev - loss) / abs(prev) if prev != 0 else (0.0 if loss == 0 else math.inf)
-        numbers = {"loss": loss, "loss_change": change}
+            return Decision.none(f"bootstrapping: first loss span ({span_steps} steps)", numbers)
+        change = _per_interval_change(prev[0], mean, min(1.0, steps / ((prev[1] + span_steps) / 2)))
+        numbers["loss_change"] = change
         threshold = cast(float, self.config.bootstrap_threshold)  # bootstrapping implies one
         if change < threshold:
             self._bootstrapping = False
-            return Decision.none(f"bootstrapping ended: loss changed {change:.1%} < {threshold:.0%} "
+            return Decision.none(f"bootstrapping ended: smoothed loss changed {change:.1%} < {threshold:.0%} "
                                  "per interval", numbers)
-        return Decision.none(f"bootstrapping: loss changed {change:.1%} >= {threshold:.0%} per interval", numbers)
+        return Decision.none(f"bootstrapping: smoothed loss changed {change:.1%} >= {threshold:.0%} per interval",
+                             numbers)
 
     def _evaluate(self, plasticity: float, lr: float) -> Decision:
         stage, window = self._stage, self._window
         self._raw.append(plasticity)
         smoothed = sum(self._raw) / len(self._raw)
-        self._smoothed.append(smoothed)
         numbers = {"plasticity": plasticity, "smoothed": smoothed, "window": float(window)}
-        if len(self._smoothed) < 2:
-            return Decision.none(f"stage {stage}: collecting plasticity", numbers)
-        slope = _slope(self._smoothed)
-        numbers["slope"] = slope
         threshold = self._tolerance.get(stage)
         if threshold is None:
-            self._calibration.append(abs(slope))
+            self._calibration.append(abs(smoothed))
             if len(self._calibration) < self.config.tolerance_readings:
                 return Decision.none(f"stage {stage}: calibrating tolerance "
                                      f"({len(self._calibration)}/{self.config.tolerance_readings})", numbers)
@@ -188,27 +299,31 @@ class EgeriaPolicy:
             self._tolerance[stage] = threshold
             numbers["threshold"] = threshold
             return Decision.none(f"stage {stage}: tolerance set to {threshold:.3g}", numbers)
-        self._consecutive = self._consecutive + 1 if abs(slope) < threshold else 0
+        threshold = self._tolerance[stage] = max(threshold, self.config.tolerance_fraction * abs(smoothed))
+        self._consecutive = self._consecutive + 1 if smoothed < threshold else 0
         numbers.update(threshold=threshold, consecutive=float(self._consecutive))
         if self._consecutive < window:
-            return Decision.none(f"stage {stage}: |slope| {abs(slope):.3g} vs tolerance {threshold:.3g}, "
+            return Decision.none(f"stage {stage}: smoothed plasticity {smoothed:.3g} vs tolerance {threshold:.3g}, "
                                  f"{self._consecutive}/{window} low", numbers)
         if stage == 0:
             self._lr_at_freeze = lr
         self._reset_stage(stage + 1)
-        return Decision.freeze(stage, f"stage {stage}: |slope| < {threshold:.3g} for {window} evaluations", numbers)
+        return Decision.freeze(stage, f"stage {stage}: smoothed plasticity < {threshold:.3g} for {window} "
+                                      "evaluations", numbers)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": _STATE_VERSION,
             "bootstrapping": self._bootstrapping,
-            "prev_loss": self._prev_loss,
+            "span": list(self._span),
+            "prev_span": None if self._prev_span is None else list(self._prev_span),
+            "last_step": self._last_step,
+            "lrs": list(self._lrs),
             "window": self._window,
             "tolerance": [[stage, t] for stage, t in sorted(self._tolerance.items())],
             "lr_at_freeze": self._lr_at_freeze,
             "stage": self._stage,
             "raw": list(self._raw),
-            "smoothed": list(self._smoothed),
             "calibration": list(self._calibration),
             "consecutive": self._consecutive,
         }
@@ -218,12 +333,15 @@ class EgeriaPolicy:
             raise ValueError(f"EgeriaPolicy state version {state.get('version')!r} is not {_STATE_VERSION}; "
                              "it was saved by an incompatible actcache version")
         self._bootstrapping = bool(state["bootstrapping"])
-        self._prev_loss = state["prev_loss"]
+        self._span = [float(state["span"][0]), int(state["span"][1])]
+        prev = state["prev_span"]
+        self._prev_span = None if prev is None else (float(prev[0]), int(prev[1]))
+        self._last_step = state["last_step"]
+        self._lrs = [float(v) for v in state["lrs"]]
         self._window = int(state["window"])
         self._tolerance = {int(stage): float(t) for stage, t in state["tolerance"]}
         self._lr_at_freeze = state["lr_at_freeze"]
         self._reset_stage(int(state["stage"]))
         self._raw.extend(float(v) for v in state["raw"])
-        self._smoothed.extend(float(v) for v in state["smoothed"])
         self._calibration = [float(v) for v in state["calibration"]]
         self._consecutive = int(state["consecutive"])

@@ -1,17 +1,21 @@
-"""Rank 0's side of Egeria's plasticity: snapshots, one probe per interval, the latest reading.
+"""Rank 0's side of Egeria's plasticity: a snapshot per evaluation, one probe per interval, the latest reading.
 
 Timeline of one evaluation interval (n = eval_every steps)::
 
     evaluation k  ->  interval_done(): start the reference process once the policy has left
-                      bootstrapping; refresh the snapshot every refresh_every evaluations
+                      bootstrapping (snapshot 0 of the frontmost stage), else send snapshot k
+                      of the frontmost stage (its weights now, after step k*n)
     step k*n + 1  ->  forward hooks on the frontmost active stage copy its input and output
-                      (armed by arm() at the end of the previous step, if the queue has room
-                      and the CPU is not busy: otherwise the interval's probe is skipped, counted)
-                  ->  step(): the copies go to the reference process (put_nowait)
+                      (armed by arm() at the end of the previous step, once snapshot k - age
+                      exists, if the queue has room and the CPU is not busy: otherwise the
+                      interval's probe is skipped, counted)
+                  ->  step(): the copies go to the reference process (put_nowait), tagged k
     evaluation k+1 -> reading(): the latest plasticity reading of the current stage, if one arrived
 
-A depth change bumps the generation: readings of the old stage are ignored
-and the new frontmost stage gets a fresh snapshot. Nothing here waits.
+The reading compares the probe with snapshots k - age and k (reference.py).
+A depth change bumps the generation: readings of the old stage are ignored,
+the new frontmost stage gets snapshot 0 (and its first reading ``age``
+evaluations later). Nothing here waits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import nn
 
 from actcache_client.cached_forward import CachedForward
@@ -35,8 +40,9 @@ log = logging.getLogger("actcache_client.freeze")
 class _Capture:
     """Forward hooks copying one training forward's input and output of a stage to shared memory."""
 
-    def __init__(self, stage: nn.Module, rows: int | None) -> None:
+    def __init__(self, stage: nn.Module, rows: int | None, index: int) -> None:
         self.rows = rows
+        self.index = index  # the snapshot taken just before this forward
         self.inputs: Any = None
         self.output: Any = None
         self._handles = [stage.register_forward_pre_hook(self._pre), stage.register_forward_hook(self._post)]
@@ -68,10 +74,13 @@ class PlasticityProbe:
         self.cached = cached
         self.policy = policy
         self.timeline = timeline
-        self.worker = ReferenceWorker(config)
+        device = next((p.device for p in cached.model.parameters()), torch.device("cpu"))
+        self.worker = ReferenceWorker(config, training_device=device)
         self._generation = 0
+        self._index = -1  # snapshots sent in this generation, minus one
+        self._age = 1
+        self._snapped = False  # a snapshot was sent during the current evaluation
         self._reported: int | None = None
-        self._since_snapshot = 0
         self._probed = False
         self._capture: _Capture | None = None
 
@@ -93,15 +102,17 @@ class PlasticityProbe:
         capture = self._capture
         if capture is not None and capture.done:
             self._capture = None
-            self.worker.submit(self._generation, step, capture.inputs, capture.output)
+            self.worker.submit(self._generation, capture.index, step, capture.inputs, capture.output)
 
     def arm(self) -> None:
-        """Capture the next training forward, once per interval, if the reference can take it."""
-        if not self.running or self._probed or self._capture is not None or self._head_only():
+        """Capture the next training forward, once per interval, if a reading can come of it."""
+        if (not self.running or self._probed or self._capture is not None or self._head_only()
+                or self._index < self._age):
             return
         self._probed = True
         if self.worker.ready_for_probe():
-            self._capture = _Capture(self.cached.model.stages[self.cached.frozen], self.worker.config.max_samples)
+            self._capture = _Capture(self.cached.model.stages[self.cached.frozen], self.worker.config.max_samples,
+                                     self._index)
 
     # ---- per evaluation ---------------------------------------------------
 
@@ -116,31 +127,33 @@ class PlasticityProbe:
         return latest
 
     def interval_done(self) -> None:
-        """After an evaluation: a new interval (one probe); start or refresh the reference."""
+        """After an evaluation: a new interval (one probe); start the reference or send this evaluation's snapshot."""
         self._probed = False
-        if getattr(self.policy, "bootstrapping", False) or self._head_only():
+        snapped, self._snapped = self._snapped, False
+        if getattr(self.policy, "bootstrapping", False) or self._head_only() or snapped:
             return
         if self.worker.state is ReferenceState.NEW:
             self.worker.start()
-            self._snapshot()
-            return
-        self._since_snapshot += 1
-        every = self.worker.config.refresh_every or int(getattr(self.policy, "window", 10))
-        if self.running and self._since_snapshot >= every:
+        if self.running:
             self._snapshot()
 
     def depth_changed(self) -> None:
-        """The frontmost stage changed: old readings are void, the new stage gets a snapshot."""
+        """The frontmost stage changed: old readings are void, the new stage starts a generation."""
         self._generation += 1
+        self._index = -1
         self._drop_capture()
         if self.running and not self._head_only():
             self._snapshot()
+            self._snapped = True
 
     def _snapshot(self) -> None:
         self._drop_capture()  # no hooks on the module while it is copied
+        if self._index < 0:  # a new generation: the policy's W may have changed (unfreezing halves it)
+            self._age = self.worker.config.age_for(int(getattr(self.policy, "window", 10)))
+        self._index += 1
         frozen = self.cached.frozen
-        self.worker.snapshot(self.cached.model.stages[frozen], stage=frozen, generation=self._generation)
-        self._since_snapshot = 0
+        self.worker.snapshot(self.cached.model.stages[frozen], stage=frozen, generation=self._generation,
+                             index=self._index, age=self._age)
 
     def _drop_capture(self) -> None:
         if self._capture is not None:

@@ -8,12 +8,22 @@ frontmost active stage s and one training batch, the training side sends
           the raw batch when s == 0)
     A_T = stage s's output in that same forward pass (train mode)
 
-and the reference process computes ``A_R = ref_s(x)`` with ``ref_s`` a
-snapshot of stage s (eval mode, quantized per ``ReferenceConfig.precision``),
-then ``plasticity = sp_loss(A_T, A_R)``. Feeding both the same x isolates
-stage s: the frozen stages before it are identical in both models, and the
-reference never recomputes them. The snapshot is refreshed every
-``refresh_every`` evaluations and whenever the frontmost stage changes.
+and the reference process runs x through two snapshots of stage s (eval
+mode, quantized per ``ReferenceConfig.precision``): the one taken at the
+evaluation just before the probe (the same weights as the training stage)
+and the one taken ``age`` evaluations earlier (``reference_age``)::
+
+    plasticity = sp_loss(A_T, ref_s[now - age](x)) - sp_loss(A_T, ref_s[now](x))
+
+The first term is what the stage changed over a constant span of training,
+so readings are comparable with each other (a reference refreshed every W
+evaluations made them grow with the snapshot's age in a sawtooth: see
+egeria.py); the second is the floor the measurement has even for identical
+weights (train vs eval mode, dropout, int8 error), taken off on the same
+batch. Feeding both the same x isolates stage s: the frozen stages before it
+are identical in both models, and the reference never recomputes them. A
+snapshot is sent at every evaluation (a state_dict in shared memory; the
+pickled module once per frontmost stage).
 
 Lifecycle (``state``)::
 
@@ -23,13 +33,13 @@ Lifecycle (``state``)::
 Never blocking: ``submit`` and ``snapshot`` only ``put_nowait``; ``poll`` only
 ``get_nowait``. Invariants: answered <= submitted and submitted - answered <=
 queue_size (a probe past that is skipped and counted, as is one offered while
-the CPU is busier than ``max_cpu_percent``); at most one snapshot is in
-flight, a newer one replaces a pending one. The inbox holds at most
-queue_size probes + 1 snapshot + Stop.
+the CPU is busier than ``max_cpu_percent``); snapshots the inbox cannot take
+wait in order, at most ``MAX_PENDING_SNAPSHOTS``, the oldest dropped and counted.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -54,6 +64,9 @@ __all__ = ["ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWork
 
 log = logging.getLogger("actcache_client.freeze")
 
+#: Snapshots kept on the training side while the inbox is full; older ones are dropped.
+MAX_PENDING_SNAPSHOTS = 16
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReferenceConfig:
@@ -62,13 +75,16 @@ class ReferenceConfig:
     #: auto | dynamic_int8 | static_int8 | fp32 | bf16 (see freeze/quantize.py). Egeria: int8,
     #: dynamic for NLP, static for CNNs, full precision as the fallback (§4.1.3, §5).
     precision: str = "auto"
-    #: Refresh the snapshot every this many evaluations; None: the policy's W (Egeria §4.1.3), else 10.
-    refresh_every: int | None = None
+    #: Evaluations between the two snapshots a reading compares; None: half the policy's W
+    #: (at least 1), the mean age of Egeria's reference, refreshed every W (§4.1.3).
+    reference_age: int | None = None
     #: Probes waiting for or in the reference process; more are skipped (Egeria §4.1.2: non-blocking).
     queue_size: int = 1
     #: Skip probes while system CPU use over the last interval is above this percentage;
-    #: None never skips. Egeria runs the reference "at low CPU load (e.g., <50%)" (§4.1.2).
-    max_cpu_percent: float | None = 50.0
+    #: None never skips. "auto": None when training runs on the CPU (the trainer itself keeps
+    #: the CPU busy, so every probe would be skipped), else 50, Egeria's "at low CPU load
+    #: (e.g., <50%)" (§4.1.2) for a trainer on an accelerator.
+    max_cpu_percent: float | str | None = "auto"
     #: torch threads of the reference process.
     threads: int = 1
     #: Compare only the first this many samples of a batch (None: the whole batch, as Egeria).
@@ -77,17 +93,28 @@ class ReferenceConfig:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.refresh_every is not None and self.refresh_every < 1:
-            raise ConfigError(f"refresh_every={self.refresh_every} must be >= 1 evaluation (or None for W)")
+        if self.reference_age is not None and self.reference_age < 1:
+            raise ConfigError(f"reference_age={self.reference_age} must be >= 1 evaluation (or None for W / 2)")
         if self.queue_size < 1:
             raise ConfigError(f"queue_size={self.queue_size} must be >= 1 probe")
-        if self.max_cpu_percent is not None and not 0 < self.max_cpu_percent <= 100:
-            raise ConfigError(f"max_cpu_percent={self.max_cpu_percent} must be in (0, 100], or None to never "
-                              "back off (Egeria uses 50)")
+        limit = self.max_cpu_percent
+        if limit != "auto" and limit is not None and (isinstance(limit, str) or not 0 < limit <= 100):
+            raise ConfigError(f"max_cpu_percent={limit!r} must be in (0, 100], None to never back off, or "
+                              "'auto' (None when training on the CPU, else 50 as Egeria)")
         if self.threads < 1:
             raise ConfigError(f"threads={self.threads} must be >= 1")
         if self.max_samples is not None and self.max_samples < 2:
             raise ConfigError(f"max_samples={self.max_samples}: the SP loss compares samples; use >= 2 or None")
+
+    def for_device(self, device: torch.device | str) -> ReferenceConfig:
+        """This configuration with ``max_cpu_percent="auto"`` resolved for a trainer on ``device``."""
+        if self.max_cpu_percent != "auto":
+            return self
+        return dataclasses.replace(self, max_cpu_percent=None if torch.device(device).type == "cpu" else 50.0)
+
+    def age_for(self, window: int) -> int:
+        """The reference age for a policy window W: ``reference_age``, else max(1, W // 2)."""
+        return self.reference_age or max(1, window // 2)
 
 
 @dataclasses.dataclass
@@ -101,6 +128,8 @@ class ReferenceStats:
     skipped_full: int = 0
     skipped_busy: int = 0
     snapshots: int = 0
+    #: Snapshots dropped because the inbox stayed full (their readings are dropped in turn).
+    snapshots_dropped: int = 0
     #: The first build of each snapshot generation (a new frontmost stage): precision and speeds.
     builds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
@@ -146,10 +175,11 @@ def to_shared(state: State, rows: int | None = None) -> State:
 class ReferenceWorker:
     """The training side of the reference process (one per training job, on rank 0)."""
 
-    def __init__(self, config: ReferenceConfig | None = None, *,
+    def __init__(self, config: ReferenceConfig | None = None, *, training_device: torch.device | str = "cpu",
                  cpu_percent: Callable[[], float] | None = None) -> None:
-        """``cpu_percent()`` gives the system CPU use since its previous call (default: from psutil)."""
-        self.config = config or ReferenceConfig()
+        """``training_device`` resolves ``max_cpu_percent="auto"``; ``cpu_percent()`` gives the system CPU
+        use since its previous call (default: from psutil)."""
+        self.config = (config or ReferenceConfig()).for_device(training_device)
         self.stats = ReferenceStats()
         self.state = ReferenceState.NEW
         self.last_cpu_percent: float | None = None
@@ -158,44 +188,54 @@ class ReferenceWorker:
         self._outbox: Any = None
         self._process: Any = None
         self._cpu_percent = cpu_percent or _CpuLoad().percent
-        self._snapshot_ids = 0
-        self._snapshot_in_flight: int | None = None
-        self._pending_snapshot: _refproc.Snapshot | None = None
+        self._pending: collections.deque[_refproc.Snapshot] = collections.deque()
         self._warned_busy = False
 
     def start(self) -> None:
         """Spawn the process (returns once it is launched, not once it has imported torch)."""
         if self.state is not ReferenceState.NEW:
             raise RuntimeError(f"ReferenceWorker.start() in state {self.state.value}; a worker starts once")
-        self._inbox = self._ctx.Queue(maxsize=self.config.queue_size + 2)
+        self._inbox = self._ctx.Queue(maxsize=self.config.queue_size + MAX_PENDING_SNAPSHOTS + 1)
         self._outbox = self._ctx.Queue()
         self._process = self._ctx.Process(target=_refproc.main, name="actcache-reference", daemon=True,
                                           args=(self._inbox, self._outbox, self.config.threads, os.getpid()))
         self._process.start()
         self.state = ReferenceState.RUNNING
 
-    def snapshot(self, module: nn.Module, *, stage: int, generation: int) -> None:
-        """Send a CPU copy of ``module`` as the reference of ``stage``; probes of ``generation`` use it."""
-        try:
-            payload = pickle.dumps(_cpu_copy(module))
-        except Exception as exc:
-            raise ConfigError(f"stage {stage} ({type(module).__name__}) cannot be pickled for the reference "
-                              f"process: {exc}; define its modules at module level (no lambdas or closures)") from exc
-        self._snapshot_ids += 1
-        self._pending_snapshot = _refproc.Snapshot(generation, self._snapshot_ids, stage, payload,
-                                                   self.config.precision)
-        self._send_snapshot()
+    def snapshot(self, module: nn.Module, *, stage: int, generation: int, index: int = 0, age: int = 1) -> None:
+        """Send the weights of ``module`` (stage ``stage``) at evaluation ``index`` of ``generation``.
 
-    def _send_snapshot(self) -> None:
-        if self.state is not ReferenceState.RUNNING or self._pending_snapshot is None or self._snapshot_in_flight is not None:
-            return
-        try:
-            self._inbox.put_nowait(self._pending_snapshot)
-        except queue.Full:
-            return  # retried at the next poll
-        self._snapshot_in_flight = self._pending_snapshot.snapshot_id
-        self._pending_snapshot = None
-        self.stats.snapshots += 1
+        Index 0 opens a generation (a new frontmost stage) and sends a pickled
+        CPU copy of the module; later indices send its state_dict in shared
+        memory. Readings of the generation compare snapshots ``age`` apart.
+        """
+        if index == 0:
+            try:
+                payload = pickle.dumps(_cpu_copy(module))
+            except Exception as exc:
+                raise ConfigError(f"stage {stage} ({type(module).__name__}) cannot be pickled for the reference "
+                                  f"process: {exc}; define its modules at module level (no lambdas or "
+                                  "closures)") from exc
+            message = _refproc.Snapshot(generation, index, stage, self.config.precision, age, payload=payload)
+            self._pending.clear()  # older generations are of no use any more
+        else:
+            state = {k: to_shared(v) for k, v in module.state_dict().items()}
+            message = _refproc.Snapshot(generation, index, stage, self.config.precision, age, state=state)
+        self._pending.append(message)
+        while len(self._pending) > MAX_PENDING_SNAPSHOTS:
+            opener = self._pending[0].payload is not None  # never drop the one that opens a generation
+            del self._pending[1 if opener else 0]
+            self.stats.snapshots_dropped += 1
+        self._send_snapshots()
+
+    def _send_snapshots(self) -> None:
+        while self.state is ReferenceState.RUNNING and self._pending:
+            try:
+                self._inbox.put_nowait(self._pending[0])
+            except queue.Full:
+                return  # retried at the next poll or snapshot
+            self._pending.popleft()
+            self.stats.snapshots += 1
 
     def ready_for_probe(self) -> bool:
         """True if a probe may be captured now; else the skip is counted (queue full or CPU busy)."""
@@ -217,8 +257,8 @@ class ReferenceWorker:
                 return False
         return True
 
-    def submit(self, generation: int, step: int, inputs: State, output: State) -> bool:
-        """Queue one probe; False if it was skipped. Never waits.
+    def submit(self, generation: int, index: int, step: int, inputs: State, output: State) -> bool:
+        """Queue one probe taken after snapshot ``index`` of ``generation``; False if it was skipped. Never waits.
 
         ``inputs`` and ``output`` must not change afterwards: pass ``to_shared`` copies.
         """
@@ -226,7 +266,7 @@ class ReferenceWorker:
             self.stats.skipped_full += 1
             return False
         try:
-            self._inbox.put_nowait(_refproc.Probe(generation, step, inputs, output))
+            self._inbox.put_nowait(_refproc.Probe(generation, index, step, inputs, output))
         except queue.Full:
             self.stats.skipped_full += 1
             return False
@@ -251,10 +291,7 @@ class ReferenceWorker:
             timeout = 0.0
             if isinstance(message, _refproc.Failed):
                 self._fail(f"the reference process failed:\n{message.traceback}")
-            if isinstance(message, _refproc.Loaded):
-                if message.snapshot_id == self._snapshot_in_flight:
-                    self._snapshot_in_flight = None
-            elif isinstance(message, (_refproc.Reading, _refproc.Dropped)):
+            if isinstance(message, (_refproc.Reading, _refproc.Dropped)):
                 self.stats.answered += 1
                 if isinstance(message, _refproc.Reading):
                     self.stats.readings += 1
@@ -267,7 +304,7 @@ class ReferenceWorker:
                 out.append(message)
         if self._process.exitcode is not None:
             self._fail(f"the reference process exited unexpectedly with code {self._process.exitcode}")
-        self._send_snapshot()
+        self._send_snapshots()
         return out
 
     def _fail(self, message: str) -> None:
