@@ -1,6 +1,6 @@
 """Time to accuracy: full training vs a freeze mode, with and without the activation cache, in one invocation.
 
-    python bench/bench_train.py --workload {cifar,sst2,cola,mrpc} --mode {full,static,autofreeze,egeria}
+    python bench/bench_train.py --workload {cifar,digits,sst2,cola,mrpc} --mode {full,static,autofreeze,egeria}
                                 [--cache | --no-cache] [--quick] [--data-dir DIR] [--threads N]
                                 [--epochs N] [--train-size N] [--eval-size N]
                                 [--freeze-depth K] [--freeze-at EPOCHS]     (static)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # fail before loading anything when the mode's settings are invalid
         make_freezer(args.mode, static_depth=args.freeze_depth or 1, static_at_epoch=args.freeze_at or 0,
                      eval_every=args.eval_every)
-        data_dir = resolve_data_dir(args.data_dir)
+        data_dir = None if args.workload == "digits" else resolve_data_dir(args.data_dir)  # digits: scikit-learn's
         sizes = {k: v for k, v in (("epochs", args.epochs), ("train_size", args.train_size),
                                    ("eval_size", args.eval_size)) if v is not None}
         workload = make_workload(args.workload, data_dir, quick=args.quick, **sizes)
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_train: {exc}", file=sys.stderr)
         return 2
     load_start = os.getloadavg()
-    print(f"{args.workload}: {len(workload.train_set)} train / {len(workload.eval_set)} eval samples from {data_dir}; "
+    source = data_dir or "scikit-learn"
+    print(f"{args.workload}: {len(workload.train_set)} train / {len(workload.eval_set)} eval samples from {source}; "
           f"{torch.get_num_threads()} threads; load average {load_start[0]:.1f} (other jobs make times noisy)")
     plan = [("full", False)]
     if args.mode != "full":
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     decisions = format_decisions(runs)
     if decisions:
         print(f"\n{decisions}")
-    payload = {"command": " ".join(sys.argv), "args": vars(args), "data_dir": str(data_dir), "target": target,
+    payload = {"command": " ".join(sys.argv), "args": vars(args), "data_dir": str(source), "target": target,
                "threads": torch.get_num_threads(), "load_average_start": load_start, "summary": rows,
                "runs": [r.to_dict() for r in runs]}
     path = write_results(args.results_dir, f"train-{args.workload}-{args.mode}", payload, rows)

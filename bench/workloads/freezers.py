@@ -135,12 +135,12 @@ def egeria_eval_every(total_steps: int, num_stages: int, window: int) -> int:
     """Egeria's evaluation interval n for a run: ``total_steps / (2W) / num_stages / 1.75``, at least 1.
 
     The controller's rule of thumb (README, Knobs; Egeria §4.2.2 uses ~300
-    iterations for ResNet-56): 2W evaluations for every stage (readings to
-    calibrate its tolerance and fill the window, then W low-slope ones to
-    freeze it) fit in the first 1/1.75 of training. For our workloads
-    at default size: CIFAR ResNet-20, 1,570 steps, 11 stages -> 4; SST-2
-    MiniLM, 500 steps, 8 stages -> 2; CoLA, 564 steps -> 2; ``--quick``
-    sizes -> 1.
+    iterations for ResNet-56): 2W evaluations for every stage (W/2 to have a
+    reference of constant age, 1 + 3 to calibrate its tolerance, then W low
+    ones to freeze it) fit in the first 1/1.75 of training. For our
+    workloads at default size: CIFAR ResNet-20, 1,570 steps, 6 stages -> 7;
+    digits, 690 steps, 6 stages -> 3 (``--quick``: 230 steps -> 1); SST-2
+    MiniLM, 500 steps, 8 stages -> 2; CoLA, 564 steps -> 2.
     """
     return max(1, round(total_steps / (2 * window) / num_stages / 1.75))
 
@@ -256,6 +256,10 @@ class AutoFreeze(ControllerFreeze):
     """AutoFreeze (gradient-norm change) at the paper's defaults: median percentile, 5 intervals per epoch.
 
     The interval T is an epoch's steps / 5 (:func:`autofreeze_eval_every`).
+    On a model staged by ``from_bert`` the embeddings are not judged on
+    their own: they freeze with the first encoder block (the paper's §4;
+    ``AutoFreezeConfig.embedding_stages=1``). The head is never in the
+    percentile pool.
     The paper fine-tunes BERT, as on ``sst2`` and ``cola`` here; on
     ``cifar`` (ResNet-20 from scratch) the same rule runs unchanged, so the
     results show what it costs outside its home ground. AutoFreeze never
@@ -267,10 +271,18 @@ class AutoFreeze(ControllerFreeze):
 
     def __init__(self, config: AutoFreezeConfig | None = None, *, eval_every: int | None = None) -> None:
         super().__init__(eval_every=eval_every)
+        self.embeddings_with_first_block = config is None  # an explicit config is used as given
         self.config = config or AutoFreezeConfig()
 
     def make_policy(self) -> FreezePolicy:
         return AutoFreezePolicy(self.config)
+
+    def start(self, model: CachedForward, optimizer: torch.optim.Optimizer, *, steps_per_epoch: int,
+              total_steps: int) -> None:
+        """As the controller freezers, with BERT's embeddings frozen together with the first block (§4)."""
+        if self.embeddings_with_first_block and model.model.stage_names[0] == "embeddings":  # from_bert
+            self.config = dataclasses.replace(self.config, embedding_stages=1)
+        super().start(model, optimizer, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
 
     def default_eval_every(self, *, steps_per_epoch: int, total_steps: int, num_stages: int) -> int:
         return autofreeze_eval_every(steps_per_epoch, self.config.intervals_per_epoch)
@@ -282,22 +294,21 @@ class AutoFreeze(ControllerFreeze):
 class EgeriaFreeze(ControllerFreeze):
     """Egeria (plasticity against a reference model) at the paper's defaults, its reference on the CPU.
 
-    Policy: W=10, tolerance 20% of the first 3 slopes, bootstrapping until
-    the loss changes < 10% per interval, unfreeze all on a 10x learning-rate
-    drop since stage 0 froze. The interval n comes from the run's length
-    and stage count (:func:`egeria_eval_every`). Reference: the controller's
-    defaults (``precision="auto"``: int8 when it is not slower, one thread,
-    at most one probe in flight) except ``max_cpu_percent=None``: a CPU-only
-    trainer keeps the CPU busy, and the paper's "only below 50% CPU" rule
-    would skip every probe, so Egeria would never freeze.
+    Policy: W=10, tolerance 20% of a stage's largest smoothed reading,
+    bootstrapping until the loss (averaged over 32-step spans) changes < 10%
+    per interval, unfreeze all on a discrete 10x learning-rate drop since
+    stage 0 froze. The interval n comes from the run's length and stage
+    count (:func:`egeria_eval_every`). Reference: the controller's defaults
+    (``precision="auto"``, one thread, at most one probe in flight, readings
+    W/2 evaluations apart, ``max_cpu_percent="auto"``: never skip a probe
+    for CPU load, since these runs train on the CPU and keep it busy).
 
-    What the learning-rate rule does per workload: ``cifar`` drops the LR
-    10x at 50% and 75% of the steps, so stages frozen before 50% are
-    unfrozen there and refreeze with W halved (Egeria's design for step
-    schedules). ``sst2``/``cola`` decay linearly after a 6% warm-up: the
-    LR falls to a tenth of its value at the first freeze only in the last
-    ~10% of the steps (or never, if that freeze comes later), where
-    everything unfreezes once and refreezes with W=5.
+    What the learning-rate rule does per workload: ``cifar`` and ``digits``
+    drop the LR 10x at 50% and 75% of the steps, so stages frozen before a
+    drop are unfrozen there and refreeze with W halved (Egeria's design for
+    step schedules). ``sst2``/``cola`` decay linearly after a 6% warm-up:
+    the LR changes at every step, never drops discretely, and what is frozen
+    stays frozen to the end.
 
     Readings arrive asynchronously (training never waits), so two runs of
     the same workload can freeze at different steps; the results record

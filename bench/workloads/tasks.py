@@ -3,17 +3,30 @@
 Each builder returns a :class:`Workload` with its data loaded, its recipe
 and its static freeze point. ``quick=True`` shrinks the data and epochs to
 a run of a minute or two; explicit keyword arguments override either size.
+
+Stages (what a freeze policy judges and what the cache stores the output
+of) balance parameters as Egeria does (§4.2.1; §6.3 splits ResNet-56 into
+~7 modules of similar size, layer1 and layer2 as a whole): ``balanced``
+merges consecutive blocks with ``auto_partition`` and keeps the head on its
+own (it always trains). ResNet-20, ``auto_partition(max_stages=6)``:
+stem..layer2.0 (28k parameters), layer2.1..layer2.2 (37k), one stage per
+layer3 block (56k, 74k, 74k) and the head; one stage per block instead gave
+the stem (464 parameters, 0.2%) a whole freezing period of its own. MiniLM
+keeps from_bert's split (embeddings, one stage per encoder layer, head):
+the layers are of equal size and the embeddings (12M parameters, a lookup)
+cannot be split; auto_partition would only merge the head into layer 5.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 import actcache_client as ac
+from actcache.errors import ConfigError
 from actcache_client.models import CifarResNet
 
 from .data import (
@@ -22,9 +35,22 @@ from .data import (
 )
 from .trainer import Workload
 
-__all__ = ["WORKLOADS", "cifar", "digits", "glue", "make_workload", "step_schedule", "warmup_linear"]
+__all__ = ["WORKLOADS", "balanced", "cifar", "digits", "glue", "make_workload", "step_schedule", "warmup_linear"]
 
-WORKLOADS = ("cifar", "sst2", "cola", "mrpc")
+WORKLOADS = ("cifar", "digits", "sst2", "cola", "mrpc")
+
+
+def balanced(stage: Callable[[nn.Module], ac.StagedModel], stages: int) -> Callable[[nn.Module], ac.StagedModel]:
+    """``stage``'s stages merged by ``auto_partition(max_stages=stages)``; the head must stay a stage of its own."""
+
+    def make(model: nn.Module) -> ac.StagedModel:
+        staged = ac.auto_partition(stage(model), max_stages=stages)
+        if staged.stage_names[-1] != "head":
+            raise ConfigError(f"auto_partition merged the head into {staged.stage_names[-1]!r}; the head always "
+                              "trains, so pass more stages")
+        return staged
+
+    return make
 
 
 def step_schedule(milestones: tuple[float, ...] = (0.5, 0.75), gamma: float = 0.1):
@@ -59,12 +85,12 @@ def cifar(data_dir: Path, *, quick: bool = False, train_size: int | None = None,
     test_images, test_labels = read_cifar10(data_dir, "test", eval_size or (1000 if quick else None))
     epochs = epochs or (4 if quick else 10)
     return Workload(
-        name="cifar", metric="accuracy", build=lambda: CifarResNet(3, 10), stage=ac.from_resnet,
+        name="cifar", metric="accuracy", build=lambda: CifarResNet(3, 10), stage=balanced(ac.from_resnet, 6),
         train_set=ImageSet(images, labels, CIFAR_MEAN, CIFAR_STD),
         eval_set=ImageSet(test_images, test_labels, CIFAR_MEAN, CIFAR_STD),
         batch_size=batch_size, epochs=epochs, optimizer=_sgd(0.1), schedule=step_schedule(),
         augment=crop_flip(4), variants=2,
-        static_depth=7, static_at_epoch=0.3 * epochs,  # stem + layer1 + layer2: about 2/3 of the forward FLOPs
+        static_depth=2, static_at_epoch=0.3 * epochs,  # stem + layer1 + layer2: about 2/3 of the forward FLOPs
     )
 
 
@@ -100,13 +126,23 @@ def glue(task: str, data_dir: Path, *, quick: bool = False, train_size: int | No
     )
 
 
-def digits(*, epochs: int = 10, size: int = 32, blocks: int = 3, limit: int | None = None,
-           batch_size: int = 64) -> Workload:
-    """scikit-learn's 1,797 8x8 handwritten digits, upsampled to ``size``, ResNet-(6*blocks+2); 80/20 split."""
+def digits(*, quick: bool = False, epochs: int | None = None, size: int = 32, blocks: int = 3,
+           limit: int | None = None, batch_size: int = 64, stages: int | None = None) -> Workload:
+    """scikit-learn's 1,797 8x8 handwritten digits, upsampled to ``size``, ResNet-(6*blocks+2); 80/20 split.
+
+    Nothing to download (the data ships with scikit-learn). 1,437 training
+    images are 23 steps of 64 per epoch; ``quick``: 10 epochs (about a
+    minute per run on one core), else 30. SGD 0.05, momentum 0.9, LR x0.1
+    at 50% and 75% of the steps (so Egeria's unfreezing is exercised), dev
+    accuracy 4 times per epoch on the 360 held-out images. Stages: one per
+    residual block (the demo's fixed schedule), or at most ``stages``
+    balanced ones (bench_train: 6). The static freeze covers stem..layer2.
+    """
     try:
         from sklearn.datasets import load_digits
     except ModuleNotFoundError:
-        raise ModuleNotFoundError("the demo needs scikit-learn: pip install -e '.[demo]' (make demo does it)") from None
+        raise ModuleNotFoundError("the digits workload needs scikit-learn: pip install -e '.[demo]' "
+                                  "(make demo does it)") from None
     data = load_digits()
     x = torch.tensor(data.images, dtype=torch.float32)[:, None] / 16
     x = nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).expand(-1, 3, -1, -1)
@@ -117,16 +153,32 @@ def digits(*, epochs: int = 10, size: int = 32, blocks: int = 3, limit: int | No
     cut = int(0.8 * len(order))
     train, test = order[:cut], order[cut:]
     mean, std = [float(x[train].mean())] * 3, [float(x[train].std())] * 3
+    epochs = epochs or (10 if quick else 30)
+    stage = ac.from_resnet if stages is None else balanced(ac.from_resnet, stages)
+    names = stage(CifarResNet(blocks, 10)).stage_names
     return Workload(
-        name="digits", metric="accuracy", build=lambda: CifarResNet(blocks, 10), stage=ac.from_resnet,
+        name="digits", metric="accuracy", build=lambda: CifarResNet(blocks, 10), stage=stage,
         train_set=ImageSet(x[train], y[train], mean, std), eval_set=ImageSet(x[test], y[test], mean, std),
         batch_size=batch_size, epochs=epochs, optimizer=_sgd(0.05), schedule=step_schedule(),
-        static_depth=1 + 2 * blocks, static_at_epoch=0.3 * epochs,  # stem + layer1 + layer2
+        evals_per_epoch=4 if stages is not None else 1,
+        static_depth=next(i for i, n in enumerate(names) if n.startswith("layer3")),  # stem..layer2
+        static_at_epoch=0.3 * epochs,
     )
 
 
-def make_workload(name: str, data_dir: Path, *, quick: bool = False, **sizes: Any) -> Workload:
-    """A benchmark workload by name (:data:`WORKLOADS`); ``mrpc`` explains that its data is absent."""
+def make_workload(name: str, data_dir: Path | None, *, quick: bool = False, **sizes: Any) -> Workload:
+    """A benchmark workload by name (:data:`WORKLOADS`); ``mrpc`` explains that its data is absent.
+
+    ``digits`` needs no data directory and takes only ``epochs`` (its split is fixed).
+    """
+    if name == "digits":
+        fixed = sorted(k for k in sizes if k != "epochs")
+        if fixed:
+            raise ConfigError(f"the digits workload has a fixed 1,437 / 360 split; drop {', '.join(fixed)} "
+                              "(only --epochs applies)")
+        return digits(quick=quick, stages=6, **sizes)
+    if data_dir is None:
+        raise DataNotFound(f"workload {name!r} reads its data from a data directory; pass --data-dir")
     if name == "cifar":
         return cifar(data_dir, quick=quick, **sizes)
     if name in WORKLOADS:

@@ -17,6 +17,7 @@ from workloads.freezers import (
     AutoFreeze, EgeriaFreeze, NoFreeze, StaticFreeze, autofreeze_eval_every, egeria_eval_every, make_freezer,
 )
 from workloads.report import format_decisions
+from actcache_client.models import CifarResNet
 from workloads.tasks import cifar, step_schedule
 from workloads.trainer import RunResult, TrainingRun, train
 
@@ -84,7 +85,7 @@ def test_autofreeze_freezes_the_same_stages_at_the_same_steps_with_and_without_t
     assert [p.loss for p in on.evals] == pytest.approx([p.loss for p in off.evals], abs=1e-4)
     assert on.cache_stats["hits"] > 0 == off.cache_stats["hits"]
     assert off.split_s["prefix"] > 0 and off.split_s["fetch_wait"] == 0 < on.split_s["fetch_wait"]
-    assert "autofreeze+cache: " in format_decisions([on]) and "freeze stage 0 (stem)" in format_decisions([on])
+    assert "autofreeze+cache: " in format_decisions([on]) and "freeze stage 0 (stem..layer2.0)" in format_decisions([on])
 
 
 def test_egeria_freezes_on_plasticity_unfreezes_on_the_lr_drop_and_the_cache_serves_the_prefix(
@@ -125,7 +126,8 @@ def test_bench_train_runs_a_controller_mode_and_records_its_decisions(data_dir, 
     assert full["freezer"] == {"mode": "full"} and "decisions" not in full["freezer"]
     for run in (cached, uncached):  # 1 step per epoch: one evaluation per step
         record = run["freezer"]
-        assert record["eval_every"] == 1 and record["settings"] == {"percentile": 50.0, "intervals_per_epoch": 5}
+        assert record["eval_every"] == 1 and record["settings"] == {"percentile": 50.0, "intervals_per_epoch": 5,
+                                                                 "embedding_stages": 0}
         assert record["policy"] == "AutoFreezePolicy" and record["evaluations"] == 3  # the last step is not judged
         assert [[t["step"], t["frozen"]] for t in run["timeline"][1:]] == sorted(
             [d["step"], d["frozen"]] for d in {d["step"]: d for d in record["decisions"]}.values())
@@ -148,12 +150,13 @@ def test_make_freezer_gives_each_mode_its_defaults():
 
 
 def test_default_intervals_for_the_workloads_at_their_default_sizes():
-    # (steps per epoch, epochs, stages): cifar 20,000/128 x 10, ResNet-20 in 11 stages; sst2 8,000/32 x 2 and
-    # cola 6,000/32 x 3, MiniLM in 8 stages (embeddings, 6 layers, pooler + classifier)
-    assert egeria_eval_every(157 * 10, 11, 10) == 4 and autofreeze_eval_every(157, 5) == 31
+    # (steps per epoch, epochs, stages): cifar 20,000/128 x 10, ResNet-20 in 6 balanced stages; digits 1,437/64
+    # x 30 (--quick: 10); sst2 8,000/32 x 2 and cola 6,000/32 x 3, MiniLM in 8 stages (embeddings, 6 layers, head)
+    assert egeria_eval_every(157 * 10, 6, 10) == 7 and autofreeze_eval_every(157, 5) == 31
+    assert egeria_eval_every(23 * 30, 6, 10) == 3 and egeria_eval_every(23 * 10, 6, 10) == 1
     assert egeria_eval_every(250 * 2, 8, 10) == 2 and autofreeze_eval_every(250, 5) == 50
     assert egeria_eval_every(188 * 3, 8, 10) == 2 and autofreeze_eval_every(188, 5) == 37
-    assert egeria_eval_every(16 * 4, 11, 10) == 1 and autofreeze_eval_every(3, 5) == 1  # --quick and tiny runs
+    assert egeria_eval_every(16 * 4, 6, 10) == 1 and autofreeze_eval_every(3, 5) == 1  # --quick and tiny runs
 
 
 def test_a_controller_freezer_drives_one_run_and_needs_start(data_dir):
@@ -166,3 +169,22 @@ def test_a_controller_freezer_drives_one_run_and_needs_start(data_dir):
         TrainingRun(w, freezer, None)
     collections.deque(run.slices(), maxlen=0)  # run every slice
     assert run.result.freezer["evaluations"] == 0 and run.result.freezer["decisions"] == []
+
+
+def test_autofreeze_judges_bert_embeddings_with_the_first_block():
+    from tests.client.tiny_bert import TinyBertForSequenceClassification
+
+    for staged, expected in ((ac.from_bert(TinyBertForSequenceClassification(n_layers=2)), 1),
+                             (ac.from_resnet(CifarResNet(1, 10)), 0)):
+        freezer = AutoFreeze()
+        model = ac.CachedForward(staged)
+        freezer.start(model, torch.optim.SGD(staged.parameters(), lr=0.1), steps_per_epoch=3, total_steps=9)
+        assert freezer.config.embedding_stages == expected
+        assert freezer.controller.policy.config.embedding_stages == expected
+        assert freezer.settings()["embedding_stages"] == expected
+        freezer.close()
+    explicit = AutoFreeze(AutoFreezeConfig(percentile=25))  # an explicit configuration is used as given
+    staged = ac.from_bert(TinyBertForSequenceClassification(n_layers=2))
+    explicit.start(ac.CachedForward(staged), torch.optim.SGD(staged.parameters(), lr=0.1), steps_per_epoch=3,
+                   total_steps=9)
+    assert explicit.config.embedding_stages == 0

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import actcache_client as ac
+from actcache.errors import ConfigError
 from tests.bench.fake_data import make_data_dir
 from workloads.freezers import NoFreeze, StaticFreeze
 from workloads.report import format_table, summarize, time_to_target
@@ -49,7 +50,7 @@ def test_cifar_workload_trains_the_same_with_and_without_the_cache(data_dir, dae
     assert on.cache_stats["hits"] == len(w.train_set)
     assert on.split_s["prefix"] > 0 and on.split_s["fetch_wait"] > 0
     assert [p.loss for p in on.evals] == pytest.approx([p.loss for p in off.evals], abs=1e-4)
-    assert [t["frozen"] for t in on.timeline] == [0, 7]
+    assert [t["frozen"] for t in on.timeline] == [0, 2]  # stem..layer2.0, layer2.1..layer2.2
     assert on.timeline[1]["active_params"] < on.timeline[0]["active_params"] == on.timeline[0]["total_params"]
 
 
@@ -102,17 +103,18 @@ def test_matthews_correlation():
     assert matthews(torch.tensor([1, 0, 0, 0, 1, 1]), gold) == pytest.approx(1 / 3)
 
 
-def run_bench_train(mode: str, args: list[str], data_dir, results_dir, capsys) -> tuple[str, dict]:
-    """``bench_train.main`` on cifar: checks it succeeds and ends with the figures; its output and JSON."""
+def run_bench_train(mode: str, args: list[str], data_dir, results_dir, capsys,
+                    workload: str = "cifar") -> tuple[str, dict]:
+    """``bench_train.main`` on a workload: checks it succeeds and ends with the figures; its output and JSON."""
     import bench_train
 
-    code = bench_train.main(["--workload", "cifar", "--mode", mode, "--data-dir", str(data_dir), *args,
-                             "--results-dir", str(results_dir)])
+    data = ["--data-dir", str(data_dir)] if data_dir is not None else []
+    code = bench_train.main(["--workload", workload, "--mode", mode, *data, *args, "--results-dir", str(results_dir)])
     out = capsys.readouterr().out
     assert code == 0
     lines = out.strip().splitlines()
     assert lines[-2].startswith("figure: tta_speedup = ") and lines[-1].startswith("figure: metric_delta = ")
-    return out, json.loads(next(results_dir.glob(f"train-cifar-{mode}-*.json")).read_text())
+    return out, json.loads(next(results_dir.glob(f"train-{workload}-{mode}-*.json")).read_text())
 
 
 def test_bench_train_writes_results_and_ends_with_the_figures(data_dir, tmp_path, capsys):
@@ -168,3 +170,21 @@ def test_interleaved_runs_compute_what_they_compute_alone(daemon):
     for r in (full, cached, frozen):
         assert 0 < r.train_s <= r.wall_s and r.cpu_s > 0
         assert r.evals[-1].train_s <= r.train_s
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                    reason="scikit-learn not installed (the demo extra: pip install -e '.[demo]')")
+def test_digits_workload_needs_no_data_directory_and_uses_balanced_stages(tmp_path, capsys, monkeypatch):
+    w = make_workload("digits", None, quick=True)
+    assert (len(w.train_set), len(w.eval_set), w.epochs, w.evals_per_epoch) == (1437, 360, 10, 4)
+    staged = w.stage(w.build())
+    assert staged.stage_names == ["stem..layer2.0", "layer2.1..layer2.2", "layer3.0", "layer3.1", "layer3.2", "head"]
+    assert w.static_depth == 2 and make_workload("digits", None).epochs == 30
+    with pytest.raises(ConfigError, match="fixed 1,437 / 360 split"):
+        make_workload("digits", None, train_size=100)
+    monkeypatch.setenv("ACTCACHE_DATA", str(tmp_path / "absent"))  # digits never looks for it
+    out, result = run_bench_train("static", ["--epochs", "1", "--freeze-at", "0.5", "--cache"], None, tmp_path,
+                                  capsys, workload="digits")
+    assert "from scikit-learn" in out and result["data_dir"] == "scikit-learn"
+    assert [r["run"] for r in result["summary"]] == ["full", "static+cache"]
+    assert [p["step"] for p in result["runs"][0]["evals"]] == [6, 12, 17, 23]  # 4 evaluations per epoch
