@@ -98,6 +98,7 @@ class Built:
     ms_per_batch: dict[str, float]
     error_vs_fp32: dict[str, float]
     notes: list[str] = field(default_factory=list)
+    ms_per_build: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class _Generation:
             built = build_reference(module, self.first.precision, example)
             chosen[stage] = built.precision
             outbox.put(Built(self.first.generation, index, stage, built.precision, built.ms_per_batch,
-                             built.error_vs_fp32, built.notes))
+                             built.error_vs_fp32, built.notes, built.ms_per_build))
         self.runs[index] = built.run
         return built.run
 

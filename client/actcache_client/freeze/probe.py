@@ -164,7 +164,8 @@ class PlasticityProbe:
         """Log and record a stage's first build (where ``auto`` measures its candidates); refreshes at debug."""
         first = self._reported != built.generation
         self._reported = built.generation
-        speeds = ", ".join(f"{k} {v:.2f} ms" for k, v in built.ms_per_batch.items())
+        speeds = ", ".join(f"{k} {v:.2f} ms" + (f" (build {built.ms_per_build[k]:.0f} ms)" if k in built.ms_per_build
+                                                else "") for k, v in built.ms_per_batch.items())
         errors = ", ".join(f"{k} {v:.2g}" for k, v in built.error_vs_fp32.items())
         log.log(logging.INFO if first else logging.DEBUG,
                 "actcache: reference of stage %d (%s): %s; per batch: %s; SP loss vs fp32: %s%s", built.stage,
@@ -173,6 +174,7 @@ class PlasticityProbe:
         if first:
             self.timeline.write({"event": "reference", "step": step, "stage": built.stage,
                                  "precision": built.precision, "ms_per_batch": built.ms_per_batch,
+                                 "ms_per_build": built.ms_per_build,
                                  "error_vs_fp32": built.error_vs_fp32, "notes": built.notes})
 
     def close(self) -> None:

@@ -13,9 +13,15 @@ for convolutional ones, full precision when int8 does not work. Precisions:
                   lookup, a norm: nothing to quantize); otherwise dynamic_int8 for
                   stages with more Linear than conv parameters, static_int8 for the
                   others, and bf16 beside it for conv stages. fp32 is kept unless a
-                  candidate is faster by AUTO_MARGIN (10%) in every one of the
-                  interleaved timing rounds; of those that are, the fastest (median
+                  candidate is cheaper by AUTO_MARGIN (10%) in every one of the
+                  interleaved timing rounds; of those that are, the cheapest (median
                   over the rounds) wins. A one-off timing win by noise never decides.
+                  The cost of a candidate is what one plasticity reading costs: the
+                  reference of a new snapshot is built (one per evaluation,
+                  reference.py) and two are run, so build + 2 runs. Static int8 runs
+                  a ResNet-20 module 5x faster than fp32 but its FX build takes
+                  ~200 ms (measured: stem..layer2.0, batch 64, 1 thread: build 190
+                  ms, run 7 ms; fp32 run 50 ms; bf16 build 3 ms, run 17-24 ms).
 
 Why torch.ao and not torchao: in torch 2.13 eager and FX quantization warn
 that they are deprecated in favour of torchao. torchao 0.18 installs on this
@@ -62,6 +68,8 @@ class BuiltReference:
     #: SP loss between each tried precision's output and fp32's on the calibration batch.
     error_vs_fp32: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: Milliseconds to build each precision tried from the stage (best of the repeats).
+    ms_per_build: dict[str, float] = field(default_factory=dict)
 
 
 @contextmanager
@@ -130,6 +138,12 @@ def _time(fn: Callable[[State], State], example: State) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
+def _build_ms(module: nn.Module, precision: str, example: State) -> float:
+    start = time.perf_counter()
+    _build(module, precision, example)
+    return 1e3 * (time.perf_counter() - start)
+
+
 def build_reference(module: nn.Module, precision: str, example: State, *, repeats: int = 5) -> BuiltReference:
     """Build the reference of ``module`` (a CPU copy, switched to eval mode) and measure it on ``example``.
 
@@ -177,19 +191,24 @@ def build_reference(module: nn.Module, precision: str, example: State, *, repeat
             built[name] = fn
         if not built:
             raise RuntimeError(f"no reference precision works for this stage: {'; '.join(notes)}")
-        rounds: dict[str, list[float]] = {name: [] for name in built}
+        runs: dict[str, list[float]] = {name: [] for name in built}
+        builds: dict[str, list[float]] = {name: [] for name in built}
         for _ in range(repeats):
             for name, fn in built.items():
-                rounds[name].append(_time(fn, example))
-    times = {name: min(t) for name, t in rounds.items()}
+                runs[name].append(_time(fn, example))
+                if precision == "auto":
+                    builds[name].append(_build_ms(module, name, example))
+    times = {name: min(t) for name, t in runs.items()}
     if precision != "auto":
         return BuiltReference(built[precision], precision, times, error, notes)
-    return BuiltReference(*_choose(built, rounds, notes), times, error, notes)
+    rounds = {name: [b + 2 * r for b, r in zip(builds[name], runs[name], strict=True)] for name in built}
+    build_ms = {name: min(t) for name, t in builds.items()}
+    return BuiltReference(*_choose(built, rounds, notes), times, error, notes, build_ms)
 
 
 def _choose(built: dict[str, Callable[[State], State]], rounds: dict[str, list[float]],
             notes: list[str]) -> tuple[Callable[[State], State], str]:
-    """fp32 unless a candidate is AUTO_MARGIN faster in every round; then the fastest by median."""
+    """fp32 unless a candidate is AUTO_MARGIN cheaper (build + 2 runs) in every round; then the cheapest by median."""
     if "fp32" not in built:  # fp32 is the stage itself: it fails only if the stage does
         name = min(built, key=lambda n: statistics.median(rounds[n]))
         return built[name], name
@@ -201,8 +220,8 @@ def _choose(built: dict[str, Callable[[State], State]], rounds: dict[str, list[f
         if max(ratios) <= 1 - AUTO_MARGIN:
             winners[name] = statistics.median(ratios)
         else:
-            notes.append(f"{name} not faster than fp32 by {AUTO_MARGIN:.0%} in every round "
-                         f"(time ratios {', '.join(f'{r:.2f}' for r in ratios)})")
+            notes.append(f"{name} not cheaper than fp32 by {AUTO_MARGIN:.0%} in every round "
+                         f"(build + 2 runs, ratios {', '.join(f'{r:.2f}' for r in ratios)})")
     if not winners:
         return built["fp32"], "fp32"
     name = min(winners, key=winners.__getitem__)
