@@ -302,12 +302,6 @@ class DaemonConfig:
         variable, when the value came from the environment), the value given and what is accepted.
         """
         env = os.environ if env is None else env
-        shm = env.get("ACTCACHE_SHM_DIR")
-        if shm and not Path(shm).is_dir():
-            raise ConfigError(
-                f"ACTCACHE_SHM_DIR must be a directory for shared-memory segments, got {shm!r}; "
-                "unset it (default /dev/shm) or point it at a tmpfs directory"
-            )
         from_env: dict[str, str] = {}  # "--flag" -> "ACTCACHE_FLAG='value'", for the values taken from env
 
         def pick(name: str, convert: Callable[[Any], Any] = str, accepted: str = "") -> Any:
