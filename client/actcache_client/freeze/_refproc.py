@@ -18,7 +18,7 @@ error) and the one ``age`` evaluations older::
 
 A snapshot's reference is built once, lazily, on its first use (which also
 calibrates static int8) and kept until no later probe can need it (indices
-below ``index - age``). Under ``precision="auto"`` the choice is made on a
+below ``index - age`` of the latest probe or snapshot). Under ``precision="auto"`` the choice is made on a
 stage's first build and kept for its later snapshots, so candidates are
 timed once per stage.
 """
@@ -172,6 +172,10 @@ def _serve(inbox, outbox, parent_pid: int) -> None:
                 current = _Generation(message)
             elif current is not None and current.first.generation == message.generation:
                 current.add(message)
+                # Probes are taken after their snapshot, so every probe of an earlier index is already
+                # in: from here on none needs a snapshot older than index - age (memory stays bounded
+                # while probes are skipped).
+                current.prune(message.index - current.first.age)
             continue
         probe: Probe = message
         if current is None or probe.generation != current.first.generation:
