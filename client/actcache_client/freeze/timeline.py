@@ -4,12 +4,14 @@ Record kinds (``event``):
 
 - ``evaluation``: one policy observation: step, epoch, stage (the frontmost
   active stage judged), stage_name, signal and value (the policy's main
-  signal: plasticity, eta or loss), loss, plasticity, grad_norm, slope,
-  threshold, decision, reason, lr, frozen (after the decision),
+  signal: plasticity, eta or loss), loss, plasticity, plasticity_step,
+  plasticity_raw and plasticity_floor (the SP losses behind a plasticity
+  reading), reference_age, grad_norm, smoothed, threshold, decision,
+  reason, lr, frozen (after the decision),
   active_param_share (after), rewrap_s (DDP re-wrap seconds when the depth
   changed), numbers (everything the policy reported) and reference counters.
 - ``reference``: a reference stage was built: stage, precision, ms_per_batch
-  per precision tried, error_vs_fp32, notes.
+  and ms_per_build per precision tried, error_vs_fp32, notes.
 - ``plan``: the cost model decided (CachedForward with a planner): step,
   epoch, frozen, mode (cache or recompute), cache_depth, recompute_stages,
   cached_fraction, expected_step_s, baseline_step_s, write_epoch_extra_s,
