@@ -106,6 +106,7 @@ class CachedForward:
         device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
         self.stager = Stager(device)
         self._frozen = 0
+        self._frozen_modules: list[nn.Module] = []  # every module of the frozen stages (kept in eval mode)
         if store_dtype not in (None, torch.float16, torch.bfloat16):
             raise ConfigError(f"store_dtype must be torch.float16, torch.bfloat16 or None, got {store_dtype}")
         self.store_dtype = store_dtype
@@ -177,7 +178,7 @@ class CachedForward:
         """Freeze stages[:depth] and unfreeze the rest; the last stage always trains."""
         stages = list(self.model.stages)
         if not 0 <= depth < len(stages):
-            raise ValueError(f"frozen depth must be in 0..{len(stages) - 1} (the head always trains), got {depth}")
+            raise ConfigError(f"set_frozen depth must be in 0..{len(stages) - 1} (the head always trains), got {depth}")
         old, old_fps = self._frozen, self._fingerprints
         for i, stage in enumerate(stages):
             stage.requires_grad_(i >= depth)
@@ -194,6 +195,7 @@ class CachedForward:
             reverse=True,
         )
         self._frozen = depth
+        self._frozen_modules = [m for stage in stages[:depth] for m in stage.modules()]
         if self.planner is not None:
             for d in range(1, depth + 1):
                 self.planner.set_written(d, len(self._written.get(self._fingerprints[d], ())))
@@ -395,8 +397,8 @@ class CachedForward:
         every = list(range(len(id_list)))
         if k == 0:
             return raw.rows(every)
-        for stage in self.model.stages[:k]:
-            if stage.training:  # a user's model.train() must not put frozen stages back in train mode
+        if any(m.training for m in self._frozen_modules):  # a user's net.train() must not train frozen stages
+            for stage in self.model.stages[:k]:
                 stage.train(False)
         self.times.prefix_samples += len(id_list)
         target = self._cache_target()

@@ -161,3 +161,17 @@ def test_inputs_that_cannot_be_served_are_loaded_on_the_spot(daemon):
     # batch 0 of the second epoch came without inputs and loaded them on the spot; later batches were
     # dispatched after the freeze change and loaded theirs as usual
     assert loader.raw_items_loaded == 2 * N - BATCH and model.times.raw_loaded == 2 * N
+
+
+def test_the_users_train_mode_switch_never_reaches_frozen_batchnorm():
+    """net.train() after an evaluation (on the original model, not the staged one) must leave the
+    frozen stages in eval mode: their BatchNorm statistics stay as they were frozen."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    model = ac.CachedForward(ac.from_sequential(net, groups=[2, 1, 1]))
+    model.set_frozen(1)
+    frozen_mean = net[1].running_mean.clone()
+    net.eval()
+    net.train()  # the user's usual switch back after evaluating
+    model(list(range(16)), torch.randn(16, 8))
+    assert torch.equal(net[1].running_mean, frozen_mean) and not net[1].training
