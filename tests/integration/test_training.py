@@ -16,6 +16,7 @@ from actcache.testing import run_daemon
 from actcache_client.bert import collate_tokens
 from actcache_client.models import resnet20
 from tests.client.tiny_bert import TinyBertForSequenceClassification
+from tests.integration.test_skip_loads import train_epoch
 
 N = 96
 
@@ -161,12 +162,7 @@ def test_sentence_pairs_skip_loading_what_is_served(daemon):
         losses, loaded = [], []
         for _ in range(3):
             before = loader.raw_items_loaded
-            for batch in loader:
-                loss = nn.functional.cross_entropy(model(batch), batch.data[1])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
+            train_epoch(model, loader, opt, losses)
             loaded.append(loader.raw_items_loaded - before)
             if connection is not None:
                 connection.flush(timeout_s=30)
