@@ -46,6 +46,7 @@ __all__ = [
     "to_raw_entries",
     "to_raw_entries_into",
     "to_raw_entry",
+    "uniform_layout",
     "verify_entry",
 ]
 
@@ -308,6 +309,25 @@ def decode_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[Entry
     if header.codec == Codec.zstd:
         return header, memoryview(_decompress(payload, header.raw_len))
     return header, payload
+
+
+def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
+    """The header of ``bufs[0]`` when every entry has its layout and an uncompressed payload (they
+    differ at most in the checksum), else None. Such entries' payloads sit at the same offsets, so a
+    batch of them is copied without parsing each header; their checksums are not checked.
+    """
+    if not bufs:
+        return None
+    first = memoryview(bufs[0])
+    header = parse_header(first)
+    if header.codec == Codec.zstd:
+        return None
+    size, head, tail = first.nbytes, first[:_CRC_OFFSET], first[_CRC_OFFSET + 4 : header.header_len]
+    for buf in bufs:
+        view = memoryview(buf)
+        if view.nbytes != size or view[:_CRC_OFFSET] != head or view[_CRC_OFFSET + 4 : header.header_len] != tail:
+            return None
+    return header
 
 
 def _decompress(payload: memoryview, raw_len: int) -> bytes:

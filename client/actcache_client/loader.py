@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -120,6 +121,27 @@ class IndexedDataset(Dataset):
             item = self.augment(item, generator)
         return sample_id, item
 
+    def __getitems__(self, keys: list) -> "list[tuple[int, Any]] | _Unloaded":
+        """The items of one batch; a batch none of whose inputs is loaded comes back as one ``_Unloaded``
+        (its ids and targets, gathered at once rather than item by item)."""
+        if self.targets is not None and keys and all(type(k) is tuple and len(k) == 3 and not k[2] for k in keys):
+            indices = [k[0] for k in keys]
+            return _Unloaded([self.sample_id(i) for i in indices], self._targets_of(indices))
+        return [self[k] for k in keys]
+
+    def _targets_of(self, indices: list[int]) -> Any:
+        if isinstance(self.targets, torch.Tensor):
+            return self.targets[torch.tensor(indices, dtype=torch.int64)]
+        return default_collate([self.target(i) for i in indices])
+
+
+@dataclass(frozen=True)
+class _Unloaded:
+    """A batch of which no input is loaded: its sample ids and its collated targets."""
+
+    sample_ids: list[int]
+    targets: Any
+
 
 class _Collate:
     """Collates ``(sample_id, item)`` pairs into ``(ids, loaded rows or None, data)``; picklable for workers.
@@ -130,7 +152,9 @@ class _Collate:
     def __init__(self, collate: Callable[[list], Any]) -> None:
         self.collate = collate
 
-    def __call__(self, samples: list[tuple[int, Any]]) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    def __call__(self, samples: list[tuple[int, Any]] | _Unloaded) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        if isinstance(samples, _Unloaded):
+            return torch.tensor(samples.sample_ids, dtype=torch.int64), torch.empty(0, dtype=torch.int64), (None, samples.targets)
         ids = torch.tensor([s for s, _ in samples], dtype=torch.int64)
         loaded = [i for i, (_, item) in enumerate(samples) if not isinstance(item, Skipped)]
         if len(loaded) == len(samples):

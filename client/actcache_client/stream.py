@@ -45,6 +45,18 @@ _JOB = f"{socket.gethostname()[:40]}.{os.getpid()}"
 _JOBS = itertools.count()
 
 
+# The shared-memory ring of a Fetch holds _RING_BATCHES batches, within these bounds: a ring is mapped
+# afresh for every Fetch, and its first use and its unmapping cost time in proportion to its size.
+_MIN_RING, _MAX_RING, _RING_BATCHES = 4 << 20, 64 << 20, 4
+
+
+def _ring_size(values: Sequence, batch_entries: int) -> int:
+    """The ring for the next Fetch, from the entries of a frame served (None for a miss)."""
+    entry = max((len(v) for v in values if v is not None), default=0)
+    want = _RING_BATCHES * batch_entries * entry
+    return min(max(-(-want // (1 << 20)) << 20, _MIN_RING), _MAX_RING)
+
+
 class StreamState(enum.Enum):
     IDLE = "idle"
     PUSHED = "pushed"
@@ -67,10 +79,11 @@ class _Order:
 class EpochStream:
     """Pushes an epoch's order and streams its entries back; used by CachedForward on the training thread."""
 
-    def __init__(self, connection: Connection, *, rank: int = 0, ring_bytes: int = 32 << 20) -> None:
+    def __init__(self, connection: Connection, *, rank: int = 0, ring_bytes: int | None = None) -> None:
         self._connection = connection
         self._prefix = f"{_JOB}.{next(_JOBS)}-r{rank}"
-        self._ring_bytes = ring_bytes
+        self._fixed_ring = ring_bytes
+        self._ring_bytes = ring_bytes or _MIN_RING
         self._slot = 0
         self._state = StreamState.IDLE
         self._order: _Order | None = None
@@ -174,7 +187,8 @@ class EpochStream:
         """Read the next frame; views into the ring held in ``out`` are copied first (the ring reuses them)."""
         if self._shared:
             out[:] = [None if v is None else bytes(v) for v in out]
-        if self._frames is None:
+        opened = self._frames is None
+        if opened:
             self._frames = self._connection.stream(self.schedule_id, lo, ring_bytes=self._ring_bytes)
         t0 = time.perf_counter()
         batch = next(self._frames, None)
@@ -183,6 +197,8 @@ class EpochStream:
             raise ActCacheError(f"schedule {self.schedule_id} ended before position {lo + len(out)}")
         self._shared = batch.data_plane == "shared_memory"
         self._pending.extend(batch)
+        if opened and self._fixed_ring is None:
+            self._ring_bytes = _ring_size(batch.values, max(map(len, self._order.batches)))
 
     def _break(self) -> None:
         self.close()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
+from actcache.codec import DType, TensorSpec, decode_entry, encode_entry, uniform_layout
 from actcache.errors import InvalidRequest
 
 from actcache_client.stages import State
@@ -112,6 +112,9 @@ def collate_entries(
     as it served them (Fetch).
     """
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    layout = None if verify or varlen else uniform_layout(entries)
+    if layout is not None:
+        return _collate_uniform(entries, layout, alloc)
     decoded = [decode_entry(e, verify=verify) for e in entries]
     first = decoded[0][0]
     count = len(first.specs)
@@ -137,4 +140,19 @@ def collate_entries(
     if varlen:
         mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
         out.insert(varlen.mask_index, mask.to(varlen.mask_dtype))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _collate_uniform(entries: Sequence[bytes | memoryview], header, alloc) -> State:
+    """collate_entries for entries of one layout (``uniform_layout``): one slice copy per entry and tensor."""
+    out: list[Tensor] = []
+    for spec, offset in zip(header.specs, header.offsets):
+        batch = alloc((len(entries), *spec.shape), _TO_TORCH[spec.dtype])
+        n = spec.nbytes
+        if n:
+            target = memoryview(batch.view(len(entries), -1).view(torch.uint8).numpy()).cast("B")
+            start = header.header_len + offset
+            for i, entry in enumerate(entries):
+                target[i * n : (i + 1) * n] = memoryview(entry)[start : start + n]
+        out.append(batch)
     return out[0] if len(out) == 1 else tuple(out)

@@ -46,3 +46,22 @@ def test_unsupported_dtype_and_mismatched_batch_are_clear():
     a, b = encode_samples(torch.zeros(1, 2))[0], encode_samples(torch.zeros(1, 3))[0]
     with pytest.raises(InvalidRequest, match="batch expects"):
         collate_entries([a, b])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_served_entries_of_one_layout_collate_like_any_others(dtype):
+    # Fetch serves entries unverified (verify=False): those of one layout are copied without parsing
+    # each header. Raw entries of one layout differ in their checksums only.
+    g = torch.Generator().manual_seed(1)
+    state = ((torch.randn(6, 3, 5, generator=g) * 50).to(dtype), torch.arange(6, dtype=torch.int64))
+    entries = encode_samples(state)
+    assert len({e[24:28] for e in entries}) > 1  # per-entry checksums: the layouts match, the bytes do not
+    fast = collate_entries(entries, verify=False)
+    assert all(torch.equal(a, b) for a, b in zip(fast, state))
+    assert all(torch.equal(a, b) for a, b in zip(fast, collate_entries(entries)))
+
+
+def test_served_entries_of_mixed_layouts_are_still_checked():
+    entries = encode_samples(torch.randn(2, 4)) + encode_samples(torch.randn(2, 5))
+    with pytest.raises(InvalidRequest, match="batch expects"):
+        collate_entries(entries, verify=False)

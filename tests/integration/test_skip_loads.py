@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
 
 import actcache_client as ac
 
@@ -175,3 +177,18 @@ def test_the_users_train_mode_switch_never_reaches_frozen_batchnorm():
     net.train()  # the user's usual switch back after evaluating
     model(list(range(16)), torch.randn(16, 8))
     assert torch.equal(net[1].running_mean, frozen_mean) and not net[1].training
+
+
+
+@pytest.mark.parametrize("targets", [torch.arange(N) * 2, list(range(N)), lambda i: torch.tensor([i, -i])])
+def test_a_batch_with_nothing_to_load_gathers_its_targets_at_once(targets):
+    data = Counting()
+    dataset = ac.IndexedDataset(data, targets=targets, sample_ids=[100 + i for i in range(N)])
+    keys = [(i, 0, False) for i in (3, 1, 7)]
+    unloaded = dataset.__getitems__(keys)
+    item_by_item = [dataset[k] for k in keys]
+    assert unloaded.sample_ids == [s for s, _ in item_by_item] == [103, 101, 107]
+    assert torch.equal(unloaded.targets, default_collate([item.target for _, item in item_by_item]))
+    assert data.calls == []
+    assert isinstance(dataset.__getitems__([(3, 0, False), (1, 0, True)]), list)  # one to load: item by item
+    assert data.calls == [1]
