@@ -323,11 +323,14 @@ class RpcClient:
         variants: Sequence[int] | np.ndarray | None = None,
         *,
         chunk_ids: int = _SCHEDULE_CHUNK_IDS,
+        report_present: bool = False,
     ) -> pb.ScheduleReply:
         """Push an order of sample ids (e.g. an epoch's sampler order) as schedule ``schedule_id``.
 
         The daemon starts reading it ahead at once; ``fetch`` streams it.
-        Pushing an existing ``schedule_id`` again replaces it. Ids travel as
+        Pushing an existing ``schedule_id`` again replaces it. With
+        ``report_present`` the reply's ``present`` says which entries are
+        stored (one byte each; values are not read). Ids travel as
         packed uint64 arrays in chunks of ``chunk_ids``, so 10 M ids cost
         about 80 MB on the wire and no per-id Python work.
         """
@@ -347,6 +350,7 @@ class RpcClient:
                 if start == 0:
                     chunk.namespace_id, chunk.fingerprint = namespace_id, fingerprint
                     chunk.depth, chunk.schedule_id = depth, schedule_id
+                    chunk.report_present = report_present
                 yield chunk
 
         return self._invoke(lambda t: self._call("Schedule")(chunks(), timeout=t, metadata=self._metadata()))

@@ -115,7 +115,7 @@ class EntriesHeader(_message.Message):
     def __init__(self, start: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., data_plane: _Optional[str] = ..., data_plane_detail: _Optional[str] = ..., segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduleChunk(_message.Message):
-    __slots__ = ("namespace_id", "fingerprint", "depth", "schedule_id", "sample_ids", "variants", "packed_sample_ids", "packed_variants")
+    __slots__ = ("namespace_id", "fingerprint", "depth", "schedule_id", "sample_ids", "variants", "packed_sample_ids", "packed_variants", "report_present")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class ScheduleChunk(_message.Message):
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     PACKED_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     PACKED_VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    REPORT_PRESENT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     fingerprint: bytes
     depth: int
@@ -132,17 +133,20 @@ class ScheduleChunk(_message.Message):
     variants: _containers.RepeatedScalarFieldContainer[int]
     packed_sample_ids: bytes
     packed_variants: bytes
-    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., schedule_id: _Optional[str] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., packed_sample_ids: _Optional[bytes] = ..., packed_variants: _Optional[bytes] = ...) -> None: ...
+    report_present: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., schedule_id: _Optional[str] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., packed_sample_ids: _Optional[bytes] = ..., packed_variants: _Optional[bytes] = ..., report_present: _Optional[bool] = ...) -> None: ...
 
 class ScheduleReply(_message.Message):
-    __slots__ = ("schedule_id", "length", "replaced")
+    __slots__ = ("schedule_id", "length", "replaced", "present")
     SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     REPLACED_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
     schedule_id: str
     length: int
     replaced: bool
-    def __init__(self, schedule_id: _Optional[str] = ..., length: _Optional[int] = ..., replaced: _Optional[bool] = ...) -> None: ...
+    present: bytes
+    def __init__(self, schedule_id: _Optional[str] = ..., length: _Optional[int] = ..., replaced: _Optional[bool] = ..., present: _Optional[bytes] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("namespace_id", "schedule_id", "start", "max_frame_bytes", "shared_memory", "ring_bytes")

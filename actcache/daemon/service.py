@@ -222,7 +222,10 @@ class ActCacheService:
     def Schedule(self, chunks: Iterator[pb.ScheduleChunk], context) -> pb.ScheduleReply:
         builder = ScheduleBuilder()
         resolved: dict[int, int] = {}  # handle -> namespace id (protected namespaces have random handles)
+        report = None  # the first chunk's namespace handle, when it asks which entries are stored
         for chunk in chunks:
+            if not resolved and chunk.report_present:
+                report = chunk.namespace_id
             ids = unpack_ids(chunk.sample_ids, chunk.packed_sample_ids)
             variants = unpack_variants(chunk.variants, chunk.packed_variants, len(ids))
             if chunk.namespace_id not in resolved:  # 0 in a later chunk: not repeated; in the first: no namespace
@@ -235,8 +238,11 @@ class ActCacheService:
         for _ in chunks:
             raise InvalidRequest("the Schedule stream went on after its end")
         schedule = builder.build()
+        present = b"" if report is None else bytes(self.store.contains(
+            report, schedule.fingerprint, schedule.depth, schedule.sample_ids, schedule.variants))
         replaced = self.prefetcher.push(schedule)
-        return pb.ScheduleReply(schedule_id=schedule.schedule_id, length=len(schedule), replaced=replaced)
+        return pb.ScheduleReply(schedule_id=schedule.schedule_id, length=len(schedule), replaced=replaced,
+                                present=present)
 
     @_stream_status_on_error
     def Fetch(self, request: pb.FetchRequest, context) -> Iterator[bytes]:

@@ -325,7 +325,12 @@ class CachedForward:
             return
         (j, fraction), (batches, variant) = target, self._epoch
         subset = [[s for s in b if fraction >= 1.0 or cached_subset(s, fraction)] for b in batches[self._position:]]
-        present = self.connection.contains(self._fingerprints[j], j, [s for b in subset for s in b], variant)
+        ids = [s for b in subset for s in b]
+        present = None  # the push answered which entries are stored; else ask
+        if self._stream.serves(self._fingerprints[j], j, fraction, variant):
+            present = self._stream.stored_from(self._position)
+        if present is None or len(present) != len(ids):
+            present = self.connection.contains(self._fingerprints[j], j, ids, variant)
         if present is None:
             return
         flags = iter(present)

@@ -185,17 +185,19 @@ class Connection:
         return present.tolist()
 
     def push(self, fingerprint: bytes, depth: int, schedule_id: str, ids: Sequence[int],
-             variants: Sequence[int] | None) -> bool:
-        """Push an order (Schedule) the daemon reads ahead; False if the cache is unusable right now."""
+             variants: Sequence[int] | None) -> list[bool] | None:
+        """Push an order (Schedule) the daemon reads ahead; which of its entries are stored (values not
+        read), or None if the cache is unusable right now."""
         self.surface()
         if self._paused():
-            return False
+            return None
         try:
-            self._call(lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids, variants))
+            reply = self._call(lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids, variants,
+                                                             report_present=True))
         except ActCacheError as exc:
             self.fallback(exc)
-            return False
-        return True
+            return None
+        return list(map(bool, reply.present))
 
     def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0) -> Iterator[EntryBatch]:
         """Fetch a pushed schedule from ``start``: shared memory on a Unix socket of this host, else bytes.

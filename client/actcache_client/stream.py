@@ -74,6 +74,7 @@ class _Order:
     first: int  # epoch position of batches[0]
     batches: tuple[tuple[int, ...], ...]  # the cached subset of each batch
     offsets: tuple[int, ...]  # schedule position of each batch's first entry, plus the end
+    present: list[bool]  # per schedule position: the entry was stored when the order was pushed
 
 
 class EpochStream:
@@ -109,14 +110,15 @@ class EpochStream:
         self.close()
         subset = tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches)
         offsets = (0, *itertools.accumulate(len(b) for b in subset))
-        self._order = _Order(fingerprint, depth, fraction, variant, first, subset, offsets)
         self._slot ^= 1
+        self._order = _Order(fingerprint, depth, fraction, variant, first, subset, offsets, [])
         if offsets[-1] == 0:
             self._state = StreamState.IDLE
             return
         ids = [s for b in subset for s in b]
-        pushed = self._connection.push(fingerprint, depth, self.schedule_id, ids, [variant] * len(ids) if variant else None)
-        self._state = StreamState.PUSHED if pushed else StreamState.BROKEN
+        present = self._connection.push(fingerprint, depth, self.schedule_id, ids, [variant] * len(ids) if variant else None)
+        self._order = _Order(fingerprint, depth, fraction, variant, first, subset, offsets, present or [])
+        self._state = StreamState.PUSHED if present is not None else StreamState.BROKEN
 
     def push_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                   batches: Sequence[Sequence[int]]) -> None:
@@ -128,8 +130,9 @@ class EpochStream:
             return
         offsets = (0, *itertools.accumulate(len(b) for b in subset))
         schedule_id = f"{self._prefix}-{self._slot ^ 1}"
-        if self._connection.push(fingerprint, depth, schedule_id, ids, [variant] * len(ids) if variant else None):
-            self._next = _Order(fingerprint, depth, fraction, variant, 0, subset, offsets)
+        present = self._connection.push(fingerprint, depth, schedule_id, ids, [variant] * len(ids) if variant else None)
+        if present is not None:
+            self._next = _Order(fingerprint, depth, fraction, variant, 0, subset, offsets, present)
 
     def adopt_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                    batches: Sequence[Sequence[int]]) -> bool:
@@ -153,6 +156,14 @@ class EpochStream:
         """Whether the pushed order is for this target (a re-plan that keeps it keeps the stream)."""
         o = self._order
         return o is not None and (o.fingerprint, o.depth, o.fraction, o.variant) == (fingerprint, depth, fraction, variant)
+
+    def stored_from(self, position: int) -> list[bool] | None:
+        """Per entry of the pushed order from epoch batch ``position`` on: whether it was stored when
+        the order was pushed (the daemon said so in its reply). None if no order covers ``position``."""
+        o = self._order
+        if self._state is not StreamState.PUSHED or o is None or not o.first <= position <= o.first + len(o.batches):
+            return None
+        return o.present[o.offsets[position - o.first]:]
 
     def take(self, position: int, ids: Sequence[int]) -> list | None:
         """Entries (None per miss) of the cached subset ``ids`` of epoch batch ``position``; None if the

@@ -55,6 +55,20 @@ def test_chunked_order_of_200k_ids_is_preserved_with_misses_in_place(client):
     assert position == 200_000
 
 
+def test_a_push_answers_which_entries_are_stored(client):
+    ns = client.open("present").namespace_id
+    put_range(client, ns, range(0, 60, 3))
+    order = np.random.default_rng(2).permutation(90).astype(np.uint64)
+    variants = (order % 2).astype(np.uint16)  # variant 1 is never stored
+    reply = client.schedule(ns, FP, 1, "with-present", order, variants, chunk_ids=16, report_present=True)
+    expected = [int(s) < 60 and s % 3 == 0 and v == 0 for s, v in zip(order, variants)]
+    assert list(map(bool, reply.present)) == expected
+    assert np.array_equal(client.contains(ns, FP, 1, order, variants), expected)
+    assert client.schedule(ns, FP, 1, "without", order).present == b""  # only when asked
+    for schedule_id in ("with-present", "without"):  # read to the end: their read-ahead is freed
+        assert sum(len(b) for b in client.fetch_batches(ns, schedule_id)) == 90
+
+
 def test_stats_counters_are_exact_on_a_known_workload(daemon, client):
     ns = client.open("exact").namespace_id
     stored = put_range(client, ns, range(0, 60, 3))  # 20 entries

@@ -80,8 +80,12 @@ def test_a_stored_epoch_loads_no_input_and_trains_as_without_the_cache(daemon):
     off, off_calls, _, _ = run(None)
     assert off_calls == [N, N, N]
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        asked = []
+        contains = conn.contains
+        conn.contains = lambda *a: asked.append(a) or contains(*a)
         on, calls, model, loader = run(conn, audit=False)
     assert calls == [N, 0, 0]
+    assert asked == []  # each epoch's push answered which of its entries are stored
     assert max(abs(a - b) for a, b in zip(off, on)) <= 1e-5
     assert model.times.raw_loaded == loader.raw_items_loaded == N
     assert model.times.cached_samples == 2 * N and model.times.prefix_samples == 3 * N
