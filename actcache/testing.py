@@ -63,7 +63,11 @@ class DaemonProcess:
     def _wait_healthy(self, timeout_s: float) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        with grpc.insecure_channel(self.target) as channel:
+        # Retry connecting every 20-100 ms (gRPC's default first backoff is 1 s: a daemon with a short
+        # --idle-timeout could stop before the check reached it).
+        options = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
+                   ("grpc.max_reconnect_backoff_ms", 100)]
+        with grpc.insecure_channel(self.target, options=options) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
