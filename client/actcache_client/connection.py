@@ -199,30 +199,40 @@ class Connection:
             return None
         return list(map(bool, reply.present))
 
-    def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0) -> Iterator[EntryBatch]:
+    def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0, max_frame_bytes: int = 0,
+               ahead: bool = False) -> Iterator[EntryBatch]:
         """Fetch a pushed schedule from ``start``: shared memory on a Unix socket of this host, else bytes.
 
         Counts hits, misses, bytes and the seconds spent waiting for frames in ``stats``; errors are
-        raised to the caller (who hands them to ``fallback``).
+        raised to the caller (who hands them to ``fallback``). ``ahead``: the stream is opened before
+        it is used, and its first frame is counted when it is (``count_streamed``).
         """
-        frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes)
+        frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
+                                         max_frame_bytes=max_frame_bytes)
+        counted = not ahead
         while True:
             t0 = time.perf_counter()
             batch = next(frames, None)
             if batch is None:
                 return
-            hits = sum(v is not None for v in batch.values)
-            with self._lock:
-                self.stats.fetch_seconds += time.perf_counter() - t0
-                self.stats.streamed += len(batch.values)
-                self.stats.hits += hits
-                self.stats.misses += len(batch.values) - hits
-                self.stats.bytes_read += sum(len(v) for v in batch.values if v is not None)
+            if counted:
+                self.count_streamed(batch, time.perf_counter() - t0)
+            counted = True
             try:
                 yield batch
             except GeneratorExit:
                 frames.close()
                 raise
+
+    def count_streamed(self, batch: EntryBatch, seconds: float) -> None:
+        """Count a frame the step takes from a stream, and the seconds it waited for it."""
+        hits = sum(v is not None for v in batch.values)
+        with self._lock:
+            self.stats.fetch_seconds += seconds
+            self.stats.streamed += len(batch.values)
+            self.stats.hits += hits
+            self.stats.misses += len(batch.values) - hits
+            self.stats.bytes_read += sum(len(v) for v in batch.values if v is not None)
 
     # ---- writes ----------------------------------------------------------
 

@@ -29,6 +29,7 @@ import enum
 import itertools
 import os
 import socket
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -50,11 +51,51 @@ _JOBS = itertools.count()
 _MIN_RING, _MAX_RING, _RING_BATCHES = 4 << 20, 64 << 20, 4
 
 
-def _ring_size(values: Sequence, batch_entries: int) -> int:
-    """The ring for the next Fetch, from the entries of a frame served (None for a miss)."""
+def _sizes(values: Sequence, batch_entries: int) -> tuple[int, int]:
+    """``(ring bytes, frame bytes)`` for the next Fetch, from the entries of a frame served (None for a
+    miss): frames of one batch, so the step never waits for more than its own batch to be decoded."""
     entry = max((len(v) for v in values if v is not None), default=0)
-    want = _RING_BATCHES * batch_entries * entry
-    return min(max(-(-want // (1 << 20)) << 20, _MIN_RING), _MAX_RING)
+    batch = batch_entries * entry
+    return min(max(-(-_RING_BATCHES * batch // (1 << 20)) << 20, _MIN_RING), _MAX_RING), batch
+
+
+class _Opening:
+    """A Fetch opened ahead of its epoch: a thread waits for its first frame, so the daemon decodes the
+    head of the order into the ring while the current epoch still runs."""
+
+    def __init__(self, frames: Iterator[EntryBatch]) -> None:
+        self._frames = frames
+        self._lock = threading.Lock()
+        self._first: EntryBatch | None = None
+        self._error: BaseException | None = None
+        self._done = self._abandoned = False
+        self._thread = threading.Thread(target=self._run, name="actcache-stream-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            first = next(self._frames, None)
+        except BaseException as exc:  # handed to the training thread by result()
+            first, self._error = None, exc
+        with self._lock:
+            self._first, self._done = first, True
+            abandoned = self._abandoned
+        if abandoned:
+            self._frames.close()
+
+    def result(self) -> tuple[Iterator[EntryBatch], EntryBatch | None]:
+        """The frames and the first one (None: the stream ended), once it has come."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._frames, self._first
+
+    def close(self) -> None:
+        """Cancel the Fetch: now if its first frame has come, else as soon as it does (in its thread)."""
+        with self._lock:
+            self._abandoned = not self._done
+        if self._done:
+            self._frames.close()
 
 
 class StreamState(enum.Enum):
@@ -85,6 +126,9 @@ class EpochStream:
         self._prefix = f"{_JOB}.{next(_JOBS)}-r{rank}"
         self._fixed_ring = ring_bytes
         self._ring_bytes = ring_bytes or _MIN_RING
+        self._frame_bytes = 0  # the daemon's default until a frame shows the entries' size
+        self._opening: _Opening | None = None  # the next order's Fetch, opened ahead
+        self._opened: _Opening | None = None  # the current order's Fetch, opened ahead and not read yet
         self._slot = 0
         self._state = StreamState.IDLE
         self._order: _Order | None = None
@@ -108,6 +152,7 @@ class EpochStream:
              batches: Sequence[Sequence[int]], first: int) -> None:
         """Push ``batches`` (epoch positions ``first``, ``first + 1``, ...) at this target, replacing the stream."""
         self.close()
+        self.discard_next()
         subset = tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches)
         offsets = (0, *itertools.accumulate(len(b) for b in subset))
         self._slot ^= 1
@@ -130,27 +175,35 @@ class EpochStream:
             return
         offsets = (0, *itertools.accumulate(len(b) for b in subset))
         schedule_id = f"{self._prefix}-{self._slot ^ 1}"
+        self.discard_next()
         present = self._connection.push(fingerprint, depth, schedule_id, ids, [variant] * len(ids) if variant else None)
         if present is not None:
             self._next = _Order(fingerprint, depth, fraction, variant, 0, subset, offsets, present)
+            self._opening = _Opening(self._connection.stream(schedule_id, 0, ring_bytes=self._ring_bytes,
+                                                             max_frame_bytes=self._frame_bytes, ahead=True))
 
     def adopt_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                    batches: Sequence[Sequence[int]]) -> bool:
         """Switch to the order ``push_next`` pushed, if it is this one; False (nothing changed) otherwise."""
-        o, self._next = self._next, None
-        if o is None or (o.fingerprint, o.depth, o.fraction, o.variant) != (fingerprint, depth, fraction, variant):
-            return False
-        if o.batches != tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches):
+        o, opening = self._next, self._opening
+        self._next = self._opening = None
+        if o is None or (o.fingerprint, o.depth, o.fraction, o.variant) != (fingerprint, depth, fraction, variant) \
+                or o.batches != tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches):
+            if opening is not None:
+                opening.close()
             return False
         self.close()
         self._slot ^= 1
-        self._order, self._state = o, StreamState.PUSHED
+        self._order, self._state, self._opened = o, StreamState.PUSHED, opening
         return True
 
     def discard_next(self) -> None:
         """Forget the order ``push_next`` pushed (its entries were read ahead before this epoch's
         misses were stored); the next epoch pushes its order again at its start."""
         self._next = None
+        if self._opening is not None:
+            self._opening.close()
+            self._opening = None
 
     def serves(self, fingerprint: bytes, depth: int, fraction: float, variant: int) -> bool:
         """Whether the pushed order is for this target (a re-plan that keeps it keeps the stream)."""
@@ -199,17 +252,24 @@ class EpochStream:
         if self._shared:
             out[:] = [None if v is None else bytes(v) for v in out]
         opened = self._frames is None
-        if opened:
-            self._frames = self._connection.stream(self.schedule_id, lo, ring_bytes=self._ring_bytes)
         t0 = time.perf_counter()
-        batch = next(self._frames, None)
+        if opened and self._opened is not None:  # opened ahead (from position 0)
+            opening, self._opened = self._opened, None
+            self._frames, batch = opening.result()
+            if batch is not None:
+                self._connection.count_streamed(batch, time.perf_counter() - t0)
+        else:
+            if opened:
+                self._frames = self._connection.stream(self.schedule_id, lo, ring_bytes=self._ring_bytes,
+                                                       max_frame_bytes=self._frame_bytes)
+            batch = next(self._frames, None)
         self.wait_seconds += time.perf_counter() - t0
         if batch is None:
             raise ActCacheError(f"schedule {self.schedule_id} ended before position {lo + len(out)}")
         self._shared = batch.data_plane == "shared_memory"
         self._pending.extend(batch)
         if opened and self._fixed_ring is None:
-            self._ring_bytes = _ring_size(batch.values, max(map(len, self._order.batches)))
+            self._ring_bytes, self._frame_bytes = _sizes(batch.values, max(map(len, self._order.batches)))
 
     def _break(self) -> None:
         self.close()
@@ -219,6 +279,9 @@ class EpochStream:
         """Cancel the Fetch (the daemon frees its read-ahead for it at once)."""
         if self._frames is not None:
             self._frames.close()
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None
         self._frames = None
         self._pending.clear()
         self._shared = False

@@ -168,10 +168,10 @@ def test_a_miss_after_the_next_epoch_was_pushed_makes_it_push_again(daemon):
         assert [e.times.cached_samples for e in model.epoch_counters()] == [0, N, N]
 
 
-def test_the_shared_memory_ring_holds_a_few_batches_within_bounds():
-    from actcache_client.stream import _MAX_RING, _MIN_RING, _ring_size
+def test_the_shared_memory_ring_holds_a_few_batches_within_bounds_and_frames_hold_one():
+    from actcache_client.stream import _MAX_RING, _MIN_RING, _sizes
 
-    assert _ring_size([b"x" * 16384] * 128 + [None], 128) == 8 << 20  # 4 batches of 128 x 16 KiB
-    assert _ring_size([b"x" * 100], 32) == _MIN_RING
-    assert _ring_size([None, None], 32) == _MIN_RING
-    assert _ring_size([b"x" * (1 << 20)], 512) == _MAX_RING
+    assert _sizes([b"x" * 16384] * 128 + [None], 128) == (8 << 20, 2 << 20)  # 4 batches of 128 x 16 KiB
+    assert _sizes([b"x" * 100], 32) == (_MIN_RING, 3200)
+    assert _sizes([None, None], 32) == (_MIN_RING, 0)
+    assert _sizes([b"x" * (1 << 20)], 512)[0] == _MAX_RING
