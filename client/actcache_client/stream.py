@@ -48,13 +48,17 @@ _JOBS = itertools.count()
 
 # The shared-memory ring of a Fetch holds _RING_BATCHES batches, within these bounds: a ring is mapped
 # afresh for every Fetch, and its first use and its unmapping cost time in proportion to its size.
-_MIN_RING, _MAX_RING, _RING_BATCHES = 4 << 20, 64 << 20, 4
+# Until a frame has shown the entries' size, rings are _FIRST_RING.
+_MIN_RING, _MAX_RING, _RING_BATCHES, _FIRST_RING = 4 << 20, 64 << 20, 4, 32 << 20
 
 
-def _sizes(values: Sequence, batch_entries: int) -> tuple[int, int]:
+def _sizes(values: Sequence, batch_entries: int) -> tuple[int, int] | None:
     """``(ring bytes, frame bytes)`` for the next Fetch, from the entries of a frame served (None for a
-    miss): frames of one batch, so the step never waits for more than its own batch to be decoded."""
+    miss; None if all are): frames of one batch, so the step never waits for more than its own batch
+    to be decoded."""
     entry = max((len(v) for v in values if v is not None), default=0)
+    if not entry:
+        return None
     batch = batch_entries * entry
     return min(max(-(-_RING_BATCHES * batch // (1 << 20)) << 20, _MIN_RING), _MAX_RING), batch
 
@@ -125,7 +129,7 @@ class EpochStream:
         self._connection = connection
         self._prefix = f"{_JOB}.{next(_JOBS)}-r{rank}"
         self._fixed_ring = ring_bytes
-        self._ring_bytes = ring_bytes or _MIN_RING
+        self._ring_bytes = ring_bytes or _FIRST_RING
         self._frame_bytes = 0  # the daemon's default until a frame shows the entries' size
         self._opening: _Opening | None = None  # the next order's Fetch, opened ahead
         self._opened: _Opening | None = None  # the current order's Fetch, opened ahead and not read yet
@@ -268,8 +272,9 @@ class EpochStream:
             raise ActCacheError(f"schedule {self.schedule_id} ended before position {lo + len(out)}")
         self._shared = batch.data_plane == "shared_memory"
         self._pending.extend(batch)
-        if opened and self._fixed_ring is None:
-            self._ring_bytes, self._frame_bytes = _sizes(batch.values, max(map(len, self._order.batches)))
+        sizes = _sizes(batch.values, max(map(len, self._order.batches))) if opened and self._fixed_ring is None else None
+        if sizes is not None:
+            self._ring_bytes, self._frame_bytes = sizes
 
     def _break(self) -> None:
         self.close()
