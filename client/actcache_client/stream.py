@@ -32,8 +32,8 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Sequence
 
 from actcache.errors import ActCacheError
 from actcache.rpc_client import EntryBatch
@@ -63,13 +63,17 @@ def _sizes(values: Sequence, batch_entries: int) -> tuple[int, int] | None:
     return min(max(-(-_RING_BATCHES * batch // (1 << 20)) << 20, _MIN_RING), _MAX_RING), batch
 
 
-class _Opening:
-    """A Fetch opened ahead of its epoch: a thread waits for its first frame, so the daemon decodes the
-    head of the order into the ring while the current epoch still runs."""
+class _Ahead:
+    """The next epoch's order pushed and its Fetch opened, in a thread: the training thread does not
+    wait for the push, and the daemon decodes the head of the order into the ring while the current
+    epoch still runs. Errors (strict mode) reach the training thread through ``pushed``/``result``."""
 
-    def __init__(self, frames: Iterator[EntryBatch]) -> None:
-        self._frames = frames
+    def __init__(self, push: Callable[[], list[bool] | None], open_: Callable[[], Iterator[EntryBatch]]) -> None:
+        self._push, self._open = push, open_
         self._lock = threading.Lock()
+        self._pushed = threading.Event()
+        self._present: list[bool] | None = None
+        self._frames: Iterator[EntryBatch] | None = None
         self._first: EntryBatch | None = None
         self._error: BaseException | None = None
         self._done = self._abandoned = False
@@ -78,14 +82,29 @@ class _Opening:
 
     def _run(self) -> None:
         try:
-            first = next(self._frames, None)
-        except BaseException as exc:  # handed to the training thread by result()
-            first, self._error = None, exc
-        with self._lock:
-            self._first, self._done = first, True
-            abandoned = self._abandoned
-        if abandoned:
-            self._frames.close()
+            self._present = self._push()
+            self._pushed.set()
+            with self._lock:
+                go = self._present is not None and not self._abandoned
+            if go:
+                self._frames = self._open()
+                self._first = next(self._frames, None)
+        except BaseException as exc:  # handed to the training thread
+            self._error = exc
+        finally:
+            self._pushed.set()
+            with self._lock:
+                self._done = True
+                abandoned = self._abandoned
+            if abandoned and self._frames is not None:
+                self._frames.close()
+
+    def pushed(self) -> list[bool] | None:
+        """Which entries of the order are stored (the push's reply), or None if the push failed."""
+        self._pushed.wait()
+        if self._error is not None and self._present is None:
+            raise self._error
+        return self._present
 
     def result(self) -> tuple[Iterator[EntryBatch], EntryBatch | None]:
         """The frames and the first one (None: the stream ended), once it has come."""
@@ -95,10 +114,10 @@ class _Opening:
         return self._frames, self._first
 
     def close(self) -> None:
-        """Cancel the Fetch: now if its first frame has come, else as soon as it does (in its thread)."""
+        """Cancel: now if the thread is done, else as soon as it is (in the thread)."""
         with self._lock:
             self._abandoned = not self._done
-        if self._done:
+        if self._done and self._frames is not None:
             self._frames.close()
 
 
@@ -131,8 +150,8 @@ class EpochStream:
         self._fixed_ring = ring_bytes
         self._ring_bytes = ring_bytes or _FIRST_RING
         self._frame_bytes = 0  # the daemon's default until a frame shows the entries' size
-        self._opening: _Opening | None = None  # the next order's Fetch, opened ahead
-        self._opened: _Opening | None = None  # the current order's Fetch, opened ahead and not read yet
+        self._ahead: _Ahead | None = None  # the next order, pushed and its Fetch opened ahead
+        self._opened: _Ahead | None = None  # the current order's Fetch, opened ahead and not read yet
         self._slot = 0
         self._state = StreamState.IDLE
         self._order: _Order | None = None
@@ -171,43 +190,48 @@ class EpochStream:
 
     def push_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                   batches: Sequence[Sequence[int]]) -> None:
-        """Push the next epoch's order ahead, into the other slot: the daemon reads its head once the
-        current epoch is read, so there is no dip at the boundary. ``adopt_next`` switches to it."""
+        """Push the next epoch's order ahead, into the other slot, and open its Fetch (in a thread): the
+        daemon reads its head once the current epoch is read, so there is no dip at the boundary.
+        ``adopt_next`` switches to it."""
         subset = tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches)
         ids = [s for b in subset for s in b]
         if not ids:
             return
+        self.discard_next()
         offsets = (0, *itertools.accumulate(len(b) for b in subset))
         schedule_id = f"{self._prefix}-{self._slot ^ 1}"
-        self.discard_next()
-        present = self._connection.push(fingerprint, depth, schedule_id, ids, [variant] * len(ids) if variant else None)
-        if present is not None:
-            self._next = _Order(fingerprint, depth, fraction, variant, 0, subset, offsets, present)
-            self._opening = _Opening(self._connection.stream(schedule_id, 0, ring_bytes=self._ring_bytes,
-                                                             max_frame_bytes=self._frame_bytes, ahead=True))
+        variants = [variant] * len(ids) if variant else None
+        ring_bytes, frame_bytes, connection = self._ring_bytes, self._frame_bytes, self._connection
+        self._next = _Order(fingerprint, depth, fraction, variant, 0, subset, offsets, [])
+        self._ahead = _Ahead(lambda: connection.push(fingerprint, depth, schedule_id, ids, variants),
+                             lambda: connection.stream(schedule_id, 0, ring_bytes=ring_bytes,
+                                                       max_frame_bytes=frame_bytes, ahead=True))
 
     def adopt_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                    batches: Sequence[Sequence[int]]) -> bool:
         """Switch to the order ``push_next`` pushed, if it is this one; False (nothing changed) otherwise."""
-        o, opening = self._next, self._opening
-        self._next = self._opening = None
-        if o is None or (o.fingerprint, o.depth, o.fraction, o.variant) != (fingerprint, depth, fraction, variant) \
-                or o.batches != tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches):
-            if opening is not None:
-                opening.close()
+        o, ahead = self._next, self._ahead
+        self._next = self._ahead = None
+        if o is None or ahead is None:
+            return False
+        same = (o.fingerprint, o.depth, o.fraction, o.variant) == (fingerprint, depth, fraction, variant) and \
+            o.batches == tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches)
+        present = ahead.pushed() if same else None
+        if present is None:
+            ahead.close()
             return False
         self.close()
         self._slot ^= 1
-        self._order, self._state, self._opened = o, StreamState.PUSHED, opening
+        self._order, self._state, self._opened = replace(o, present=present), StreamState.PUSHED, ahead
         return True
 
     def discard_next(self) -> None:
         """Forget the order ``push_next`` pushed (its entries were read ahead before this epoch's
         misses were stored); the next epoch pushes its order again at its start."""
         self._next = None
-        if self._opening is not None:
-            self._opening.close()
-            self._opening = None
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     def serves(self, fingerprint: bytes, depth: int, fraction: float, variant: int) -> bool:
         """Whether the pushed order is for this target (a re-plan that keeps it keeps the stream)."""
