@@ -19,8 +19,17 @@ until the next push, and the caller falls back to Get). A retarget that
 changes the (fingerprint, depth) re-pushes the rest of the epoch from the
 current batch; one that keeps it keeps the stream.
 
-Invariant: entries are consumed in schedule order; a batch's entries are
-the schedule positions ``offsets[b] .. offsets[b+1] - 1``.
+The next epoch's order is pushed halfway through the current one, and its
+Fetch opened, by a thread (``_Ahead``): the step does not wait for the push,
+and the daemon decodes the head of the next epoch into its ring before the
+boundary. The push's reply (which entries are stored) plans the next
+epoch's skipped inputs. Ring and frame sizes follow the entries served: a
+frame holds one batch, a ring four.
+
+Invariants: entries are consumed in schedule order; a batch's entries are
+the schedule positions ``offsets[b] .. offsets[b+1] - 1``. Only the
+``_Ahead`` thread advances its Fetch until the training thread has joined
+it (``result``); a cancelled ``_Ahead`` closes its Fetch in its own thread.
 """
 
 from __future__ import annotations
