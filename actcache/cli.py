@@ -92,7 +92,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                         "unused for this long (env ACTCACHE_RECLAIM_AFTER; default 600; 0 = only live schedules "
                         "protect a generation)")
     p.add_argument("--map-size", type=_size, help="initial LMDB map size (default 1GiB; grows as needed)")
-    p.add_argument("--zstd-level", type=int, help="zstd level for raw entries, 0 = store raw (default 1)")
+    p.add_argument("--encoding", help="how entries sent raw are stored: auto (lz4 where it saves 30%%, the default), "
+                                      "raw, lz4, zstd or zstd:LEVEL (-7..22)")
     p.add_argument("--sync", action=argparse.BooleanOptionalAction, default=None,
                    help="fsync every commit so acknowledged puts survive an OS crash (default off: they survive a daemon crash)")
     p.add_argument("--max-entry-bytes", type=_size, help="largest entry accepted (default 64MiB)")

@@ -1,27 +1,33 @@
-"""Entry encoding: a versioned header plus the (optionally zstd-compressed) tensor bytes.
+"""Entry encoding: a versioned header plus the (optionally compressed) tensor bytes.
 
-Layout of one encoded entry (all header integers little-endian)::
+Layout of one encoded entry, format version 2 (all header integers little-endian)::
 
     offset  size  field
     0       4     magic b"ACE1"
-    4       1     format version (1)
-    5       1     codec: 0 raw, 1 zstd, 2 raw_verified (served only, see Codec)
-    6       2     number of tensors n
+    4       1     format version (2)
+    5       1     codec: 0 raw, 1 zstd, 2 raw_verified (served only, see Codec), 3 lz4
+    6       1     checksum: 0 crc32 (zlib), 1 crc32c, 2 xxh3 (its low 32 bits)
+    7       1     number of tensors n
     8       8     raw_len: bytes of the uncompressed payload
     16      8     stored_len: bytes of the payload as stored (after the codec)
-    24      4     crc32 of the header (this field excluded) and the stored payload
+    24      4     checksum of the header (this field excluded) and the stored payload
                   (of the header alone for raw_verified)
     28      ...   per tensor: dtype code (1 B), ndim (1 B), ndim x dim (8 B each)
     ...           zero padding to a multiple of 16 bytes (header_len)
     header_len    stored payload
 
-The raw payload holds the tensors in order, each C-contiguous and starting at
-a multiple of 16 bytes, so decoded tensors can be viewed without copies. The
-daemon checks the header and checksum of every entry it accepts or serves.
+Version 1 entries (bytes 6-7: n as uint16, checksum always crc32) are still
+read. The raw payload holds the tensors in order, each C-contiguous and
+starting at a multiple of 16 bytes, so decoded tensors can be viewed
+without copies. The daemon checks the header and checksum of every entry it
+accepts or serves. ``bench/bench_codec.py`` measured the choices on the
+benchmarks' activations: xxh3 checksums 8-10x faster than zlib's CRC32, lz4
+decodes 2-3x faster than zstd-1 at a lower ratio (bench/README.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import struct
@@ -34,13 +40,20 @@ from actcache.errors import InvalidRequest
 
 __all__ = [
     "ALIGN",
+    "AUTO_MIN_SAVING",
+    "CHECKSUMS",
+    "Checksum",
     "Codec",
+    "DEFAULT_CHECKSUM",
     "DType",
+    "Encoding",
     "EntryHeader",
     "TensorSpec",
     "compress_entry",
+    "compress_payload",
     "decode_entry",
     "decoded_size",
+    "decompress_payload",
     "encode_entry",
     "parse_header",
     "to_raw_entries",
@@ -51,15 +64,18 @@ __all__ = [
 ]
 
 MAGIC = b"ACE1"
-VERSION = 1
+VERSION = 2
 ALIGN = 16
 MAX_TENSORS = 64
 MAX_NDIM = 16
-_FIXED = struct.Struct("<4sBBHQQI")
+_FIXED = struct.Struct("<4sBBBBQQI")  # version 2
+_FIXED_V1 = struct.Struct("<4sBBHQQI")
 _CRC_OFFSET = 24
 _DIMS_HEAD = struct.Struct("<BB")
-# Keep the raw payload when zstd saves less than this share of its bytes.
+# Keep the raw payload when compression saves less than this share of its bytes.
 MIN_SAVING = 0.05
+# The saving the ``auto`` encoding asks of lz4 (see Encoding).
+AUTO_MIN_SAVING = 0.30
 
 
 class DType(enum.IntEnum):
@@ -90,13 +106,118 @@ _ITEMSIZE = {
 
 
 class Codec(enum.IntEnum):
-    """How the payload is stored. ``raw_verified`` exists only on the serving path: a zstd entry the
-    daemon verified and decompressed, whose checksum covers the header alone (a fresh checksum of
+    """How the payload is stored. ``raw_verified`` exists only on the serving path: a compressed entry
+    the daemon verified and decompressed, whose checksum covers the header alone (a fresh checksum of
     the decompressed bytes would cost a fifth of the serving CPU). Put refuses it."""
 
     raw = 0
     zstd = 1
     raw_verified = 2
+    lz4 = 3
+
+
+class Checksum(enum.IntEnum):
+    """What checks an entry: zlib's CRC32 (version 1 entries), CRC32C (hardware), or xxh3's low 32 bits."""
+
+    crc32 = 0
+    crc32c = 1
+    xxh3 = 2
+
+
+#: The checksum new entries get: the fastest measured (bench/bench_codec.py).
+DEFAULT_CHECKSUM = Checksum.xxh3
+_COMPRESSED = (Codec.zstd, Codec.lz4)
+
+
+def _crc32c(data, value: int) -> int:
+    import crc32c
+
+    return crc32c.crc32c(data, value)
+
+
+def _xxh3(data, value: int) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(data, seed=value) & 0xFFFFFFFF
+
+
+# Chained over the parts of an entry: value = f(part, value), starting at 0.
+_CHECKSUM_FNS = {Checksum.crc32: zlib.crc32, Checksum.crc32c: _crc32c, Checksum.xxh3: _xxh3}
+#: Each checksum of one buffer, by name (bench/bench_codec.py measures them).
+CHECKSUMS = {c.name: (lambda data, f=f: f(data, 0)) for c, f in _CHECKSUM_FNS.items()}
+
+
+def _checksum(kind: Checksum, *parts) -> int:
+    value, fn = 0, _CHECKSUM_FNS[kind]
+    for part in parts:
+        value = fn(part, value)
+    return value
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How entries are written: a codec (``raw``, ``zstd`` at ``level``, ``lz4``) and a checksum.
+
+    ``auto`` (``parse("auto")``) is lz4, kept per entry only when it makes the entry faster to
+    serve cold: with lz4 decoding at ~0.3 CPU-s/GB and a disk reading ~1 GB/s (measured here,
+    bench/README.md), ``stored/disk + raw x 0.3 s/GB < raw/disk`` needs a saving of 30%. Sparse
+    ReLU maps get it, transformer states (ratio ~1.0) stay raw.
+    """
+
+    codec: Codec = Codec.raw
+    level: int = 0
+    checksum: Checksum = DEFAULT_CHECKSUM
+    #: Keep a compressed payload only when it saves at least this share of the bytes.
+    min_saving: float = MIN_SAVING
+
+    def __post_init__(self) -> None:
+        if self.codec == Codec.raw_verified:
+            raise InvalidRequest("raw_verified is the serving path's codec; entries are written raw, zstd or lz4")
+        if self.codec == Codec.zstd and not -7 <= self.level <= 22 or self.codec == Codec.zstd and self.level == 0:
+            raise InvalidRequest(f"zstd level must be -7..22 and not 0, got {self.level}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Encoding":
+        """``auto``, ``raw``, ``lz4``, ``zstd`` (level 1) or ``zstd:LEVEL``; raises InvalidRequest naming the choices."""
+        if text == "auto":
+            return cls(Codec.lz4, min_saving=AUTO_MIN_SAVING)
+        name, _, level = text.partition(":")
+        try:
+            codec = Codec[name]
+            if codec == Codec.raw_verified or level and codec != Codec.zstd:
+                raise KeyError(name)
+            return cls(codec, int(level) if level else (1 if codec == Codec.zstd else 0))
+        except (KeyError, ValueError):
+            raise InvalidRequest(f"unknown encoding {text!r}; use auto, raw, lz4, zstd or zstd:LEVEL (-7..22)") from None
+
+
+def compress_payload(encoding: Encoding, payload: bytes | bytearray | memoryview) -> bytes | bytearray | memoryview:
+    """The payload as ``encoding``'s codec stores it (``payload`` itself for raw)."""
+    if encoding.codec == Codec.zstd:
+        return _compressor(encoding.level).compress(payload)
+    if encoding.codec == Codec.lz4:
+        import lz4.block
+
+        return lz4.block.compress(payload, store_size=False)
+    return payload
+
+
+def decompress_payload(codec: Codec, payload: memoryview, raw_len: int) -> bytes | memoryview:
+    """The raw payload of a ``codec`` payload of ``raw_len`` bytes; raises InvalidRequest if it does not decode."""
+    if codec not in _COMPRESSED:
+        return payload
+    try:
+        if codec == Codec.zstd:
+            raw = _decompressor().decompress(payload, max_output_size=raw_len)
+        else:
+            import lz4.block
+
+            raw = lz4.block.decompress(payload, uncompressed_size=raw_len)
+    except Exception as exc:  # zstandard.ZstdError, lz4.block.LZ4BlockError
+        raise InvalidRequest(f"{codec.name} payload does not decompress: {exc}") from exc
+    if len(raw) != raw_len:
+        raise InvalidRequest(f"{codec.name} payload decompressed to {len(raw)} bytes, header says {raw_len}")
+    return raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +242,7 @@ class EntryHeader:
     stored_len: int
     crc: int
     header_len: int
+    checksum: Checksum = Checksum.crc32
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -145,7 +267,8 @@ def _offsets(specs: Sequence[TensorSpec]) -> tuple[tuple[int, ...], int]:
     return tuple(offsets), end
 
 
-def _pack_header(codec: Codec, specs: Sequence[TensorSpec], raw_len: int, payload: bytes | memoryview) -> bytes:
+def _pack_header(codec: Codec, specs: Sequence[TensorSpec], raw_len: int, payload: bytes | memoryview,
+                 checksum: Checksum = DEFAULT_CHECKSUM) -> bytes:
     """The header of an entry; its checksum covers ``payload`` too unless ``codec`` is raw_verified."""
     parts = [b""]
     for spec in specs:
@@ -154,11 +277,9 @@ def _pack_header(codec: Codec, specs: Sequence[TensorSpec], raw_len: int, payloa
     dims = b"".join(parts)
     header_len = _align(_FIXED.size + len(dims))
     tail = dims + bytes(header_len - _FIXED.size - len(dims))
-    head = _FIXED.pack(MAGIC, VERSION, int(codec), len(specs), raw_len, len(payload), 0)
-    crc = zlib.crc32(tail, zlib.crc32(head[:_CRC_OFFSET]))
-    if codec != Codec.raw_verified:
-        crc = zlib.crc32(payload, crc)
-    return head[:_CRC_OFFSET] + struct.pack("<I", crc) + tail
+    head = _FIXED.pack(MAGIC, VERSION, int(codec), int(checksum), len(specs), raw_len, len(payload), 0)
+    covered = (head[:_CRC_OFFSET], tail) if codec == Codec.raw_verified else (head[:_CRC_OFFSET], tail, payload)
+    return head[:_CRC_OFFSET] + struct.pack("<I", _checksum(checksum, *covered)) + tail
 
 
 _local = threading.local()
@@ -193,11 +314,13 @@ def _check_specs(specs: Sequence[TensorSpec]) -> None:
 
 
 def encode_entry(
-    specs: Sequence[TensorSpec], buffers: Sequence[bytes | memoryview], *, zstd_level: int = 0
+    specs: Sequence[TensorSpec], buffers: Sequence[bytes | memoryview], *, zstd_level: int = 0,
+    encoding: Encoding | None = None,
 ) -> bytes:
     """Encode tensors (one C-contiguous buffer each) into one entry.
 
-    ``zstd_level`` 0 stores raw bytes; otherwise zstd at that level, falling
+    ``encoding`` says the codec and checksum; without it, ``zstd_level`` 0
+    stores raw bytes and any other level zstd. A compressed payload falls
     back to raw when compression saves less than 5%.
     """
     _check_specs(specs)
@@ -212,16 +335,18 @@ def encode_entry(
                 f"tensor {i}: {spec.dtype.name}{list(spec.shape)} needs {spec.nbytes} bytes, got {view.nbytes}"
             )
         raw[start : start + spec.nbytes] = view
-    return _finish(specs, raw, zstd_level)
+    if encoding is None:
+        encoding = Encoding(Codec.zstd, zstd_level) if zstd_level else Encoding()
+    return _finish(specs, raw, encoding)
 
 
-def _finish(specs: Sequence[TensorSpec], raw: bytes | bytearray | memoryview, zstd_level: int) -> bytes:
+def _finish(specs: Sequence[TensorSpec], raw: bytes | bytearray | memoryview, encoding: Encoding) -> bytes:
     codec, payload = Codec.raw, raw
-    if zstd_level and len(raw):
-        packed = _compressor(zstd_level).compress(raw)
-        if len(packed) <= len(raw) * (1 - MIN_SAVING):
-            codec, payload = Codec.zstd, packed
-    return _pack_header(codec, specs, len(raw), payload) + payload
+    if encoding.codec in _COMPRESSED and len(raw):
+        packed = compress_payload(encoding, raw)
+        if len(packed) <= len(raw) * (1 - encoding.min_saving):
+            codec, payload = encoding.codec, packed
+    return _pack_header(codec, specs, len(raw), payload, encoding.checksum) + payload
 
 
 def parse_header(buf: bytes | memoryview) -> EntryHeader:
@@ -229,14 +354,26 @@ def parse_header(buf: bytes | memoryview) -> EntryHeader:
     return _known_header(memoryview(buf))
 
 
-def _parse_header(view: memoryview) -> EntryHeader:
+def _fixed_fields(view: memoryview) -> tuple[int, int, int, int, int, int]:
+    """``(codec, checksum, n, raw_len, stored_len, crc)`` of a version 1 or 2 header."""
     if view.nbytes < _FIXED.size:
         raise InvalidRequest(f"entry of {view.nbytes} bytes is shorter than the {_FIXED.size}-byte header")
-    magic, version, codec, n, raw_len, stored_len, crc = _FIXED.unpack_from(view)
-    if magic != MAGIC or version != VERSION:
-        raise InvalidRequest(f"entry has magic {bytes(magic)!r} version {version}; expected {MAGIC!r} version {VERSION}")
+    magic, version = bytes(view[:4]), view[4]
+    if magic != MAGIC or version not in (1, VERSION):
+        raise InvalidRequest(f"entry has magic {magic!r} version {version}; expected {MAGIC!r} version 1 or {VERSION}")
+    if version == 1:
+        _, _, codec, n, raw_len, stored_len, crc = _FIXED_V1.unpack_from(view)
+        return codec, Checksum.crc32, n, raw_len, stored_len, crc
+    _, _, codec, checksum, n, raw_len, stored_len, crc = _FIXED.unpack_from(view)
+    return codec, checksum, n, raw_len, stored_len, crc
+
+
+def _parse_header(view: memoryview) -> EntryHeader:
+    codec, checksum, n, raw_len, stored_len, crc = _fixed_fields(view)
     if codec not in Codec._value2member_map_:
-        raise InvalidRequest(f"entry has unknown codec {codec}")
+        raise InvalidRequest(f"entry has unknown codec {codec}; known: {[c.name for c in Codec]}")
+    if checksum not in Checksum._value2member_map_:
+        raise InvalidRequest(f"entry has unknown checksum {checksum}; known: {[c.name for c in Checksum]}")
     if not 1 <= n <= MAX_TENSORS:
         raise InvalidRequest(f"an entry holds 1..{MAX_TENSORS} tensors, got {n}")
     specs, pos = [], _FIXED.size
@@ -259,19 +396,20 @@ def _parse_header(view: memoryview) -> EntryHeader:
             f"entry declares {raw_len} payload bytes but its tensors "
             f"{[(s.dtype.name, list(s.shape)) for s in specs]} need {expected_raw}"
         )
-    if codec != Codec.zstd and stored_len != raw_len:
+    if codec not in _COMPRESSED and stored_len != raw_len:
         raise InvalidRequest(f"raw entry stores {stored_len} bytes but declares {raw_len}")
     if header_len + stored_len != view.nbytes:
         raise InvalidRequest(
             f"entry is {view.nbytes} bytes but its header says {header_len} + {stored_len} payload bytes"
         )
-    return EntryHeader(Codec(codec), tuple(specs), raw_len, stored_len, crc, header_len)
+    return EntryHeader(Codec(codec), tuple(specs), raw_len, stored_len, crc, header_len, Checksum(checksum))
 
 
 # Headers seen lately, to parse entries of a known layout with a dict lookup: (magic, version, codec,
-# n, raw_len) -> (header_len, the header's tensor part, specs). The entries of one cache group share
-# their layout; one not in here (or not matching) is parsed in full.
-_KNOWN_HEADERS: dict[bytes, tuple[int, bytes, tuple[TensorSpec, ...]]] = {}
+# checksum, n, raw_len) -> (header_len, the header's tensor part, a header of that layout). The entries
+# of one cache group share their layout; one not in here (or not matching) is parsed in full.
+_KNOWN_HEADERS: dict[bytes, tuple[int, bytes, EntryHeader]] = {}
+_STORED_AND_CRC = struct.Struct("<QI")
 _MAX_KNOWN_HEADERS = 256
 
 
@@ -280,13 +418,14 @@ def _known_header(view: memoryview) -> EntryHeader:
     layout = bytes(view[:16]) if view.nbytes >= _FIXED.size else b""
     known = _KNOWN_HEADERS.get(layout)
     if known is not None and view[_FIXED.size : known[0]] == known[1]:
-        _, _, codec, _, raw_len, stored_len, crc = _FIXED.unpack_from(view)
-        if known[0] + stored_len == view.nbytes and (codec == Codec.zstd or stored_len == raw_len):
-            return EntryHeader(Codec(codec), known[2], raw_len, stored_len, crc, known[0])
+        header = known[2]
+        stored_len, crc = _STORED_AND_CRC.unpack_from(view, 16)
+        if header.header_len + stored_len == view.nbytes and (header.codec in _COMPRESSED or stored_len == header.raw_len):
+            return dataclasses.replace(header, stored_len=stored_len, crc=crc)
     header = _parse_header(view)
     if len(_KNOWN_HEADERS) >= _MAX_KNOWN_HEADERS:
         _KNOWN_HEADERS.clear()
-    _KNOWN_HEADERS[layout] = (header.header_len, bytes(view[_FIXED.size : header.header_len]), header.specs)
+    _KNOWN_HEADERS[layout] = (header.header_len, bytes(view[_FIXED.size : header.header_len]), header)
     return header
 
 
@@ -294,11 +433,12 @@ def verify_entry(buf: bytes | memoryview) -> EntryHeader:
     """Parse the header and check the checksum; raises InvalidRequest on any mismatch."""
     view = memoryview(buf)
     header = parse_header(view)
-    crc = zlib.crc32(view[_CRC_OFFSET + 4 : header.header_len], zlib.crc32(view[:_CRC_OFFSET]))
+    covered = [view[:_CRC_OFFSET], view[_CRC_OFFSET + 4 : header.header_len]]
     if header.codec != Codec.raw_verified:
-        crc = zlib.crc32(view[header.header_len :], crc)
+        covered.append(view[header.header_len :])
+    crc = _checksum(header.checksum, *covered)
     if crc != header.crc:
-        raise InvalidRequest(f"entry checksum mismatch: stored {header.crc:#010x}, computed {crc:#010x}")
+        raise InvalidRequest(f"entry checksum ({header.checksum.name}) mismatch: stored {header.crc:#010x}, computed {crc:#010x}")
     return header
 
 
@@ -306,9 +446,7 @@ def decode_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[Entry
     """Return the header and the raw (uncompressed) payload of an encoded entry."""
     header = verify_entry(buf) if verify else parse_header(buf)
     payload = memoryview(buf)[header.header_len :]
-    if header.codec == Codec.zstd:
-        return header, memoryview(_decompress(payload, header.raw_len))
-    return header, payload
+    return header, memoryview(decompress_payload(header.codec, payload, header.raw_len))
 
 
 def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
@@ -320,7 +458,7 @@ def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
         return None
     first = memoryview(bufs[0])
     header = parse_header(first)
-    if header.codec == Codec.zstd:
+    if header.codec in _COMPRESSED:
         return None
     size, head, tail = first.nbytes, first[:_CRC_OFFSET], first[_CRC_OFFSET + 4 : header.header_len]
     for buf in bufs:
@@ -330,22 +468,13 @@ def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
     return header
 
 
-def _decompress(payload: memoryview, raw_len: int) -> bytes:
-    try:
-        raw = _decompressor().decompress(payload, max_output_size=raw_len)
-    except Exception as exc:  # zstandard.ZstdError
-        raise InvalidRequest(f"zstd payload does not decompress: {exc}") from exc
-    if len(raw) != raw_len:
-        raise InvalidRequest(f"zstd payload decompressed to {len(raw)} bytes, header says {raw_len}")
-    return raw
-
-
-def compress_entry(buf: bytes | memoryview, zstd_level: int) -> bytes | memoryview:
-    """Re-encode a raw entry with zstd when that pays; other entries are returned as they are."""
+def compress_entry(buf: bytes | memoryview, encoding: Encoding) -> bytes | memoryview:
+    """Re-encode a raw entry with ``encoding``'s codec and checksum when compression pays; other
+    entries (and raw ones, for a raw encoding) are returned as they are."""
     header = parse_header(buf)
-    if header.codec != Codec.raw or not zstd_level:
+    if header.codec != Codec.raw or encoding.codec not in _COMPRESSED:
         return buf
-    return _finish(header.specs, memoryview(buf)[header.header_len :], zstd_level)
+    return _finish(header.specs, memoryview(buf)[header.header_len :], encoding)
 
 
 def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes | memoryview, ...]:
@@ -361,7 +490,7 @@ def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes
 
 def _served_parts(buf: bytes | memoryview, header: EntryHeader, raw: bytes | memoryview) -> tuple:
     """The parts of ``buf`` as served, given its header and raw payload."""
-    if header.codec != Codec.zstd:
+    if header.codec not in _COMPRESSED:
         return (buf,)
     return _pack_header(Codec.raw_verified, header.specs, header.raw_len, raw), raw
 
@@ -372,12 +501,9 @@ def decoded_size(buf: bytes | memoryview) -> int:
     Cheap (no checksum, no per-tensor parsing): for sizing buffers before decoding.
     """
     view = memoryview(buf)
-    if view.nbytes < _FIXED.size:
-        raise InvalidRequest(f"entry of {view.nbytes} bytes is shorter than the {_FIXED.size}-byte header")
-    magic, version, _, _, raw_len, stored_len, _ = _FIXED.unpack_from(view)
-    if magic != MAGIC or version != VERSION or stored_len > view.nbytes - _FIXED.size:
-        raise InvalidRequest(f"entry has magic {bytes(magic)!r} version {version} and {stored_len} payload bytes "
-                             f"in {view.nbytes}; it is not a valid entry")
+    _, _, _, raw_len, stored_len, _ = _fixed_fields(view)
+    if stored_len > view.nbytes - _FIXED.size:
+        raise InvalidRequest(f"entry declares {stored_len} payload bytes in {view.nbytes}; it is not a valid entry")
     return view.nbytes - stored_len + raw_len
 
 
@@ -387,7 +513,7 @@ def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, 
     The zstd payloads are decompressed in one call that holds no lock: a
     batch of small entries gives up and takes back the interpreter lock once
     instead of once per entry, which is what bounds a multi-threaded server
-    on small entries.
+    on small entries. lz4 payloads are decompressed one by one.
     """
     out: list = [None] * len(bufs)
     frames, sizes, pending = [], [], []
@@ -399,7 +525,10 @@ def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, 
             continue
         payload = memoryview(buf)[header.header_len :]
         if header.codec != Codec.zstd:
-            out[i] = header, payload
+            try:
+                out[i] = header, decompress_payload(header.codec, payload, header.raw_len)
+            except InvalidRequest as exc:
+                out[i] = exc
             continue
         frames.append(payload)
         sizes.append(header.raw_len)
@@ -415,7 +544,7 @@ def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, 
             raw = raws[n] if raws is not None else None
             if raw is None or len(raw) != header.raw_len:
                 try:
-                    raw = _decompress(frames[n], header.raw_len)
+                    raw = decompress_payload(Codec.zstd, frames[n], header.raw_len)
                 except InvalidRequest as exc:
                     out[i] = exc
                     continue

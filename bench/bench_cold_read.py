@@ -96,7 +96,7 @@ def build_store(directory: Path, store_bytes: int, value_bytes: int) -> int:
     from actcache.daemon.store import Store
 
     count = store_bytes // value_bytes
-    store = Store(StoreConfig(dir=directory, zstd_level=0))
+    store = Store(StoreConfig(dir=directory, encoding="raw"))
     try:
         ns = store.open_namespace("cold").id
         noise = np.random.default_rng(0).integers(0, 256, value_bytes + 4096, dtype=np.uint8)

@@ -4,9 +4,9 @@
 
 For three activation shapes (conv after ReLU 64x32x32 fp32, conv after ReLU
 256x8x8 fp16, transformer hidden state 128x384 bf16) it stores
-``--mib-per-shape`` of realistic entries through the daemon (zstd level 1,
-the default; it keeps an entry raw when zstd saves under 5%; ``--zstd-level 0`` stores
-them all raw), then measures
+``--mib-per-shape`` of realistic entries through the daemon (``--encoding
+auto``, the default: lz4 where it saves 30%, else raw; ``--encoding raw``
+stores them all raw), then measures
 samples/s and MB/s (of tensor bytes) for:
 
 - raw: an in-process loop over the same LMDB, in the same order: ``get``,
@@ -268,8 +268,7 @@ def main() -> int:
     parser.add_argument("--mib-per-shape", type=int, default=1024, help="tensor MiB stored per shape")
     parser.add_argument("--dir", type=Path, help="where the cache lives (default: a temp dir under /var/tmp)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    parser.add_argument("--zstd-level", type=int, default=1,
-                        help="the daemon's --zstd-level for the stored entries (0 stores them raw)")
+    parser.add_argument("--encoding", default="auto", help="the daemon's --encoding for the stored entries")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="The given buffer is not writable")  # the views are only read
     tune_malloc()  # as a training process receiving Fetch streams should (see actcache/malloc.py)
@@ -290,7 +289,7 @@ def main() -> int:
             for _ in range((256 if args.quick else 1024) // 8):
                 f.write(block)
             os.fsync(f.fileno())
-        with run_daemon("--zstd-level", str(args.zstd_level), cache_dir=cache) as daemon:
+        with run_daemon("--encoding", args.encoding, cache_dir=cache) as daemon:
             with daemon.client(timeout_s=600) as client:
                 plan = []
                 for depth, shape in enumerate(SHAPES, start=1):

@@ -1,6 +1,6 @@
 """Put/get throughput of the store: in-process vs through the daemon, same run.
 
-    python bench/bench_store.py [--quick] [--total-mib 512] [--zstd-level 1]
+    python bench/bench_store.py [--quick] [--total-mib 512] [--encoding auto]
 
 Entries are post-ReLU-like float32 activations (about half zeros). For each
 entry size it prints one row per path with MB/s (of raw tensor bytes) and
@@ -59,7 +59,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="128 MiB per size (under a minute)")
     parser.add_argument("--total-mib", type=int, default=512)
-    parser.add_argument("--zstd-level", type=int, default=1)
+    parser.add_argument("--encoding", default="auto", help="the daemon's --encoding")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args()
     total = (128 if args.quick else args.total_mib) << 20
@@ -68,12 +68,12 @@ def main() -> int:
     for entry_bytes in (256 << 10, 1 << 20):
         entries = make_entries(entry_bytes, total // entry_bytes)
         with tempfile.TemporaryDirectory() as tmp:
-            store = Store(StoreConfig(dir=Path(tmp), zstd_level=args.zstd_level))
+            store = Store(StoreConfig(dir=Path(tmp), encoding=args.encoding))
             ns = store.open_namespace("bench").id
             local = run(lambda items: store.put(ns, FP, 1, items),
                         lambda ids: store.get(ns, FP, 1, [(i, 0) for i in ids]), entries, entry_bytes)
             store.close()
-        with run_daemon("--zstd-level", str(args.zstd_level)) as daemon, daemon.client(timeout_s=120) as client:
+        with run_daemon("--encoding", args.encoding) as daemon, daemon.client(timeout_s=120) as client:
             ns = client.open("bench").namespace_id
             remote = run(lambda items: client.put(ns, FP, 1, items),
                          lambda ids: client.get(ns, FP, 1, ids), entries, entry_bytes)

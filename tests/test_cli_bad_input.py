@@ -36,7 +36,7 @@ FLAG_CASES = {
     "--namespace-budget": (["--namespace-budget", "-1"], ["--namespace-budget", "'-1'", "512MiB"]),
     "--reclaim-after": (["--reclaim-after=-5"], ["--reclaim-after", "-5", ">= 0"]),
     "--map-size": (["--map-size", "4KiB"], ["map_size_bytes", "4096", "at least 1 MiB", "--map-size"]),
-    "--zstd-level": (["--zstd-level", "99"], ["zstd_level", "99", "0..22", "--zstd-level"]),
+    "--encoding": (["--encoding", "zstd:99"], ["encoding", "'zstd:99'", "-7..22", "--encoding"]),
     "--sync": (["--sync=maybe"], ["--sync", "ignored explicit argument 'maybe'"]),
     "--max-entry-bytes": (["--max-entry-bytes", "12"], ["max_entry_bytes", "12 bytes", "at least 1 KiB", "--max-entry-bytes"]),
     "--on-corrupt": (["--on-corrupt", "ignore"], ["--on-corrupt", "'ignore'", "'refuse', 'move-aside'"]),
@@ -71,7 +71,7 @@ ENV_CASES = {
     "ACTCACHE_NAMESPACE_BUDGET": ("-1", [], ["'-1'", "512MiB"]),
     "ACTCACHE_RECLAIM_AFTER": ("inf", [], ["inf", ">= 0"]),
     "ACTCACHE_MAP_SIZE": ("4KiB", [], ["4KiB", "at least 1 MiB"]),
-    "ACTCACHE_ZSTD_LEVEL": ("high", [], ["'high'", "0..22"]),
+    "ACTCACHE_ENCODING": ("gzip", [], ["'gzip'", "auto, raw, lz4, zstd"]),
     "ACTCACHE_SYNC": ("maybe", [], ["'maybe'", "1, true, yes, on, 0, false, no, off"]),
     "ACTCACHE_MAX_ENTRY_BYTES": ("12", [], ["'12'", "at least 1 KiB"]),
     "ACTCACHE_ON_CORRUPT": ("ignore", [], ["'ignore'", "'refuse' or 'move-aside'"]),
@@ -170,7 +170,7 @@ def test_a_bad_environment_value_is_one_line_and_exit_2(serve_cli, tmp_path, var
 
 def test_good_values_start(serve_cli, tmp_path):
     """The harness itself: the same flags and variables with good values start and stop the daemon."""
-    code, lines = serve_cli(["--zstd-level", "3", "--socket-mode", "0660"], {"ACTCACHE_SYNC": "yes"})
+    code, lines = serve_cli(["--encoding", "zstd:3", "--socket-mode", "0660"], {"ACTCACHE_SYNC": "yes"})
     assert code == 0, lines
 
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from actcache.errors import ConfigError
+from actcache.codec import Encoding
+from actcache.errors import ConfigError, InvalidRequest
 from actcache.rpc import default_socket_path
 
 __all__ = [
@@ -74,8 +75,8 @@ class StoreConfig:
     namespace_budget_bytes: int = 0
     #: Initial LMDB map size; the map doubles whenever it fills up.
     map_size_bytes: int = 1 << 30
-    #: zstd level for entries sent raw; 0 stores them raw.
-    zstd_level: int = 1
+    #: How entries sent raw are stored: auto (lz4 when it saves 30%), raw, lz4, zstd or zstd:LEVEL.
+    encoding: str = "auto"
     #: fsync every commit (acknowledged puts survive an OS crash). Off: they
     #: survive a crash of the daemon (kill -9 included); an OS crash may lose the
     #: writes since the last flush (every ``sync_interval_s``) or leave the file
@@ -113,8 +114,11 @@ class StoreConfig:
                 raise ConfigError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}; pass {flag} SIZE")
         if self.map_size_bytes < 1 << 20:
             raise ConfigError(f"map_size_bytes must be at least 1 MiB, got {self.map_size_bytes} bytes; raise --map-size")
-        if not 0 <= self.zstd_level <= 22:
-            raise ConfigError(f"zstd_level must be 0..22 (0 = store raw), got {self.zstd_level}; pass --zstd-level 0..22")
+        try:
+            Encoding.parse(self.encoding)
+        except InvalidRequest as exc:
+            raise ConfigError(f"encoding {self.encoding!r} is not valid ({exc}); "
+                              "pass --encoding auto|raw|lz4|zstd|zstd:LEVEL") from None
         if self.on_corrupt not in ("refuse", "move-aside"):
             raise ConfigError(
                 f"on_corrupt must be 'refuse' or 'move-aside', got {self.on_corrupt!r}; pass --on-corrupt refuse|move-aside"
@@ -351,7 +355,7 @@ class DaemonConfig:
                 budget_bytes=pick("budget", parse_size, size),
                 namespace_budget_bytes=pick("namespace_budget", parse_size, size),
                 map_size_bytes=pick("map_size", parse_size, size),
-                zstd_level=pick("zstd_level", int, "a whole number 0..22 (0 = store raw)"),
+                encoding=pick("encoding"),
                 sync=pick("sync", _bool, _BOOL),
                 max_entry_bytes=pick("max_entry_bytes", parse_size, size),
                 disk_reserve_bytes=pick("disk_reserve", parse_size, size),

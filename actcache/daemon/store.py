@@ -46,7 +46,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from actcache.codec import Codec, compress_entry, verify_entry
+from actcache.codec import Codec, Encoding, compress_entry, verify_entry
 from actcache.daemon.access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.dirlock import DirLock
@@ -116,6 +116,7 @@ class Store:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
+        self._encoding = Encoding.parse(config.encoding)
         config.dir.mkdir(parents=True, exist_ok=True)
         # One daemon per directory: a second one refuses here, naming the holder's pid.
         self._dir_lock = DirLock.acquire(config.dir)
@@ -299,7 +300,7 @@ class Store:
                                          "stored; put it with the raw or zstd codec")
             except InvalidRequest as exc:
                 raise InvalidRequest(f"sample {sample_id} variant {variant}: {exc}") from None
-            records.append((key, compress_entry(value, self.config.zstd_level)))
+            records.append((key, compress_entry(value, self._encoding)))
         if not records:
             return PutResult(0, 0, 0)
         for round_ in range(_RECLAIM_ROUNDS):

@@ -1,15 +1,17 @@
+import dataclasses
+import struct
+import zlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import struct
-
 from actcache.codec import (
-    Codec, DType, TensorSpec, compress_entry, decode_entry, decoded_size, encode_entry, parse_header, to_raw_entries,
+    Codec, DType, Encoding, TensorSpec, compress_entry, decode_entry, decoded_size, encode_entry, parse_header, to_raw_entries,
     to_raw_entries_into, to_raw_entry, verify_entry,
 )
-from actcache.codec import _pack_header, _parse_header
+from actcache.codec import AUTO_MIN_SAVING, Checksum, _pack_header, _parse_header
 from actcache.errors import InvalidRequest
 
 NUMPY = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16,
@@ -51,7 +53,7 @@ def test_compression_used_only_when_it_pays():
     assert parse_header(encode_entry([TensorSpec(DType.float32, sparse.shape)], [sparse], zstd_level=1)).codec == Codec.zstd
     assert parse_header(encode_entry([TensorSpec(DType.uint8, (4096,))], [noise], zstd_level=1)).codec == Codec.raw
     raw_entry = encode_entry([TensorSpec(DType.float32, sparse.shape)], [sparse])
-    packed = compress_entry(raw_entry, 1)
+    packed = compress_entry(raw_entry, Encoding(Codec.zstd, 1))
     assert len(packed) < len(raw_entry) / 4
     assert bytes(decode_entry(packed)[1]) == bytes(decode_entry(raw_entry)[1])
 
@@ -153,3 +155,78 @@ def test_batch_decoding_gives_what_to_raw_entry_gives_and_isolates_bad_entries()
     errors = to_raw_entries_into(stored, [memoryview(o) for o in outs])
     assert [bytes(outs[i]) for i in (0, 1)] == [expected[0], expected[1]] and errors[:2] == [None, None]
     assert "checksum" in str(errors[2]) and "decompress" in str(errors[3]) and "buffer for an entry" in str(errors[4])
+
+
+# ---- format version 2: codec and checksum ids ------------------------------------------------
+
+
+def _v1_entry(values: np.ndarray) -> bytes:
+    """A version 1 entry (n as uint16, zlib CRC32), as the format before codec and checksum ids wrote it."""
+    spec = TensorSpec(DType.float32, values.shape)
+    dims = struct.pack("<BB", int(spec.dtype), len(spec.shape)) + struct.pack(f"<{len(spec.shape)}Q", *spec.shape)
+    header_len = (28 + len(dims) + 15) // 16 * 16
+    tail = dims + bytes(header_len - 28 - len(dims))
+    payload = values.tobytes()
+    head = struct.pack("<4sBBHQQ", b"ACE1", 1, 0, 1, len(payload), len(payload))
+    crc = zlib.crc32(payload, zlib.crc32(tail, zlib.crc32(head)))
+    return head + struct.pack("<I", crc) + tail + payload
+
+
+@pytest.mark.parametrize("checksum", list(Checksum))
+@pytest.mark.parametrize("encoding", ["raw", "lz4", "zstd", "zstd:-5", "auto"])
+def test_every_codec_and_checksum_round_trips_and_detects_a_flipped_byte(encoding, checksum):
+    sparse = np.maximum(np.random.default_rng(1).standard_normal((16, 16, 16), dtype=np.float32) - 0.5, 0)
+    how = dataclasses.replace(Encoding.parse(encoding), checksum=checksum)
+    stored = encode_entry([TensorSpec(DType.float32, sparse.shape)], [sparse], encoding=how)
+    header, raw = decode_entry(stored)
+    assert header.checksum == checksum
+    assert np.array_equal(np.frombuffer(raw, np.float32).reshape(sparse.shape), sparse)
+    served = b"".join(bytes(p) for p in to_raw_entry(stored))
+    assert np.array_equal(np.frombuffer(decode_entry(served)[1], np.float32).reshape(sparse.shape), sparse)
+    for position in (5, 30, len(stored) - 1):  # the codec id, the dims, the payload
+        bad = bytearray(stored)
+        bad[position] ^= 1
+        with pytest.raises(InvalidRequest):
+            decode_entry(bytes(bad))
+
+
+def test_version_1_entries_stay_readable():
+    values = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    old = _v1_entry(values)
+    header = verify_entry(old)
+    assert (header.codec, header.checksum) == (Codec.raw, Checksum.crc32)
+    assert np.array_equal(np.frombuffer(decode_entry(old)[1], np.float32).reshape(2, 3, 4), values)
+    assert decoded_size(old) == len(old)
+    bad = bytearray(old)
+    bad[-1] ^= 1
+    with pytest.raises(InvalidRequest, match=r"checksum \(crc32\) mismatch"):
+        verify_entry(bytes(bad))
+
+
+def test_unknown_ids_and_encodings_are_named():
+    stored = bytearray(encode_entry([TensorSpec(DType.float32, (4,))], [np.ones(4, np.float32)]))
+    stored[6] = 9
+    with pytest.raises(InvalidRequest, match="unknown checksum 9; known: .*'xxh3'"):
+        parse_header(bytes(stored))
+    stored[6], stored[5] = 0, 7
+    with pytest.raises(InvalidRequest, match="unknown codec 7; known: .*'lz4'"):
+        parse_header(bytes(stored))
+    stored[5], stored[4] = 0, 3
+    with pytest.raises(InvalidRequest, match="version 3; expected .* version 1 or 2"):
+        parse_header(bytes(stored))
+    for text in ("gzip", "lz4:3", "raw_verified", "zstd:x"):
+        with pytest.raises(InvalidRequest, match=f"unknown encoding '{text}'; use auto, raw, lz4"):
+            Encoding.parse(text)
+    with pytest.raises(InvalidRequest, match="-7..22"):
+        Encoding.parse("zstd:40")
+
+
+def test_auto_compresses_sparse_maps_and_leaves_dense_states_raw():
+    relu = np.maximum(np.random.default_rng(2).standard_normal((32, 16, 16), dtype=np.float32), 0)
+    hidden = np.random.default_rng(3).standard_normal((40, 384), dtype=np.float32)  # a transformer state: dense
+    auto = Encoding.parse("auto")
+    sparse_entry = encode_entry([TensorSpec(DType.float32, relu.shape)], [relu], encoding=auto)
+    dense_entry = encode_entry([TensorSpec(DType.float32, hidden.shape)], [hidden], encoding=auto)
+    assert parse_header(sparse_entry).codec == Codec.lz4
+    assert len(sparse_entry) < relu.nbytes * (1 - AUTO_MIN_SAVING)
+    assert parse_header(dense_entry).codec == Codec.raw

@@ -22,7 +22,7 @@ def entry(seed: int, n: int) -> bytes:
 
 @pytest.fixture(params=[True, False], ids=["explicit", "map"])
 def store(tmp_path, request):
-    s = Store(StoreConfig(dir=tmp_path / "c", zstd_level=0, explicit_reads=request.param))
+    s = Store(StoreConfig(dir=tmp_path / "c", encoding="raw", explicit_reads=request.param))
     yield s
     s.close()
 

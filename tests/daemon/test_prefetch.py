@@ -30,7 +30,7 @@ def tensor(i: int) -> np.ndarray:
 
 @pytest.fixture
 def store(tmp_path):
-    s = Store(StoreConfig(dir=tmp_path / "c", zstd_level=1))
+    s = Store(StoreConfig(dir=tmp_path / "c", encoding="zstd"))
     ns = s.open_namespace("p").id
     s.put(ns, FP, 1, [(i, 0, encode_entry(SPEC, [tensor(i)])) for i in range(0, 120, 2)])  # odd ids are misses
     yield s
@@ -296,7 +296,7 @@ def test_corrupt_entry_is_a_counted_miss_and_deleted(store, tmp_path):
 
 
 def test_an_entry_larger_than_the_budget_fails_clearly(tmp_path):
-    s = Store(StoreConfig(dir=tmp_path / "big", zstd_level=0))
+    s = Store(StoreConfig(dir=tmp_path / "big", encoding="raw"))
     try:
         ns = s.open_namespace("big").id
         s.put(ns, FP, 1, [(0, 0, encode_entry([TensorSpec(DType.uint8, (2 << 20,))], [bytes(2 << 20)]))])

@@ -74,7 +74,7 @@ def test_concurrent_readers_during_growth(store):
 
 def test_budgets_then_drop_frees_space(tmp_path):
     one = len(entry(0))
-    s = Store(StoreConfig(dir=tmp_path, namespace_budget_bytes=10 * one, budget_bytes=15 * one, zstd_level=0))
+    s = Store(StoreConfig(dir=tmp_path, namespace_budget_bytes=10 * one, budget_bytes=15 * one, encoding="raw"))
     try:
         a, b = s.open_namespace("a").id, s.open_namespace("b").id
         s.put(a, FP, 1, [(i, 0, entry(i)) for i in range(10)])
@@ -130,7 +130,7 @@ def test_errors_name_the_problem(store):
     ns = store.open_namespace("x").id
     bad = bytearray(entry(1))
     bad[-1] ^= 1
-    with pytest.raises(InvalidRequest, match="sample 5 variant 0: entry checksum mismatch"):
+    with pytest.raises(InvalidRequest, match=r"sample 5 variant 0: entry checksum \(xxh3\) mismatch"):
         store.put(ns, FP, 0, [(4, 0, entry(4)), (5, 0, bytes(bad))])
     assert store.get(ns, FP, 0, [(4, 0)]) == [None]  # the whole call was rejected
     sparse = np.maximum(np.random.default_rng(0).standard_normal(4096, dtype=np.float32), 0)
@@ -140,7 +140,7 @@ def test_errors_name_the_problem(store):
 
 
 def test_corrupt_entry_is_deleted_on_read(tmp_path):
-    config = StoreConfig(dir=tmp_path, zstd_level=0)
+    config = StoreConfig(dir=tmp_path, encoding="raw")
     s = Store(config)
     ns = s.open_namespace("c").id
     s.put(ns, FP, 0, [(i, 0, entry(i)) for i in range(3)])
@@ -235,7 +235,7 @@ from actcache.errors import BudgetExceeded
 from tests.daemon.test_store import FP, entry
 
 value = entry(0, 256 << 10)
-s = Store(StoreConfig(dir=sys.argv[1], map_size_bytes=1 << 20, zstd_level=0))
+s = Store(StoreConfig(dir=sys.argv[1], map_size_bytes=1 << 20, encoding="raw"))
 ns = s.open_namespace("grow").id
 for start in range(0, 160, 16):  # 40 MiB: the map grows to 64 MiB
     s.put(ns, FP, 1, [(i, 0, value) for i in range(start, start + 16)])
@@ -295,7 +295,7 @@ def _gen(ns: int, fp: bytes) -> bytes:
 
 def test_a_put_over_the_budget_reclaims_dead_generations_oldest_written_first(tmp_path):
     one = len(entry(0))
-    s = Store(StoreConfig(dir=tmp_path, budget_bytes=10 * one, zstd_level=0, reclaim_after_s=0))
+    s = Store(StoreConfig(dir=tmp_path, budget_bytes=10 * one, encoding="raw", reclaim_after_s=0))
     try:
         ns = s.open_namespace("gens").id
         old, mid, new = b"1" * 16, b"2" * 16, b"3" * 16
@@ -319,7 +319,7 @@ def test_a_put_over_the_budget_reclaims_dead_generations_oldest_written_first(tm
 
 def test_scheduled_and_recent_generations_are_not_reclaimed(tmp_path):
     one = len(entry(0))
-    s = Store(StoreConfig(dir=tmp_path, budget_bytes=6 * one, zstd_level=0, reclaim_after_s=0))
+    s = Store(StoreConfig(dir=tmp_path, budget_bytes=6 * one, encoding="raw", reclaim_after_s=0))
     try:
         ns = s.open_namespace("pinned").id
         a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
@@ -333,7 +333,7 @@ def test_scheduled_and_recent_generations_are_not_reclaimed(tmp_path):
         assert sorted({g.fingerprint for g in s.groups()}) == [a, c]  # nothing reclaimed for a refused put
     finally:
         s.close()
-    s = Store(StoreConfig(dir=tmp_path, budget_bytes=6 * one, zstd_level=0, reclaim_after_s=3600))
+    s = Store(StoreConfig(dir=tmp_path, budget_bytes=6 * one, encoding="raw", reclaim_after_s=3600))
     try:
         with pytest.raises(BudgetExceeded, match=r"unused for 3600 s \(--reclaim-after\)\) hold 0 bytes"):
             s.put(ns, b"d" * 16, 1, [(i, 0, entry(i)) for i in range(4)])  # just restarted: nothing is dead yet
@@ -343,7 +343,7 @@ def test_scheduled_and_recent_generations_are_not_reclaimed(tmp_path):
 
 def test_a_namespace_over_its_budget_reclaims_only_its_own_generations(tmp_path):
     one = len(entry(0))
-    s = Store(StoreConfig(dir=tmp_path, namespace_budget_bytes=4 * one, zstd_level=0, reclaim_after_s=0))
+    s = Store(StoreConfig(dir=tmp_path, namespace_budget_bytes=4 * one, encoding="raw", reclaim_after_s=0))
     try:
         x, y = s.open_namespace("x").id, s.open_namespace("y").id
         s.put(y, FP, 1, [(i, 0, entry(i)) for i in range(4)])  # older, and dead, but another namespace's

@@ -49,7 +49,7 @@ def put_range(client, ns, ids, *, fingerprint: bytes = SHM_FP, depth: int = 1) -
     client.put(ns, fingerprint, depth, [(i, 0, encode_entry(SHM_SPEC, [tensor_of(i)])) for i in ids])
 
 
-# A distinctive raw payload (an 8 KiB uint8 tensor) to find again in data.mdb: store it with --zstd-level 0.
+# A distinctive raw payload (an 8 KiB uint8 tensor) to find again in data.mdb: store it with --encoding raw.
 MARKER_SPEC = [TensorSpec(DType.uint8, (8192,))]
 MARKER = bytes(range(256)) * 32
 

@@ -142,7 +142,7 @@ def test_socket_is_private_and_daemon_has_no_torch(daemon):
 
 def test_entries_survive_restart_and_corruption_is_data_loss(tmp_path):
     spec = MARKER_SPEC
-    with run_daemon("--zstd-level", "0", cache_dir=tmp_path / "c") as d:
+    with run_daemon("--encoding", "raw", cache_dir=tmp_path / "c") as d:
         with d.client() as c:
             ns = c.open("survive").namespace_id
             c.put(ns, FP, 5, [(1, 0, encode_entry(spec, [MARKER])), (2, 0, make_entry(2, spec)[0])])
@@ -159,7 +159,7 @@ def test_entries_survive_restart_and_corruption_is_data_loss(tmp_path):
 
 def test_budget_exhausted_then_drop_then_writes_succeed():
     spec = [TensorSpec(DType.uint8, (100_000,))]
-    with run_daemon("--namespace-budget", "1MB", "--zstd-level", "0") as d, d.client() as c:
+    with run_daemon("--namespace-budget", "1MB", "--encoding", "raw") as d, d.client() as c:
         ns = c.open("tight").namespace_id
         c.put(ns, FP, 1, [(i, 0, make_entry(i, spec)[0]) for i in range(9)])
         with pytest.raises(BudgetExceeded, match="namespace 'tight' uses .* byte budget.*RESOURCE_EXHAUSTED"):

@@ -67,7 +67,7 @@ def check_all(client, ns: int, ids: list[int]) -> None:
 
 @pytest.mark.parametrize("map_size", ["1MiB", "1GiB"], ids=["map-grows-into-full-disk", "map-larger-than-disk"])
 def test_full_disk_is_resource_exhausted_and_drop_gives_space_back(small_fs, map_size):
-    args = ("--zstd-level", "0", "--disk-reserve", "0", "--map-size", map_size)
+    args = ("--encoding", "raw", "--disk-reserve", "0", "--map-size", map_size)
     with run_daemon(*args, cache_dir=small_fs / "cache") as d:
         with d.client(timeout_s=30) as c:
             ns = c.open("full").namespace_id
@@ -92,7 +92,7 @@ def test_full_disk_is_resource_exhausted_and_drop_gives_space_back(small_fs, map
 
 def test_disk_reserve_refuses_puts_before_the_disk_is_full(small_fs):
     reserve = 8 << 20
-    with run_daemon("--zstd-level", "0", "--disk-reserve", str(reserve), cache_dir=small_fs / "cache") as d:
+    with run_daemon("--encoding", "raw", "--disk-reserve", str(reserve), cache_dir=small_fs / "cache") as d:
         with d.client(timeout_s=30) as c:
             ns = c.open("reserve").namespace_id
             acked, refusal = fill(c, ns)

@@ -75,7 +75,7 @@ fingerprints = st.one_of(st.just(bytes(range(16))), st.binary(max_size=40))
 def fuzzed(tmp_path_factory):
     env = {"ACTCACHE_SHM_DIR": str(tmp_path_factory.mktemp("shm"))}
     # --prefetch-bytes bounds the read-ahead of the schedules the tests leave unfetched (default 512 MiB)
-    with run_daemon("--zstd-level", "1", "--namespace-budget", "8MiB", "--max-entry-bytes", "1MiB",
+    with run_daemon("--encoding", "zstd", "--namespace-budget", "8MiB", "--max-entry-bytes", "1MiB",
                     "--prefetch-bytes", "64MiB", env=env) as daemon:
         channel = grpc.insecure_channel(daemon.target, [("grpc.max_receive_message_length", -1),
                                                         ("grpc.max_send_message_length", -1)])

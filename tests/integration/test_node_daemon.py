@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import actcache_client as ac
-from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.errors import ConfigError, DaemonUnavailable
 from actcache.node import NodeDaemon, peer_pid, stop_daemon, wait_exit
 
@@ -30,6 +30,11 @@ SPEC = [TensorSpec(DType.float32, (4,))]
 
 def entry(i: int) -> bytes:
     return encode_entry(SPEC, [np.full(4, i, dtype=np.float32)])
+
+
+def payload_of(value) -> bytes:
+    """The tensor bytes of an entry (the daemon may store and serve it in another codec)."""
+    return bytes(decode_entry(value)[1])
 
 
 @pytest.fixture
@@ -65,7 +70,7 @@ def _rank(rank: int, barrier, results) -> None:
         conn.flush()
         barrier.wait(60)  # both puts acknowledged
         values = conn.lookup(FP, 1, [0, 1], [0, 0])
-        results.put((rank, peer_pid(NodeDaemon.from_env().socket), [bytes(v) for v in values]))
+        results.put((rank, peer_pid(NodeDaemon.from_env().socket), [payload_of(v) for v in values]))
 
 
 def test_two_ranks_connecting_at_once_share_one_node_daemon(node):
@@ -81,10 +86,10 @@ def test_two_ranks_connecting_at_once_share_one_node_daemon(node):
     (_, pid0, seen0), (_, pid1, seen1) = got
     assert pid0 == pid1 and pid0 is not None  # one daemon...
     assert starts(node) == 1  # ...started once
-    assert seen0 == seen1 == [entry(0), entry(1)]  # each rank reads what the other stored
+    assert seen0 == seen1 == [payload_of(entry(0)), payload_of(entry(1))]  # each rank reads what the other stored
     with ac.connect(namespace="shared", strict=True) as later:  # kept after both ranks left
         assert peer_pid(node.socket) == pid0
-        assert later.lookup(FP, 1, [1], [0]) == [entry(1)]
+        assert [payload_of(v) for v in later.lookup(FP, 1, [1], [0])] == [payload_of(entry(1))]
 
 
 def test_the_node_daemon_stays_while_used_and_exits_once_idle(node, monkeypatch):
@@ -100,7 +105,7 @@ def test_the_node_daemon_stays_while_used_and_exits_once_idle(node, monkeypatch)
     assert "no call for 3 s (--idle-timeout): stopping" in log and "actcache daemon stopped" in log
     with ac.connect(strict=True) as again:  # started again on demand, with what was stored
         assert peer_pid(node.socket) != pid
-        assert again.lookup(FP, 1, [7], [0]) == [entry(7)]
+        assert [payload_of(v) for v in again.lookup(FP, 1, [7], [0])] == [payload_of(entry(7))]
 
 
 def test_embedded_daemon_is_private_and_leaves_nothing(node):
@@ -108,7 +113,7 @@ def test_embedded_daemon_is_private_and_leaves_nothing(node):
         assert a.target != b.target and str(node.dir) not in a.target
         a.store(FP, 1, [1], [0], lambda: [entry(1)])
         a.flush()
-        assert a.lookup(FP, 1, [1], [0]) == [entry(1)]
+        assert [payload_of(v) for v in a.lookup(FP, 1, [1], [0])] == [payload_of(entry(1))]
         assert b.lookup(FP, 1, [1], [0]) == [None]
         where = Path(a.target.removeprefix("unix:")).parent
     assert not where.exists()  # daemon stopped, temp dir removed
@@ -134,7 +139,7 @@ def test_a_stale_socket_or_a_killed_daemon_does_not_block_a_start(node):
     assert node.socket.exists()  # left behind by the kill
     with ac.connect(strict=True) as conn:
         assert peer_pid(node.socket) not in (None, pid)
-        assert conn.lookup(FP, 1, [3], [0]) == [entry(3)]  # an acknowledged put survives kill -9
+        assert [payload_of(v) for v in conn.lookup(FP, 1, [3], [0])] == [payload_of(entry(3))]  # an acknowledged put survives kill -9
     assert starts(node) == 2
 
 

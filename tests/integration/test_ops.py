@@ -68,7 +68,7 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 def test_metrics_endpoint_reports_exact_usage_and_counters(tmp_path):
     spec = [TensorSpec(DType.uint8, (1000,))]
     values = [encode_entry(spec, [bytes([i]) * 1000]) for i in range(5)]
-    with run_daemon("--metrics-port", "0", "--zstd-level", "0", "--budget", "100MB", cache_dir=tmp_path / "c") as d:
+    with run_daemon("--metrics-port", "0", "--encoding", "raw", "--budget", "100MB", cache_dir=tmp_path / "c") as d:
         url = re.search(r"metrics (http://127\.0\.0\.1:\d+/metrics)", d.log_path.read_text()).group(1)
         with d.client() as c:
             a = c.open("alpha").namespace_id

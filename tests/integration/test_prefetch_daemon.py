@@ -210,7 +210,7 @@ def test_plain_repeated_fields_work_for_other_clients(client):
 
 
 def test_shutdown_ends_fetch_streams_at_once_with_unavailable():
-    with run_daemon("--zstd-level", "0") as d, d.client(retries=1) as c:
+    with run_daemon("--encoding", "raw") as d, d.client(retries=1) as c:
         ns = c.open("stop").namespace_id
         put_range(c, ns, range(300))
         c.schedule(ns, FP, 1, "e0", range(300))

@@ -30,7 +30,7 @@ def fingerprints(client, namespace: str) -> set[bytes]:
 
 def test_a_full_budget_of_an_old_generation_makes_room_for_the_new_one(tmp_path):
     budget = 10 * size()
-    with run_daemon("--budget", str(budget), "--reclaim-after", "0", "--zstd-level", "0", "--metrics-port", "0",
+    with run_daemon("--budget", str(budget), "--reclaim-after", "0", "--encoding", "raw", "--metrics-port", "0",
                     cache_dir=tmp_path / "c") as d:
         with d.client() as c:
             ns = c.open("train").namespace_id
@@ -52,7 +52,7 @@ def test_a_full_budget_of_an_old_generation_makes_room_for_the_new_one(tmp_path)
 
 
 def test_a_generation_a_live_schedule_reads_is_not_reclaimed(tmp_path):
-    with run_daemon("--budget", str(10 * size()), "--reclaim-after", "0", "--zstd-level", "0",
+    with run_daemon("--budget", str(10 * size()), "--reclaim-after", "0", "--encoding", "raw",
                     cache_dir=tmp_path / "c") as d, d.client() as c:
         ns = c.open("train").namespace_id
         c.put(ns, OLD, 3, [(i, 0, v) for i, v in enumerate(values(10))])
@@ -89,7 +89,7 @@ def test_last_write_survives_a_restart_and_the_last_read_is_unknown_after_it(tmp
 
 
 def test_ls_and_stats_show_activity_reclaimable_bytes_and_the_jobs_of_each_namespace(tmp_path):
-    with run_daemon("--reclaim-after", "0", "--zstd-level", "0", cache_dir=tmp_path / "c") as d:
+    with run_daemon("--reclaim-after", "0", "--encoding", "raw", cache_dir=tmp_path / "c") as d:
         with d.client() as c:
             job = JobInfo(pid=4242, host="node-7", start_time=c.stats().now - 7200, data_id="cifar10-v2")
             ns = c.open("vision", job=job).namespace_id

@@ -172,7 +172,7 @@ def test_a_corrupt_entry_is_a_counted_miss_in_its_place_on_both_planes(shm_dir, 
     """The daemon verifies entries as it decodes them into the frame or the ring; a bad one is a miss."""
     others = {i: np.full(8192, i, np.uint8) for i in (1, 3)}
     env = {"ACTCACHE_SHM_DIR": str(shm_dir)}
-    with run_daemon("--zstd-level", "0", cache_dir=tmp_path / "c", env=env) as daemon:
+    with run_daemon("--encoding", "raw", cache_dir=tmp_path / "c", env=env) as daemon:
         with daemon.client() as client:
             ns = client.open("bad").namespace_id
             client.put(ns, FP, 1, [(2, 0, encode_entry(MARKER_SPEC, [MARKER]))] +
