@@ -37,7 +37,12 @@ rate (slower than the disk and than the serve path).
 The figure lines at the end: ``serve_ratio_shm`` and ``serve_ratio_bytes``
 (warm, worst of the three shapes), ``cold_serve_vs_disk`` and
 ``cold_serve_vs_disk_shm`` (cold, worst shape, bytes path and shared
-memory), ``prefetch_hit_ratio`` (worst shape). Each warm path is timed three times,
+memory), ``prefetch_hit_ratio`` (worst shape), ``serve_cpu_vs_codec``
+(warm shared memory, worst shape: the daemon's CPU-s per GB served over the
+stored entries' own checksum + decode CPU-s per GB, measured in-process)
+and ``cold_serve_vs_limit`` (cold shared memory, worst shape: served MB/s
+over the smaller of the disk's O_DIRECT MB/s, in raw bytes, and what the
+node's cores decode of the stored codec). Each warm path is timed three times,
 taking turns with the others, and reported by its median run. Sample
 (``--quick``, 2-core VM running nothing else)::
 
@@ -107,7 +112,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "client")]
 
-from actcache.codec import DType, TensorSpec, decode_entry, encode_entry  # noqa: E402
+from actcache.codec import CHECKSUMS, DType, TensorSpec, decode_entry, decompress_payload, encode_entry, parse_header  # noqa: E402
 from actcache.keys import encode_keys  # noqa: E402
 from actcache.malloc import tune_malloc  # noqa: E402
 from actcache.testing import DaemonProcess, run_daemon  # noqa: E402
@@ -194,6 +199,28 @@ def raw_run(store_dir: Path, keys: list[bytes], shape: Shape) -> dict:
         env.close()
     return {"samples_per_s": len(keys) / seconds, "MBps": nbytes / seconds / 1e6, "seconds": seconds,
             "cpu_s_per_GB": cpu / (nbytes / 1e9)}
+
+
+def codec_run(store_dir: Path, keys: list[bytes]) -> dict:
+    """The chosen codec's and checksum's own CPU-s per GB of raw bytes on the stored entries: the checksum
+    and the decompression of each, headers parsed beforehand (the C-level work serving cannot avoid)."""
+    import lmdb
+
+    env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=8)
+    try:
+        with env.begin(db=env.open_db(b"entries", create=False)) as txn:
+            values = [memoryview(bytes(txn.get(key))) for key in keys]
+    finally:
+        env.close()
+    work = [(CHECKSUMS[h.checksum.name], h.codec, v[h.header_len :], h.raw_len) for v in values
+            for h in [parse_header(v)]]
+    cpu0 = time.process_time()
+    for checksum, codec, payload, raw_len in work:
+        checksum(payload)
+        decompress_payload(codec, payload, raw_len)
+    cpu = time.process_time() - cpu0
+    codecs = sorted({codec.name for _, codec, _, _ in work})
+    return {"cpu_s_per_GB": cpu / (sum(w[3] for w in work) / 1e9), "codecs": codecs}
 
 
 def served_run(daemon: DaemonProcess, ns: int, depth: int, order: np.ndarray, shape: Shape, schedule_id: str,
@@ -316,13 +343,18 @@ def main() -> int:
                     runs["shm"].append(served_run(daemon, ns, depth, order, shape, f"warm-shm{rep}",
                                                   shared_memory=True))
                 warm_raw, warm, warm_shm = (_median(runs[path]) for path in ("raw", "served", "shm"))
+                codec = codec_run(cache, keys)
                 row = {"shape": shape.name, "entries": len(order), "entry_bytes": shape.nbytes,
                        "compression": compression, "warm_raw": warm_raw, "warm_served": warm,
-                       "warm_ratio": warm["MBps"] / warm_raw["MBps"]}
+                       "warm_ratio": warm["MBps"] / warm_raw["MBps"], "codec": codec}
                 _print(shape.name, "raw", "warm", warm_raw)
                 _print("", "served", "warm", warm, ratio=row["warm_ratio"])
-                row.update(warm_shm=warm_shm, warm_shm_ratio=warm_shm["MBps"] / warm_raw["MBps"])
+                row.update(warm_shm=warm_shm, warm_shm_ratio=warm_shm["MBps"] / warm_raw["MBps"],
+                           cpu_vs_codec=warm_shm["daemon_cpu_s_per_GB"] / codec["cpu_s_per_GB"])
                 _print("", "shm", "warm", warm_shm, ratio=row["warm_shm_ratio"])
+                print(f"{'':<26}codec   {'/'.join(codec['codecs'])}: {codec['cpu_s_per_GB']:.3f} CPU-s/GB (checksum + "
+                      f"decode); the daemon spent {warm_shm['daemon_cpu_s_per_GB']:.3f} ({row['cpu_vs_codec']:.1f}x)",
+                      flush=True)
                 if cold:
                     daemon.stop()
                     drop_page_cache()
@@ -339,6 +371,9 @@ def main() -> int:
                                cold_ratio=cold_served["MBps"] / cold_raw["MBps"],
                                cold_shm_ratio=cold_shm["MBps"] / cold_raw["MBps"],
                                cold_vs_disk=cold_served["MBps"] / disk, cold_shm_vs_disk=cold_shm["MBps"] / disk)
+                    # What the node could serve cold: the disk, or what its cores decode of the chosen codec.
+                    decode_limit = os.cpu_count() * 1e3 / codec["cpu_s_per_GB"]  # MB/s of raw bytes
+                    row["cold_vs_limit"] = cold_shm["MBps"] / min(disk * compression, decode_limit)
                     _print("", "raw", "cold", cold_raw)
                     _print("", "served", "cold", cold_served, disk=disk, ratio=row["cold_ratio"])
                     _print("", "shm", "cold", cold_shm, disk=disk, ratio=row["cold_shm_ratio"])
@@ -366,6 +401,8 @@ def main() -> int:
     cold_vs_disk = min(r["cold_vs_disk"] for r in rows) if cold else float("nan")
     cold_shm_vs_disk = min(r["cold_shm_vs_disk"] for r in rows) if cold else float("nan")
     hit_ratio = min(r["paced"]["hit_ratio"] for r in rows)
+    cpu_vs_codec = max(r["cpu_vs_codec"] for r in rows)
+    cold_vs_limit = min(r["cold_vs_limit"] for r in rows) if cold else float("nan")
     print("compression (raw/stored): " + ", ".join(f"{r['shape']} {r['compression']:.2f}" for r in rows))
     print(f"{len(rows)} shapes x {mib} MiB in {time.perf_counter() - started:.0f} s on {os.cpu_count()} cores "
           f"(load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after); hit ratio with "
@@ -377,6 +414,8 @@ def main() -> int:
     print(f"figure: cold_serve_vs_disk = {cold_vs_disk:.3f}")
     print(f"figure: cold_serve_vs_disk_shm = {cold_shm_vs_disk:.3f}")
     print(f"figure: prefetch_hit_ratio = {hit_ratio:.4f}")
+    print(f"figure: serve_cpu_vs_codec = {cpu_vs_codec:.2f}")
+    print(f"figure: cold_serve_vs_limit = {cold_vs_limit:.3f}")
     return 0
 
 
