@@ -44,39 +44,54 @@ and ``cold_serve_vs_limit`` (cold shared memory, worst shape: served MB/s
 over the smaller of the disk's O_DIRECT MB/s, in raw bytes, and what the
 node's cores decode of the stored codec). Each warm path is timed three times,
 taking turns with the others, and reported by its median run. Sample
-(``--quick``, 2-core VM running nothing else)::
+(``--quick``, 2-core VM, load average ~1)::
 
     shape                     path    state   samples/s    MB/s  disk-read MB/s  O_DIRECT MB/s  CPU s/GB   ratio
-    conv_relu_fp32_64x32x32   raw     warm         2792     732                                     1.37
-                              served  warm         1609     422             224                     3.33    0.58
-                              shm     warm         2931     768             409                     2.05    1.05
-                              raw     cold         2189     574                                     1.45
-                              served  cold         1239     325             173           1856      4.14    0.57
-                              shm     cold         1995     523             278           1856      2.83    0.91
-                              paced   cold          619     162   hit ratio 1.0000 (stalls 0.000 s)
-    conv_relu_fp16_256x8x8    raw     warm        16700     547                                     1.83
-                              served  warm        11681     383             223                     3.90    0.70
-                              shm     warm        13526     443             259                     3.44    0.81
-                              raw     cold        10751     352                                     1.92
-                              served  cold         5462     179             104           1364      6.20    0.51
-                              shm     cold         5846     192             112           1364      5.56    0.54
-                              paced   cold         2730      89   hit ratio 1.0000 (stalls 0.000 s)
-    transformer_bf16_128x384  raw     warm         7131     701                                     1.43
-                              served  warm         4424     435             343                     3.40    0.62
-                              shm     warm         6296     619             489                     2.72    0.88
-                              raw     cold         4567     449                                     1.53
-                              served  cold         2522     248             196           2481      5.07    0.55
-                              shm     cold         3149     310             244           2481      4.10    0.69
-                              paced   cold         1261     124   hit ratio 1.0000 (stalls 0.000 s)
-    compression (raw/stored): conv_relu_fp32_64x32x32 1.88, conv_relu_fp16_256x8x8 1.71, transformer_bf16_128x384 1.27
-    3 shapes x 64 MiB in 27 s on 2 cores (load average 0.5 before, 0.8 after); hit ratio with --prefetch-bytes 32MiB, consumer paced at half the cold served rate
-    figure: serve_ratio_shm = 0.810
-    figure: serve_ratio_bytes = 0.576
-    figure: cold_serve_vs_disk = 0.100
-    figure: cold_serve_vs_disk_shm = 0.125
+    conv_relu_fp32_64x32x32   raw     warm        10137    2657                                     0.38
+                              served  warm         4038    1059             685                     1.27    0.40
+                              shm     warm         6555    1718            1111                     0.83    0.65
+                              codec   lz4/raw: 0.334 CPU-s/GB (checksum + decode); the daemon spent 0.745 (2.2x)
+                              raw     cold         3918    1027                                     0.58
+                              served  cold         2369     621             402           1836      2.06    0.60
+                              shm     cold         2798     733             474           1836      1.59    0.71
+                              paced   cold         1184     310   hit ratio 1.0000 (stalls 0.000 s)
+    conv_relu_fp16_256x8x8    raw     warm        90226    2957                                     0.34
+                              served  warm        19752     647             648                     2.01    0.22
+                              shm     warm        29999     983             985                     1.30    0.33
+                              codec   raw: 0.055 CPU-s/GB (checksum + decode); the daemon spent 1.043 (18.8x)
+                              raw     cold        16658     546                                     0.59
+                              served  cold         8741     286             287           1187      3.52    0.52
+                              shm     cold         8886     291             292           1187      2.90    0.53
+                              paced   cold         4369     143   hit ratio 1.0000 (stalls 0.000 s)
+    transformer_bf16_128x384  raw     warm        48803    4797                                     0.21
+                              served  warm        11983    1178            1179                     1.33    0.25
+                              shm     warm        14529    1428            1429                     0.87    0.30
+                              codec   raw: 0.039 CPU-s/GB (checksum + decode); the daemon spent 0.746 (19.0x)
+                              raw     cold         5393     530                                     0.45
+                              served  cold         5643     555             555           1124      2.51    1.05
+                              shm     cold         6322     621             622           1124      2.09    1.17
+                              paced   cold         2820     277   hit ratio 1.0000 (stalls 0.000 s)
+    compression (raw/stored): conv_relu_fp32_64x32x32 1.55, conv_relu_fp16_256x8x8 1.00, transformer_bf16_128x384 1.00
+    3 shapes x 64 MiB in 12 s on 2 cores (load average 0.8 before, 1.3 after); ...
+    figure: serve_ratio_shm = 0.298
+    figure: serve_ratio_bytes = 0.219
+    figure: cold_serve_vs_disk = 0.241
+    figure: cold_serve_vs_disk_shm = 0.245
     figure: prefetch_hit_ratio = 1.0000
+    figure: serve_cpu_vs_codec = 18.99
+    figure: cold_serve_vs_limit = 0.246
 
-Serving is CPU-bound on this machine. The raw loop verifies and
+With entry format 2 (xxh3 checksums, lz4 only where it saves 30%) the
+served paths carry 2x the MB/s of format 1 with zstd-1 and CRC32 (shared
+memory, warm: 983-1718 MB/s against 443-768; CPU 0.8-1.3 s/GB against
+2.0-3.4), and ``cold_serve_vs_disk`` went from 0.10 to 0.24. The ratios to
+the raw loop fell because the raw loop sped up 4-7x more: with nothing to
+decompress it is an LMDB get and a view. What serving costs now is the
+daemon's Python per entry (a lookup, a ``pread``, a slot, a frame entry),
+19x the checksum's own cost on raw 16 KiB entries: batching that work per
+frame is what is left to reach ``serve_ratio_shm`` 0.9.
+
+Format 1 (zstd-1 and CRC32 on every entry), for the record: Serving is CPU-bound on this machine. The raw loop verifies and
 decompresses (checksum + zstd: 1.5-1.6 CPU-s/GB measured on these
 entries) on one thread. Served entries add the reader (a lookup and a
 ``pread`` each), the frames and, on the bytes path, gRPC's send and
