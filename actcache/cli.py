@@ -122,7 +122,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 @command("serve", "run the cache daemon")(_add_serve)
 def _run_serve(args: argparse.Namespace) -> int:
     from actcache.daemon.config import DaemonConfig
-    from actcache.daemon.server import serve
+    from actcache.daemon.service import serve
 
     config = DaemonConfig.from_sources(vars(args))
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -314,7 +314,7 @@ def _add_clean(p: argparse.ArgumentParser) -> None:
 def _run_clean(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from actcache.daemon.clean import Action, clean
+    from actcache.ops.clean import Action, clean
     from actcache.rpc import default_socket_path
 
     directory = args.dir or os.environ.get("ACTCACHE_DIR")
@@ -362,7 +362,7 @@ def _add_bench_disk(p: argparse.ArgumentParser) -> None:
 def _run_bench_disk(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from actcache.diskbench import run_disk_bench
+    from actcache.ops.diskbench import run_disk_bench
 
     report = run_disk_bench(Path(args.dir), args.size, drop_caches=args.drop_caches, progress=sys.stderr.isatty())
     print(json.dumps(report.to_json(), indent=2) if args.json else report.table())

@@ -33,7 +33,7 @@ start exactly one daemon; the others find it healthy once they hold the lock.
 A start that failed while a process waited for the lock is not tried again by
 that process: the failure (``DIR/start.failed``) is raised instead, so N ranks
 do not each wait out the same failing start. A stale socket of a crashed
-daemon is removed by the new daemon (actcache.daemon.server); the kernel
+daemon is removed by the new daemon (actcache.daemon.service._server); the kernel
 released the crashed one's ``daemon.lock``.
 
 Invariants: at most one process at a time, the holder of ``start.lock``,
@@ -87,7 +87,7 @@ DRAIN_TIMEOUT_S = 30.0
 #: Longest socket path accepted (ServerConfig's limit; the kernel's is 107 bytes).
 MAX_SOCKET_PATH = 100
 _LOG_ROTATE_BYTES = 8 << 20
-_DIR_LOCK = "daemon.lock"  # actcache.daemon.dirlock.LOCK_NAME; the client side does not import the daemon
+_DIR_LOCK = "daemon.lock"  # actcache.daemon.store._dirlock.LOCK_NAME; the client side does not import the daemon
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -118,7 +118,7 @@ def run_method(directory: Path, method: str, count: int, read_count: int, seed: 
     import lmdb
 
     sys.path.insert(0, str(ROOT))
-    from actcache.daemon.extents import ReadSession, ValueFile
+    from actcache.daemon.store import ReadSession, ValueFile
     from actcache.keys import encode_key
 
     env = lmdb.open(str(directory), max_dbs=8, readonly=True, lock=False, readahead=method == "map-readahead")

@@ -4,6 +4,7 @@ import importlib
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +19,7 @@ def _modules_after_import(*modules: str) -> set[str]:
 
 
 def test_daemon_and_cli_never_import_torch():
-    loaded = _modules_after_import("actcache.cli", "actcache.daemon.server", "actcache.testing", "actcache.rpc_client")
+    loaded = _modules_after_import("actcache.cli", "actcache.daemon.service._server", "actcache.testing", "actcache.rpc_client")
     assert "torch" not in loaded
     assert not any(m.startswith("actcache_client") for m in loaded)
 
@@ -43,3 +44,21 @@ def test_public_surface_is_explicit_and_sorted(module):
     assert list(mod.__all__) == sorted(mod.__all__)
     for name in mod.__all__:
         assert hasattr(mod, name), f"{module}.__all__ names missing {name}"
+
+
+_LAYERS = ["store", "prefetch", "service"]  # each may import only the ones before it
+
+
+@pytest.mark.parametrize("layer", _LAYERS)
+def test_daemon_layers_import_only_downwards(layer):
+    import ast
+
+    above = [f"actcache.daemon.{name}" for name in _LAYERS[_LAYERS.index(layer) + 1 :]]
+    folder = Path(actcache.__file__).parent / "daemon" / layer
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                assert not any(name == a or name.startswith(a + ".") for a in above), \
+                    f"{path.name} (layer {layer}) imports {name}, a layer above it"

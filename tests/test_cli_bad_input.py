@@ -94,17 +94,17 @@ ENV_CASES = {
 def serve_cli(tmp_path, monkeypatch, capsys):
     """Run ``actcache serve ARGS`` with ``env`` on top of an environment without ACTCACHE_* variables;
     returns (exit code, stderr lines). ``serve`` starts and stops the daemon instead of serving."""
-    import actcache.daemon.server as server
+    import actcache.daemon.service as service
 
     def start_and_stop(config):
-        daemon = server.Daemon(config)
+        daemon = service.Daemon(config)
         try:
             daemon.start()
         finally:
             daemon.stop()
         return 0
 
-    monkeypatch.setattr(server, "serve", start_and_stop)
+    monkeypatch.setattr(service, "serve", start_and_stop)
     for name in [n for n in os.environ if n.startswith("ACTCACHE_")]:
         monkeypatch.delenv(name)
     (tmp_path / "cert.pem").write_text("not checked before start\n")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from actcache import diskbench
+from actcache.ops import diskbench
 from actcache.errors import ConfigError
 
 DISK_PHASES = ["write_sequential", "write_random", "read_sequential", "read_random"]

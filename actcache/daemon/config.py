@@ -99,7 +99,7 @@ class StoreConfig:
     #: A generation (namespace, fingerprint) that no live schedule reads and that was neither
     #: read nor written for this many seconds is dead: a put over a budget reclaims dead
     #: generations (oldest write first) before it is refused. 0: only live schedules protect
-    #: a generation (actcache.daemon.generations).
+    #: a generation (actcache.daemon.store._generations).
     reclaim_after_s: float = 600.0
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from actcache.daemon.budget import MemoryBudget
+from actcache.daemon.prefetch._budget import MemoryBudget
 
 
 def activate(budget, *holders):

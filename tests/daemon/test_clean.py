@@ -1,4 +1,4 @@
-"""actcache.daemon.clean: each reclaimer on real leftovers, in-process."""
+"""actcache.ops.clean: each reclaimer on real leftovers, in-process."""
 
 import os
 import signal
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from actcache.daemon.clean import BENCH_PREFIX, Action, Finding, clean
+from actcache.ops.clean import BENCH_PREFIX, Action, Finding, clean
 from actcache.daemon.config import StoreConfig
 from actcache.daemon.store import Store
 from actcache.errors import ConfigError

@@ -7,7 +7,7 @@ import pytest
 
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.daemon.config import StoreConfig
-from actcache.daemon.extents import Extent, stored_length
+from actcache.daemon.store._extents import Extent, stored_length
 from actcache.daemon.store import Store
 from actcache.keys import encode_key
 

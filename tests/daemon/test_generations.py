@@ -1,10 +1,10 @@
-"""actcache.daemon.generations: which generations are dead, and which a put reclaims."""
+"""actcache.daemon.store._generations: which generations are dead, and which a put reclaims."""
 
 import struct
 
 import pytest
 
-from actcache.daemon.generations import Generation, Generations, plan_reclaim, read_write_time, write_time
+from actcache.daemon.store._generations import Generation, Generations, plan_reclaim, read_write_time, write_time
 
 
 def prefix(ns: int, tag: str) -> bytes:

@@ -6,7 +6,7 @@ import pytest
 from concurrent import futures
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.daemon.guard import RequestGuard
+from actcache.daemon.service._guard import RequestGuard
 
 SERVICE = "test.Guarded"
 GOOD = pb.ScheduleChunk(schedule_id="ok").SerializeToString()

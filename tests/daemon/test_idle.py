@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from actcache.daemon.config import DaemonConfig
-from actcache.daemon.idle import IdleMonitor
+from actcache.daemon.service._idle import IdleMonitor
 from actcache.errors import ConfigError
 
 

@@ -2,7 +2,7 @@
 
 from concurrent.futures import Executor, Future
 
-from actcache.daemon.lookahead import INLINE_PROBE_AHEAD, MIN_PROBED_ENTRY_BYTES, Prober
+from actcache.daemon.prefetch._lookahead import INLINE_PROBE_AHEAD, MIN_PROBED_ENTRY_BYTES, Prober
 
 
 class Inline(Executor):

@@ -10,9 +10,9 @@ import pytest
 from actcache.codec import Codec, DType, TensorSpec, decode_entry, encode_entry
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
-import actcache.daemon.reader as reader_module
-from actcache.daemon.reader import ReaderState
-from actcache.daemon.schedule import Schedule
+import actcache.daemon.prefetch._reader as reader_module
+from actcache.daemon.prefetch._reader import ReaderState
+from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.store import Store
 from actcache.errors import BudgetExceeded, FetchAborted, ScheduleNotFound, StoreError
 from actcache.keys import encode_key

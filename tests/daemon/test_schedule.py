@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from actcache.daemon.schedule import ScheduleBuilder, unpack_ids, unpack_variants
+from actcache.daemon.prefetch._schedule import ScheduleBuilder, unpack_ids, unpack_variants
 from actcache.errors import InvalidRequest
 from actcache.keys import encode_key
 

@@ -99,7 +99,7 @@ def test_bytes_fallback_when_shared_memory_is_unavailable(tmp_path):
 
 
 def test_kill_9_of_the_daemon_leftovers_removed_at_restart_and_by_clean(shm_dir, tmp_path):
-    from actcache.daemon.clean import Action, CleanTarget, stale_shm_segments
+    from actcache.ops.clean import Action, CleanTarget, stale_shm_segments
 
     env = {"ACTCACHE_SHM_DIR": str(shm_dir)}
     with run_daemon(env=env, check_exit=False) as daemon:

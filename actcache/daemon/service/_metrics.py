@@ -32,7 +32,7 @@ from actcache.daemon.config import MetricsConfig
 from actcache.errors import ConfigError
 
 if TYPE_CHECKING:
-    from actcache.daemon.service import ActCacheService
+    from actcache.daemon.service._service import ActCacheService
     from actcache.daemon.store import Store
 
 __all__ = ["DaemonCollector", "Family", "MetricsEndpoint", "daemon_families"]

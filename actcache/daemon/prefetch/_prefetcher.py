@@ -1,7 +1,7 @@
 """The prefetcher: pushed schedules, their readers, the shared memory budget and the thread pools.
 
 The trainer knows its future: it pushes each epoch's order (Schedule) and
-then consumes it (Fetch). Per schedule a reader (actcache.daemon.reader)
+then consumes it (Fetch). Per schedule a reader (actcache.daemon.prefetch._reader)
 walks the order ahead of the consumer, inside a share of ``prefetch_bytes``,
 and drops each entry once served. No LRU anywhere.
 
@@ -20,7 +20,7 @@ Cold reads: lookups run ahead of each reader (on ``probe_threads`` threads
 for entries of MIN_PROBED_ENTRY_BYTES and more, in the reader's thread for
 smaller ones) and hint the kernel (POSIX_FADV_WILLNEED); the reader then
 ``pread``s each
-value (actcache.daemon.extents, which holds the measurements).
+value (actcache.daemon.store._extents, which holds the measurements).
 Entries are buffered as stored (compressed); the Fetch thread verifies
 and decompresses each frame's entries as it serves them (a batch per zstd
 call, which releases the GIL) into the frame or the shared-memory slots,
@@ -46,11 +46,11 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from actcache.daemon.budget import MemoryBudget
+from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.config import PrefetchConfig
-from actcache.daemon.prefetch_stats import PrefetchCounters
-from actcache.daemon.reader import ReaderSnapshot, ReaderState, ScheduleReader
-from actcache.daemon.schedule import Schedule
+from actcache.daemon.prefetch._stats import PrefetchCounters
+from actcache.daemon.prefetch._reader import ReaderSnapshot, ReaderState, ScheduleReader
+from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.store import Store
 from actcache.errors import DaemonUnavailable, FetchAborted, InvalidRequest, ScheduleNotFound
 from actcache.keys import group_prefix

@@ -8,8 +8,7 @@ from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from actcache.daemon.extents import ReadSession
-    from actcache.daemon.store import Store
+    from actcache.daemon.store import ReadSession, Store
 
 __all__ = ["INLINE_PROBE_AHEAD", "MIN_PROBED_ENTRY_BYTES", "Prober", "ShortTransaction"]
 

@@ -11,7 +11,7 @@ Lifecycle (ReaderState)::
 
 Threads: the reader's own thread walks the order (lookups, budget,
 ``pread``) and buffers entries as stored; the probe pool runs lookups ahead
-(see actcache.daemon.extents); the consumer, the gRPC thread running
+(see actcache.daemon.store._extents); the consumer, the gRPC thread running
 ``frames()`` or ``batches()``, verifies and decompresses each frame's
 entries as it serves them, into the frame or shared-memory slots, with the
 decode pool taking part of a large frame. Decoding there costs no hand-off
@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import decoded_size
-from actcache.daemon.budget import MemoryBudget
-from actcache.daemon.lookahead import Prober, ShortTransaction
-from actcache.daemon.schedule import Schedule
-from actcache.daemon.served import ServedBatch
+from actcache.daemon.prefetch._budget import MemoryBudget
+from actcache.daemon.prefetch._lookahead import Prober, ShortTransaction
+from actcache.daemon.prefetch._schedule import Schedule
+from actcache.daemon.prefetch._served import ServedBatch
 from actcache.errors import ActCacheError, BudgetExceeded, InvalidRequest, StoreError
 from actcache.rpc import encode_frame
 

@@ -6,7 +6,7 @@ shared-memory data plane's segments) adds one function. Every reclaimer
 must leave anything a live process still uses alone, and say so.
 
 While the reclaimers run, ``clean`` holds the cache directory's lock
-(actcache.daemon.dirlock) when no daemon does, so a daemon cannot start
+(actcache.daemon.store._dirlock) when no daemon does, so a daemon cannot start
 under its feet (it would refuse, naming this pid, and can simply be
 restarted); when a daemon holds it, ``CleanTarget.daemon_pid`` says which.
 A reclaimer that raises becomes a FAILED finding; the others still run.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from actcache.daemon.dirlock import LOCK_NAME, DirLock, holder_pid
+from actcache.daemon.store import LOCK_NAME, DirLock, holder_pid
 from actcache.errors import ConfigError
 from actcache.shm import pid_alive
 

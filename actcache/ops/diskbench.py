@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from actcache.daemon.clean import BENCH_PREFIX
+from actcache.ops.clean import BENCH_PREFIX
 from actcache.errors import ConfigError
 
 __all__ = ["BLOCK_BYTES", "DiskReport", "Phase", "run_disk_bench"]

@@ -5,13 +5,13 @@ Named databases:
     namespaces  name (utf-8) -> namespace id (u32, big-endian)
     groups      (namespace, fingerprint, depth) key prefix -> entries u64, bytes u64
     meta        format marker and the next namespace id
-    secrets     namespace id (u32) -> salted scrypt hash of its secret (actcache.daemon.access)
-    generations (namespace, fingerprint) key prefix -> last write, f64 seconds (actcache.daemon.generations)
+    secrets     namespace id (u32) -> salted scrypt hash of its secret (actcache.daemon.store._access)
+    generations (namespace, fingerprint) key prefix -> last write, f64 seconds (actcache.daemon.store._generations)
 
 Concurrency: every write (put, drop, namespace creation, deleting a corrupt
 entry) runs on the single writer thread, which batches queued operations
 into one transaction; readers run in any thread. Reads locate each value in
-``data.mdb`` and ``pread`` it (actcache.daemon.extents) unless
+``data.mdb`` and ``pread`` it (actcache.daemon.store._extents) unless
 ``explicit_reads`` is off, in which case they copy from the memory map. A drop runs as a series of
 transactions of at most ``_DROP_CHUNK_BYTES`` each, so that a huge drop
 needs little disk for its own bookkeeping (LMDB's free-page list) and works
@@ -26,7 +26,7 @@ the committed ``groups`` row.
 
 Dead generations: a put that would exceed a budget first reclaims whole
 generations (namespace, fingerprint) that no live schedule reads and that
-were not used for ``reclaim_after_s`` (actcache.daemon.generations chooses
+were not used for ``reclaim_after_s`` (actcache.daemon.store._generations chooses
 them). The put's transaction only plans: it raises before writing, the
 caller's thread submits a drop of each chosen generation (in chunks, each
 checking in its own transaction that the generation is still dead and
@@ -47,12 +47,12 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from actcache.codec import Codec, Encoding, compress_entry, verify_entry
-from actcache.daemon.access import Handles, check_secret, hash_secret, verify_secret
+from actcache.daemon.store._access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
-from actcache.daemon.dirlock import DirLock
-from actcache.daemon.extents import ReadSession, ValueFile, stored_length
-from actcache.daemon.envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
-from actcache.daemon.generations import (
+from actcache.daemon.store._dirlock import DirLock
+from actcache.daemon.store._extents import ReadSession, ValueFile, stored_length
+from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
+from actcache.daemon.store._generations import (
     GEN_PREFIX_BYTES,
     Generation,
     Generations,
@@ -61,7 +61,7 @@ from actcache.daemon.generations import (
     read_write_time,
     write_time,
 )
-from actcache.daemon.writer import ReadGate, WriteOp, Writer
+from actcache.daemon.store._writer import ReadGate, WriteOp, Writer
 from actcache.errors import (
     BudgetExceeded,
     EntryCorrupt,
@@ -213,7 +213,7 @@ class Store:
         """Return the namespace called ``name`` with its handle, creating it when ``create``.
 
         A namespace created with a ``secret`` can only be opened with it
-        (PermissionDenied otherwise); see actcache.daemon.access.
+        (PermissionDenied otherwise); see actcache.daemon.store._access.
         """
         if not _NAME_RE.fullmatch(name or ""):
             raise InvalidRequest(f"namespace name {name!r} is invalid; use 1-128 characters of A-Z a-z 0-9 . _ -")

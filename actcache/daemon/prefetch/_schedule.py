@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from actcache.daemon.prefetch_stats import PrefetchCounters
+from actcache.daemon.prefetch._stats import PrefetchCounters
 from actcache.errors import InvalidRequest
 from actcache.keys import MAX_DEPTH, check_fingerprint, encode_keys
 

@@ -8,7 +8,7 @@ requires the token on every call and speaks TLS with ``--tls-cert/--tls-key``.
 DRAINING refuses new calls, lets in-flight ones finish (``grace_s``; Fetch
 streams end at once with UNAVAILABLE), commits queued writes and closes LMDB.
 SIGTERM, SIGINT and, with ``--idle-timeout``, a time without calls
-(actcache.daemon.idle) all lead there on the same path.
+(actcache.daemon.service._idle) all lead there on the same path.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from actcache.daemon.config import DaemonConfig, ServerConfig, is_loopback
-from actcache.daemon.guard import RequestGuard
-from actcache.daemon.idle import IdleMonitor
+from actcache.daemon.service._guard import RequestGuard
+from actcache.daemon.service._idle import IdleMonitor
 from actcache.daemon.prefetch import Prefetcher
-from actcache.daemon.service import ActCacheService
+from actcache.daemon.service._service import ActCacheService
 from actcache.daemon.store import Store
-from actcache.daemon.throttle import Throttle
+from actcache.daemon.service._throttle import Throttle
 from actcache.errors import ConfigError
 from actcache.malloc import tune_malloc
 from actcache.rpc import SERVICE
@@ -191,7 +191,7 @@ class Daemon:
         if cfg.listen:
             self.port = self._bind(cfg.listen, _tls_credentials(cfg))
         if self.config.metrics.port is not None:
-            from actcache.daemon.metrics import DaemonCollector, MetricsEndpoint, daemon_families
+            from actcache.daemon.service._metrics import DaemonCollector, MetricsEndpoint, daemon_families
 
             self.metrics = MetricsEndpoint(self.config.metrics, DaemonCollector(daemon_families(self.store, service)))
         self._server.start()

@@ -18,12 +18,10 @@ import grpc
 
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
-from actcache.daemon.jobs import NamespaceJobs
-from actcache.daemon.prefetch import Prefetcher
-from actcache.daemon.prefetch_stats import PrefetchCounters
-from actcache.daemon.schedule import ScheduleBuilder, unpack_ids, unpack_variants
+from actcache.daemon.prefetch import PrefetchCounters, Prefetcher, ScheduleBuilder, unpack_ids, unpack_variants
+from actcache.daemon.service._jobs import NamespaceJobs
+from actcache.daemon.service._throttle import Throttle
 from actcache.daemon.store import Store
-from actcache.daemon.throttle import Throttle
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
 from actcache.keys import group_prefix
 from actcache.rpc import SERVICE, decode_frame, encode_frame, split_payload

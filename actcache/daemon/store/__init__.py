@@ -1,0 +1,15 @@
+"""The store: one LMDB environment per cache directory.
+
+``Store`` (namespaces and their secrets, reads with corrupt-entry handling,
+budgets and the disk reserve, writes through one writer thread), explicit
+reads of values from ``data.mdb`` (``ReadSession``), the lock that makes a
+directory one daemon's, and the generations a put may reclaim. The bottom
+layer of the daemon: it imports nothing from ``prefetch`` or ``service``.
+"""
+
+from actcache.daemon.store._dirlock import LOCK_NAME, DirLock, holder_pid
+from actcache.daemon.store._extents import ReadSession, ValueFile
+from actcache.daemon.store._store import GroupUsage, NamespaceInfo, PutResult, Store
+
+__all__ = ["DirLock", "GroupUsage", "LOCK_NAME", "NamespaceInfo", "PutResult", "ReadSession", "Store", "ValueFile",
+           "holder_pid"]
