@@ -271,7 +271,7 @@ def test_map_that_cannot_grow_is_resource_exhausted_not_a_crash(tmp_path):
 
 
 def test_drop_runs_in_chunks_with_exact_usage(store, monkeypatch):
-    monkeypatch.setattr("actcache.daemon.store._store._DROP_CHUNK_ENTRIES", 3)
+    monkeypatch.setattr("actcache.daemon.store._ops._DROP_CHUNK_ENTRIES", 3)
     ns = store.open_namespace("chunks").id
     for depth in (1, 2):
         store.put(ns, FP, depth, [(i, 0, entry(i)) for i in range(10)])

@@ -18,14 +18,14 @@ import grpc
 
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
-from actcache.daemon.prefetch import PrefetchCounters, Prefetcher, ScheduleBuilder, unpack_ids, unpack_variants
+from actcache.daemon.prefetch import Prefetcher, ScheduleBuilder, unpack_ids, unpack_variants
 from actcache.daemon.service._jobs import NamespaceJobs
+from actcache.daemon.service._shm_fetch import fetch_shm, ring_for
+from actcache.daemon.service._stats import stats_reply
 from actcache.daemon.service._throttle import Throttle
 from actcache.daemon.store import Store
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
-from actcache.keys import group_prefix
 from actcache.rpc import SERVICE, decode_frame, encode_frame, split_payload
-from actcache.shm import ShmRing
 
 __all__ = ["ActCacheService", "Counters"]
 
@@ -249,12 +249,12 @@ class ActCacheService:
         context.add_callback(reader.cancel)
         frame_bytes = min(request.max_frame_bytes or _REPLY_FRAME_BYTES, self.max_message_bytes // 2)
         try:
-            ring, detail = self._ring_for(request, context)
+            ring, detail = ring_for(request, context)
             if ring is not None:
                 context.add_callback(ring.unlink)  # a client gone before mapping leaves no name behind
                 named = False
                 try:
-                    for frame in self._fetch_shm(reader, ring, frame_bytes, context):
+                    for frame in fetch_shm(reader, ring, frame_bytes, context, self.throttle):
                         named = True
                         yield frame
                 finally:
@@ -276,83 +276,6 @@ class ActCacheService:
         finally:
             reader.cancel()
 
-    def _ring_for(self, request: pb.FetchRequest, context) -> tuple["ShmRing | None", str]:
-        """A shared-memory ring for this Fetch, or None and why the bytes path is taken."""
-        if not request.shared_memory:
-            return None, "not asked for"
-        if not context.peer().startswith("unix:"):
-            return None, f"client is not on this host's Unix socket ({context.peer()})"
-        try:
-            return ShmRing(request.ring_bytes, request.start), ""
-        except OSError as exc:
-            return None, f"shared memory unavailable: {exc}"
-
-    def _fetch_shm(self, reader, ring: "ShmRing", frame_bytes: int, context) -> Iterator[bytes]:
-        """Frames of slot descriptors: each entry is decoded into its slot once the slot is free.
-
-        When the ring is full, the entries already written go out in a frame (so the client can
-        release their slots) before waiting. An entry larger than the whole ring travels alone in
-        a frame of its own, in the payload (offset 0), so no entry size ends the stream.
-        """
-        first = True
-
-        def frame(header: pb.EntriesHeader, lo: int, hi: int, offsets: list[int], inline: tuple = ()) -> bytes:
-            nonlocal first
-            out = pb.EntriesHeader(
-                start=header.start + lo, sample_ids=header.sample_ids[lo:hi],
-                variants=header.variants[lo:hi] if header.variants else [], lengths=header.lengths[lo:hi],
-                offsets=offsets,
-            )
-            if first:
-                out.data_plane, out.segment, first = "shared_memory", str(ring.path), False
-            return encode_frame(out.SerializeToString(), list(inline))
-
-        for batch in reader.batches(frame_bytes):
-            header, count, lo = batch.header, len(batch.stored), 0
-            ring.poll()
-            if not count:
-                yield frame(header, 0, 0, [])
-            while lo < count:
-                hi, offsets = self._alloc_run(ring, header, lo, count, context)
-                if hi is None:
-                    return
-                if hi == lo:  # larger than the ring: in the payload
-                    yield frame(header, lo, lo + 1, [0], batch.decode_one(lo))
-                    lo += 1
-                    continue
-                sizes = header.lengths[lo:hi]
-                batch.decode_into(range(lo, hi), [ring.view(o, n) if n else None for o, n in zip(offsets, sizes)])
-                yield frame(header, lo, hi, [o if n else 0 for o, n in zip(offsets, header.lengths[lo:hi])])
-                lo = hi
-            batch.finish()
-            if self.throttle is not None:
-                self.throttle.consume(batch.nbytes)
-
-    @staticmethod
-    def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, context) -> tuple[int | None, list[int]]:
-        """Ring slots for entries ``lo..hi`` (misses get offset 0): as many as fit now, waiting only for the
-        first. Returns ``(hi, offsets)``; ``hi == lo`` when entry ``lo`` is larger than the ring, None if
-        the call ended while waiting."""
-        offsets: list[int] = []
-        hi = lo
-        while hi < count:
-            size = header.lengths[hi]
-            if not size:
-                offsets.append(0)
-            elif size > ring.ring_bytes:
-                break
-            else:
-                offset = ring.alloc(header.start + hi, size)
-                if offset is None:
-                    if hi > lo:
-                        break
-                    offset = ring.wait_alloc(header.start + hi, size, context.is_active)
-                    if offset is None:
-                        return None, offsets
-                offsets.append(offset)
-            hi += 1
-        return hi, offsets
-
     @_status_on_error
     def Contains(self, request: pb.ContainsRequest, context) -> pb.ContainsReply:
         ids = unpack_ids((), request.packed_sample_ids)
@@ -371,93 +294,4 @@ class ActCacheService:
 
     @_status_on_error
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
-        store = self.store
-        names = {}
-        prefetch = self.prefetcher.stats()
-        counters = self.counters.snapshot()
-        for totals in prefetch.namespaces.values():
-            counters["hits_total"] += totals["hits"]
-            counters["misses_total"] += totals["misses"]
-            counters["corrupt_total"] += totals["corrupt"]
-            counters["served_bytes_total"] += totals["served_bytes"]
-        reads = store.read_counts()
-        reply = pb.StatsReply(
-            used_bytes=store.used_bytes(),
-            budget_bytes=store.config.budget_bytes,
-            map_size_bytes=store.map_size(),
-            file_bytes=store.file_bytes(),
-            uptime_seconds=time.monotonic() - self.started,
-            server_version=__version__,
-            prefetch_budget_bytes=prefetch.budget_bytes,
-            prefetch_buffered_bytes=prefetch.buffered_bytes,
-            prefetch_max_buffered_bytes=prefetch.max_buffered_bytes,
-            schedules_total=prefetch.schedules_total,
-            fetches_total=prefetch.fetches_total,
-            explicit_reads_total=reads["explicit_reads"],
-            fallback_reads_total=reads["fallback_reads"],
-            reclaimed_generations_total=store.generations.reclaimed_generations,
-            reclaimed_bytes_total=store.generations.reclaimed_bytes,
-            reclaim_after_seconds=store.config.reclaim_after_s,
-            now=store.generations.now(),
-            **counters,
-        )
-        generations = {g.prefix: g for g in store.generation_stats()}
-        reclaimable: dict[int, int] = {}
-        for g in generations.values():
-            if g.dead:
-                reclaimable[g.namespace_id] = reclaimable.get(g.namespace_id, 0) + g.bytes
-        reply.reclaimable_bytes = sum(reclaimable.values())
-        for info, entries, nbytes in store.namespaces():
-            names[info.id] = info.name
-            row = reply.namespaces.add(
-                name=info.name, namespace_id=info.id, entries=entries, bytes=nbytes,
-                budget_bytes=store.config.namespace_budget_bytes, reclaimable_bytes=reclaimable.get(info.id, 0),
-            )
-            for job in self.jobs.of(info.id):
-                row.jobs.add(
-                    job=pb.JobInfo(pid=job.pid, host=job.host, start_time=job.start_time, data_id=job.data_id),
-                    first_seen=job.first_seen, last_seen=job.last_seen, opens=job.opens,
-                )
-        for group in store.groups():
-            gen = generations.get(group_prefix(group.namespace_id, group.fingerprint))
-            reply.groups.add(
-                namespace=names.get(group.namespace_id, str(group.namespace_id)),
-                fingerprint=group.fingerprint,
-                depth=group.depth,
-                entries=group.entries,
-                bytes=group.bytes,
-                last_write_time=(gen and gen.last_write) or 0.0,
-                last_read_time=(gen and gen.last_read) or 0.0,
-                reclaimable=bool(gen and gen.dead),
-                live_schedules=gen.pins if gen else 0,
-            )
-        live: dict[int, list] = {}
-        for status in prefetch.schedules:
-            r = status.reader
-            row = reply.schedules.add(
-                namespace=names.get(status.namespace_id, str(status.namespace_id)),
-                schedule_id=status.schedule_id,
-                length=status.length,
-                counters=_counters_message(status.counters),
-            )
-            if r is not None:
-                row.state, row.attached = r.state.value, r.attached
-                row.start, row.served, row.ready, row.read = r.start, r.served, r.ready, r.read
-                row.read_ahead_entries, row.buffered_bytes = r.read_ahead_entries, r.buffered_bytes
-            else:
-                row.state = "idle"
-            agg = live.setdefault(status.namespace_id, [0, 0, 0])
-            agg[0] += 1
-            agg[1] += row.read_ahead_entries
-            agg[2] += row.buffered_bytes
-        for ns_id in sorted(prefetch.namespaces):
-            schedules, ahead, buffered = live.get(ns_id, (0, 0, 0))
-            reply.prefetch.add(
-                namespace=names.get(ns_id, str(ns_id)), schedules=schedules, read_ahead_entries=ahead,
-                buffered_bytes=buffered, counters=_counters_message(prefetch.namespaces[ns_id]),
-            )
-        return reply
-
-
-def _counters_message(snapshot: dict[str, float]) -> pb.PrefetchCounters:
-    return pb.PrefetchCounters(hit_ratio=PrefetchCounters.hit_ratio(snapshot), **snapshot)
+        return stats_reply(self)
