@@ -62,3 +62,24 @@ def test_daemon_layers_import_only_downwards(layer):
             for name in names:
                 assert not any(name == a or name.startswith(a + ".") for a in above), \
                     f"{path.name} (layer {layer}) imports {name}, a layer above it"
+
+
+def test_the_two_packages_public_names_are_pinned():
+    # A change here is a change of the public API: update the README and say so in the commit.
+    assert actcache.__all__ == [
+        "ActCacheError", "BudgetExceeded", "CacheMismatchError", "ConfigError", "DaemonUnavailable", "EntryCorrupt",
+        "FetchAborted", "InvalidRequest", "LifecycleError", "NamespaceNotFound", "PermissionDenied",
+        "ReferenceModelFailed", "ScheduleNotFound", "StoreError", "Unauthenticated", "__version__",
+    ]
+    assert actcache_client.__all__ == [
+        "AuditConfig", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning", "CacheMismatchWarning",
+        "CachePlanner", "CachedForward", "CachedLoader", "CachedTeacher", "ClientStats", "Connection",
+        "ConnectionConfig", "Decision", "DecisionKind", "EgeriaConfig", "EgeriaPolicy", "EpochCounters",
+        "FreezeController", "FreezeMilestone", "FreezePolicy", "IndexedDataset", "ManualPolicy",
+        "MovingTeacherWarning", "NodeStableSampler", "PlannerConfig", "ReferenceConfig", "Signals", "StagedModel",
+        "StaticPolicy", "StepTimes", "TeacherOutput", "UncacheableDataWarning", "VarLen", "auto_partition",
+        "connect", "distillation_loss", "from_bert", "from_resnet", "from_sequential", "topk_soft_targets",
+    ]
+    # every error class actcache raises is reachable from the top package
+    errors = [getattr(actcache, n) for n in actcache.__all__ if n != "__version__"]
+    assert all(issubclass(e, actcache.ActCacheError) for e in errors)

@@ -10,6 +10,8 @@
         loss = F.cross_entropy(model(batch), y)
         opt.zero_grad(); loss.backward(); opt.step()
         ctl.step(loss, epoch=batch.epoch)             # freezes stages when the policy says so
+
+Errors are actcache's (``actcache.ActCacheError`` and its subclasses).
 """
 
 from actcache_client.audit import AuditConfig, CacheMismatchWarning
@@ -18,12 +20,16 @@ from actcache_client.connection import CacheFallbackWarning, ClientStats, Connec
 from actcache_client.freeze import (
     AutoFreezeConfig,
     AutoFreezePolicy,
+    Decision,
+    DecisionKind,
     EgeriaConfig,
     EgeriaPolicy,
     FreezeController,
     FreezeMilestone,
+    FreezePolicy,
     ManualPolicy,
     ReferenceConfig,
+    Signals,
     StaticPolicy,
 )
 from actcache_client.loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
@@ -53,17 +59,21 @@ __all__ = [
     "ClientStats",
     "Connection",
     "ConnectionConfig",
+    "Decision",
+    "DecisionKind",
     "EgeriaConfig",
     "EgeriaPolicy",
     "EpochCounters",
     "FreezeController",
     "FreezeMilestone",
+    "FreezePolicy",
     "IndexedDataset",
     "ManualPolicy",
     "MovingTeacherWarning",
     "NodeStableSampler",
     "PlannerConfig",
     "ReferenceConfig",
+    "Signals",
     "StagedModel",
     "StaticPolicy",
     "StepTimes",
