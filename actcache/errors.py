@@ -2,6 +2,7 @@
 
     ActCacheError                   base of everything actcache raises
     ├── ConfigError                 a flag, env var or config value is invalid
+    │   └── ConfigTypeError         ... of the wrong type (also a TypeError)
     ├── DaemonUnavailable           the daemon cannot be reached or timed out   UNAVAILABLE / DEADLINE_EXCEEDED
     ├── Unauthenticated             missing or wrong token                      UNAUTHENTICATED
     ├── PermissionDenied            wrong or missing namespace secret, or a     PERMISSION_DENIED
@@ -20,6 +21,8 @@
     │                               failed or exited (Egeria plasticity)
     ├── CacheMismatchError          an audited entry differs from what the      (client only)
     │                               prefix computes for it (strict mode)
+    ├── PolicyError                 a freeze policy asked for what the          (client only)
+    │                               controller cannot do (also a RuntimeError)
     └── LifecycleError              a method called in a state that does not    (client only)
                                     allow it (also a RuntimeError)
 
@@ -39,6 +42,7 @@ __all__ = [
     "BudgetExceeded",
     "CacheMismatchError",
     "ConfigError",
+    "ConfigTypeError",
     "DaemonUnavailable",
     "ERROR_METADATA_KEY",
     "EntryCorrupt",
@@ -47,6 +51,7 @@ __all__ = [
     "LifecycleError",
     "NamespaceNotFound",
     "PermissionDenied",
+    "PolicyError",
     "ReferenceModelFailed",
     "ScheduleNotFound",
     "StoreError",
@@ -139,6 +144,15 @@ class ReferenceModelFailed(ActCacheError):
 class CacheMismatchError(ActCacheError):
     """An audit recomputed a served sample and got something else: the entry was not made by this
     computation (strict mode; otherwise the client warns, drops the fingerprint and recomputes)."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """An argument of the wrong type (a ConfigError that is also a TypeError)."""
+
+
+class PolicyError(ActCacheError, RuntimeError):
+    """A freeze policy asked the controller for something it cannot do (freeze a stage out of order,
+    unfreeze with nothing frozen). The message names the policy and its decision."""
 
 
 class LifecycleError(ActCacheError, RuntimeError):

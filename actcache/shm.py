@@ -66,6 +66,8 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable
 
+from actcache.errors import InvalidRequest
+
 __all__ = [
     "ClientSegment",
     "DEFAULT_RING_BYTES",
@@ -168,7 +170,7 @@ class ShmRing:
     def alloc(self, position: int, size: int) -> int | None:
         """Segment offset of a new slot of ``size`` bytes for the entry at ``position``; None while full."""
         if size > self.ring_bytes:
-            raise ValueError(f"an entry of {size} bytes does not fit the shared-memory ring of {self.ring_bytes} bytes")
+            raise InvalidRequest(f"an entry of {size} bytes does not fit the shared-memory ring of {self.ring_bytes} bytes")
         at = self._write % self.ring_bytes
         need = size + (self.ring_bytes - at if at + size > self.ring_bytes else 0)
         if self._write + need - self._freed > self.ring_bytes:

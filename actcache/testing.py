@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Sequence
 
 import grpc
 
+from actcache.errors import DaemonUnavailable, LifecycleError
 from actcache.rpc_client import RpcClient
 
 __all__ = ["DaemonProcess", "run_daemon", "wait_until"]
@@ -73,10 +74,10 @@ class DaemonProcess:
                 reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
             except grpc.RpcError as exc:
                 self.kill()
-                raise RuntimeError(f"daemon did not become healthy in {timeout_s:.0f} s: {exc.code().name}\n{self.log_tail()}") from None
+                raise DaemonUnavailable(f"daemon did not become healthy in {timeout_s:.0f} s: {exc.code().name}\n{self.log_tail()}") from None
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             self.kill()
-            raise RuntimeError(f"daemon health is {reply.status}\n{self.log_tail()}")
+            raise DaemonUnavailable(f"daemon health is {reply.status}\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -95,7 +96,7 @@ class DaemonProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise RuntimeError(f"daemon did not stop within {timeout_s:.0f} s of SIGTERM\n{self.log_tail()}") from None
+            raise LifecycleError(f"daemon did not stop within {timeout_s:.0f} s of SIGTERM\n{self.log_tail()}") from None
         self.proc = None
         return code
 
@@ -123,7 +124,7 @@ def run_daemon(
         log = daemon.log_tail()
         shutil.rmtree(tmp, ignore_errors=True)
         if check_exit and running and code != 0:
-            raise RuntimeError(f"daemon exited with code {code}\n{log}")
+            raise LifecycleError(f"daemon exited with code {code}\n{log}")
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> None:

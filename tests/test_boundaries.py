@@ -67,9 +67,9 @@ def test_daemon_layers_import_only_downwards(layer):
 def test_the_two_packages_public_names_are_pinned():
     # A change here is a change of the public API: update the README and say so in the commit.
     assert actcache.__all__ == [
-        "ActCacheError", "BudgetExceeded", "CacheMismatchError", "ConfigError", "DaemonUnavailable", "EntryCorrupt",
-        "FetchAborted", "InvalidRequest", "LifecycleError", "NamespaceNotFound", "PermissionDenied",
-        "ReferenceModelFailed", "ScheduleNotFound", "StoreError", "Unauthenticated", "__version__",
+        "ActCacheError", "BudgetExceeded", "CacheMismatchError", "ConfigError", "ConfigTypeError", "DaemonUnavailable",
+        "EntryCorrupt", "FetchAborted", "InvalidRequest", "LifecycleError", "NamespaceNotFound", "PermissionDenied",
+        "PolicyError", "ReferenceModelFailed", "ScheduleNotFound", "StoreError", "Unauthenticated", "__version__",
     ]
     assert actcache_client.__all__ == [
         "AuditConfig", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning", "CacheMismatchWarning",
@@ -83,3 +83,20 @@ def test_the_two_packages_public_names_are_pinned():
     # every error class actcache raises is reachable from the top package
     errors = [getattr(actcache, n) for n in actcache.__all__ if n != "__version__"]
     assert all(issubclass(e, actcache.ActCacheError) for e in errors)
+
+
+# Raises of builtin exceptions that never leave actcache: caught and turned into ConfigError by
+# the config builder (its value parsers), or generated code.
+_INTERNAL_RAISES = {"actcache/daemon/config.py": 2, "actcache/codec.py": 1, "actcache/_proto/actcache_pb2_grpc.py": 1}
+
+
+def test_every_error_actcache_raises_is_an_actcache_error():
+    import re
+
+    root = Path(actcache.__file__).parent.parent
+    counts = {}
+    for path in [*root.joinpath("actcache").rglob("*.py"), *root.joinpath("client", "actcache_client").rglob("*.py")]:
+        found = re.findall(r"raise (ValueError|RuntimeError|TypeError|KeyError)\(", path.read_text())
+        if found:
+            counts[str(path.relative_to(root))] = len(found)
+    assert counts == _INTERNAL_RAISES

@@ -30,6 +30,8 @@ from typing import Callable
 
 import grpc
 
+from actcache.errors import ConfigError
+
 __all__ = ["IdleMonitor"]
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class IdleMonitor(grpc.ServerInterceptor):
 
     def __init__(self, timeout_s: float, on_idle: Callable[[], None]) -> None:
         if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+            raise ConfigError(f"timeout_s must be > 0, got {timeout_s}; pass --idle-timeout SECONDS > 0")
         self.timeout_s = timeout_s
         self._on_idle = on_idle
         self._cond = threading.Condition()

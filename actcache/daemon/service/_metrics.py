@@ -74,7 +74,7 @@ class DaemonCollector:
     def add(self, family: Family) -> None:
         with self._lock:
             if any(f.name == family.name for f in self._families):
-                raise ValueError(f"metric family {family.name} is already registered")
+                raise ConfigError(f"metric family {family.name} is already registered")
             self._families.append(family)
 
     def collect(self) -> Iterator[Metric]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 import time
 
+from actcache.errors import ConfigError
+
 __all__ = ["Throttle"]
 
 
@@ -22,7 +24,7 @@ class Throttle:
 
     def __init__(self, bytes_per_s: float, *, burst_s: float = 0.05) -> None:
         if bytes_per_s <= 0:
-            raise ValueError(f"throttle rate must be > 0 bytes/s, got {bytes_per_s}")
+            raise ConfigError(f"throttle rate must be > 0 bytes/s, got {bytes_per_s}; pass --throttle-read-mbps > 0")
         self.rate = float(bytes_per_s)
         self._burst = self.rate * burst_s
         self._lock = threading.Lock()

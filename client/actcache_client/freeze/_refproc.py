@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actcache.errors import ReferenceModelFailed
 from actcache_client.freeze.plasticity import sp_loss
 from actcache_client.freeze.quantize import build_reference
 from actcache_client.stages import State
@@ -120,7 +121,7 @@ class _Generation:
 
     def __init__(self, first: Snapshot) -> None:
         if first.payload is None:
-            raise ValueError(f"snapshot {first.index} of generation {first.generation} opens it without a module")
+            raise ReferenceModelFailed(f"snapshot {first.index} of generation {first.generation} opens it without a module")
         self.first = first
         self.module: torch.nn.Module = pickle.loads(first.payload)
         self.states: dict[int, dict[str, torch.Tensor] | None] = {first.index: None}  # None: the module as sent

@@ -122,7 +122,7 @@ class AutoFreezePolicy:
 
     def _close_interval(self, signals: Signals) -> None:
         if signals.grad_norms is None:
-            raise ValueError("AutoFreezePolicy needs signals.grad_norms (one accumulated gradient norm per "
+            raise ConfigError("AutoFreezePolicy needs signals.grad_norms (one accumulated gradient norm per "
                              "stage) at every new step; compute them or choose another policy")
         norms = [g if i >= signals.frozen and math.isfinite(g) else None
                  for i, g in enumerate(signals.grad_norms)]
@@ -140,7 +140,7 @@ class AutoFreezePolicy:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"AutoFreezePolicy state version {state.get('version')!r} is not {_STATE_VERSION}; "
+            raise ConfigError(f"AutoFreezePolicy state version {state.get('version')!r} is not {_STATE_VERSION}; "
                              "it was saved by an incompatible actcache version")
         self._step = state["step"]
         self._prev = [None if v is None else float(v) for v in state["prev"]]

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from actcache.errors import ConfigError
+from actcache.errors import ConfigError, LifecycleError, PolicyError
 from actcache_client.cached_forward import CachedForward
 from actcache_client.cost_model import Plan
 from actcache_client.freeze import _refproc
@@ -177,7 +177,7 @@ class FreezeController:
             loss = mean_across_ranks(loss, self.group)
         grad_norms = self._grads.norms() if self._grads is not None else None
         if self._grads is not None and grad_norms is None:
-            raise RuntimeError("the policy needs gradient norms but no gradients were summed in this interval: "
+            raise LifecycleError("the policy needs gradient norms but no gradients were summed in this interval: "
                                "call controller.after_backward() after backward (or keep hook_optimizer=True)")
         reading = self._probe.reading(self.step_count) if self._probe is not None else None
         depth, records = self._decide(lr, loss, grad_norms, reading) if self.rank == 0 else (None, [])
@@ -214,13 +214,13 @@ class FreezeController:
     def _check(self, decision: Decision, frozen: int) -> int:
         if decision.kind is DecisionKind.FREEZE_NEXT:
             if decision.stage != frozen or frozen >= self._num_stages - 1:
-                raise RuntimeError(f"policy {type(self.policy).__name__} asked to freeze stage {decision.stage} with "
+                raise PolicyError(f"policy {type(self.policy).__name__} asked to freeze stage {decision.stage} with "
                                    f"{frozen} of {self._num_stages} stages frozen; only stage {frozen} may freeze "
                                    "and never the head (see check_freeze_policy_contract)")
             return frozen + 1
         if decision.kind is DecisionKind.UNFREEZE_ALL:
             if frozen == 0:
-                raise RuntimeError(f"policy {type(self.policy).__name__} asked to unfreeze with nothing frozen")
+                raise PolicyError(f"policy {type(self.policy).__name__} asked to unfreeze with nothing frozen")
             return 0
         return frozen
 

@@ -256,7 +256,7 @@ class EgeriaPolicy:
 
     def _bootstrap(self, loss: float | None, steps: int) -> Decision:
         if loss is None:
-            raise ValueError("EgeriaPolicy needs signals.loss while bootstrapping; pass the training loss "
+            raise ConfigError("EgeriaPolicy needs signals.loss while bootstrapping; pass the training loss "
                              "or set EgeriaConfig(bootstrap_threshold=None)")
         if not math.isfinite(loss):
             return Decision.none(f"bootstrapping: non-finite loss {loss} ignored")
@@ -330,7 +330,7 @@ class EgeriaPolicy:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"EgeriaPolicy state version {state.get('version')!r} is not {_STATE_VERSION}; "
+            raise ConfigError(f"EgeriaPolicy state version {state.get('version')!r} is not {_STATE_VERSION}; "
                              "it was saved by an incompatible actcache version")
         self._bootstrapping = bool(state["bootstrapping"])
         self._span = [float(state["span"][0]), int(state["span"][1])]

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from actcache.errors import ConfigError, ConfigTypeError
+
 __all__ = ["sp_loss"]
 
 
@@ -31,9 +33,9 @@ def _first_tensor(state: torch.Tensor | Sequence[torch.Tensor], name: str) -> to
     elif isinstance(state, (tuple, list)) and state and isinstance(state[0], torch.Tensor):
         tensor = state[0]  # a stage state such as (hidden, attention_mask): compare the hidden part
     else:
-        raise TypeError(f"{name} must be a Tensor or a tuple whose first item is a Tensor, got {type(state).__name__}")
+        raise ConfigTypeError(f"{name} must be a Tensor or a tuple whose first item is a Tensor, got {type(state).__name__}")
     if tensor.dim() == 0 or tensor.shape[0] == 0:
-        raise ValueError(f"{name} needs a leading batch dimension of size >= 1, got shape {tuple(tensor.shape)}")
+        raise ConfigError(f"{name} needs a leading batch dimension of size >= 1, got shape {tuple(tensor.shape)}")
     return tensor
 
 
@@ -53,7 +55,7 @@ def sp_loss(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence
     ta = _first_tensor(a, "a")
     tb = _first_tensor(b, "b")
     if ta.shape[0] != tb.shape[0]:
-        raise ValueError(
+        raise ConfigError(
             f"a and b must come from the same batch: batch sizes {ta.shape[0]} and {tb.shape[0]} differ"
         )
     with torch.no_grad():

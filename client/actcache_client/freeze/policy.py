@@ -23,6 +23,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from actcache.errors import ConfigError
+
 __all__ = [
     "Decision",
     "DecisionKind",
@@ -54,9 +56,9 @@ class Decision:
     def __post_init__(self) -> None:
         if self.kind is DecisionKind.FREEZE_NEXT:
             if not isinstance(self.stage, int) or self.stage < 0:
-                raise ValueError(f"FREEZE_NEXT needs a stage index >= 0, got {self.stage!r}")
+                raise ConfigError(f"FREEZE_NEXT needs a stage index >= 0, got {self.stage!r}")
         elif self.stage is not None:
-            raise ValueError(f"{self.kind.name} takes stage=None, got {self.stage!r}")
+            raise ConfigError(f"{self.kind.name} takes stage=None, got {self.stage!r}")
 
     @classmethod
     def none(cls, reason: str, numbers: Mapping[str, float] | None = None) -> Decision:
@@ -95,20 +97,20 @@ class Signals:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
         if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+            raise ConfigError(f"num_stages must be >= 1, got {self.num_stages}")
         if not 0 <= self.frozen < self.num_stages:
-            raise ValueError(
+            raise ConfigError(
                 f"frozen={self.frozen} is outside 0..{self.num_stages - 1} for "
                 f"{self.num_stages} stages (the head stage always trains)"
             )
         if self.step < 0 or self.epoch < 0:
-            raise ValueError(f"step and epoch must be >= 0, got step={self.step} epoch={self.epoch}")
+            raise ConfigError(f"step and epoch must be >= 0, got step={self.step} epoch={self.epoch}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
-            raise ValueError(f"lr must be finite and >= 0, got {self.lr}")
+            raise ConfigError(f"lr must be finite and >= 0, got {self.lr}")
         if self.grad_norms is not None:
             norms = tuple(float(g) for g in self.grad_norms)
             if len(norms) != self.num_stages:
-                raise ValueError(
+                raise ConfigError(
                     f"grad_norms has {len(norms)} entries for {self.num_stages} stages; pass one per stage"
                 )
             object.__setattr__(self, "grad_norms", norms)
@@ -197,7 +199,7 @@ def check_freeze_policy_contract(
         _fail(f"needs={policy.needs!r} must be a frozenset of {sorted(SIGNAL_NAMES)}")
     splits = sorted(set(snapshot_at if snapshot_at is not None else [len(stream) // 2]))
     if splits and not 0 <= splits[0] <= splits[-1] <= len(stream):
-        raise ValueError(f"snapshot_at must lie in 0..{len(stream)} (the stream length), got {splits}")
+        raise ConfigError(f"snapshot_at must lie in 0..{len(stream)} (the stream length), got {splits}")
     decisions: list[Decision] = []
     snapshots: dict[int, tuple[Any, int]] = {}
     frozen, done = 0, 0

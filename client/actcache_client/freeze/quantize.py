@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from actcache.errors import ConfigError, ReferenceModelFailed
 from actcache_client.freeze.plasticity import sp_loss
 from actcache_client.stages import State
 
@@ -129,7 +130,7 @@ def _build(module: nn.Module, precision: str, example: State) -> Callable[[State
             prepared = prepare_fx(copy.deepcopy(module), mapping, (example,))
             prepared(example)  # calibration: observers record the ranges of this batch
             return convert_fx(prepared)
-    raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    raise ConfigError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
 
 
 def _time(fn: Callable[[State], State], example: State) -> float:
@@ -155,9 +156,9 @@ def build_reference(module: nn.Module, precision: str, example: State, *, repeat
     stage whose precision was chosen before.
     """
     if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+        raise ConfigError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     if repeats < 0 or (repeats == 0 and precision == "auto"):
-        raise ValueError(f"repeats={repeats}: auto needs timings (repeats >= 1); a fixed precision takes >= 0")
+        raise ConfigError(f"repeats={repeats}: auto needs timings (repeats >= 1); a fixed precision takes >= 0")
     module = module.eval()
     notes: list[str] = []
     if precision == "auto" and not quantizable(module):
@@ -190,7 +191,7 @@ def build_reference(module: nn.Module, precision: str, example: State, *, repeat
                 continue
             built[name] = fn
         if not built:
-            raise RuntimeError(f"no reference precision works for this stage: {'; '.join(notes)}")
+            raise ReferenceModelFailed(f"no reference precision works for this stage: {'; '.join(notes)}")
         runs: dict[str, list[float]] = {name: [] for name in built}
         builds: dict[str, list[float]] = {name: [] for name in built}
         for _ in range(repeats):

@@ -55,7 +55,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from actcache.errors import ConfigError, ReferenceModelFailed
+from actcache.errors import ConfigError, LifecycleError, ReferenceModelFailed
 from actcache_client.freeze import _refproc
 from actcache_client.freeze.quantize import PRECISIONS
 from actcache_client.stages import State
@@ -194,7 +194,7 @@ class ReferenceWorker:
     def start(self) -> None:
         """Spawn the process (returns once it is launched, not once it has imported torch)."""
         if self.state is not ReferenceState.NEW:
-            raise RuntimeError(f"ReferenceWorker.start() in state {self.state.value}; a worker starts once")
+            raise LifecycleError(f"ReferenceWorker.start() in state {self.state.value}; a worker starts once")
         self._inbox = self._ctx.Queue(maxsize=self.config.queue_size + MAX_PENDING_SNAPSHOTS + 1)
         self._outbox = self._ctx.Queue()
         self._process = self._ctx.Process(target=_refproc.main, name="actcache-reference", daemon=True,

@@ -78,7 +78,7 @@ class StaticPolicy:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"StaticPolicy state version {state.get('version')!r} is not {_STATE_VERSION}")
+            raise ConfigError(f"StaticPolicy state version {state.get('version')!r} is not {_STATE_VERSION}")
 
 
 class ManualPolicy:
@@ -99,7 +99,7 @@ class ManualPolicy:
     def request_freeze(self, stages: int = 1) -> None:
         """Freeze ``stages`` more stages, one per following observation."""
         if stages < 1:
-            raise ValueError(f"request_freeze(stages={stages}) must ask for at least 1 stage")
+            raise ConfigError(f"request_freeze(stages={stages}) must ask for at least 1 stage")
         with self._lock:
             self._pending_freezes += stages
 
@@ -132,7 +132,7 @@ class ManualPolicy:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"ManualPolicy state version {state.get('version')!r} is not {_STATE_VERSION}")
+            raise ConfigError(f"ManualPolicy state version {state.get('version')!r} is not {_STATE_VERSION}")
         with self._lock:
             self._pending_freezes = int(state["pending_freezes"])
             self._pending_unfreeze = bool(state["pending_unfreeze"])
