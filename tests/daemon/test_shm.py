@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from actcache.errors import InvalidRequest
 from actcache.shm import HEADER_BYTES, MIN_RING_BYTES, ClientSegment, ShmRing, remove_stale
 
 
@@ -36,7 +37,7 @@ def test_an_entry_never_crosses_the_end_of_the_ring(ring):
     assert ring.alloc(11, big) is None
     client.release(11)
     assert ring.alloc(11, big) == HEADER_BYTES  # the gap at the end goes with it
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequest, match="does not fit the shared-memory ring"):
         ring.alloc(12, MIN_RING_BYTES + 1)
 
 
