@@ -25,7 +25,7 @@ def test_daemon_and_cli_never_import_torch():
 
 
 def test_client_never_imports_daemon_internals():
-    loaded = _modules_after_import("actcache_client", "actcache_client.loader", "actcache_client.cached_forward")
+    loaded = _modules_after_import("actcache_client", "actcache_client._loader", "actcache_client._cached_forward")
     assert not any(m.startswith("actcache.daemon") for m in loaded), sorted(m for m in loaded if m.startswith("actcache"))
 
 

@@ -14,9 +14,9 @@
 Errors are actcache's (``actcache.ActCacheError`` and its subclasses).
 """
 
-from actcache_client.audit import AuditConfig, CacheMismatchWarning
-from actcache_client.cached_forward import CachedForward, EpochCounters, StepTimes
-from actcache_client.connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig, connect
+from actcache_client._audit import AuditConfig, CacheMismatchWarning
+from actcache_client._cached_forward import CachedForward, EpochCounters, StepTimes
+from actcache_client._connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig, connect
 from actcache_client.freeze import (
     AutoFreezeConfig,
     AutoFreezePolicy,
@@ -32,18 +32,18 @@ from actcache_client.freeze import (
     Signals,
     StaticPolicy,
 )
-from actcache_client.loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
-from actcache_client.planner import CachePlanner, PlannerConfig
+from actcache_client._loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
+from actcache_client._planner import CachePlanner, PlannerConfig
 from actcache_client.sampler import NodeStableSampler
-from actcache_client.stages import StagedModel, auto_partition, from_bert, from_resnet, from_sequential
-from actcache_client.teacher import (
+from actcache_client._stages import StagedModel, auto_partition, from_bert, from_resnet, from_sequential
+from actcache_client._teacher import (
     CachedTeacher,
     MovingTeacherWarning,
     TeacherOutput,
     distillation_loss,
     topk_soft_targets,
 )
-from actcache_client.tensors import VarLen
+from actcache_client._tensors import VarLen
 
 __all__ = [
     "AuditConfig",

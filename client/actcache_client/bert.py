@@ -3,7 +3,7 @@
 ``BertForSequenceClassification(config)`` has the attribute tree of HF's
 (``bert.embeddings.word_embeddings``, ``bert.encoder.layer[i].attention.self.query``,
 ``...output.LayerNorm``, ``bert.pooler.dense``, ``classifier``), so
-:func:`actcache_client.stages.from_bert` stages it and HF checkpoints load by
+:func:`actcache_client._stages.from_bert` stages it and HF checkpoints load by
 name. Attention is the eager kind: each layer takes the additive mask
 ``(1 - mask[:, None, None, :]) * finfo.min`` exactly as ``from_bert`` passes it.
 

@@ -4,37 +4,38 @@ a call out of order a LifecycleError (still a RuntimeError), and the message nam
 from __future__ import annotations
 
 import ast
-import importlib
-import inspect
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import actcache_client
 from actcache.errors import ActCacheError, ConfigError, LifecycleError
 from actcache_client import cost_model
+from actcache_client._planner import PlannerConfig
 from actcache_client.models import CifarResNet
-from actcache_client.planner import PlannerConfig
-from actcache_client.stages import Stage, StagedModel, auto_partition, from_sequential
-from actcache_client.staging import HostRing
+from actcache_client._stages import Stage, StagedModel, auto_partition, from_sequential
+from actcache_client._staging import HostRing
 
-# Modules whose every raise is a class of actcache.errors (or an ImportError for an optional dependency).
-CHECKED = ["audit", "bert", "cost_model", "fingerprint", "identity", "models", "planner", "plot", "stages", "staging",
-           "tensors"]
+# Every module of the client: each raise is a class of actcache.errors (or an ImportError for an optional dependency).
+CLIENT = Path(actcache_client.__file__).parent
+CHECKED = sorted(str(p.relative_to(CLIENT)) for p in CLIENT.rglob("*.py"))
 BARE = {"ValueError", "RuntimeError", "TypeError", "Exception", "AssertionError"}
+# The policy contract check (check_freeze_policy_contract) is a test helper for custom policies: it fails like an assert.
+ALLOWED = {"freeze/policy.py": {"AssertionError"}}
 
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_no_bare_builtin_errors(name: str) -> None:
-    module = importlib.import_module(f"actcache_client.{name}")
-    tree = ast.parse(inspect.getsource(module))
+    tree = ast.parse((CLIENT / name).read_text())
     bare = [
         f"line {node.lineno}: {node.exc.func.id}"
         for node in ast.walk(tree)
         if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
-        and isinstance(node.exc.func, ast.Name) and node.exc.func.id in BARE
+        and isinstance(node.exc.func, ast.Name) and node.exc.func.id in BARE - ALLOWED.get(name, set())
     ]
-    assert not bare, f"actcache_client.{name} raises builtin errors; use actcache.errors: {bare}"
+    assert not bare, f"actcache_client/{name} raises builtin errors; use actcache.errors: {bare}"
 
 
 @pytest.mark.parametrize(

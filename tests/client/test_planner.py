@@ -4,7 +4,7 @@ import pytest
 
 from actcache.errors import ConfigError
 from actcache_client.cost_model import PlanMode
-from actcache_client.planner import CachePlanner, PlannerConfig
+from actcache_client._planner import CachePlanner, PlannerConfig
 
 
 def measured(planner: CachePlanner, k: int, stage_s: float = 1e-3, entry: float = 32e3) -> None:

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from actcache.errors import InvalidRequest
-from actcache_client.tensors import VarLen, collate_entries, encode_samples
+from actcache_client._tensors import VarLen, collate_entries, encode_samples
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 

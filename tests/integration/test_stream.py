@@ -171,7 +171,7 @@ def test_a_miss_after_the_next_epoch_was_pushed_makes_it_push_again(daemon):
 
 
 def test_the_shared_memory_ring_holds_a_few_batches_within_bounds_and_frames_hold_one():
-    from actcache_client.stream import _MAX_RING, _MIN_RING, _sizes
+    from actcache_client._stream import _MAX_RING, _MIN_RING, _sizes
 
     assert _sizes([b"x" * 16384] * 128 + [None], 128) == (8 << 20, 2 << 20)  # 4 batches of 128 x 16 KiB
     assert _sizes([b"x" * 100], 32) == (_MIN_RING, 3200)

@@ -39,7 +39,7 @@ import torch
 from actcache.errors import ReferenceModelFailed
 from actcache_client.freeze.plasticity import sp_loss
 from actcache_client.freeze.quantize import build_reference
-from actcache_client.stages import State
+from actcache_client._stages import State
 
 #: How often a waiting reference process checks that its parent is still alive.
 PARENT_CHECK_S = 5.0

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from actcache.errors import ConfigError, LifecycleError, PolicyError
-from actcache_client.cached_forward import CachedForward
+from actcache_client._cached_forward import CachedForward
 from actcache_client.cost_model import Plan
 from actcache_client.freeze import _refproc
 from actcache_client.freeze.distributed import DdpWrapper, broadcast_depth, mean_across_ranks, rank_and_world

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from actcache_client.cached_forward import CachedForward
+from actcache_client._cached_forward import CachedForward
 from actcache_client.freeze import _refproc
 from actcache_client.freeze.policy import FreezePolicy
 from actcache_client.freeze.reference import ReferenceConfig, ReferenceState, ReferenceStats, ReferenceWorker, to_shared

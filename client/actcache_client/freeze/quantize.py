@@ -48,7 +48,7 @@ from torch import nn
 
 from actcache.errors import ConfigError, ReferenceModelFailed
 from actcache_client.freeze.plasticity import sp_loss
-from actcache_client.stages import State
+from actcache_client._stages import State
 
 __all__ = ["AUTO_MARGIN", "BuiltReference", "PRECISIONS", "build_reference", "linear_heavy", "quantizable"]
 

@@ -58,7 +58,7 @@ from torch import nn
 from actcache.errors import ConfigError, LifecycleError, ReferenceModelFailed
 from actcache_client.freeze import _refproc
 from actcache_client.freeze.quantize import PRECISIONS
-from actcache_client.stages import State
+from actcache_client._stages import State
 
 __all__ = ["ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWorker", "to_shared"]
 

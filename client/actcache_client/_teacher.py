@@ -61,13 +61,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
-from actcache_client.audit import AuditConfig
-from actcache_client.batch import Batch
-from actcache_client.cached_forward import CachedForward, StepTimes
-from actcache_client.connection import Connection
-from actcache_client.fingerprint import prefix_fingerprints
-from actcache_client.stages import Stage, StagedModel, State
-from actcache_client.tensors import VarLen
+from actcache_client._audit import AuditConfig
+from actcache_client._batch import Batch
+from actcache_client._cached_forward import CachedForward, StepTimes
+from actcache_client._connection import Connection
+from actcache_client._fingerprint import prefix_fingerprints
+from actcache_client._stages import Stage, StagedModel, State
+from actcache_client._tensors import VarLen
 
 __all__ = ["CachedTeacher", "MovingTeacherWarning", "TeacherOutput", "distillation_loss", "topk_soft_targets"]
 

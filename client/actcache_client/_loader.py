@@ -16,7 +16,7 @@ for a mid-epoch resume.
 
 Variants: with ``variants=K``, epoch e uses variant ``e % K`` and K
 augmented versions of each sample are cached. The data's fingerprint
-(actcache_client.identity) is computed once per loader, over all K variants,
+(actcache_client._identity) is computed once per loader, over all K variants,
 and is part of every cache key. A dataset with augmentation
 and no ``variants`` (or one that declares uncontrolled randomness) is not
 cached: the loader warns and the model recomputes every step.
@@ -34,9 +34,9 @@ from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
 from actcache.errors import ConfigError
-from actcache_client.batch import Batch, Skipped
-from actcache_client.cached_forward import CachedForward
-from actcache_client.identity import data_fingerprint
+from actcache_client._batch import Batch, Skipped
+from actcache_client._cached_forward import CachedForward
+from actcache_client._identity import data_fingerprint
 
 __all__ = ["Batch", "CachedLoader", "IndexedDataset", "Skipped", "UncacheableDataWarning", "sample_seed"]
 
@@ -61,7 +61,7 @@ class IndexedDataset(Dataset):
 
     ``data_id`` names a dataset version; it is part of the data fingerprint,
     with the dataset's type, length, id mapping and the content of a spread
-    of items (actcache_client.identity says what that can and cannot see).
+    of items (actcache_client._identity says what that can and cannot see).
 
     ``targets`` (a sequence, e.g. torchvision's ``dataset.targets``, or a
     function of the index) gives each item's target without loading it: items

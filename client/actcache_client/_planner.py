@@ -28,7 +28,7 @@ from actcache_client.cost_model import Measurements, Plan, plan, should_replan
 
 __all__ = ["CachePlanner", "PlannerConfig"]
 
-log = logging.getLogger("actcache_client.planner")
+log = logging.getLogger("actcache_client.planner")  # named in the README: it logs every plan
 
 
 @dataclass(frozen=True, kw_only=True)

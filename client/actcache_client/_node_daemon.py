@@ -28,7 +28,7 @@ from actcache.errors import ConfigError, DaemonUnavailable
 from actcache.node import NodeDaemon, ensure_running
 
 if TYPE_CHECKING:
-    from actcache_client.connection import Connection
+    from actcache_client._connection import Connection
 
 __all__ = ["EmbeddedDaemon", "NodeDaemonLease", "connect"]
 
@@ -107,7 +107,7 @@ def connect(
     raises DaemonUnavailable instead. A malformed ``$ACTCACHE_IDLE_TIMEOUT`` is a ConfigError.
     ``options`` are ConnectionConfig fields (``timeout_s``, ``put_queue``, ...).
     """
-    from actcache_client.connection import Connection, ConnectionConfig
+    from actcache_client._connection import Connection, ConnectionConfig
 
     if embedded and (socket is not None or address is not None):
         raise ConfigError("connect(embedded=True) starts a daemon of its own; pass no socket or address with it")

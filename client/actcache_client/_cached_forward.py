@@ -5,7 +5,7 @@ unless a cost-model plan chose a shallower, smaller entry):
 
 1. samples in the cached subset (all, unless the plan caches a fraction)
    are served at depth j by the daemon's stream of the epoch's order
-   (actcache_client.stream; ``Get`` only when no stream serves the batch),
+   (actcache_client._stream; ``Get`` only when no stream serves the batch),
    collated into (pinned) host memory and staged to the device;
 2. misses are seeded from a shallower frozen depth when its entries exist,
    else stages[0:j] run on the raw inputs; what was computed is put
@@ -13,7 +13,7 @@ unless a cost-model plan chose a shallower, smaller entry):
 3. samples outside the subset run stages[0:k] directly;
 4. the parts are merged back in batch order and stages[k:] run with grad.
 
-Hits are audited (actcache_client.audit): a small deterministic share is
+Hits are audited (actcache_client._audit): a small deterministic share is
 recomputed and compared; a mismatch drops the fingerprint's entries in the
 daemon, warns (CacheMismatchWarning) and recomputes, or raises
 CacheMismatchError in strict mode.
@@ -39,20 +39,20 @@ import torch
 from torch import Tensor, nn
 
 from actcache.errors import CacheMismatchError, ConfigError
-from actcache_client.audit import AuditConfig, Auditor, same_entry, warn_mismatch
-from actcache_client.batch import Batch
-from actcache_client.connection import Connection
+from actcache_client._audit import AuditConfig, Auditor, same_entry, warn_mismatch
+from actcache_client._batch import Batch
+from actcache_client._connection import Connection
 from actcache_client.cost_model import Plan, PlanMode, cached_subset
-from actcache_client.counters import EpochCounters, StepTimes
-from actcache_client.fingerprint import cache_fingerprints, prefix_fingerprints
-from actcache_client.planner import CachePlanner
-from actcache_client.rows import RawInputs, merge
-from actcache_client.stages import StagedModel, State, Suffix
-from actcache_client.staging import Stager
-from actcache_client.stream import EpochStream
-from actcache_client.tensors import VarLen, collate_entries, encode_samples
+from actcache_client._counters import EpochCounters, StepTimes
+from actcache_client._fingerprint import cache_fingerprints, prefix_fingerprints
+from actcache_client._planner import CachePlanner
+from actcache_client._rows import RawInputs, merge
+from actcache_client._stages import StagedModel, State, Suffix
+from actcache_client._staging import Stager
+from actcache_client._stream import EpochStream
+from actcache_client._tensors import VarLen, collate_entries, encode_samples
 
-__all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # the counters are re-exported from actcache_client.counters
+__all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # the counters are re-exported from actcache_client._counters
 
 
 class CachedForward:
@@ -161,7 +161,7 @@ class CachedForward:
         return self._weights[self._frozen if depth is None else depth]
 
     def bind_data(self, data: bytes, name: str = "") -> None:
-        """Key entries by this data fingerprint from now on (actcache_client.identity; CachedLoader calls it).
+        """Key entries by this data fingerprint from now on (actcache_client._identity; CachedLoader calls it).
 
         ``name`` (the dataset's ``data_id``, else the fingerprint) is how the daemon lists this job's data.
         """

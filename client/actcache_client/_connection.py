@@ -422,4 +422,4 @@ class Connection:
 
 
 # Re-exported: connect() and the daemons it starts live in node_daemon (imported last, as it uses Connection).
-from actcache_client.node_daemon import EmbeddedDaemon, NodeDaemonLease, connect  # noqa: E402
+from actcache_client._node_daemon import EmbeddedDaemon, NodeDaemonLease, connect  # noqa: E402

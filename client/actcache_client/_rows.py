@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 
 from actcache.errors import ConfigError
-from actcache_client.stages import State
-from actcache_client.tensors import VarLen
+from actcache_client._stages import State
+from actcache_client._tensors import VarLen
 
 __all__ = ["RawInputs", "merge", "select"]
 

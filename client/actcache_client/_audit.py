@@ -1,6 +1,6 @@
 """Audits: recompute a small, deterministic share of served samples and compare with the entries.
 
-A key covers the weights and a fingerprint of the data (actcache_client.identity),
+A key covers the weights and a fingerprint of the data (actcache_client._identity),
 but no key sees everything: an item outside the fingerprint's spread that
 changed, a dataset that returns other data under the same type and length, a
 peer that wrote wrong bytes under the right key. The auditor picks which hits
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from actcache.errors import ConfigError
-from actcache_client.tensors import collate_entries
+from actcache_client._tensors import collate_entries
 
 __all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "same_entry"]
 

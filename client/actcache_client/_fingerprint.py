@@ -5,7 +5,7 @@ any of them changes, so an unfrozen-then-retrained prefix can never be served
 stale entries, and it stays the same for ``stages[:d]`` when more stages are
 frozen behind them, so entries at depth d remain valid to seed deeper ones.
 
-``cache_fingerprints`` folds the data's fingerprint (actcache_client.identity)
+``cache_fingerprints`` folds the data's fingerprint (actcache_client._identity)
 into those: the fingerprint a cache key carries covers the weights *and* what
 produced the stage-0 input.
 """

@@ -16,7 +16,7 @@ tokenizer setting (max length, vocabulary) or the id mapping gives new keys.
 What it cannot see: a change to an item outside the spread that leaves the
 spread, the length and the type as they were (e.g. a few relabelled or
 replaced files). Name such versions with ``data_id``; audits
-(actcache_client.audit) recompute a share of hits to catch what a key cannot.
+(actcache_client._audit) recompute a share of hits to catch what a key cannot.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from actcache_client.loader import IndexedDataset
+    from actcache_client._loader import IndexedDataset
 
 __all__ = ["SPREAD_ITEMS", "data_fingerprint", "spread"]
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from actcache.errors import ConfigError, LifecycleError
-from actcache_client.stages import State
+from actcache_client._stages import State
 
 __all__ = ["CopyTimer", "HostRing", "Stager"]
 

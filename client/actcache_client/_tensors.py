@@ -19,7 +19,7 @@ from torch import Tensor
 from actcache.codec import DType, TensorSpec, decode_entry, encode_entry, uniform_layout
 from actcache.errors import InvalidRequest
 
-from actcache_client.stages import State
+from actcache_client._stages import State
 
 __all__ = [
     "VarLen",
