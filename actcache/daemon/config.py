@@ -1,4 +1,7 @@
-"""Daemon configuration: dataclasses per concern, built from flags > ACTCACHE_* env > defaults."""
+"""Daemon configuration: dataclasses per concern, built from flags > ACTCACHE_* env > defaults.
+
+One module of about 430 lines: every layer's settings and the one builder that merges flags, environment and defaults.
+"""
 
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ raises the ActCacheError instead, for tests.
 Puts run on one background thread fed by a bounded queue: ``store`` never
 blocks the training step; when the queue is full the put is dropped and
 counted.
+
+One module of about 400 lines: the put thread, the fallback and back-off and the calls share the connection's state and lock.
 """
 
 from __future__ import annotations
