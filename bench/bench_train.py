@@ -54,6 +54,7 @@ from workloads.tasks import WORKLOADS, make_workload
 from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave
 
 SLICE_STEPS = 5  # the runs take turns every 5 steps (and at every evaluation)
+STORE_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -75,7 +76,7 @@ def run_all(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Nam
                 conn = stack.enter_context(ac.connect(daemon.socket, namespace=f"bench-{workload.name}", timeout_s=60))
                 daemons.append((len(training), psutil.Process(daemon.pid)))
             training.append(TrainingRun(workload, freezer, conn, on_eval=_printer(label_of(mode, cache), workload),
-                                        slice_steps=SLICE_STEPS))
+                                        slice_steps=SLICE_STEPS, store_dtype=STORE_DTYPES[args.store_dtype]))
         before = {i: _cpu(p) for i, p in daemons}
         results = interleave(training)
         for i, process in daemons:
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: an epoch's steps / 5 for autofreeze; from the run's length for egeria)")
     parser.add_argument("--tolerance", type=float, default=0.3, help="target = full run's best minus this (points)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
+    parser.add_argument("--store-dtype", choices=list(STORE_DTYPES), default="float32",
+                        help="precision of the cached runs' stored entries (CachedForward(store_dtype=...)); "
+                             "mode+cache against mode+nocache is then its effect on the metric")
     parser.add_argument("--threads", type=int, help="torch threads of every run (default: torch's choice); "
                         "on 2 cores, 1 leaves a core to the daemon and the client's I/O threads")
     args = parser.parse_args(argv)

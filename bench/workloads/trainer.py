@@ -155,13 +155,14 @@ class TrainingRun:
         on_step: Callable[[int, int, float, ac.CachedForward], None] | None = None,
         on_eval: Callable[[EvalPoint], None] | None = None,
         slice_steps: int | None = None,
+        store_dtype: torch.dtype | None = None,
     ) -> None:
         w = self.workload = workload
         self.slice_steps = slice_steps
         self.freezer, self.connection, self.on_step, self.on_eval = freezer, connection, on_step, on_eval
         torch.manual_seed(w.seed)
         self.staged = w.stage(w.build())
-        self.model = ac.CachedForward(self.staged, connection, varlen=w.varlen)
+        self.model = ac.CachedForward(self.staged, connection, varlen=w.varlen, store_dtype=store_dtype)
         self.loader = ac.CachedLoader(
             # targets: the inputs of samples the cache serves are not loaded
             DataLoader(ac.IndexedDataset(w.train_set, augment=w.augment, targets=getattr(w.train_set, "labels", None)),
