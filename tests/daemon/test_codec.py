@@ -230,3 +230,23 @@ def test_auto_compresses_sparse_maps_and_leaves_dense_states_raw():
     assert parse_header(sparse_entry).codec == Codec.lz4
     assert len(sparse_entry) < relu.nbytes * (1 - AUTO_MIN_SAVING)
     assert parse_header(dense_entry).codec == Codec.raw
+
+
+@pytest.mark.parametrize("checksum", list(Checksum))
+def test_raw_entries_of_one_layout_are_served_like_any_others(checksum):
+    arrays = [np.random.default_rng(i).standard_normal((4, 6), dtype=np.float32) for i in range(6)]
+    how = Encoding(checksum=checksum)
+    entries = [encode_entry([TensorSpec(DType.float32, a.shape)], [a], encoding=how) for a in arrays]
+    bad = bytearray(entries[3])
+    bad[-2] ^= 1  # the payload of one entry in the middle
+    entries[3] = bytes(bad)
+    outs = [memoryview(bytearray(decoded_size(e))) for e in entries]
+    errors = to_raw_entries_into(entries, outs)
+    assert [e is None for e in errors] == [True, True, True, False, True, True]
+    assert "checksum" in str(errors[3])
+    for i in (0, 1, 2, 4, 5):  # as served one by one
+        assert bytes(outs[i]) == b"".join(bytes(p) for p in to_raw_entry(entries[i]))
+    mixed = entries[:2] + [encode_entry([TensorSpec(DType.float32, (5, 6))], [np.zeros((5, 6), np.float32)])]
+    outs = [memoryview(bytearray(decoded_size(e))) for e in mixed]
+    assert to_raw_entries_into(mixed, outs) == [None, None, None]  # another layout: entry by entry
+    assert bytes(outs[2]) == mixed[2]
