@@ -42,7 +42,9 @@ memory), ``prefetch_hit_ratio`` (worst shape), ``serve_cpu_vs_codec``
 stored entries' own checksum + decode CPU-s per GB, measured in-process)
 and ``cold_serve_vs_limit`` (cold shared memory, worst shape: served MB/s
 over the smaller of the disk's O_DIRECT MB/s, in raw bytes, and what the
-node's cores decode of the stored codec). Each warm path is timed three times,
+node's cores decode of the stored codec). The daemon's CPU is read in
+10 ms ticks: with ``--quick`` (64 MiB a shape) ``serve_cpu_vs_codec`` moves
+in steps of about 0.15 CPU-s/GB, so compare it at the default size. Each warm path is timed three times,
 taking turns with the others, and reported by its median run. Sample
 (``--quick``, 2-core VM, load average ~1)::
 

@@ -130,8 +130,8 @@ class ShortTransaction:
     def is_open(self, session) -> bool:
         return session is self._session
 
-    def tick(self) -> None:
-        self._entries += 1
+    def tick(self, entries: int = 1) -> None:
+        self._entries += entries
         if self._entries >= _SESSION_ENTRIES or time.monotonic() - self._opened_at > _SESSION_SECONDS:
             self.close()
 

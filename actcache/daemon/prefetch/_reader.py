@@ -55,6 +55,8 @@ MAX_AHEAD_ENTRIES = 1 << 16
 _FILL_BYTES = 1 << 20
 _FILL_ENTRIES = 1024
 _LINGER_S = 0.005
+# Entries read and published together while the budget has their bytes (one lock and wake-up check a run).
+_RUN = 32
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +303,14 @@ class ScheduleReader:
                 if prober is not None:
                     prober.advance(pos, read_total // read_entries if read_entries else 0)
                 session = txn.open()
+                if not carry:  # a run of entries whose bytes the budget has now: one reservation, one publish
+                    got = self._read_run(session, pos, min(n, pos + _RUN, self.served + MAX_AHEAD_ENTRIES), prober)
+                    if got:
+                        read_entries += got[0]
+                        read_total += got[1]
+                        self.schedule.counters.add(read_bytes=got[1])
+                        txn.tick(got[2])
+                        continue
                 key = self._key(pos)
                 extent = session.locate(key)
                 if extent is None:
@@ -334,6 +344,48 @@ class ScheduleReader:
             self._budget.release(self, carry)
             if prober is not None:
                 prober.close()
+
+    def _read_run(self, session, start: int, stop: int, prober) -> tuple[int, int, int] | None:
+        """Read positions ``start..stop-1`` while the budget has their bytes now, and publish them at once;
+        ``(entries read, bytes read, positions)``, or None when the first one's bytes are not free."""
+        slots, read, nbytes = [], 0, 0
+        try:
+            for pos in range(start, stop):
+                key = self._key(pos)
+                extent = session.locate(key)
+                if extent is None:
+                    slots.append(_Slot())
+                    continue
+                need = extent.read_bytes or extent.length
+                if need > self._budget.limit or not self._budget.try_acquire(self, need):
+                    break  # the entry-by-entry path waits for it
+                data = session.read(key, extent)
+                if prober is not None:
+                    prober.saw_read(session.last_resident)
+                read += 1
+                nbytes += len(data)
+                slots.append(_Slot(need, data, _served_size(data)))
+        except BaseException:  # what was read is served before the error
+            if slots:
+                self._publish_run(start, slots)
+            raise
+        if not slots:
+            return None
+        self._publish_run(start, slots)
+        return read, nbytes, len(slots)
+
+    def _publish_run(self, start: int, slots: list[_Slot]) -> None:
+        """``_publish`` of consecutive positions from ``start``, under one lock."""
+        with self._cond:
+            if self._stopping:
+                self._budget.release(self, sum(slot.held for slot in slots))
+                raise _Stop
+            for pos, slot in enumerate(slots, start=start):
+                self._slots[pos] = slot
+                self._ready_bytes += slot.nbytes
+            self.read = self.ready = start + len(slots)
+            if self._consumer_waits == "any" or self._consumer_waits == "fill" and self._frame_filled():
+                self._cond.notify_all()
 
     def _wait_for_consumer(self) -> None:
         with self._cond:
