@@ -29,7 +29,6 @@ One module of about 580 lines: the entry format, its codecs and its checksums ch
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import struct
@@ -37,6 +36,10 @@ import threading
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
+
+import crc32c
+import lz4.block
+import xxhash
 
 from actcache.errors import InvalidRequest
 
@@ -132,14 +135,10 @@ _COMPRESSED = (Codec.zstd, Codec.lz4)
 
 
 def _crc32c(data, value: int) -> int:
-    import crc32c
-
     return crc32c.crc32c(data, value)
 
 
 def _xxh3(data, value: int) -> int:
-    import xxhash
-
     return xxhash.xxh3_64_intdigest(data, seed=value) & 0xFFFFFFFF
 
 
@@ -175,7 +174,7 @@ class Encoding:
     def __post_init__(self) -> None:
         if self.codec == Codec.raw_verified:
             raise InvalidRequest("raw_verified is the serving path's codec; entries are written raw, zstd or lz4")
-        if self.codec == Codec.zstd and not -7 <= self.level <= 22 or self.codec == Codec.zstd and self.level == 0:
+        if self.codec == Codec.zstd and (self.level == 0 or not -7 <= self.level <= 22):
             raise InvalidRequest(f"zstd level must be -7..22 and not 0, got {self.level}")
 
     @classmethod
@@ -198,8 +197,6 @@ def compress_payload(encoding: Encoding, payload: bytes | bytearray | memoryview
     if encoding.codec == Codec.zstd:
         return _compressor(encoding.level).compress(payload)
     if encoding.codec == Codec.lz4:
-        import lz4.block
-
         return lz4.block.compress(payload, store_size=False)
     return payload
 
@@ -212,8 +209,6 @@ def decompress_payload(codec: Codec, payload: memoryview, raw_len: int) -> bytes
         if codec == Codec.zstd:
             raw = _decompressor().decompress(payload, max_output_size=raw_len)
         else:
-            import lz4.block
-
             raw = lz4.block.decompress(payload, uncompressed_size=raw_len)
     except Exception as exc:  # zstandard.ZstdError, lz4.block.LZ4BlockError
         raise InvalidRequest(f"{codec.name} payload does not decompress: {exc}") from exc
@@ -423,7 +418,8 @@ def _known_header(view: memoryview) -> EntryHeader:
         header = known[2]
         stored_len, crc = _STORED_AND_CRC.unpack_from(view, 16)
         if header.header_len + stored_len == view.nbytes and (header.codec in _COMPRESSED or stored_len == header.raw_len):
-            return dataclasses.replace(header, stored_len=stored_len, crc=crc)
+            return EntryHeader(header.codec, header.specs, header.raw_len, stored_len, crc, header.header_len,
+                               header.checksum)
     header = _parse_header(view)
     if len(_KNOWN_HEADERS) >= _MAX_KNOWN_HEADERS:
         _KNOWN_HEADERS.clear()
