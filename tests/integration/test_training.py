@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 
 import pytest
@@ -244,20 +245,22 @@ def test_random_augmentation_without_variants_is_not_cached(daemon):
 
 def test_daemon_killed_mid_epoch_training_completes_and_hits_resume(tmp_path):
     make, data, _ = MODELS["sequential-cnn"]
-    off = train(make, data(), connection=None, epochs=4)
+    off = train(make, data(), connection=None, epochs=6)
     with run_daemon(cache_dir=tmp_path / "cache") as daemon:
         with ac.connect(daemon.socket, namespace="survivor", backoff_s=0.05, timeout_s=2) as conn:
             hits_after_restart = {}
 
-            def chaos(step):
-                if step == 15:  # mid-epoch 2: entries of epoch 1 were stored
+            def chaos(step):  # 6 steps an epoch; epoch 1 (steps 7-12) stores its entries
+                if step == 15:  # mid-epoch 2
                     daemon.kill()
-                if step == 20:  # still epoch 2: back up with the same directory
+                if step == 20:  # epoch 3: back up with the same directory
                     daemon.start()
                     hits_after_restart["before"] = conn.stats.hits
+                    # past gRPC's reconnect backoff (at most 1 s, +20% jitter): the channel tries again
+                    time.sleep(1.5)
 
             with pytest.warns(ac.CacheFallbackWarning, match="unavailable"):
-                on = train(make, data(), connection=conn, epochs=4, on_step=chaos)
+                on = train(make, data(), connection=conn, epochs=6, on_step=chaos)
             assert conn.stats.fallbacks["unavailable"] >= 1
             assert conn.stats.hits > hits_after_restart["before"]  # same fingerprints hit again
     assert_same_training(off, on)
