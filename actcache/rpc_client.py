@@ -263,9 +263,11 @@ class RpcClient:
         depth: int,
         items: Sequence[tuple[int, int, bytes | memoryview]],
         *,
+        encoding: str = "",
         frame_bytes: int = _FRAME_BYTES,
     ) -> pb.PutReply:
-        """Store ``(sample_id, variant, encoded entry)`` items; returns once they are committed."""
+        """Store ``(sample_id, variant, encoded entry)`` items; returns once they are committed.
+        ``encoding`` ("" = the daemon's own): how the daemon stores the raw ones (PutHeader.encoding)."""
         fingerprint = check_fingerprint(fingerprint)
 
         def frames() -> Iterator[bytes]:
@@ -281,6 +283,7 @@ class RpcClient:
                         sample_ids=[s for s, _, _ in chunk],
                         variants=[v for _, v, _ in chunk] if any(v for _, v, _ in chunk) else [],
                         lengths=[len(v) for _, _, v in chunk],
+                        encoding=encoding,
                     )
                     yield encode_frame(header.SerializeToString(), [v for _, _, v in chunk])
                     start, size = i + 1, 0

@@ -17,6 +17,11 @@ per GB. Figures:
     figure: lz4_ratio_relu = R             (ResNet-20 maps, fp32)
     figure: crc32c_vs_crc32 = R            (zlib CRC32 CPU-s/GB / CRC32C's)
     figure: xxh3_vs_crc32 = R              (zlib CRC32 CPU-s/GB / xxh3's)
+
+Then the codec ``CachedForward(encoding="auto")`` chooses for each fp32 state
+(actcache_client._codec_choice: measured ratio and verify-and-decode cost
+against the disk's speed and the page cache), on a cold 1 GB/s disk, a cold
+200 MB/s disk, and with the entries in the page cache.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import actcache_client as ac  # noqa: E402
 from actcache.codec import CHECKSUMS, Codec, Encoding, compress_payload, decompress_payload, parse_header  # noqa: E402
+from actcache_client._codec_choice import choose_encoding  # noqa: E402
 from actcache_client.models import resnet20  # noqa: E402
 from actcache_client._tensors import VarLen, encode_samples  # noqa: E402
 from workloads.data import JpegSet, read_glue, resolve_data_dir, tokenize  # noqa: E402
@@ -115,6 +121,24 @@ def measure(payloads: list[memoryview], repeat: int) -> dict[str, dict[str, floa
     return rows
 
 
+REGIMES = {"cold 1 GB/s": ac.AutoEncoding(page_cache_bytes=0),
+           "cold 200 MB/s": ac.AutoEncoding(disk_read_bytes_per_s=2e8, page_cache_bytes=0),
+           "page cache": ac.AutoEncoding(page_cache_bytes=float("inf"))}
+
+
+def print_choices(states: dict[str, list[bytes]]) -> None:
+    """The automatic codec choice per fp32 state and regime, with the serve cost it expects (s/GB)."""
+    print("\nencoding=\"auto\" per fp32 state: chosen codec (expected serve CPU+disk s/GB: raw / lz4 / zstd)")
+    print(f"{'state':<28}" + "".join(f"{regime:>30}" for regime in REGIMES))
+    for name, entries in states.items():
+        cells = []
+        for config in REGIMES.values():
+            c = choose_encoding(entries, samples=len(entries), config=config)
+            costs = " / ".join(f"{c.numbers[f'{n}_serve_s_per_gb']:.2f}" for n in ("raw", "lz4", "zstd"))
+            cells.append(f"{c.encoding} ({costs})")
+        print(f"{name:<28}" + "".join(f"{cell:>30}" for cell in cells))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="256 images and 256 sentences, 3 repeats")
@@ -159,6 +183,7 @@ def main() -> int:
         "crc32c_vs_crc32": speeds["crc32"] / speeds["crc32c"],
         "xxh3_vs_crc32": speeds["crc32"] / speeds["xxh3"],
     }
+    print_choices({name: entries_of(state, torch.float32) for name, state in states.items()})
     print()
     for name, value in figures.items():
         print(f"figure: {name} = {value:.2f}")

@@ -72,7 +72,7 @@ def test_the_two_packages_public_names_are_pinned():
         "PolicyError", "ReferenceModelFailed", "ScheduleNotFound", "StoreError", "Unauthenticated", "__version__",
     ]
     assert actcache_client.__all__ == [
-        "AuditConfig", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning", "CacheMismatchWarning",
+        "AuditConfig", "AutoEncoding", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning", "CacheMismatchWarning",
         "CachePlanner", "CachedForward", "CachedLoader", "CachedTeacher", "ClientStats", "Connection",
         "ConnectionConfig", "Decision", "DecisionKind", "EgeriaConfig", "EgeriaPolicy", "EpochCounters",
         "FreezeController", "FreezeMilestone", "FreezePolicy", "IndexedDataset", "ManualPolicy",

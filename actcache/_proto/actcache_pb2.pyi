@@ -55,20 +55,22 @@ class OpenReply(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., namespace_budget_bytes: _Optional[int] = ..., daemon_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_entry_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("namespace_id", "fingerprint", "depth", "sample_ids", "variants", "lengths")
+    __slots__ = ("namespace_id", "fingerprint", "depth", "sample_ids", "variants", "lengths", "encoding")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     fingerprint: bytes
     depth: int
     sample_ids: _containers.RepeatedScalarFieldContainer[int]
     variants: _containers.RepeatedScalarFieldContainer[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    encoding: str
+    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., encoding: _Optional[str] = ...) -> None: ...
 
 class PutReply(_message.Message):
     __slots__ = ("entries", "stored_bytes", "replaced")

@@ -16,6 +16,7 @@ Errors are actcache's (``actcache.ActCacheError`` and its subclasses).
 
 from actcache_client._audit import AuditConfig, CacheMismatchWarning
 from actcache_client._cached_forward import CachedForward, EpochCounters, StepTimes
+from actcache_client._codec_choice import AutoEncoding
 from actcache_client._connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig, connect
 from actcache_client.freeze import (
     AutoFreezeConfig,
@@ -47,6 +48,7 @@ from actcache_client._tensors import VarLen
 
 __all__ = [
     "AuditConfig",
+    "AutoEncoding",
     "AutoFreezeConfig",
     "AutoFreezePolicy",
     "Batch",

@@ -33,6 +33,7 @@ One class of about 580 lines: the step's stream, seeds, misses, audits and freez
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import fields
 from typing import Callable, Sequence
@@ -40,9 +41,11 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from actcache.errors import CacheMismatchError, ConfigError
+from actcache.codec import Encoding
+from actcache.errors import CacheMismatchError, ConfigError, InvalidRequest
 from actcache_client._audit import AuditConfig, Auditor, same_entry, warn_mismatch
 from actcache_client._batch import Batch
+from actcache_client._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
 from actcache_client._connection import Connection
 from actcache_client.cost_model import Plan, PlanMode, cached_subset
 from actcache_client._counters import EpochCounters, StepTimes
@@ -55,6 +58,8 @@ from actcache_client._stream import EpochStream
 from actcache_client._tensors import VarLen, collate_entries, encode_samples
 
 __all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # the counters are re-exported from actcache_client._counters
+
+log = logging.getLogger("actcache_client")
 
 
 class CachedForward:
@@ -77,6 +82,11 @@ class CachedForward:
     outputs in 16 bits (half the bytes to store, read and decode) and casts
     them back when served: not the default, since served activations are then
     rounded (a run is no longer bit-identical to one without the cache).
+    ``encoding`` says how the daemon stores the entries: ``"auto"`` (an
+    AutoEncoding with its defaults) picks raw, lz4 or zstd per (fingerprint,
+    depth) from the first entries written (actcache_client._codec_choice says
+    how) and records it in the plan; ``"daemon"`` leaves it to the daemon's
+    ``--encoding``; ``"raw"``, ``"lz4"``, ``"zstd"``, ``"zstd:LEVEL"`` fix it.
 
     ``set_suffix_wrapper(fn)`` runs the active stages through ``fn(Suffix)``
     (e.g. a DistributedDataParallel wrapper), rebuilt at every ``set_frozen``
@@ -89,7 +99,7 @@ class CachedForward:
         connection: Connection | None = None,
         *,
         varlen: VarLen | None = None,
-        zstd_level: int = 0,
+        encoding: str | AutoEncoding = "auto",
         stream: bool = True,
         planner: CachePlanner | None = None,
         device: torch.device | str | None = None,
@@ -100,7 +110,8 @@ class CachedForward:
         self.model = model
         self.connection = connection
         self.varlen = varlen
-        self.zstd_level = zstd_level
+        self.encoding = _check_encoding(encoding)
+        self._encodings: dict[bytes, EncodingChoice] = {}  # fingerprint -> codec chosen (the writer thread's)
         self.planner = planner
         self.enabled = connection is not None
         self.disabled_reason = "" if connection is not None else "no connection"
@@ -548,7 +559,7 @@ class CachedForward:
         snapshot = tuple(t.detach().clone() for t in state) if isinstance(state, tuple) else state.detach().clone()
         if self.store_dtype is not None:
             snapshot = _cast(snapshot, self._compute_dtype, self.store_dtype)
-        varlen, level = self.varlen, self.zstd_level
+        varlen = self.varlen
         self._mark_written(depth, ids)
         self._generations.setdefault(self._fingerprints[depth], (depth, self._data))
         # Without a read-speed measurement yet, read one put back (once per epoch until it is
@@ -557,8 +568,32 @@ class CachedForward:
         self._probed = self._probed or probe
         self.connection.store(
             self._fingerprints[depth], depth, ids, [variant] * len(ids),
-            lambda: encode_samples(snapshot, zstd_level=level, varlen=varlen), probe=probe,
+            lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
         )
+
+    def encoding_choice(self, depth: int) -> EncodingChoice | None:
+        """The codec ``encoding="auto"`` chose for the entries at ``depth`` (current weights), if any yet."""
+        return self._encodings.get(self._fingerprints[depth])
+
+    def _encoding_for(self, depth: int) -> Callable[[list[bytes]], str] | None:
+        """How the daemon stores depth ``depth``'s entries; an AutoEncoding measures the first ones
+        (on the connection's writer thread) and keeps its choice per fingerprint."""
+        if not isinstance(self.encoding, AutoEncoding):
+            return None if self.encoding == "daemon" else (lambda entries, fixed=self.encoding: fixed)
+        fingerprint, config = self._fingerprints[depth], self.encoding
+        samples = sum(len(b) for b in self._epoch[0]) if self._epoch is not None else None
+
+        def choose(entries: list[bytes]) -> str:
+            choice = self._encodings.get(fingerprint)
+            if choice is None:
+                choice = self._encodings[fingerprint] = choose_encoding(entries, samples=samples, config=config)
+                if self.planner is not None:
+                    self.planner.record_encoding(depth, choice)  # logs it with the plan
+                else:
+                    log.info("actcache encoding for depth %d: %s", depth, choice.reason)
+            return choice.encoding
+
+        return choose
 
     def _observe_connection(self) -> None:
         """Feed the planner the fetch and write throughput the connection measured since last time."""
@@ -572,6 +607,22 @@ class CachedForward:
         if write_s > ws0:
             self.planner.record_write(written - w0, write_s - ws0)
         self._connection_seen = (read, fetch_s, written, write_s)
+
+
+def _check_encoding(encoding: str | AutoEncoding) -> str | AutoEncoding:
+    """``encoding`` as CachedForward keeps it: an AutoEncoding, "daemon" or a valid ``--encoding`` value."""
+    if isinstance(encoding, AutoEncoding):
+        return encoding
+    if encoding == "auto":
+        return AutoEncoding()
+    if encoding == "daemon":
+        return encoding
+    try:
+        Encoding.parse(encoding)
+    except (InvalidRequest, TypeError, AttributeError):
+        raise ConfigError(f"encoding={encoding!r}: use 'auto' (or an AutoEncoding), 'daemon', 'raw', 'lz4', "
+                          "'zstd' or 'zstd:LEVEL' (-7..22)") from None
+    return encoding
 
 
 def _cast(state: State, source: torch.dtype, target: torch.dtype) -> State:

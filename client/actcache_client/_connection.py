@@ -104,6 +104,7 @@ class _Put:
     variants: Sequence[int]
     encode: Callable[[], list[bytes]]
     probe: bool = False
+    encoding: Callable[[list[bytes]], str] | None = None
 
 
 @dataclass
@@ -241,18 +242,21 @@ class Connection:
     def store(
         self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
         encode: Callable[[], list[bytes]], *, probe: bool = False,
+        encoding: Callable[[list[bytes]], str] | None = None,
     ) -> bool:
         """Queue a put; ``encode`` runs on the writer thread. Returns False if it was dropped.
 
         ``probe``: once stored, read the entries back once to measure the daemon's
         read speed (counted in ``fetch_seconds``/``bytes_read``, not as hits).
+        ``encoding``: given the encoded entries (on the writer thread), how the daemon is to
+        store them (``PutHeader.encoding``; "" or None: the daemon's ``--encoding``).
         """
         self.surface()
         if self._paused():
             self._count_dropped()
             return False
         try:
-            self._queue.put_nowait(_Put(fingerprint, depth, list(ids), list(variants), encode, probe))
+            self._queue.put_nowait(_Put(fingerprint, depth, list(ids), list(variants), encode, probe, encoding))
             return True
         except queue.Full:
             self._count_dropped()
@@ -296,8 +300,10 @@ class Connection:
             return
         try:
             entries = put.encode()
+            encoding = put.encoding(entries) if put.encoding is not None else ""
             t0 = time.perf_counter()
-            reply = self._call(lambda ns: self._rpc.put(ns, put.fingerprint, put.depth, list(zip(put.ids, put.variants, entries))))
+            reply = self._call(lambda ns: self._rpc.put(ns, put.fingerprint, put.depth,
+                                                        list(zip(put.ids, put.variants, entries)), encoding=encoding))
         except ActCacheError as exc:
             self._count_dropped()
             if self.config.strict:

@@ -16,15 +16,19 @@ priors; a wrong prior is corrected by the first re-plan after measuring.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from actcache.errors import ConfigError
 from actcache_client.cost_model import Measurements, Plan, plan, should_replan
+
+if TYPE_CHECKING:
+    from actcache_client._codec_choice import EncodingChoice
 
 __all__ = ["CachePlanner", "PlannerConfig"]
 
@@ -90,6 +94,7 @@ class CachePlanner:
         self.current: Plan | None = None
         self._basis: Measurements | None = None
         self.listeners: list[Callable[[int, Plan], None]] = []
+        self._encodings: dict[int, EncodingChoice] = {}  # depth -> codec chosen for its current entries
 
     # ---- observations ----------------------------------------------------
 
@@ -129,6 +134,14 @@ class CachePlanner:
     def set_written(self, depth: int, samples: int) -> None:
         """``samples`` distinct samples are stored at ``depth`` for the current frozen weights."""
         self._written[depth] = samples
+
+    def record_encoding(self, depth: int, choice: EncodingChoice) -> None:
+        """The codec chosen for the entries at ``depth`` (called from the connection's writer thread)."""
+        self._encodings[depth] = choice
+        log.info("actcache encoding for depth %d: %s", depth, choice.reason)
+        current = self.current
+        if current is not None and current.cache_depth == depth:
+            self.current = dataclasses.replace(current, encoding=choice.encoding)
 
     def begin_epoch(self, epoch: int, num_samples: int, batch_size: int) -> None:
         self.epoch, self.num_samples, self.batch_size = epoch, max(num_samples, 1), max(batch_size, 1)
@@ -172,6 +185,8 @@ class CachePlanner:
         if m is None:
             return None
         new = plan(k, m, min_gain=self.config.min_gain)
+        if new.cache_depth in self._encodings:
+            new = dataclasses.replace(new, encoding=self._encodings[new.cache_depth].encoding)
         changed = self.current is None or (new.mode, new.cache_depth, round(new.cached_fraction, 3)) != (
             self.current.mode, self.current.cache_depth, round(self.current.cached_fraction, 3))
         self.current, self._basis = new, m

@@ -66,6 +66,7 @@ from actcache.errors import ConfigError
 from actcache_client._audit import AuditConfig
 from actcache_client._batch import Batch
 from actcache_client._cached_forward import CachedForward, StepTimes
+from actcache_client._codec_choice import AutoEncoding
 from actcache_client._connection import Connection
 from actcache_client._fingerprint import prefix_fingerprints
 from actcache_client._stages import Stage, StagedModel, State
@@ -298,7 +299,7 @@ class CachedTeacher:
         top_k: int | None = None,
         token_logits: bool = False,
         varlen: VarLen | None = None,
-        zstd_level: int = 0,
+        encoding: str | AutoEncoding = "auto",
         stream: bool = True,
         device: torch.device | str | None = None,
         audit: AuditConfig | bool = True,
@@ -317,7 +318,7 @@ class CachedTeacher:
         self.staged = StagedModel([Stage("teacher", self.stage), Stage("output", nn.Identity())])
         self.cached_forward = CachedForward(
             self.staged, connection, varlen=VarLen(0, varlen.mask_dtype) if self.stage.stores_mask else None,
-            zstd_level=zstd_level, stream=stream, device=device, audit=audit, keep_generations=keep_generations,
+            encoding=encoding, stream=stream, device=device, audit=audit, keep_generations=keep_generations,
             store_dtype=store_dtype,
         )
         self.cached_forward.set_frozen(1)

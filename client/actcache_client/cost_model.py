@@ -131,6 +131,9 @@ class Plan:
     write_epoch_extra_s: float
     reason: str
     numbers: dict[str, float] = field(default_factory=dict)
+    #: How the daemon stores the entries at ``cache_depth`` (``--encoding`` syntax), once
+    #: CachedForward(encoding="auto") chose it from the first entries written; else None.
+    encoding: str | None = None
 
 
 def _ms(seconds: float) -> str:

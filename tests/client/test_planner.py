@@ -4,6 +4,7 @@ import pytest
 
 from actcache.errors import ConfigError
 from actcache_client.cost_model import PlanMode
+from actcache_client._codec_choice import EncodingChoice
 from actcache_client._planner import CachePlanner, PlannerConfig
 
 
@@ -68,3 +69,15 @@ def test_a_slow_host_to_device_copy_counts_against_caching():
         planner.record_h2d(32_000 * 16, 16 * 32_000 / 1e5)  # 0.1 MB/s copies
     assert planner.measurements(3).h2d_bytes_per_s == pytest.approx(1e5)
     assert planner.needs_replan(3) and planner.plan_for(3).mode is PlanMode.RECOMPUTE
+
+
+def test_the_codec_chosen_for_the_cache_depth_is_recorded_in_the_plan():
+    planner = CachePlanner(PlannerConfig(total_epochs=10))
+    planner.begin_epoch(0, 1024, 16)
+    measured(planner, 3)
+    assert planner.plan_for(3).encoding is None  # nothing written yet
+    planner.record_encoding(2, EncodingChoice("zstd", "another depth", {}))
+    assert planner.current.encoding is None
+    planner.record_encoding(3, EncodingChoice("lz4", "lz4 serves fastest", {}))
+    assert planner.current.cache_depth == 3 and planner.current.encoding == "lz4"
+    assert planner.plan_for(3).encoding == "lz4"  # kept by the next plan

@@ -134,6 +134,25 @@ def test_bad_input_gets_precise_status(daemon, client):
     assert client.stats().server_version  # the daemon is still serving
 
 
+def test_a_put_says_how_its_entries_are_stored(client):
+    ns = client.open("encodings").namespace_id
+    sparse = np.zeros(8192, np.float32)
+    sparse[::16] = 1.0  # compresses well
+    entry = encode_entry([TensorSpec(DType.float32, (8192,))], [sparse.tobytes()])
+    stored = {}
+    for depth, encoding in enumerate(["raw", "lz4", "zstd:3", ""]):
+        stored[encoding] = client.put(ns, FP, depth, [(1, 0, entry)], encoding=encoding).stored_bytes
+        assert tensors_of(client.get(ns, FP, depth, [1])[0]) == [sparse.tobytes()]
+    assert stored["raw"] == len(entry)
+    assert stored["lz4"] < len(entry) / 4 and stored["zstd:3"] < len(entry) / 4 and stored["lz4"] != stored["zstd:3"]
+    assert stored[""] == stored["lz4"]  # "": the daemon's --encoding (auto: lz4 where it saves 30%)
+    for bad, message in [("zstd:99", "zstd level must be -7..22 and not 0, got 99"),
+                         ("brotli", "unknown encoding 'brotli'; use auto, raw, lz4, zstd or zstd:LEVEL")]:
+        with pytest.raises(InvalidRequest, match=f"PutHeader.encoding: {message}"):
+            client.put(ns, FP, 9, [(1, 0, entry)], encoding=bad)
+    assert client.get(ns, FP, 9, [1]) == [None]
+
+
 def test_socket_is_private_and_daemon_has_no_torch(daemon):
     assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o600
     with open(f"/proc/{daemon.pid}/maps") as f:

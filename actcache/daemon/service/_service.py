@@ -18,6 +18,7 @@ import grpc
 
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
+from actcache.codec import Encoding
 from actcache.daemon.prefetch import Prefetcher, ScheduleBuilder, unpack_ids, unpack_variants
 from actcache.daemon.service._jobs import NamespaceJobs
 from actcache.daemon.service._shm_fetch import fetch_shm, ring_for
@@ -104,6 +105,17 @@ def _variants(variants, count: int) -> list[int]:
     return list(variants)
 
 
+@functools.lru_cache(maxsize=64)
+def _encoding(text: str) -> Encoding | None:
+    """A PutHeader's encoding ("" = the daemon's own); raises InvalidRequest naming the valid ones."""
+    if not text:
+        return None
+    try:
+        return Encoding.parse(text)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"PutHeader.encoding: {exc}") from None
+
+
 class ActCacheService:
     """Handlers of the ActCache service over one Store."""
 
@@ -169,7 +181,8 @@ class ActCacheService:
             variants = _variants(header.variants, len(header.sample_ids))
             values = split_payload(payload, header.lengths)
             result = self.store.put(
-                header.namespace_id, header.fingerprint, header.depth, list(zip(header.sample_ids, variants, values))
+                header.namespace_id, header.fingerprint, header.depth, list(zip(header.sample_ids, variants, values)),
+                encoding=_encoding(header.encoding),
             )
             reply.entries += result.entries
             reply.stored_bytes += result.stored_bytes

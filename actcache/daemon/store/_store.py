@@ -260,9 +260,12 @@ class Store:
     # ---- entries ---------------------------------------------------------
 
     def put(
-        self, namespace_id: int, fingerprint: bytes, depth: int, items: Sequence[tuple[int, int, bytes | memoryview]]
+        self, namespace_id: int, fingerprint: bytes, depth: int, items: Sequence[tuple[int, int, bytes | memoryview]],
+        *, encoding: Encoding | None = None,
     ) -> PutResult:
         """Validate, compress (when it pays) and commit ``(sample_id, variant, entry)`` items.
+
+        ``encoding`` (the client's choice for this group) replaces the daemon's ``--encoding``.
 
         Returns once the items are committed. All items of one call share a
         group and are committed atomically, or none is (budget, disk full).
@@ -270,6 +273,7 @@ class Store:
         namespace_id = self.resolve(namespace_id)
         prefix = group_prefix(namespace_id, fingerprint, depth)
         records = []
+        encoding = encoding or self._encoding
         for sample_id, variant, value in items:
             key = encode_key(namespace_id, fingerprint, depth, sample_id, variant)
             if len(value) > self.config.max_entry_bytes:
@@ -283,7 +287,7 @@ class Store:
                                          "stored; put it with the raw or zstd codec")
             except InvalidRequest as exc:
                 raise InvalidRequest(f"sample {sample_id} variant {variant}: {exc}") from None
-            records.append((key, compress_entry(value, self._encoding)))
+            records.append((key, compress_entry(value, encoding)))
         if not records:
             return PutResult(0, 0, 0)
         for round_ in range(_RECLAIM_ROUNDS):

@@ -1,0 +1,133 @@
+"""How the daemon stores one (fingerprint, depth)'s entries: raw, lz4 or zstd, from measurements.
+
+Serving an entry means reading its stored bytes and verifying and decoding
+them (the daemon serves raw payloads). Per raw byte served::
+
+    serve_s(codec) = cold_share / (ratio(codec) x disk_bytes_per_s) + decode_s_per_byte(codec)
+
+``ratio`` and ``decode_s_per_byte`` (checksum included, so raw pays its
+verification too) are measured on the first entries written for the
+(fingerprint, depth): each entry compressed on its own, as the daemon stores
+it, the whole sample decoded three times and the fastest kept. The disk's
+speed is configured (``actcache diskbench`` measures it). ``cold_share`` is
+the share of reads the page cache does not answer: what of the whole
+dataset's entries at this depth does not fit in the memory available now.
+A compressed codec wins only by a clear margin (``min_gain``): a few MiB are
+timed, and raw costs nothing to decode when the guess is wrong. Sparse ReLU
+maps on a cold disk get a codec; transformer states (ratio ~1.0) and
+anything that fits in memory stay raw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import psutil
+
+from actcache.codec import Codec, Encoding, compress_entry, decode_entry
+from actcache.errors import ConfigError, InvalidRequest
+
+__all__ = ["AutoEncoding", "EncodingChoice", "choose_encoding", "measure_codecs"]
+
+_REPEATS = 3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AutoEncoding:
+    """Knobs of the per-(fingerprint, depth) codec choice (``CachedForward(encoding=...)``)."""
+
+    #: The cache disk's read speed; ``actcache diskbench`` measures it (O_DIRECT). 1 GB/s: NVMe.
+    disk_read_bytes_per_s: float = 1e9
+    #: A codec must serve this much faster than raw to be chosen.
+    min_gain: float = 0.1
+    #: Raw bytes of entries the measurement compresses and decodes (the first entries written).
+    sample_bytes: int = 2 << 20
+    #: Codecs tried against raw, as ``--encoding`` names them.
+    candidates: tuple[str, ...] = ("lz4", "zstd")
+    #: Memory the page cache may use for these entries; None: what psutil says is available then.
+    page_cache_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.disk_read_bytes_per_s > 0:
+            raise ConfigError(f"AutoEncoding.disk_read_bytes_per_s must be > 0, got {self.disk_read_bytes_per_s} "
+                              "(measure it with `actcache diskbench`)")
+        if not 0 <= self.min_gain < 1:
+            raise ConfigError(f"AutoEncoding.min_gain must be in [0, 1), got {self.min_gain}")
+        if self.sample_bytes < 1:
+            raise ConfigError(f"AutoEncoding.sample_bytes must be >= 1, got {self.sample_bytes}")
+        if self.page_cache_bytes is not None and self.page_cache_bytes < 0:
+            raise ConfigError(f"AutoEncoding.page_cache_bytes must be >= 0 or None, got {self.page_cache_bytes}")
+        for name in self.candidates:
+            try:
+                codec = Encoding.parse(name).codec
+            except InvalidRequest as exc:
+                raise ConfigError(f"AutoEncoding.candidates: {exc}") from None
+            if codec == Codec.raw:
+                raise ConfigError("AutoEncoding.candidates lists raw; raw is always compared, list codecs only")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecReading:
+    """One codec on the sample: raw bytes / stored bytes, and CPU seconds to verify and decode a raw byte."""
+
+    ratio: float
+    decode_s_per_byte: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodingChoice:
+    """The codec chosen (``--encoding`` syntax), why, and the numbers behind it."""
+
+    encoding: str
+    reason: str
+    numbers: dict[str, float]
+
+
+def measure_codecs(entries: Sequence[bytes | memoryview], candidates: Sequence[str],
+                   sample_bytes: int) -> dict[str, CodecReading]:
+    """Ratio and decode cost of raw and each candidate on the first entries, up to ``sample_bytes``."""
+    sample: list[bytes | memoryview] = []
+    raw_bytes = 0
+    for entry in entries:
+        if raw_bytes >= sample_bytes:
+            break
+        sample.append(entry)
+        raw_bytes += len(entry)
+    readings = {}
+    for name in ("raw", *candidates):
+        stored = [compress_entry(e, Encoding.parse(name)) for e in sample] if name != "raw" else sample
+        best = float("inf")
+        for _ in range(_REPEATS):
+            t0 = time.perf_counter()
+            for e in stored:
+                decode_entry(e)
+            best = min(best, time.perf_counter() - t0)
+        readings[name] = CodecReading(raw_bytes / max(sum(len(e) for e in stored), 1), best / max(raw_bytes, 1))
+    return readings
+
+
+def choose_encoding(entries: Sequence[bytes | memoryview], *, samples: int | None,
+                    config: AutoEncoding | None = None) -> EncodingChoice:
+    """The codec that serves these entries fastest; ``samples``: entries the dataset will have at
+    this depth (None: unknown, judged as read from disk)."""
+    config = config or AutoEncoding()
+    readings = measure_codecs(entries, config.candidates, config.sample_bytes)
+    entry_bytes = sum(len(e) for e in entries) / max(len(entries), 1)
+    memory = config.page_cache_bytes if config.page_cache_bytes is not None else psutil.virtual_memory().available
+    numbers: dict[str, float] = {"disk_read_bytes_per_s": config.disk_read_bytes_per_s, "page_cache_bytes": memory}
+    costs: dict[str, float] = {}
+    for name, r in readings.items():
+        cold = 1.0
+        if samples is not None:  # the share of this depth's stored bytes that does not fit in memory
+            stored_total = samples * entry_bytes / r.ratio
+            cold = max(0.0, 1.0 - memory / stored_total) if stored_total > 0 else 0.0
+        costs[name] = cold / (r.ratio * config.disk_read_bytes_per_s) + r.decode_s_per_byte
+        numbers.update({f"{name}_ratio": r.ratio, f"{name}_decode_s_per_gb": r.decode_s_per_byte * 1e9,
+                        f"{name}_cold_share": cold, f"{name}_serve_s_per_gb": costs[name] * 1e9})
+    best = min(config.candidates, key=costs.__getitem__, default="raw")
+    summary = ", ".join(f"{n} {readings[n].ratio:.2f}x {costs[n] * 1e9:.2f} s/GB" for n in readings)
+    if best != "raw" and costs[best] < costs["raw"] * (1 - config.min_gain):
+        return EncodingChoice(best, f"{best} serves fastest ({summary})", numbers)
+    return EncodingChoice("raw", f"raw: no codec serves {config.min_gain:.0%} faster ({summary})", numbers)
