@@ -2,7 +2,7 @@
 
     python bench/bench_train.py --workload {cifar,digits,sst2,cola,mrpc} --mode {full,static,autofreeze,egeria}
                                 [--cache | --no-cache] [--quick] [--data-dir DIR] [--threads N]
-                                [--epochs N] [--train-size N] [--eval-size N]
+                                [--epochs N] [--train-size N] [--eval-size N] [--variants K]
                                 [--freeze-depth K] [--freeze-at EPOCHS]     (static)
                                 [--eval-every STEPS]                        (autofreeze, egeria)
 
@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--freeze-at", type=float, help="static mode: when, in (fractional) epochs")
     parser.add_argument("--eval-every", type=int, help="autofreeze/egeria: steps between the policy's evaluations "
                         "(default: an epoch's steps / 5 for autofreeze; from the run's length for egeria)")
+    parser.add_argument("--variants", type=int, help="cached augmentation variants per sample in every run (epoch e "
+                        "uses variant e %% K; workloads with augmentation: cifar, default 2)")
     parser.add_argument("--tolerance", type=float, default=0.3, help="target = full run's best minus this (points)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     parser.add_argument("--store-dtype", choices=list(STORE_DTYPES), default="float32",
@@ -129,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         sizes = {k: v for k, v in (("epochs", args.epochs), ("train_size", args.train_size),
                                    ("eval_size", args.eval_size)) if v is not None}
         workload = make_workload(args.workload, data_dir, quick=args.quick, **sizes)
+        if args.variants is not None:
+            if workload.augment is None or args.variants < 1:
+                raise ConfigError(f"--variants {args.variants}: give K >= 1 for a workload with augmentation "
+                                  f"({args.workload} has {'some' if workload.augment else 'none'})")
+            workload.variants = args.variants
     except (ConfigError, DataNotFound, ModuleNotFoundError) as exc:
         print(f"bench_train: {exc}", file=sys.stderr)
         return 2
