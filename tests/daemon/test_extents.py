@@ -7,7 +7,7 @@ import pytest
 
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.daemon.config import StoreConfig
-from actcache.daemon.store._extents import Extent, stored_length
+from actcache.daemon.store._extents import Extent, PageCacheGuess, stored_length
 from actcache.daemon.store import Store
 from actcache.keys import encode_key
 
@@ -83,3 +83,27 @@ def test_replacing_and_deleting_keep_usage_exact(store):
     assert store.used_bytes(ns) == len(entry(2, 20_000))
     assert store.discard_corrupt([encode_key(ns, FP, 1, 1)]) == 0  # intact entries survive
     assert store.get(ns, FP, 1, [(1, 0)]) == [entry(2, 20_000)]
+
+
+def test_a_reader_whose_values_are_cached_copies_them_from_the_map_and_checks_again(store):
+    ns = store.open_namespace("x").id
+    values = [entry(i, 20_000) for i in range(200)]
+    store.put(ns, FP, 1, [(i, 0, v) for i, v in enumerate(values)])
+    store.get(ns, FP, 1, [(i, 0) for i in range(200)])  # now in the page cache
+    guess = PageCacheGuess()
+    explicit = []
+    with store.read_session(guess) as session:
+        for i, value in enumerate(values):
+            key = encode_key(ns, FP, 1, i)
+            extent = session.locate(key)
+            explicit.append(extent.inline is None)
+            assert bytes(session.read(key, extent)) == value
+    if not (store.config.explicit_reads and hasattr(os, "RWF_NOWAIT")):
+        return  # without explicit reads (or a kernel that tells what is cached) there is nothing to guess
+    warm = PageCacheGuess.WARM_AFTER
+    assert all(explicit[:warm]) and not any(explicit[warm : warm + 10])
+    # then one lookup in CHECK_EVERY is read explicitly again
+    assert sum(explicit[warm:]) == (len(values) - warm) // PageCacheGuess.CHECK_EVERY
+    guess.saw(False)  # a value that was not cached: explicit reads again
+    assert not guess.use_map()
+    assert store.read_counts()["fallback_reads"] == len(values) - sum(explicit)

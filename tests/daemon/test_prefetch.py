@@ -223,7 +223,7 @@ class _FailingStore:
         return self._store.discard_corrupt(keys)
 
     @contextmanager
-    def read_session(self):
+    def read_session(self, guess=None):
         outer = self
 
         class Session:
@@ -244,7 +244,7 @@ class _FailingStore:
             def last_resident(self):
                 return self._inner.last_resident
 
-        with self._store.read_session() as inner:
+        with self._store.read_session(guess) as inner:
             yield Session(inner)
 
 

@@ -7,6 +7,8 @@ from collections import deque
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Callable
 
+from actcache.daemon.store import PageCacheGuess
+
 if TYPE_CHECKING:
     from actcache.daemon.store import ReadSession, Store
 
@@ -119,10 +121,11 @@ class ShortTransaction:
         self._session = None
         self._opened_at = 0.0
         self._entries = 0
+        self._guess = PageCacheGuess()  # outlives the transactions
 
     def open(self) -> ReadSession:
         if self._session is None:
-            self._cm = self._store.read_session()
+            self._cm = self._store.read_session(self._guess)
             self._session = self._cm.__enter__()
             self._opened_at, self._entries = time.monotonic(), 0
         return self._session

@@ -53,7 +53,7 @@ from actcache.codec import Codec, Encoding, compress_entry, verify_entry
 from actcache.daemon.store._access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.store._dirlock import DirLock
-from actcache.daemon.store._extents import ReadSession, ValueFile
+from actcache.daemon.store._extents import PageCacheGuess, ReadSession, ValueFile
 from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
 from actcache.daemon.store._generations import (
     GEN_PREFIX_BYTES,
@@ -368,10 +368,11 @@ class Store:
                 out.append(value)
 
     @contextmanager
-    def read_session(self) -> Iterator[ReadSession]:
-        """A read transaction for locating and reading entries; keep it short (it pins pages)."""
+    def read_session(self, guess: PageCacheGuess | None = None) -> Iterator[ReadSession]:
+        """A read transaction for locating and reading entries; keep it short (it pins pages).
+        ``guess``: the reader's, so values the page cache holds are copied out of the map."""
         with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
-            session = ReadSession(txn, self._file, explicit=self.config.explicit_reads)
+            session = ReadSession(txn, self._file, explicit=self.config.explicit_reads, guess=guess)
             try:
                 yield session
             finally:
