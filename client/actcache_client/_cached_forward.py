@@ -586,7 +586,11 @@ class CachedForward:
         def choose(entries: list[bytes]) -> str:
             choice = self._encodings.get(fingerprint)
             if choice is None:
-                choice = self._encodings[fingerprint] = choose_encoding(entries, samples=samples, config=config)
+                try:
+                    choice = choose_encoding(entries, samples=samples, config=config)
+                except Exception as exc:  # a failed measurement must not stop the writes
+                    choice = EncodingChoice("", f"the daemon's --encoding: measuring the codecs failed ({exc!r})", {})
+                self._encodings[fingerprint] = choice
                 if self.planner is not None:
                     self.planner.record_encoding(depth, choice)  # logs it with the plan
                 else:

@@ -78,7 +78,7 @@ class CodecReading:
 
 @dataclasses.dataclass(frozen=True)
 class EncodingChoice:
-    """The codec chosen (``--encoding`` syntax), why, and the numbers behind it."""
+    """The codec chosen (``--encoding`` syntax; "": the daemon's own), why, and the numbers behind it."""
 
     encoding: str
     reason: str

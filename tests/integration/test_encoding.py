@@ -40,3 +40,15 @@ def test_entries_that_fit_in_the_page_cache_stay_raw(daemon):
         assert choice is not None and choice.encoding in expected, choice
         assert choice.numbers["raw_cold_share"] == (1.0 if encoding is COLD else 0.0)
         assert model.encoding_choice(1) is None  # nothing was written at depth 1
+
+
+def test_a_failed_measurement_leaves_the_choice_to_the_daemon_and_stores_everything(daemon, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("psutil could not read the memory")
+
+    monkeypatch.setattr("actcache_client._cached_forward.choose_encoding", broken)
+    with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+        _, model = train(conn)
+        assert conn.stats.puts == N and conn.stats.hits == N
+    choice = model.encoding_choice(2)
+    assert choice.encoding == "" and "measuring the codecs failed" in choice.reason
