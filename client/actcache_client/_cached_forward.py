@@ -347,6 +347,8 @@ class CachedForward:
         if present is None:
             return
         flags = iter(present)
+        if self._auditor is not None:
+            self._sync_auditor()
         for position, ids in enumerate(subset, start=self._position):
             stored = [s for s in ids if next(flags)]
             audited = {stored[p] for p in self._auditor.choose(len(stored))} if self._auditor is not None else set()
@@ -502,9 +504,7 @@ class CachedForward:
         When the loader skipped inputs, the auditor chose at the epoch's start (``_plan_skips``) and
         the hits whose input was loaded anyway are the ones audited.
         """
-        if self.connection.opens != self._audited_opens:
-            self._audited_opens = self.connection.opens
-            self._auditor.restart()
+        self._sync_auditor()
         if raw.partial:
             chosen = [i for i in found if raw.has(rows[i])]
         else:
@@ -533,6 +533,13 @@ class CachedForward:
                 "their fingerprint's entries were dropped")
         warn_mismatch(namespace, fingerprint, j, bad)
         return False
+
+    def _sync_auditor(self) -> None:
+        """Restart the auditor after a (re)connection to the daemon, before it next chooses: its first
+        hits are audited again (checked at the epoch's start too, where skipped loads are chosen)."""
+        if self.connection.opens != self._audited_opens:
+            self._audited_opens = self.connection.opens
+            self._auditor.restart()
 
     def _compute(self, state: State, start: int, stop: int) -> State:
         t0 = time.perf_counter()

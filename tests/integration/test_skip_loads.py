@@ -91,6 +91,13 @@ def test_a_stored_epoch_loads_no_input_and_trains_as_without_the_cache(daemon):
     assert model.times.cached_samples == 2 * N and model.times.prefix_samples == 3 * N
 
 
+def test_the_first_samples_are_audited_once_per_connection_not_per_epoch(daemon):
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        _, calls, model, _ = run(conn, epochs=4, audit=ac.AuditConfig(first_samples=5, every=40))
+    # epoch 1: 5 first audits and stored samples 40 and 80; then one in 40 as the count runs on
+    assert calls == [N, 5 + 2, 2, 3]
+
+
 def test_audited_samples_are_loaded_like_misses(daemon):
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
         _, calls, model, _ = run(conn, epochs=2, audit=ac.AuditConfig(first_samples=5, every=40))
