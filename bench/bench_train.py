@@ -49,7 +49,7 @@ from actcache.errors import ConfigError
 from actcache.testing import run_daemon
 from workloads.data import DataNotFound, resolve_data_dir
 from workloads.freezers import MODES, make_freezer
-from workloads.report import format_decisions, format_table, summarize, write_results
+from workloads.report import format_decisions, format_plans, format_table, summarize, write_results
 from workloads.tasks import WORKLOADS, make_workload
 from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave
 
@@ -76,7 +76,8 @@ def run_all(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Nam
                 conn = stack.enter_context(ac.connect(daemon.socket, namespace=f"bench-{workload.name}", timeout_s=60))
                 daemons.append((len(training), psutil.Process(daemon.pid)))
             training.append(TrainingRun(workload, freezer, conn, on_eval=_printer(label_of(mode, cache), workload),
-                                        slice_steps=SLICE_STEPS, store_dtype=STORE_DTYPES[args.store_dtype]))
+                                        slice_steps=SLICE_STEPS, store_dtype=STORE_DTYPES[args.store_dtype],
+                                        planner=args.planner))
         before = {i: _cpu(p) for i, p in daemons}
         results = interleave(training)
         for i, process in daemons:
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--freeze-at", type=float, help="static mode: when, in (fractional) epochs")
     parser.add_argument("--eval-every", type=int, help="autofreeze/egeria: steps between the policy's evaluations "
                         "(default: an epoch's steps / 5 for autofreeze; from the run's length for egeria)")
+    parser.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
+                        help="cached runs let the cost model (CachePlanner) decide whether and where caching pays, "
+                             "as a user would (default); --no-planner caches every frozen prefix")
     parser.add_argument("--variants", type=int, help="cached augmentation variants per sample in every run (epoch e "
                         "uses variant e %% K; workloads with augmentation: cifar, default 2)")
     parser.add_argument("--tolerance", type=float, default=0.3, help="target = full run's best minus this (points)")
@@ -151,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     target, rows = summarize(runs, args.tolerance)
     print(f"\ntarget {workload.metric} {target:.2f} (full run's best {runs[0].best_metric:.2f} - {args.tolerance})")
     print(format_table(rows))
-    decisions = format_decisions(runs)
-    if decisions:
-        print(f"\n{decisions}")
+    for section in (format_decisions(runs), format_plans(runs)):
+        if section:
+            print(f"\n{section}")
     payload = {"command": " ".join(sys.argv), "args": vars(args), "data_dir": str(source), "target": target,
                "threads": torch.get_num_threads(), "load_average_start": load_start, "summary": rows,
                "runs": [r.to_dict() for r in runs]}

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from .trainer import RunResult
 
-__all__ = ["SPLIT_KEYS", "format_decisions", "format_table", "label", "summarize", "time_to_target", "write_results"]
+__all__ = ["SPLIT_KEYS", "format_decisions", "format_plans", "format_table", "label", "summarize", "time_to_target", "write_results"]
 
 SPLIT_KEYS = ("data", "fetch_wait", "prefix", "suffix_forward", "backward", "optimizer", "other")
 
@@ -109,6 +109,16 @@ def format_decisions(runs: Sequence[RunResult]) -> str:
             lines.append(f"  step {d['step']:>5} (epoch {d['epoch']:5.2f}): {what(d):<{width}} -> "
                          f"{d['frozen']:>2} frozen, {d['active_param_share']:6.1%} of parameters training: "
                          f"{d['reason']}")
+    return "\n".join(lines)
+
+
+def format_plans(runs: Sequence[RunResult]) -> str:
+    """Each cached run's plans from the cost model (step, frozen depth, what it decided, why); "" if none."""
+    lines = []
+    for run in runs:
+        if run.plans:
+            lines.append(f"{label(run)}: {len(run.plans)} plan(s) from the cost model")
+            lines += [f"  step {p['step']:>5}: frozen {p['frozen']}: {p['reason']}" for p in run.plans]
     return "\n".join(lines)
 
 

@@ -87,6 +87,8 @@ class RunResult:
     timeline: list[dict[str, float]] = field(default_factory=list)
     #: ``Freezer.close()``: the mode's settings and, for the controller modes, its decisions.
     freezer: dict[str, Any] = field(default_factory=dict)
+    #: With a cost model: each change of plan (step, frozen depth, mode, cache depth, cached share, reason).
+    plans: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def final_metric(self) -> float:
@@ -156,13 +158,16 @@ class TrainingRun:
         on_eval: Callable[[EvalPoint], None] | None = None,
         slice_steps: int | None = None,
         store_dtype: torch.dtype | None = None,
+        planner: bool = False,
     ) -> None:
         w = self.workload = workload
         self.slice_steps = slice_steps
         self.freezer, self.connection, self.on_step, self.on_eval = freezer, connection, on_step, on_eval
         torch.manual_seed(w.seed)
         self.staged = w.stage(w.build())
-        self.model = ac.CachedForward(self.staged, connection, varlen=w.varlen, store_dtype=store_dtype)
+        cost_model = ac.CachePlanner(ac.PlannerConfig(total_epochs=w.epochs)) if planner and connection else None
+        self.model = ac.CachedForward(self.staged, connection, varlen=w.varlen, store_dtype=store_dtype,
+                                      planner=cost_model)
         self.loader = ac.CachedLoader(
             # targets: the inputs of samples the cache serves are not loaded
             DataLoader(ac.IndexedDataset(w.train_set, augment=w.augment, targets=getattr(w.train_set, "labels", None)),
@@ -176,10 +181,20 @@ class TrainingRun:
         self.scheduler = w.schedule(self.opt, self.total, self.per_epoch)
         freezer.start(self.model, self.opt, steps_per_epoch=self.per_epoch, total_steps=self.total)
         self.result = RunResult(w.name, freezer.name, connection is not None, w.metric)
+        if cost_model is not None:
+            cost_model.listeners.append(self._record_plan)
         self.split = dict.fromkeys(("data", "backward", "optimizer", "eval"), 0.0)
         self._rng = torch.get_rng_state()
         self._wall = self._cpu = self._eval_cpu = 0.0  # accumulated over this run's slices
         self._resumed = self._resumed_cpu = 0.0
+        self._step = 0
+
+    def _record_plan(self, frozen: int, plan: ac.cost_model.Plan) -> None:
+        entry = {"mode": plan.mode.name.lower(), "cache_depth": plan.cache_depth,
+                 "cached_fraction": round(plan.cached_fraction, 3)}
+        last = self.result.plans[-1] if self.result.plans else None
+        if last is None or any(last[k] != v for k, v in entry.items()) or last["frozen"] != frozen:
+            self.result.plans.append({"step": self._step, "frozen": frozen, **entry, "reason": plan.reason})
 
     def _now(self) -> float:
         """Wall seconds this run has been active, evaluation included."""
@@ -230,6 +245,7 @@ class TrainingRun:
             batches = iter(self.loader)  # run to exhaustion every epoch: CachedLoader then moves to the next
             for position in range(per_epoch + 1):
                 info = StepInfo(step, epoch + position / per_epoch, self.opt.param_groups[0]["lr"], last_loss)
+                self._step = step  # for the plans recorded during it
                 frozen = model.frozen
                 if position < per_epoch and step < self.total:
                     self.freezer.before_step(info, model)

@@ -54,6 +54,20 @@ def test_cifar_workload_trains_the_same_with_and_without_the_cache(data_dir, dae
     assert on.timeline[1]["active_params"] < on.timeline[0]["active_params"] == on.timeline[0]["total_params"]
 
 
+def test_cached_runs_can_let_the_cost_model_decide_and_record_its_plans(data_dir, daemon):
+    w = cifar(data_dir, epochs=4, batch_size=16)
+    w.static_at_epoch = 1
+    with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+        run = train(w, StaticFreeze(w.static_depth, 1), conn, planner=True)
+    per_epoch = math.ceil(len(w.train_set) / 16)
+    assert run.plans and all(p["step"] >= per_epoch and p["frozen"] == 2 for p in run.plans)  # planned once frozen
+    assert run.plans[-1]["mode"] in ("cache", "recompute") and run.plans[-1]["reason"]
+    served = run.cache_stats["hits"] > 0
+    assert served == any(p["mode"] == "cache" for p in run.plans)  # the plan was followed
+    with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+        assert train(w, StaticFreeze(w.static_depth, 1), conn).plans == []  # no cost model by default
+
+
 @pytest.mark.skipif(not MINILM, reason="MiniLM weights not installed (make minilm)")
 @pytest.mark.parametrize("task", ["sst2", "cola"])
 def test_minilm_workloads_cache_variable_length_states(data_dir, daemon, task):
