@@ -42,7 +42,7 @@ def test_reads_return_the_stored_bytes_for_every_size(store):
     counts = store.read_counts()
     if store.config.explicit_reads:
         large = sum(len(v) > 2048 for v in values.values())
-        assert counts == {"explicit_reads": 2 * large, "fallback_reads": 0}
+        assert counts == {"explicit_reads": 2 * large, "fallback_reads": 0, "cached_copies": 0}
     else:
         assert counts["explicit_reads"] == 0
 
@@ -106,4 +106,23 @@ def test_a_reader_whose_values_are_cached_copies_them_from_the_map_and_checks_ag
     assert sum(explicit[warm:]) == (len(values) - warm) // PageCacheGuess.CHECK_EVERY
     guess.saw(False)  # a value that was not cached: explicit reads again
     assert not guess.use_map()
-    assert store.read_counts()["fallback_reads"] == len(values) - sum(explicit)
+    assert store.read_counts()["cached_copies"] == len(values) - sum(explicit)
+    assert store.read_counts()["fallback_reads"] == 0
+
+
+def test_a_warm_reader_copies_a_run_of_values_in_one_call_and_reads_a_run_due_for_a_check_one_by_one(store):
+    ns = store.open_namespace("x").id
+    values = {i: entry(i, 20_000) for i in range(0, 80, 2)}
+    store.put(ns, FP, 1, list((i, 0, v) for i, v in values.items()))
+    keys = [encode_key(ns, FP, 1, i) for i in range(80)]  # every other one is missing
+    guess = PageCacheGuess()
+    explicit = store.config.explicit_reads
+    with store.read_session(guess) as session:
+        cold = session.copy_run(keys[:4])  # no explicit read has found a value cached yet
+        assert cold is None if explicit else cold == [values.get(i) for i in range(4)]  # the plain path copies
+        for _ in range(PageCacheGuess.WARM_AFTER):
+            guess.saw(True)
+        assert session.copy_run(keys[:32]) == [values.get(i) for i in range(32)]
+        due = session.copy_run(keys[32:64])  # holds lookup 64, due for an explicit check
+        assert due is None if explicit else due == [values.get(i) for i in range(32, 64)]
+    assert store.read_counts()["cached_copies"] == (16 if explicit else 0)

@@ -240,6 +240,9 @@ class _FailingStore:
             def read(self, key, extent):
                 return self._inner.read(key, extent)
 
+            def copy_run(self, keys):
+                return self._inner.copy_run(keys)
+
             @property
             def last_resident(self):
                 return self._inner.last_resident

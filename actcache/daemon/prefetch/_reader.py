@@ -348,6 +348,15 @@ class ScheduleReader:
     def _read_run(self, session, start: int, stop: int, prober) -> tuple[int, int, int] | None:
         """Read positions ``start..stop-1`` while the budget has their bytes now, and publish them at once;
         ``(entries read, bytes read, positions)``, or None when the first one's bytes are not free."""
+        values = session.copy_run([self._key(pos) for pos in range(start, stop)])
+        if values is not None:  # in the page cache: copied in one call, taken if the budget has them now
+            sizes = [0 if v is None else len(v) for v in values]
+            if self._budget.try_acquire(self, sum(sizes)):
+                if prober is not None:
+                    prober.saw_read(True)
+                slots = [_Slot() if v is None else _Slot(n, v, _served_size(v)) for v, n in zip(values, sizes)]
+                self._publish_run(start, slots)
+                return sum(v is not None for v in values), sum(sizes), len(slots)
         slots, read, nbytes = [], 0, 0
         try:
             for pos in range(start, stop):

@@ -179,12 +179,16 @@ class PageCacheGuess:
         self._streak = 0
         self._lookups = 0
 
-    def use_map(self) -> bool:
-        """Whether the next value is copied out of the map rather than read explicitly."""
+    def use_map(self, count: int = 1) -> bool:
+        """Whether the next ``count`` values are copied out of the map rather than read explicitly
+        (False for a run that holds a lookup due for a check: it is read value by value)."""
         if self._streak < self.WARM_AFTER:
             return False
-        self._lookups += 1
-        return self._lookups % self.CHECK_EVERY != 0
+        before, self._lookups = self._lookups, self._lookups + count
+        if self._lookups // self.CHECK_EVERY == before // self.CHECK_EVERY:
+            return True
+        self._lookups = before if count > 1 else self._lookups
+        return False
 
     def saw(self, resident: bool | None) -> None:
         """An explicit read came (True) or did not come (False, None: unknown) from the page cache."""
@@ -228,6 +232,7 @@ class ReadSession:
         self._guess = guess
         self.explicit_reads = 0
         self.fallback_reads = 0
+        self.cached_copies = 0  # values copied out of the map because they were in the page cache
         #: Whether the last ``read`` came entirely from the page cache (None: unknown).
         self.last_resident: bool | None = None
 
@@ -238,13 +243,25 @@ class ReadSession:
             return None
         if self._explicit:
             if self._guess is not None and self._guess.use_map():
-                self.fallback_reads += 1
+                self.cached_copies += 1
             else:
                 node = _overflow_node(cursor, key)
                 if node is not None:
                     return Extent(node[0] * self._file.page_size + PAGE_HEADER_BYTES, node[1])
         value = cursor.value()
         return Extent(-1, len(value), bytes(value))
+
+    def copy_run(self, keys: list[bytes]) -> list[bytes | None] | None:
+        """The values of ``keys`` (None per missing key) copied out of the map in one LMDB call: on
+        the plain path, and with explicit reads while the guess says they are in the page cache;
+        None: read them one by one."""
+        if self._explicit:
+            if self._guess is None or not self._guess.use_map(len(keys)):
+                return None
+        found = dict(self._cursor.getmulti(keys))
+        if self._explicit:
+            self.cached_copies += len(found)
+        return [None if (value := found.get(key)) is None else bytes(value) for key in keys]
 
     def read(self, key: bytes, extent: Extent) -> bytes | memoryview:
         """The bytes of ``extent`` (located in this session); falls back to a copy from the map."""

@@ -121,7 +121,7 @@ class Store:
             self._dir_lock.release()
             raise
         self._file = ValueFile(config.dir / "data.mdb", self._env.stat()["psize"])
-        self._read_counts = {"explicit_reads": 0, "fallback_reads": 0}
+        self._read_counts = {"explicit_reads": 0, "fallback_reads": 0, "cached_copies": 0}
         stale = self._env.reader_check()
         if stale:
             log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
@@ -379,6 +379,7 @@ class Store:
                 with self._lock:
                     self._read_counts["explicit_reads"] += session.explicit_reads
                     self._read_counts["fallback_reads"] += session.fallback_reads
+                    self._read_counts["cached_copies"] += session.cached_copies
 
     def contains(self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: "np.ndarray",
                  variants: "np.ndarray | None" = None) -> list[bool]:
