@@ -179,16 +179,19 @@ class PageCacheGuess:
         self._streak = 0
         self._lookups = 0
 
-    def use_map(self, count: int = 1) -> bool:
-        """Whether the next ``count`` values are copied out of the map rather than read explicitly
-        (False for a run that holds a lookup due for a check: it is read value by value)."""
-        if self._streak < self.WARM_AFTER:
-            return False
+    @property
+    def warm(self) -> bool:
+        """The last ``WARM_AFTER`` explicit reads all came from the page cache."""
+        return self._streak >= self.WARM_AFTER
+
+    def check_due(self, count: int = 1) -> bool:
+        """Count ``count`` lookups; True if one of them is due for a check."""
         before, self._lookups = self._lookups, self._lookups + count
-        if self._lookups // self.CHECK_EVERY == before // self.CHECK_EVERY:
-            return True
-        self._lookups = before if count > 1 else self._lookups
-        return False
+        return self._lookups // self.CHECK_EVERY != before // self.CHECK_EVERY
+
+    def use_map(self) -> bool:
+        """Whether the next value is copied out of the map rather than read explicitly."""
+        return self.warm and not self.check_due()
 
     def saw(self, resident: bool | None) -> None:
         """An explicit read came (True) or did not come (False, None: unknown) from the page cache."""
@@ -256,12 +259,24 @@ class ReadSession:
         the plain path, and with explicit reads while the guess says they are in the page cache;
         None: read them one by one."""
         if self._explicit:
-            if self._guess is None or not self._guess.use_map(len(keys)):
+            guess = self._guess
+            if guess is None or not guess.warm or guess.check_due(len(keys)) and not self._still_cached(keys):
                 return None
         found = dict(self._cursor.getmulti(keys))
         if self._explicit:
             self.cached_copies += len(found)
         return [None if (value := found.get(key)) is None else bytes(value) for key in keys]
+
+    def _still_cached(self, keys: list[bytes]) -> bool:
+        """Whether the first stored value of ``keys`` is in the page cache (told to the guess)."""
+        for key in keys:
+            if self._cursor.set_key(key):
+                node = _overflow_node(self._cursor, key)
+                resident = True if node is None else self._file.resident(
+                    Extent(node[0] * self._file.page_size + PAGE_HEADER_BYTES, node[1]))
+                self._guess.saw(resident)
+                return bool(resident)
+        return True
 
     def read(self, key: bytes, extent: Extent) -> bytes | memoryview:
         """The bytes of ``extent`` (located in this session); falls back to a copy from the map."""
