@@ -343,16 +343,31 @@ def test_egeria_unfreezes_on_a_discrete_10x_lr_drop_and_refreezes_with_half_wind
     dropped = policy.observe(sig(t0 + 7, frozen=1, lr=0.1 * 0.1, plasticity=0.5))  # 0.010000000000000002
     assert dropped.kind is UNFREEZE and dropped.numbers["lr_at_freeze"] == 0.1
     assert policy.window == 5
-    # Stage 0 keeps its tolerance; a flat converged curve refreezes after 5 low readings.
-    refrozen = [policy.observe(sig(100 + k, frozen=0, lr=0.01, plasticity=1e-9 * k)) for k in range(5)]
-    assert [d.kind for d in refrozen] == [NONE] * 4 + [FREEZE]
-    assert refrozen[-1].numbers["window"] == 5 and refrozen[-1].numbers["consecutive"] == 5
+    # T is calibrated again at the new lr: a curve converging there refreezes W=5 low readings after
+    # its drift fell below 20% of its new peak, as an independent computation of the test says.
+    after = [0.01 * decay(k) for k in range(60)]
+    refreeze = feed(policy, lambda k, f: sig(100 + k, frozen=f, lr=0.01, plasticity=after[k]), 60)
+    k, first = next((k, d) for k, d, _ in refreeze if d.kind is not NONE)
+    assert (k, first.kind) == (expected_freeze_index(after, 5), FREEZE) and first.numbers["window"] == 5
     # The next unfreeze is measured from the refreeze lr; W halves to the floor of 2 and stays there.
-    assert policy.observe(sig(110, frozen=1, lr=0.01)).kind is NONE
-    assert policy.observe(sig(111, frozen=1, lr=0.001)).kind is UNFREEZE and policy.window == 2
-    policy.observe(sig(112, frozen=1, lr=0.001))  # frozen by other means: anchors lr_at_freeze here
-    policy.observe(sig(113, frozen=1, lr=0.001))
-    assert policy.observe(sig(114, frozen=1, lr=0.0001)).kind is UNFREEZE and policy.window == 2
+    assert policy.observe(sig(210, frozen=1, lr=0.01)).kind is NONE
+    assert policy.observe(sig(211, frozen=1, lr=0.001)).kind is UNFREEZE and policy.window == 2
+    policy.observe(sig(212, frozen=1, lr=0.001))  # frozen by other means: anchors lr_at_freeze here
+    policy.observe(sig(213, frozen=1, lr=0.001))
+    assert policy.observe(sig(214, frozen=1, lr=0.0001)).kind is UNFREEZE and policy.window == 2
+
+
+def test_egeria_does_not_refreeze_a_stage_that_keeps_moving_at_the_lower_lr_after_an_unfreeze():
+    policy = no_bootstrap()
+    t0 = expected_freeze_index([decay(i) for i in range(100)], 10)
+    feed(policy, lambda i, f: sig(i, frozen=f, lr=0.1, plasticity=decay(i)), t0 + 1)  # stage 0 froze at t0
+    policy.observe(sig(t0 + 1, frozen=1, lr=0.1))
+    assert policy.observe(sig(t0 + 2, frozen=1, lr=0.01)).kind is UNFREEZE
+    # at the new lr the stage moves a tenth as fast as at its peak, and keeps doing so: below the T
+    # calibrated before the drop (20% of the peak), not below 20% of what it does now
+    flat = [0.1 * decay(0) * (1 + 0.05 * math.sin(k)) for k in range(80)]
+    run = feed(policy, lambda k, f: sig(t0 + 3 + k, frozen=f, lr=0.01, plasticity=flat[k]), 80)
+    assert [d.kind for _, d, _ in run if d.kind is not NONE] == []
 
 
 def lr_run(policy: EgeriaPolicy, lrs: list[float]) -> list[int]:
