@@ -170,8 +170,7 @@ class PageCacheGuess:
     ``CHECK_EVERY`` is checked again (an explicit read, or for a run the
     kernel's answer for its first value), and one that was not cached ends
     the streak. A wrong guess costs speed (page faults instead of one pread),
-    never bytes.
-    One per reader, kept across its read transactions.
+    never bytes. One per reader, kept across its read transactions.
     """
 
     WARM_AFTER = 32
