@@ -190,11 +190,14 @@ class TrainingRun:
         self._step = 0
 
     def _record_plan(self, frozen: int, plan: ac.cost_model.Plan) -> None:
-        entry = {"mode": plan.mode.name.lower(), "cache_depth": plan.cache_depth,
-                 "cached_fraction": round(plan.cached_fraction, 3)}
+        """Keep a plan that changes what is cached: mode, depth, or the cached share by 10 points or more
+        (in a last epoch the share follows what is already stored, step by step)."""
+        entry = {"frozen": frozen, "mode": plan.mode.name.lower(), "cache_depth": plan.cache_depth}
         last = self.result.plans[-1] if self.result.plans else None
-        if last is None or any(last[k] != v for k, v in entry.items()) or last["frozen"] != frozen:
-            self.result.plans.append({"step": self._step, "frozen": frozen, **entry, "reason": plan.reason})
+        if (last is None or any(last[k] != v for k, v in entry.items())
+                or abs(last["cached_fraction"] - plan.cached_fraction) >= 0.1):
+            self.result.plans.append({"step": self._step, **entry, "cached_fraction": round(plan.cached_fraction, 3),
+                                      "reason": plan.reason})
 
     def _now(self) -> float:
         """Wall seconds this run has been active, evaluation included."""
