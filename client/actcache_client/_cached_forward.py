@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from actcache.codec import Encoding
-from actcache.errors import CacheMismatchError, ConfigError, InvalidRequest
+from actcache.errors import CacheMismatchError, ConfigError, ConfigTypeError, InvalidRequest
 from actcache_client._audit import AuditConfig, Auditor, same_entry, warn_mismatch
 from actcache_client._batch import Batch
 from actcache_client._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
@@ -624,13 +624,16 @@ def _check_encoding(encoding: str | AutoEncoding) -> str | AutoEncoding:
     """``encoding`` as CachedForward keeps it: an AutoEncoding, "daemon" or a valid ``--encoding`` value."""
     if isinstance(encoding, AutoEncoding):
         return encoding
+    if not isinstance(encoding, str):
+        raise ConfigTypeError(f"encoding must be a str or an AutoEncoding, got {type(encoding).__name__} "
+                              f"{encoding!r}")
     if encoding == "auto":
         return AutoEncoding()
     if encoding == "daemon":
         return encoding
     try:
         Encoding.parse(encoding)
-    except (InvalidRequest, TypeError, AttributeError):
+    except InvalidRequest:
         raise ConfigError(f"encoding={encoding!r}: use 'auto' (or an AutoEncoding), 'daemon', 'raw', 'lz4', "
                           "'zstd' or 'zstd:LEVEL' (-7..22)") from None
     return encoding

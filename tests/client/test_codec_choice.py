@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actcache.errors import ConfigError
+from actcache.errors import ConfigError, ConfigTypeError
 from actcache_client import AutoEncoding, CachedForward, from_sequential
 from actcache_client._codec_choice import choose_encoding, measure_codecs
 from actcache_client._tensors import encode_samples
@@ -79,3 +79,5 @@ def test_cached_forward_checks_its_encoding():
     assert isinstance(CachedForward(staged).encoding, AutoEncoding)
     with pytest.raises(ConfigError, match="encoding='zip'"):
         CachedForward(staged, encoding="zip")
+    with pytest.raises(ConfigTypeError, match="str or an AutoEncoding, got int 3"):
+        CachedForward(staged, encoding=3)
