@@ -9,7 +9,7 @@ them (the daemon serves raw payloads). Per raw byte served::
 verification too) are measured on the first entries written for the
 (fingerprint, depth): each entry compressed on its own, as the daemon stores
 it, the whole sample decoded three times and the fastest kept. The disk's
-speed is configured (``actcache diskbench`` measures it). ``cold_share`` is
+speed is configured (``actcache bench disk`` measures it). ``cold_share`` is
 the share of reads the page cache does not answer: what of the whole
 dataset's entries at this depth does not fit in the memory available now.
 A compressed codec wins only by a clear margin (``min_gain``): a few MiB are
@@ -38,7 +38,7 @@ _REPEATS = 3
 class AutoEncoding:
     """Knobs of the per-(fingerprint, depth) codec choice (``CachedForward(encoding=...)``)."""
 
-    #: The cache disk's read speed; ``actcache diskbench`` measures it (O_DIRECT). 1 GB/s: NVMe.
+    #: The cache disk's read speed; ``actcache bench disk`` measures it (O_DIRECT). 1 GB/s: NVMe.
     disk_read_bytes_per_s: float = 1e9
     #: A codec must serve this much faster than raw to be chosen.
     min_gain: float = 0.1
@@ -52,7 +52,7 @@ class AutoEncoding:
     def __post_init__(self) -> None:
         if not self.disk_read_bytes_per_s > 0:
             raise ConfigError(f"AutoEncoding.disk_read_bytes_per_s must be > 0, got {self.disk_read_bytes_per_s} "
-                              "(measure it with `actcache diskbench`)")
+                              "(measure it with `actcache bench disk`)")
         if not 0 <= self.min_gain < 1:
             raise ConfigError(f"AutoEncoding.min_gain must be in [0, 1), got {self.min_gain}")
         if self.sample_bytes < 1:

@@ -63,7 +63,7 @@ def test_the_measurement_compresses_each_entry_and_stops_at_the_sample_size():
 @pytest.mark.parametrize("options, message", [
     ({"candidates": ("raw",)}, "raw is always compared"),
     ({"candidates": ("brotli",)}, "unknown encoding 'brotli'"),
-    ({"disk_read_bytes_per_s": 0}, "actcache diskbench"),
+    ({"disk_read_bytes_per_s": 0}, "actcache bench disk"),
     ({"min_gain": 1.0}, "min_gain"),
     ({"page_cache_bytes": -1}, "page_cache_bytes"),
 ])
