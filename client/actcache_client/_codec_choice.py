@@ -97,7 +97,8 @@ def measure_codecs(entries: Sequence[bytes | memoryview], candidates: Sequence[s
         raw_bytes += len(entry)
     readings = {}
     for name in ("raw", *candidates):
-        stored = [compress_entry(e, Encoding.parse(name)) for e in sample] if name != "raw" else sample
+        encoding = Encoding.parse(name)
+        stored = [compress_entry(e, encoding) for e in sample]  # raw: the entries themselves
         best = float("inf")
         for _ in range(_REPEATS):
             t0 = time.perf_counter()
