@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -109,22 +110,43 @@ class DaemonProcess:
 
 
 @contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit(143) in the main thread instead of ending the process
+    on the spot, so ``finally`` blocks run (a benchmark stopped with ``kill`` stops its daemon too).
+    Only where SIGTERM still has its default action: a handler someone installed is left alone."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def unwind(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
 def run_daemon(
     *args: str, cache_dir: Path | None = None, env: dict[str, str] | None = None, check_exit: bool = True
 ) -> Iterator[DaemonProcess]:
-    """Start ``actcache serve`` with extra ``args`` in a temp dir; stop it on exit."""
+    """Start ``actcache serve`` with extra ``args`` in a temp dir; stop it on exit, also when this
+    process gets SIGTERM (then SystemExit(143) is raised once the daemon is stopped)."""
     tmp = Path(tempfile.mkdtemp(prefix="actcache-"))
     daemon = DaemonProcess(cache_dir or tmp / "cache", tmp / "daemon.sock", args, env)
-    try:
-        daemon.start()
-        yield daemon
-    finally:
-        running = daemon.proc is not None
-        code = daemon.stop()
-        log = daemon.log_tail()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if check_exit and running and code != 0:
-            raise LifecycleError(f"daemon exited with code {code}\n{log}")
+    with _sigterm_unwinds():
+        try:
+            daemon.start()
+            yield daemon
+        finally:
+            running = daemon.proc is not None
+            code = daemon.stop()
+            log = daemon.log_tail()
+            shutil.rmtree(tmp, ignore_errors=True)
+            if check_exit and running and code != 0:
+                raise LifecycleError(f"daemon exited with code {code}\n{log}")
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> None:

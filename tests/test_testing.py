@@ -1,7 +1,12 @@
-"""actcache.testing.wait_until: the one polling helper of the tests."""
+"""actcache.testing: wait_until, the one polling helper of the tests, and run_daemon's cleanup."""
 
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
+import psutil
 import pytest
 
 from actcache.testing import wait_until
@@ -21,3 +26,27 @@ def test_wait_until_returns_once_another_thread_makes_it_true():
 def test_wait_until_names_what_it_waited_for():
     with pytest.raises(AssertionError, match=r"the daemon's counter not reached within 0.05 s"):
         wait_until(lambda: False, timeout=0.05, what="the daemon's counter")
+
+
+_STOPPED_BY_KILL = r"""
+import sys, time
+from actcache.testing import run_daemon
+with run_daemon() as daemon:
+    print(daemon.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_process_stopped_with_sigterm_stops_its_daemon_too():
+    """A benchmark ended with ``kill`` (SIGTERM) used to leave its daemon running: run_daemon's cleanup
+    was skipped. Now the daemon is stopped and the process exits with 143."""
+    root = Path(__file__).resolve().parents[1]
+    with subprocess.Popen([sys.executable, "-c", _STOPPED_BY_KILL], cwd=root, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            daemon_pid = int(proc.stdout.readline())
+            assert psutil.pid_exists(daemon_pid)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 143
+            assert not psutil.pid_exists(daemon_pid)
+        finally:
+            proc.kill()
