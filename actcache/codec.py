@@ -61,6 +61,7 @@ __all__ = [
     "decompress_payload",
     "encode_entry",
     "parse_header",
+    "served_size",
     "to_raw_entries",
     "to_raw_entries_into",
     "to_raw_entry",
@@ -503,6 +504,20 @@ def decoded_size(buf: bytes | memoryview) -> int:
     if stored_len > view.nbytes - _FIXED.size:
         raise InvalidRequest(f"entry declares {stored_len} payload bytes in {view.nbytes}; it is not a valid entry")
     return view.nbytes - stored_len + raw_len
+
+
+_CODEC_OFFSET = 5  # after the magic and the version, in versions 1 and 2
+
+
+def served_size(buf: bytes | memoryview) -> int:
+    """Bytes of ``buf`` as Fetch serves it: a raw entry as stored, a compressed one decompressed
+    (``decoded_size``). A malformed entry keeps its size; it becomes a miss when it is verified."""
+    if len(buf) > _CODEC_OFFSET and buf[_CODEC_OFFSET] == Codec.raw:
+        return len(buf)
+    try:
+        return decoded_size(buf)
+    except InvalidRequest:
+        return len(buf)
 
 
 def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, bytes | memoryview] | InvalidRequest]:

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actcache.codec import (
-    Codec, DType, Encoding, TensorSpec, compress_entry, decode_entry, decoded_size, encode_entry, parse_header, to_raw_entries,
-    to_raw_entries_into, to_raw_entry, verify_entry,
+    Codec, DType, Encoding, TensorSpec, compress_entry, decode_entry, decoded_size, encode_entry, parse_header, served_size,
+    to_raw_entries, to_raw_entries_into, to_raw_entry, verify_entry,
 )
 from actcache.codec import AUTO_MIN_SAVING, Checksum, _pack_header, _parse_header
 from actcache.errors import InvalidRequest
@@ -196,7 +196,7 @@ def test_version_1_entries_stay_readable():
     header = verify_entry(old)
     assert (header.codec, header.checksum) == (Codec.raw, Checksum.crc32)
     assert np.array_equal(np.frombuffer(decode_entry(old)[1], np.float32).reshape(2, 3, 4), values)
-    assert decoded_size(old) == len(old)
+    assert decoded_size(old) == served_size(old) == len(old)
     bad = bytearray(old)
     bad[-1] ^= 1
     with pytest.raises(InvalidRequest, match=r"checksum \(crc32\) mismatch"):
@@ -250,3 +250,17 @@ def test_raw_entries_of_one_layout_are_served_like_any_others(checksum):
     outs = [memoryview(bytearray(decoded_size(e))) for e in mixed]
     assert to_raw_entries_into(mixed, outs) == [None, None, None]  # another layout: entry by entry
     assert bytes(outs[2]) == mixed[2]
+
+
+def test_served_size_is_what_fetch_serves_and_a_malformed_entry_keeps_its_size():
+    relu = np.maximum(np.random.default_rng(0).standard_normal((16, 32, 8)), 0).astype(np.float32)
+    raw = encode_entry([TensorSpec(DType.float32, relu.shape)], [relu])
+    packed = compress_entry(raw, Encoding(Codec.lz4))
+    assert parse_header(packed).codec == Codec.lz4 and len(packed) < len(raw)
+    for entry in (raw, packed):
+        assert served_size(entry) == len(b"".join(to_raw_entry(entry))) == decoded_size(entry)
+    assert served_size(memoryview(raw)) == len(raw)
+    for bad in (b"", b"ACE1", packed[:40]):  # too short for its header, or a header without its payload
+        with pytest.raises(InvalidRequest):
+            to_raw_entry(bad)
+        assert served_size(bad) == len(bad)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import decoded_size
+from actcache.codec import served_size
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._lookahead import Prober, ShortTransaction
 from actcache.daemon.prefetch._schedule import Schedule
@@ -336,7 +336,7 @@ class ScheduleReader:
                 if read_entries % 64 == 0:
                     self.schedule.counters.add(read_bytes=unflushed)
                     unflushed = 0
-                self._publish(pos, _Slot(need, data, _served_size(data)))
+                self._publish(pos, _Slot(need, data, served_size(data)))
                 txn.tick()
         finally:
             self.schedule.counters.add(read_bytes=unflushed)
@@ -354,7 +354,7 @@ class ScheduleReader:
             if self._budget.try_acquire(self, sum(sizes)):
                 if prober is not None:
                     prober.saw_read(True)
-                slots = [_Slot() if v is None else _Slot(n, v, _served_size(v)) for v, n in zip(values, sizes)]
+                slots = [_Slot() if v is None else _Slot(n, v, served_size(v)) for v, n in zip(values, sizes)]
                 self._publish_run(start, slots)
                 return sum(v is not None for v in values), sum(sizes), len(slots)
         slots, read, nbytes = [], 0, 0
@@ -373,7 +373,7 @@ class ScheduleReader:
                     prober.saw_read(session.last_resident)
                 read += 1
                 nbytes += len(data)
-                slots.append(_Slot(need, data, _served_size(data)))
+                slots.append(_Slot(need, data, served_size(data)))
         except BaseException:  # what was read is served before the error
             if slots:
                 self._publish_run(start, slots)
@@ -515,11 +515,3 @@ class ScheduleReader:
                 batch.finish()
         self._on_change(self)
 
-
-def _served_size(data) -> int:
-    """Bytes of ``data`` as served (payload uncompressed); a malformed entry keeps its size (it is served as
-    a miss once its verification fails)."""
-    try:
-        return decoded_size(data)
-    except InvalidRequest:
-        return len(data)
