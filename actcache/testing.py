@@ -5,8 +5,9 @@
         ...
 
 The daemon listens on a Unix socket in a fresh temp dir; ``run_daemon``
-waits for its health check, always stops it, and raises if it did not exit
-cleanly (exit code 0 after SIGTERM). ``wait_until`` is the one polling helper
+waits for its health check, always stops it (also when this process is
+ended with SIGTERM), and raises if it did not exit cleanly (exit code 0
+after SIGTERM). ``wait_until`` is the one polling helper
 for tests that observe another thread or process.
 """
 

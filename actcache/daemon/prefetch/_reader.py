@@ -514,4 +514,3 @@ class ScheduleReader:
             finally:
                 batch.finish()
         self._on_change(self)
-
