@@ -114,7 +114,9 @@ class DaemonProcess:
 def _sigterm_unwinds() -> Iterator[None]:
     """While inside, SIGTERM raises SystemExit(143) in the main thread instead of ending the process
     on the spot, so ``finally`` blocks run (a benchmark stopped with ``kill`` stops its daemon too).
-    Only where SIGTERM still has its default action: a handler someone installed is left alone."""
+    Only where SIGTERM still has its default action: a handler someone installed is left alone.
+    Like every Python handler it runs when the main thread next executes bytecode (a training loop
+    does; a main thread blocked in one long C call notices at its end)."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return

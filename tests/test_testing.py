@@ -33,7 +33,8 @@ import sys, time
 from actcache.testing import run_daemon
 with run_daemon() as daemon:
     print(daemon.pid, flush=True)
-    time.sleep(60)
+    for _ in range(1200):  # a main thread that runs bytecode, as a training loop does: a Python signal
+        time.sleep(0.05)   # handler runs there, also when the kernel gave the signal to another thread
 """
 
 
