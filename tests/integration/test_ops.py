@@ -22,8 +22,8 @@ def actcache(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_second_daemon_on_the_same_dir_refuses_and_leaves_the_first_alone(tmp_path):
     with run_daemon(cache_dir=tmp_path / "cache") as first:
-        for socket in (tmp_path / "other.sock", first.socket):
-            refused = actcache("serve", "--dir", str(first.dir), "--socket", str(socket))
+        for sock in (tmp_path / "other.sock", first.socket):
+            refused = actcache("serve", "--dir", str(first.dir), "--socket", str(sock))
             assert refused.returncode == 2, refused.stderr
             assert f"is in use by another actcache daemon (pid {first.pid}" in refused.stderr
             assert "pass a different --dir" in refused.stderr
