@@ -6,8 +6,8 @@
 
 The daemon listens on a Unix socket in a fresh temp dir; ``run_daemon``
 waits for its health check, always stops it (also when this process is
-ended with SIGTERM), and raises if it did not exit cleanly (exit code 0
-after SIGTERM). ``wait_until`` is the one polling helper
+ended with SIGTERM: see ``run_daemon``), and raises if it did not exit
+cleanly (exit code 0 after SIGTERM). ``wait_until`` is the one polling helper
 for tests that observe another thread or process.
 """
 
@@ -110,24 +110,42 @@ class DaemonProcess:
         self.proc = None
 
 
-@contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
-    """While inside, SIGTERM raises SystemExit(143) in the main thread instead of ending the process
-    on the spot, so ``finally`` blocks run (a benchmark stopped with ``kill`` stops its daemon too).
-    Only where SIGTERM still has its default action: a handler someone installed is left alone.
-    Like every Python handler it runs when the main thread next executes bytecode (a training loop
-    does; a main thread blocked in one long C call notices at its end)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
+# Daemons started by run_daemon and not yet stopped, with their temp dirs: SIGTERM stops them first.
+_LIVE: dict[DaemonProcess, Path] = {}
+_LIVE_LOCK = threading.Lock()
 
-    def unwind(signum, frame) -> None:
-        raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, unwind)
-    try:
-        yield
-    finally:
+def _stop_live_daemons_then_die(signum, frame) -> None:
+    """SIGTERM while run_daemon has daemons running: stop them (their cache is flushed, their temp
+    dirs removed), then end the process by SIGTERM as if no handler had been installed."""
+    with _LIVE_LOCK:
+        live = list(_LIVE.items())
+        _LIVE.clear()
+    for daemon, tmp in live:
+        try:
+            daemon.stop()
+        except Exception:  # dying anyway: a daemon that would not stop is killed
+            daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _track(daemon: DaemonProcess, tmp: Path) -> None:
+    """Register a running daemon; the first one installs the SIGTERM handler (from the main thread,
+    where SIGTERM still has its default action: a handler someone else installed is left alone)."""
+    with _LIVE_LOCK:
+        _LIVE[daemon] = tmp
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stop_live_daemons_then_die)
+
+
+def _untrack(daemon: DaemonProcess) -> None:
+    with _LIVE_LOCK:
+        _LIVE.pop(daemon, None)
+        last = not _LIVE
+    if (last and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is _stop_live_daemons_then_die):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
@@ -135,21 +153,27 @@ def _sigterm_unwinds() -> Iterator[None]:
 def run_daemon(
     *args: str, cache_dir: Path | None = None, env: dict[str, str] | None = None, check_exit: bool = True
 ) -> Iterator[DaemonProcess]:
-    """Start ``actcache serve`` with extra ``args`` in a temp dir; stop it on exit, also when this
-    process gets SIGTERM (then SystemExit(143) is raised once the daemon is stopped)."""
+    """Start ``actcache serve`` with extra ``args`` in a temp dir; stop it on exit.
+
+    A process ended with SIGTERM (``kill``, a CI timeout) while inside stops its daemons first, then
+    dies of SIGTERM as before. Like every Python handler this runs when the main thread next
+    executes bytecode (a training loop does; a main thread blocked in one long C call notices at its
+    end).
+    """
     tmp = Path(tempfile.mkdtemp(prefix="actcache-"))
     daemon = DaemonProcess(cache_dir or tmp / "cache", tmp / "daemon.sock", args, env)
-    with _sigterm_unwinds():
-        try:
-            daemon.start()
-            yield daemon
-        finally:
-            running = daemon.proc is not None
-            code = daemon.stop()
-            log = daemon.log_tail()
-            shutil.rmtree(tmp, ignore_errors=True)
-            if check_exit and running and code != 0:
-                raise LifecycleError(f"daemon exited with code {code}\n{log}")
+    _track(daemon, tmp)
+    try:
+        daemon.start()
+        yield daemon
+    finally:
+        _untrack(daemon)
+        running = daemon.proc is not None
+        code = daemon.stop()
+        log = daemon.log_tail()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if check_exit and running and code != 0:
+            raise LifecycleError(f"daemon exited with code {code}\n{log}")
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> None:
