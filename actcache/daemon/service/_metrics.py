@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal, Mapping, Protocol
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -32,10 +32,11 @@ from actcache.daemon.config import MetricsConfig
 from actcache.errors import ConfigError
 
 if TYPE_CHECKING:
-    from actcache.daemon.service._service import ActCacheService
+    from actcache.daemon.prefetch import Prefetcher
+    from actcache.daemon.service._service import Counters
     from actcache.daemon.store import Store
 
-__all__ = ["DaemonCollector", "Family", "MetricsEndpoint", "daemon_families"]
+__all__ = ["DaemonCollector", "Family", "MetricsEndpoint", "ServiceState", "daemon_families"]
 
 Value = float | int
 Reading = Value | Mapping[tuple[str, ...], Value]
@@ -92,7 +93,22 @@ class DaemonCollector:
             yield metric
 
 
-def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
+class ServiceState(Protocol):
+    """What the metrics read from the running service (ActCacheService has it)."""
+
+    @property
+    def counters(self) -> "Counters": ...
+
+    @property
+    def started(self) -> float:
+        """``time.monotonic()`` when the service started."""
+        ...
+
+    @property
+    def prefetcher(self) -> "Prefetcher": ...
+
+
+def daemon_families(store: "Store", service: ServiceState) -> list[Family]:
     """Every family the daemon exports: usage per namespace, sizes, the service's counters, uptime."""
     counters = service.counters
 
@@ -185,7 +201,7 @@ _PREFETCH = {
 }
 
 
-def _prefetch_families(store: "Store", service: "ActCacheService") -> list[Family]:
+def _prefetch_families(store: "Store", service: ServiceState) -> list[Family]:
     """Prefetch counters per namespace (no per-schedule or per-sample labels) and the read-ahead budget."""
     prefetcher = service.prefetcher
 
