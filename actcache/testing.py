@@ -112,7 +112,7 @@ class DaemonProcess:
 
 # Daemons started by run_daemon and not yet stopped, with their temp dirs: SIGTERM stops them first.
 _LIVE: dict[DaemonProcess, Path] = {}
-_LIVE_LOCK = threading.Lock()
+_LIVE_LOCK = threading.RLock()  # reentrant: the handler may run in the main thread while it holds the lock
 
 
 def _stop_live_daemons_then_die(signum, frame) -> None:

@@ -29,7 +29,7 @@ def test_wait_until_names_what_it_waited_for():
 
 
 _STOPPED_BY_KILL = r"""
-import sys, time
+import time
 from actcache.testing import run_daemon
 with run_daemon() as daemon:
     print(daemon.pid, flush=True)
