@@ -1,6 +1,7 @@
 """The LMDB store in-process: budgets, drop, map growth, persistence, corruption."""
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -197,19 +198,11 @@ def test_move_aside_keeps_the_bad_file_and_starts_empty(tmp_path):
 def _break_leaf_page_holding(path, key: bytes) -> None:
     """Clear the page flags of every page holding ``key`` (an older copy of its leaf may sit in a free page)."""
     data = bytearray((path / "data.mdb").read_bytes())
-    pages = {at // 4096 for at in _occurrences(data, key)}
+    pages = {m.start() // 4096 for m in re.finditer(re.escape(key), data)}
     assert pages and min(pages) > 1, f"key found in pages {sorted(pages)} of {len(data) // 4096}"
     for page in pages:
         data[page * 4096 + 10 : page * 4096 + 12] = b"\0\0"  # mp_flags: no longer a leaf page
     (path / "data.mdb").write_bytes(bytes(data))
-
-
-def _occurrences(data: bytearray, needle: bytes) -> list[int]:
-    found, at = [], data.find(needle)
-    while at >= 0:
-        found.append(at)
-        at = data.find(needle, at + 1)
-    return found
 
 
 def test_damaged_btree_is_marked_then_refused_or_moved_aside(tmp_path):
