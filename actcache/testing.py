@@ -123,12 +123,20 @@ def _stop_live_daemons_then_die(signum, frame) -> None:
         _LIVE.clear()
     for daemon, tmp in live:
         try:
-            daemon.stop()
+            _stop_and_remove(daemon, tmp)
         except Exception:  # dying anyway: a daemon that would not stop is killed
             daemon.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _stop_and_remove(daemon: DaemonProcess, tmp: Path) -> tuple[int, str]:
+    """Stop ``daemon`` (SIGTERM, wait) and remove its temp dir; its exit code and the end of its log."""
+    code = daemon.stop()
+    log = daemon.log_tail()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return code, log
 
 
 def _track(daemon: DaemonProcess, tmp: Path) -> None:
@@ -169,9 +177,7 @@ def run_daemon(
     finally:
         _untrack(daemon)
         running = daemon.proc is not None
-        code = daemon.stop()
-        log = daemon.log_tail()
-        shutil.rmtree(tmp, ignore_errors=True)
+        code, log = _stop_and_remove(daemon, tmp)
         if check_exit and running and code != 0:
             raise LifecycleError(f"daemon exited with code {code}\n{log}")
 
