@@ -11,7 +11,7 @@ from actcache_client._tensors import VarLen, encode_samples
 
 
 def test_first_samples_after_a_restart_then_one_in_every():
-    auditor = Auditor(AuditConfig(first_samples=3, every=10))
+    auditor = Auditor(AuditConfig(first_samples=3, every=10, group=1))
     assert auditor.choose(2) == [0, 1]
     assert auditor.choose(4) == [0]  # the third first sample
     # 6 hits counted so far: the 10th hit is position 3 of the next batch of 5, the 20th position 3 of the one after
@@ -22,8 +22,18 @@ def test_first_samples_after_a_restart_then_one_in_every():
     assert auditor.choose(5) == [0, 1, 2]
 
 
-def test_the_periodic_share_is_exact_over_many_batches():
-    auditor = Auditor(AuditConfig(first_samples=0, every=1000))
+def test_periodic_audits_come_in_groups_of_consecutive_hits_across_batches():
+    auditor = Auditor(AuditConfig(first_samples=2, every=10, group=4))
+    # a period of 40 hits ends with its 4 audited hits: 36..39, then 76..79
+    assert auditor.choose(30) == [0, 1]
+    assert auditor.choose(8) == [6, 7]  # hits 36 and 37
+    assert auditor.choose(5) == [0, 1]  # hits 38 and 39 (the group goes on into the next batch)
+    assert auditor.choose(40) == [33, 34, 35, 36]  # hits 76..79
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_the_periodic_share_is_exact_over_many_batches(group):
+    auditor = Auditor(AuditConfig(first_samples=0, every=1000, group=group))
     assert sum(len(auditor.choose(128)) for _ in range(1000)) == 128
 
 
@@ -32,6 +42,8 @@ def test_every_zero_audits_only_the_first_samples_and_config_is_validated():
     assert auditor.choose(10) == [0, 1] and auditor.choose(10) == []
     with pytest.raises(ConfigError):
         AuditConfig(every=-1)
+    with pytest.raises(ConfigError, match="group"):
+        AuditConfig(group=0)
 
 
 def one(x: torch.Tensor, varlen=None) -> bytes:

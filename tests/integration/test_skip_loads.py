@@ -93,14 +93,14 @@ def test_a_stored_epoch_loads_no_input_and_trains_as_without_the_cache(daemon):
 
 def test_the_first_samples_are_audited_once_per_connection_not_per_epoch(daemon):
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
-        _, calls, model, _ = run(conn, epochs=4, audit=ac.AuditConfig(first_samples=5, every=40))
+        _, calls, model, _ = run(conn, epochs=4, audit=ac.AuditConfig(first_samples=5, every=40, group=1))
     # epoch 1: 5 first audits and stored samples 40 and 80; then one in 40 as the count runs on
     assert calls == [N, 5 + 2, 2, 3]
 
 
 def test_audited_samples_are_loaded_like_misses(daemon):
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
-        _, calls, model, _ = run(conn, epochs=2, audit=ac.AuditConfig(first_samples=5, every=40))
+        _, calls, model, _ = run(conn, epochs=2, audit=ac.AuditConfig(first_samples=5, every=40, group=1))
     # the second epoch: 5 first audits, then one stored sample in 40 of the other 91
     assert model.times.audited_samples == 5 + 91 // 40
     assert calls == [N, model.times.audited_samples]
