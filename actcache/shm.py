@@ -167,8 +167,8 @@ class ShmRing:
         if mapped and not self.unlinked:
             self.unlink()
 
-    def alloc(self, position: int, size: int) -> int | None:
-        """Segment offset of a new slot of ``size`` bytes for the entry at ``position``; None while full."""
+    def _fits(self, size: int) -> int:
+        """Bytes a slot of ``size`` takes now (with the gap to the ring's end); 0 while the ring is full."""
         if size > self.ring_bytes:
             raise InvalidRequest(f"an entry of {size} bytes does not fit the shared-memory ring of {self.ring_bytes} bytes")
         at = self._write % self.ring_bytes
@@ -176,7 +176,14 @@ class ShmRing:
         if self._write + need - self._freed > self.ring_bytes:
             self.poll()
             if self._write + need - self._freed > self.ring_bytes:
-                return None
+                return 0
+        return need
+
+    def alloc(self, position: int, size: int) -> int | None:
+        """Segment offset of a new slot of ``size`` bytes for the entry at ``position``; None while full."""
+        need = self._fits(size)
+        if not need:
+            return None
         self._write += need
         self._slots.append((position, self._write))
         return HEADER_BYTES + (self._write - size) % self.ring_bytes
@@ -194,6 +201,17 @@ class ShmRing:
             time.sleep(delay)
             delay = min(delay * 2, 2e-3)
         return offset
+
+    def wait_room(self, size: int, alive: Callable[[], bool]) -> bool:
+        """Wait until a slot of ``size`` bytes fits, polling the client's releases while ``alive()``;
+        False if the call ended first."""
+        delay = 50e-6
+        while not self._fits(size):
+            if not alive():
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+        return True
 
     def wait_mapped(self, alive: Callable[[], bool]) -> None:
         """Return once the client has mapped the segment (its name is then removed), or once ``alive()`` is false."""

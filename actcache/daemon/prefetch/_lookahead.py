@@ -115,13 +115,13 @@ class ShortTransaction:
     ``_SESSION_SECONDS`` (and by the caller before any wait), so it never pins pages, or holds off a
     map resize, for long."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, guess: PageCacheGuess) -> None:
         self._store = store
         self._cm = None
         self._session = None
         self._opened_at = 0.0
         self._entries = 0
-        self._guess = PageCacheGuess()  # outlives the transactions
+        self._guess = guess  # outlives the transactions
 
     def open(self) -> ReadSession:
         if self._session is None:

@@ -43,6 +43,7 @@ it).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -51,12 +52,14 @@ from actcache.daemon.config import PrefetchConfig
 from actcache.daemon.prefetch._stats import PrefetchCounters
 from actcache.daemon.prefetch._reader import ReaderSnapshot, ReaderState, ScheduleReader
 from actcache.daemon.prefetch._schedule import Schedule
-from actcache.daemon.store import Store
+from actcache.daemon.store import PageCacheGuess, Store
 from actcache.errors import DaemonUnavailable, FetchAborted, InvalidRequest, ScheduleNotFound
 from actcache.keys import group_prefix
 
 __all__ = ["MAX_SCHEDULES_PER_NAMESPACE", "PrefetchStats", "Prefetcher", "ScheduleStatus"]
 
+# Groups whose page-cache guess is kept for their next schedule (the most recently read).
+_GUESSES_KEPT = 64
 log = logging.getLogger(__name__)
 
 MAX_SCHEDULES_PER_NAMESPACE = 64
@@ -116,6 +119,9 @@ class Prefetcher:
         )
         self._schedules: dict[tuple[int, str], Schedule] = {}
         self._readers: dict[tuple[int, str], ScheduleReader] = {}
+        # Whether a group's values are in the page cache, kept from one schedule (epoch) to the next:
+        # a new reader of a warm group starts warm instead of reading its first values one by one.
+        self._guesses: OrderedDict[tuple[int, bytes, int], PageCacheGuess] = OrderedDict()
         self._finished: dict[int, PrefetchCounters] = {}
         self._all_readers: set[ScheduleReader] = set()
         self.schedules_total = 0
@@ -227,10 +233,15 @@ class Prefetcher:
 
     def _new_reader(self, schedule: Schedule, start: int, *, attached: bool) -> ScheduleReader:
         """Create and register a reader; caller holds ``_cond`` and calls ``begin()`` after releasing it."""
+        group = (schedule.namespace_id, schedule.fingerprint, schedule.depth)
+        guess = self._guesses.pop(group, None) or PageCacheGuess()
+        self._guesses[group] = guess
+        while len(self._guesses) > _GUESSES_KEPT:
+            self._guesses.popitem(last=False)
         reader = ScheduleReader(
             schedule, start, store=self.store, budget=self.budget, decode_pool=self._decode,
             probe_pool=self._probe, probe_bytes=self.config.probe_bytes, attached=attached,
-            on_change=self._on_change, on_starved=self._reclaim_for,
+            on_change=self._on_change, on_starved=self._reclaim_for, guess=guess,
         )
         self._readers[(schedule.namespace_id, schedule.schedule_id)] = reader
         self._all_readers.add(reader)

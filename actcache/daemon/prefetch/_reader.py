@@ -36,16 +36,18 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import served_size
 from actcache.daemon.prefetch._budget import MemoryBudget
+from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._lookahead import Prober, ShortTransaction
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.prefetch._served import ServedBatch
+from actcache.daemon.store import PageCacheGuess
 from actcache.errors import ActCacheError, BudgetExceeded, InvalidRequest, StoreError
 from actcache.rpc import encode_frame
 
 if TYPE_CHECKING:
     from actcache.daemon.store import Store
 
-__all__ = ["MAX_AHEAD_ENTRIES", "ReaderSnapshot", "ReaderState", "ScheduleReader", "ServedBatch"]
+__all__ = ["DirectRun", "MAX_AHEAD_ENTRIES", "ReaderSnapshot", "ReaderState", "ScheduleReader", "ServedBatch"]
 
 # Entries a reader keeps read ahead of its consumer at most (misses hold no
 # budget bytes, so the budget alone would not bound them).
@@ -134,6 +136,7 @@ class ScheduleReader:
         attached: bool,
         on_change: Callable[["ScheduleReader"], None],
         on_starved: Callable[["ScheduleReader", int], None] | None = None,
+        guess: PageCacheGuess | None = None,
     ) -> None:
         self.schedule = schedule
         self.start = start
@@ -163,6 +166,11 @@ class ScheduleReader:
         self._error: ActCacheError | None = None
         self._stopping = False
         self._keys: dict[int, list[bytes]] = {}
+        self._guess = guess or PageCacheGuess()  # whether this stream's values are in the page cache
+        #: Direct serving (see ``batches``): the consumer claimed the positions from ``read`` on, and the
+        #: reader thread acknowledged it (it holds no transaction and reads nothing until released).
+        self._claimed = self._parked = False
+        self._claim_from = 0  # after a run was given back: not before the reader has read this far
         self._thread = threading.Thread(
             target=self._run, name=f"actcache-reader-{schedule.schedule_id}", daemon=True
         )
@@ -288,7 +296,7 @@ class ScheduleReader:
 
     def _read_all(self) -> None:
         n = len(self.schedule)
-        txn = ShortTransaction(self._store)
+        txn = ShortTransaction(self._store, self._guess)
         prober = Prober(self._probe, self._store.probe, self._key, n, self._probe_bytes) if self._probe else None
         carry = 0  # budget bytes already held for the entry at ``read`` (taken while the txn was closed)
         read_entries = read_total = unflushed = 0
@@ -299,6 +307,10 @@ class ScheduleReader:
                 if self.read - self.served >= MAX_AHEAD_ENTRIES:
                     txn.close()
                     self._wait_for_consumer()
+                if self._claimed and not carry:
+                    txn.close()
+                    self._park()
+                    continue
                 pos = self.read
                 if prober is not None:
                     prober.advance(pos, read_total // read_entries if read_entries else 0)
@@ -396,6 +408,16 @@ class ScheduleReader:
             if self._consumer_waits == "any" or self._consumer_waits == "fill" and self._frame_filled():
                 self._cond.notify_all()
 
+    def _park(self) -> None:
+        """Wait while the consumer serves directly (the reader's position moves on under it)."""
+        with self._cond:
+            self._parked = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._stopping or not self._claimed)
+            self._parked = False
+        if self._stopping:
+            raise _Stop
+
     def _wait_for_consumer(self) -> None:
         with self._cond:
             self._reader_waits = True
@@ -448,7 +470,7 @@ class ScheduleReader:
             batch.finish()
             yield frame
 
-    def batches(self, max_frame_bytes: int) -> Iterator[ServedBatch]:
+    def batches(self, max_frame_bytes: int, *, direct_entries: int = 0) -> Iterator[ServedBatch | DirectRun]:
         """The entries of one frame at a time, from ``start`` to the end.
 
         The consumer decodes the entries (``decode`` or ``decode_into``), then
@@ -456,10 +478,54 @@ class ScheduleReader:
         closing the generator does it too). Raises the reader's error after
         the entries read before it failed; returns early, quietly, if
         cancelled without an error for the consumer.
+
+        ``direct_entries``: once this stream's values are in the page cache,
+        the reader thread stops after its current run; what it read ahead is
+        served first, then the consumer gets ``DirectRun``s of up to that many
+        positions to read from the store itself, in one pass per frame (see
+        _direct.py), until it gives reading back (``DirectRun.give_back``) or
+        the generator ends.
         """
+        try:
+            yield from self._batches(max_frame_bytes, direct_entries)
+        finally:
+            self._release_claim()
+
+    def _may_claim(self, direct_entries: int) -> bool:
+        """Whether the consumer may take over reading: it serves straight from the store. Caller holds ``_cond``."""
+        return (direct_entries > 0 and not self._claimed and self.state is ReaderState.READING
+                and self.read >= self._claim_from and self._guess.warm and self._store.config.explicit_reads)
+
+    def _release_claim(self) -> None:
+        with self._cond:
+            if self._claimed:
+                self._claimed = False
+                self._cond.notify_all()
+
+    def _give_back(self, position: int) -> None:
+        """The consumer could not serve ``position`` directly: the reader thread reads it (and on)."""
+        with self._cond:
+            self._claim_from = position + 1
+        self._release_claim()
+
+    def _direct_done(self, run: DirectRun, served: int, counts: dict) -> None:
+        """The consumer served ``served`` positions of ``run`` from the store."""
+        ended = False
+        with self._cond:
+            self.served = self.ready = self.read = run.start + served
+            if self.read >= len(self.schedule) and self.state is ReaderState.READING:
+                self._set_state(ReaderState.READ_ALL)
+                ended = True
+            self._keys = {b: k for b, k in self._keys.items() if b >= self.read // _KEY_BLOCK}
+        self.schedule.counters.add(**counts)
+        if ended:
+            self._on_change(self)
+
+    def _batches(self, max_frame_bytes: int, direct_entries: int) -> Iterator[ServedBatch | DirectRun]:
         schedule = self.schedule
         self._fill_bytes = min(max_frame_bytes, _FILL_BYTES)
         while True:
+            direct_at = None
             with self._cond:
                 def over() -> bool:  # nothing more will become ready for this consumer
                     return (self.state is ReaderState.CANCELLED or self.served >= self._end
@@ -470,35 +536,46 @@ class ScheduleReader:
                             or self.state is not ReaderState.READING and self.ready >= min(self.read, self._end))
 
                 stalled, waited = False, 0.0
-                if self.served == self.ready and not over():
+                if self._may_claim(direct_entries):
+                    self._claimed = True  # the reader thread parks once its current run is published
+                if self.served == self.ready and not over() and not self._parked:
                     stalled, t0 = True, time.monotonic()
                     self._consumer_waits = "any"
-                    self._cond.wait_for(lambda: self.served < self.ready or over())
+                    self._cond.wait_for(lambda: self.served < self.ready or over() or self._parked)
                     waited = time.monotonic() - t0
-                if not filled():
-                    # Less than a frame is ready: rather than a small frame (costly on both sides),
-                    # give the reader a moment to fill a reasonable one.
-                    self._consumer_waits = "fill"
-                    self._cond.wait_for(filled, _LINGER_S)
-                self._consumer_waits = None
-                if self.served == self.ready:
-                    if self.state in (ReaderState.CANCELLED, ReaderState.FAILED):
-                        if self._error is not None:
-                            raise self._error
-                        return
-                    self._set_state(ReaderState.DONE)
-                    break
-                start, taken, size = self.served, [], 0
-                while self.served < self.ready:
-                    slot = self._slots[self.served]
-                    if taken and size + slot.nbytes > max_frame_bytes:
+                if self._parked and self.served == self.ready and not over():
+                    direct_at = self.served
+                else:
+                    if not filled():
+                        # Less than a frame is ready: rather than a small frame (costly on both sides),
+                        # give the reader a moment to fill a reasonable one.
+                        self._consumer_waits = "fill"
+                        self._cond.wait_for(filled, _LINGER_S)
+                    if self.served == self.ready:
+                        self._consumer_waits = None
+                        if self.state in (ReaderState.CANCELLED, ReaderState.FAILED):
+                            if self._error is not None:
+                                raise self._error
+                            return
+                        self._set_state(ReaderState.DONE)
                         break
-                    taken.append(self._slots.pop(self.served))
-                    size += slot.nbytes
-                    self.served += 1
-                self._ready_bytes -= size
+                    start, taken, size = self.served, [], 0
+                    while self.served < self.ready:
+                        slot = self._slots[self.served]
+                        if taken and size + slot.nbytes > max_frame_bytes:
+                            break
+                        taken.append(self._slots.pop(self.served))
+                        size += slot.nbytes
+                        self.served += 1
+                    self._ready_bytes -= size
+                self._consumer_waits = None
                 if self._reader_waits:
                     self._cond.notify_all()
+            if direct_at is not None:
+                yield DirectRun(direct_at, min(self._end, direct_at + direct_entries), schedule=schedule, key=self._key,
+                                store=self._store, guess=self._guess, done=self._direct_done,
+                                give_back=self._give_back, discard=self._discard_corrupt)
+                continue
             stop = start + len(taken)
             header = pb.EntriesHeader(
                 start=start,

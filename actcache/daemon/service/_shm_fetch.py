@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator
 
 from actcache._proto import actcache_pb2 as pb
+from actcache.codec import served_size, to_raw_entries_into
+from actcache.daemon.prefetch import DirectRun
 from actcache.rpc import encode_frame
 from actcache.shm import ShmRing
 
@@ -12,6 +14,9 @@ if TYPE_CHECKING:
     from actcache.daemon.service._throttle import Throttle
 
 __all__ = ["fetch_shm", "ring_for"]
+
+# Positions a direct run covers at most; a frame looks up a frame's worth of them.
+_DIRECT_ENTRIES = 1024
 
 
 def ring_for(request: pb.FetchRequest, context) -> tuple["ShmRing | None", str]:
@@ -45,7 +50,23 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
             out.data_plane, out.segment, first = "shared_memory", str(ring.path), False
         return encode_frame(out.SerializeToString(), list(inline))
 
-    for batch in reader.batches(frame_bytes):
+    entry_bytes = 0  # the largest entry seen: how many positions a direct run looks up for a frame
+    for batch in reader.batches(frame_bytes, direct_entries=_DIRECT_ENTRIES):
+        if isinstance(batch, DirectRun):
+            entry_bytes = entry_bytes or batch.entry_size()
+            count = frame_bytes // entry_bytes + 1 if entry_bytes else _DIRECT_ENTRIES
+            served = _copy_direct(batch, ring, count, frame_bytes)
+            if served is None:
+                continue
+            lengths, offsets, blocked = served
+            entry_bytes = max([entry_bytes, *lengths])
+            if lengths:
+                yield frame(batch.header(lengths), 0, len(lengths), offsets)
+                if throttle is not None:
+                    throttle.consume(sum(lengths))
+            if blocked and not ring.wait_room(blocked, context.is_active):
+                return
+            continue
         header, count, lo = batch.header, len(batch.stored), 0
         ring.poll()
         if not count:
@@ -65,6 +86,43 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
         batch.finish()
         if throttle is not None:
             throttle.consume(batch.nbytes)
+
+def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) -> tuple[list[int], list[int], int] | None:
+    """Copy up to ``count`` entries of ``run``, ``frame_bytes`` at most (one entry at least), into ring
+    slots in one read transaction (closed before anything waits): ``(lengths, offsets)`` of the
+    positions served (a prefix of the run; 0 for a miss) and the size of the first entry that did not
+    fit the ring now (0: none); None if the run was given back (the values seem cold, or an entry is
+    larger than the ring: the regular path takes them)."""
+    ring.poll()
+    lengths: list[int] = []
+    offsets: list[int] = []
+    blocked = total = 0
+    with run.values(count) as views:
+        if views is None:
+            run.give_back()
+            return None
+        for i, view in enumerate(views):
+            size = 0 if view is None else served_size(view)
+            total += size
+            if size > ring.ring_bytes or total > frame_bytes and total > size:
+                break
+            offset = ring.alloc(run.start + i, size) if size else 0
+            if offset is None:
+                blocked = size
+                break
+            lengths.append(size)
+            offsets.append(offset)
+        todo = [i for i, n in enumerate(lengths) if n]
+        errors = to_raw_entries_into([views[i] for i in todo], [ring.view(offsets[i], lengths[i]) for i in todo])
+    if not lengths and not blocked:  # the first entry is larger than the ring
+        run.give_back()
+        return None
+    corrupt = [(i, exc) for i, exc in zip(todo, errors) if exc is not None]
+    for i, _ in corrupt:
+        lengths[i] = offsets[i] = 0
+    run.done(lengths, corrupt)
+    return lengths, offsets, blocked
+
 
 def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, context) -> tuple[int | None, list[int]]:
     """Ring slots for entries ``lo..hi`` (misses get offset 0): as many as fit now, waiting only for the

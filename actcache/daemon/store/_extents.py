@@ -255,10 +255,10 @@ class ReadSession:
         value = cursor.value()
         return Extent(-1, len(value), bytes(value))
 
-    def copy_run(self, keys: list[bytes]) -> list[bytes | None] | None:
-        """The values of ``keys`` (None per missing key) copied out of the map in one LMDB call: on
-        the plain path, and with explicit reads while the guess says they are in the page cache;
-        None: read them one by one."""
+    def run_views(self, keys: list[bytes]) -> list[memoryview | None] | None:
+        """The values of ``keys`` (None per missing key) as views into the map, valid while this session
+        is open, in one LMDB call: on the plain path, and with explicit reads while the guess says they
+        are in the page cache; None: read them one by one."""
         if self._explicit:
             guess = self._guess
             if guess is None or not guess.warm or guess.check_due(len(keys)) and not self._still_cached(keys):
@@ -266,7 +266,12 @@ class ReadSession:
         found = dict(self._cursor.getmulti(keys))
         if self._explicit:
             self.cached_copies += len(found)
-        return [None if (value := found.get(key)) is None else bytes(value) for key in keys]
+        return [found.get(key) for key in keys]
+
+    def copy_run(self, keys: list[bytes]) -> list[bytes | None] | None:
+        """``run_views`` copied out of the map."""
+        views = self.run_views(keys)
+        return None if views is None else [None if v is None else bytes(v) for v in views]
 
     def _still_cached(self, keys: list[bytes]) -> bool:
         """Whether the first stored value of ``keys`` is in the page cache (told to the guess)."""

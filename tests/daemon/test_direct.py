@@ -1,0 +1,163 @@
+"""Direct runs: a warm stream served over shared memory is read by the Fetch thread itself, one pass per frame.
+
+In-process: a real store and prefetcher, the daemon's real ``fetch_shm`` on a
+real ring, and a client that maps the segment and releases what it read.
+"""
+
+import numpy as np
+import pytest
+
+from actcache._proto import actcache_pb2 as pb
+from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.daemon.config import PrefetchConfig, StoreConfig
+from actcache.daemon.prefetch import Prefetcher
+from actcache.daemon.prefetch._reader import ReaderState
+from actcache.daemon.prefetch._schedule import Schedule
+from actcache.daemon.service._shm_fetch import fetch_shm
+from actcache.daemon.store import PageCacheGuess, Store
+from actcache.keys import encode_key
+from actcache.rpc import decode_frame
+from actcache.shm import MIN_RING_BYTES, ClientSegment, ShmRing
+from actcache.testing import wait_until
+
+FP = b"D" * 16
+N = 600  # the reader thread is at most ~160 positions ahead when the consumer takes over (1 MiB budget)
+SPEC = [TensorSpec(DType.float32, (4096,))]  # 16 KiB
+
+
+def value(i: int) -> bytes:
+    return encode_entry(SPEC, [np.full(4096, i, np.float32)])
+
+
+@pytest.fixture(autouse=True)
+def warm_after_two_reads(monkeypatch):
+    monkeypatch.setattr(PageCacheGuess, "WARM_AFTER", 2)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(StoreConfig(dir=tmp_path / "c", encoding="raw"))
+    ns = s.open_namespace("d").id
+    s.put(ns, FP, 1, [(i, 0, value(i)) for i in range(0, N, 2)])  # odd ids are misses
+    yield s
+    s.close()
+
+
+class Context:
+    """What fetch_shm asks of its gRPC context."""
+
+    def is_active(self) -> bool:
+        return True
+
+
+def serve(store, order, tmp_path, *, ring_bytes=1 << 20, frame_bytes=64 << 10, prefetch_bytes=1 << 20, stop_after=None,
+          on_frame=None):
+    """Push ``order``, Fetch it over shared memory; ``(values by position, namespace counters, reader)``."""
+    p = Prefetcher(store, PrefetchConfig(prefetch_bytes=prefetch_bytes, decode_threads=2))
+    try:
+        p.push(Schedule(1, "e", FP, 1, np.asarray(order, np.uint64), None))
+        reader = p.attach(1, "e", 0)
+        ring = ShmRing(ring_bytes, 0, directory=tmp_path)
+        got, segment = {}, None
+        frames = fetch_shm(reader, ring, frame_bytes, Context(), None)
+        for frame in frames:
+            header_bytes, payload = decode_frame(frame)
+            header = pb.EntriesHeader.FromString(bytes(header_bytes))
+            segment = segment or ClientSegment(header.segment)
+            at = 0
+            for i, (offset, n) in enumerate(zip(header.offsets, header.lengths)):
+                if n and offset:
+                    got[header.start + i] = bytes(segment.view[offset : offset + n])
+                elif n:  # larger than the ring: in the payload
+                    got[header.start + i] = bytes(payload[at : at + n])
+                    at += n
+                else:
+                    got[header.start + i] = None
+            segment.release(header.start + len(header.lengths))
+            if on_frame is not None:
+                on_frame(reader)
+            if stop_after is not None and len(got) >= stop_after:
+                frames.close()
+                break
+        ring.close()
+        return got, p.stats().namespaces[1], reader
+    finally:
+        p.close()
+
+
+def expected(order):
+    return {pos: value(i) if i % 2 == 0 else None for pos, i in enumerate(order)}
+
+
+def test_a_warm_stream_is_read_by_the_fetch_thread_with_misses_in_place(store, tmp_path):
+    order = np.random.default_rng(1).permutation(N)
+    got, counters, _ = serve(store, order, tmp_path)
+    assert got == expected(order)
+    assert (counters["hits"], counters["misses"], counters["corrupt"]) == (N // 2, N // 2, 0)
+    assert counters["direct"] > N // 2  # after the first runs, the Fetch thread read the rest itself
+    assert counters["ready_on_ask"] + counters["stalls"] >= N
+
+
+def test_a_full_ring_is_waited_for_and_the_stream_goes_on(store, tmp_path):
+    order = np.arange(N)
+    got, counters, _ = serve(store, order, tmp_path, ring_bytes=MIN_RING_BYTES, frame_bytes=256 << 10)
+    assert got == expected(order)
+    assert counters["direct"] > N // 2
+
+
+def test_values_that_seem_cold_go_back_to_the_reader_thread(store, tmp_path, monkeypatch):
+    monkeypatch.setattr(PageCacheGuess, "CHECK_EVERY", 8)
+    direct_when_cold = []  # once set, the kernel says no value is in the page cache any more
+    read = store._file.read
+    monkeypatch.setattr(store._file, "resident", lambda extent: not direct_when_cold)
+    monkeypatch.setattr(store._file, "read", lambda extent: (read(extent)[0], not direct_when_cold))
+
+    def evict_once_direct(reader):
+        direct = reader.schedule.counters.snapshot()["direct"]
+        if direct and not direct_when_cold:
+            direct_when_cold.append(direct)
+
+    order = np.arange(N)
+    got, counters, _ = serve(store, order, tmp_path, on_frame=evict_once_direct)
+    assert got == expected(order)
+    # direct runs (3 entries a frame here) stop at the next check, due every 8 lookups; the reader reads the rest
+    assert direct_when_cold and direct_when_cold[0] <= counters["direct"] <= direct_when_cold[0] + 7
+
+
+def test_an_entry_larger_than_the_ring_is_served_in_its_frame(tmp_path):
+    s = Store(StoreConfig(dir=tmp_path / "c", encoding="raw"))
+    big = TensorSpec(DType.float32, (40_000,))  # 160 KB: larger than the smallest ring
+    values = {i: encode_entry([big], [np.full(40_000, i, np.float32)]) if i == 450 else value(i) for i in range(N)}
+    try:
+        s.put(s.open_namespace("d").id, FP, 1, list((i, 0, v) for i, v in values.items()))
+        got, counters, _ = serve(s, np.arange(N), tmp_path, ring_bytes=MIN_RING_BYTES)
+    finally:
+        s.close()
+    assert got == values
+    assert counters["direct"] > 0 and counters["hits"] == N
+
+
+def test_a_corrupt_entry_read_directly_is_a_counted_miss_and_deleted(store, tmp_path):
+    key = encode_key(1, FP, 1, 200)
+    with store.read_session() as session:
+        extent = session.locate(key)
+    with open(tmp_path / "c" / "data.mdb", "r+b") as f:
+        f.seek(extent.offset + extent.length - 100)
+        byte = f.read(1)
+        f.seek(extent.offset + extent.length - 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    order = np.arange(N)
+    got, counters, _ = serve(store, order, tmp_path)
+    want = expected(order)
+    want[200] = None
+    assert got == want
+    assert (counters["hits"], counters["corrupt"]) == (N // 2 - 1, 1) and counters["direct"] > 0
+    assert store.get(1, FP, 1, [(200, 0)]) == [None]
+
+
+def test_a_consumer_that_leaves_gives_reading_back(store, tmp_path):
+    got, counters, reader = serve(store, np.arange(N), tmp_path, stop_after=400)
+    assert counters["direct"] > 0 and len(got) >= 400
+    # the reader thread was parked for the consumer; released, it reads on to the end of the order
+    wait_until(lambda: reader.snapshot().read == N or reader.state in (ReaderState.CANCELLED, ReaderState.READ_ALL))
+    assert not reader._parked
