@@ -10,8 +10,10 @@ LMDB call and copies each value once, straight into its ring slot (the
 Fetch path of ``bench/bench_entry_cost.py``, 20,480 warm entries, this
 2-core VM).
 
-How: once the reader's ``PageCacheGuess`` says the stream is warm,
-``ScheduleReader.batches(direct_entries=...)`` parks the reader thread after
+How: once the reader's ``PageCacheGuess`` says the stream is warm and its
+probes have paused (cold data keeps them hinting the kernel ahead, which a
+parked reader would not), ``ScheduleReader.batches(direct_entries=...)``
+parks the reader thread after
 its current run (no transaction open, nothing read); what it read ahead is
 served first, then the consumer gets ``DirectRun``s. It opens a short
 read transaction (``values``), copies what fits its ring, closes it before

@@ -46,12 +46,13 @@ class Prober:
     """
 
     def __init__(self, pool: Executor, probe: Callable[[list[bytes]], list[bool | None]],
-                 key: Callable[[int], bytes], length: int, window_bytes: int) -> None:
+                 key: Callable[[int], bytes], length: int, window_bytes: int, *, paused: bool = False) -> None:
+        """``paused``: start as after a warm streak (the group's last schedule ended warm)."""
         self._pool, self._probe, self._key = pool, probe, key
         self._length, self._window_bytes = length, window_bytes
         self._pending: deque[tuple[int, int, Future]] = deque()  # (first, stop, future)
         self._streak = 0
-        self.active = True
+        self.active = not paused
         self._inline_end = 0  # entries before this were probed from the reader's thread
 
     def advance(self, pos: int, avg_bytes: int) -> None:

@@ -171,6 +171,7 @@ class ScheduleReader:
         #: reader thread acknowledged it (it holds no transaction and reads nothing until released).
         self._claimed = self._parked = False
         self._claim_from = 0  # after a run was given back: not before the reader has read this far
+        self._hinting = True  # the reader's probes still tell the kernel what to read (cold data)
         self._thread = threading.Thread(
             target=self._run, name=f"actcache-reader-{schedule.schedule_id}", daemon=True
         )
@@ -297,7 +298,8 @@ class ScheduleReader:
     def _read_all(self) -> None:
         n = len(self.schedule)
         txn = ShortTransaction(self._store, self._guess)
-        prober = Prober(self._probe, self._store.probe, self._key, n, self._probe_bytes) if self._probe else None
+        prober = Prober(self._probe, self._store.probe, self._key, n, self._probe_bytes,
+                        paused=self._guess.warm) if self._probe else None
         carry = 0  # budget bytes already held for the entry at ``read`` (taken while the txn was closed)
         read_entries = read_total = unflushed = 0
         try:
@@ -314,6 +316,7 @@ class ScheduleReader:
                 pos = self.read
                 if prober is not None:
                     prober.advance(pos, read_total // read_entries if read_entries else 0)
+                self._hinting = prober is not None and prober.active
                 session = txn.open()
                 if not carry:  # a run of entries whose bytes the budget has now: one reservation, one publish
                     got = self._read_run(session, pos, min(n, pos + _RUN, self.served + MAX_AHEAD_ENTRIES), prober)
@@ -479,8 +482,9 @@ class ScheduleReader:
         the entries read before it failed; returns early, quietly, if
         cancelled without an error for the consumer.
 
-        ``direct_entries``: once this stream's values are in the page cache,
-        the reader thread stops after its current run; what it read ahead is
+        ``direct_entries``: once this stream's values are in the page cache
+        (the reader's guess is warm and its probes have paused: the kernel
+        needs no hints), the reader thread stops after its current run; what it read ahead is
         served first, then the consumer gets ``DirectRun``s of up to that many
         positions to read from the store itself, in one pass per frame (see
         _direct.py), until it gives reading back (``DirectRun.give_back``) or
@@ -493,7 +497,7 @@ class ScheduleReader:
 
     def _may_claim(self, direct_entries: int) -> bool:
         """Whether the consumer may take over reading: it serves straight from the store. Caller holds ``_cond``."""
-        return (direct_entries > 0 and not self._claimed and self.state is ReaderState.READING
+        return (direct_entries > 0 and not self._claimed and self.state is ReaderState.READING and not self._hinting
                 and self.read >= self._claim_from and self._guess.warm and self._store.config.explicit_reads)
 
     def _release_claim(self) -> None:
