@@ -4,8 +4,8 @@ Why: for values in the page cache, reading ahead buys nothing and costs
 most of the daemon's time. The reader thread copied each value out of
 LMDB's map into a buffer, the Fetch thread copied it again into the ring,
 and the slots, budget and wake-ups between the two threads cost more than
-both copies: 12.7-13.7 daemon CPU-µs per 16 KiB entry served over shared
-memory, against 6.8 with one thread that looks a frame's keys up in one
+both copies: 11.7-14.2 daemon CPU-µs per 16 KiB entry served over shared
+memory, against 5.9-6.8 with one thread that looks a frame's keys up in one
 LMDB call and copies each value once, straight into its ring slot (the
 Fetch path of ``bench/bench_entry_cost.py``, 20,480 warm entries, this
 2-core VM).
