@@ -30,12 +30,14 @@ def ring_for(request: pb.FetchRequest, context) -> tuple["ShmRing | None", str]:
     except OSError as exc:
         return None, f"shared memory unavailable: {exc}"
 
+
 def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Throttle | None") -> Iterator[bytes]:
     """Frames of slot descriptors: each entry is decoded into its slot once the slot is free.
 
     When the ring is full, the entries already written go out in a frame (so the client can
     release their slots) before waiting. An entry larger than the whole ring travels alone in
-    a frame of its own, in the payload (offset 0), so no entry size ends the stream.
+    a frame of its own, in the payload (offset 0), so no entry size ends the stream. A warm
+    stream is read here, a frame's worth per LMDB call, straight into the slots (``DirectRun``).
     """
     first = True
 
@@ -86,6 +88,7 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
         batch.finish()
         if throttle is not None:
             throttle.consume(batch.nbytes)
+
 
 def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) -> tuple[list[int], list[int], int] | None:
     """Copy up to ``count`` entries of ``run``, ``frame_bytes`` at most (one entry at least), into ring
