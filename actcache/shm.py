@@ -194,13 +194,7 @@ class ShmRing:
 
     def wait_alloc(self, position: int, size: int, alive: Callable[[], bool]) -> int | None:
         """``alloc``, polling the client's releases while ``alive()``; None if the call ended first."""
-        delay = 50e-6
-        while (offset := self.alloc(position, size)) is None:
-            if not alive():
-                return None
-            time.sleep(delay)
-            delay = min(delay * 2, 2e-3)
-        return offset
+        return self.alloc(position, size) if self.wait_room(size, alive) else None
 
     def wait_room(self, size: int, alive: Callable[[], bool]) -> bool:
         """Wait until a slot of ``size`` bytes fits, polling the client's releases while ``alive()``;

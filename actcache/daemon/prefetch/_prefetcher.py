@@ -60,6 +60,7 @@ __all__ = ["MAX_SCHEDULES_PER_NAMESPACE", "PrefetchStats", "Prefetcher", "Schedu
 
 # Groups whose page-cache guess is kept for their next schedule (the most recently read).
 _GUESSES_KEPT = 64
+
 log = logging.getLogger(__name__)
 
 MAX_SCHEDULES_PER_NAMESPACE = 64

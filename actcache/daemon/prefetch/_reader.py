@@ -18,9 +18,12 @@ decode pool taking part of a large frame. Decoding there costs no hand-off
 per entry, and zstd decompresses a whole batch per call: handing every few
 entries to a pool thread and back, or releasing and retaking the
 interpreter lock for every entry's decompression, cost more CPU than the
-decompression itself on small entries.
+decompression itself on small entries. A warm stream over shared memory
+skips the reader thread altogether: it parks, and the consumer reads each
+frame from the store itself (``DirectRun``, _direct.py).
 
-One class of about 450 lines: the reader thread, its slots and the consumer's frames share one condition variable.
+One class of about 480 lines: the reader thread, its slots, the consumer's frames and the hand-over to
+direct runs (the reader parks while the consumer reads) share one condition variable.
 """
 
 from __future__ import annotations
