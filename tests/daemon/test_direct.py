@@ -19,6 +19,7 @@ from actcache.keys import encode_key
 from actcache.rpc import decode_frame
 from actcache.shm import MIN_RING_BYTES, ClientSegment, ShmRing
 from actcache.testing import wait_until
+from tests.daemon.corrupt import flip_stored_byte
 
 FP = b"D" * 16
 N = 600  # the reader thread is at most ~160 positions ahead when the consumer takes over (1 MiB budget)
@@ -138,14 +139,7 @@ def test_an_entry_larger_than_the_ring_is_served_in_its_frame(tmp_path):
 
 
 def test_a_corrupt_entry_read_directly_is_a_counted_miss_and_deleted(store, tmp_path):
-    key = encode_key(1, FP, 1, 200)
-    with store.read_session() as session:
-        extent = session.locate(key)
-    with open(tmp_path / "c" / "data.mdb", "r+b") as f:
-        f.seek(extent.offset + extent.length - 100)
-        byte = f.read(1)
-        f.seek(extent.offset + extent.length - 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_stored_byte(store, encode_key(1, FP, 1, 200), tmp_path / "c" / "data.mdb")
     order = np.arange(N)
     got, counters, _ = serve(store, order, tmp_path)
     want = expected(order)

@@ -18,6 +18,7 @@ from actcache.errors import BudgetExceeded, FetchAborted, ScheduleNotFound, Stor
 from actcache.keys import encode_key
 from actcache.rpc_client import EntryBatch
 from actcache.testing import wait_until
+from tests.daemon.corrupt import flip_stored_byte
 
 FP = b"P" * 16
 SPEC = [TensorSpec(DType.float32, (16, 32, 32))]  # 64 KiB raw
@@ -281,14 +282,7 @@ def test_entries_dropped_while_fetching_become_misses(store):
 
 
 def test_corrupt_entry_is_a_counted_miss_and_deleted(store, tmp_path):
-    key = encode_key(1, FP, 1, 4)
-    with store.read_session() as session:
-        extent = session.locate(key)
-    with open(tmp_path / "c" / "data.mdb", "r+b") as f:
-        f.seek(extent.offset + extent.length - 100)
-        byte = f.read(1)
-        f.seek(extent.offset + extent.length - 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_stored_byte(store, encode_key(1, FP, 1, 4), tmp_path / "c" / "data.mdb")
     with prefetcher_of(store) as p:
         p.push(schedule([2, 4, 6]))
         got = consume(p.attach(1, "e0", 0))

@@ -523,7 +523,6 @@ class ScheduleReader:
             if self.read >= len(self.schedule) and self.state is ReaderState.READING:
                 self._set_state(ReaderState.READ_ALL)
                 ended = True
-            self._keys = {b: k for b, k in self._keys.items() if b >= self.read // _KEY_BLOCK}
         self.schedule.counters.add(**counts)
         if ended:
             self._on_change(self)
