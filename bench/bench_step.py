@@ -1,6 +1,6 @@
 """Training step time of ResNet-20 on CIFAR-10 JPEGs with a frozen prefix: recomputed, served by the daemon, and the ideal.
 
-    python bench/bench_step.py [--quick] [--samples 2048] [--batch 128] [--frozen 5 10] [--threads 1]
+    python bench/bench_step.py [--quick] [--samples 2048] [--batch 128] [--frozen 5 10] [--threads 1] [--device cuda]
 
 Per frozen depth, four modes take turns epoch by epoch in one process on the
 same data (the JPEGs are decoded on every load, as a loader over image files
@@ -12,7 +12,9 @@ does), against one real daemon (Unix socket, LMDB in a temp dir):
   are not loaded, hits are audited (default AuditConfig);
 - ``cached-noaudit``: the same without audits;
 - ``ideal``: the prefix outputs held in a dict in process memory, stacked per
-  batch, no daemon and no loading: the limit a cache can reach.
+  batch, no daemon and no loading: the limit a cache can reach. On CUDA the
+  stacked batch goes to the GPU the way served entries do (a pinned slot, a
+  side-stream copy).
 
 One fill epoch stores the entries first. Sample output (2 cores, --quick):
 
@@ -44,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import actcache_client as ac  # noqa: E402
 from actcache.testing import run_daemon  # noqa: E402
 from actcache_client.models import resnet20  # noqa: E402
+from actcache_client._staging import Stager  # noqa: E402
 from workloads.data import JpegSet, resolve_data_dir  # noqa: E402
 
 COLUMNS = ["load_ms", "fetch_wait_ms", "prefix_ms", "suffix_forward_ms", "backward_ms", "optimizer_ms", "audit_ms"]
@@ -60,8 +63,13 @@ def _step(model_out: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer, 
     clock["backward"] += t1 - t0
 
 
-def cached_epoch(model: ac.CachedForward, loader: ac.CachedLoader, opt) -> dict[str, float]:
-    """One epoch through CachedLoader + CachedForward; per-step times."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cached_epoch(model: ac.CachedForward, loader: ac.CachedLoader, opt, device: torch.device) -> dict[str, float]:
+    """One epoch through CachedLoader + CachedForward; per-step times (on CUDA the parts are launch times)."""
     model.times = ac.StepTimes()
     clock = {"backward": 0.0, "optimizer": 0.0, "load": 0.0}
     steps = samples = 0
@@ -73,9 +81,10 @@ def cached_epoch(model: ac.CachedForward, loader: ac.CachedLoader, opt) -> dict[
         clock["load"] += time.perf_counter() - t0
         if batch is None:
             break
-        _step(model(batch), batch.data[1], opt, clock)
+        _step(model(batch), batch.data[1].to(device, non_blocking=True), opt, clock)
         steps += 1
         samples += len(batch.ids)
+    _sync(device)
     wall = time.perf_counter() - start
     t = model.times
     return {
@@ -88,7 +97,7 @@ def cached_epoch(model: ac.CachedForward, loader: ac.CachedLoader, opt) -> dict[
 
 
 def ideal_epoch(staged: ac.StagedModel, frozen: int, memory: dict[int, torch.Tensor], labels: torch.Tensor,
-                sampler: RandomSampler, batch_size: int, opt) -> dict[str, float]:
+                sampler: RandomSampler, batch_size: int, opt, stager: Stager) -> dict[str, float]:
     """One epoch whose prefix outputs come from a dict in memory, stacked per batch: no daemon, no loading."""
     clock = {"backward": 0.0, "optimizer": 0.0}
     order = list(sampler)
@@ -98,14 +107,16 @@ def ideal_epoch(staged: ac.StagedModel, frozen: int, memory: dict[int, torch.Ten
     for lo in range(0, len(order), batch_size):
         ids = order[lo : lo + batch_size]
         t0 = time.perf_counter()
-        state = torch.stack([memory[i] for i in ids])
-        y = labels[ids]
+        rows = [memory[i] for i in ids]
+        state = stager.to_device(torch.stack(rows, out=stager.allocator()((len(rows), *rows[0].shape), rows[0].dtype)))
+        y = labels[ids].to(stager.device, non_blocking=True)
         t1 = time.perf_counter()
         out = staged.run(state, frozen)
         suffix += time.perf_counter() - t1
         load += t1 - t0
         _step(out, y, opt, clock)
         steps += 1
+    _sync(stager.device)
     wall = time.perf_counter() - start
     return {"step_ms": 1e3 * wall / steps, "load_ms": 1e3 * load / steps, "fetch_wait_ms": 0.0, "prefix_ms": 0.0,
             "suffix_forward_ms": 1e3 * suffix / steps, "backward_ms": 1e3 * clock["backward"] / steps,
@@ -131,35 +142,39 @@ def _ready_and_asked(conn: ac.Connection) -> tuple[int, int]:
 def run_depth(daemon, dataset: JpegSet, frozen: int, args) -> tuple[dict[str, dict[str, float]], float]:
     """The four modes at one frozen depth; returns their rows and the prefetch hit ratio of the timed epochs."""
     torch.manual_seed(0)
-    staged = ac.from_resnet(resnet20())
+    device = torch.device(args.device)
+    staged = ac.from_resnet(resnet20()).to(device)
     with ac.connect(daemon.socket, namespace=f"bench-step-{frozen}", strict=True) as conn:
         dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(args.store_dtype)
         models = {"recompute": ac.CachedForward(staged), "cached": ac.CachedForward(staged, conn, store_dtype=dtype),
                   "cached-noaudit": ac.CachedForward(staged, conn, audit=False, store_dtype=dtype)}
         loaders = {mode: ac.CachedLoader(DataLoader(ac.IndexedDataset(dataset, targets=dataset.labels),
                                                     batch_size=args.batch, shuffle=True,
+                                                    pin_memory=device.type == "cuda",
                                                     generator=torch.Generator().manual_seed(i)), m)
                    for i, (mode, m) in enumerate(models.items())}
         for m in models.values():
             m.set_frozen(frozen)
         opt = torch.optim.SGD([p for p in staged.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
-        cached_epoch(models["cached"], loaders["cached"], opt)  # fills the cache (and warms up)
+        cached_epoch(models["cached"], loaders["cached"], opt, device)  # fills the cache (and warms up)
         conn.flush()
         with torch.no_grad():
             memory = {}
             for lo in range(0, len(dataset), args.batch):
                 ids = list(range(lo, min(lo + args.batch, len(dataset))))
-                out = staged.run(torch.stack([dataset[i][0] for i in ids]), 0, frozen)
-                memory.update(zip(ids, out.clone().unbind(0)))
+                out = staged.run(torch.stack([dataset[i][0] for i in ids]).to(device), 0, frozen)
+                memory.update(zip(ids, out.cpu().clone().unbind(0)))
+        stager = Stager(device)
         sampler = RandomSampler(range(len(dataset)), generator=torch.Generator().manual_seed(9))
         ready0, asked0 = _ready_and_asked(conn)
         runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in [*models, "ideal"]}
         for _ in range(args.epochs):  # the modes take turns so machine drift hits them alike
             for mode in runs:
                 if mode == "ideal":
-                    runs[mode].append(ideal_epoch(staged, frozen, memory, dataset.labels, sampler, args.batch, opt))
+                    runs[mode].append(ideal_epoch(staged, frozen, memory, dataset.labels, sampler, args.batch, opt,
+                                                  stager))
                 else:
-                    runs[mode].append(cached_epoch(models[mode], loaders[mode], opt))
+                    runs[mode].append(cached_epoch(models[mode], loaders[mode], opt, device))
         ready1, asked1 = _ready_and_asked(conn)
     hit_ratio = (ready1 - ready0) / (asked1 - asked0) if asked1 > asked0 else 0.0
     return {mode: _combine(parts) for mode, parts in runs.items()}, hit_ratio
@@ -176,6 +191,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the trainer's own work per step is small)")
     parser.add_argument("--store-dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                         help="precision of the stored entries (CachedForward(store_dtype=...))")
+    parser.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda)")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -189,7 +205,7 @@ def main() -> int:
             rows, hit_ratio = run_depth(daemon, dataset, frozen, args)
             results[frozen] = {"rows": rows, "train_prefetch_hit_ratio": hit_ratio}
             print(f"ResNet-20, frozen {frozen}/11, batch {args.batch}, {args.samples} samples x {args.epochs} epochs, "
-                  f"{args.threads} torch thread(s), entries stored as {args.store_dtype}")
+                  f"{args.threads} torch thread(s), entries stored as {args.store_dtype}, on {args.device}")
             print(f"{'mode':<16}{'ms/step':>9}" + "".join(f"{c[:-3]:>16}" for c in COLUMNS) + "   (ms/step)")
             for mode, r in rows.items():
                 print(f"{mode:<16}{r['step_ms']:>9.1f}" + "".join(f"{r[c]:>16.1f}" for c in COLUMNS))

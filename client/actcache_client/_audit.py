@@ -22,11 +22,15 @@ trainer about a third of one hit every 1,000, for the same share.
 tensor by tensor: same dtypes and shapes, values within a tolerance for the
 stored dtype (kernels differ slightly between batch sizes, so bit equality is
 too strict; another sample's or another dataset's activations are far off).
+On CUDA with TF32 enabled (PyTorch's default for convolutions), float32
+outputs carry fp16's 10-bit mantissa and get fp16's tolerance
+(``tolerances``; bench/bench_audit_tolerance.py measures the deviations).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +38,23 @@ import torch
 from actcache.errors import ConfigError
 from actcache_client._tensors import collate_entries
 
-__all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "same_entry"]
+__all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "same_entry", "tolerances"]
 
 # Largest |served - computed| allowed, relative to the largest |computed| of that tensor.
 _RELATIVE_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+_TF32_TOLERANCE = {**_RELATIVE_TOLERANCE, torch.float32: _RELATIVE_TOLERANCE[torch.float16]}
+
+
+def tolerances(device: torch.device) -> Mapping[torch.dtype, float]:
+    """Relative tolerance per stored dtype for outputs computed on ``device`` with its current precision settings."""
+    return _TF32_TOLERANCE if device.type == "cuda" and _tf32_enabled() else _RELATIVE_TOLERANCE
+
+
+def _tf32_enabled() -> bool:
+    with warnings.catch_warnings():  # newer torch versions warn about the older flags; they still reflect the setting
+        warnings.simplefilter("ignore")
+        return (torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+                or torch.get_float32_matmul_precision() != "highest")
 
 
 class CacheMismatchWarning(RuntimeWarning):
@@ -88,8 +105,9 @@ class Auditor:
         return [p for p in range(hits) if p < first or (start + p) % period >= period - group]
 
 
-def same_entry(served: bytes | memoryview, computed: bytes | memoryview) -> bool:
-    """Whether two entries hold the same tensors, within the stored dtype's tolerance."""
+def same_entry(served: bytes | memoryview, computed: bytes | memoryview,
+               tolerance: Mapping[torch.dtype, float] = _RELATIVE_TOLERANCE) -> bool:
+    """Whether two entries hold the same tensors, within the stored dtype's ``tolerance`` (see ``tolerances``)."""
     a, b = collate_entries([served]), collate_entries([computed])
     a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
     if len(a) != len(b):
@@ -97,8 +115,8 @@ def same_entry(served: bytes | memoryview, computed: bytes | memoryview) -> bool
     for x, y in zip(a, b):
         if x.dtype != y.dtype or x.shape != y.shape:
             return False
-        tolerance = _RELATIVE_TOLERANCE.get(y.dtype)
-        if tolerance is None:
+        allowed = tolerance.get(y.dtype)
+        if allowed is None:
             if not torch.equal(x, y):
                 return False
             continue
@@ -107,7 +125,7 @@ def same_entry(served: bytes | memoryview, computed: bytes | memoryview) -> bool
             return False
         finite = torch.isfinite(y)
         scale = float(y[finite].abs().max()) if finite.any() else 0.0
-        if finite.any() and float((x[finite] - y[finite]).abs().max()) > tolerance * max(scale, 1e-6):
+        if finite.any() and float((x[finite] - y[finite]).abs().max()) > allowed * max(scale, 1e-6):
             return False
     return True
 

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from actcache.codec import Encoding
 from actcache.errors import CacheMismatchError, ConfigError, ConfigTypeError, InvalidRequest
-from actcache_client._audit import AuditConfig, Auditor, same_entry, warn_mismatch
+from actcache_client._audit import AuditConfig, Auditor, same_entry, tolerances, warn_mismatch
 from actcache_client._batch import Batch
 from actcache_client._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
 from actcache_client._connection import Connection
@@ -392,9 +392,9 @@ class CachedForward:
         if isinstance(batch, Batch):
             ids, variant = batch.ids, batch.variant
             loaded = None if batch.loaded is None else batch.loaded.tolist()
-            raw = RawInputs(batch.data[0], len(ids), loaded, batch.load)
+            raw = RawInputs(batch.data[0], len(ids), loaded, batch.load, self.stager.device)
         else:
-            ids, raw = batch, RawInputs(inputs, len(batch), None, None)
+            ids, raw = batch, RawInputs(inputs, len(batch), None, None, self.stager.device)
         id_list = ids.tolist() if isinstance(ids, Tensor) else list(ids)
         if self.planner is not None and self._prefix_done is not None:
             self.planner.record_suffix(start - self._prefix_done, len(id_list))
@@ -517,7 +517,8 @@ class CachedForward:
         if self.store_dtype is not None:
             computed = _cast(computed, self._compute_dtype, self.store_dtype)
         entries = encode_samples(computed, varlen=self.varlen)
-        bad = sum(not same_entry(values[i], entry) for i, entry in zip(chosen, entries))
+        tolerance = tolerances(self.stager.device)
+        bad = sum(not same_entry(values[i], entry, tolerance) for i, entry in zip(chosen, entries))
         self.times.audit += time.perf_counter() - t0
         self.times.audited_samples += len(chosen)
         if not bad:

@@ -19,11 +19,15 @@ __all__ = ["RawInputs", "merge", "select"]
 
 
 class RawInputs:
-    """The raw inputs of a batch's rows: those the loader loaded, and an on-the-spot load for the rest."""
+    """The raw inputs of a batch's rows: those the loader loaded, and an on-the-spot load for the rest.
+
+    ``rows`` hands them out on ``device`` (where the stages compute), whatever device the loader left
+    them on: a loader yields host tensors, and rows loaded on the spot are host tensors too.
+    """
 
     def __init__(self, inputs: State | None, size: int, loaded: list[int] | None,
-                 load: Callable[[list[int]], State] | None) -> None:
-        self.inputs, self.size, self.load = inputs, size, load
+                 load: Callable[[list[int]], State] | None, device: torch.device | None = None) -> None:
+        self.inputs, self.size, self.load, self.device = inputs, size, load, device
         self._at = None if loaded is None else {row: i for i, row in enumerate(loaded)}
         self.loaded_now = 0  # rows loaded on the spot
 
@@ -39,7 +43,10 @@ class RawInputs:
         return (self.size if self._at is None else len(self._at)) + self.loaded_now
 
     def rows(self, rows: list[int]) -> State:
-        """The inputs of ``rows``, in that order."""
+        """The inputs of ``rows``, in that order, on ``device``."""
+        return self._on_device(self._host_rows(rows))
+
+    def _host_rows(self, rows: list[int]) -> State:
         if self._at is None:
             return self.inputs if rows == list(range(self.size)) else select(self.inputs, rows)
         if all(r in self._at for r in rows):
@@ -48,6 +55,13 @@ class RawInputs:
             raise ConfigError("this batch carries only some rows' inputs and no loader to load the others")
         self.loaded_now += len(rows)  # an entry the loader expected was not served: load it now
         return self.load(rows)
+
+    def _on_device(self, state: State) -> State:
+        if self.device is None:
+            return state
+        if isinstance(state, tuple):
+            return tuple(t.to(self.device, non_blocking=True) for t in state)
+        return state.to(self.device, non_blocking=True)
 
 
 def select(state: State, rows: list[int]) -> State:

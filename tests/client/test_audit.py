@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from actcache.errors import ConfigError
-from actcache_client._audit import AuditConfig, Auditor, same_entry
+from actcache_client._audit import AuditConfig, Auditor, same_entry, tolerances
 from actcache_client._tensors import VarLen, encode_samples
 
 
@@ -60,6 +60,28 @@ def test_same_entry_tolerates_kernel_noise_not_other_values():
     assert same_entry(one(x.half()), one((x + 1e-4).half()))
     ints = torch.arange(6)
     assert same_entry(one(ints), one(ints)) and not same_entry(one(ints), one(ints + 1))
+
+
+@pytest.fixture
+def tf32(request):
+    """Sets PyTorch's TF32 flags (readable without a GPU) for one test."""
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = request.param
+    torch.set_float32_matmul_precision("high" if request.param else "highest")
+    yield request.param
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved[:2]
+    torch.set_float32_matmul_precision(saved[2])
+
+
+@pytest.mark.parametrize("tf32", [True, False], indirect=True)
+def test_float32_computed_in_tf32_on_cuda_gets_the_10_bit_mantissa_tolerance(tf32):
+    x = torch.randn(4, 8)
+    drifted = x + 5e-3 * x.abs().max()  # what TF32 kernels of another batch size can give
+    cuda = tolerances(torch.device("cuda"))
+    assert same_entry(one(x), one(drifted), cuda) == tf32
+    assert not same_entry(one(x), one(drifted), tolerances(torch.device("cpu")))  # CPU: fp32 stays strict
+    assert not same_entry(one(x), one(x * 1.1), cuda)  # other values are still far off
+    assert not same_entry(one(x), one(torch.randn(4, 8)), cuda)
 
 
 def test_same_entry_on_unpadded_text_states():

@@ -1,0 +1,111 @@
+"""Training on a GPU with the frozen prefix served by a real daemon: pinned staging, side-stream copies.
+
+These need CUDA and are skipped without it; the same logic runs on CPU in
+tests/client/test_staging.py (fake events) and the CPU training tests.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import actcache_client as ac
+from actcache_client._staging import Stager
+from actcache_client._tensors import collate_entries, encode_samples
+from actcache_client.models import resnet20
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="CUDA unavailable: GPU staging and training need a GPU")
+
+N, BATCH = 256, 32
+
+
+@pytest.fixture
+def deterministic():
+    """Bitwise-repeatable kernels, so cache-on and cache-off runs can be compared closely."""
+    saved = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = saved
+
+
+@pytest.fixture
+def tf32():
+    """PyTorch's default on CUDA for convolutions, for matrix products too: float32 computed in TF32."""
+    saved = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def train(connection, epochs: int = 3, *, frozen: int = 5, audit: ac.AuditConfig | bool = True):
+    """ResNet-20 on CUDA, ``frozen`` stages frozen from the start; losses, final weights and the model."""
+    torch.manual_seed(0)
+    staged = ac.from_resnet(resnet20()).to("cuda")
+    model = ac.CachedForward(staged, connection, audit=audit)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(N, 3, 32, 32, generator=g), torch.randint(0, 10, (N,), generator=g))
+    loader = ac.CachedLoader(
+        DataLoader(ac.IndexedDataset(data, targets=data.tensors[1]), batch_size=BATCH, shuffle=True,
+                   generator=torch.Generator().manual_seed(1), pin_memory=True),
+        model,
+    )
+    opt = torch.optim.SGD([p for p in staged.parameters() if p.requires_grad], lr=0.05)
+    model.set_frozen(frozen)
+    losses = []
+    for _ in range(epochs):
+        for batch in loader:
+            out = model(batch)
+            assert out.is_cuda
+            loss = nn.functional.cross_entropy(out, batch.data[1].to("cuda", non_blocking=True))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        if connection is not None:
+            connection.flush(timeout_s=30)
+    return losses, staged, model
+
+
+def test_cuda_training_with_the_cache_matches_recomputing(daemon, deterministic):
+    off_losses, off_staged, _ = train(None)
+    with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+        on_losses, on_staged, model = train(conn)
+        epochs = model.epoch_counters()
+    assert max(abs(a - b) for a, b in zip(off_losses, on_losses)) < 1e-4
+    for (name, p), q in zip(off_staged.state_dict().items(), on_staged.state_dict().values()):
+        assert torch.allclose(p.float(), q.float(), atol=1e-4), name
+    # Epochs after the first are served whole from the daemon's stream, without loading their inputs.
+    for epoch in epochs[1:]:
+        assert epoch.times.cached_samples == N
+        assert epoch.times.raw_loaded == epoch.times.audited_samples
+    assert model.times.audited_samples > 0  # audits recomputed hits on the GPU and found them equal (strict)
+
+
+def test_cuda_audits_accept_entries_computed_in_tf32_at_another_batch_size(daemon, tf32):
+    """Stored from batches of 32, audited 8 at a time: TF32 kernels differ, the entries are still the same."""
+    audit = ac.AuditConfig(first_samples=0, every=4, group=8)
+    with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+        _, _, model = train(conn, epochs=2, frozen=10, audit=audit)  # strict: a flagged entry raises
+        served = model.epoch_counters()[1].times
+    assert served.cached_samples == N
+    assert served.audited_samples == N // 4
+
+
+def test_cuda_stager_never_overwrites_a_slot_still_being_copied():
+    """Many distinct batches through a 2-slot pinned ring, none synchronised until the end."""
+    stager = Stager("cuda", slots=2)
+    batches = [torch.full((64, 256, 256), float(i)) for i in range(12)]  # 16 MiB each: copies take a while
+    moved = [stager.to_device(collate_entries(encode_samples(x), alloc=stager.allocator())) for x in batches]
+    torch.cuda.synchronize()
+    for i, out in enumerate(moved):
+        assert out.is_cuda and bool((out == float(i)).all()), i
+    readings = stager.copy_readings()
+    assert readings and all(nbytes == 64 * 256 * 256 * 4 and seconds > 0 for nbytes, seconds in readings)
