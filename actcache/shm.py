@@ -196,6 +196,26 @@ class ShmRing:
         """``alloc``, polling the client's releases while ``alive()``; None if the call ended first."""
         return self.alloc(position, size) if self.wait_room(size, alive) else None
 
+    def wait_frame_room(self, nbytes: int, slot_bytes: int, alive: Callable[[], bool], patience_s: float) -> bool:
+        """Wait up to ``patience_s`` for a frame of ``nbytes`` in slots of up to ``slot_bytes`` to fit
+        whole, polling while ``alive()``; False if the call ended first. It returns at once when the
+        client has released every slot (a frame larger than the ring takes what fits), and after
+        ``patience_s`` with what fits (a client may hold several frames on purpose).
+
+        Why: a frame cut short by a full ring ends mid-batch, and the client then takes that batch
+        from two frames, copying the first part out of the ring before it may ask for the second.
+        """
+        need = min(nbytes + slot_bytes, self.ring_bytes)  # a slot never wraps: allow one slot of gap at the end
+        deadline, delay = time.monotonic() + patience_s, 50e-6
+        while True:
+            self.poll()
+            if not self._slots or self._write - self._freed + need <= self.ring_bytes or time.monotonic() > deadline:
+                return True
+            if not alive():
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+
     def wait_room(self, size: int, alive: Callable[[], bool]) -> bool:
         """Wait until a slot of ``size`` bytes fits, polling the client's releases while ``alive()``;
         False if the call ended first."""

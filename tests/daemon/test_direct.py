@@ -4,11 +4,15 @@ In-process: a real store and prefetcher, the daemon's real ``fetch_shm`` on a
 real ring, and a client that maps the segment and releases what it read.
 """
 
+import queue
+import threading
+import time
+
 import numpy as np
 import pytest
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.codec import DType, TensorSpec, encode_entry, served_size
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.prefetch._reader import ReaderState
@@ -155,3 +159,40 @@ def test_a_consumer_that_leaves_gives_reading_back(store, tmp_path):
     # the reader thread was parked for the consumer; released, it reads on to the end of the order
     wait_until(lambda: reader.snapshot().read == N or reader.state in (ReaderState.CANCELLED, ReaderState.READ_ALL))
     assert not reader._parked
+
+
+def test_frames_of_a_slower_consumer_stay_whole_and_aligned(store, tmp_path):
+    """The ring fills while the consumer works: each frame waits for room for all of it rather than
+    going out short, so frames of one batch's bytes stay one batch each."""
+    order = np.arange(0, N, 2)  # all stored: uniform entries
+    per_frame = 8
+    frame_bytes = per_frame * served_size(memoryview(value(0)))
+    p = Prefetcher(store, PrefetchConfig(prefetch_bytes=1 << 20, decode_threads=2))
+    try:
+        p.push(Schedule(1, "e", FP, 1, np.asarray(order, np.uint64), None))
+        ring = ShmRing(1 << 20, 0, directory=tmp_path)  # room for about 7 frames
+        frames: queue.Queue = queue.Queue()
+
+        def produce():  # gRPC's part: send frames as fetch_shm yields them
+            for frame in fetch_shm(p.attach(1, "e", 0), ring, frame_bytes, Context(), None):
+                frames.put(frame)
+            frames.put(None)
+
+        threading.Thread(target=produce, daemon=True).start()
+        spans, segment = [], None
+        while (frame := frames.get(timeout=30)) is not None:
+            header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
+            segment = segment or ClientSegment(header.segment)
+            for i, (offset, n) in enumerate(zip(header.offsets, header.lengths)):
+                assert bytes(segment.view[offset : offset + n]) == value(int(order[header.start + i]))
+            spans.append((header.start, len(header.lengths)))
+            time.sleep(0.002)  # the training step
+            segment.release(header.start + len(header.lengths))
+        ring.close()
+        counters = p.stats().namespaces[1]
+    finally:
+        p.close()
+    assert sum(n for _, n in spans) == len(order)
+    assert counters["direct"] > len(order) // 2
+    whole = [start % per_frame == 0 and n == per_frame for start, n in spans]
+    assert sum(whole) >= len(spans) - 3  # at most the stream's first frames, before it ran direct

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -61,3 +62,37 @@ def test_remove_stale_keeps_segments_of_live_pids(tmp_path):
     removed = remove_stale(tmp_path)
     assert [p.name for p in removed] == [f"actcache-{dead_pid}-00"]
     assert sorted(os.listdir(tmp_path)) == sorted([f"actcache-{os.getppid()}-00", "other-file"])
+
+
+def _waiter(ring, nbytes, slot_bytes, patience_s=30.0, alive=lambda: True):
+    """Run wait_frame_room in a thread; its result lands in the returned list."""
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.append(ring.wait_frame_room(nbytes, slot_bytes, alive, patience_s)))
+    thread.start()
+    return thread, result
+
+
+def test_a_frame_waits_for_room_for_all_of_it_while_earlier_frames_are_held(ring):
+    client = ClientSegment(str(ring.path))
+    slot = MIN_RING_BYTES // 8
+    for i in range(8):  # two frames of four slots fill the ring; the client holds them
+        ring.alloc(10 + i, slot)
+    thread, result = _waiter(ring, 3 * slot, slot)  # a frame of three slots needs four (one of gap at the end)
+    client.release(12)  # two slots free
+    thread.join(0.2)
+    assert thread.is_alive() and not result
+    client.release(14)  # four
+    thread.join(10)
+    assert result == [True]
+
+
+def test_a_frame_stops_waiting_once_everything_is_released_the_client_holds_on_or_the_call_ends(ring):
+    client = ClientSegment(str(ring.path))
+    ring.alloc(10, MIN_RING_BYTES // 2)
+    thread, result = _waiter(ring, 2 * MIN_RING_BYTES, 1024)  # larger than the ring: what fits, once all is free
+    client.release(11)
+    thread.join(10)
+    assert result == [True]
+    ring.alloc(11, MIN_RING_BYTES // 2)
+    assert ring.wait_frame_room(MIN_RING_BYTES // 2, 1024, lambda: True, patience_s=0.05)  # held: after its patience
+    assert not ring.wait_frame_room(MIN_RING_BYTES // 2, 1024, lambda: False, patience_s=30)  # the call ended

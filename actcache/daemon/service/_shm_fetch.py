@@ -17,6 +17,10 @@ __all__ = ["fetch_shm", "ring_for"]
 
 # Positions a direct run covers at most; a frame looks up a frame's worth of them.
 _DIRECT_ENTRIES = 1024
+# How long a frame waits for the client to release room for all of it (ShmRing.wait_frame_room):
+# longer than a training step usually takes between two frames; a client holding several frames
+# on purpose gets what fits after it.
+_WHOLE_FRAME_PATIENCE_S = 0.5
 
 
 def ring_for(request: pb.FetchRequest, context) -> tuple["ShmRing | None", str]:
@@ -34,10 +38,15 @@ def ring_for(request: pb.FetchRequest, context) -> tuple["ShmRing | None", str]:
 def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Throttle | None") -> Iterator[bytes]:
     """Frames of slot descriptors: each entry is decoded into its slot once the slot is free.
 
-    When the ring is full, the entries already written go out in a frame (so the client can
-    release their slots) before waiting. An entry larger than the whole ring travels alone in
-    a frame of its own, in the payload (offset 0), so no entry size ends the stream. A warm
-    stream is read here, a frame's worth per LMDB call, straight into the slots (``DirectRun``).
+    Each frame waits a while for room for all of it while earlier frames are still held (the
+    client releases a frame when it asks for the next), so frames stay whole; when the ring is
+    full of the frame's own entries, or the client keeps holding, what fits goes out (so the
+    client can release it) before waiting. An
+    entry larger than the whole ring travels alone in a frame of its own, in the payload (offset
+    0), so no entry size ends the stream. A warm stream is read here, a frame's worth per LMDB
+    call, straight into the slots (``DirectRun``), in runs that end where a frame of
+    ``frame_bytes`` would: the client sizes frames to one batch of uniform entries, so each
+    frame is one batch.
     """
     first = True
 
@@ -56,7 +65,10 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
     for batch in reader.batches(frame_bytes, direct_entries=_DIRECT_ENTRIES):
         if isinstance(batch, DirectRun):
             entry_bytes = entry_bytes or batch.entry_size()
-            count = frame_bytes // entry_bytes + 1 if entry_bytes else _DIRECT_ENTRIES
+            count = _frame_entries(batch.start, frame_bytes, entry_bytes)
+            if entry_bytes and not ring.wait_frame_room(count * entry_bytes, entry_bytes, context.is_active,
+                                                        _WHOLE_FRAME_PATIENCE_S):
+                return
             served = _copy_direct(batch, ring, count, frame_bytes)
             if served is None:
                 continue
@@ -71,6 +83,9 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
             continue
         header, count, lo = batch.header, len(batch.stored), 0
         ring.poll()
+        if count and not ring.wait_frame_room(sum(header.lengths), max(header.lengths), context.is_active,
+                                             _WHOLE_FRAME_PATIENCE_S):
+            return
         if not count:
             yield frame(header, 0, 0, [])
         while lo < count:
@@ -88,6 +103,15 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
         batch.finish()
         if throttle is not None:
             throttle.consume(batch.nbytes)
+
+
+def _frame_entries(position: int, frame_bytes: int, entry_bytes: int) -> int:
+    """Positions a direct run from ``position`` looks up for one frame: up to the next multiple of a
+    frame's entries, so that after a short frame (the stream's first runs) frames are aligned again."""
+    if not entry_bytes:
+        return _DIRECT_ENTRIES
+    per_frame = max(1, frame_bytes // entry_bytes)
+    return per_frame - position % per_frame
 
 
 def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) -> tuple[list[int], list[int], int] | None:
