@@ -24,7 +24,7 @@ from actcache._proto import actcache_pb2 as pb
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
 from actcache.keys import MAX_VARIANT, check_fingerprint
 from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
-from actcache.shm import ClientSegment
+from actcache.shm import ClientSegment, SegmentPool
 
 __all__ = ["EntryBatch", "JobInfo", "RpcClient", "target_for"]
 
@@ -158,6 +158,8 @@ class RpcClient:
         self._root_certificates = root_certificates
         self._max_message_bytes = max_message_bytes
         self._lock = threading.Lock()
+        #: Shared-memory segments of ended Fetches, offered to the next one (see actcache.shm, "Reuse").
+        self.segments = SegmentPool()
         self._pid: int | None = None
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, Callable] = {}
@@ -209,6 +211,7 @@ class RpcClient:
             if self._channel is not None and self._pid == os.getpid():
                 self._channel.close()
             self._channel, self._pid, self._calls = None, None, {}
+        self.segments.clear()
 
     def __enter__(self) -> "RpcClient":
         return self
@@ -381,9 +384,10 @@ class RpcClient:
         position, attempt = start, 0
         use_shm = shared_memory and self.target.startswith("unix:")
         while True:
+            offered = self.segments.take() if use_shm else None  # an ended Fetch's segment, for the daemon to reuse
             request = pb.FetchRequest(
                 namespace_id=namespace_id, schedule_id=schedule_id, start=position, max_frame_bytes=max_frame_bytes,
-                shared_memory=use_shm, ring_bytes=ring_bytes,
+                shared_memory=use_shm, ring_bytes=ring_bytes, reuse_segment=offered.path if offered else "",
             )
             call = self._call("Fetch")(request, metadata=self._metadata())
             segment = None
@@ -392,11 +396,14 @@ class RpcClient:
                     header_bytes, payload = decode_frame(frame)
                     header = pb.EntriesHeader.FromString(header_bytes)
                     if header.segment:
-                        try:
-                            segment = ClientSegment(header.segment)
-                        except OSError:  # e.g. another mount namespace: ask again for bytes
-                            use_shm = False
-                            break
+                        if offered is not None and header.segment == offered.path:
+                            segment, offered = offered, None
+                        else:
+                            try:
+                                segment = ClientSegment(header.segment)
+                            except OSError:  # e.g. another mount namespace: ask again for bytes
+                                use_shm = False
+                                break
                     if segment is not None:
                         batch = EntryBatch.from_slots(header, segment, payload)
                     else:
@@ -417,6 +424,10 @@ class RpcClient:
                     raise _error_of(exc) from None
             finally:
                 call.cancel()
+                if offered is not None:  # the daemon no longer had it
+                    offered.close()
+                if segment is not None:  # the daemon parks the ring once the call has ended
+                    self.segments.put(segment)
             attempt += 1
             time.sleep(0.05 * 2**attempt * (1 + random.random()))
 

@@ -33,13 +33,26 @@ Invariants:
   client's ``released``;
 - ``released`` only grows, and only the client writes it; the daemon only
   reads it (one aligned 8-byte word, so a read never sees a torn value);
-- when the ring is full the daemon first sends the frame of the entries it
-  has already written, then polls ``released`` (backing off to 2 ms) while
-  the call is alive, so the client always holds what it needs to move on:
-  no deadlock: an entry larger than the whole ring is never allocated a
-  slot, it travels in its frame's payload instead;
+- a frame waits a while for room for all of its entries while the client
+  holds earlier frames (``wait_frame_room``: frames stay one batch each);
+  when the ring is full of the frame's own entries, or the client keeps
+  holding, the daemon first sends the frame of the entries it has already
+  written, then polls ``released`` (backing off to 2 ms) while the call is
+  alive, so the client always holds what it needs to move on: no deadlock;
+  an entry larger than the whole ring is never allocated a slot, it
+  travels in its frame's payload instead;
 - the ring is outside the prefetch budget: an entry's budget bytes are
   released once it is copied into the ring.
+
+Reuse. When a stream ends after its client mapped the ring, the daemon
+keeps the ring for a while (``actcache.daemon.service._shm_fetch.ParkedRings``)
+and the client keeps its mapping (``SegmentPool``). The client's next Fetch
+names it (``FetchRequest.reuse_segment``); if the daemon still holds it at
+that size, it ``restart``s it (``released`` = the new start) and names it
+in the first frame again, else it makes a new one and the client drops the
+old mapping. A ring is parked only once its stream's handler has returned,
+and offered only once the client's stream has ended, so no two streams
+ever share one.
 
 Crash safety: names are unique (pid + 64 random bits). The daemon unlinks
 the segment as soon as it sees ``mapped`` (the client's mapping keeps the
@@ -61,6 +74,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -73,6 +87,7 @@ __all__ = [
     "DEFAULT_RING_BYTES",
     "HEADER_BYTES",
     "PREFIX",
+    "SegmentPool",
     "ShmRing",
     "pid_alive",
     "remove_stale",
@@ -140,7 +155,7 @@ class ShmRing:
     """The daemon's side of one stream's ring (used by one thread: the Fetch handler)."""
 
     def __init__(self, ring_bytes: int, start: int, directory: Path | None = None) -> None:
-        self.ring_bytes = min(max(ring_bytes or DEFAULT_RING_BYTES, MIN_RING_BYTES), MAX_RING_BYTES)
+        self.ring_bytes = self.size_for(ring_bytes)
         self.path = (directory or shm_dir()) / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -158,6 +173,22 @@ class ShmRing:
         self._freed = 0  # monotonic bytes the client has released
         self._slots: deque[tuple[int, int]] = deque()  # (schedule position, monotonic end) of live slots
         self.unlinked = False
+
+    @staticmethod
+    def size_for(ring_bytes: int) -> int:
+        """The ring size a request for ``ring_bytes`` gets (0: the default)."""
+        return min(max(ring_bytes or DEFAULT_RING_BYTES, MIN_RING_BYTES), MAX_RING_BYTES)
+
+    @property
+    def client_mapped(self) -> bool:
+        return bool(struct.unpack_from("<Q", self._mm, _MAPPED)[0])
+
+    def restart(self, start: int) -> None:
+        """Serve a new stream from schedule position ``start`` in this ring (its last stream has ended:
+        nothing writes to it, and the client reads none of its slots any more)."""
+        self._write = self._freed = 0
+        self._slots.clear()
+        struct.pack_into("<Q", self._mm, _RELEASED, start)
 
     def poll(self) -> None:
         """Free the slots the client released; unlink the segment once the client has mapped it."""
@@ -254,6 +285,7 @@ class ClientSegment:
     """The client's mapping of a stream's segment: views into it and the release counter."""
 
     def __init__(self, path: str) -> None:
+        self.path = path
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -270,3 +302,46 @@ class ClientSegment:
     def release(self, position: int) -> None:
         """Every entry before schedule ``position`` is consumed: the daemon may reuse its slot."""
         struct.pack_into("<Q", self._mm, _RELEASED, position)
+
+    def close(self) -> None:
+        """Drop the mapping (views still exported keep it until they go)."""
+        with contextlib.suppress(BufferError, ValueError):
+            self.view.release()
+            self._mm.close()
+
+
+class SegmentPool:
+    """The client's segments whose streams have ended, offered for reuse by its next Fetch (thread-safe).
+
+    Why: a new ring costs a mapping on both sides, faulting its pages in as the first stream writes
+    and reads them, and unmapping them at its end (8 MiB: about 2 ms each way here, once per epoch).
+    At most ``keep`` segments wait; the oldest goes first.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._idle: deque[ClientSegment] = deque()
+        self._lock = threading.Lock()
+
+    def take(self) -> ClientSegment | None:
+        """The most recently ended segment (None if none waits); the caller returns it or closes it."""
+        with self._lock:
+            return self._idle.pop() if self._idle else None
+
+    def put(self, segment: ClientSegment) -> None:
+        with self._lock:
+            self._idle.append(segment)
+            dropped = [self._idle.popleft() for _ in range(len(self._idle) - self.keep)]
+        for old in dropped:
+            old.close()
+
+    def paths(self) -> list[str]:
+        """The waiting segments' paths, oldest first."""
+        with self._lock:
+            return [segment.path for segment in self._idle]
+
+    def clear(self) -> None:
+        with self._lock:
+            dropped, self._idle = list(self._idle), deque()
+        for old in dropped:
+            old.close()

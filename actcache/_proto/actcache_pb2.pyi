@@ -151,20 +151,22 @@ class ScheduleReply(_message.Message):
     def __init__(self, schedule_id: _Optional[str] = ..., length: _Optional[int] = ..., replaced: _Optional[bool] = ..., present: _Optional[bytes] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("namespace_id", "schedule_id", "start", "max_frame_bytes", "shared_memory", "ring_bytes")
+    __slots__ = ("namespace_id", "schedule_id", "start", "max_frame_bytes", "shared_memory", "ring_bytes", "reuse_segment")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     RING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REUSE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     schedule_id: str
     start: int
     max_frame_bytes: int
     shared_memory: bool
     ring_bytes: int
-    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ring_bytes: _Optional[int] = ...) -> None: ...
+    reuse_segment: str
+    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ring_bytes: _Optional[int] = ..., reuse_segment: _Optional[str] = ...) -> None: ...
 
 class ContainsRequest(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth", "packed_sample_ids", "packed_variants")

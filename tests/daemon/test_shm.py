@@ -8,7 +8,9 @@ import threading
 import pytest
 
 from actcache.errors import InvalidRequest
+from actcache.daemon.service._shm_fetch import ParkedRings
 from actcache.shm import HEADER_BYTES, MIN_RING_BYTES, ClientSegment, ShmRing, remove_stale
+from actcache.testing import wait_until
 
 
 @pytest.fixture
@@ -96,3 +98,35 @@ def test_a_frame_stops_waiting_once_everything_is_released_the_client_holds_on_o
     ring.alloc(11, MIN_RING_BYTES // 2)
     assert ring.wait_frame_room(MIN_RING_BYTES // 2, 1024, lambda: True, patience_s=0.05)  # held: after its patience
     assert not ring.wait_frame_room(MIN_RING_BYTES // 2, 1024, lambda: False, patience_s=30)  # the call ended
+
+
+def test_parked_rings_are_taken_by_name_and_size_and_restart_at_the_new_position(tmp_path):
+    parked = ParkedRings()
+    ring = ShmRing(MIN_RING_BYTES, start=0, directory=tmp_path)
+    client = ClientSegment(str(ring.path))
+    ring.alloc(0, 1024)
+    client.release(1)
+    parked.park(ring)
+    assert parked.take(str(ring.path), 2 * MIN_RING_BYTES) is None  # another size: stays parked
+    assert parked.take("elsewhere", MIN_RING_BYTES) is None
+    assert parked.take(str(ring.path), MIN_RING_BYTES) is ring and len(parked) == 0
+    ring.restart(500)
+    assert ring.alloc(500, MIN_RING_BYTES) == HEADER_BYTES  # empty again
+    assert ring.alloc(501, 1) is None  # and nothing before 500 counts as released
+    client.release(501)
+    assert ring.alloc(501, 1) == HEADER_BYTES
+    parked.close()
+    ring.close()
+
+
+def test_parked_rings_are_closed_over_their_byte_cap_after_their_idle_time_and_at_close(tmp_path):
+    rings = [ShmRing(MIN_RING_BYTES, start=0, directory=tmp_path) for _ in range(4)]
+    parked = ParkedRings(idle_s=0.3, max_bytes=2 * MIN_RING_BYTES)
+    for ring in rings[:3]:
+        parked.park(ring)
+    assert rings[0]._mm.closed and len(parked) == 2  # over the cap: the oldest went
+    wait_until(lambda: len(parked) == 0, 10, "idle rings closed")  # by the janitor thread
+    assert all(r._mm.closed for r in rings[:3])
+    parked.close()
+    parked.park(rings[3])  # after close: closed at once
+    assert rings[3]._mm.closed and len(parked) == 0

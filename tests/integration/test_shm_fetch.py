@@ -191,3 +191,24 @@ def test_a_corrupt_entry_is_a_counted_miss_in_its_place_on_both_planes(shm_dir, 
                     assert bytes(decode_entry(value)[1]) == others[sample].tobytes()
             counters = next(p for p in client.stats().prefetch if p.namespace == "bad").counters
             assert (counters.hits, counters.misses, counters.corrupt) == (4, 2, 1)
+
+
+def test_the_next_fetch_of_a_client_reuses_the_ring_of_its_last(shm_dir):
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
+        ns = client.open("reuse-next").namespace_id
+        put_range(client, ns, range(0, 300, 2))  # odd ids are misses
+        order = np.random.default_rng(5).permutation(300).astype(np.uint64)
+        for schedule_id in ("a", "b", "c", "d"):
+            client.schedule(ns, FP, 1, schedule_id, order)
+        expected, _ = fetched(client, ns, "a")  # bytes
+        shm = dict(shared_memory=True, ring_bytes=RING, max_frame_bytes=8 << 10)
+        first, planes = fetched(client, ns, "b", **shm)
+        (ring,) = client.segments.paths()  # the ended stream's mapping waits for the next Fetch
+        second, planes_again = fetched(client, ns, "c", start=100, **shm)  # parked before the last stream ended
+        assert first == expected and second == expected[100:]
+        assert planes == planes_again == {"shared_memory"}
+        assert client.segments.paths() == [ring]  # served in the same ring, restarted at position 100
+        third, _ = fetched(client, ns, "d", shared_memory=True, ring_bytes=2 * RING, max_frame_bytes=8 << 10)
+        assert third == expected
+        assert client.segments.paths() != [ring] and len(client.segments.paths()) == 1  # another size: a new ring
+        assert segments(shm_dir) == []

@@ -150,6 +150,7 @@ class Daemon:
         self.state = DaemonState.STARTING
         self.store: Store | None = None
         self.prefetcher: Prefetcher | None = None
+        self.service: ActCacheService | None = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
         self.port: int | None = None
@@ -163,7 +164,7 @@ class Daemon:
         self.prefetcher = Prefetcher(self.store, self.config.prefetch)
         for path in remove_stale():  # shared-memory segments of a killed daemon
             log.info("removed stale shared-memory segment %s", path)
-        service = ActCacheService(
+        service = self.service = ActCacheService(
             self.store, self.prefetcher, max_message_bytes=cfg.max_message_bytes, throttle=throttle
         )
         if cfg.idle_timeout_s and self._on_idle is not None:
@@ -234,6 +235,8 @@ class Daemon:
             self.prefetcher.close()
         if self._server is not None:
             self._server.stop(self.config.server.grace_s).wait()
+        if self.service is not None:
+            self.service.rings.close()
         if self.metrics is not None:
             self.metrics.stop()
         if self.store is not None:

@@ -21,7 +21,7 @@ from actcache._proto import actcache_pb2 as pb
 from actcache.codec import Encoding
 from actcache.daemon.prefetch import Prefetcher, ScheduleBuilder, unpack_ids, unpack_variants
 from actcache.daemon.service._jobs import NamespaceJobs
-from actcache.daemon.service._shm_fetch import fetch_shm, ring_for
+from actcache.daemon.service._shm_fetch import ParkedRings, fetch_shm, ring_for
 from actcache.daemon.service._stats import stats_reply
 from actcache.daemon.service._throttle import Throttle
 from actcache.daemon.store import Store
@@ -130,6 +130,8 @@ class ActCacheService:
         self.started = time.monotonic()
         #: Jobs that opened each namespace (OpenRequest.job), for Stats.
         self.jobs = NamespaceJobs()
+        #: Shared-memory rings of ended streams, kept for their clients' next Fetch.
+        self.rings = ParkedRings()
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler registering every method with its (de)serializers."""
@@ -262,7 +264,7 @@ class ActCacheService:
         context.add_callback(reader.cancel)
         frame_bytes = min(request.max_frame_bytes or _REPLY_FRAME_BYTES, self.max_message_bytes // 2)
         try:
-            ring, detail = ring_for(request, context)
+            ring, detail = ring_for(request, context, self.rings)
             if ring is not None:
                 context.add_callback(ring.unlink)  # a client gone before mapping leaves no name behind
                 named = False
@@ -273,7 +275,10 @@ class ActCacheService:
                 finally:
                     if named:  # the client has the segment's name: the stream ends (and the name goes) once it mapped
                         ring.wait_mapped(context.is_active)
-                    ring.close()
+                    if ring.client_mapped:  # nothing writes to it any more: its client's next Fetch may reuse it
+                        self.rings.park(ring)
+                    else:
+                        ring.close()
                 return
             first = True
             for frame in reader.frames(frame_bytes):

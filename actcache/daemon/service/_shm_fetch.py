@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import served_size, to_raw_entries_into
@@ -13,7 +15,7 @@ from actcache.shm import ShmRing
 if TYPE_CHECKING:
     from actcache.daemon.service._throttle import Throttle
 
-__all__ = ["fetch_shm", "ring_for"]
+__all__ = ["ParkedRings", "fetch_shm", "ring_for"]
 
 # Positions a direct run covers at most; a frame looks up a frame's worth of them.
 _DIRECT_ENTRIES = 1024
@@ -23,12 +25,84 @@ _DIRECT_ENTRIES = 1024
 _WHOLE_FRAME_PATIENCE_S = 0.5
 
 
-def ring_for(request: pb.FetchRequest, context) -> tuple["ShmRing | None", str]:
-    """A shared-memory ring for this Fetch, or None and why the bytes path is taken."""
+class ParkedRings:
+    """Rings whose stream ended after its client mapped them, kept for that client's next Fetch
+    (``FetchRequest.reuse_segment``; see actcache.shm). Thread-safe.
+
+    A ring waits at most ``idle_s`` (a thread closes it after that) and at most ``max_bytes`` of
+    rings wait (the oldest go first): a client that went away costs that memory for a while only.
+    """
+
+    def __init__(self, *, idle_s: float = 30.0, max_bytes: int = 256 << 20) -> None:
+        self.idle_s, self.max_bytes = idle_s, max_bytes
+        self._rings: dict[str, tuple[ShmRing, float]] = {}  # by segment path, oldest first
+        self._cond = threading.Condition()
+        self._closed = False
+        self._janitor: threading.Thread | None = None
+
+    def park(self, ring: ShmRing) -> None:
+        with self._cond:
+            if self._closed:
+                dropped = [ring]
+            else:
+                self._rings[str(ring.path)] = (ring, time.monotonic())
+                dropped = self._drop(lambda _: sum(r.ring_bytes for r, _ in self._rings.values()) > self.max_bytes)
+                if self._janitor is None:
+                    self._janitor = threading.Thread(target=self._expire, name="actcache-rings", daemon=True)
+                    self._janitor.start()
+        for old in dropped:
+            old.close()
+
+    def take(self, path: str, ring_bytes: int) -> ShmRing | None:
+        """The parked ring named ``path`` if it has ``ring_bytes`` (it is no longer parked), else None."""
+        with self._cond:
+            ring, _ = self._rings.get(path, (None, 0.0))
+            if ring is None or ring.ring_bytes != ring_bytes:
+                return None
+            del self._rings[path]
+            return ring
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._rings)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            dropped = self._drop(lambda _: True)
+            self._cond.notify_all()
+        for ring in dropped:
+            ring.close()
+
+    def _drop(self, while_: Callable[[float], bool]) -> list[ShmRing]:
+        """Unpark the oldest rings while ``while_(their parking time)`` (the lock is held)."""
+        dropped = []
+        while self._rings and while_(next(iter(self._rings.values()))[1]):
+            dropped.append(self._rings.pop(next(iter(self._rings)))[0])
+        return dropped
+
+    def _expire(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                self._cond.wait(self.idle_s / 4)
+                dropped = self._drop(lambda parked: parked < time.monotonic() - self.idle_s)
+            for ring in dropped:
+                ring.close()
+
+
+def ring_for(request: pb.FetchRequest, context, parked: ParkedRings) -> tuple["ShmRing | None", str]:
+    """A shared-memory ring for this Fetch (the parked one it names, if it is still there), or None and
+    why the bytes path is taken."""
     if not request.shared_memory:
         return None, "not asked for"
     if not context.peer().startswith("unix:"):
         return None, f"client is not on this host's Unix socket ({context.peer()})"
+    ring = parked.take(request.reuse_segment, ShmRing.size_for(request.ring_bytes)) if request.reuse_segment else None
+    if ring is not None:
+        ring.restart(request.start)
+        return ring, ""
     try:
         return ShmRing(request.ring_bytes, request.start), ""
     except OSError as exc:
