@@ -24,7 +24,7 @@ from actcache._proto import actcache_pb2 as pb
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
 from actcache.keys import MAX_VARIANT, check_fingerprint
 from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
-from actcache.shm import ClientSegment, SegmentPool
+from actcache.shm import ClientSegment, SegmentPool, SlotRun
 
 __all__ = ["EntryBatch", "JobInfo", "RpcClient", "target_for"]
 
@@ -49,6 +49,8 @@ class EntryBatch:
     values: list[memoryview | None]
     #: "shared_memory" or "bytes" (the stream's first frame says; later frames repeat the stream's).
     data_plane: str = "bytes"
+    #: Shared memory, when every entry is a hit of one size in consecutive slots: where they lie.
+    run: SlotRun | None = None
 
     @classmethod
     def from_frame(cls, frame: bytes | memoryview) -> "EntryBatch":
@@ -66,9 +68,14 @@ class EntryBatch:
         if len(header.offsets) != len(header.lengths):
             raise ActCacheError(f"Fetch frame lists {len(header.lengths)} lengths but {len(header.offsets)} offsets")
         view = segment.view
-        inline = iter(split_payload(payload, [n for o, n in zip(header.offsets, header.lengths) if n and not o]))
-        values = [(view[o : o + n] if o else next(inline)) if n else None for o, n in zip(header.offsets, header.lengths)]
-        return cls(header.start, header.sample_ids, header.variants, values, "shared_memory")
+        offsets, lengths = list(header.offsets), list(header.lengths)
+        inline = iter(split_payload(payload, [n for o, n in zip(offsets, lengths) if n and not o]))
+        values = [(view[o : o + n] if o else next(inline)) if n else None for o, n in zip(offsets, lengths)]
+        size = lengths[0] if lengths else 0
+        consecutive = size and offsets[0] and lengths.count(size) == len(lengths) and \
+            offsets == list(range(offsets[0], offsets[0] + size * len(offsets), size))
+        run = SlotRun(segment, offsets[0], size) if consecutive else None
+        return cls(header.start, header.sample_ids, header.variants, values, "shared_memory", run)
 
     def __len__(self) -> int:
         return len(self.values)

@@ -77,6 +77,7 @@ import struct
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -89,6 +90,7 @@ __all__ = [
     "PREFIX",
     "SegmentPool",
     "ShmRing",
+    "SlotRun",
     "pid_alive",
     "remove_stale",
     "shm_dir",
@@ -286,6 +288,8 @@ class ClientSegment:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        #: Called by ``close`` before the mapping goes (e.g. to unregister it from a GPU driver).
+        self.on_close: list[Callable[[], None]] = []
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -305,9 +309,26 @@ class ClientSegment:
 
     def close(self) -> None:
         """Drop the mapping (views still exported keep it until they go)."""
+        callbacks, self.on_close = self.on_close, []
+        for callback in callbacks:
+            callback()
         with contextlib.suppress(BufferError, ValueError):
             self.view.release()
             self._mm.close()
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """Entries of one size in consecutive slots of a segment: entry ``i`` is the ``size`` bytes at
+    ``offset + i * size`` of ``segment.view`` (a batch of them moves in one copy)."""
+
+    segment: ClientSegment
+    offset: int
+    size: int
+
+    def skip(self, entries: int) -> "SlotRun":
+        """The run from its entry ``entries`` on."""
+        return SlotRun(self.segment, self.offset + entries * self.size, self.size)
 
 
 class SegmentPool:

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from actcache.codec import Encoding
 from actcache.errors import CacheMismatchError, ConfigError, ConfigTypeError, InvalidRequest
+from actcache.shm import SlotRun
 from actcache_client._audit import AuditConfig, Auditor, same_entry, tolerances, warn_mismatch
 from actcache_client._batch import Batch
 from actcache_client._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
@@ -55,7 +56,7 @@ from actcache_client._rows import RawInputs, merge
 from actcache_client._stages import StagedModel, State, Suffix
 from actcache_client._staging import Stager
 from actcache_client._stream import EpochStream
-from actcache_client._tensors import VarLen, collate_entries, encode_samples
+from actcache_client._tensors import VarLen, collate_entries, encode_samples, run_layout, split_rows
 
 __all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # the counters are re-exported from actcache_client._counters
 
@@ -453,7 +454,8 @@ class CachedForward:
             values, found = [None] * len(ids), []
         parts: list[tuple[list[int], State]] = []
         if found:
-            parts.append((found, self._collate([values[i] for i in found], verify=not streamed)))
+            run = self._stream.run if streamed and len(found) == len(ids) else None
+            parts.append((found, self._collate([values[i] for i in found], verify=not streamed, run=run)))
             self.times.cached_samples += len(found)
             self._mark_written(j, [ids[i] for i in found])
         missing = [i for i, v in enumerate(values) if v is None]
@@ -485,18 +487,31 @@ class CachedForward:
         values = self.connection.lookup(fingerprint, depth, ids, [variant] * len(ids))
         return values if values is not None else [None] * len(ids)
 
-    def _collate(self, entries: list, *, verify: bool = True) -> State:
+    def _collate(self, entries: list, *, verify: bool = True, run: SlotRun | None = None) -> State:
         t0 = time.perf_counter()
-        host = collate_entries(entries, varlen=self.varlen, alloc=self.stager.allocator(), verify=verify)
+        moved = self._ring_to_device(run, len(entries)) if run is not None and self.varlen is None else None
+        host = None if moved is not None else collate_entries(entries, varlen=self.varlen, alloc=self.stager.allocator(),
+                                                              verify=verify, run=run)
         if self.planner is not None:
             self.planner.record_decode(sum(len(e) for e in entries), time.perf_counter() - t0)
-        moved = self.stager.to_device(host)
+        if moved is None:
+            moved = self.stager.to_device(host)
         if self.planner is not None:
             for nbytes, seconds in self.stager.copy_readings():
                 self.planner.record_h2d(nbytes, seconds)
         if self.store_dtype is not None:  # back to the precision the stages compute in (on the device: half the copy)
             moved = _cast(moved, self.store_dtype, self._compute_dtype)
         return moved
+
+    def _ring_to_device(self, run: SlotRun, count: int) -> State | None:
+        """A streamed batch copied to the GPU straight out of the shared-memory ring (None: collate it)."""
+        header = run_layout(run, count) if self.stager.cuda else None
+        staged = self.stager.ring_to_device(run, count) if header is not None else None
+        if staged is None:
+            return None
+        rows, done = staged
+        self._stream.hold(done)
+        return split_rows(rows, header)
 
     def _audit(self, j: int, rows: list[int], raw: RawInputs, values: list, found: list[int]) -> bool:
         """Recompute the hits the auditor picks; False (after dropping the fingerprint) if one differs.

@@ -46,6 +46,7 @@ from typing import Callable, Iterator, Sequence
 
 from actcache.errors import ActCacheError
 from actcache.rpc_client import EntryBatch
+from actcache.shm import SlotRun
 from actcache_client._connection import Connection
 from actcache_client.cost_model import cached_subset
 
@@ -171,6 +172,12 @@ class EpochStream:
         #: Seconds the step waited for frames, and entries served by the stream (hits and misses).
         self.wait_seconds = 0.0
         self.entries = 0
+        #: Where the entries the last ``take`` returned lie, when they are hits of one size in
+        #: consecutive ring slots (see EntryBatch.run); else None.
+        self.run: SlotRun | None = None
+        self._frame_run: tuple[int, SlotRun | None] = (0, None)  # (first position, run) of the last frame
+        self._frames_read = 0
+        self._held: object | None = None  # an event: the last batch's slots are read until it completes
 
     @property
     def state(self) -> StreamState:
@@ -267,6 +274,7 @@ class EpochStream:
             return None
         lo, hi = o.offsets[b], o.offsets[b + 1]
         out: list = []
+        self.run, first_frame = None, None
         try:
             while len(out) < hi - lo:
                 if not self._pending:
@@ -276,16 +284,31 @@ class EpochStream:
                     continue  # a batch the step skipped
                 if sample_id != ids[len(out)]:
                     raise ActCacheError(f"the stream served sample {sample_id} at position {pos}, expected {ids[len(out)]}")
+                first_frame = self._frames_read if first_frame is None else first_frame
                 out.append(value)
         except ActCacheError as exc:
             self._break()
             self._connection.fallback(exc)
             return None
         self.entries += len(out)
+        frame_start, run = self._frame_run
+        if run is not None and first_frame == self._frames_read:  # all from one frame whose entries are one run
+            self.run = run.skip(lo - frame_start)
         return out
+
+    def hold(self, event: object) -> None:
+        """Keep the slots of the batch the last ``take`` returned until ``event`` completes (an
+        asynchronous copy still reads them): the stream waits for it before it releases them."""
+        self._held = event
+
+    def _wait_held(self) -> None:
+        if self._held is not None:
+            self._held.synchronize()
+            self._held = None
 
     def _next_frame(self, out: list, lo: int) -> None:
         """Read the next frame; views into the ring held in ``out`` are copied first (the ring reuses them)."""
+        self._wait_held()  # asking for the next frame releases the last one's slots
         if self._shared:
             out[:] = [None if v is None else bytes(v) for v in out]
         opened = self._frames is None
@@ -305,6 +328,8 @@ class EpochStream:
             raise ActCacheError(f"schedule {self.schedule_id} ended before position {lo + len(out)}")
         self._shared = batch.data_plane == "shared_memory"
         self._pending.extend(batch)
+        self._frames_read += 1
+        self._frame_run = (batch.start, batch.run)
         sizes = _sizes(batch.values, max(map(len, self._order.batches))) if opened and self._fixed_ring is None else None
         if sizes is not None:
             self._ring_bytes, self._frame_bytes = sizes
@@ -315,6 +340,7 @@ class EpochStream:
 
     def close(self) -> None:
         """Cancel the Fetch (the daemon frees its read-ahead for it at once)."""
+        self._wait_held()  # the ring goes back to the pool, for another stream to write
         if self._frames is not None:
             self._frames.close()
         if self._opened is not None:
@@ -322,5 +348,6 @@ class EpochStream:
             self._opened = None
         self._frames = None
         self._pending.clear()
+        self._frame_run, self.run = (0, None), None
         self._shared = False
         self._state = StreamState.IDLE

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actcache.codec import DType, TensorSpec, decode_entry, encode_entry, uniform_layout
+from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_entry, uniform_layout, uniform_rows
+from actcache.shm import SlotRun
 from actcache.errors import InvalidRequest
 
 from actcache_client._stages import State
@@ -25,6 +26,8 @@ __all__ = [
     "VarLen",
     "collate_entries",
     "encode_samples",
+    "run_layout",
+    "split_rows",
     "to_dtype",
 ]
 
@@ -103,15 +106,22 @@ def collate_entries(
     varlen: VarLen | None = None,
     alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None,
     verify: bool = True,
+    run: SlotRun | None = None,
 ) -> State:
     """Decode one entry per sample and stack them into a batch state.
 
     Bytes are copied once, straight into the batch tensors that ``alloc``
     returns (e.g. a pinned staging slot; default fresh host memory).
     ``verify=False`` skips the checksums, for entries the daemon verified
-    as it served them (Fetch).
+    as it served them (Fetch). ``run``: where the entries lie when they are
+    consecutive slots of one size in one buffer (``EpochStream.run``): then
+    one strided copy per tensor moves the whole batch.
     """
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    if run is not None and not verify and not varlen:
+        state = _collate_run(run, len(entries), alloc)
+        if state is not None:
+            return state
     layout = None if verify or varlen else uniform_layout(entries)
     if layout is not None:
         return _collate_uniform(entries, layout, alloc)
@@ -140,6 +150,42 @@ def collate_entries(
     if varlen:
         mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
         out.insert(varlen.mask_index, mask.to(varlen.mask_dtype))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def run_layout(run: SlotRun, count: int) -> EntryHeader | None:
+    """The layout of ``count`` entries in consecutive slots when they share one, uncompressed (else None)."""
+    return uniform_rows(_rows(run, count))
+
+
+def split_rows(rows: Tensor, header: EntryHeader) -> State:
+    """The batch state held by ``rows`` (uint8, one entry of ``header``'s layout per row), on rows' device."""
+    out: list[Tensor] = []
+    for spec, at in zip(header.specs, header.offsets):
+        start = header.header_len + at
+        part = rows[:, start : start + spec.nbytes].contiguous()
+        out.append(part.view(_TO_TORCH[spec.dtype]).view(len(rows), *spec.shape) if spec.nbytes
+                   else torch.empty((len(rows), *spec.shape), dtype=_TO_TORCH[spec.dtype], device=rows.device))
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _rows(run: SlotRun, count: int) -> np.ndarray:
+    return np.frombuffer(run.segment.view, np.uint8, count * run.size, run.offset).reshape(count, run.size)
+
+
+def _collate_run(run: SlotRun, count: int, alloc) -> State | None:
+    """collate_entries for ``count`` entries in consecutive slots of one size (None: not one layout)."""
+    rows = _rows(run, count)
+    header = uniform_rows(rows)
+    if header is None:
+        return None
+    out: list[Tensor] = []
+    for spec, at in zip(header.specs, header.offsets):
+        batch = alloc((count, *spec.shape), _TO_TORCH[spec.dtype])
+        if spec.nbytes:
+            start = header.header_len + at
+            batch.view(count, -1).view(torch.uint8).numpy()[:] = rows[:, start : start + spec.nbytes]
+        out.append(batch)
     return out[0] if len(out) == 1 else tuple(out)
 
 

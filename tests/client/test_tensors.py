@@ -1,8 +1,12 @@
+import numpy as np
 import pytest
 import torch
 
+from actcache._proto import actcache_pb2 as pb
 from actcache.errors import InvalidRequest
-from actcache_client._tensors import VarLen, collate_entries, encode_samples
+from actcache.rpc_client import EntryBatch
+from actcache.shm import ClientSegment, ShmRing
+from actcache_client._tensors import VarLen, collate_entries, encode_samples, run_layout, split_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 
@@ -65,3 +69,49 @@ def test_served_entries_of_mixed_layouts_are_still_checked():
     entries = encode_samples(torch.randn(2, 4)) + encode_samples(torch.randn(2, 5))
     with pytest.raises(InvalidRequest, match="batch expects"):
         collate_entries(entries, verify=False)
+
+
+def in_ring(tmp_path, entries):
+    """``entries`` written into consecutive slots of a real shared-memory ring: (views, their run)."""
+    ring = ShmRing(1 << 20, 0, directory=tmp_path)
+    segment = ClientSegment(str(ring.path))
+    offsets = [ring.alloc(i, len(e)) for i, e in enumerate(entries)]
+    for offset, e in zip(offsets, entries):
+        ring.view(offset, len(e))[:] = e
+    header = pb.EntriesHeader(start=0, sample_ids=range(len(entries)), lengths=[len(e) for e in entries], offsets=offsets)
+    batch = EntryBatch.from_slots(header, segment)
+    return batch.values, batch.run
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_entries_in_consecutive_ring_slots_collate_in_one_copy_and_split_alike(tmp_path, dtype):
+    state = ((torch.randn(6, 3, 5) * 50).to(dtype), torch.arange(6, dtype=torch.int64), torch.zeros(6, 0))
+    values, run = in_ring(tmp_path, encode_samples(state))
+    assert run is not None and run.skip(2).offset == run.offset + 2 * run.size
+    collated = collate_entries(values, verify=False, run=run)
+    split = split_rows(torch.from_numpy(np.frombuffer(run.segment.view, np.uint8, 6 * run.size, run.offset).copy())
+                       .view(6, run.size), run_layout(run, 6))
+    for out in (collated, split):
+        assert all(torch.equal(a, b) for a, b in zip(out, state))
+    assert torch.equal(collate_entries(values[1:5], verify=False, run=run.skip(1))[0], state[0][1:5])
+
+
+def test_a_run_of_mixed_layouts_falls_back_to_checking_each_entry(tmp_path):
+    entries = encode_samples(torch.randn(4, 4, 8))
+    entries[2] = encode_samples(torch.randn(1, 8, 4))[0]  # as many bytes, another shape
+    values, run = in_ring(tmp_path, entries)
+    assert run is not None and run_layout(run, 4) is None
+    with pytest.raises(InvalidRequest, match="sample 2"):
+        collate_entries(values, verify=False, run=run)
+
+
+def test_only_hits_of_one_size_in_consecutive_slots_make_a_run(tmp_path):
+    ring = ShmRing(1 << 20, 0, directory=tmp_path)
+    segment = ClientSegment(str(ring.path))
+    a, b, c = (ring.alloc(i, 64) for i in range(3))
+    frame = lambda offsets, lengths: EntryBatch.from_slots(  # noqa: E731
+        pb.EntriesHeader(start=0, sample_ids=range(len(offsets)), lengths=lengths, offsets=offsets), segment)
+    assert frame([a, b, c], [64, 64, 64]).run is not None
+    assert frame([a, 0, c], [64, 0, 64]).run is None  # a miss between
+    assert frame([a, c], [64, 64]).run is None  # not adjacent
+    assert frame([a, b], [64, 32]).run is None  # two sizes
