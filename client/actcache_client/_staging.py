@@ -195,8 +195,9 @@ class Stager:
             base = np.frombuffer(segment.view, np.uint8).ctypes.data
             ok = cudart.cudaHostRegister(base, segment.view.nbytes, 0) == cudart.cudaError.success
             self._registered[key] = ok
-            if ok:  # the mapping must not go while the driver holds it
-                segment.on_close.append(lambda: (cudart.cudaHostUnregister(base), self._registered.pop(key, None)))
+            if ok:  # the mapping must not go while the driver holds it, nor while a copy still reads it
+                segment.on_close.append(lambda: (self._stream.synchronize(), cudart.cudaHostUnregister(base),
+                                                 self._registered.pop(key, None)))
             else:
                 warnings.warn("actcache: could not page-lock the shared-memory ring; batches are collated on the host",
                               RuntimeWarning, stacklevel=3)
