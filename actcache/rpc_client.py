@@ -385,8 +385,10 @@ class RpcClient:
         ``shared_memory=True`` asks for the same-host data plane (Unix socket
         only; see actcache.shm): values are views into a ring of
         ``ring_bytes`` (0 = 8 MiB; an entry larger than the ring comes in the frame) that the daemon reuses, so a batch's
-        views are valid only until the next batch is asked for (copy what
-        you keep). ``batch.data_plane`` says which path the daemon took.
+        views are valid only until the next batch is asked for or the stream
+        ends (copy what you keep): an ended stream's ring serves this client's
+        next Fetch (``segments``). ``batch.data_plane`` says which path the
+        daemon took.
         """
         position, attempt = start, 0
         use_shm = shared_memory and self.target.startswith("unix:")

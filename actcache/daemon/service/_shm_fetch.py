@@ -115,12 +115,11 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
     Each frame waits a while for room for all of it while earlier frames are still held (the
     client releases a frame when it asks for the next), so frames stay whole; when the ring is
     full of the frame's own entries, or the client keeps holding, what fits goes out (so the
-    client can release it) before waiting. An
-    entry larger than the whole ring travels alone in a frame of its own, in the payload (offset
-    0), so no entry size ends the stream. A warm stream is read here, a frame's worth per LMDB
-    call, straight into the slots (``DirectRun``), in runs that end where a frame of
-    ``frame_bytes`` would: the client sizes frames to one batch of uniform entries, so each
-    frame is one batch.
+    client can release it) before waiting. An entry larger than the whole ring travels alone in
+    a frame of its own, in the payload (offset 0), so no entry size ends the stream. A warm
+    stream is read here, a frame's worth per LMDB call, straight into the slots (``DirectRun``),
+    in runs that end where a frame of ``frame_bytes`` would: the client sizes frames to one
+    batch of uniform entries, so each frame is one batch.
     """
     first = True
 
