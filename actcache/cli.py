@@ -211,7 +211,8 @@ def _run_stats(args: argparse.Namespace) -> int:
           f"(max {_fmt(reply.prefetch_max_buffered_bytes)}); {reply.schedules_total} schedules pushed, "
           f"{reply.fetches_total} fetches; reads: {reply.explicit_reads_total} explicit, "
           f"{reply.cached_copies_total} copied from the page cache, {reply.fallback_reads_total} from the map "
-          "(layout not recognized)")
+          f"(layout not recognized); shared-memory rings: {reply.rings_created_total} made, "
+          f"{reply.rings_reused_total} reused")
     for ns in reply.prefetch:
         print(f"  {ns.namespace:<24} {_counters_line(ns.counters)}; {ns.schedules} live schedules, "
               f"read-ahead {ns.read_ahead_entries} entries ({_fmt(ns.buffered_bytes)})")

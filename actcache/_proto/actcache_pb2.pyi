@@ -263,7 +263,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., namespace_id: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStats, _Mapping]]] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version", "schedules", "prefetch", "prefetch_budget_bytes", "prefetch_buffered_bytes", "prefetch_max_buffered_bytes", "schedules_total", "fetches_total", "explicit_reads_total", "fallback_reads_total", "reclaimable_bytes", "reclaimed_generations_total", "reclaimed_bytes_total", "reclaim_after_seconds", "now", "cached_copies_total")
+    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version", "schedules", "prefetch", "prefetch_budget_bytes", "prefetch_buffered_bytes", "prefetch_max_buffered_bytes", "schedules_total", "fetches_total", "explicit_reads_total", "fallback_reads_total", "reclaimable_bytes", "reclaimed_generations_total", "reclaimed_bytes_total", "reclaim_after_seconds", "now", "cached_copies_total", "rings_created_total", "rings_reused_total")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,8 @@ class StatsReply(_message.Message):
     RECLAIM_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NOW_FIELD_NUMBER: _ClassVar[int]
     CACHED_COPIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RINGS_CREATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RINGS_REUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
     used_bytes: int
@@ -324,7 +326,9 @@ class StatsReply(_message.Message):
     reclaim_after_seconds: float
     now: float
     cached_copies_total: int
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScheduleStats, _Mapping]]] = ..., prefetch: _Optional[_Iterable[_Union[NamespacePrefetchStats, _Mapping]]] = ..., prefetch_budget_bytes: _Optional[int] = ..., prefetch_buffered_bytes: _Optional[int] = ..., prefetch_max_buffered_bytes: _Optional[int] = ..., schedules_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., explicit_reads_total: _Optional[int] = ..., fallback_reads_total: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., reclaimed_generations_total: _Optional[int] = ..., reclaimed_bytes_total: _Optional[int] = ..., reclaim_after_seconds: _Optional[float] = ..., now: _Optional[float] = ..., cached_copies_total: _Optional[int] = ...) -> None: ...
+    rings_created_total: int
+    rings_reused_total: int
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScheduleStats, _Mapping]]] = ..., prefetch: _Optional[_Iterable[_Union[NamespacePrefetchStats, _Mapping]]] = ..., prefetch_budget_bytes: _Optional[int] = ..., prefetch_buffered_bytes: _Optional[int] = ..., prefetch_max_buffered_bytes: _Optional[int] = ..., schedules_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., explicit_reads_total: _Optional[int] = ..., fallback_reads_total: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., reclaimed_generations_total: _Optional[int] = ..., reclaimed_bytes_total: _Optional[int] = ..., reclaim_after_seconds: _Optional[float] = ..., now: _Optional[float] = ..., cached_copies_total: _Optional[int] = ..., rings_created_total: _Optional[int] = ..., rings_reused_total: _Optional[int] = ...) -> None: ...
 
 class PrefetchCounters(_message.Message):
     __slots__ = ("hits", "misses", "hit_ratio", "corrupt", "ready_on_ask", "stalls", "stall_seconds", "read_bytes", "served_bytes", "direct")

@@ -208,7 +208,10 @@ def test_the_next_fetch_of_a_client_reuses_the_ring_of_its_last(shm_dir):
         assert first == expected and second == expected[100:]
         assert planes == planes_again == {"shared_memory"}
         assert client.segments.paths() == [ring]  # served in the same ring, restarted at position 100
+        stats = client.stats()
+        assert (stats.rings_created_total, stats.rings_reused_total) == (1, 1)
         third, _ = fetched(client, ns, "d", shared_memory=True, ring_bytes=2 * RING, max_frame_bytes=8 << 10)
         assert third == expected
         assert client.segments.paths() != [ring] and len(client.segments.paths()) == 1  # another size: a new ring
+        assert client.stats().rings_created_total == 2
         assert segments(shm_dir) == []

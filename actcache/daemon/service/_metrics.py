@@ -49,6 +49,8 @@ _COUNTER_HELP = {
     "misses_total": "Entries asked for by Get calls and not stored",
     "served_bytes_total": "Bytes of entries sent to clients",
     "corrupt_total": "Stored entries that failed their checksum on read (and were deleted)",
+    "rings_created_total": "Shared-memory rings made for Fetch calls",
+    "rings_reused_total": "Fetch calls served in the shared-memory ring of their client's previous Fetch",
 }
 
 

@@ -50,6 +50,9 @@ class Counters:
     misses_total: int = 0
     served_bytes_total: int = 0
     corrupt_total: int = 0
+    #: Shared-memory rings made for Fetch calls, and Fetch calls served in a parked ring of their client.
+    rings_created_total: int = 0
+    rings_reused_total: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -264,8 +267,9 @@ class ActCacheService:
         context.add_callback(reader.cancel)
         frame_bytes = min(request.max_frame_bytes or _REPLY_FRAME_BYTES, self.max_message_bytes // 2)
         try:
-            ring, detail = ring_for(request, context, self.rings)
+            ring, detail, reused = ring_for(request, context, self.rings)
             if ring is not None:
+                self.counters.add(**{"rings_reused_total" if reused else "rings_created_total": 1})
                 context.add_callback(ring.unlink)  # a client gone before mapping leaves no name behind
                 named = False
                 try:

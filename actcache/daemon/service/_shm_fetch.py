@@ -92,21 +92,21 @@ class ParkedRings:
                 ring.close()
 
 
-def ring_for(request: pb.FetchRequest, context, parked: ParkedRings) -> tuple["ShmRing | None", str]:
-    """A shared-memory ring for this Fetch (the parked one it names, if it is still there), or None and
-    why the bytes path is taken."""
+def ring_for(request: pb.FetchRequest, context, parked: ParkedRings) -> tuple["ShmRing | None", str, bool]:
+    """A shared-memory ring for this Fetch and whether it is the parked one the request names; or None
+    and why the bytes path is taken."""
     if not request.shared_memory:
-        return None, "not asked for"
+        return None, "not asked for", False
     if not context.peer().startswith("unix:"):
-        return None, f"client is not on this host's Unix socket ({context.peer()})"
+        return None, f"client is not on this host's Unix socket ({context.peer()})", False
     ring = parked.take(request.reuse_segment, ShmRing.size_for(request.ring_bytes)) if request.reuse_segment else None
     if ring is not None:
         ring.restart(request.start)
-        return ring, ""
+        return ring, "", True
     try:
-        return ShmRing(request.ring_bytes, request.start), ""
+        return ShmRing(request.ring_bytes, request.start), "", False
     except OSError as exc:
-        return None, f"shared memory unavailable: {exc}"
+        return None, f"shared memory unavailable: {exc}", False
 
 
 def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Throttle | None") -> Iterator[bytes]:
