@@ -55,7 +55,7 @@ from actcache_client._planner import CachePlanner
 from actcache_client._rows import RawInputs, merge
 from actcache_client._stages import StagedModel, State, Suffix
 from actcache_client._staging import Stager
-from actcache_client._stream import EpochStream
+from actcache_client._stream import EpochStream, cached_batches
 from actcache_client._tensors import VarLen, collate_entries, encode_samples, run_layout, split_rows
 
 __all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # the counters are re-exported from actcache_client._counters
@@ -338,7 +338,7 @@ class CachedForward:
         if not self._skip_loads or self._epoch is None or target is None or self._stream is None:
             return
         (j, fraction), (batches, variant) = target, self._epoch
-        subset = [[s for s in b if fraction >= 1.0 or cached_subset(s, fraction)] for b in batches[self._position:]]
+        subset = cached_batches(batches[self._position:], fraction)
         ids = [s for b in subset for s in b]
         present = None  # the push answered which entries are stored; else ask
         if self._stream.serves(self._fingerprints[j], j, fraction, variant):

@@ -331,6 +331,8 @@ class CachedLoader:
 
     def _ids(self, order: list[list[int]]) -> list[list[int]]:
         dataset: IndexedDataset = self.loader.dataset
+        if dataset.sample_ids is None:  # ids are the indices
+            return [list(batch) for batch in order]
         return [[dataset.sample_id(i) for i in batch] for batch in order]
 
     def __iter__(self) -> Iterator[Batch]:

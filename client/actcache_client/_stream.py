@@ -73,6 +73,13 @@ def _sizes(values: Sequence, batch_entries: int) -> tuple[int, int] | None:
     return min(max(-(-_RING_BATCHES * batch // (1 << 20)) << 20, _MIN_RING), _MAX_RING), batch
 
 
+def cached_batches(batches: Sequence[Sequence[int]], fraction: float) -> tuple[tuple[int, ...], ...]:
+    """Each batch's sample ids in the cached subset (all of them at fraction 1)."""
+    if fraction >= 1.0:
+        return tuple(map(tuple, batches))
+    return tuple(tuple(s for s in b if cached_subset(s, fraction)) for b in batches)
+
+
 class _Ahead:
     """The next epoch's order pushed and its Fetch opened, in a thread: the training thread does not
     wait for the push, and the daemon decodes the head of the order into the ring while the current
@@ -192,7 +199,7 @@ class EpochStream:
         """Push ``batches`` (epoch positions ``first``, ``first + 1``, ...) at this target, replacing the stream."""
         self.close()
         self.discard_next()
-        subset = tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches)
+        subset = cached_batches(batches, fraction)
         offsets = (0, *itertools.accumulate(len(b) for b in subset))
         self._slot ^= 1
         self._order = _Order(fingerprint, depth, fraction, variant, first, subset, offsets, [])
@@ -209,7 +216,7 @@ class EpochStream:
         """Push the next epoch's order ahead, into the other slot, and open its Fetch (in a thread): the
         daemon reads its head once the current epoch is read, so there is no dip at the boundary.
         ``adopt_next`` switches to it."""
-        subset = tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches)
+        subset = cached_batches(batches, fraction)
         ids = [s for b in subset for s in b]
         if not ids:
             return
@@ -231,7 +238,7 @@ class EpochStream:
         if o is None or ahead is None:
             return False
         same = (o.fingerprint, o.depth, o.fraction, o.variant) == (fingerprint, depth, fraction, variant) and \
-            o.batches == tuple(tuple(s for s in b if fraction >= 1.0 or cached_subset(s, fraction)) for b in batches)
+            o.batches == cached_batches(batches, fraction)
         present = ahead.pushed() if same else None
         if present is None:
             ahead.close()
