@@ -168,7 +168,6 @@ class Stager:
         self._ring.release(done)
         return moved
 
-
     def ring_to_device(self, run: SlotRun, count: int) -> tuple[Tensor, object] | None:
         """The ``count`` entries of ``run`` as a (count, entry bytes) uint8 tensor on the device, copied
         straight out of the ring, and the event that completes with the copy; None where that cannot

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_entry, uniform_layout, uniform_rows
-from actcache.shm import SlotRun
 from actcache.errors import InvalidRequest
+from actcache.shm import SlotRun
 
 from actcache_client._stages import State
 
