@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import uuid
 
 import pytest
@@ -177,3 +178,41 @@ def test_the_shared_memory_ring_holds_a_few_batches_within_bounds_and_frames_hol
     assert _sizes([b"x" * 100], 32) == (_MIN_RING, 3200)
     assert _sizes([None, None], 32) is None  # nothing to go by: the sizes stay
     assert _sizes([b"x" * (1 << 20)], 512)[0] == _MAX_RING
+
+
+def test_held_slots_are_released_only_after_their_copy_completes(daemon):
+    """A batch copied asynchronously out of the ring (CUDA) is held: the stream waits for the copy's
+    event before it asks for the next frame, which releases the batch's slots to the daemon."""
+    from actcache_client._stream import EpochStream
+
+    with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+        model = ac.CachedForward(mlp(), conn)
+        loader = cached_loader(model, shuffle=False)
+        model.set_frozen(2)
+        forward_epoch(model, loader)  # stores every entry
+        conn.flush(timeout_s=30)
+        batches = [list(range(lo, lo + BATCH)) for lo in range(0, N, BATCH)]
+        stream = EpochStream(conn)
+        stream.push(model.fingerprint(2), 2, 1.0, 0, batches, 0)
+        for position, ids in enumerate(batches):  # the first stream learns the entries' size: frames of one batch
+            stream.take(position, ids)
+        stream.push(model.fingerprint(2), 2, 1.0, 0, batches, 0)
+        assert len(stream.take(0, batches[0])) == BATCH
+        run = stream.run
+        assert run is not None  # hits of one size in consecutive slots
+
+        class Copy:
+            """Stands in for the CUDA event of a copy still reading the batch's slots."""
+
+            released_then: int | None = None
+
+            def synchronize(self) -> None:
+                Copy.released_then = struct.unpack_from("<Q", run.segment.view, 16)[0]  # the segment's `released`
+
+        stream.hold(Copy())
+        assert len(stream.take(1, batches[1])) == BATCH
+        assert Copy.released_then is not None and Copy.released_then < BATCH  # batch 0 still held when it waited
+        stream.hold(Copy())
+        Copy.released_then = None
+        stream.close()
+        assert Copy.released_then is not None  # closing (the ring goes back for reuse) waits too
