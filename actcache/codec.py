@@ -465,10 +465,11 @@ def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
     header = parse_header(first)
     if header.codec in _COMPRESSED:
         return None
-    size, head, tail = first.nbytes, first[:_CRC_OFFSET], first[_CRC_OFFSET + 4 : header.header_len]
+    head, tail = _unchecked_header(header)
+    size, first_head, first_tail = first.nbytes, first[head], first[tail]
     for buf in bufs:
         view = memoryview(buf)
-        if view.nbytes != size or view[:_CRC_OFFSET] != head or view[_CRC_OFFSET + 4 : header.header_len] != tail:
+        if view.nbytes != size or view[head] != first_head or view[tail] != first_tail:
             return None
     return header
 
@@ -482,10 +483,15 @@ def uniform_rows(rows: "np.ndarray") -> EntryHeader | None:
     header = parse_header(rows[0])
     if header.codec in _COMPRESSED:
         return None
-    head, tail = slice(0, _CRC_OFFSET), slice(_CRC_OFFSET + 4, header.header_len)
+    head, tail = _unchecked_header(header)
     if not ((rows[1:, head] == rows[0, head]).all() and (rows[1:, tail] == rows[0, tail]).all()):
         return None
     return header
+
+
+def _unchecked_header(header: EntryHeader) -> tuple[slice, slice]:
+    """The header bytes around the checksum field: entries of one layout have them equal."""
+    return slice(0, _CRC_OFFSET), slice(_CRC_OFFSET + 4, header.header_len)
 
 
 def compress_entry(buf: bytes | memoryview, encoding: Encoding) -> bytes | memoryview:

@@ -239,36 +239,22 @@ class ShmRing:
         from two frames, copying the first part out of the ring before it may ask for the second.
         """
         need = min(nbytes + slot_bytes, self.ring_bytes)  # a slot never wraps: allow one slot of gap at the end
-        deadline, delay = time.monotonic() + patience_s, 50e-6
-        while True:
+        deadline = time.monotonic() + patience_s
+
+        def fits() -> bool:
             self.poll()
-            if not self._slots or self._write - self._freed + need <= self.ring_bytes or time.monotonic() > deadline:
-                return True
-            if not alive():
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 2e-3)
+            return not self._slots or self._write - self._freed + need <= self.ring_bytes or time.monotonic() > deadline
+
+        return _poll_until(fits, alive)
 
     def wait_room(self, size: int, alive: Callable[[], bool]) -> bool:
         """Wait until a slot of ``size`` bytes fits, polling the client's releases while ``alive()``;
         False if the call ended first."""
-        delay = 50e-6
-        while not self._fits(size):
-            if not alive():
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 2e-3)
-        return True
+        return _poll_until(lambda: bool(self._fits(size)), alive)
 
     def wait_mapped(self, alive: Callable[[], bool]) -> None:
         """Return once the client has mapped the segment (its name is then removed), or once ``alive()`` is false."""
-        delay = 50e-6
-        while True:
-            self.poll()
-            if self.unlinked or not alive():
-                return
-            time.sleep(delay)
-            delay = min(delay * 2, 2e-3)
+        _poll_until(lambda: (self.poll(), self.unlinked)[1], alive)
 
     def unlink(self) -> None:
         """Remove the name (safe from any thread, any number of times); mappings stay valid."""
@@ -281,6 +267,17 @@ class ShmRing:
         with contextlib.suppress(BufferError, ValueError):  # views still exported: the mapping goes with them
             self._view.release()
             self._mm.close()
+
+
+def _poll_until(done: Callable[[], bool], alive: Callable[[], bool]) -> bool:
+    """Poll ``done()`` while ``alive()``, backing off from 50 us to 2 ms; False if ``alive()`` failed first."""
+    delay = 50e-6
+    while not done():
+        if not alive():
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 2e-3)
+    return True
 
 
 class ClientSegment:

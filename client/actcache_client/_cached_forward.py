@@ -489,7 +489,8 @@ class CachedForward:
 
     def _collate(self, entries: list, *, verify: bool = True, run: SlotRun | None = None) -> State:
         t0 = time.perf_counter()
-        moved = self._ring_to_device(run, len(entries)) if run is not None and self.varlen is None else None
+        on_gpu = run is not None and self.varlen is None and self.stager.cuda
+        moved = self._ring_to_device(run, len(entries)) if on_gpu else None
         host = None if moved is not None else collate_entries(entries, varlen=self.varlen, alloc=self.stager.allocator(),
                                                               verify=verify, run=run)
         if self.planner is not None:
@@ -505,7 +506,7 @@ class CachedForward:
 
     def _ring_to_device(self, run: SlotRun, count: int) -> State | None:
         """A streamed batch copied to the GPU straight out of the shared-memory ring (None: collate it)."""
-        header = run_layout(run, count) if self.stager.cuda else None
+        header = run_layout(run, count)
         staged = self.stager.ring_to_device(run, count) if header is not None else None
         if staged is None:
             return None

@@ -160,13 +160,16 @@ def run_layout(run: SlotRun, count: int) -> EntryHeader | None:
 
 def split_rows(rows: Tensor, header: EntryHeader) -> State:
     """The batch state held by ``rows`` (uint8, one entry of ``header``'s layout per row), on rows' device."""
-    out: list[Tensor] = []
-    for spec, at in zip(header.specs, header.offsets):
-        start = header.header_len + at
-        part = rows[:, start : start + spec.nbytes].contiguous()
-        out.append(part.view(_TO_TORCH[spec.dtype]).view(len(rows), *spec.shape) if spec.nbytes
-                   else torch.empty((len(rows), *spec.shape), dtype=_TO_TORCH[spec.dtype], device=rows.device))
+    out = [rows[:, part].contiguous().view(_TO_TORCH[spec.dtype]).view(len(rows), *spec.shape) if spec.nbytes
+           else torch.empty((len(rows), *spec.shape), dtype=_TO_TORCH[spec.dtype], device=rows.device)
+           for spec, part in _tensor_columns(header)]
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _tensor_columns(header: EntryHeader) -> list[tuple[TensorSpec, slice]]:
+    """Each tensor of ``header``'s layout and the bytes of an entry that hold it."""
+    starts = [header.header_len + at for at in header.offsets]
+    return [(spec, slice(start, start + spec.nbytes)) for spec, start in zip(header.specs, starts)]
 
 
 def _rows(run: SlotRun, count: int) -> np.ndarray:
@@ -180,11 +183,10 @@ def _collate_run(run: SlotRun, count: int, alloc) -> State | None:
     if header is None:
         return None
     out: list[Tensor] = []
-    for spec, at in zip(header.specs, header.offsets):
+    for spec, part in _tensor_columns(header):
         batch = alloc((count, *spec.shape), _TO_TORCH[spec.dtype])
         if spec.nbytes:
-            start = header.header_len + at
-            batch.view(count, -1).view(torch.uint8).numpy()[:] = rows[:, start : start + spec.nbytes]
+            batch.view(count, -1).view(torch.uint8).numpy()[:] = rows[:, part]
         out.append(batch)
     return out[0] if len(out) == 1 else tuple(out)
 
