@@ -41,12 +41,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import crc32c
 import lz4.block
+import numpy as np
 import xxhash
 
 from actcache.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    import numpy as np
 
 __all__ = [
     "ALIGN",
@@ -61,6 +59,7 @@ __all__ = [
     "TensorSpec",
     "compress_entry",
     "compress_payload",
+    "copy_raw_run",
     "decode_entry",
     "decoded_size",
     "decompress_payload",
@@ -151,6 +150,8 @@ def _xxh3(data, value: int) -> int:
 
 # Chained over the parts of an entry: value = f(part, value), starting at 0.
 _CHECKSUM_FNS = {Checksum.crc32: zlib.crc32, Checksum.crc32c: _crc32c, Checksum.xxh3: _xxh3}
+# The last link of that chain without the 32-bit mask (copy_raw_run masks a batch of them at once).
+_LAST_LINK_FNS = {Checksum.crc32: zlib.crc32, Checksum.crc32c: crc32c.crc32c, Checksum.xxh3: xxhash.xxh3_64_intdigest}
 #: Each checksum of one buffer, by name (bench/bench_codec.py measures them).
 CHECKSUMS = {c.name: (lambda data, f=f: f(data, 0)) for c, f in _CHECKSUM_FNS.items()}
 
@@ -474,7 +475,7 @@ def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
     return header
 
 
-def uniform_rows(rows: "np.ndarray") -> EntryHeader | None:
+def uniform_rows(rows: np.ndarray) -> EntryHeader | None:
     """``uniform_layout`` for entries laid out as the rows of a 2-D uint8 array (one entry per row,
     as consecutive ring slots are): the first row's header when every row has its layout and an
     uncompressed payload, else None. One vectorised comparison instead of one per entry."""
@@ -622,6 +623,57 @@ def to_raw_entries_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memor
             out[at : at + size] = part
             at += size
         errors.append(None)
+    return errors
+
+
+def copy_raw_run(bufs: Sequence[bytes | memoryview], dest: memoryview) -> list[InvalidRequest | None]:
+    """Copy raw entries of one size into consecutive rows of ``dest`` (``len(bufs)`` times their size)
+    and verify each copy: per entry None, or the InvalidRequest its row failed with (garbage then).
+
+    The batch form of ``to_raw_entries_into`` for the usual frame (stored raw entries of one layout):
+    one copy and one checksum call per entry, the copy hashed while it is in the CPU cache, and the
+    header checks and checksum comparisons one vectorised operation each. Rows of mixed layouts
+    are verified one by one. The caller checks that every entry is raw and of one size.
+    """
+    count = len(bufs)
+    size = dest.nbytes // count if count else 0
+    try:
+        header = parse_header(bufs[0])
+    except InvalidRequest:
+        header = None
+    if header is None or header.codec != Codec.raw or header.total_len != size:
+        return _verify_rows(bufs, dest, size)
+    fn, hlen = _LAST_LINK_FNS[header.checksum], header.header_len
+    first = memoryview(bufs[0])
+    seed = _CHECKSUM_FNS[header.checksum](first[_CRC_OFFSET + 4 : hlen], _CHECKSUM_FNS[header.checksum](first[:_CRC_OFFSET], 0))
+    hashes = []
+    for lo, buf in zip(range(0, count * size, size), bufs):
+        dest[lo : lo + size] = buf
+        hashes.append(fn(dest[lo + hlen : lo + size], seed))
+    rows = np.frombuffer(dest, np.uint8).reshape(count, size)
+    if uniform_rows(rows) is None:
+        return _verify_rows(bufs, dest, size)
+    stored = rows[:, _CRC_OFFSET : _CRC_OFFSET + 4].copy().view("<u4").ravel()
+    computed = np.array(hashes, dtype=np.uint64) & 0xFFFFFFFF
+    errors: list[InvalidRequest | None] = [None] * count
+    for i in np.flatnonzero(computed != stored).tolist():
+        errors[i] = InvalidRequest(f"entry checksum ({header.checksum.name}) mismatch: stored {int(stored[i]):#010x}, "
+                                   f"computed {int(computed[i]):#010x}")
+    return errors
+
+
+def _verify_rows(bufs: Sequence[bytes | memoryview], dest: memoryview, size: int) -> list[InvalidRequest | None]:
+    """``copy_raw_run`` one entry at a time."""
+    errors: list[InvalidRequest | None] = []
+    for lo, buf in zip(range(0, len(bufs) * size, size), bufs):
+        row = dest[lo : lo + size]
+        row[:] = buf
+        try:
+            header = verify_entry(row)
+            errors.append(None if header.codec == Codec.raw else
+                          InvalidRequest(f"entry has codec {header.codec.name} where a raw entry was expected"))
+        except InvalidRequest as exc:
+            errors.append(exc)
     return errors
 
 

@@ -221,6 +221,18 @@ class ShmRing:
         self._slots.append((position, self._write))
         return HEADER_BYTES + (self._write - size) % self.ring_bytes
 
+    def alloc_run(self, position: int, count: int, size: int) -> int | None:
+        """Segment offset of ``count`` consecutive slots of ``size`` bytes for the entries at ``position``
+        on, with no wrap between them (a batch of them is one strided block); None while they do not fit."""
+        total = count * size
+        need = self._fits(total)
+        if not need:
+            return None
+        start = self._write + need - total  # after the gap to the ring's end, if the run wraps
+        self._write += need
+        self._slots.extend(zip(range(position, position + count), range(start + size, start + total + 1, size)))
+        return HEADER_BYTES + start % self.ring_bytes
+
     def view(self, offset: int, size: int) -> memoryview:
         """The writable bytes of the slot at ``offset`` (from ``alloc``)."""
         return self._view[offset : offset + size]

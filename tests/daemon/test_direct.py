@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import DType, TensorSpec, encode_entry, served_size
+from actcache.codec import DType, TensorSpec, copy_raw_run, encode_entry, served_size
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.prefetch._reader import ReaderState
@@ -151,6 +151,23 @@ def test_a_corrupt_entry_read_directly_is_a_counted_miss_and_deleted(store, tmp_
     assert got == want
     assert (counters["hits"], counters["corrupt"]) == (N // 2 - 1, 1) and counters["direct"] > 0
     assert store.get(1, FP, 1, [(200, 0)]) == [None]
+
+
+def test_a_corrupt_entry_among_uniform_ones_is_a_counted_miss_and_the_others_are_served(store, tmp_path, monkeypatch):
+    """Frames of stored raw entries of one size are copied and verified as one block (copy_raw_run)."""
+    from actcache.daemon.service import _shm_fetch
+
+    runs = []
+    monkeypatch.setattr(_shm_fetch, "copy_raw_run", lambda bufs, dest: runs.append(len(bufs)) or copy_raw_run(bufs, dest))
+    flip_stored_byte(store, encode_key(1, FP, 1, 200), tmp_path / "c" / "data.mdb")
+    order = np.arange(0, N, 2)  # all stored
+    got, counters, _ = serve(store, order, tmp_path)
+    want = {pos: value(int(i)) for pos, i in enumerate(order)}
+    want[100] = None  # sample 200
+    assert got == want
+    assert (counters["hits"], counters["corrupt"]) == (N // 2 - 1, 1) and counters["direct"] > 0
+    assert store.get(1, FP, 1, [(200, 0)]) == [None]
+    assert sum(runs) == counters["direct"] and max(runs) == (64 << 10) // served_size(value(0))  # whole frames
 
 
 def test_a_consumer_that_leaves_gives_reading_back(store, tmp_path):

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import served_size, to_raw_entries_into
+from actcache.codec import Codec, copy_raw_run, served_size, to_raw_entries_into
 from actcache.daemon.prefetch import DirectRun
 from actcache.rpc import encode_frame
 from actcache.shm import ShmRing
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ParkedRings", "fetch_shm", "ring_for"]
 
+# Where an entry's header says how its payload is stored (actcache.codec's layout).
+_CODEC_OFFSET = 5
 # Positions a direct run covers at most; a frame looks up a frame's worth of them.
 _DIRECT_ENTRIES = 1024
 # How long a frame waits for the client to release room for all of it (ShmRing.wait_frame_room):
@@ -194,34 +196,66 @@ def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) ->
     fit the ring now (0: none); None if the run was given back (the values seem cold, or an entry is
     larger than the ring: the regular path takes them)."""
     ring.poll()
-    lengths: list[int] = []
-    offsets: list[int] = []
-    blocked = total = 0
     with run.values(count) as views:
         if views is None:
             run.give_back()
             return None
-        for i, view in enumerate(views):
-            size = 0 if view is None else served_size(view)
-            total += size
-            if size > ring.ring_bytes or total > frame_bytes and total > size:
-                break
-            offset = ring.alloc(run.start + i, size) if size else 0
-            if offset is None:
-                blocked = size
-                break
-            lengths.append(size)
-            offsets.append(offset)
-        todo = [i for i, n in enumerate(lengths) if n]
-        errors = to_raw_entries_into([views[i] for i in todo], [ring.view(offsets[i], lengths[i]) for i in todo])
+        served = _copy_uniform(run.start, views, ring, frame_bytes) or _copy_each(run.start, views, ring, frame_bytes)
+    lengths, offsets, errors, blocked = served
     if not lengths and not blocked:  # the first entry is larger than the ring
         run.give_back()
         return None
-    corrupt = [(i, exc) for i, exc in zip(todo, errors) if exc is not None]
+    corrupt = [(i, exc) for i, exc in enumerate(errors) if exc is not None]
     for i, _ in corrupt:
         lengths[i] = offsets[i] = 0
     run.done(lengths, corrupt)
     return lengths, offsets, blocked
+
+
+def _copy_each(position: int, views: list, ring: ShmRing, frame_bytes: int
+               ) -> tuple[list[int], list[int], list, int]:
+    """``_copy_direct`` entry by entry, into what fits the ring now: ``(lengths, offsets, errors,
+    blocked)``, one error (or None) per position served."""
+    lengths: list[int] = []
+    offsets: list[int] = []
+    blocked = total = 0
+    for i, view in enumerate(views):
+        size = 0 if view is None else served_size(view)
+        total += size
+        if size > ring.ring_bytes or total > frame_bytes and total > size:
+            break
+        offset = ring.alloc(position + i, size) if size else 0
+        if offset is None:
+            blocked = size
+            break
+        lengths.append(size)
+        offsets.append(offset)
+    todo = [i for i, n in enumerate(lengths) if n]
+    decoded = to_raw_entries_into([views[i] for i in todo], [ring.view(offsets[i], lengths[i]) for i in todo])
+    errors: list = [None] * len(lengths)
+    for i, exc in zip(todo, decoded):
+        errors[i] = exc
+    return lengths, offsets, errors, blocked
+
+
+def _copy_uniform(position: int, views: list, ring: ShmRing, frame_bytes: int
+                  ) -> tuple[list[int], list[int], list, int] | None:
+    """``_copy_direct``'s usual case in one pass: when the values are stored raw entries of one size and
+    a frame's worth of them fits the ring now in one block of slots, copy and verify them there
+    (``copy_raw_run``): ``_copy_each``'s result; else None, and nothing was allocated."""
+    size = len(views[0]) if views and views[0] is not None else 0
+    if not size:
+        return None
+    count = min(len(views), max(1, frame_bytes // size))
+    head = views[:count]
+    if count * size > ring.ring_bytes or any(v is None or len(v) != size or v[_CODEC_OFFSET] != Codec.raw
+                                             for v in head):
+        return None
+    base = ring.alloc_run(position, count, size)
+    if base is None:
+        return None
+    offsets = list(range(base, base + count * size, size))
+    return [size] * count, offsets, copy_raw_run(head, ring.view(base, count * size)), 0
 
 
 def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, context) -> tuple[int | None, list[int]]:
