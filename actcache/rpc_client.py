@@ -22,6 +22,7 @@ import numpy as np
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
+from actcache.frame_pump import FramePump
 from actcache.keys import MAX_VARIANT, check_fingerprint
 from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
 from actcache.shm import ClientSegment, SegmentPool, SlotRun
@@ -389,6 +390,10 @@ class RpcClient:
         ends (copy what you keep): an ended stream's ring serves this client's
         next Fetch (``segments``). ``batch.data_plane`` says which path the
         daemon took.
+
+        A thread receives up to 4 frames ahead of the loop (``FramePump``), so
+        a frame that has arrived is taken without waiting; slots are still
+        released only when the loop asks for the next batch.
         """
         position, attempt = start, 0
         use_shm = shared_memory and self.target.startswith("unix:")
@@ -399,9 +404,10 @@ class RpcClient:
                 shared_memory=use_shm, ring_bytes=ring_bytes, reuse_segment=offered.path if offered else "",
             )
             call = self._call("Fetch")(request, metadata=self._metadata())
+            frames = FramePump(call)
             segment = None
             try:
-                for frame in call:
+                for frame in frames:
                     header_bytes, payload = decode_frame(frame)
                     header = pb.EntriesHeader.FromString(header_bytes)
                     if header.segment:
@@ -433,6 +439,7 @@ class RpcClient:
                     raise _error_of(exc) from None
             finally:
                 call.cancel()
+                frames.close()
                 if offered is not None:  # the daemon no longer had it
                     offered.close()
                 if segment is not None:  # the daemon parks the ring once the call has ended

@@ -1,6 +1,7 @@
 """Fetch through the shared-memory data plane, against a real daemon."""
 
 import os
+import time
 
 import grpc
 import numpy as np
@@ -215,3 +216,23 @@ def test_the_next_fetch_of_a_client_reuses_the_ring_of_its_last(shm_dir):
         assert client.segments.paths() != [ring] and len(client.segments.paths()) == 1  # another size: a new ring
         assert client.stats().rings_created_total == 2
         assert segments(shm_dir) == []
+
+
+def test_frames_received_ahead_leave_the_held_batch_intact_until_the_next_is_asked_for(shm_dir):
+    """fetch_batches receives frames in a thread ahead of its consumer (FramePump), but the ring's slots
+    of a batch are released only when the consumer asks for the next one."""
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
+        ns = client.open("ahead").namespace_id
+        put_range(client, ns, range(300))
+        order = np.arange(300, dtype=np.uint64)
+        client.schedule(ns, FP, 1, "a", order)
+        expected = fetched(client, ns, "a")[0]
+        client.schedule(ns, FP, 1, "b", order)
+        batches = client.fetch_batches(ns, "b", shared_memory=True, ring_bytes=RING, max_frame_bytes=20 << 10)
+        got = []
+        for batch in batches:
+            copies = [bytes(v) for v in batch.values]
+            time.sleep(0.05)  # the training step: the pump receives the frames the ring holds meanwhile
+            assert [bytes(v) for v in batch.values] == copies  # released early, the daemon would overwrite them
+            got.extend((pos, sid, var, bytes(v)) for pos, sid, var, v in batch)
+        assert got == expected
