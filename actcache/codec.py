@@ -37,7 +37,7 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import crc32c
 import lz4.block
