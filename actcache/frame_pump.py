@@ -3,10 +3,17 @@
 Why: gRPC's synchronous API receives a message only when the consumer asks
 for it, and hands it over from its polling thread: even when the message
 arrived long ago, each ``next`` costs the consumer a round of thread
-wake-ups (about 0.26 ms a frame on a 2-core machine with a training step
-between frames; ``bench/bench_step.py``). A thread that asks for the next
-message as soon as it has the last one keeps up to ``depth`` of them ready,
-so a consumer whose next frame has arrived takes it without waiting.
+wake-ups. A thread that asks for the next message as soon as it has the
+last one keeps up to ``depth`` of them ready, so a consumer whose next frame
+has arrived takes it without waiting.
+
+When it pays (2-core machine, frozen ResNet-20 prefix, batches of 128 entries
+of 16 KiB over shared memory): with a 2 ms sleep per step standing for a GPU's
+work, the step's wait for its frame fell from a median of 0.16-0.20 ms to
+0.09 ms. A step that keeps the interpreter busy (training on the CPU) lost
+about 5% instead (1.15-1.26 against 1.22-1.35 ms a step): the thread's turns
+compete with it for the interpreter lock. So ``CachedForward`` receives ahead
+only on CUDA.
 
 What stays with the consumer: everything that depends on it having finished
 with a frame (the shared-memory plane releases a frame's ring slots only

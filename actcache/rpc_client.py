@@ -373,7 +373,7 @@ class RpcClient:
 
     def fetch_batches(
         self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0,
-        shared_memory: bool = False, ring_bytes: int = 0,
+        shared_memory: bool = False, ring_bytes: int = 0, receive_ahead: bool = False,
     ) -> Iterator[EntryBatch]:
         """Stream a pushed schedule from position ``start``, one EntryBatch per frame, in schedule order.
 
@@ -391,9 +391,12 @@ class RpcClient:
         next Fetch (``segments``). ``batch.data_plane`` says which path the
         daemon took.
 
-        A thread receives up to 4 frames ahead of the loop (``FramePump``), so
-        a frame that has arrived is taken without waiting; slots are still
-        released only when the loop asks for the next batch.
+        ``receive_ahead=True``: a thread receives up to 4 frames ahead of the
+        loop (``FramePump``), so a frame that has arrived is taken without
+        waiting (slots are still released only when the loop asks for the
+        next batch). It pays when the loop leaves the interpreter idle between
+        frames (a CUDA step waiting on the GPU); a loop that keeps it busy
+        pays for the thread's turns instead.
         """
         position, attempt = start, 0
         use_shm = shared_memory and self.target.startswith("unix:")
@@ -404,7 +407,7 @@ class RpcClient:
                 shared_memory=use_shm, ring_bytes=ring_bytes, reuse_segment=offered.path if offered else "",
             )
             call = self._call("Fetch")(request, metadata=self._metadata())
-            frames = FramePump(call)
+            frames = FramePump(call) if receive_ahead else iter(call)
             segment = None
             try:
                 for frame in frames:
@@ -439,7 +442,8 @@ class RpcClient:
                     raise _error_of(exc) from None
             finally:
                 call.cancel()
-                frames.close()
+                if receive_ahead:
+                    frames.close()
                 if offered is not None:  # the daemon no longer had it
                     offered.close()
                 if segment is not None:  # the daemon parks the ring once the call has ended

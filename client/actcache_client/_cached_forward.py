@@ -137,7 +137,9 @@ class CachedForward:
         self.keep_generations = keep_generations
         self._generations: dict[bytes, tuple[int, bytes]] = {}  # fingerprint written -> (depth, data fingerprint)
         self._seed_depths: list[int] = []  # frozen depths whose entries may seed deeper ones
-        self._stream = EpochStream(connection, rank=_rank()) if connection is not None and stream else None
+        # On CUDA the step leaves the interpreter idle while the GPU works: frames are received ahead then.
+        self._stream = EpochStream(connection, rank=_rank(), receive_ahead=self.stager.device.type == "cuda") \
+            if connection is not None and stream else None
         self._epoch: tuple[list[list[int]], int] | None = None  # this epoch's batches (sample ids) and variant
         self._position = 0  # the epoch position of the next batch the step runs
         self._epoch_misses = 0  # samples of the cached subset that missed this epoch

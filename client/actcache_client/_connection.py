@@ -203,15 +203,16 @@ class Connection:
         return list(map(bool, reply.present))
 
     def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0, max_frame_bytes: int = 0,
-               ahead: bool = False) -> Iterator[EntryBatch]:
+               ahead: bool = False, receive_ahead: bool = False) -> Iterator[EntryBatch]:
         """Fetch a pushed schedule from ``start``: shared memory on a Unix socket of this host, else bytes.
 
         Counts hits, misses, bytes and the seconds spent waiting for frames in ``stats``; errors are
         raised to the caller (who hands them to ``fallback``). ``ahead``: the stream is opened before
-        it is used, and its first frame is counted when it is (``count_streamed``).
+        it is used, and its first frame is counted when it is (``count_streamed``). ``receive_ahead``:
+        see ``RpcClient.fetch_batches``.
         """
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
-                                         max_frame_bytes=max_frame_bytes)
+                                         max_frame_bytes=max_frame_bytes, receive_ahead=receive_ahead)
         counted = not ahead
         while True:
             t0 = time.perf_counter()

@@ -228,7 +228,8 @@ def test_frames_received_ahead_leave_the_held_batch_intact_until_the_next_is_ask
         client.schedule(ns, FP, 1, "a", order)
         expected = fetched(client, ns, "a")[0]
         client.schedule(ns, FP, 1, "b", order)
-        batches = client.fetch_batches(ns, "b", shared_memory=True, ring_bytes=RING, max_frame_bytes=20 << 10)
+        batches = client.fetch_batches(ns, "b", shared_memory=True, ring_bytes=RING, max_frame_bytes=20 << 10,
+                                       receive_ahead=True)
         got = []
         for batch in batches:
             copies = [bytes(v) for v in batch.values]
