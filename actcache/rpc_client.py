@@ -25,7 +25,7 @@ from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable
 from actcache.frame_pump import FramePump
 from actcache.keys import MAX_VARIANT, check_fingerprint
 from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
-from actcache.shm import ClientSegment, SegmentPool, SlotRun
+from actcache.shm import ClientSegment, SegmentPool, ShmRing, SlotRun
 
 __all__ = ["EntryBatch", "JobInfo", "RpcClient", "target_for"]
 
@@ -401,7 +401,8 @@ class RpcClient:
         position, attempt = start, 0
         use_shm = shared_memory and self.target.startswith("unix:")
         while True:
-            offered = self.segments.take() if use_shm else None  # an ended Fetch's segment, for the daemon to reuse
+            # an ended Fetch's segment of the size asked, for the daemon to reuse
+            offered = self.segments.take(ShmRing.size_for(ring_bytes)) if use_shm else None
             request = pb.FetchRequest(
                 namespace_id=namespace_id, schedule_id=schedule_id, start=position, max_frame_bytes=max_frame_bytes,
                 shared_memory=use_shm, ring_bytes=ring_bytes, reuse_segment=offered.path if offered else "",

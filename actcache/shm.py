@@ -100,6 +100,9 @@ __all__ = [
 PREFIX = "actcache-"
 HEADER_BYTES = 4096
 DEFAULT_RING_BYTES = 8 << 20  # small rings stay in cache: 64 MiB measured ~0.7x the speed of 8 MiB
+# An idle ring serves a Fetch asking for up to this many times less (creating one costs about 0.6 ms
+# per MiB here, in the daemon, plus the client's page faults; a somewhat larger ring costs nothing).
+REUSE_SLACK = 2
 MIN_RING_BYTES = 64 << 10
 MAX_RING_BYTES = 4 << 30
 _MAGIC = b"ACTSHM1\0"
@@ -151,6 +154,12 @@ def remove_stale(directory: Path | None = None) -> list[Path]:
                 path.unlink()
                 removed.append(path)
     return removed
+
+
+def reusable(ring_bytes: int, asked: int) -> bool:
+    """Whether an idle ring of ``ring_bytes`` serves a Fetch asking for a ring of ``asked`` bytes (as
+    ``ShmRing.size_for`` sizes it): it is as large, and at most ``REUSE_SLACK`` times larger."""
+    return asked <= ring_bytes <= REUSE_SLACK * asked
 
 
 class ShmRing:
@@ -310,6 +319,8 @@ class ClientSegment:
             raise OSError(f"{path} is not an actcache shared-memory segment")
         self._mm = mm
         self.view = memoryview(mm)
+        #: The ring's size (the segment less its header): a Fetch asking for this size may reuse it.
+        self.ring_bytes = size - HEADER_BYTES
         struct.pack_into("<Q", mm, _MAPPED, 1)
 
     def release(self, position: int) -> None:
@@ -345,7 +356,8 @@ class SegmentPool:
 
     Why: a new ring costs a mapping on both sides, faulting its pages in as the first stream writes
     and reads them, and unmapping them at its end (8 MiB: about 2 ms each way here, once per epoch).
-    At most ``keep`` segments wait; the oldest goes first.
+    At most ``keep`` segments wait; the oldest goes first. A segment is offered only to a Fetch that
+    asks for its size (the daemon reuses a ring only then, and the offered one would be lost).
     """
 
     def __init__(self, keep: int = 2) -> None:
@@ -353,10 +365,15 @@ class SegmentPool:
         self._idle: deque[ClientSegment] = deque()
         self._lock = threading.Lock()
 
-    def take(self) -> ClientSegment | None:
-        """The most recently ended segment (None if none waits); the caller returns it or closes it."""
+    def take(self, ring_bytes: int) -> ClientSegment | None:
+        """The most recently ended segment whose ring may serve a Fetch asking for ``ring_bytes``
+        (``reusable``; None if none waits); the caller returns it or closes it."""
         with self._lock:
-            return self._idle.pop() if self._idle else None
+            for segment in reversed(self._idle):
+                if reusable(segment.ring_bytes, ring_bytes):
+                    self._idle.remove(segment)
+                    return segment
+            return None
 
     def put(self, segment: ClientSegment) -> None:
         with self._lock:

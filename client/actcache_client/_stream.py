@@ -57,10 +57,11 @@ _JOB = f"{socket.gethostname()[:40]}.{os.getpid()}"
 _JOBS = itertools.count()
 
 
-# The shared-memory ring of a Fetch holds _RING_BATCHES batches, within these bounds: a ring is mapped
-# afresh for every Fetch, and its first use and its unmapping cost time in proportion to its size.
-# Until a frame has shown the entries' size, rings are _FIRST_RING.
-_MIN_RING, _MAX_RING, _RING_BATCHES, _FIRST_RING = 4 << 20, 64 << 20, 4, 32 << 20
+# The shared-memory ring of a Fetch holds _RING_BATCHES batches, within these bounds: a new ring's
+# first use and its unmapping cost time in proportion to its size (an ended stream's ring serves the
+# next Fetch asking for up to half its size: actcache.shm.reusable). Until a frame has shown the
+# entries' size, rings are _FIRST_RING.
+_MIN_RING, _MAX_RING, _RING_BATCHES, _FIRST_RING = 4 << 20, 64 << 20, 4, 16 << 20
 
 
 def _sizes(values: Sequence, batch_entries: int) -> tuple[int, int] | None:

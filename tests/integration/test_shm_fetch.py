@@ -211,10 +211,17 @@ def test_the_next_fetch_of_a_client_reuses_the_ring_of_its_last(shm_dir):
         assert client.segments.paths() == [ring]  # served in the same ring, restarted at position 100
         stats = client.stats()
         assert (stats.rings_created_total, stats.rings_reused_total) == (1, 1)
+        client.schedule(ns, FP, 1, "e", order)
         third, _ = fetched(client, ns, "d", shared_memory=True, ring_bytes=2 * RING, max_frame_bytes=8 << 10)
         assert third == expected
-        assert client.segments.paths() != [ring] and len(client.segments.paths()) == 1  # another size: a new ring
-        assert client.stats().rings_created_total == 2
+        (_, larger) = client.segments.paths()  # too small for it: a new ring; the small one still waits
+        stats = client.stats()
+        assert (stats.rings_created_total, stats.rings_reused_total) == (2, 1)
+        fourth, _ = fetched(client, ns, "e", **shm)  # a ring up to twice the size asked serves it
+        assert fourth == expected and client.segments.paths() == [ring, larger]
+        stats = client.stats()
+        assert (stats.rings_created_total, stats.rings_reused_total) == (2, 2)
+        client.segments.clear()
         assert segments(shm_dir) == []
 
 

@@ -10,7 +10,7 @@ from actcache._proto import actcache_pb2 as pb
 from actcache.codec import Codec, copy_raw_run, served_size, to_raw_entries_into
 from actcache.daemon.prefetch import DirectRun
 from actcache.rpc import encode_frame
-from actcache.shm import ShmRing
+from actcache.shm import ShmRing, reusable
 
 if TYPE_CHECKING:
     from actcache.daemon.service._throttle import Throttle
@@ -56,10 +56,11 @@ class ParkedRings:
             old.close()
 
     def take(self, path: str, ring_bytes: int) -> ShmRing | None:
-        """The parked ring named ``path`` if it has ``ring_bytes`` (it is no longer parked), else None."""
+        """The parked ring named ``path`` if it serves a ring of ``ring_bytes`` (``reusable``; it is no
+        longer parked), else None."""
         with self._cond:
             ring, _ = self._rings.get(path, (None, 0.0))
-            if ring is None or ring.ring_bytes != ring_bytes:
+            if ring is None or not reusable(ring.ring_bytes, ring_bytes):
                 return None
             del self._rings[path]
             return ring
