@@ -209,10 +209,13 @@ class ShmRing:
         if mapped and not self.unlinked:
             self.unlink()
 
-    def _fits(self, size: int) -> int:
-        """Bytes a slot of ``size`` takes now (with the gap to the ring's end); 0 while the ring is full."""
+    def _check_size(self, size: int) -> None:
         if size > self.ring_bytes:
             raise InvalidRequest(f"an entry of {size} bytes does not fit the shared-memory ring of {self.ring_bytes} bytes")
+
+    def _fits(self, size: int) -> int:
+        """Bytes a slot of ``size`` takes now (with the gap to the ring's end); 0 while the ring is full."""
+        self._check_size(size)
         at = self._write % self.ring_bytes
         need = size + (self.ring_bytes - at if at + size > self.ring_bytes else 0)
         if self._write + need - self._freed > self.ring_bytes:
@@ -230,17 +233,24 @@ class ShmRing:
         self._slots.append((position, self._write))
         return HEADER_BYTES + (self._write - size) % self.ring_bytes
 
-    def alloc_run(self, position: int, count: int, size: int) -> int | None:
-        """Segment offset of ``count`` consecutive slots of ``size`` bytes for the entries at ``position``
-        on, with no wrap between them (a batch of them is one strided block); None while they do not fit."""
-        total = count * size
-        need = self._fits(total)
-        if not need:
-            return None
-        start = self._write + need - total  # after the gap to the ring's end, if the run wraps
+    def alloc_run(self, position: int, count: int, size: int) -> list[tuple[int, int]] | None:
+        """Consecutive slots of ``size`` bytes for the ``count`` entries at ``position`` on: one block,
+        or two when the run reaches the ring's end (the rest starts over at its beginning, after the
+        gap no slot fits in). ``(segment offset, entries)`` per block; None while they do not fit."""
+        self._check_size(size)
+        at = self._write % self.ring_bytes
+        before_end = min(count, (self.ring_bytes - at) // size)
+        gap = self.ring_bytes - at - before_end * size if before_end < count else 0
+        need = count * size + gap
+        if self._write + need - self._freed > self.ring_bytes:
+            self.poll()
+            if self._write + need - self._freed > self.ring_bytes:
+                return None
+        ends = [self._write + (i + 1) * size + (gap if i >= before_end else 0) for i in range(count)]
         self._write += need
-        self._slots.extend(zip(range(position, position + count), range(start + size, start + total + 1, size)))
-        return HEADER_BYTES + start % self.ring_bytes
+        self._slots.extend(zip(range(position, position + count), ends))
+        blocks = [(HEADER_BYTES + at, before_end)] if before_end else []
+        return blocks + [(HEADER_BYTES, count - before_end)] if before_end < count else blocks
 
     def view(self, offset: int, size: int) -> memoryview:
         """The writable bytes of the slot at ``offset`` (from ``alloc``)."""

@@ -44,20 +44,20 @@ def test_an_entry_never_crosses_the_end_of_the_ring(ring):
         ring.alloc(12, MIN_RING_BYTES + 1)
 
 
-def test_a_run_of_slots_is_one_block_that_never_wraps_and_is_released_slot_by_slot(ring):
+def test_a_run_of_slots_is_one_block_or_two_where_the_ring_wraps_and_is_released_slot_by_slot(ring):
     client = ClientSegment(str(ring.path))
-    size = MIN_RING_BYTES // 8
-    assert ring.alloc_run(10, 3, size) == HEADER_BYTES  # positions 10..12, one block
-    assert ring.alloc_run(13, 4, size) == HEADER_BYTES + 3 * size  # 13..16: 7 of 8 slots taken
-    assert ring.alloc_run(17, 2, size) is None  # one slot left at the end, and the run does not wrap
+    size = MIN_RING_BYTES // 8 - 16  # 8 slots fit, with a 128-byte gap at the end
+    assert ring.alloc_run(10, 3, size) == [(HEADER_BYTES, 3)]  # positions 10..12
+    assert ring.alloc_run(13, 4, size) == [(HEADER_BYTES + 3 * size, 4)]  # 13..16: 7 of 8 slots taken
+    assert ring.alloc_run(17, 2, size) is None  # one slot and the gap left: not room for two
     client.release(11)  # position 10 consumed
-    assert ring.alloc_run(17, 2, size) is None  # it needs the slot left at the end (a gap) and two more
-    client.release(12)
-    assert ring.alloc_run(17, 2, size) == HEADER_BYTES  # after the gap, at the start
-    assert ring.alloc(19, size) is None  # 12..18 and the gap fill the ring
-    client.release(13)  # 12 alone: its slot is free, though the rest of its run was never released together
-    assert ring.alloc(19, size) == HEADER_BYTES + 2 * size
+    assert ring.alloc_run(17, 2, size) == [(HEADER_BYTES + 7 * size, 1), (HEADER_BYTES, 1)]  # 17 at the end, 18 at the start
+    assert ring.alloc(19, size) is None  # 11..18 fill the ring
+    client.release(12)  # 11 alone: its slot is free, though the rest of its run was not released with it
+    assert ring.alloc(19, size) == HEADER_BYTES + size
     assert ring.alloc(20, size) is None
+    with pytest.raises(InvalidRequest, match="does not fit the shared-memory ring"):
+        ring.alloc_run(21, 1, MIN_RING_BYTES + 1)
 
 
 def test_writes_land_where_the_client_reads_and_mapping_unlinks_the_name(ring):

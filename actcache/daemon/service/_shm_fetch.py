@@ -242,8 +242,9 @@ def _copy_each(position: int, views: list, ring: ShmRing, frame_bytes: int
 def _copy_uniform(position: int, views: list, ring: ShmRing, frame_bytes: int
                   ) -> tuple[list[int], list[int], list, int] | None:
     """``_copy_direct``'s usual case in one pass: when the values are stored raw entries of one size and
-    a frame's worth of them fits the ring now in one block of slots, copy and verify them there
-    (``copy_raw_run``): ``_copy_each``'s result; else None, and nothing was allocated."""
+    a frame's worth of them fits the ring now, copy and verify them in consecutive slots
+    (``copy_raw_run``; two blocks where the ring wraps): ``_copy_each``'s result; else None, and
+    nothing was allocated."""
     size = len(views[0]) if views and views[0] is not None else 0
     if not size:
         return None
@@ -252,11 +253,15 @@ def _copy_uniform(position: int, views: list, ring: ShmRing, frame_bytes: int
     if count * size > ring.ring_bytes or any(v is None or len(v) != size or v[_CODEC_OFFSET] != Codec.raw
                                              for v in head):
         return None
-    base = ring.alloc_run(position, count, size)
-    if base is None:
+    blocks = ring.alloc_run(position, count, size)
+    if blocks is None:
         return None
-    offsets = list(range(base, base + count * size, size))
-    return [size] * count, offsets, copy_raw_run(head, ring.view(base, count * size)), 0
+    offsets: list[int] = []
+    errors: list = []
+    for offset, n in blocks:
+        offsets += range(offset, offset + n * size, size)
+        errors += copy_raw_run(head[len(errors) : len(errors) + n], ring.view(offset, n * size))
+    return [size] * count, offsets, errors, 0
 
 
 def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, context) -> tuple[int | None, list[int]]:
