@@ -66,6 +66,7 @@ __all__ = [
     "encode_entry",
     "parse_header",
     "served_size",
+    "stored_raw",
     "to_raw_entries",
     "to_raw_entries_into",
     "to_raw_entry",
@@ -537,10 +538,16 @@ def decoded_size(buf: bytes | memoryview) -> int:
 _CODEC_OFFSET = 5  # the codec byte (layout above), in versions 1 and 2
 
 
+def stored_raw(buf: bytes | memoryview) -> bool:
+    """Whether ``buf``'s header says its payload is stored uncompressed (Codec.raw), from its codec
+    byte alone: cheap, and not a check that ``buf`` is a valid entry."""
+    return len(buf) > _CODEC_OFFSET and buf[_CODEC_OFFSET] == Codec.raw
+
+
 def served_size(buf: bytes | memoryview) -> int:
     """Bytes of ``buf`` as Fetch serves it: a raw entry as stored, a compressed one decompressed
     (``decoded_size``). A malformed entry keeps its size; it becomes a miss when it is verified."""
-    if len(buf) > _CODEC_OFFSET and buf[_CODEC_OFFSET] == Codec.raw:
+    if stored_raw(buf):
         return len(buf)
     try:
         return decoded_size(buf)
@@ -643,13 +650,13 @@ def copy_raw_run(bufs: Sequence[bytes | memoryview], dest: memoryview) -> list[I
         header = None
     if header is None or header.codec != Codec.raw or header.total_len != size:
         return _verify_rows(bufs, dest, size)
-    fn, hlen = _LAST_LINK_FNS[header.checksum], header.header_len
+    chain, last, hlen = _CHECKSUM_FNS[header.checksum], _LAST_LINK_FNS[header.checksum], header.header_len
     first = memoryview(bufs[0])
-    seed = _CHECKSUM_FNS[header.checksum](first[_CRC_OFFSET + 4 : hlen], _CHECKSUM_FNS[header.checksum](first[:_CRC_OFFSET], 0))
+    seed = chain(first[_CRC_OFFSET + 4 : hlen], chain(first[:_CRC_OFFSET], 0))  # the header's part, the same for all
     hashes = []
     for lo, buf in zip(range(0, count * size, size), bufs):
         dest[lo : lo + size] = buf
-        hashes.append(fn(dest[lo + hlen : lo + size], seed))
+        hashes.append(last(dest[lo + hlen : lo + size], seed))
     rows = np.frombuffer(dest, np.uint8).reshape(count, size)
     if uniform_rows(rows) is None:
         return _verify_rows(bufs, dest, size)

@@ -366,8 +366,8 @@ class SegmentPool:
 
     Why: a new ring costs a mapping on both sides, faulting its pages in as the first stream writes
     and reads them, and unmapping them at its end (8 MiB: about 2 ms each way here, once per epoch).
-    At most ``keep`` segments wait; the oldest goes first. A segment is offered only to a Fetch that
-    asks for its size (the daemon reuses a ring only then, and the offered one would be lost).
+    At most ``keep`` segments wait; the oldest goes first. A segment is offered only to a Fetch whose
+    ring it can be (``reusable``): the daemon would refuse another, and the offered one be lost.
     """
 
     def __init__(self, keep: int = 2) -> None:

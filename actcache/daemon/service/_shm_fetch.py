@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import Codec, copy_raw_run, served_size, to_raw_entries_into
+from actcache.codec import copy_raw_run, served_size, stored_raw, to_raw_entries_into
 from actcache.daemon.prefetch import DirectRun
 from actcache.rpc import encode_frame
 from actcache.shm import ShmRing, reusable
@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ParkedRings", "fetch_shm", "ring_for"]
 
-# Where an entry's header says how its payload is stored (actcache.codec's layout).
-_CODEC_OFFSET = 5
 # Positions a direct run covers at most; a frame looks up a frame's worth of them.
 _DIRECT_ENTRIES = 1024
 # How long a frame waits for the client to release room for all of it (ShmRing.wait_frame_room):
@@ -250,8 +248,7 @@ def _copy_uniform(position: int, views: list, ring: ShmRing, frame_bytes: int
         return None
     count = min(len(views), max(1, frame_bytes // size))
     head = views[:count]
-    if count * size > ring.ring_bytes or any(v is None or len(v) != size or v[_CODEC_OFFSET] != Codec.raw
-                                             for v in head):
+    if count * size > ring.ring_bytes or any(v is None or len(v) != size or not stored_raw(v) for v in head):
         return None
     blocks = ring.alloc_run(position, count, size)
     if blocks is None:
