@@ -373,7 +373,7 @@ class RpcClient:
 
     def fetch_batches(
         self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0,
-        shared_memory: bool = False, ring_bytes: int = 0, receive_ahead: bool = False,
+        shared_memory: bool = False, ring_bytes: int = 0, receive_ahead: bool = False, whole_frames: bool = False,
     ) -> Iterator[EntryBatch]:
         """Stream a pushed schedule from position ``start``, one EntryBatch per frame, in schedule order.
 
@@ -391,6 +391,10 @@ class RpcClient:
         next Fetch (``segments``). ``batch.data_plane`` says which path the
         daemon took.
 
+        ``whole_frames=True``: the daemon never cuts a frame short while this
+        loop holds earlier ones (``FetchRequest.whole_frames``): safe because
+        the loop releases a batch's slots when it asks for the next.
+
         ``receive_ahead=True``: a thread receives up to 4 frames ahead of the
         loop (``FramePump``), so a frame that has arrived is taken without
         waiting (slots are still released only when the loop asks for the
@@ -406,6 +410,7 @@ class RpcClient:
             request = pb.FetchRequest(
                 namespace_id=namespace_id, schedule_id=schedule_id, start=position, max_frame_bytes=max_frame_bytes,
                 shared_memory=use_shm, ring_bytes=ring_bytes, reuse_segment=offered.path if offered else "",
+                whole_frames=whole_frames,
             )
             call = self._call("Fetch")(request, metadata=self._metadata())
             frames = FramePump(call) if receive_ahead else iter(call)

@@ -151,7 +151,7 @@ class ScheduleReply(_message.Message):
     def __init__(self, schedule_id: _Optional[str] = ..., length: _Optional[int] = ..., replaced: _Optional[bool] = ..., present: _Optional[bytes] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("namespace_id", "schedule_id", "start", "max_frame_bytes", "shared_memory", "ring_bytes", "reuse_segment")
+    __slots__ = ("namespace_id", "schedule_id", "start", "max_frame_bytes", "shared_memory", "ring_bytes", "reuse_segment", "whole_frames")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class FetchRequest(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     RING_BYTES_FIELD_NUMBER: _ClassVar[int]
     REUSE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FRAMES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     schedule_id: str
     start: int
@@ -166,7 +167,8 @@ class FetchRequest(_message.Message):
     shared_memory: bool
     ring_bytes: int
     reuse_segment: str
-    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ring_bytes: _Optional[int] = ..., reuse_segment: _Optional[str] = ...) -> None: ...
+    whole_frames: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ring_bytes: _Optional[int] = ..., reuse_segment: _Optional[str] = ..., whole_frames: _Optional[bool] = ...) -> None: ...
 
 class ContainsRequest(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth", "packed_sample_ids", "packed_variants")

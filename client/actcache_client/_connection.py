@@ -209,10 +209,12 @@ class Connection:
         Counts hits, misses, bytes and the seconds spent waiting for frames in ``stats``; errors are
         raised to the caller (who hands them to ``fallback``). ``ahead``: the stream is opened before
         it is used, and its first frame is counted when it is (``count_streamed``). ``receive_ahead``:
-        see ``RpcClient.fetch_batches``.
+        see ``RpcClient.fetch_batches``. Frames are whole (``whole_frames``): frames of one batch stay
+        one batch each even in a stream opened ahead, which fills its ring long before it is read.
         """
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
-                                         max_frame_bytes=max_frame_bytes, receive_ahead=receive_ahead)
+                                         max_frame_bytes=max_frame_bytes, receive_ahead=receive_ahead,
+                                         whole_frames=True)
         counted = not ahead
         while True:
             t0 = time.perf_counter()

@@ -178,6 +178,43 @@ def test_a_consumer_that_leaves_gives_reading_back(store, tmp_path):
     assert not reader._parked
 
 
+@pytest.mark.parametrize("whole_frames", [False, True])
+def test_a_held_stream_cuts_a_frame_short_after_its_patience_unless_asked_for_whole_frames(store, tmp_path,
+                                                                                          whole_frames):
+    """A consumer holding its first frame past the 0.5 s patience (a stream opened ahead of its use)
+    gets a frame cut to what fits the ring, and the batch after it spans two frames; with
+    FetchRequest.whole_frames every frame waits for room for all of it."""
+    order = np.arange(0, N, 2)  # all stored: uniform entries
+    per_frame = 8
+    frame_bytes = per_frame * served_size(memoryview(value(0)))
+    p = Prefetcher(store, PrefetchConfig(prefetch_bytes=1 << 20, decode_threads=2))
+    try:
+        p.push(Schedule(1, "e", FP, 1, np.asarray(order, np.uint64), None))
+        ring = ShmRing(1 << 20, 0, directory=tmp_path)  # room for about 7 frames
+        frames: queue.Queue = queue.Queue()
+
+        def produce():
+            for frame in fetch_shm(p.attach(1, "e", 0), ring, frame_bytes, Context(), None, whole_frames=whole_frames):
+                frames.put(frame)
+            frames.put(None)
+
+        threading.Thread(target=produce, daemon=True).start()
+        spans, segment = [], None
+        while (frame := frames.get(timeout=30)) is not None:
+            header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
+            segment = segment or ClientSegment(header.segment)
+            spans.append((header.start, len(header.lengths)))
+            if len(spans) == 1:
+                time.sleep(1.0)  # held: the daemon fills the ring meanwhile
+            segment.release(header.start + len(header.lengths))
+        ring.close()
+    finally:
+        p.close()
+    assert sum(n for _, n in spans) == len(order)
+    cut = [start for start, n in spans[:-1] if n != per_frame or start % per_frame]
+    assert cut == [] if whole_frames else cut
+
+
 def test_frames_of_a_slower_consumer_stay_whole_and_aligned(store, tmp_path):
     """The ring fills while the consumer works: each frame waits for room for all of it rather than
     going out short, so frames of one batch's bytes stay one batch each."""

@@ -273,7 +273,8 @@ class ActCacheService:
                 context.add_callback(ring.unlink)  # a client gone before mapping leaves no name behind
                 named = False
                 try:
-                    for frame in fetch_shm(reader, ring, frame_bytes, context, self.throttle):
+                    for frame in fetch_shm(reader, ring, frame_bytes, context, self.throttle,
+                                           whole_frames=request.whole_frames):
                         named = True
                         yield frame
                 finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -110,13 +111,16 @@ def ring_for(request: pb.FetchRequest, context, parked: ParkedRings) -> tuple["S
         return None, f"shared memory unavailable: {exc}", False
 
 
-def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Throttle | None") -> Iterator[bytes]:
+def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Throttle | None", *,
+              whole_frames: bool = False) -> Iterator[bytes]:
     """Frames of slot descriptors: each entry is decoded into its slot once the slot is free.
 
     Each frame waits a while for room for all of it while earlier frames are still held (the
     client releases a frame when it asks for the next), so frames stay whole; when the ring is
     full of the frame's own entries, or the client keeps holding, what fits goes out (so the
-    client can release it) before waiting. An entry larger than the whole ring travels alone in
+    client can release it) before waiting. ``whole_frames`` (FetchRequest.whole_frames): a
+    frame waits for room for all of it as long as the client holds (a stream opened ahead of
+    its use fills its ring and waits, rather than cutting its next frame short). An entry larger than the whole ring travels alone in
     a frame of its own, in the payload (offset 0), so no entry size ends the stream. A warm
     stream is read here, a frame's worth per LMDB call, straight into the slots (``DirectRun``),
     in runs that end where a frame of ``frame_bytes`` would: the client sizes frames to one
@@ -135,13 +139,14 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
             out.data_plane, out.segment, first = "shared_memory", str(ring.path), False
         return encode_frame(out.SerializeToString(), list(inline))
 
+    patience_s = math.inf if whole_frames else _WHOLE_FRAME_PATIENCE_S
     entry_bytes = 0  # the largest entry seen: how many positions a direct run looks up for a frame
     for batch in reader.batches(frame_bytes, direct_entries=_DIRECT_ENTRIES):
         if isinstance(batch, DirectRun):
             entry_bytes = entry_bytes or batch.entry_size()
             count = _frame_entries(batch.start, frame_bytes, entry_bytes)
             if entry_bytes and not ring.wait_frame_room(count * entry_bytes, entry_bytes, context.is_active,
-                                                        _WHOLE_FRAME_PATIENCE_S):
+                                                        patience_s):
                 return
             served = _copy_direct(batch, ring, count, frame_bytes)
             if served is None:
@@ -158,7 +163,7 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
         header, count, lo = batch.header, len(batch.stored), 0
         ring.poll()
         if count and not ring.wait_frame_room(sum(header.lengths), max(header.lengths), context.is_active,
-                                             _WHOLE_FRAME_PATIENCE_S):
+                                             patience_s):
             return
         if not count:
             yield frame(header, 0, 0, [])
