@@ -12,7 +12,7 @@ once; its values are memoryviews into it.
 Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
 
     0  magic  b"ACTSHM1\\0"
-    8  ring_bytes        size of the data area          (daemon writes)
+    8  capacity          size of the data area          (daemon writes)
     16 released          schedule position: every entry before it is
                          released by the client         (client writes)
     24 mapped            1 once the client has mapped   (client writes)
@@ -48,9 +48,10 @@ Reuse. When a stream ends after its client mapped the ring, the daemon
 keeps the ring for a while (``actcache.daemon.service._shm_fetch.ParkedRings``)
 and the client keeps its mapping (``SegmentPool``). The client's next Fetch
 names it (``FetchRequest.reuse_segment``); if the daemon still holds it at
-that size, it ``restart``s it (``released`` = the new start) and names it
-in the first frame again, else it makes a new one and the client drops the
-old mapping. A ring is parked only once its stream's handler has returned,
+a size that serves the request (``reusable``), it ``restart``s it
+(``released`` = the new start; the stream uses the first ``ring_bytes`` of
+the data area) and names it in the first frame again, else it makes a new
+one and the client drops the old mapping. A ring is parked only once its stream's handler has returned,
 and offered only once the client's stream has ended, so no two streams
 ever share one.
 
@@ -166,12 +167,16 @@ class ShmRing:
     """The daemon's side of one stream's ring (used by one thread: the Fetch handler)."""
 
     def __init__(self, ring_bytes: int, start: int, directory: Path | None = None) -> None:
+        #: The ring the stream uses: exactly the size asked, so frames of a batch that tile it never
+        #: straddle its end (a straddling batch is not one run of slots: see actcache.shm.SlotRun).
         self.ring_bytes = self.size_for(ring_bytes)
+        #: The data area, whole pages (a later stream may use less of it: ``restart``).
+        self.capacity = -(-self.ring_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
         self.path = (directory or shm_dir()) / f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, HEADER_BYTES + self.ring_bytes)
-            self._mm = mmap.mmap(fd, HEADER_BYTES + self.ring_bytes)
+            os.ftruncate(fd, HEADER_BYTES + self.capacity)
+            self._mm = mmap.mmap(fd, HEADER_BYTES + self.capacity)
         except BaseException:
             os.unlink(self.path)
             raise
@@ -179,7 +184,7 @@ class ShmRing:
             os.close(fd)
         self._view = memoryview(self._mm)
         self._mm[:8] = _MAGIC
-        struct.pack_into("<QQQ", self._mm, 8, self.ring_bytes, start, 0)
+        struct.pack_into("<QQQ", self._mm, 8, self.capacity, start, 0)
         self._write = 0  # monotonic byte position of the next slot
         self._freed = 0  # monotonic bytes the client has released
         self._slots: deque[tuple[int, int]] = deque()  # (schedule position, monotonic end) of live slots
@@ -194,9 +199,11 @@ class ShmRing:
     def client_mapped(self) -> bool:
         return bool(struct.unpack_from("<Q", self._mm, _MAPPED)[0])
 
-    def restart(self, start: int) -> None:
+    def restart(self, start: int, ring_bytes: int = 0) -> None:
         """Serve a new stream from schedule position ``start`` in this ring (its last stream has ended:
-        nothing writes to it, and the client reads none of its slots any more)."""
+        nothing writes to it, and the client reads none of its slots any more), in its first
+        ``ring_bytes`` (0, or more than the data area: all of it)."""
+        self.ring_bytes = min(ring_bytes or self.capacity, self.capacity)
         self._write = self._freed = 0
         self._slots.clear()
         struct.pack_into("<Q", self._mm, _RELEASED, start)
@@ -239,18 +246,24 @@ class ShmRing:
         gap no slot fits in). ``(segment offset, entries)`` per block; None while they do not fit."""
         self._check_size(size)
         at = self._write % self.ring_bytes
-        before_end = min(count, (self.ring_bytes - at) // size)
-        gap = self.ring_bytes - at - before_end * size if before_end < count else 0
-        need = count * size + gap
+        need, before_end = self._run_need(count, size)
         if self._write + need - self._freed > self.ring_bytes:
             self.poll()
             if self._write + need - self._freed > self.ring_bytes:
                 return None
+        gap = need - count * size
         ends = [self._write + (i + 1) * size + (gap if i >= before_end else 0) for i in range(count)]
         self._write += need
         self._slots.extend(zip(range(position, position + count), ends))
         blocks = [(HEADER_BYTES + at, before_end)] if before_end else []
         return blocks + [(HEADER_BYTES, count - before_end)] if before_end < count else blocks
+
+    def _run_need(self, count: int, size: int) -> tuple[int, int]:
+        """``(bytes, slots before the end)`` of a run of ``count`` slots of ``size`` from the write
+        position: with the gap at the ring's end that no slot fits in, if the run wraps."""
+        left = self.ring_bytes - self._write % self.ring_bytes
+        before_end = min(count, left // size)
+        return count * size + (left - before_end * size if before_end < count else 0), before_end
 
     def view(self, offset: int, size: int) -> memoryview:
         """The writable bytes of the slot at ``offset`` (from ``alloc``)."""

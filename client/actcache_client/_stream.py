@@ -67,12 +67,16 @@ _MIN_RING, _MAX_RING, _RING_BATCHES, _FIRST_RING = 4 << 20, 64 << 20, 4, 16 << 2
 def _sizes(values: Sequence, batch_entries: int) -> tuple[int, int] | None:
     """``(ring bytes, frame bytes)`` for the next Fetch, from the entries of a frame served (None for a
     miss; None if all are): frames of one batch, so the step never waits for more than its own batch
-    to be decoded."""
+    to be decoded, and a ring of whole frames, so that a batch of entries of one size is always one
+    run of slots (one copy; on CUDA one transfer)."""
     entry = max((len(v) for v in values if v is not None), default=0)
     if not entry:
         return None
     batch = batch_entries * entry
-    return min(max(-(-_RING_BATCHES * batch // (1 << 20)) << 20, _MIN_RING), _MAX_RING), batch
+    if batch > _MAX_RING:
+        return _MAX_RING, batch
+    frames = min(max(_RING_BATCHES, -(-_MIN_RING // batch)), _MAX_RING // batch)
+    return frames * batch, batch  # whole frames: none straddles the ring's end
 
 
 def cached_batches(batches: Sequence[Sequence[int]], fraction: float) -> tuple[tuple[int, ...], ...]:

@@ -1,5 +1,6 @@
 """The shared-memory ring: slot allocation, release, wrap, naming and stale segments."""
 
+import mmap
 import os
 import subprocess
 import sys
@@ -58,6 +59,32 @@ def test_a_run_of_slots_is_one_block_or_two_where_the_ring_wraps_and_is_released
     assert ring.alloc(20, size) is None
     with pytest.raises(InvalidRequest, match="does not fit the shared-memory ring"):
         ring.alloc_run(21, 1, MIN_RING_BYTES + 1)
+
+
+def test_a_ring_of_whole_frames_never_splits_one(tmp_path):
+    slot, per_frame = 16464, 8  # not a divisor of a page or a MiB
+    frame = slot * per_frame
+    ring = ShmRing(4 * frame, start=0, directory=tmp_path)
+    client = ClientSegment(str(ring.path))
+    assert ring.ring_bytes == 4 * frame and ring.capacity % mmap.PAGESIZE == 0
+    for k in range(12):  # three turns of the ring, the client holding the last two frames
+        if k >= 4:  # room now (a wait would end at once: the call reads as ended)
+            assert ring.wait_frame_room(frame, slot, lambda: False, patience_s=30)
+        assert ring.alloc_run(k * per_frame, per_frame, slot) == [(HEADER_BYTES + (k % 4) * frame, per_frame)]
+        client.release(max(k - 1, 0) * per_frame)
+    ring.close()
+
+
+def test_a_reused_ring_serves_a_smaller_request_in_its_first_bytes(tmp_path):
+    ring = ShmRing(3 * MIN_RING_BYTES, start=0, directory=tmp_path)
+    ring.restart(100, 2 * MIN_RING_BYTES)
+    assert ring.ring_bytes == 2 * MIN_RING_BYTES and ring.capacity == 3 * MIN_RING_BYTES
+    size = MIN_RING_BYTES // 2
+    assert [ring.alloc(100 + i, size) for i in range(4)] == [HEADER_BYTES + i * size for i in range(4)]
+    assert ring.alloc(104, size) is None  # the stream's ring is full, though the data area is not
+    ring.restart(200)
+    assert ring.ring_bytes == 3 * MIN_RING_BYTES  # all of it
+    ring.close()
 
 
 def test_writes_land_where_the_client_reads_and_mapping_unlinks_the_name(ring):

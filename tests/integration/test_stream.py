@@ -176,7 +176,9 @@ def test_the_shared_memory_ring_holds_a_few_batches_within_bounds_and_frames_hol
     from actcache_client._stream import _MAX_RING, _MIN_RING, _sizes
 
     assert _sizes([b"x" * 16384] * 128 + [None], 128) == (8 << 20, 2 << 20)  # 4 batches of 128 x 16 KiB
-    assert _sizes([b"x" * 100], 32) == (_MIN_RING, 3200)
+    assert _sizes([b"x" * 16464] * 128, 128) == (4 * 128 * 16464, 128 * 16464)  # whole frames, not whole MiB
+    ring, frame = _sizes([b"x" * 100], 32)
+    assert frame == 3200 and ring % frame == 0 and _MIN_RING <= ring < _MIN_RING + frame
     assert _sizes([None, None], 32) is None  # nothing to go by: the sizes stay
     assert _sizes([b"x" * (1 << 20)], 512)[0] == _MAX_RING
 

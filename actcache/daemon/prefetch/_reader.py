@@ -529,7 +529,8 @@ class ScheduleReader:
 
     def _batches(self, max_frame_bytes: int, direct_entries: int) -> Iterator[ServedBatch | DirectRun]:
         schedule = self.schedule
-        self._fill_bytes = min(max_frame_bytes, _FILL_BYTES)
+        # Over shared memory the client sizes frames to one batch (it needs all of it): fill them whole.
+        self._fill_bytes = max_frame_bytes if direct_entries else min(max_frame_bytes, _FILL_BYTES)
         while True:
             direct_at = None
             with self._cond:

@@ -47,7 +47,7 @@ class ParkedRings:
                 dropped = [ring]
             else:
                 self._rings[str(ring.path)] = (ring, time.monotonic())
-                dropped = self._drop(lambda _: sum(r.ring_bytes for r, _ in self._rings.values()) > self.max_bytes)
+                dropped = self._drop(lambda _: sum(r.capacity for r, _ in self._rings.values()) > self.max_bytes)
                 if self._janitor is None:
                     self._janitor = threading.Thread(target=self._expire, name="actcache-rings", daemon=True)
                     self._janitor.start()
@@ -59,7 +59,7 @@ class ParkedRings:
         longer parked), else None."""
         with self._cond:
             ring, _ = self._rings.get(path, (None, 0.0))
-            if ring is None or not reusable(ring.ring_bytes, ring_bytes):
+            if ring is None or not reusable(ring.capacity, ring_bytes):
                 return None
             del self._rings[path]
             return ring
@@ -101,9 +101,10 @@ def ring_for(request: pb.FetchRequest, context, parked: ParkedRings) -> tuple["S
         return None, "not asked for", False
     if not context.peer().startswith("unix:"):
         return None, f"client is not on this host's Unix socket ({context.peer()})", False
-    ring = parked.take(request.reuse_segment, ShmRing.size_for(request.ring_bytes)) if request.reuse_segment else None
+    ring_bytes = ShmRing.size_for(request.ring_bytes)
+    ring = parked.take(request.reuse_segment, ring_bytes) if request.reuse_segment else None
     if ring is not None:
-        ring.restart(request.start)
+        ring.restart(request.start, ring_bytes)
         return ring, "", True
     try:
         return ShmRing(request.ring_bytes, request.start), "", False
