@@ -273,21 +273,31 @@ class ShmRing:
         """``alloc``, polling the client's releases while ``alive()``; None if the call ended first."""
         return self.alloc(position, size) if self.wait_room(size, alive) else None
 
-    def wait_frame_room(self, nbytes: int, slot_bytes: int, alive: Callable[[], bool], patience_s: float) -> bool:
+    def wait_frame_room(self, nbytes: int, slot_bytes: int, alive: Callable[[], bool], patience_s: float, *,
+                        uniform: bool = False) -> bool:
         """Wait up to ``patience_s`` for a frame of ``nbytes`` in slots of up to ``slot_bytes`` to fit
         whole, polling while ``alive()``; False if the call ended first. It returns at once when the
         client has released every slot (a frame larger than the ring takes what fits), and after
         ``patience_s`` with what fits (a client may hold several frames on purpose).
 
+        ``uniform``: the frame's slots are all ``slot_bytes`` (``nbytes`` a multiple of it), so the room
+        it needs is exact; else it allows one slot more for a gap at the ring's end. In a ring of whole
+        frames that slot would cost a whole frame of lead.
+
         Why: a frame cut short by a full ring ends mid-batch, and the client then takes that batch
         from two frames, copying the first part out of the ring before it may ask for the second.
         """
-        need = min(nbytes + slot_bytes, self.ring_bytes)  # a slot never wraps: allow one slot of gap at the end
+        exact = uniform and 0 < nbytes <= self.ring_bytes and nbytes % slot_bytes == 0
         deadline = time.monotonic() + patience_s
+
+        def need() -> int:
+            if exact:
+                return self._run_need(nbytes // slot_bytes, slot_bytes)[0]
+            return min(nbytes + slot_bytes, self.ring_bytes)  # a slot never wraps: allow one slot of gap at the end
 
         def fits() -> bool:
             self.poll()
-            return not self._slots or self._write - self._freed + need <= self.ring_bytes or time.monotonic() > deadline
+            return not self._slots or self._write - self._freed + need() <= self.ring_bytes or time.monotonic() > deadline
 
         return _poll_until(fits, alive)
 

@@ -67,11 +67,13 @@ def test_a_ring_of_whole_frames_never_splits_one(tmp_path):
     ring = ShmRing(4 * frame, start=0, directory=tmp_path)
     client = ClientSegment(str(ring.path))
     assert ring.ring_bytes == 4 * frame and ring.capacity % mmap.PAGESIZE == 0
-    for k in range(12):  # three turns of the ring, the client holding the last two frames
-        if k >= 4:  # room now (a wait would end at once: the call reads as ended)
-            assert ring.wait_frame_room(frame, slot, lambda: False, patience_s=30)
+    for k in range(12):  # three turns of the ring; the client has not released the last three frames written
+        if k >= 4:  # exactly a frame free: room for a frame of uniform slots (a wait would end at once:
+            # the call reads as ended), not for a frame that must allow a slot of gap
+            assert ring.wait_frame_room(frame, slot, lambda: False, patience_s=30, uniform=True)
+            assert not ring.wait_frame_room(frame, slot, lambda: False, patience_s=30)
         assert ring.alloc_run(k * per_frame, per_frame, slot) == [(HEADER_BYTES + (k % 4) * frame, per_frame)]
-        client.release(max(k - 1, 0) * per_frame)
+        client.release(max(k - 2, 0) * per_frame)
     ring.close()
 
 

@@ -147,7 +147,7 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
             entry_bytes = entry_bytes or batch.entry_size()
             count = _frame_entries(batch.start, frame_bytes, entry_bytes)
             if entry_bytes and not ring.wait_frame_room(count * entry_bytes, entry_bytes, context.is_active,
-                                                        patience_s):
+                                                        patience_s, uniform=True):
                 return
             served = _copy_direct(batch, ring, count, frame_bytes)
             if served is None:
