@@ -170,6 +170,33 @@ def test_a_corrupt_entry_among_uniform_ones_is_a_counted_miss_and_the_others_are
     assert sum(runs) == counters["direct"] and max(runs) == (64 << 10) // served_size(value(0))  # whole frames
 
 
+def test_a_warm_groups_next_schedule_is_not_read_ahead_but_served_directly_from_its_start(store, tmp_path):
+    """The next epoch's order, pushed while its group is warm, is not copied into read-ahead buffers
+    before its Fetch comes (at most a run of 32): the Fetch reads it from the store itself."""
+    order = np.arange(0, N, 2)  # all stored
+    p = Prefetcher(store, PrefetchConfig(prefetch_bytes=16 << 20, decode_threads=2))
+    try:
+        for schedule_id in ("first", "next"):
+            p.push(Schedule(1, schedule_id, FP, 1, np.asarray(order, np.uint64), None))
+            if schedule_id == "next":
+                time.sleep(0.3)  # room in the budget for every entry: a reader of cold data reads them all
+                before = p.stats().namespaces[1]
+            ring = ShmRing(1 << 20, 0, directory=tmp_path)
+            segment = None
+            for frame in fetch_shm(p.attach(1, schedule_id, 0), ring, 64 << 10, Context(), None):
+                header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
+                segment = segment or ClientSegment(header.segment)
+                for i, (offset, n) in enumerate(zip(header.offsets, header.lengths)):
+                    assert bytes(segment.view[offset : offset + n]) == value(int(order[header.start + i]))
+                segment.release(header.start + len(header.lengths))
+            ring.close()
+        after = p.stats().namespaces[1]
+    finally:
+        p.close()
+    assert after["hits"] - before["hits"] == len(order)
+    assert after["direct"] - before["direct"] >= len(order) - 32
+
+
 def test_a_consumer_that_leaves_gives_reading_back(store, tmp_path):
     got, counters, reader = serve(store, np.arange(N), tmp_path, stop_after=400)
     assert counters["direct"] > 0 and len(got) >= 400

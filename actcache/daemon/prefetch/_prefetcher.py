@@ -174,13 +174,16 @@ class Prefetcher:
             self.fetches_total += 1
             self.store.generations.read(_generation(schedule))
             reader = self._readers.get(key)
-            if (reader is not None and not reader.attached and not reader.reclaimed and reader.start == start
-                    and reader.state not in (ReaderState.CANCELLED, ReaderState.FAILED)):
+            taken = (reader is not None and not reader.attached and not reader.reclaimed and reader.start == start
+                     and reader.state not in (ReaderState.CANCELLED, ReaderState.FAILED))
+            if taken:
                 reader.attached = True
-                self._update_turns()
-                return reader
-            old, reader = reader, self._new_reader(schedule, start, attached=True)
+            else:
+                old, reader = reader, self._new_reader(schedule, start, attached=True)
             self._update_turns()
+        if taken:
+            reader.consumer_attached()
+            return reader
         if old is not None:
             old.cancel(FetchAborted(
                 f"a newer Fetch of schedule {schedule_id!r} (from position {start}) took over this stream"

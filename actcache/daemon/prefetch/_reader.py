@@ -174,7 +174,8 @@ class ScheduleReader:
         #: reader thread acknowledged it (it holds no transaction and reads nothing until released).
         self._claimed = self._parked = False
         self._claim_from = 0  # after a run was given back: not before the reader has read this far
-        self._hinting = True  # the reader's probes still tell the kernel what to read (cold data)
+        # The reader's probes still tell the kernel what to read (cold data); a warm group's start paused.
+        self._hinting = not self._guess.warm
         self._thread = threading.Thread(
             target=self._run, name=f"actcache-reader-{schedule.schedule_id}", daemon=True
         )
@@ -316,6 +317,10 @@ class ScheduleReader:
                     txn.close()
                     self._park()
                     continue
+                if not carry and self._warm_without_consumer():
+                    txn.close()
+                    self._wait_for_attach()
+                    continue
                 pos = self.read
                 if prober is not None:
                     prober.advance(pos, read_total // read_entries if read_entries else 0)
@@ -424,6 +429,26 @@ class ScheduleReader:
         if self._stopping:
             raise _Stop
 
+    def _warm_without_consumer(self) -> bool:
+        """Whether to stop reading ahead until a consumer attaches: the group's values are in the page
+        cache (the guess carries over from its last schedule) and a run is read already. Over shared
+        memory the consumer then reads them itself, one pass per frame (DirectRun); read ahead, each
+        would be copied twice and served entry by entry (a fifth of a 2,048-entry epoch pushed ahead,
+        before its Fetch took over)."""
+        return (self._guess.warm and not self.attached and self._store.config.explicit_reads
+                and self.read - self.served >= _RUN)
+
+    def _wait_for_attach(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._stopping or self.attached)
+        if self._stopping:
+            raise _Stop
+
+    def consumer_attached(self) -> None:
+        """A Fetch took this reader over (``attached`` is set): wake it if it waits for one."""
+        with self._cond:
+            self._cond.notify_all()
+
     def _wait_for_consumer(self) -> None:
         with self._cond:
             self._reader_waits = True
@@ -500,7 +525,9 @@ class ScheduleReader:
 
     def _may_claim(self, direct_entries: int) -> bool:
         """Whether the consumer may take over reading: it serves straight from the store. Caller holds ``_cond``."""
-        return (direct_entries > 0 and not self._claimed and self.state is ReaderState.READING and not self._hinting
+        # WAITING: the reader thread waits for its budget turn; it parks as soon as it starts reading
+        return (direct_entries > 0 and not self._claimed and self.state in (ReaderState.WAITING, ReaderState.READING)
+                and not self._hinting
                 and self.read >= self._claim_from and self._guess.warm and self._store.config.explicit_reads)
 
     def _release_claim(self) -> None:
