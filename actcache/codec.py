@@ -24,9 +24,8 @@ accepts or serves. ``bench/bench_codec.py`` measured the choices on the
 benchmarks' activations: xxh3 checksums 3.5x faster than zlib's CRC32, lz4
 decodes 2.8x faster than zstd-1 at a lower ratio (bench/README.md).
 
-One module of about 620 lines, one job: the entry's byte layout. Encoding, parsing and verifying it,
-its codecs and checksums, and the served form Fetch builds from it change together (the format
-version covers them all).
+One job: the entry's byte layout. Encoding, parsing and verifying it, its codecs and checksums.
+The served form Fetch builds from entries, a batch at a time, is ``actcache.served``.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from typing import Sequence
 
 import crc32c
 import lz4.block
-import numpy as np
 import xxhash
 
 from actcache.errors import InvalidRequest
@@ -59,19 +57,10 @@ __all__ = [
     "TensorSpec",
     "compress_entry",
     "compress_payload",
-    "copy_raw_run",
     "decode_entry",
-    "decoded_size",
     "decompress_payload",
     "encode_entry",
     "parse_header",
-    "served_size",
-    "stored_raw",
-    "to_raw_entries",
-    "to_raw_entries_into",
-    "to_raw_entry",
-    "uniform_layout",
-    "uniform_rows",
     "verify_entry",
 ]
 
@@ -151,8 +140,6 @@ def _xxh3(data, value: int) -> int:
 
 # Chained over the parts of an entry: value = f(part, value), starting at 0.
 _CHECKSUM_FNS = {Checksum.crc32: zlib.crc32, Checksum.crc32c: _crc32c, Checksum.xxh3: _xxh3}
-# The last link of that chain without the 32-bit mask (copy_raw_run masks a batch of them at once).
-_LAST_LINK_FNS = {Checksum.crc32: zlib.crc32, Checksum.crc32c: crc32c.crc32c, Checksum.xxh3: xxhash.xxh3_64_intdigest}
 #: Each checksum of one buffer, by name (bench/bench_codec.py measures them).
 CHECKSUMS = {c.name: (lambda data, f=f: f(data, 0)) for c, f in _CHECKSUM_FNS.items()}
 
@@ -456,46 +443,6 @@ def decode_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[Entry
     return header, memoryview(decompress_payload(header.codec, payload, header.raw_len))
 
 
-def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
-    """The header of ``bufs[0]`` when every entry has its layout and an uncompressed payload (they
-    differ at most in the checksum), else None. Such entries' payloads sit at the same offsets, so a
-    batch of them is copied without parsing each header; their checksums are not checked.
-    """
-    if not bufs:
-        return None
-    first = memoryview(bufs[0])
-    header = parse_header(first)
-    if header.codec in _COMPRESSED:
-        return None
-    head, tail = _unchecked_header(header)
-    size, first_head, first_tail = first.nbytes, first[head], first[tail]
-    for buf in bufs:
-        view = memoryview(buf)
-        if view.nbytes != size or view[head] != first_head or view[tail] != first_tail:
-            return None
-    return header
-
-
-def uniform_rows(rows: np.ndarray) -> EntryHeader | None:
-    """``uniform_layout`` for entries laid out as the rows of a 2-D uint8 array (one entry per row,
-    as consecutive ring slots are): the first row's header when every row has its layout and an
-    uncompressed payload, else None. One vectorised comparison instead of one per entry."""
-    if not len(rows):
-        return None
-    header = parse_header(rows[0])
-    if header.codec in _COMPRESSED:
-        return None
-    head, tail = _unchecked_header(header)
-    if not ((rows[1:, head] == rows[0, head]).all() and (rows[1:, tail] == rows[0, tail]).all()):
-        return None
-    return header
-
-
-def _unchecked_header(header: EntryHeader) -> tuple[slice, slice]:
-    """The header bytes around the checksum field: entries of one layout have them equal."""
-    return slice(0, _CRC_OFFSET), slice(_CRC_OFFSET + 4, header.header_len)
-
-
 def compress_entry(buf: bytes | memoryview, encoding: Encoding) -> bytes | memoryview:
     """Re-encode a raw entry with ``encoding``'s codec and checksum when compression pays; other
     entries (and raw ones, for a raw encoding) are returned as they are."""
@@ -504,203 +451,3 @@ def compress_entry(buf: bytes | memoryview, encoding: Encoding) -> bytes | memor
         return buf
     return _finish(header.specs, memoryview(buf)[header.header_len :], encoding)
 
-
-def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes | memoryview, ...]:
-    """The entry with an uncompressed payload, as parts to concatenate (what Fetch serves).
-
-    A raw entry comes back as itself (one part, no copy); a zstd entry is
-    verified, decompressed and gets a ``raw_verified`` header (two parts:
-    header, payload). Decoding the result is a zero-copy view of its payload.
-    Raises InvalidRequest when ``buf`` is malformed or fails its checksum.
-    """
-    return _served_parts(buf, *decode_entry(buf, verify=verify))
-
-
-def _served_parts(buf: bytes | memoryview, header: EntryHeader, raw: bytes | memoryview) -> tuple:
-    """The parts of ``buf`` as served, given its header and raw payload."""
-    if header.codec not in _COMPRESSED:
-        return (buf,)
-    return _pack_header(Codec.raw_verified, header.specs, header.raw_len, raw), raw
-
-
-def decoded_size(buf: bytes | memoryview) -> int:
-    """Bytes of ``buf`` with its payload uncompressed (header + raw payload), from the fixed header alone.
-
-    Cheap (no checksum, no per-tensor parsing): for sizing buffers before decoding.
-    """
-    view = memoryview(buf)
-    _, _, _, raw_len, stored_len, _ = _fixed_fields(view)
-    if stored_len > view.nbytes - _FIXED.size:
-        raise InvalidRequest(f"entry declares {stored_len} payload bytes in {view.nbytes}; it is not a valid entry")
-    return view.nbytes - stored_len + raw_len
-
-
-_CODEC_OFFSET = 5  # the codec byte (layout above), in versions 1 and 2
-
-
-def stored_raw(buf: bytes | memoryview) -> bool:
-    """Whether ``buf``'s header says its payload is stored uncompressed (Codec.raw), from its codec
-    byte alone: cheap, and not a check that ``buf`` is a valid entry."""
-    return len(buf) > _CODEC_OFFSET and buf[_CODEC_OFFSET] == Codec.raw
-
-
-def served_size(buf: bytes | memoryview) -> int:
-    """Bytes of ``buf`` as Fetch serves it: a raw entry as stored, a compressed one decompressed
-    (``decoded_size``). A malformed entry keeps its size; it becomes a miss when it is verified."""
-    if stored_raw(buf):
-        return len(buf)
-    try:
-        return decoded_size(buf)
-    except InvalidRequest:
-        return len(buf)
-
-
-def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, bytes | memoryview] | InvalidRequest]:
-    """Per entry, verified: (header, raw payload) or the InvalidRequest it raised.
-
-    The zstd payloads are decompressed in one call that holds no lock: a
-    batch of small entries gives up and takes back the interpreter lock once
-    instead of once per entry, which is what bounds a multi-threaded server
-    on small entries. lz4 payloads are decompressed one by one.
-    """
-    out: list = [None] * len(bufs)
-    frames, sizes, pending = [], [], []
-    for i, buf in enumerate(bufs):
-        try:
-            header = verify_entry(buf)
-        except InvalidRequest as exc:
-            out[i] = exc
-            continue
-        payload = memoryview(buf)[header.header_len :]
-        if header.codec != Codec.zstd:
-            try:
-                out[i] = header, decompress_payload(header.codec, payload, header.raw_len)
-            except InvalidRequest as exc:
-                out[i] = exc
-            continue
-        frames.append(payload)
-        sizes.append(header.raw_len)
-        pending.append((i, header))
-    if frames:
-        try:
-            raws = _decompressor().multi_decompress_to_buffer(
-                frames, decompressed_sizes=struct.pack(f"={len(sizes)}Q", *sizes), threads=1
-            )
-        except Exception:  # zstandard.ZstdError: a bad frame; decompressed one by one below, to find it
-            raws = None
-        for n, (i, header) in enumerate(pending):
-            raw = raws[n] if raws is not None else None
-            if raw is None or len(raw) != header.raw_len:
-                try:
-                    raw = decompress_payload(Codec.zstd, frames[n], header.raw_len)
-                except InvalidRequest as exc:
-                    out[i] = exc
-                    continue
-            out[i] = header, raw
-    return out
-
-
-def to_raw_entries(bufs: Sequence[bytes | memoryview]) -> list[tuple[bytes | memoryview, ...] | InvalidRequest]:
-    """``to_raw_entry`` of many entries at once: per entry its parts, or the InvalidRequest it raised."""
-    return [decoded if isinstance(decoded, InvalidRequest) else _served_parts(buf, *decoded)
-            for buf, decoded in zip(bufs, _decode_many(bufs))]
-
-
-def to_raw_entries_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memoryview]) -> list[InvalidRequest | None]:
-    """Write ``to_raw_entries(bufs)`` into ``outs`` (``decoded_size`` bytes each): per entry None or the
-    InvalidRequest it raised (that entry's buffer then holds garbage).
-
-    Raw entries of one layout (a frame of one cache group, mostly) are verified against the first
-    one's parsed header: one checksum call per entry part and one copy, no header parsing each.
-    """
-    fast = _raw_run_into(bufs, outs)
-    if fast is not None:
-        return fast
-    errors: list[InvalidRequest | None] = []
-    for out, parts in zip(outs, to_raw_entries(bufs)):
-        if isinstance(parts, InvalidRequest):
-            errors.append(parts)
-            continue
-        sizes = [memoryview(p).nbytes for p in parts]
-        if out.nbytes != sum(sizes):
-            errors.append(InvalidRequest(f"{out.nbytes}-byte buffer for an entry of {sum(sizes)} bytes"))
-            continue
-        at = 0
-        for part, size in zip(parts, sizes):
-            out[at : at + size] = part
-            at += size
-        errors.append(None)
-    return errors
-
-
-def copy_raw_run(bufs: Sequence[bytes | memoryview], dest: memoryview) -> list[InvalidRequest | None]:
-    """Copy raw entries of one size into consecutive rows of ``dest`` (``len(bufs)`` times their size)
-    and verify each copy: per entry None, or the InvalidRequest its row failed with (garbage then).
-
-    The batch form of ``to_raw_entries_into`` for the usual frame (stored raw entries of one layout):
-    one copy and one checksum call per entry, the copy hashed while it is in the CPU cache, and the
-    header checks and checksum comparisons one vectorised operation each. Rows of mixed layouts
-    are verified one by one. The caller checks that every entry is raw and of one size.
-    """
-    count = len(bufs)
-    size = dest.nbytes // count if count else 0
-    try:
-        header = parse_header(bufs[0])
-    except InvalidRequest:
-        header = None
-    if header is None or header.codec != Codec.raw or header.total_len != size:
-        return _verify_rows(bufs, dest, size)
-    chain, last, hlen = _CHECKSUM_FNS[header.checksum], _LAST_LINK_FNS[header.checksum], header.header_len
-    first = memoryview(bufs[0])
-    seed = chain(first[_CRC_OFFSET + 4 : hlen], chain(first[:_CRC_OFFSET], 0))  # the header's part, the same for all
-    hashes = []
-    for lo, buf in zip(range(0, count * size, size), bufs):
-        dest[lo : lo + size] = buf
-        hashes.append(last(dest[lo + hlen : lo + size], seed))
-    rows = np.frombuffer(dest, np.uint8).reshape(count, size)
-    if uniform_rows(rows) is None:
-        return _verify_rows(bufs, dest, size)
-    stored = rows[:, _CRC_OFFSET : _CRC_OFFSET + 4].copy().view("<u4").ravel()
-    computed = np.array(hashes, dtype=np.uint64) & 0xFFFFFFFF
-    errors: list[InvalidRequest | None] = [None] * count
-    for i in np.flatnonzero(computed != stored).tolist():
-        errors[i] = InvalidRequest(f"entry checksum ({header.checksum.name}) mismatch: stored {int(stored[i]):#010x}, "
-                                   f"computed {int(computed[i]):#010x}")
-    return errors
-
-
-def _verify_rows(bufs: Sequence[bytes | memoryview], dest: memoryview, size: int) -> list[InvalidRequest | None]:
-    """``copy_raw_run`` one entry at a time."""
-    errors: list[InvalidRequest | None] = []
-    for lo, buf in zip(range(0, len(bufs) * size, size), bufs):
-        row = dest[lo : lo + size]
-        row[:] = buf
-        try:
-            header = verify_entry(row)
-            errors.append(None if header.codec == Codec.raw else
-                          InvalidRequest(f"entry has codec {header.codec.name} where a raw entry was expected"))
-        except InvalidRequest as exc:
-            errors.append(exc)
-    return errors
-
-
-def _raw_run_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memoryview]) -> list[InvalidRequest | None] | None:
-    """``to_raw_entries_into`` for raw entries sharing one layout; None (nothing written) for any other batch."""
-    header = uniform_layout(bufs) if len(bufs) > 1 else None
-    if header is None or header.codec != Codec.raw or any(o.nbytes != header.total_len for o in outs):
-        return None
-    fn, hlen = _CHECKSUM_FNS[header.checksum], header.header_len
-    first = memoryview(bufs[0])
-    seed = fn(first[_CRC_OFFSET + 4 : hlen], fn(first[:_CRC_OFFSET], 0))  # the header's part, the same for all
-    errors: list[InvalidRequest | None] = []
-    for buf, out in zip(bufs, outs):
-        view = memoryview(buf)
-        crc = fn(view[hlen:], seed)
-        stored = int.from_bytes(view[_CRC_OFFSET : _CRC_OFFSET + 4], "little")
-        if crc != stored:
-            errors.append(InvalidRequest(f"entry checksum ({header.checksum.name}) mismatch: stored {stored:#010x}, "
-                                         f"computed {crc:#010x}"))
-            continue
-        out[:] = view
-        errors.append(None)
-    return errors

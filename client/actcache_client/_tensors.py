@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_entry, uniform_layout, uniform_rows
+from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_entry
+from actcache.served import uniform_layout, uniform_rows
 from actcache.errors import InvalidRequest
 from actcache.shm import SlotRun
 

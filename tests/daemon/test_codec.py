@@ -7,12 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actcache.codec import (
-    Codec, DType, Encoding, TensorSpec, compress_entry, copy_raw_run, decode_entry, decoded_size, encode_entry, parse_header,
-    served_size, to_raw_entries, to_raw_entries_into, to_raw_entry, verify_entry,
-)
+from actcache.codec import Codec, DType, Encoding, TensorSpec, compress_entry, decode_entry, encode_entry, parse_header, verify_entry
 from actcache.codec import AUTO_MIN_SAVING, Checksum, _pack_header, _parse_header
 from actcache.errors import InvalidRequest
+from actcache.served import copy_raw_run, decoded_size, served_size, to_raw_entries, to_raw_entries_into, to_raw_entry
 
 NUMPY = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16,
          DType.int64: np.int64, DType.int32: np.int32, DType.uint8: np.uint8, DType.bool: np.bool_}

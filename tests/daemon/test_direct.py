@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import DType, TensorSpec, copy_raw_run, encode_entry, served_size
+from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.served import copy_raw_run, served_size
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.prefetch._reader import ReaderState

@@ -11,7 +11,8 @@ import lmdb
 import numpy as np
 import pytest
 
-from actcache.codec import DType, TensorSpec, encode_entry, to_raw_entry
+from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.served import to_raw_entry
 from actcache.daemon.config import StoreConfig
 from actcache.daemon.store import Store
 from actcache.errors import BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, StoreError

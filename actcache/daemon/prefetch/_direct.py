@@ -28,7 +28,7 @@ import contextlib
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import served_size
+from actcache.served import served_size
 from actcache.errors import InvalidRequest
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import served_size
+from actcache.served import served_size
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._lookahead import Prober, ShortTransaction

@@ -13,7 +13,7 @@ from concurrent.futures import Executor
 from typing import Callable
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import to_raw_entries, to_raw_entries_into, to_raw_entry
+from actcache.served import to_raw_entries, to_raw_entries_into, to_raw_entry
 from actcache.errors import InvalidRequest
 
 __all__ = ["ServedBatch"]

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import copy_raw_run, served_size, stored_raw, to_raw_entries_into
+from actcache.served import copy_raw_run, served_size, stored_raw, to_raw_entries_into
 from actcache.daemon.prefetch import DirectRun
 from actcache.rpc import encode_frame
 from actcache.shm import ShmRing, reusable
