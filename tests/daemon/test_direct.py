@@ -206,22 +206,18 @@ def test_a_consumer_that_leaves_gives_reading_back(store, tmp_path):
     assert not reader._parked
 
 
-@pytest.mark.parametrize("whole_frames", [False, True])
-def test_a_held_stream_cuts_a_frame_short_after_its_patience_unless_asked_for_whole_frames(store, tmp_path,
-                                                                                          whole_frames):
-    """A consumer holding its first frame past the 0.5 s patience (a stream opened ahead of its use)
-    gets a frame cut to what fits the ring, and the batch after it spans two frames; with
-    FetchRequest.whole_frames every frame waits for room for all of it."""
-    order = np.arange(0, N, 2)  # all stored: uniform entries
-    per_frame = 8
+def serve_threaded(store, order, tmp_path, per_frame: int, on_frame, *, whole_frames: bool = False):
+    """Fetch ``order`` over shared memory in frames of ``per_frame`` entries, fetch_shm in a thread of
+    its own as under gRPC (a 1 MiB ring: about 7 frames); ``on_frame(index, header, segment)`` is the
+    consumer's work on each frame before it releases it. ``(spans (start, entries), counters)``."""
     frame_bytes = per_frame * served_size(memoryview(value(0)))
     p = Prefetcher(store, PrefetchConfig(prefetch_bytes=1 << 20, decode_threads=2))
     try:
         p.push(Schedule(1, "e", FP, 1, np.asarray(order, np.uint64), None))
-        ring = ShmRing(1 << 20, 0, directory=tmp_path)  # room for about 7 frames
+        ring = ShmRing(1 << 20, 0, directory=tmp_path)
         frames: queue.Queue = queue.Queue()
 
-        def produce():
+        def produce():  # gRPC's part: send frames as fetch_shm yields them
             for frame in fetch_shm(p.attach(1, "e", 0), ring, frame_bytes, Context(), None, whole_frames=whole_frames):
                 frames.put(frame)
             frames.put(None)
@@ -231,13 +227,29 @@ def test_a_held_stream_cuts_a_frame_short_after_its_patience_unless_asked_for_wh
         while (frame := frames.get(timeout=30)) is not None:
             header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
             segment = segment or ClientSegment(header.segment)
+            on_frame(len(spans), header, segment)
             spans.append((header.start, len(header.lengths)))
-            if len(spans) == 1:
-                time.sleep(1.0)  # held: the daemon fills the ring meanwhile
             segment.release(header.start + len(header.lengths))
         ring.close()
+        return spans, p.stats().namespaces[1]
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("whole_frames", [False, True])
+def test_a_held_stream_cuts_a_frame_short_after_its_patience_unless_asked_for_whole_frames(store, tmp_path,
+                                                                                          whole_frames):
+    """A consumer holding its first frame past the 0.5 s patience (a stream opened ahead of its use)
+    gets a frame cut to what fits the ring, and the batch after it spans two frames; with
+    FetchRequest.whole_frames every frame waits for room for all of it."""
+    order = np.arange(0, N, 2)  # all stored: uniform entries
+    per_frame = 8
+
+    def hold_the_first(index, header, segment):
+        if index == 0:
+            time.sleep(1.0)  # the daemon fills the ring meanwhile
+
+    spans, _ = serve_threaded(store, order, tmp_path, per_frame, hold_the_first, whole_frames=whole_frames)
     assert sum(n for _, n in spans) == len(order)
     cut = [start for start, n in spans[:-1] if n != per_frame or start % per_frame]
     assert cut == [] if whole_frames else cut
@@ -248,32 +260,13 @@ def test_frames_of_a_slower_consumer_stay_whole_and_aligned(store, tmp_path):
     going out short, so frames of one batch's bytes stay one batch each."""
     order = np.arange(0, N, 2)  # all stored: uniform entries
     per_frame = 8
-    frame_bytes = per_frame * served_size(memoryview(value(0)))
-    p = Prefetcher(store, PrefetchConfig(prefetch_bytes=1 << 20, decode_threads=2))
-    try:
-        p.push(Schedule(1, "e", FP, 1, np.asarray(order, np.uint64), None))
-        ring = ShmRing(1 << 20, 0, directory=tmp_path)  # room for about 7 frames
-        frames: queue.Queue = queue.Queue()
 
-        def produce():  # gRPC's part: send frames as fetch_shm yields them
-            for frame in fetch_shm(p.attach(1, "e", 0), ring, frame_bytes, Context(), None):
-                frames.put(frame)
-            frames.put(None)
+    def train(index, header, segment):
+        for i, (offset, n) in enumerate(zip(header.offsets, header.lengths)):
+            assert bytes(segment.view[offset : offset + n]) == value(int(order[header.start + i]))
+        time.sleep(0.002)  # the training step
 
-        threading.Thread(target=produce, daemon=True).start()
-        spans, segment = [], None
-        while (frame := frames.get(timeout=30)) is not None:
-            header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
-            segment = segment or ClientSegment(header.segment)
-            for i, (offset, n) in enumerate(zip(header.offsets, header.lengths)):
-                assert bytes(segment.view[offset : offset + n]) == value(int(order[header.start + i]))
-            spans.append((header.start, len(header.lengths)))
-            time.sleep(0.002)  # the training step
-            segment.release(header.start + len(header.lengths))
-        ring.close()
-        counters = p.stats().namespaces[1]
-    finally:
-        p.close()
+    spans, counters = serve_threaded(store, order, tmp_path, per_frame, train)
     assert sum(n for _, n in spans) == len(order)
     assert counters["direct"] > len(order) // 2
     whole = [start % per_frame == 0 and n == per_frame for start, n in spans]
