@@ -20,9 +20,12 @@ entries to a pool thread and back, or releasing and retaking the
 interpreter lock for every entry's decompression, cost more CPU than the
 decompression itself on small entries. A warm stream over shared memory
 skips the reader thread altogether: it parks, and the consumer reads each
-frame from the store itself (``DirectRun``, _direct.py).
+frame from the store itself (``DirectRun``, _direct.py). A schedule of a
+group already warm (the next epoch's, pushed ahead) reads at most one run
+before its consumer attaches, and the consumer may claim it while it still
+waits for its budget turn: it is read by its Fetch from its first entry.
 
-One class of about 480 lines: the reader thread, its slots, the consumer's frames and the hand-over to
+One class of about 500 lines: the reader thread, its slots, the consumer's frames and the hand-over to
 direct runs (the reader parks while the consumer reads) share one condition variable.
 """
 
