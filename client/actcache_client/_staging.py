@@ -16,7 +16,7 @@ copies that have completed, without ever waiting for one.
 
 Straight out of the ring (``ring_to_device``): on CUDA, a batch whose entries
 lie in consecutive shared-memory slots is copied in one DMA from the ring
-itself (the segment is registered with the driver once, page-locked), and
+itself (the segment is page-locked once per process: ``_page_lock``), and
 split into tensors on the GPU: no host copy at all (ResNet-20 at frozen 10,
 128 entries of 16 KiB on an H200: 0.05 ms against 0.37 ms collated through
 the pinned ring). The caller keeps the slots until the returned event
@@ -25,16 +25,15 @@ completes (``EpochStream.hold``).
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from typing import Callable
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from actcache.errors import ConfigError, LifecycleError
-from actcache.shm import ClientSegment, SlotRun
+from actcache.shm import SlotRun
+from actcache_client._page_lock import page_locks
 from actcache_client._stages import State
 
 __all__ = ["CopyTimer", "HostRing", "Stager"]
@@ -140,7 +139,6 @@ class Stager:
         self._ring = HostRing(slots, pin_memory=True) if self.cuda else None
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None
-        self._registered: dict[int, bool] = {}  # id(segment) -> page-locked for the driver
         #: Batches copied to the device straight out of a shared-memory ring.
         self.ring_copies = 0
 
@@ -172,7 +170,7 @@ class Stager:
         """The ``count`` entries of ``run`` as a (count, entry bytes) uint8 tensor on the device, copied
         straight out of the ring, and the event that completes with the copy; None where that cannot
         be done (not CUDA, or the segment cannot be page-locked): collate on the host then."""
-        if not self.cuda or not self._page_locked(run.segment):
+        if not self.cuda or not page_locks().lock(run.segment):
             return None
         source = torch.frombuffer(run.segment.view, dtype=torch.uint8, count=count * run.size, offset=run.offset)
         compute = torch.cuda.current_stream(self.device)
@@ -182,25 +180,11 @@ class Stager:
             self._timer.stop(started, count * run.size)
             done = torch.cuda.Event()
             done.record(self._stream)
+        page_locks().copied(run.segment, done)
         compute.wait_stream(self._stream)
         rows.record_stream(compute)
         self.ring_copies += 1
         return rows.view(count, run.size), done
-
-    def _page_locked(self, segment: ClientSegment) -> bool:
-        key = id(segment)
-        if key not in self._registered:
-            cudart = torch.cuda.cudart()
-            base = np.frombuffer(segment.view, np.uint8).ctypes.data
-            ok = cudart.cudaHostRegister(base, segment.view.nbytes, 0) == cudart.cudaError.success
-            self._registered[key] = ok
-            if ok:  # the mapping must not go while the driver holds it, nor while a copy still reads it
-                segment.on_close.append(lambda: (self._stream.synchronize(), cudart.cudaHostUnregister(base),
-                                                 self._registered.pop(key, None)))
-            else:
-                warnings.warn("actcache: could not page-lock the shared-memory ring; batches are collated on the host",
-                              RuntimeWarning, stacklevel=3)
-        return self._registered[key]
 
     def copy_readings(self) -> list[tuple[int, float]]:
         """``(bytes, seconds)`` of host-to-device copies completed since the last call (none on CPU)."""

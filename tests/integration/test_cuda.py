@@ -6,7 +6,9 @@ tests/client/test_staging.py (fake events) and the CPU training tests.
 
 from __future__ import annotations
 
+import gc
 import uuid
+import warnings
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import actcache_client as ac
+from actcache.shm import MIN_RING_BYTES, ClientSegment, ShmRing, SlotRun
 from actcache_client._staging import Stager
 from actcache_client._tensors import collate_entries, encode_samples
 from actcache_client.models import resnet20
@@ -111,3 +114,24 @@ def test_cuda_stager_never_overwrites_a_slot_still_being_copied():
         assert out.is_cuda and bool((out == float(i)).all()), i
     readings = stager.copy_readings()
     assert readings and all(nbytes == 64 * 256 * 256 * 4 and seconds > 0 for nbytes, seconds in readings)
+
+
+def test_stagers_share_a_page_locked_ring_and_a_collected_segment_leaves_no_registration():
+    """Two CachedForwards on one connection take turns with one reused ring: the driver registers a range
+    once per process, and a mapping dropped while registered made the next one at its address fail."""
+    ring = ShmRing(MIN_RING_BYTES, start=0)  # in shared memory, as the daemon makes them
+    size, count = 1024, 8
+    offset = ring.alloc(0, size * count)
+    ring.view(offset, size * count)[:] = bytes(range(256)) * (size * count // 256)
+    first, second = Stager("cuda"), Stager("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "could not page-lock" would fail the test
+        for _ in range(2):
+            segment = ClientSegment(str(ring.path))
+            rows = [stager.ring_to_device(SlotRun(segment, offset, size), count)[0] for stager in (first, second)]
+            assert torch.equal(rows[0], rows[1]) and rows[0].cpu().flatten()[:256].tolist() == list(range(256))
+            del segment, rows
+            gc.collect()  # not closed: unregistered as it is collected, so the next mapping registers
+    torch.zeros(1, device="cuda").add_(1)  # no CUDA error left behind for a kernel launch
+    assert first.ring_copies == second.ring_copies == 2
+    ring.close()
