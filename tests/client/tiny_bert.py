@@ -20,7 +20,7 @@ class TinyEmbeddings(nn.Module):
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        positions = torch.arange(input_ids.shape[1])[None, :]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
         x = x + self.position_embeddings(positions)
         return self.dropout(self.LayerNorm(x))

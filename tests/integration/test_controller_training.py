@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -13,6 +14,8 @@ from actcache_client.freeze import EgeriaConfig, EgeriaPolicy, FreezeController,
 from tests.cifar import cifar_subset
 
 MAX_STEPS = 3000  # a bound on the loop, not an expectation: the freeze usually comes after a few hundred
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="CUDA unavailable: the GPU variant needs a GPU"))]
 
 
 def small_cnn() -> ac.StagedModel:
@@ -35,7 +38,8 @@ def run_epoch(loader, cached, opt, ctl) -> int:
     steps = 0
     for batch in loader:
         x, y = batch.data
-        loss = nn.functional.cross_entropy(cached(batch.ids, x, variant=batch.variant), y)
+        out = cached(batch.ids, x, variant=batch.variant)
+        loss = nn.functional.cross_entropy(out, y.to(out.device))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -44,9 +48,10 @@ def run_epoch(loader, cached, opt, ctl) -> int:
     return steps
 
 
-def test_egeria_freezes_a_stage_of_a_cnn_on_real_images_without_waiting_for_the_reference(daemon, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_egeria_freezes_a_stage_of_a_cnn_on_real_images_without_waiting_for_the_reference(daemon, tmp_path, device):
     dataset, source = cifar_subset(per_class=32)
-    staged = small_cnn()
+    staged = small_cnn().to(device)  # on CUDA the reference process still gets CPU copies of the stages
     with ac.connect(daemon.socket, namespace=f"egeria-{uuid.uuid4().hex[:8]}", strict=True) as conn:
         cached = ac.CachedForward(staged, conn)
         loader = loader_for(dataset, cached)
@@ -77,7 +82,7 @@ def test_egeria_freezes_a_stage_of_a_cnn_on_real_images_without_waiting_for_the_
             hits = conn.stats.hits
             for batch in loader:
                 x, y = batch.data
-                loss = nn.functional.cross_entropy(cached(batch.ids, x), y)
+                loss = nn.functional.cross_entropy(cached(batch.ids, x), y.to(device))
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

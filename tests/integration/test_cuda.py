@@ -7,6 +7,7 @@ tests/client/test_staging.py (fake events) and the CPU training tests.
 from __future__ import annotations
 
 import gc
+import time
 import uuid
 import warnings
 
@@ -19,7 +20,9 @@ import actcache_client as ac
 from actcache.shm import MIN_RING_BYTES, ClientSegment, ShmRing, SlotRun
 from actcache_client._staging import Stager
 from actcache_client._tensors import collate_entries, encode_samples
+from actcache.testing import run_daemon
 from actcache_client.models import resnet20
+from tests.integration import test_training as cpu
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA unavailable: GPU staging and training need a GPU")
@@ -135,3 +138,65 @@ def test_stagers_share_a_page_locked_ring_and_a_collected_segment_leaves_no_regi
     torch.zeros(1, device="cuda").add_(1)  # no CUDA error left behind for a kernel launch
     assert first.ring_copies == second.ring_copies == 2
     ring.close()
+
+
+@pytest.mark.parametrize("name", ["sequential-cnn", "tiny-bert"])
+def test_cuda_freeze_changes_seeding_and_unfreeze_train_as_without_the_cache(daemon, deterministic, name):
+    """Deeper freezes seeded from shallower entries, an unfreeze and a refreeze, on the GPU (text: VarLen)."""
+    make, data, options = cpu.MODELS[name]
+    options = {k: v for k, v in options.items() if k != "freeze"}
+    freeze = ((0, 1), (1, 2), (3, 0), (4, 2))
+    off = cpu.train(make, data(), connection=None, epochs=6, freeze=freeze, device="cuda", **options)
+    with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+        on = cpu.train(make, data(), connection=conn, epochs=6, freeze=freeze, device="cuda", **options)
+        assert conn.stats.hits > 0
+        assert on[2].times.seeded_samples > 0  # depth 2 started from the depth-1 entries
+    cpu.assert_same_training(off, on, atol=1e-4)
+
+
+def test_cuda_daemon_killed_mid_epoch_training_completes(tmp_path, deterministic):
+    make, data, _ = cpu.MODELS["sequential-cnn"]
+    off = cpu.train(make, data(), connection=None, epochs=6, device="cuda")
+    with run_daemon(cache_dir=tmp_path / "cache") as daemon:
+        with ac.connect(daemon.socket, namespace="survivor", backoff_s=0.05, timeout_s=2) as conn:
+            def chaos(step):  # 6 steps an epoch; epoch 1 stores its entries, epoch 2 reads them
+                if step == 15:
+                    daemon.kill()
+                if step == 20:
+                    daemon.start()
+                    time.sleep(1.5)  # past gRPC's reconnect backoff
+
+            with pytest.warns(ac.CacheFallbackWarning, match="unavailable"):
+                on = cpu.train(make, data(), connection=conn, epochs=6, on_step=chaos, device="cuda")
+            assert conn.stats.fallbacks["unavailable"] >= 1
+    cpu.assert_same_training(off, on, atol=1e-4)
+
+
+def test_cuda_two_models_on_one_connection_take_turns_with_its_rings(daemon):
+    """bench_step's pattern: two CachedForwards share a connection, so a ring one stream used is reused by
+    the other's; every epoch after the fill is served whole, with no page-locking failure."""
+    torch.manual_seed(0)
+    staged = ac.from_resnet(resnet20()).to("cuda")
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(N, 3, 32, 32, generator=g), torch.randint(0, 10, (N,), generator=g))
+    with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+        models = [ac.CachedForward(staged, conn), ac.CachedForward(staged, conn, audit=False)]
+        loaders = [ac.CachedLoader(DataLoader(ac.IndexedDataset(data, targets=data.tensors[1]), batch_size=BATCH,
+                                              shuffle=True, generator=torch.Generator().manual_seed(i),
+                                              pin_memory=True), m) for i, m in enumerate(models)]
+        for m in models:
+            m.set_frozen(10)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # "could not page-lock" fails the test
+            with torch.no_grad():
+                for batch in loaders[0]:  # fills the cache
+                    models[0](batch)
+                conn.flush(timeout_s=30)
+                for _ in range(3):
+                    for model, loader in zip(models, loaders):
+                        for batch in loader:
+                            assert model(batch).is_cuda
+        torch.cuda.synchronize()
+        for model in models:
+            assert [e.times.cached_samples for e in model.epoch_counters()][-3:] == [N, N, N]
+            assert model.stager.ring_copies > 0

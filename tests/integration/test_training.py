@@ -87,10 +87,10 @@ def namespace() -> str:
 
 
 def train(make_staged, dataset, *, connection, epochs=3, freeze=((1, 3),), varlen=None, collate=None,
-          augment=None, variants=None, lr=0.05, on_step=None):
+          augment=None, variants=None, lr=0.05, on_step=None, device="cpu"):
     """Train with a static freeze schedule ((epoch, depth), ...); returns per-step losses and the staged model."""
     torch.manual_seed(0)
-    staged = make_staged()
+    staged = make_staged().to(device)
     model = ac.CachedForward(staged, connection, varlen=varlen)
     loader = ac.CachedLoader(
         DataLoader(ac.IndexedDataset(dataset, augment=augment), batch_size=16, shuffle=True,
@@ -105,7 +105,7 @@ def train(make_staged, dataset, *, connection, epochs=3, freeze=((1, 3),), varle
         staged.train()
         for batch in loader:
             x, y = batch.data
-            loss = nn.functional.cross_entropy(model(batch.ids, x, variant=batch.variant), y)
+            loss = nn.functional.cross_entropy(model(batch.ids, x, variant=batch.variant), y.to(device))
             opt.zero_grad()
             loss.backward()
             opt.step()
