@@ -7,7 +7,7 @@ import pytest
 
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.daemon.config import StoreConfig
-from actcache.daemon.store._extents import Extent, PageCacheGuess, stored_length
+from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess, stored_length
 from actcache.daemon.store import Store
 from actcache.keys import encode_key
 
@@ -73,6 +73,54 @@ def test_probe_and_stored_length(store):
         cursor = txn.cursor()
         assert stored_length(cursor, key) == len(value)
         assert stored_length(cursor, encode_key(ns, FP, 1, 4)) is None
+
+
+def test_one_lookup_per_leaf_page_learns_where_every_value_beside_it_is(tmp_path):
+    store = Store(StoreConfig(dir=tmp_path / "c", encoding="raw"))
+    ns = store.open_namespace("x").id
+    count = 600  # 40-byte leaf nodes: several leaf pages
+    store.put(ns, FP, 1, [(i, 0, entry(i, 3000 + i)) for i in range(count)] + [(count, 0, entry(0, 16))])
+    keys = [encode_key(ns, FP, 1, i) for i in range(count + 1)]
+    hints = ExtentHints()
+    with store.read_session() as session:
+        located = [session.locate(key) for key in keys]
+        first = session.locate_hinted(keys[0], hints)
+        learned = len(hints)
+        assert first == located[0] and 40 < learned < count  # its leaf page, not the whole group
+        lookups = 1
+        for key, extent in zip(keys[1:], located[1:]):
+            if hints.take(key) is None:  # not learned yet: this lookup reads its leaf page
+                lookups += 1
+                hinted = session.locate_hinted(key, hints)
+            else:
+                hinted = extent  # taken: each hint is used once
+            assert hinted == extent
+        assert lookups < count // 40  # one per leaf page
+        assert located[count].inline is not None  # a small value stays inside its leaf: never hinted
+    store.close()
+
+
+def test_hints_are_only_hints_a_replaced_value_is_read_from_where_it_is_now(tmp_path):
+    store = Store(StoreConfig(dir=tmp_path / "c", encoding="raw"))
+    ns = store.open_namespace("x").id
+    store.put(ns, FP, 1, [(i, 0, entry(i, 20_000)) for i in range(40)])
+    keys = [encode_key(ns, FP, 1, i) for i in range(40)]
+    hints = ExtentHints()
+    store.probe(keys[:1], hints)  # learns the others' extents
+    replaced = entry(99, 50_000)
+    store.put(ns, FP, 1, [(5, 0, replaced)])  # moves to other pages
+    assert all(isinstance(r, bool) for r in store.probe(keys[1:], hints))  # stale: a useless hint at worst
+    assert store.get(ns, FP, 1, [(5, 0), (6, 0)]) == [replaced, entry(6, 20_000)]
+    with store.read_session() as session:
+        assert bytes(session.read(keys[5], session.locate(keys[5]))) == replaced
+    store.close()
+
+
+def test_extent_hints_keep_at_most_their_limit_oldest_first():
+    hints = ExtentHints(limit=3)
+    hints.learn([(bytes([i]), Extent(i * 4096 + 16, 100)) for i in range(5)])
+    assert len(hints) == 3 and hints.take(b"\x01") is None and hints.take(b"\x04") == Extent(4 * 4096 + 16, 100)
+    assert len(hints) == 2  # taken once
 
 
 def test_replacing_and_deleting_keep_usage_exact(store):

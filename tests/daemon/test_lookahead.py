@@ -22,7 +22,7 @@ def test_probes_pause_when_warm_and_resume_on_a_cold_read():
     pool, cached = Inline(), {"warm": True}
     probed: list[bytes] = []
 
-    def probe(keys):
+    def probe(keys, hints):
         probed.extend(keys)
         return [cached["warm"]] * len(keys)
 
@@ -52,18 +52,20 @@ def test_probes_pause_when_warm_and_resume_on_a_cold_read():
 def test_small_entries_are_probed_from_the_readers_thread_each_once():
     pool, probed = Inline(), []
 
-    def probe(keys):
+    def probe(keys, hints):
         probed.extend(int.from_bytes(k, "big") for k in keys)
         return [False] * len(keys)  # cold: probing goes on
 
-    prober = Prober(pool, probe, lambda p: p.to_bytes(4, "big"), length=1000, window_bytes=64 << 20)
+    small = MIN_PROBED_ENTRY_BYTES // 2
+    window = 128  # entries of `small` bytes in window_bytes
+    prober = Prober(pool, probe, lambda p: p.to_bytes(4, "big"), length=1000, window_bytes=window * small)
     prober.advance(0, avg_bytes=0)  # nothing read yet: the entry size is unknown
     assert probed == list(range(1, 1 + INLINE_PROBE_AHEAD)) and pool.calls == 0
     for pos in range(1, 1000):
-        prober.advance(pos, avg_bytes=MIN_PROBED_ENTRY_BYTES // 2)
-        assert probed[-1] - pos <= INLINE_PROBE_AHEAD  # never further ahead than the window
-        if pos + INLINE_PROBE_AHEAD < 1000:
-            assert probed[-1] - pos >= INLINE_PROBE_AHEAD // 2  # nor closer than half of it
+        prober.advance(pos, avg_bytes=small)
+        assert probed[-1] - pos <= window  # never further ahead than the window's bytes
+        if pos + window < 1000:
+            assert probed[-1] - pos >= window // 2  # nor closer than half of it
     assert probed == list(range(1, 1000)) and pool.calls == 0  # each entry once, none on the pool
     prober.advance(1000, avg_bytes=MIN_PROBED_ENTRY_BYTES)
     assert pool.calls == 0  # past the end: nothing left to probe

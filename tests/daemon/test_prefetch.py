@@ -217,7 +217,7 @@ class _FailingStore:
         self.generations = store.generations
         self.go = threading.Event()
 
-    def probe(self, keys):
+    def probe(self, keys, hints=None):
         return [None] * len(keys)
 
     def discard_corrupt(self, keys):

@@ -7,7 +7,7 @@ from collections import deque
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Callable
 
-from actcache.daemon.store import PageCacheGuess
+from actcache.daemon.store import ExtentHints, PageCacheGuess
 
 if TYPE_CHECKING:
     from actcache.daemon.store import ReadSession, Store
@@ -19,8 +19,9 @@ _WARM_STREAK = 128
 # Entries looked up by one probe task (one read transaction).
 _PROBE_BATCH = 8
 # Entries of at least this size (stored bytes, on average) are probed on the probe pool; smaller
-# ones from the reader's own thread, INLINE_PROBE_AHEAD entries ahead: on the pool, a task per few
-# entries cost more CPU than the read wait it saved. Measured on this VM's virtio disk, page cache
+# ones from the reader's own thread (INLINE_PROBE_AHEAD entries ahead until the entry size is
+# known, then as far as the pool's window): on the pool, a task per few entries cost more CPU than
+# the read wait it saved. Measured on this VM's virtio disk, page cache
 # dropped: 19 KiB entries served 156 MB/s without probes and 115 with pool probes (in-process
 # prefetcher); through the daemon (bench_serve --quick, 32 KiB fp16 entries, 19 KiB stored)
 # 127-136 MB/s without probes and 149-183 with probes from the reader's thread, at less CPU per GB;
@@ -36,19 +37,22 @@ class Prober:
     """Lookups ahead of one reader while its data is cold: on the probe pool, or for small entries
     from the reader's own thread (see MIN_PROBED_ENTRY_BYTES).
 
-    A probe looks entries up (a random 4 KiB read each when cold) and hints
-    the kernel to read the values not in the page cache yet, so the disk
-    sees many reads at once instead of the reader's one at a time. Probing pauses
+    A probe looks entries up and hints the kernel to read the values not in
+    the page cache yet, so the disk sees many reads at once instead of the
+    reader's one at a time. A cold lookup waits for a random 4 KiB read, so
+    the lookups share an ``ExtentHints``: one lookup per B-tree leaf page
+    learns where every value on it is. Probing pauses
     after ``_WARM_STREAK`` entries in a row needed no hint (their probe found
     them cached, or the reader got there first and read them from the cache:
     probes then only cost CPU) and resumes as soon as a read had to wait for
     the disk.
     """
 
-    def __init__(self, pool: Executor, probe: Callable[[list[bytes]], list[bool | None]],
+    def __init__(self, pool: Executor, probe: Callable[[list[bytes], ExtentHints], list[bool | None]],
                  key: Callable[[int], bytes], length: int, window_bytes: int, *, paused: bool = False) -> None:
         """``paused``: start as after a warm streak (the group's last schedule ended warm)."""
         self._pool, self._probe, self._key = pool, probe, key
+        self._hints = ExtentHints()  # one lookup per leaf page, not per value (see ExtentHints)
         self._length, self._window_bytes = length, window_bytes
         self._pending: deque[tuple[int, int, Future]] = deque()  # (first, stop, future)
         self._streak = 0
@@ -68,25 +72,25 @@ class Prober:
                 self._note(True, stop - first)  # the reader passed first; saw_read reports cold reads
         if not self.active:
             return
+        window = max(8, min(1024, self._window_bytes // avg_bytes)) if avg_bytes else INLINE_PROBE_AHEAD
         if avg_bytes < MIN_PROBED_ENTRY_BYTES:  # small entries, or none read yet
-            self._probe_inline(pos)
+            self._probe_inline(pos, window)
             return
-        window = max(8, min(1024, self._window_bytes // avg_bytes))
         start = self._pending[-1][1] if self._pending else pos + 1
         end = min(self._length, pos + 1 + window)
         while start < end:
             stop = min(end, start + _PROBE_BATCH)
             keys = [self._key(p) for p in range(start, stop)]
-            self._pending.append((start, stop, self._pool.submit(self._probe, keys)))
+            self._pending.append((start, stop, self._pool.submit(self._probe, keys, self._hints)))
             start = stop
 
-    def _probe_inline(self, pos: int) -> None:
-        """Probe up to ``INLINE_PROBE_AHEAD`` entries past ``pos`` in this thread, half a window at a time."""
-        if pos + INLINE_PROBE_AHEAD // 2 < self._inline_end:
+    def _probe_inline(self, pos: int, window: int) -> None:
+        """Probe up to ``window`` entries past ``pos`` in this thread, half a window at a time."""
+        if pos + window // 2 < self._inline_end:
             return
-        start, end = max(pos + 1, self._inline_end), min(self._length, pos + 1 + INLINE_PROBE_AHEAD)
+        start, end = max(pos + 1, self._inline_end), min(self._length, pos + 1 + window)
         if start < end:
-            for resident in self._probe([self._key(p) for p in range(start, end)]):
+            for resident in self._probe([self._key(p) for p in range(start, end)], self._hints):
                 self._note(resident is not False)
         self._inline_end = end
 

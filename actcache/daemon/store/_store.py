@@ -53,7 +53,7 @@ from actcache.codec import Codec, Encoding, compress_entry, verify_entry
 from actcache.daemon.store._access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.store._dirlock import DirLock
-from actcache.daemon.store._extents import PageCacheGuess, ReadSession, ValueFile
+from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
 from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
 from actcache.daemon.store._generations import (
     GEN_PREFIX_BYTES,
@@ -391,13 +391,14 @@ class Store:
             cursor = txn.cursor()
             return [cursor.set_key(key) for key in keys]
 
-    def probe(self, keys: Sequence[bytes]) -> list[bool | None]:
+    def probe(self, keys: Sequence[bytes], hints: ExtentHints | None = None) -> list[bool | None]:
         """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask
         the kernel to start reading it. Per key: None if absent, else whether it was already cached
         (False also when the kernel cannot tell). Warms the cache ahead of a read, nothing more.
+        ``hints``: extents learned by earlier probes, and where this one's lookups teach more.
         """
         with self.read_session() as session:
-            extents = [session.locate(key) for key in keys]
+            extents = [session.locate(key) if hints is None else session.locate_hinted(key, hints) for key in keys]
         out: list[bool | None] = []
         for extent in extents:
             if extent is None:
