@@ -20,14 +20,14 @@ _WARM_STREAK = 128
 _PROBE_BATCH = 8
 # Entries of at least this size (stored bytes, on average) are probed on the probe pool; smaller
 # ones from the reader's own thread (INLINE_PROBE_AHEAD entries ahead until the entry size is
-# known, then as far as the pool's window): on the pool, a task per few entries cost more CPU than
-# the read wait it saved. Measured on this VM's virtio disk, page cache
-# dropped: 19 KiB entries served 156 MB/s without probes and 115 with pool probes (in-process
-# prefetcher); through the daemon (bench_serve --quick, 32 KiB fp16 entries, 19 KiB stored)
-# 127-136 MB/s without probes and 149-183 with probes from the reader's thread, at less CPU per GB;
-# 136 KB entries the same either way; 160 KiB values from a 2 GiB store 2.7x faster with pool probes
-# (bench/bench_cold_read.py).
-MIN_PROBED_ENTRY_BYTES = 64 << 10
+# known, then as far as the pool's window). With lookups learning whole leaf pages (ExtentHints),
+# probing from the reader's thread served cold entries faster and for less CPU than the pool up to
+# 660 KiB stored (daemon, shared memory, page cache dropped; MB/s inline against pool): 32 KiB
+# 800-870 against 620-680 with the old 64-entry window, 96 KiB 1218-1300 against 1163-1165, 165 KiB
+# 1378-1413 against 1226-1232, 660 KiB 1530-1549 against 1094-1174 (2-core VM), and 96 KiB 1298-1538
+# against 1023-1033 on a 16-core node; at 1 MiB the pool was ahead, 1433-1934 against 1250-1370
+# (the reader's own WILLNEED calls block while the disk's queue is full).
+MIN_PROBED_ENTRY_BYTES = 1 << 20
 INLINE_PROBE_AHEAD = 64
 _SESSION_ENTRIES = 256
 _SESSION_SECONDS = 0.05
