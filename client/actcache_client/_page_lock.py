@@ -21,10 +21,11 @@ import ctypes
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from actcache.shm import ClientSegment
 
@@ -36,7 +37,6 @@ class _Locked:
     base: int
     #: The latest copy out of the segment (a CUDA event), waited for before unregistering.
     last_copy: Any = None
-    release: Callable[[], None] = field(default=lambda: None)
 
 
 class PageLocks:
@@ -62,12 +62,11 @@ class PageLocks:
                 warnings.warn(f"actcache: could not page-lock the shared-memory ring {segment.path} (CUDA error "
                               f"{int(error)}); batches are collated on the host", RuntimeWarning, stacklevel=3)
                 return False
-            locked = _Locked(base)
-            # finalize runs once: at close, or when the segment is collected (before its mapping is dropped)
-            locked.release = release = weakref.finalize(segment, self._unregister, locked)
+            locked = self._locked[segment] = _Locked(base)
+            # runs once: at close, or when the segment is collected (before its mapping is dropped)
+            release = weakref.finalize(segment, self._unregister, locked)
             release.atexit = False  # the process's exit unmaps and unregisters everything anyway
-            segment.on_close.append(locked.release)
-            self._locked[segment] = locked
+            segment.on_close.append(release)
             return True
 
     def copied(self, segment: ClientSegment, event: Any) -> None:
@@ -91,8 +90,6 @@ def page_locks() -> PageLocks:
     global _shared
     with _shared_lock:
         if _shared is None:
-            import torch
-
             _shared = PageLocks(torch.cuda.cudart(), _cudart_clear_error())
         return _shared
 

@@ -219,9 +219,9 @@ def _overflow_node(cursor, key: bytes) -> tuple[int, int] | None:
     return pgno, lo | hi << 16
 
 
-def _leaf_extents(cursor, key: bytes, page_size: int) -> list[tuple[bytes, "Extent"]]:
-    """The overflow extents of every value on the B-tree leaf page the cursor sits on (at ``key``),
-    read from the page itself: [] if the page is not recognized.
+def _leaf_extents(cursor, page_size: int) -> list[tuple[bytes, "Extent"]]:
+    """The overflow extents of every value on the B-tree leaf page the cursor sits on, read from the
+    page itself: [] if the page is not recognized.
 
     LMDB's page layout: a 16-byte header (``pgno`` u64, ``pad``, ``flags``, ``lower``, ``upper`` u16;
     ``P_LEAF`` = 2), then ``(lower - 16) / 2`` u16 offsets of its nodes; the map is page-aligned, so
@@ -333,7 +333,7 @@ class ReadSession:
             return extent
         if not self._cursor.set_key(key):
             return None
-        hints.learn(_leaf_extents(self._cursor, key, self._file.page_size))
+        hints.learn(_leaf_extents(self._cursor, self._file.page_size))
         return hints.take(key) or self.locate(key)
 
     def run_views(self, keys: list[bytes]) -> list[memoryview | None] | None:
