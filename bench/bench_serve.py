@@ -45,8 +45,9 @@ stored entries' own checksum + decode CPU-s per GB, measured in-process)
 and ``cold_serve_vs_limit`` (cold shared memory, worst shape: served MB/s
 over the smaller of the disk's O_DIRECT MB/s, in raw bytes, and what the
 node's cores decode of the stored codec). The daemon's CPU is read in
-10 ms ticks: with ``--quick`` (64 MiB a shape) ``serve_cpu_vs_codec`` moves
-in steps of about 0.15 CPU-s/GB, so compare it at the default size. Each warm path is timed three times,
+10 ms ticks, so ``serve_cpu_vs_codec`` takes it over the three warm
+shared-memory runs together: with ``--quick`` (64 MiB a shape) it moves in
+steps of about 0.05 CPU-s/GB; compare it at the default size. Each warm path is timed three times,
 taking turns with the others, and reported by its median run. Sample
 (``--quick``, 2-core VM, load average ~1)::
 
@@ -278,7 +279,8 @@ def served_run(daemon: DaemonProcess, ns: int, depth: int, order: np.ndarray, sh
         cpu1 = (_process_cpu(daemon.pid), time.process_time())
         after = _ns_counters(client, ns)
     gb = nbytes / 1e9
-    out = {"samples_per_s": received / seconds, "MBps": nbytes / seconds / 1e6, "seconds": seconds,
+    out = {"samples_per_s": received / seconds, "MBps": nbytes / seconds / 1e6, "seconds": seconds, "GB": gb,
+           "daemon_cpu_s": cpu1[0] - cpu0[0],
            "read_MBps": (after["read_bytes"] - before["read_bytes"]) / seconds / 1e6,
            "daemon_cpu_s_per_GB": (cpu1[0] - cpu0[0]) / gb, "client_cpu_s_per_GB": (cpu1[1] - cpu0[1]) / gb}
     out["cpu_s_per_GB"] = out["daemon_cpu_s_per_GB"] + out["client_cpu_s_per_GB"]
@@ -374,12 +376,14 @@ def main() -> int:
                        "warm_ratio": warm["MBps"] / warm_raw["MBps"], "codec": codec}
                 _print(shape.name, "raw", "warm", warm_raw)
                 _print("", "served", "warm", warm, ratio=row["warm_ratio"])
+                # The daemon's CPU over all the warm shared-memory runs: 3x the bytes per 10 ms tick of one run.
+                shm_cpu = sum(r["daemon_cpu_s"] for r in runs["shm"]) / sum(r["GB"] for r in runs["shm"])
                 row.update(warm_shm=warm_shm, warm_shm_ratio=warm_shm["MBps"] / warm_raw["MBps"],
-                           cpu_vs_codec=warm_shm["daemon_cpu_s_per_GB"] / codec["cpu_s_per_GB"])
+                           daemon_cpu_s_per_GB=shm_cpu, cpu_vs_codec=shm_cpu / codec["cpu_s_per_GB"])
                 _print("", "shm", "warm", warm_shm, ratio=row["warm_shm_ratio"])
                 print(f"{'':<26}codec   {'/'.join(codec['codecs'])}: {codec['cpu_s_per_GB']:.3f} CPU-s/GB (checksum + "
-                      f"decode); the daemon spent {warm_shm['daemon_cpu_s_per_GB']:.3f} ({row['cpu_vs_codec']:.1f}x)",
-                      flush=True)
+                      f"decode); the daemon spent {shm_cpu:.3f} over the {len(runs['shm'])} shm runs "
+                      f"({row['cpu_vs_codec']:.1f}x)", flush=True)
                 if cold:
                     daemon.stop()
                     drop_page_cache()
