@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -25,6 +26,7 @@ __all__ = [
     "encode_key",
     "encode_keys",
     "group_prefix",
+    "sample_ids_of",
 ]
 
 FINGERPRINT_BYTES = 16
@@ -102,6 +104,13 @@ def encode_keys(
     packed["var"] = 0 if variants is None else variants
     raw = packed.tobytes()
     return [raw[i : i + KEY_BYTES] for i in range(0, count * KEY_BYTES, KEY_BYTES)]
+
+
+def sample_ids_of(keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """The (sample ids as uint64, variants as uint16) of ``keys`` at once (the inverse of ``encode_keys``'s
+    last two fields); every key must be ``KEY_BYTES`` long."""
+    packed = np.frombuffer(b"".join(keys), _KEY_DTYPE)
+    return packed["sid"].astype(np.uint64), packed["var"].astype(np.uint16)
 
 
 def group_prefix(namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> bytes:

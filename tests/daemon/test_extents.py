@@ -9,7 +9,7 @@ from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.daemon.config import StoreConfig
 from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess, stored_length
 from actcache.daemon.store import Store
-from actcache.keys import encode_key
+from actcache.keys import encode_key, group_prefix
 
 FP = b"E" * 16
 SIZES = [16, 1000, 3000, 4096 - 48, 4096, 70_000, 1 << 20]  # inline, around a page, many overflow pages
@@ -81,11 +81,11 @@ def test_one_lookup_per_leaf_page_learns_where_every_value_beside_it_is(tmp_path
     count = 600  # 40-byte leaf nodes: several leaf pages
     store.put(ns, FP, 1, [(i, 0, entry(i, 3000 + i)) for i in range(count)] + [(count, 0, entry(0, 16))])
     keys = [encode_key(ns, FP, 1, i) for i in range(count + 1)]
-    hints = ExtentHints()
+    hints = ExtentHints(group_prefix(ns, FP, 1), np.arange(count + 1, dtype=np.uint64)[::-1].copy())
     with store.read_session() as session:
         located = [session.locate(key) for key in keys]
         first = session.locate_hinted(keys[0], hints)
-        learned = len(hints)
+        learned = hints.known
         assert first == located[0] and 40 < learned < count  # its leaf page, not the whole group
         lookups = 1
         for key, extent in zip(keys[1:], located[1:]):
@@ -105,22 +105,32 @@ def test_hints_are_only_hints_a_replaced_value_is_read_from_where_it_is_now(tmp_
     ns = store.open_namespace("x").id
     store.put(ns, FP, 1, [(i, 0, entry(i, 20_000)) for i in range(40)])
     keys = [encode_key(ns, FP, 1, i) for i in range(40)]
-    hints = ExtentHints()
+    hints = ExtentHints(group_prefix(ns, FP, 1), np.arange(40, dtype=np.uint64))
     store.probe(keys[:1], hints)  # learns the others' extents
+    assert hints.known == 39
     replaced = entry(99, 50_000)
     store.put(ns, FP, 1, [(5, 0, replaced)])  # moves to other pages
-    assert all(isinstance(r, bool) for r in store.probe(keys[1:], hints))  # stale: a useless hint at worst
+    assert all(isinstance(r, bool) for r in store.probe(keys[1:], hints, start=1))  # stale: a useless hint at worst
     assert store.get(ns, FP, 1, [(5, 0), (6, 0)]) == [replaced, entry(6, 20_000)]
     with store.read_session() as session:
         assert bytes(session.read(keys[5], session.locate(keys[5]))) == replaced
     store.close()
 
 
-def test_extent_hints_keep_at_most_their_limit_oldest_first():
-    hints = ExtentHints(limit=3)
-    hints.learn([(bytes([i]), Extent(i * 4096 + 16, 100)) for i in range(5)])
-    assert len(hints) == 3 and hints.take(b"\x01") is None and hints.take(b"\x04") == Extent(4 * 4096 + 16, 100)
-    assert len(hints) == 2  # taken once
+def test_extent_hints_keep_only_the_schedules_own_keys_each_used_once():
+    ids, variants = np.array([7, 3, 9], dtype=np.uint64), np.array([1, 0, 2], dtype=np.uint16)
+    hints = ExtentHints(group_prefix(5, FP, 2), ids, variants)
+    page = [(encode_key(5, FP, 2, sid, var), Extent(n * 4096 + 16, 1000 + n))
+            for n, (sid, var) in enumerate([(3, 0), (7, 1), (7, 0), (8, 0), (9, 2)])]
+    page.append((encode_key(5, FP, 3, 9, 2), Extent(99 * 4096 + 16, 1)))  # another depth's entry
+    page.append((encode_key(6, FP, 2, 3, 0), Extent(98 * 4096 + 16, 1)))  # another namespace's
+    hints.learn(page)
+    assert hints.known == 3  # (7, 0) is another variant, 8 another rank's sample
+    assert hints.take(encode_key(5, FP, 2, 7, 1)) == Extent(1 * 4096 + 16, 1001)
+    assert hints.take(encode_key(5, FP, 2, 7, 1)) is None  # used once
+    assert hints.take(encode_key(5, FP, 3, 9, 2)) is None and hints.take(encode_key(5, FP, 2, 8, 0)) is None
+    assert hints.take(encode_key(5, FP, 2, 9, 2)) == Extent(4 * 4096 + 16, 1004) and hints.known == 1
+    assert ExtentHints(group_prefix(5, FP, 2), np.array([], dtype=np.uint64)).take(page[0][0]) is None
 
 
 def test_replacing_and_deleting_keep_usage_exact(store):

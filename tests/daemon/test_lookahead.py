@@ -22,7 +22,7 @@ def test_probes_pause_when_warm_and_resume_on_a_cold_read():
     pool, cached = Inline(), {"warm": True}
     probed: list[bytes] = []
 
-    def probe(keys, hints):
+    def probe(keys, hints, start):
         probed.extend(keys)
         return [cached["warm"]] * len(keys)
 
@@ -52,7 +52,7 @@ def test_probes_pause_when_warm_and_resume_on_a_cold_read():
 def test_small_entries_are_probed_from_the_readers_thread_each_once():
     pool, probed = Inline(), []
 
-    def probe(keys, hints):
+    def probe(keys, hints, start):
         probed.extend(int.from_bytes(k, "big") for k in keys)
         return [False] * len(keys)  # cold: probing goes on
 

@@ -217,7 +217,7 @@ class _FailingStore:
         self.generations = store.generations
         self.go = threading.Event()
 
-    def probe(self, keys, hints=None):
+    def probe(self, keys, hints=None, start=0):
         return [None] * len(keys)
 
     def discard_corrupt(self, keys):

@@ -48,11 +48,12 @@ class Prober:
     the disk.
     """
 
-    def __init__(self, pool: Executor, probe: Callable[[list[bytes], ExtentHints], list[bool | None]],
-                 key: Callable[[int], bytes], length: int, window_bytes: int, *, paused: bool = False) -> None:
-        """``paused``: start as after a warm streak (the group's last schedule ended warm)."""
-        self._pool, self._probe, self._key = pool, probe, key
-        self._hints = ExtentHints()  # one lookup per leaf page, not per value (see ExtentHints)
+    def __init__(self, pool: Executor, probe: Callable[[list[bytes], ExtentHints | None, int], list[bool | None]],
+                 key: Callable[[int], bytes], length: int, window_bytes: int, *, paused: bool = False,
+                 hints: ExtentHints | None = None) -> None:
+        """``paused``: start as after a warm streak (the group's last schedule ended warm). ``hints``: the
+        schedule's, shared by its probes (one lookup per leaf page, not per value)."""
+        self._pool, self._probe, self._key, self._hints = pool, probe, key, hints
         self._length, self._window_bytes = length, window_bytes
         self._pending: deque[tuple[int, int, Future]] = deque()  # (first, stop, future)
         self._streak = 0
@@ -81,7 +82,7 @@ class Prober:
         while start < end:
             stop = min(end, start + _PROBE_BATCH)
             keys = [self._key(p) for p in range(start, stop)]
-            self._pending.append((start, stop, self._pool.submit(self._probe, keys, self._hints)))
+            self._pending.append((start, stop, self._pool.submit(self._probe, keys, self._hints, start)))
             start = stop
 
     def _probe_inline(self, pos: int, window: int) -> None:
@@ -90,7 +91,7 @@ class Prober:
             return
         start, end = max(pos + 1, self._inline_end), min(self._length, pos + 1 + window)
         if start < end:
-            for resident in self._probe([self._key(p) for p in range(start, end)], self._hints):
+            for resident in self._probe([self._key(p) for p in range(start, end)], self._hints, start):
                 self._note(resident is not False)
         self._inline_end = end
 

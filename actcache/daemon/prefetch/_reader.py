@@ -46,8 +46,9 @@ from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._lookahead import Prober, ShortTransaction
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.prefetch._served import ServedBatch
-from actcache.daemon.store import PageCacheGuess
+from actcache.daemon.store import ExtentHints, PageCacheGuess
 from actcache.errors import ActCacheError, BudgetExceeded, InvalidRequest, StoreError
+from actcache.keys import group_prefix
 from actcache.rpc import encode_frame
 
 if TYPE_CHECKING:
@@ -305,8 +306,8 @@ class ScheduleReader:
     def _read_all(self) -> None:
         n = len(self.schedule)
         txn = ShortTransaction(self._store, self._guess)
-        prober = Prober(self._probe, self._store.probe, self._key, n, self._probe_bytes,
-                        paused=self._guess.warm) if self._probe else None
+        prober = Prober(self._probe, self._store.probe, self._key, n, self._probe_bytes, paused=self._guess.warm,
+                        hints=self._extent_hints()) if self._probe else None
         carry = 0  # budget bytes already held for the entry at ``read`` (taken while the txn was closed)
         read_entries = read_total = unflushed = 0
         try:
@@ -370,6 +371,11 @@ class ScheduleReader:
             self._budget.release(self, carry)
             if prober is not None:
                 prober.close()
+
+    def _extent_hints(self) -> ExtentHints:
+        schedule = self.schedule
+        prefix = group_prefix(schedule.namespace_id, schedule.fingerprint, schedule.depth)
+        return ExtentHints(prefix, schedule.sample_ids, schedule.variants)
 
     def _read_run(self, session, start: int, stop: int, prober) -> tuple[int, int, int] | None:
         """Read positions ``start..stop-1`` while the budget has their bytes now, and publish them at once;

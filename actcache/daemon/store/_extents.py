@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import itertools
 import os
 import struct
 import threading
@@ -64,6 +63,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from actcache.keys import KEY_BYTES, sample_ids_of
 
 __all__ = ["Extent", "ExtentHints", "ReadSession", "ValueFile", "stored_length"]
 
@@ -249,7 +250,8 @@ def _leaf_extents(cursor, page_size: int) -> list[tuple[bytes, "Extent"]]:
 
 
 class ExtentHints:
-    """Where values are, learned from whole leaf pages, for read hints only (thread-safe).
+    """Where the values of one schedule are, learned from whole leaf pages, for read hints only
+    (thread-safe).
 
     Why: locating a value reads its first overflow page (LMDB checks its
     header), so a lookup of a cold value waits for one random read, and
@@ -259,28 +261,71 @@ class ExtentHints:
     values are all known after one lookup per leaf page, and the kernel can
     be told about many of them at once. A hint may be stale (the value was
     replaced since): that costs a useless read-ahead, never bytes, because
-    the reader locates each value again in its own transaction. At most
-    ``limit`` hints are kept; a hint is used once, and the oldest go first.
+    the reader locates each value again in its own transaction.
+
+    Only the schedule's own keys are kept (``prefix``: its group's key prefix;
+    ``sample_ids``, ``variants``: its order), one extent per position in
+    arrays of 28 bytes a position: a leaf page also holds other ranks'
+    samples, and a group can hold millions. Each hint is used once.
     """
 
-    def __init__(self, limit: int = 1 << 18) -> None:
-        self.limit = limit
-        self._known: dict[bytes, Extent] = {}
+    def __init__(self, prefix: bytes, sample_ids: np.ndarray, variants: np.ndarray | None = None) -> None:
+        self._prefix = prefix
+        self._ids, self._variants = sample_ids, variants
         self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._known)
+        self._sorted: np.ndarray | None = None  # made at the first lesson
+        self._order = self._offsets = self._lengths = None
+        self.known = 0
 
     def take(self, key: bytes) -> Extent | None:
         """The learned extent of ``key`` (forgotten once taken), or None."""
+        if len(key) != KEY_BYTES or not key.startswith(self._prefix):
+            return None
         with self._lock:
-            return self._known.pop(key, None)
+            if self._sorted is None:
+                return None
+            at = self._positions([key])[0]
+            if at < 0 or self._offsets[at] < 0:
+                return None
+            extent = Extent(int(self._offsets[at]), int(self._lengths[at]))
+            self._offsets[at] = -1
+            self.known -= 1
+            return extent
+
+    def take_range(self, start: int, stop: int) -> list[Extent | None]:
+        """``take`` of the schedule's positions ``start..stop-1`` at once."""
+        with self._lock:
+            if self._sorted is None:
+                return [None] * (stop - start)
+            offsets, lengths = self._offsets[start:stop].tolist(), self._lengths[start:stop].tolist()
+            self.known -= sum(o >= 0 for o in offsets)
+            self._offsets[start:stop] = -1
+        return [Extent(o, n) if o >= 0 else None for o, n in zip(offsets, lengths)]
 
     def learn(self, extents: list[tuple[bytes, Extent]]) -> None:
+        mine = [(key, extent) for key, extent in extents if len(key) == KEY_BYTES and key.startswith(self._prefix)]
+        if not mine or not len(self._ids):
+            return
         with self._lock:
-            self._known.update(extents)
-            for old in list(itertools.islice(self._known, max(0, len(self._known) - self.limit))):
-                del self._known[old]
+            if self._sorted is None:
+                self._order = np.argsort(self._ids, kind="stable")
+                self._sorted = self._ids[self._order]
+                self._offsets = np.full(len(self._ids), -1, np.int64)
+                self._lengths = np.zeros(len(self._ids), np.uint32)
+            at = self._positions([key for key, _ in mine])
+            for i, (_, extent) in zip(at.tolist(), mine):
+                if i >= 0:
+                    self.known += int(self._offsets[i] < 0)
+                    self._offsets[i], self._lengths[i] = extent.offset, extent.length
+
+    def _positions(self, keys: list[bytes]) -> np.ndarray:
+        """Each key's position in the schedule (-1: not in it); the keys have the group's prefix."""
+        ids, variants = sample_ids_of(keys)
+        found = np.minimum(np.searchsorted(self._sorted, ids), len(self._sorted) - 1)
+        at = self._order[found]
+        mine = self._sorted[found] == ids
+        mine &= (variants == 0) if self._variants is None else (self._variants[at] == variants)
+        return np.where(mine, at, -1)
 
 
 def stored_length(cursor, key: bytes) -> int | None:
@@ -334,7 +379,11 @@ class ReadSession:
         if not self._cursor.set_key(key):
             return None
         hints.learn(_leaf_extents(self._cursor, self._file.page_size))
-        return hints.take(key) or self.locate(key)
+        node = _overflow_node(self._cursor, key)
+        if node is None:  # a small value inside its leaf, or a node not recognized
+            return self.locate(key)
+        hints.take(key)  # its own, learned with its page
+        return Extent(node[0] * self._file.page_size + PAGE_HEADER_BYTES, node[1])
 
     def run_views(self, keys: list[bytes]) -> list[memoryview | None] | None:
         """The values of ``keys`` (None per missing key) as views into the map, valid while this session

@@ -391,14 +391,19 @@ class Store:
             cursor = txn.cursor()
             return [cursor.set_key(key) for key in keys]
 
-    def probe(self, keys: Sequence[bytes], hints: ExtentHints | None = None) -> list[bool | None]:
+    def probe(self, keys: Sequence[bytes], hints: ExtentHints | None = None, start: int = 0) -> list[bool | None]:
         """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask
         the kernel to start reading it. Per key: None if absent, else whether it was already cached
         (False also when the kernel cannot tell). Warms the cache ahead of a read, nothing more.
-        ``hints``: extents learned by earlier probes, and where this one's lookups teach more.
+        ``hints``: the schedule's extents learned by earlier probes, where this one's lookups teach
+        more; ``keys`` are then its positions ``start`` onwards.
         """
         with self.read_session() as session:
-            extents = [session.locate(key) if hints is None else session.locate_hinted(key, hints) for key in keys]
+            if hints is None:
+                extents = [session.locate(key) for key in keys]
+            else:
+                known = hints.take_range(start, start + len(keys))
+                extents = [extent or session.locate_hinted(key, hints) for key, extent in zip(keys, known)]
         out: list[bool | None] = []
         for extent in extents:
             if extent is None:
