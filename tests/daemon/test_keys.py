@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from actcache.errors import InvalidRequest
-from actcache.keys import KEY_BYTES, EntryKey, encode_key, encode_keys, group_prefix
+from actcache.keys import KEY_BYTES, EntryKey, encode_key, encode_keys, group_prefix, sample_ids_of
 
 FP = bytes(range(16))
 
@@ -34,3 +34,11 @@ def test_encode_keys_matches_encode_key():
         assert encode_keys(9, fp, 3, ids) == [encode_key(9, fp, 3, int(i)) for i in ids]
     with pytest.raises(InvalidRequest, match="2 variants for 5 sample ids"):
         encode_keys(9, FP, 3, ids, variants[:2])
+
+
+def test_sample_ids_of_reads_back_what_encode_keys_packed():
+    ids = np.array([0, 1, 255, 2**40, 2**64 - 1], np.uint64)
+    variants = np.array([0, 7, 65535, 1, 2], np.uint16)
+    got_ids, got_variants = sample_ids_of(encode_keys(9, FP, 3, ids, variants))
+    assert got_ids.dtype == np.uint64 and got_variants.dtype == np.uint16
+    assert got_ids.tolist() == ids.tolist() and got_variants.tolist() == variants.tolist()
