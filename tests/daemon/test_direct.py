@@ -271,3 +271,37 @@ def test_frames_of_a_slower_consumer_stay_whole_and_aligned(store, tmp_path):
     assert counters["direct"] > len(order) // 2
     whole = [start % per_frame == 0 and n == per_frame for start, n in spans]
     assert sum(whole) >= len(spans) - 3  # at most the stream's first frames, before it ran direct
+
+
+def test_a_warm_stream_of_compressed_entries_is_decoded_with_the_decode_pools_help(tmp_path, monkeypatch):
+    from actcache.codec import decode_entry
+    from actcache.daemon.prefetch import _direct
+
+    threads: set[str] = set()
+    decode = _direct.to_raw_entries_into
+
+    def recording(values, outs):
+        threads.add(threading.current_thread().name)
+        return decode(values, outs)
+
+    monkeypatch.setattr(_direct, "to_raw_entries_into", recording)
+
+    def relu(i: int) -> np.ndarray:  # compresses about 1.5x, as ReLU maps do: values stay in overflow pages
+        return np.maximum(np.random.default_rng(i).standard_normal(4096, np.float32), 0)
+
+    store = Store(StoreConfig(dir=tmp_path / "c", encoding="lz4"))
+    try:
+        ns = store.open_namespace("d").id
+        store.put(ns, FP, 1, [(i, 0, encode_entry(SPEC, [relu(i)])) for i in range(0, N, 2)])
+        order = list(range(N))
+        got, counters, _ = serve(store, order, tmp_path, ring_bytes=4 << 20, frame_bytes=512 << 10)
+    finally:
+        store.close()
+    for pos, i in enumerate(order):
+        if i % 2:
+            assert got[pos] is None
+        else:
+            _, raw = decode_entry(got[pos])
+            assert np.array_equal(np.frombuffer(raw, np.float32), relu(i)), pos
+    assert counters["direct"] > N // 2 and counters["corrupt"] == 0  # read by the Fetch thread itself
+    assert any(name.startswith("actcache-decode") for name in threads) and len(threads) > 1

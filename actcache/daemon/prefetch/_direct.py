@@ -25,10 +25,12 @@ reader thread (``give_back``), which reads ahead as before.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.served import served_size
+from actcache.daemon.prefetch._served import split_with
+from actcache.served import served_size, to_raw_entries_into
 from actcache.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -45,13 +47,16 @@ class DirectRun:
     """Positions ``start`` to ``stop`` of a stream, to be read by the consumer from the store: it
     serves a prefix of them (``done``), the next run starts after it."""
 
-    __slots__ = ("start", "stop", "_schedule", "_key", "_store", "_guess", "_done", "_give_back", "_discard")
+    __slots__ = ("start", "stop", "_schedule", "_key", "_store", "_guess", "_done", "_give_back", "_discard", "_pool")
 
     def __init__(self, start: int, stop: int, *, schedule: "Schedule", key: Callable[[int], bytes], store: "Store",
                  guess: "PageCacheGuess", done: Callable[["DirectRun", int, dict], None],
-                 give_back: Callable[[int], None], discard: Callable[[int, InvalidRequest], None]) -> None:
+                 give_back: Callable[[int], None], discard: Callable[[int, InvalidRequest], None],
+                 pool: Executor | None = None) -> None:
+        """``pool``: the decode pool, taking half of a large run of compressed entries (``decode_into``)."""
         self.start, self.stop, self._schedule, self._key = start, stop, schedule, key
         self._store, self._guess, self._done, self._give_back, self._discard = store, guess, done, give_back, discard
+        self._pool = pool
 
     @contextlib.contextmanager
     def values(self, count: int) -> Iterator[list[memoryview | None] | None]:
@@ -61,6 +66,18 @@ class DirectRun:
         keys = [self._key(p) for p in range(self.start, min(self.stop, self.start + count))]
         with self._store.read_session(self._guess) as session:
             yield session.run_views(keys)
+
+    def decode_into(self, values: list, outs: list[memoryview]) -> list[InvalidRequest | None]:
+        """``to_raw_entries_into(values, outs)``, the decode pool taking half of a large run (decompressing
+        releases the interpreter lock)."""
+        errors: list[InvalidRequest | None] = [None] * len(values)
+
+        def run(part: range) -> None:
+            errors[part.start : part.stop] = to_raw_entries_into(values[part.start : part.stop],
+                                                                 outs[part.start : part.stop])
+
+        split_with(self._pool, range(len(values)), [out.nbytes for out in outs], run)
+        return errors
 
     def entry_size(self) -> int:
         """The served size of the first stored entry among the run's first few (0: none stored)."""

@@ -617,7 +617,7 @@ class ScheduleReader:
             if direct_at is not None:
                 yield DirectRun(direct_at, min(self._end, direct_at + direct_entries), schedule=schedule, key=self._key,
                                 store=self._store, guess=self._guess, done=self._direct_done,
-                                give_back=self._give_back, discard=self._discard_corrupt)
+                                give_back=self._give_back, discard=self._discard_corrupt, pool=self._decode)
                 continue
             stop = start + len(taken)
             header = pb.EntriesHeader(

@@ -10,13 +10,13 @@ deleted from the store.
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from typing import Callable
+from typing import Callable, Sequence
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.served import to_raw_entries, to_raw_entries_into, to_raw_entry
 from actcache.errors import InvalidRequest
 
-__all__ = ["ServedBatch"]
+__all__ = ["ServedBatch", "split_with"]
 
 # A frame's entries are split with the decode pool from this many decoded bytes on.
 _SPLIT_BYTES = 256 << 10
@@ -82,24 +82,7 @@ class ServedBatch:
         self._split(indices, run)
 
     def _split(self, indices: range, run: Callable[[range], None]) -> None:
-        """``run(indices)``, with the decode pool taking the second half of a large run."""
-        pool = self._pool
-        lengths = self.header.lengths
-        total = sum(lengths[i] for i in indices)
-        if pool is None or total < _SPLIT_BYTES or len(indices) < 2:
-            run(indices)
-            return
-        half, mid = 0, indices.start
-        while mid < indices.stop - 1 and half < total // 2:
-            half += lengths[mid]
-            mid += 1
-        try:
-            future = pool.submit(run, range(mid, indices.stop))
-        except RuntimeError:  # the pool is shut down: the daemon is stopping
-            run(indices)
-            return
-        run(range(indices.start, mid))
-        future.result()
+        split_with(self._pool, indices, self.header.lengths, run)
 
     def _fail_entry(self, i: int, exc: InvalidRequest) -> None:
         self.header.lengths[i] = 0
@@ -115,3 +98,22 @@ class ServedBatch:
         hits = sum(1 for n in lengths if n)
         self._done(dict(counts, hits=hits, misses=len(lengths) - hits, corrupt=len(self._failed),
                         served_bytes=sum(lengths)))
+
+
+def split_with(pool: Executor | None, indices: range, sizes: Sequence[int], run: Callable[[range], None]) -> None:
+    """``run(indices)``, with ``pool`` taking the second half (by ``sizes[i]`` bytes) of a large run."""
+    total = sum(sizes[i] for i in indices)
+    if pool is None or total < _SPLIT_BYTES or len(indices) < 2:
+        run(indices)
+        return
+    half, mid = 0, indices.start
+    while mid < indices.stop - 1 and half < total // 2:
+        half += sizes[mid]
+        mid += 1
+    try:
+        future = pool.submit(run, range(mid, indices.stop))
+    except RuntimeError:  # the pool is shut down: the daemon is stopping
+        run(indices)
+        return
+    run(range(indices.start, mid))
+    future.result()

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.served import copy_raw_run, served_size, stored_raw, to_raw_entries_into
+from actcache.served import copy_raw_run, served_size, stored_raw
 from actcache.daemon.prefetch import DirectRun
 from actcache.rpc import encode_frame
 from actcache.shm import ShmRing, reusable
@@ -205,7 +205,8 @@ def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) ->
         if views is None:
             run.give_back()
             return None
-        served = _copy_uniform(run.start, views, ring, frame_bytes) or _copy_each(run.start, views, ring, frame_bytes)
+        served = (_copy_uniform(run.start, views, ring, frame_bytes)
+                  or _copy_each(run.start, views, ring, frame_bytes, run.decode_into))
     lengths, offsets, errors, blocked = served
     if not lengths and not blocked:  # the first entry is larger than the ring
         run.give_back()
@@ -217,10 +218,11 @@ def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) ->
     return lengths, offsets, blocked
 
 
-def _copy_each(position: int, views: list, ring: ShmRing, frame_bytes: int
-               ) -> tuple[list[int], list[int], list, int]:
-    """``_copy_direct`` entry by entry, into what fits the ring now: ``(lengths, offsets, errors,
-    blocked)``, one error (or None) per position served."""
+def _copy_each(position: int, views: list, ring: ShmRing, frame_bytes: int,
+               decode_into: Callable[[list, list[memoryview]], list]) -> tuple[list[int], list[int], list, int]:
+    """``_copy_direct`` entry by entry, into what fits the ring now (``decode_into``: the run's, decoding
+    with the decode pool's help): ``(lengths, offsets, errors, blocked)``, one error (or None) per
+    position served."""
     lengths: list[int] = []
     offsets: list[int] = []
     blocked = total = 0
@@ -236,7 +238,7 @@ def _copy_each(position: int, views: list, ring: ShmRing, frame_bytes: int
         lengths.append(size)
         offsets.append(offset)
     todo = [i for i, n in enumerate(lengths) if n]
-    decoded = to_raw_entries_into([views[i] for i in todo], [ring.view(offsets[i], lengths[i]) for i in todo])
+    decoded = decode_into([views[i] for i in todo], [ring.view(offsets[i], lengths[i]) for i in todo])
     errors: list = [None] * len(lengths)
     for i, exc in zip(todo, decoded):
         errors[i] = exc
