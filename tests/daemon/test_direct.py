@@ -305,3 +305,37 @@ def test_a_warm_stream_of_compressed_entries_is_decoded_with_the_decode_pools_he
             assert np.array_equal(np.frombuffer(raw, np.float32), relu(i)), pos
     assert counters["direct"] > N // 2 and counters["corrupt"] == 0  # read by the Fetch thread itself
     assert any(name.startswith("actcache-decode") for name in threads) and len(threads) > 1
+
+
+def test_what_a_parked_reader_read_is_served_at_once_not_after_waiting_for_a_fuller_frame(store, tmp_path, monkeypatch):
+    """A warm group's next stream: its reader reads one run and parks for the Fetch to read on. Before, the
+    Fetch waited out _LINGER_S for a frame's worth that the parked reader would never add (5 ms a stream)."""
+    from actcache.daemon.prefetch import _reader
+
+    monkeypatch.setattr(_reader, "_LINGER_S", 60.0)  # a wait for a fuller frame would now outlast the test
+    p = Prefetcher(store, PrefetchConfig(prefetch_bytes=8 << 20, decode_threads=1))
+    ring = ShmRing(4 << 20, 0, directory=tmp_path)
+    segment = ClientSegment(str(ring.path))
+    try:
+        for rep in range(2):  # the first stream leaves the group warm
+            order = np.random.default_rng(rep).permutation(N).astype(np.uint64)
+            p.push(Schedule(1, f"p{rep}", FP, 1, order, None))
+            reader = p.attach(1, f"p{rep}", 0)
+            ring.restart(0, 4 << 20)
+            served: list[int] = []
+
+            def fetch() -> None:
+                for frame in fetch_shm(reader, ring, 1 << 20, Context(), None):
+                    header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
+                    served.append(len(header.lengths))
+                    segment.release(header.start + len(header.lengths))
+
+            thread = threading.Thread(target=fetch, daemon=True)
+            thread.start()
+            thread.join(timeout=30)
+            assert not thread.is_alive(), f"stream {rep} waited for a fuller frame after {sum(served)} entries"
+            assert sum(served) == N
+        assert reader.schedule.counters.snapshot()["direct"] > 0
+    finally:
+        p.close()
+        ring.close()

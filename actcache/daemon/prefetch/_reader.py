@@ -575,7 +575,7 @@ class ScheduleReader:
                             or self.state is ReaderState.FAILED and self.served not in self._slots)
 
                 def filled() -> bool:  # a frame's worth is ready, or no more is coming soon
-                    return (self._frame_filled() or over()
+                    return (self._frame_filled() or over() or self._parked  # parked: this consumer reads on
                             or self.state is not ReaderState.READING and self.ready >= min(self.read, self._end))
 
                 stalled, waited = False, 0.0
