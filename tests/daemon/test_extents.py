@@ -7,7 +7,7 @@ import pytest
 
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.daemon.config import StoreConfig
-from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess, stored_length
+from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess, present_keys, stored_length
 from actcache.daemon.store import Store
 from actcache.keys import encode_key, group_prefix
 
@@ -189,3 +189,31 @@ def test_a_warm_reader_copies_a_run_of_values_in_one_call_and_reads_a_run_due_fo
             assert session.copy_run(keys[:48]) is None  # lookup 128 is due: the first value is not cached
             assert not guess.warm  # explicit reads again until they find values cached
     assert store.read_counts()["cached_copies"] == (40 if explicit else 0)
+
+
+def test_presence_is_read_from_whole_leaf_pages_and_matches_a_lookup_per_key(tmp_path):
+    store = Store(StoreConfig(dir=tmp_path / "c", encoding="raw"))
+    ns = store.open_namespace("x").id
+    stored = [i for i in range(3, 900, 2)]  # gaps between stored ids, several leaf pages
+    store.put(ns, FP, 1, [(i, 0, entry(i, 3000 if i % 10 else 16)) for i in stored])  # some small, inline
+    store.put(ns, FP, 2, [(i, 0, entry(i, 3000)) for i in range(0, 900, 3)])  # another depth, interleaved
+    asked = [encode_key(ns, FP, 1, i) for i in [*range(0, 950), 5, 5, 2**63]]  # before, between, after, repeated
+    asked = [asked[i] for i in np.random.default_rng(0).permutation(len(asked))]
+    with store._env.begin(db=store._entries, buffers=True) as txn:
+        expected = [txn.cursor().set_key(key) for key in asked]
+        lookups = []
+        cursor = txn.cursor()
+        real_set_range = cursor.set_range
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(cursor, name)
+
+            def set_range(self, key):
+                lookups.append(key)
+                return real_set_range(key)
+
+        got = present_keys(Counting(), asked, store._file.page_size)
+    assert got == expected and sum(got) == len(stored) + 2
+    assert len(lookups) < len(stored) // 20  # one lookup per leaf page, not per key
+    store.close()

@@ -61,12 +61,13 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from actcache.keys import KEY_BYTES, sample_ids_of
 
-__all__ = ["Extent", "ExtentHints", "ReadSession", "ValueFile", "stored_length"]
+__all__ = ["Extent", "ExtentHints", "ReadSession", "ValueFile", "present_keys", "stored_length"]
 
 PAGE_HEADER_BYTES = 16
 _NODE = struct.Struct("<HHHH")  # lo, hi, flags, ksize
@@ -220,13 +221,13 @@ def _overflow_node(cursor, key: bytes) -> tuple[int, int] | None:
     return pgno, lo | hi << 16
 
 
-def _leaf_extents(cursor, page_size: int) -> list[tuple[bytes, "Extent"]]:
-    """The overflow extents of every value on the B-tree leaf page the cursor sits on, read from the
-    page itself: [] if the page is not recognized.
+def _leaf_nodes(cursor, page_size: int) -> list[tuple[bytes, int, int, int]]:
+    """``(key, flags, data size, first overflow page or -1)`` of every node, in key order, on the B-tree
+    leaf page the cursor sits on, read from the page itself: [] if the page is not recognized.
 
     LMDB's page layout: a 16-byte header (``pgno`` u64, ``pad``, ``flags``, ``lower``, ``upper`` u16;
-    ``P_LEAF`` = 2), then ``(lower - 16) / 2`` u16 offsets of its nodes; the map is page-aligned, so
-    the page starts at the node's address rounded down to ``page_size``.
+    ``P_LEAF`` = 2), then ``(lower - 16) / 2`` u16 offsets of its nodes, in key order; the map is
+    page-aligned, so the page starts at the node's address rounded down to ``page_size``.
     """
     node = _address(cursor.key()) - _NODE.size
     base = node - node % page_size
@@ -243,9 +244,46 @@ def _leaf_extents(cursor, page_size: int) -> list[tuple[bytes, "Extent"]]:
             return []
         lo, hi, node_flags, ksize = _NODE.unpack_from(page, at)
         end = at + _NODE.size + ksize
-        if node_flags & _F_BIGDATA and not node_flags & _F_SUBDATA_OR_DUP and end + _PGNO.size <= page_size:
-            (pgno,) = _PGNO.unpack_from(page, end)
-            out.append((page[at + _NODE.size : end], Extent(pgno * page_size + PAGE_HEADER_BYTES, lo | hi << 16)))
+        if end > page_size:
+            return []
+        big = node_flags & _F_BIGDATA and not node_flags & _F_SUBDATA_OR_DUP and end + _PGNO.size <= page_size
+        out.append((page[at + _NODE.size : end], node_flags, lo | hi << 16, _PGNO.unpack_from(page, end)[0] if big else -1))
+    keys = [key for key, *_ in out]
+    return out if all(a < b for a, b in zip(keys, keys[1:])) else []
+
+
+def _leaf_extents(cursor, page_size: int) -> list[tuple[bytes, "Extent"]]:
+    """The overflow extents of every value on the leaf page the cursor sits on ([] if not recognized)."""
+    return [(key, Extent(pgno * page_size + PAGE_HEADER_BYTES, size))
+            for key, _, size, pgno in _leaf_nodes(cursor, page_size) if pgno >= 0]
+
+
+def present_keys(cursor, keys: Sequence[bytes], page_size: int) -> list[bool]:
+    """Whether each of ``keys`` is stored, reading no value past its first page.
+
+    A lookup of a cold value waits for a random read of its first page (LMDB reads it), so keys are
+    looked up in order, and each lookup's whole leaf page answers for every key in its range: one
+    random read per leaf page (about 80 entries) instead of one per key. A page not recognized
+    answers for its own key only.
+    """
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    out = [False] * len(keys)
+    i = 0
+    while i < len(order):
+        key = keys[order[i]]
+        if not cursor.set_range(key):  # nothing at or after it: the rest are absent
+            break
+        # set_range lands on the smallest stored key >= key, so every key from `key` to the page's
+        # last one is stored exactly if it is on the page
+        page = [node[0] for node in _leaf_nodes(cursor, page_size)]
+        if not page:
+            out[order[i]] = bytes(cursor.key()) == key
+            i += 1
+            continue
+        last, on_page = page[-1], set(page)
+        while i < len(order) and keys[order[i]] <= last:
+            out[order[i]] = keys[order[i]] in on_page
+            i += 1
     return out
 
 

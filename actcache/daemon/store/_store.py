@@ -53,7 +53,7 @@ from actcache.codec import Codec, Encoding, compress_entry, verify_entry
 from actcache.daemon.store._access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.store._dirlock import DirLock
-from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
+from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile, present_keys
 from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
 from actcache.daemon.store._generations import (
     GEN_PREFIX_BYTES,
@@ -383,13 +383,13 @@ class Store:
 
     def contains(self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: "np.ndarray",
                  variants: "np.ndarray | None" = None) -> list[bool]:
-        """Whether each sample id (uint64 array; variants uint16 or None for 0) is stored; reads no value."""
+        """Whether each sample id (uint64 array; variants uint16 or None for 0) is stored; reads no value
+        past its first page, and a cold group costs one random read per leaf page (``present_keys``)."""
         keys = encode_keys(self.resolve(namespace_id), fingerprint, depth, sample_ids, variants)
         if keys:
             self.generations.read(keys[0][:GEN_PREFIX_BYTES])
         with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
-            cursor = txn.cursor()
-            return [cursor.set_key(key) for key in keys]
+            return present_keys(txn.cursor(), keys, self._file.page_size)
 
     def probe(self, keys: Sequence[bytes], hints: ExtentHints | None = None, start: int = 0) -> list[bool | None]:
         """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask
