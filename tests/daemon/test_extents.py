@@ -7,7 +7,8 @@ import pytest
 
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.daemon.config import StoreConfig
-from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess, present_keys, stored_length
+from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess
+from actcache.daemon.store._pages import present_keys, stored_length
 from actcache.daemon.store import Store
 from actcache.keys import encode_key, group_prefix
 

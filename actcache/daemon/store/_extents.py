@@ -8,12 +8,7 @@ time (``readahead=False``) or drags in an 8 MiB window around every fault
 one large explicit read per value near its full speed.
 
 How: a B-tree leaf node holds, right after its key, the number of the value's
-first overflow page and the value's size (LMDB's on-disk format: node header
-``lo, hi, flags, ksize`` as four u16, flag ``F_BIGDATA`` = 1; an overflow
-page starts with a 16-byte header whose first 8 bytes are its page number and
-whose flags hold ``P_OVERFLOW`` = 4). A positioned cursor's ``key()`` is a
-view into the leaf, so the node header sits just before it. The value then is
-``length`` bytes at file offset ``pgno * page_size + 16``. Every explicit read
+first overflow page and the value's size (read from the map: ``_pages``). Every explicit read
 checks the page header it reads (page number and overflow flag) and the
 caller verifies the entry checksum on the bytes it serves; whatever does not
 match is read again the plain way (a copy from the map), so a layout this
@@ -54,30 +49,19 @@ cannot reuse those pages underneath.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
+from actcache.daemon.store._pages import PAGE_HEADER_BYTES, is_overflow_page, leaf_nodes, overflow_node
 from actcache.keys import KEY_BYTES, sample_ids_of
 
-__all__ = ["Extent", "ExtentHints", "ReadSession", "ValueFile", "present_keys", "stored_length"]
+__all__ = ["Extent", "ExtentHints", "ReadSession", "ValueFile"]
 
-PAGE_HEADER_BYTES = 16
-_NODE = struct.Struct("<HHHH")  # lo, hi, flags, ksize
-_F_BIGDATA = 0x01
-_F_SUBDATA_OR_DUP = 0x02 | 0x04
-_P_LEAF = 0x02
-_P_OVERFLOW = 0x04
-_PGNO = struct.Struct("<Q")
-_PAGE_HEAD = struct.Struct("<QHH")  # pgno, pad, flags
-_PAGE_BOUNDS = struct.Struct("<QHHHH")  # pgno, pad, flags, lower (end of the node offsets), upper
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
@@ -92,6 +76,11 @@ class Extent:
     offset: int
     length: int
     inline: bytes | None = None
+
+    @classmethod
+    def at_page(cls, pgno: int, length: int, page_size: int) -> "Extent":
+        """A value of ``length`` bytes in the overflow pages from page ``pgno`` on."""
+        return cls(pgno * page_size + PAGE_HEADER_BYTES, length)
 
     @property
     def read_bytes(self) -> int:
@@ -158,14 +147,9 @@ class ValueFile:
             if n == 0:
                 return None, resident
             got += n
-        pgno, _, flags = _PAGE_HEAD.unpack_from(view)
-        if pgno * self.page_size != start or not flags & _P_OVERFLOW:
+        if not is_overflow_page(view, start, self.page_size):
             return None, resident
         return view[PAGE_HEADER_BYTES:], resident
-
-
-def _address(view: memoryview) -> int:
-    return np.frombuffer(view, np.uint8).__array_interface__["data"][0]  # .ctypes.data builds a ctypes object
 
 
 class PageCacheGuess:
@@ -207,84 +191,10 @@ class PageCacheGuess:
         self._streak = self._streak + 1 if resident else 0
 
 
-def _overflow_node(cursor, key: bytes) -> tuple[int, int] | None:
-    """(first overflow page, value size) from the leaf node the cursor sits on, or None if not recognized."""
-    key_view = cursor.key()
-    ksize = len(key_view)
-    head = ctypes.string_at(_address(key_view) - _NODE.size, _NODE.size + ksize + _PGNO.size)
-    lo, hi, flags, node_ksize = _NODE.unpack_from(head)
-    if node_ksize != ksize or head[_NODE.size : _NODE.size + ksize] != key:
-        return None
-    if not flags & _F_BIGDATA or flags & _F_SUBDATA_OR_DUP:
-        return None
-    (pgno,) = _PGNO.unpack_from(head, _NODE.size + ksize)
-    return pgno, lo | hi << 16
-
-
-def _leaf_nodes(cursor, page_size: int) -> list[tuple[bytes, int, int, int]]:
-    """``(key, flags, data size, first overflow page or -1)`` of every node, in key order, on the B-tree
-    leaf page the cursor sits on, read from the page itself: [] if the page is not recognized.
-
-    LMDB's page layout: a 16-byte header (``pgno`` u64, ``pad``, ``flags``, ``lower``, ``upper`` u16;
-    ``P_LEAF`` = 2), then ``(lower - 16) / 2`` u16 offsets of its nodes, in key order; the map is
-    page-aligned, so the page starts at the node's address rounded down to ``page_size``.
-    """
-    node = _address(cursor.key()) - _NODE.size
-    base = node - node % page_size
-    page = ctypes.string_at(base, page_size)
-    _, _, flags, lower, upper = _PAGE_BOUNDS.unpack_from(page)
-    if not flags & _P_LEAF or not PAGE_HEADER_BYTES <= lower <= upper <= page_size:
-        return []
-    offsets = struct.unpack_from(f"<{(lower - PAGE_HEADER_BYTES) // 2}H", page, PAGE_HEADER_BYTES)
-    if node - base not in offsets:
-        return []
-    out = []
-    for at in offsets:
-        if at + _NODE.size > page_size:
-            return []
-        lo, hi, node_flags, ksize = _NODE.unpack_from(page, at)
-        end = at + _NODE.size + ksize
-        if end > page_size:
-            return []
-        big = node_flags & _F_BIGDATA and not node_flags & _F_SUBDATA_OR_DUP and end + _PGNO.size <= page_size
-        out.append((page[at + _NODE.size : end], node_flags, lo | hi << 16, _PGNO.unpack_from(page, end)[0] if big else -1))
-    keys = [key for key, *_ in out]
-    return out if all(a < b for a, b in zip(keys, keys[1:])) else []
-
-
 def _leaf_extents(cursor, page_size: int) -> list[tuple[bytes, "Extent"]]:
     """The overflow extents of every value on the leaf page the cursor sits on ([] if not recognized)."""
-    return [(key, Extent(pgno * page_size + PAGE_HEADER_BYTES, size))
-            for key, _, size, pgno in _leaf_nodes(cursor, page_size) if pgno >= 0]
-
-
-def present_keys(cursor, keys: Sequence[bytes], page_size: int) -> list[bool]:
-    """Whether each of ``keys`` is stored, reading no value past its first page.
-
-    A lookup of a cold value waits for a random read of its first page (LMDB reads it), so keys are
-    looked up in order, and each lookup's whole leaf page answers for every key in its range: one
-    random read per leaf page (about 80 entries) instead of one per key. A page not recognized
-    answers for its own key only.
-    """
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    out = [False] * len(keys)
-    i = 0
-    while i < len(order):
-        key = keys[order[i]]
-        if not cursor.set_range(key):  # nothing at or after it: the rest are absent
-            break
-        # set_range lands on the smallest stored key >= key, so every key from `key` to the page's
-        # last one is stored exactly if it is on the page
-        page = [node[0] for node in _leaf_nodes(cursor, page_size)]
-        if not page:
-            out[order[i]] = bytes(cursor.key()) == key
-            i += 1
-            continue
-        last, on_page = page[-1], set(page)
-        while i < len(order) and keys[order[i]] <= last:
-            out[order[i]] = keys[order[i]] in on_page
-            i += 1
-    return out
+    return [(key, Extent.at_page(pgno, size, page_size)) for key, size, pgno in leaf_nodes(cursor, page_size)
+            if pgno >= 0]
 
 
 class ExtentHints:
@@ -313,7 +223,12 @@ class ExtentHints:
         self._lock = threading.Lock()
         self._sorted: np.ndarray | None = None  # made at the first lesson
         self._order = self._offsets = self._lengths = None
-        self.known = 0
+
+    @property
+    def known(self) -> int:
+        """Hints learned and not taken yet."""
+        with self._lock:
+            return 0 if self._offsets is None else int((self._offsets >= 0).sum())
 
     def take(self, key: bytes) -> Extent | None:
         """The learned extent of ``key`` (forgotten once taken), or None."""
@@ -327,7 +242,6 @@ class ExtentHints:
                 return None
             extent = Extent(int(self._offsets[at]), int(self._lengths[at]))
             self._offsets[at] = -1
-            self.known -= 1
             return extent
 
     def take_range(self, start: int, stop: int) -> list[Extent | None]:
@@ -336,7 +250,6 @@ class ExtentHints:
             if self._sorted is None:
                 return [None] * (stop - start)
             offsets, lengths = self._offsets[start:stop].tolist(), self._lengths[start:stop].tolist()
-            self.known -= sum(o >= 0 for o in offsets)
             self._offsets[start:stop] = -1
         return [Extent(o, n) if o >= 0 else None for o, n in zip(offsets, lengths)]
 
@@ -353,7 +266,6 @@ class ExtentHints:
             at = self._positions([key for key, _ in mine])
             for i, (_, extent) in zip(at.tolist(), mine):
                 if i >= 0:
-                    self.known += int(self._offsets[i] < 0)
                     self._offsets[i], self._lengths[i] = extent.offset, extent.length
 
     def _positions(self, keys: list[bytes]) -> np.ndarray:
@@ -364,14 +276,6 @@ class ExtentHints:
         mine = self._sorted[found] == ids
         mine &= (variants == 0) if self._variants is None else (self._variants[at] == variants)
         return np.where(mine, at, -1)
-
-
-def stored_length(cursor, key: bytes) -> int | None:
-    """Size of the value under ``key`` (None if absent) without reading the value's pages past the first."""
-    if not cursor.set_key(key):
-        return None
-    node = _overflow_node(cursor, key)
-    return node[1] if node is not None else len(cursor.value())
 
 
 class ReadSession:
@@ -402,9 +306,9 @@ class ReadSession:
             if self._guess is not None and self._guess.use_map():
                 self.cached_copies += 1
             else:
-                node = _overflow_node(cursor, key)
+                node = overflow_node(cursor, key)
                 if node is not None:
-                    return Extent(node[0] * self._file.page_size + PAGE_HEADER_BYTES, node[1])
+                    return Extent.at_page(*node, self._file.page_size)
         value = cursor.value()
         return Extent(-1, len(value), bytes(value))
 
@@ -417,11 +321,11 @@ class ReadSession:
         if not self._cursor.set_key(key):
             return None
         hints.learn(_leaf_extents(self._cursor, self._file.page_size))
-        node = _overflow_node(self._cursor, key)
+        node = overflow_node(self._cursor, key)
         if node is None:  # a small value inside its leaf, or a node not recognized
             return self.locate(key)
         hints.take(key)  # its own, learned with its page
-        return Extent(node[0] * self._file.page_size + PAGE_HEADER_BYTES, node[1])
+        return Extent.at_page(*node, self._file.page_size)
 
     def run_views(self, keys: list[bytes]) -> list[memoryview | None] | None:
         """The values of ``keys`` (None per missing key) as views into the map, valid while this session
@@ -445,9 +349,9 @@ class ReadSession:
         """Whether the first stored value of ``keys`` is in the page cache (told to the guess)."""
         for key in keys:
             if self._cursor.set_key(key):
-                node = _overflow_node(self._cursor, key)
+                node = overflow_node(self._cursor, key)
                 resident = True if node is None else self._file.resident(
-                    Extent(node[0] * self._file.page_size + PAGE_HEADER_BYTES, node[1]))
+                    Extent.at_page(*node, self._file.page_size))
                 self._guess.saw(resident)
                 return bool(resident)
         return True

@@ -13,7 +13,7 @@ import struct
 from typing import TYPE_CHECKING, Iterable
 
 from actcache.codec import verify_entry
-from actcache.daemon.store._extents import stored_length
+from actcache.daemon.store._pages import stored_length
 from actcache.daemon.store._records import NamespaceInfo, PutResult
 from actcache.daemon.store._generations import GEN_PREFIX_BYTES, Generation, ReclaimPlan, read_write_time, write_time
 from actcache.daemon.store._writer import WriteOp

@@ -53,7 +53,8 @@ from actcache.codec import Codec, Encoding, compress_entry, verify_entry
 from actcache.daemon.store._access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.store._dirlock import DirLock
-from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile, present_keys
+from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
+from actcache.daemon.store._pages import present_keys
 from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
 from actcache.daemon.store._generations import (
     GEN_PREFIX_BYTES,
