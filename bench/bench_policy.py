@@ -3,7 +3,8 @@
     python bench/bench_policy.py [--evaluations 200] [--seeds 5] [--window 10] [--json PATH] [--no-schemes]
 
 No training: each stage of a small staged model is a 64->32 Linear layer
-with dropout 0.1 whose weights the script sets at every step, following a
+with dropout 0.1 (then a fixed random 32->64 projection to the next stage;
+the stage judged is both) whose weights the script sets at every step, following a
 trajectory in weight space (a rotation between two orthogonal weight
 matrices of equal norm, plus fresh jitter of 1% each step):
 
@@ -13,16 +14,16 @@ matrices of equal norm, plus fresh jitter of 1% each step):
 
 The real ``FreezeController`` runs ``EgeriaPolicy`` (W=10, bootstrapping
 off) on it with one evaluation per step and the real reference process
-(dynamic int8, so the readings carry int8 error; dropout in the training
-forward adds its own floor). Unlike a training run, each evaluation waits
+(dynamic int8; the readings compare eval-mode snapshots, so the dropout of
+the training forward is not in them). Unlike a training run, each evaluation waits
 for the reading of the previous probe, so every evaluation gets one and the
 figures do not depend on the machine's load.
 
 - ``egeria_false_freezes``: freezes among four drifting stages (+ head) in
   ``--evaluations`` evaluations, summed over the seeds. Target 0.
 - ``egeria_freeze_delay``: for a converging stage, evaluations between the
-  evaluation where its drift (the reading's mean over 16 batches, jitter and
-  dropout draws: the reading without its sampling noise), smoothed over W
+  evaluation where its drift (the reading's mean over 16 batches and jitter
+  draws: the reading without its sampling noise), smoothed over W
   like the policy's readings, falls below the policy's T, and the evaluation
   that freezes it; the median over the seeds (the largest printed above
   it). Target <= W. The delay
@@ -32,24 +33,28 @@ figures do not depend on the machine's load.
 Before the figures, ``--schemes`` (default on) prints the experiment behind
 the rule (client/actcache_client/freeze/egeria.py): the same trajectories
 read in-process against references refreshed every W or of constant age,
-tested by the old slope rule (re-implemented here) or by the level rule.
-Sample output (2 shared cores, ~2 min):
+tested by the old slope rule (re-implemented here) or by the level rule;
+"minus age 0" takes a same-batch floor off a reading against the training
+forward (the reading before the current one), "eval vs eval" compares two
+snapshots (the current one). Sample output (2 shared cores, 25 s):
 
     scheme                        test   drifting: first (count)   converging            still
     refresh every W               slope  16 22 13 16 26 (32)         18 32 13 18 26 (39)  ...
     ...
     constant age 5, minus age 0   level  - - - - - (0)               42 34 40 45 41 (21)  ...
+    constant age 5, eval vs eval  level  - - - - - (0)               41 38 41 40 40 (6)   - - - - - (0)
     drifting: seed 0: 0 freezes of 4 stages in 200 evaluations ...
-    converging: seed 0: drift below T=0.000117 at evaluation 31 (unsmoothed 25), frozen at 41: delay 10 ...
-    egeria_freeze_delay: median 12, largest 17, W = 10
+    converging: seed 0: drift below T=0.000137 at evaluation 35 (unsmoothed 31), frozen at 44: delay 9 ...
+    egeria_freeze_delay: median 9, largest 10, W = 10
     figure: egeria_false_freezes = 0
-    figure: egeria_freeze_delay = 12
+    figure: egeria_freeze_delay = 9
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import math
 import statistics
@@ -184,35 +189,33 @@ def run_controller(kind: str, count: int, seed: int, evaluations: int, window: i
             ctl.step()  # evaluation t + 1 (step t + 1): snapshot of the weights of t + 1
         records = [r for r in ctl.timeline.records if r["event"] == "evaluation"]
         return {"records": records, "changes": ctl.changes, "trajectories": trajectories,
+                "stages": [copy.deepcopy(stage) for stage in staged.stages[:-1]],
                 "stats": ctl.reference_stats}
 
 
-def expected_drift(trajectory: Trajectory, evaluations: int, age: int, window: int,
+def expected_drift(trajectory: Trajectory, stage: nn.Module, evaluations: int, age: int, window: int,
                    draws: int = 16) -> tuple[list, list]:
-    """Per evaluation step s, the mean over ``draws`` batches of the reading the policy gets there (the
-    weights of s - 1, jittered, in train mode, against int8 references of s - 1 - age and s - 1), the first
-    at s = age + 2; and its moving average over W: the drift without the sampling noise of one reading."""
+    """Per evaluation step s, the mean over ``draws`` batches and jitters of the reading the policy gets
+    there (int8 references of ``stage``, the judged stage with its projection, with the weights of s - 1 -
+    age and s - 1, jittered), the first at s = age + 2; and its moving average over W: the drift without
+    the sampling noise of one reading."""
     g = torch.Generator().manual_seed(7)
 
     def jitter(g: torch.Generator) -> torch.Tensor:
         return trajectory.jitter * torch.randn(D_OUT, D_IN, generator=g) / math.sqrt(D_IN)
 
-    stage, ref_old, ref_now = SyntheticStage(), SyntheticStage().eval(), SyntheticStage().eval()
-    stage.train()
+    ref_old, ref_now = copy.deepcopy(stage).eval(), copy.deepcopy(stage).eval()
+    synthetic = [next(m for m in ref.modules() if isinstance(m, SyntheticStage)) for ref in (ref_now, ref_old)]
     raw: list[float | None] = [None] * min(evaluations + 1, age + 2)
     with torch.no_grad():
         for s in range(age + 2, evaluations + 1):
             total = 0.0
             for _ in range(draws):
                 x = torch.randn(BATCH, D_IN, generator=g)
-                now = trajectory.clean(s - 1) + jitter(g)
-                old = trajectory.clean(s - 1 - age) + jitter(g)
-                stage.linear.weight.copy_(now)
-                ref_now.linear.weight.copy_(now)
-                ref_old.linear.weight.copy_(old)
-                a = stage(x)
-                total += (sp_loss(a, build_reference(ref_old, "dynamic_int8", x, repeats=0).run(x))
-                          - sp_loss(a, build_reference(ref_now, "dynamic_int8", x, repeats=0).run(x)))
+                synthetic[0].linear.weight.copy_(trajectory.clean(s - 1) + jitter(g))
+                synthetic[1].linear.weight.copy_(trajectory.clean(s - 1 - age) + jitter(g))
+                total += sp_loss(build_reference(ref_now, "dynamic_int8", x, repeats=0).run(x),
+                                 build_reference(ref_old, "dynamic_int8", x, repeats=0).run(x))
             raw.append(total / draws)
     smoothed, seen = [], []
     for value in raw:
@@ -297,6 +300,8 @@ def scheme_reading(name: str, trajectory: list[torch.Tensor], t: int, snap: int,
         return p(t - age) if t >= age else None
     if name == "constant age 5, minus age 0":
         return p(t - age) - p(t) if t >= age else None
+    if name == "constant age 5, eval vs eval":
+        return sp_loss(x @ _quantized(trajectory[t]).T, x @ _quantized(trajectory[t - age]).T) if t >= age else None
     raise ValueError(name)
 
 
@@ -308,8 +313,8 @@ def schemes_table(evaluations: int, seeds: int, window: int) -> list[dict]:
     rows = []
     for test, rule in (("slope", SlopeRule(window)), ("level", LevelRule(window))):
         for name in ("refresh every W", "refresh, reading / age", "refresh, (p - p0) / age", "constant age 5",
-                     "constant age 5, minus age 0"):
-            if test == "slope" and name == "refresh, (p - p0) / age":
+                     "constant age 5, minus age 0", "constant age 5, eval vs eval"):
+            if test == "slope" and name in ("refresh, (p - p0) / age", "constant age 5, eval vs eval"):
                 continue
             row = {"scheme": name, "test": test}
             for kind in KINDS:
@@ -368,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
             delays.append(math.inf)
             continue
         at, threshold = freeze["step"], freeze["threshold"]
-        raw, smoothed = expected_drift(run["trajectories"][0], at, freeze["reference_age"], args.window)
+        raw, smoothed = expected_drift(run["trajectories"][0], run["stages"][0], at, freeze["reference_age"],
+                                       args.window)
         below = next(s for s, v in enumerate(smoothed) if v is not None and v < threshold)
         below_raw = next(s for s, v in enumerate(raw) if v is not None and v < threshold)
         delays.append(at - below)

@@ -101,7 +101,7 @@ def test_a_schedule_freezes_at_its_step_in_one_go_and_writes_the_timeline(tmp_pa
     assert records[-1]["active_param_share"] == pytest.approx(sum(counts[2:]) / sum(counts))
     assert records[1]["frozen"] == 1 and records[0]["active_param_share"] == 1.0
     assert {"step", "epoch", "stage", "signal", "smoothed", "threshold", "decision", "lr", "active_param_share",
-            "rewrap_s", "plasticity_raw", "plasticity_floor", "reference_age"} <= set(records[0])
+            "rewrap_s", "reference_age"} <= set(records[0])
     assert records == ctl.timeline.records
 
 
@@ -295,11 +295,11 @@ class DropoutStage(nn.Module):
         return self.dropout(self.linear(x))
 
 
-def test_plasticity_compares_snapshots_of_constant_age_with_the_floor_taken_off(monkeypatch):
+def test_plasticity_compares_snapshots_of_constant_age_in_eval_mode(monkeypatch):
     # A snapshot at every evaluation; the probe on the step after evaluation k is read against snapshots
     # k - age and k. With the weights held still the two are the same weights, so the reading is exactly 0
-    # although dropout in the training forward puts a floor under the SP loss; when the stage moves, the
-    # reading is what it gained over `age` evaluations, never more for an older snapshot.
+    # although dropout is active in the training forward (the reading does not use it); when the stage
+    # moves, the reading is what it changed over `age` evaluations.
     from actcache_client.freeze import EgeriaConfig, EgeriaPolicy
     from actcache_client.freeze.reference import ReferenceWorker
 
@@ -342,8 +342,6 @@ def test_plasticity_compares_snapshots_of_constant_age_with_the_floor_taken_off(
     first = min(r["step"] for r in still)
     assert first == 2 * (3 + 1) + 2  # snapshots at evaluations 1..4 (age 3: W / 2), probe at step 9, read at 10
     assert all(r["reference_age"] == 3 for r in still + moving)
-    assert all(r["plasticity_floor"] > 0 and r["plasticity"] == 0.0 for r in still)
-    for r in still + moving:
-        assert r["plasticity"] == pytest.approx(r["plasticity_raw"] - r["plasticity_floor"], abs=1e-15)
+    assert still and all(r["plasticity"] == 0.0 for r in still)
     late = [r["plasticity"] for r in moving if r["step"] > 20 + 2 * 2 * 3 + 2]  # both snapshots moving ones
-    assert len(late) >= 5 and sum(late) / len(late) > 0  # single readings scatter with dropout, the mean does not
+    assert len(late) >= 5 and all(p > 0 for p in late)

@@ -2,25 +2,25 @@
 
 Inbox, in order: ``Snapshot`` (the frontmost active stage at one evaluation:
 the first of a generation carries the pickled module, later ones its
-``state_dict`` in shared memory), ``Probe`` (that stage's input and the
-training model's output for one batch, taken on the step after evaluation
-``index``), ``Stop``. Outbox: exactly one ``Reading`` or ``Dropped`` for
-every probe, ``Built`` when a generation's first reference is built,
-``Failed`` (then the process exits) on any error.
+``state_dict`` in shared memory), ``Probe`` (that stage's input for one
+batch, taken on the step after evaluation ``index``), ``Stop``. Outbox:
+exactly one ``Reading`` or ``Dropped`` for every probe, ``Built`` when a
+generation's first reference is built, ``Failed`` (then the process exits)
+on any error.
 
-A reading compares the probe's output with two snapshots of the stage: the
-one of the probe's own evaluation (age 0: the same weights, so the SP loss
-is only the floor of the measurement: train vs eval mode, dropout, int8
-error) and the one ``age`` evaluations older::
+A reading runs the probe's input through two snapshots of the stage, both
+in eval mode at the same precision: the one of the probe's own evaluation
+and the one ``age`` evaluations older::
 
-    raw = sp_loss(A_T, ref[index - age](x));  floor = sp_loss(A_T, ref[index](x))
-    plasticity = raw - floor
+    plasticity = sp_loss(ref[index](x), ref[index - age](x))
 
-A snapshot's reference is built once, lazily, on its first use (which also
-calibrates static int8) and kept until no later probe can need it (indices
-below ``index - age`` of the latest probe or snapshot). Under ``precision="auto"`` the choice is made on a
-stage's first build and kept for its later snapshots, so candidates are
-timed once per stage.
+It is exactly 0 for identical weights: every reference of a generation is
+calibrated on the same batch (the input of its first probe), so static int8
+rounds identical weights identically. A snapshot's reference is built once,
+lazily, on its first use and kept until no later probe can need it (indices
+below ``index - age`` of the latest probe or snapshot). Under
+``precision="auto"`` the choice is made on a stage's first build and kept
+for its later snapshots, so candidates are timed once per stage.
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ class Probe:
     index: int  # the snapshot taken at the evaluation just before the probed step
     step: int
     inputs: State
-    output: State
 
 
 @dataclass(frozen=True)
@@ -76,9 +75,7 @@ class Reading:
     stage: int
     step: int
     index: int
-    plasticity: float  # raw - floor
-    raw: float  # against the snapshot ``age`` evaluations old
-    floor: float  # against the snapshot of the probe's own evaluation
+    plasticity: float  # SP loss between the references ``age`` evaluations apart
     age: int
     seconds: float
 
@@ -126,6 +123,7 @@ class _Generation:
         self.module: torch.nn.Module = pickle.loads(first.payload)
         self.states: dict[int, dict[str, torch.Tensor] | None] = {first.index: None}  # None: the module as sent
         self.runs: dict[int, Callable[[State], State]] = {}
+        self.calibration: State | None = None  # the first probe's input: every build calibrates on it
 
     def add(self, snapshot: Snapshot) -> None:
         self.states[snapshot.index] = snapshot.state
@@ -139,10 +137,12 @@ class _Generation:
         if state is not None:
             module.load_state_dict(state)
         stage = self.first.stage
+        if self.calibration is None:
+            self.calibration = example
         if stage in chosen:
-            built = build_reference(module, chosen[stage], example, repeats=0)
+            built = build_reference(module, chosen[stage], self.calibration, repeats=0)
         else:
-            built = build_reference(module, self.first.precision, example)
+            built = build_reference(module, self.first.precision, self.calibration)
             chosen[stage] = built.precision
             outbox.put(Built(self.first.generation, index, stage, built.precision, built.ms_per_batch,
                              built.error_vs_fp32, built.notes, built.ms_per_build))
@@ -192,8 +192,7 @@ def _serve(inbox, outbox, parent_pid: int) -> None:
         new = current.reference(probe.index, probe.inputs, chosen, outbox)
         start = time.perf_counter()
         with torch.no_grad():
-            raw = sp_loss(probe.output, old(probe.inputs))
-            floor = sp_loss(probe.output, new(probe.inputs))
-        outbox.put(Reading(probe.generation, current.first.stage, probe.step, probe.index, raw - floor, raw, floor,
-                           age, time.perf_counter() - start))
+            plasticity = sp_loss(new(probe.inputs), old(probe.inputs))
+        outbox.put(Reading(probe.generation, current.first.stage, probe.step, probe.index, plasticity, age,
+                           time.perf_counter() - start))
         current.prune(probe.index - age)

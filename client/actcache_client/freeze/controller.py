@@ -2,7 +2,7 @@
 
 A training step with the controller::
 
-    out = cached(batch.ids, x, variant=batch.variant)   # probe steps: stage s's input/output captured
+    out = cached(batch.ids, x, variant=batch.variant)   # probe steps: stage s's input captured
     loss = F.cross_entropy(out, y)
     opt.zero_grad(); loss.backward()
     opt.step()              # pre-hook: ctl.after_backward(): frozen grads -> None, grad sums if needed
@@ -23,7 +23,7 @@ never rebuilt: active parameters keep their state, frozen ones get
 The reference process (plasticity policies, rank 0 only) starts once the
 policy leaves bootstrapping; from then on the frontmost stage is snapshot at
 every evaluation, and one probe per evaluation interval is captured on the
-step after an evaluation by forward hooks on the frontmost stage. The
+step after an evaluation by a forward pre-hook on the frontmost stage. The
 reference's ``max_cpu_percent="auto"`` is resolved from the model's device.
 """
 
@@ -239,8 +239,6 @@ class FreezeController:
             "stage_name": self.cached.model.stage_names[signals.frozen], "signal": signal, "value": value,
             "loss": signals.loss, "plasticity": signals.plasticity,
             "plasticity_step": reading.step if reading is not None else None,
-            "plasticity_raw": reading.raw if reading is not None else None,
-            "plasticity_floor": reading.floor if reading is not None else None,
             "reference_age": reading.age if reading is not None else None,
             "grad_norm": signals.grad_norms[signals.frozen] if signals.grad_norms else None,
             "smoothed": numbers.get("smoothed"), "threshold": numbers.get("threshold"),

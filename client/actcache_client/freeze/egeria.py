@@ -5,7 +5,7 @@ Per evaluation, for the frontmost active stage ``s == signals.frozen``::
     bootstrapping --(smoothed loss changes < bootstrap_threshold per interval)--> knowledge-guided   (one way)
 
     knowledge-guided, per reading p of stage s (the plasticity it gained over the last
-    `age` evaluations, floor taken off: reference.py):
+    `age` evaluations: the SP loss between two eval-mode snapshots, reference.py):
       smoothed = mean(last W readings)                                   (Eq. 2)
       T[s]     = tolerance_fraction * max |smoothed| of s so far; the first tolerance_readings
                  values only calibrate it (again after every unfreeze: see below)
@@ -57,13 +57,14 @@ divisor fits both, and within each snapshot's life the divided reading
 still ramps; it froze converging stages a few evaluations later than a
 constant age did and still ones anywhere from 12 to 138 evaluations in,
 depending on where in the sawtooth calibration fell. A constant age needs
-no model of how the SP loss scales. And a raw level never falls: the
-reading has a floor even for identical weights (train vs eval mode,
-dropout, int8 error), so each reading subtracts the same batch's SP loss
-against a snapshot of the stage's current weights. Measured on ResNet-20's
-stem training on the digits (every step an evaluation), that floor is 1e-8
-to 1e-6 per batch, as large as the signal late in training; the difference
-falls from ~2e-6 to ~2e-7 before the first LR drop and to ~0 after it.
+no model of how the SP loss scales. A level test needs readings without a
+floor: the training forward's output (train mode: BatchNorm's batch
+statistics, dropout) differs from any eval-mode snapshot even for
+identical weights, by 1e-8 to 1e-6 per batch on ResNet-20's stem (as large
+as the signal late in training), so both sides of a reading are eval-mode
+snapshots (reference.py has the measurement). In the table above, the
+"minus age 0" rows took the floor off on the same batch instead, the
+reading before this one.
 
 T is 20% of the stage's early readings (§4.2.2), now of the plasticity
 gained per span rather than of a fitted slope, and it follows the largest

@@ -5,7 +5,7 @@ Timeline of one evaluation interval (n = eval_every steps)::
     evaluation k  ->  interval_done(): start the reference process once the policy has left
                       bootstrapping (snapshot 0 of the frontmost stage), else send snapshot k
                       of the frontmost stage (its weights now, after step k*n)
-    step k*n + 1  ->  forward hooks on the frontmost active stage copy its input and output
+    step k*n + 1  ->  a forward pre-hook on the frontmost active stage copies its input
                       (armed by arm() at the end of the previous step, once snapshot k - age
                       exists, if the queue has room and the CPU is not busy: otherwise the
                       interval's probe is skipped, counted)
@@ -38,32 +38,27 @@ log = logging.getLogger("actcache_client.freeze")
 
 
 class _Capture:
-    """Forward hooks copying one training forward's input and output of a stage to shared memory."""
+    """A forward pre-hook copying a stage's input in one training forward to shared memory."""
 
     def __init__(self, stage: nn.Module, rows: int | None, index: int) -> None:
         self.rows = rows
         self.index = index  # the snapshot taken just before this forward
         self.inputs: Any = None
-        self.output: Any = None
-        self._handles = [stage.register_forward_pre_hook(self._pre), stage.register_forward_hook(self._post)]
+        self._handle: Any = stage.register_forward_pre_hook(self._pre)
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
-        if module.training and self.inputs is None:  # eval-mode (validation) passes are not probed
+        if module.training:  # eval-mode (validation) passes are not probed
             self.inputs = to_shared(args[0], self.rows)
-
-    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if module.training and self.inputs is not None and self.output is None:
-            self.output = to_shared(output, self.rows)
             self.remove()
 
     @property
     def done(self) -> bool:
-        return self.output is not None
+        return self.inputs is not None
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
 
 class PlasticityProbe:
@@ -102,7 +97,7 @@ class PlasticityProbe:
         capture = self._capture
         if capture is not None and capture.done:
             self._capture = None
-            self.worker.submit(self._generation, capture.index, step, capture.inputs, capture.output)
+            self.worker.submit(self._generation, capture.index, step, capture.inputs)
 
     def arm(self) -> None:
         """Capture the next training forward, once per interval, if a reading can come of it."""

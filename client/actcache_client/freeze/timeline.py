@@ -5,8 +5,7 @@ Record kinds (``event``):
 - ``evaluation``: one policy observation: step, epoch, stage (the frontmost
   active stage judged), stage_name, signal and value (the policy's main
   signal: plasticity, eta or loss), loss, plasticity, plasticity_step,
-  plasticity_raw and plasticity_floor (the SP losses behind a plasticity
-  reading), reference_age, grad_norm, smoothed, threshold, decision,
+  reference_age, grad_norm, smoothed, threshold, decision,
   reason, lr, frozen (after the decision),
   active_param_share (after), rewrap_s (DDP re-wrap seconds when the depth
   changed), numbers (everything the policy reported) and reference counters.
