@@ -1,5 +1,11 @@
 """Per-stage norms of the gradients summed over an evaluation interval (AutoFreeze §3.1, Δ_T).
 
+The norm is L1: the paper writes ``||Δ||`` without saying which, and its
+authors' implementation (uwsampl/AutoFreeze, ``freeze_intermediate_e2e_lr.py``)
+sums ``torch.norm(Δ, p=1)`` over a layer's parameters. L1 weighs every
+parameter's change alike; L2 lets a layer's few largest gradient entries
+(a LayerNorm's, an embedding row's) decide its eta.
+
 ``add()`` runs once per optimizer step, after backward (and after DDP's
 all-reduce, so every rank sums the same gradients); ``norms()`` closes the
 interval. Cost: one buffer per active parameter and one in-place add per
@@ -57,14 +63,14 @@ class GradNormAccumulator:
         self.steps += 1
 
     def norms(self) -> list[float] | None:
-        """One norm per stage (nan for frozen stages), or None if nothing was added; starts a new interval."""
+        """One L1 norm per stage (nan for frozen stages), or None if nothing was added; starts a new interval."""
         if self.steps == 0:
             return None
-        squares: list[torch.Tensor] = []
+        totals: list[torch.Tensor] = []
         for params in self._stages[self._frozen:]:
-            parts = [self._sums[id(p)].float().pow(2).sum() for p in params if id(p) in self._sums]
-            squares.append(torch.stack(parts).sum() if parts else torch.zeros(()))
-        values = torch.stack(squares).sqrt().tolist() if squares else []
+            parts = [self._sums[id(p)].float().abs().sum() for p in params if id(p) in self._sums]
+            totals.append(torch.stack(parts).sum() if parts else torch.zeros(()))
+        values = torch.stack(totals).tolist() if totals else []
         self._sums = {}
         self.steps = 0
         return [math.nan] * self._frozen + values
