@@ -97,6 +97,7 @@ class Built:
     error_vs_fp32: dict[str, float]
     notes: list[str] = field(default_factory=list)
     ms_per_build: dict[str, float] = field(default_factory=dict)
+    drift_reading: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class _Generation:
             built = build_reference(module, self.first.precision, self.calibration)
             chosen[stage] = built.precision
             outbox.put(Built(self.first.generation, index, stage, built.precision, built.ms_per_batch,
-                             built.error_vs_fp32, built.notes, built.ms_per_build))
+                             built.error_vs_fp32, built.notes, built.ms_per_build, built.drift_reading))
         self.runs[index] = built.run
         return built.run
 

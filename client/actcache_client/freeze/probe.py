@@ -169,8 +169,8 @@ class PlasticityProbe:
         if first:
             self.timeline.write({"event": "reference", "step": step, "stage": built.stage,
                                  "precision": built.precision, "ms_per_batch": built.ms_per_batch,
-                                 "ms_per_build": built.ms_per_build,
-                                 "error_vs_fp32": built.error_vs_fp32, "notes": built.notes})
+                                 "ms_per_build": built.ms_per_build, "error_vs_fp32": built.error_vs_fp32,
+                                 "drift_reading": built.drift_reading, "notes": built.notes})
 
     def close(self) -> None:
         self._drop_capture()
