@@ -241,7 +241,8 @@ def build_reference(module: nn.Module, precision: str, example: State, *, repeat
             built[name] = fn
         if not built:
             raise ReferenceModelFailed(f"no reference precision works for this stage: {'; '.join(notes)}")
-        drift = _resolve(module, built, example, notes) if precision == "auto" and "fp32" in built else {}
+        compared = precision == "auto" and "fp32" in built and len(built) > 1
+        drift = _resolve(module, built, example, notes) if compared else {}
         runs: dict[str, list[float]] = {name: [] for name in built}
         builds: dict[str, list[float]] = {name: [] for name in built}
         for _ in range(repeats):
