@@ -313,7 +313,9 @@ def test_what_a_parked_reader_read_is_served_at_once_not_after_waiting_for_a_ful
     from actcache.daemon.prefetch import _reader
 
     monkeypatch.setattr(_reader, "_LINGER_S", 60.0)  # a wait for a fuller frame would now outlast the test
-    p = Prefetcher(store, PrefetchConfig(prefetch_bytes=8 << 20, decode_threads=1))
+    # 2 MiB: the reader holds at most ~320 of the N positions, so however far it runs before the Fetch
+    # starts (a loaded machine), the rest of the stream is served by the Fetch's direct runs.
+    p = Prefetcher(store, PrefetchConfig(prefetch_bytes=2 << 20, decode_threads=1))
     ring = ShmRing(4 << 20, 0, directory=tmp_path)
     segment = ClientSegment(str(ring.path))
     try:
