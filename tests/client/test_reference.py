@@ -76,7 +76,7 @@ def test_a_reading_compares_snapshots_age_apart_on_the_same_batch_and_is_zero_fo
         expected = sp_loss(frozen_copies[2](x), frozen_copies[0](x))
     assert (moved.step, moved.index, moved.age, moved.stage) == (6, 2, 2, 0)
     assert moved.plasticity == pytest.approx(expected, rel=1e-6) and moved.plasticity > 0
-    # The training forward (BatchNorm's batch statistics) is not part of a reading: identical weights read 0.
+    # Both sides of a reading are eval-mode references, so identical weights read exactly 0 (no train-mode floor).
     assert (still.step, still.index) == (7, 3) and still.plasticity == 0.0
     built = next(m for m in messages if isinstance(m, Built))
     assert built.precision == "fp32" and built.ms_per_batch["fp32"] > 0
