@@ -189,7 +189,7 @@ def run_controller(kind: str, count: int, seed: int, evaluations: int, window: i
             ctl.step()  # evaluation t + 1 (step t + 1): snapshot of the weights of t + 1
         records = [r for r in ctl.timeline.records if r["event"] == "evaluation"]
         return {"records": records, "changes": ctl.changes, "trajectories": trajectories,
-                "stages": [copy.deepcopy(stage) for stage in staged.stages[:-1]],
+                "stage": copy.deepcopy(staged.stages[0]),
                 "stats": ctl.reference_stats}
 
 
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             delays.append(math.inf)
             continue
         at, threshold = freeze["step"], freeze["threshold"]
-        raw, smoothed = expected_drift(run["trajectories"][0], run["stages"][0], at, freeze["reference_age"],
+        raw, smoothed = expected_drift(run["trajectories"][0], run["stage"], at, freeze["reference_age"],
                                        args.window)
         below = next(s for s, v in enumerate(smoothed) if v is not None and v < threshold)
         below_raw = next(s for s, v in enumerate(raw) if v is not None and v < threshold)

@@ -134,7 +134,7 @@ def test_auto_keeps_fp32_unless_a_candidate_wins_every_round_by_a_clear_margin(m
 
     timings["int8"] = iter(int8_ms)
     monkeypatch.setattr(quantize, "_time", scripted)
-    monkeypatch.setattr(quantize, "_resolve", lambda module, built, example, notes: {})  # timing alone decides
+    monkeypatch.setattr(quantize, "_resolve", lambda module, built, outputs, example, notes: {})  # timing alone decides
     monkeypatch.setattr(quantize, "_build_ms", lambda module, precision, example: 0.0)
     built = build_reference(stage, "auto", x, repeats=5)
     assert built.precision == expected and set(built.ms_per_batch) == {"fp32", "dynamic_int8"}
@@ -156,7 +156,7 @@ def test_auto_counts_the_build_a_reading_needs(monkeypatch):
         return fn
 
     monkeypatch.setattr(quantize, "_build", build)
-    monkeypatch.setattr(quantize, "_resolve", lambda module, built, example, notes: {})  # timing alone decides
+    monkeypatch.setattr(quantize, "_resolve", lambda module, built, outputs, example, notes: {})  # timing alone decides
     monkeypatch.setattr(quantize, "_build_ms",
                         lambda module, precision, example: {"fp32": 0.0, "static_int8": 200.0, "bf16": 3.0}[precision])
     built = build_reference(stage, "auto", x, repeats=3)

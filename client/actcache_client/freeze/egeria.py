@@ -31,7 +31,9 @@ tries the alternatives on synthetic stages (a 64->32 linear layer with
 dropout 0.1 in the training forward, rotated in weight space at a constant
 rate, converging, or still, with 1% jitter per step; real ``sp_loss``
 against int8-rounded references; W=10, 5 seeds, 200 evaluations; a stage
-that freezes is judged afresh). First freeze per seed (all freezes):
+that freezes is judged afresh; "minus age 0" takes a same-batch floor off,
+"eval vs eval" compares two references, the reading now used). First
+freeze per seed (all freezes):
 
     reference                    test    drifting            converging          still
     refreshed every W (before)   slope   16 22 13 16 26 (32) 18 32 13 18 26 (39) 15 17 13 15 15 (30)
@@ -43,6 +45,7 @@ that freezes is judged afresh). First freeze per seed (all freezes):
     refreshed, (p - p0) / age    level   never               48 38 40 48 40 (36) 138 12 91 18 12 (27)
     constant age 5               level   never               never               never
     constant age 5, minus age 0  level   never               42 34 40 45 41 (21) 38 17 25 17 49 (21)
+    constant age 5, eval vs eval level   never               41 38 41 40 40 (6)  never
 
 Any slope test freezes a stage that keeps moving at a constant rate: against
 a reference of constant age such a stage gives a flat reading (the distance
@@ -62,9 +65,7 @@ floor: the training forward's output (train mode: BatchNorm's batch
 statistics, dropout) differs from any eval-mode snapshot even for
 identical weights, by 1e-8 to 1e-6 per batch on ResNet-20's stem (as large
 as the signal late in training), so both sides of a reading are eval-mode
-snapshots (reference.py has the measurement). In the table above, the
-"minus age 0" rows took the floor off on the same batch instead, the
-reading before this one.
+snapshots (reference.py has the measurement).
 
 T is 20% of the stage's early readings (§4.2.2), now of the plasticity
 gained per span rather than of a fitted slope, and it follows the largest

@@ -177,11 +177,6 @@ def _drifted(module: nn.Module, drift: float) -> nn.Module:
     return moved
 
 
-def _drift_reading(fn: Callable[[State], State], moved: nn.Module, precision: str, example: State) -> float:
-    """The SP loss a reference of ``precision`` reads between the stage (``fn``) and ``moved``."""
-    return sp_loss(_floats(fn(example)), _floats(_build(moved, precision, example)(example)))
-
-
 def _time(fn: Callable[[State], State], example: State) -> float:
     start = time.perf_counter()
     fn(example)
@@ -223,12 +218,14 @@ def build_reference(module: nn.Module, precision: str, example: State, *, repeat
             return BuiltReference(_build(module, precision, example), precision, {}, {}, notes)
     built: dict[str, Callable[[State], State]] = {}
     error: dict[str, float] = {}
+    outputs: dict[str, State] = {}  # each candidate's output on the example, for the drift check too
     with torch.no_grad():
         baseline = _floats(module(example))
         for name in candidates:
             try:
                 fn = _build(module, name, example)
-                error[name] = sp_loss(_floats(fn(example)), baseline)
+                outputs[name] = _floats(fn(example))
+                error[name] = sp_loss(outputs[name], baseline)
             except Exception as exc:  # an unsupported op, an untraceable forward, ...
                 if precision != "auto":
                     raise
@@ -242,7 +239,7 @@ def build_reference(module: nn.Module, precision: str, example: State, *, repeat
         if not built:
             raise ReferenceModelFailed(f"no reference precision works for this stage: {'; '.join(notes)}")
         compared = precision == "auto" and "fp32" in built and len(built) > 1
-        drift = _resolve(module, built, example, notes) if compared else {}
+        drift = _resolve(module, built, outputs, example, notes) if compared else {}
         runs: dict[str, list[float]] = {name: [] for name in built}
         builds: dict[str, list[float]] = {name: [] for name in built}
         for _ in range(repeats):
@@ -258,12 +255,13 @@ def build_reference(module: nn.Module, precision: str, example: State, *, repeat
     return BuiltReference(*_choose(built, rounds, notes), times, error, notes, build_ms, drift)
 
 
-def _resolve(module: nn.Module, built: dict[str, Callable[[State], State]], example: State,
-             notes: list[str]) -> dict[str, float]:
-    """Each built precision's reading of a RESOLUTION_DRIFT drift; drops from ``built`` the candidates
-    that read it beyond RESOLUTION_FACTOR of fp32's (module docstring)."""
+def _resolve(module: nn.Module, built: dict[str, Callable[[State], State]], outputs: dict[str, State],
+             example: State, notes: list[str]) -> dict[str, float]:
+    """Each built precision's reading of a RESOLUTION_DRIFT drift (its ``outputs`` on the example against
+    a moved copy's); drops from ``built`` the candidates that read it beyond RESOLUTION_FACTOR of fp32's
+    (module docstring)."""
     moved = _drifted(module, RESOLUTION_DRIFT)
-    readings = {name: _drift_reading(fn, moved, name, example) for name, fn in built.items()}
+    readings = {name: sp_loss(outputs[name], _floats(_build(moved, name, example)(example))) for name in built}
     exact = readings["fp32"]
     for name in [n for n in built if n != "fp32"]:
         if not exact / RESOLUTION_FACTOR <= readings[name] <= exact * RESOLUTION_FACTOR:
