@@ -244,3 +244,23 @@ def test_frames_received_ahead_leave_the_held_batch_intact_until_the_next_is_ask
             assert [bytes(v) for v in batch.values] == copies  # released early, the daemon would overwrite them
             got.extend((pos, sid, var, bytes(v)) for pos, sid, var, v in batch)
         assert got == expected
+
+
+def test_the_ring_of_a_stream_left_midway_serves_the_next_fetch_exactly(shm_dir):
+    """A client that stops reading cancels the call while the daemon is still writing frames into the ring;
+    the ring's next stream (the same client's next Fetch) gets exactly the stored values."""
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
+        ns = client.open("left").namespace_id
+        put_range(client, ns, range(300))
+        order = np.random.default_rng(7).permutation(300).astype(np.uint64)
+        client.schedule(ns, FP, 1, "all", order)
+        expected = fetched(client, ns, "all")[0]
+        shm = dict(shared_memory=True, ring_bytes=RING, max_frame_bytes=8 << 10)
+        for i in range(5):
+            client.schedule(ns, FP, 1, f"left{i}", order)
+            for n, _ in enumerate(client.fetch_batches(ns, f"left{i}", **shm)):
+                if n == 2:
+                    break  # cancels the call mid-stream
+            client.schedule(ns, FP, 1, f"next{i}", order)
+            assert fetched(client, ns, f"next{i}", **shm)[0] == expected
+        assert client.stats().rings_reused_total >= 1

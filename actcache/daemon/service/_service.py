@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, fields
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import grpc
 
@@ -152,6 +152,8 @@ class ActCacheService:
                 "Schedule": grpc.stream_unary_rpc_method_handler(
                     self.Schedule, pb.ScheduleChunk.FromString, pb.ScheduleReply.SerializeToString
                 ),
+                "ScheduleSmall": unary(self.ScheduleSmall, pb.ScheduleChunk.FromString,
+                                       pb.ScheduleReply.SerializeToString),
                 "Fetch": grpc.unary_stream_rpc_method_handler(self.Fetch, pb.FetchRequest.FromString, raw),
             },
         )
@@ -236,6 +238,20 @@ class ActCacheService:
 
     @_status_on_error
     def Schedule(self, chunks: Iterator[pb.ScheduleChunk], context) -> pb.ScheduleReply:
+        builder, report = self._read_order(chunks)
+        # gRPC ends the request stream alike when the client half-closes and when it cancels mid-upload.
+        # Asking for one more message is answered only after a cancellation has been seen (then it raises),
+        # so a truncated upload is never pushed: a push that does not complete changes nothing.
+        for _ in chunks:
+            raise InvalidRequest("the Schedule stream went on after its end")
+        return self._push(builder, report)
+
+    @_status_on_error
+    def ScheduleSmall(self, chunk: pb.ScheduleChunk, context) -> pb.ScheduleReply:
+        return self._push(*self._read_order([chunk]))
+
+    def _read_order(self, chunks: Iterable[pb.ScheduleChunk]) -> tuple[ScheduleBuilder, int | None]:
+        """The schedule the chunks describe, and the namespace handle to report present entries of (None: no report)."""
         builder = ScheduleBuilder()
         resolved: dict[int, int] = {}  # handle -> namespace id (protected namespaces have random handles)
         report = None  # the first chunk's namespace handle, when it asks which entries are stored
@@ -248,11 +264,9 @@ class ActCacheService:
                 first = not resolved
                 resolved[chunk.namespace_id] = self.store.resolve(chunk.namespace_id) if chunk.namespace_id or first else 0
             builder.add(resolved[chunk.namespace_id], chunk.fingerprint, chunk.depth, chunk.schedule_id, ids, variants)
-        # gRPC ends the request stream alike when the client half-closes and when it cancels mid-upload.
-        # Asking for one more message is answered only after a cancellation has been seen (then it raises),
-        # so a truncated upload is never pushed: a push that does not complete changes nothing.
-        for _ in chunks:
-            raise InvalidRequest("the Schedule stream went on after its end")
+        return builder, report
+
+    def _push(self, builder: ScheduleBuilder, report: int | None) -> pb.ScheduleReply:
         schedule = builder.build()
         present = b"" if report is None else bytes(self.store.contains(
             report, schedule.fingerprint, schedule.depth, schedule.sample_ids, schedule.variants))
