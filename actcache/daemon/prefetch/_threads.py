@@ -4,8 +4,10 @@ Why: ``Thread.start`` returns only once the new thread has run its first
 bytecode, and in the daemon that thread waits for the interpreter lock
 behind the RPC, reader and decode threads. Sampled on the 2-core VM while a
 client pushed 683-id schedules back to back (py-spy, wall time), 56% of the
-Schedule handler's time was that wait: the push answered in about 2 ms.
-Handing the reader's loop to a thread that already runs costs a queue put.
+Schedule handler's time was that wait. Handing the reader's loop to a
+thread that already runs costs a queue put: with ``ScheduleSmall``, a push
+of one id answers in 0.47 ms instead of 0.71-0.84, one of 20,000 ids in
+2.9-3.2 ms instead of 4.5-5.7.
 
 Unlike a ThreadPoolExecutor, ``run`` never queues a function behind others:
 a reader runs until its schedule is served or dropped, so a bounded pool
