@@ -1,7 +1,7 @@
 """Time to accuracy: full training vs a freeze mode, with and without the activation cache, in one invocation.
 
     python bench/bench_train.py --workload {cifar,digits,sst2,cola,mrpc} --mode {full,static,autofreeze,egeria}
-                                [--cache | --no-cache] [--quick] [--data-dir DIR] [--threads N]
+                                [--cache | --no-cache] [--quick] [--data-dir DIR] [--threads N] [--device cuda]
                                 [--epochs N] [--train-size N] [--eval-size N] [--variants K]
                                 [--freeze-depth K] [--freeze-at EPOCHS]     (static)
                                 [--eval-every STEPS]                        (autofreeze, egeria)
@@ -77,7 +77,7 @@ def run_all(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Nam
                 daemons.append((len(training), psutil.Process(daemon.pid)))
             training.append(TrainingRun(workload, freezer, conn, on_eval=_printer(label_of(mode, cache), workload),
                                         slice_steps=SLICE_STEPS, store_dtype=STORE_DTYPES[args.store_dtype],
-                                        planner=args.planner))
+                                        planner=args.planner, device=args.device))
         before = {i: _cpu(p) for i, p in daemons}
         results = interleave(training)
         for i, process in daemons:
@@ -125,10 +125,14 @@ def main(argv: list[str] | None = None) -> int:
                              "mode+cache against mode+nocache is then its effect on the metric")
     parser.add_argument("--threads", type=int, help="torch threads of every run (default: torch's choice); "
                         "on 2 cores, 1 leaves a core to the daemon and the client's I/O threads")
+    parser.add_argument("--device", default="cpu", help="where every run trains (cpu, cuda); the reference "
+                        "processes of egeria and the daemons stay on the CPU")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:  # fail before loading anything when the mode's settings are invalid
+    try:  # fail before loading anything when the mode's settings or the device are invalid
+        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {args.device}: CUDA is not available here")
         make_freezer(args.mode, static_depth=args.freeze_depth or 1, static_at_epoch=args.freeze_at or 0,
                      eval_every=args.eval_every)
         data_dir = None if args.workload == "digits" else resolve_data_dir(args.data_dir)  # digits: scikit-learn's
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     source = data_dir or "scikit-learn"
     print(f"{args.workload}: {len(workload.train_set)} train / {len(workload.eval_set)} eval samples from {source}; "
-          f"{torch.get_num_threads()} threads; load average {load_start[0]:.1f} (other jobs make times noisy)")
+          f"{torch.get_num_threads()} threads; on {args.device}; load average {load_start[0]:.1f} (other jobs make times noisy)")
     plan = [("full", False)]
     if args.mode != "full":
         plan += [(args.mode, cache) for cache in ((True, False) if args.cache is None else (args.cache,))]

