@@ -44,10 +44,11 @@ memory), ``prefetch_hit_ratio`` (worst shape), ``serve_cpu_vs_codec``
 stored entries' own checksum + decode CPU-s per GB, measured in-process)
 and ``cold_serve_vs_limit`` (cold shared memory, worst shape: served MB/s
 over the smaller of the disk's O_DIRECT MB/s, in raw bytes, and what the
-node's cores decode of the stored codec). The daemon's CPU is read in
-10 ms ticks, so ``serve_cpu_vs_codec`` takes it over the three warm
-shared-memory runs together: with ``--quick`` (64 MiB a shape) it moves in
-steps of about 0.05 CPU-s/GB; compare it at the default size. Each warm path is timed three times,
+node's cores decode of the stored codec). The daemon's CPU is the sum of
+its threads' run times (``/proc/<pid>/task/*/sched``, ns resolution) where
+the kernel gives them and no thread ended during the run, else its 10 ms
+ticks; ``serve_cpu_vs_codec`` takes it over the three warm shared-memory
+runs together (a 64 MiB warm stream costs the daemon 1-3 ticks). Each warm path is timed three times,
 taking turns with the others, and reported by its median run. Sample
 (``--quick``, 2-core VM, load average ~1)::
 
@@ -280,9 +281,9 @@ def served_run(daemon: DaemonProcess, ns: int, depth: int, order: np.ndarray, sh
         after = _ns_counters(client, ns)
     gb = nbytes / 1e9
     out = {"samples_per_s": received / seconds, "MBps": nbytes / seconds / 1e6, "seconds": seconds, "GB": gb,
-           "daemon_cpu_s": cpu1[0] - cpu0[0],
+           "daemon_cpu_s": _cpu_between(cpu0[0], cpu1[0]),
            "read_MBps": (after["read_bytes"] - before["read_bytes"]) / seconds / 1e6,
-           "daemon_cpu_s_per_GB": (cpu1[0] - cpu0[0]) / gb, "client_cpu_s_per_GB": (cpu1[1] - cpu0[1]) / gb}
+           "daemon_cpu_s_per_GB": _cpu_between(cpu0[0], cpu1[0]) / gb, "client_cpu_s_per_GB": (cpu1[1] - cpu0[1]) / gb}
     out["cpu_s_per_GB"] = out["daemon_cpu_s_per_GB"] + out["client_cpu_s_per_GB"]
     if marks:
         served = (after["hits"] + after["misses"]) - (marks[0]["hits"] + marks[0]["misses"])
@@ -296,10 +297,36 @@ def _median(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["MBps"])[len(runs) // 2]
 
 
-def _process_cpu(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (Linux /proc)."""
+@dataclass(frozen=True)
+class CpuReading:
+    """A process's CPU time: user + system in clock ticks, and each thread's run time (ns resolution,
+    ``/proc/<pid>/task/<tid>/sched``; None where the kernel does not give it)."""
+
+    ticks_s: float
+    threads: dict[int, float] | None
+
+
+def _process_cpu(pid: int) -> CpuReading:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks_s = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    threads: dict[int, float] | None = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            line = next(l for l in (task / "sched").read_text().splitlines() if l.startswith("se.sum_exec_runtime"))
+        except (OSError, StopIteration):  # the thread ended meanwhile, or no sched file: ticks only
+            threads = None
+            break
+        threads[int(task.name)] = float(line.split(":")[1]) / 1e3  # ms
+    return CpuReading(ticks_s, threads)
+
+
+def _cpu_between(before: CpuReading, after: CpuReading) -> float:
+    """CPU seconds between two readings: the threads' run times when no thread ended in between (an
+    ended thread's time leaves its task entry), else the 10 ms ticks (a 64 MiB warm stream costs the
+    daemon 1-3 of them)."""
+    if before.threads is not None and after.threads is not None and before.threads.keys() <= after.threads.keys():
+        return sum(t - before.threads.get(tid, 0.0) for tid, t in after.threads.items())
+    return after.ticks_s - before.ticks_s
 
 
 def _ns_counters(client, ns: int) -> dict:
