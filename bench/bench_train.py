@@ -1,7 +1,7 @@
 """Time to accuracy: full training vs a freeze mode, with and without the activation cache, in one invocation.
 
     python bench/bench_train.py --workload {cifar,digits,sst2,cola,mrpc} --mode {full,static,autofreeze,egeria}
-                                [--cache | --no-cache] [--quick] [--data-dir DIR] [--threads N] [--device cuda]
+                                [--cache | --no-cache] [--quick] [--data-dir DIR] [--threads N] [--device cuda] [--loader-workers N]
                                 [--epochs N] [--train-size N] [--eval-size N] [--variants K]
                                 [--freeze-depth K] [--freeze-at EPOCHS]     (static)
                                 [--eval-every STEPS]                        (autofreeze, egeria)
@@ -77,7 +77,8 @@ def run_all(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Nam
                 daemons.append((len(training), psutil.Process(daemon.pid)))
             training.append(TrainingRun(workload, freezer, conn, on_eval=_printer(label_of(mode, cache), workload),
                                         slice_steps=SLICE_STEPS, store_dtype=STORE_DTYPES[args.store_dtype],
-                                        planner=args.planner, device=args.device))
+                                        planner=args.planner, device=args.device,
+                                        loader_workers=args.loader_workers))
         before = {i: _cpu(p) for i, p in daemons}
         results = interleave(training)
         for i, process in daemons:
@@ -127,12 +128,17 @@ def main(argv: list[str] | None = None) -> int:
                         "on 2 cores, 1 leaves a core to the daemon and the client's I/O threads")
     parser.add_argument("--device", default="cpu", help="where every run trains (cpu, cuda); the reference "
                         "processes of egeria and the daemons stay on the CPU")
+    parser.add_argument("--loader-workers", type=int, default=0,
+                        help="DataLoader worker processes of every run (default 0: the training thread loads); "
+                        "on a GPU the loader bounds a ResNet-20 step")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:  # fail before loading anything when the mode's settings or the device are invalid
         if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"--device {args.device}: CUDA is not available here")
+        if args.loader_workers < 0:
+            raise ConfigError(f"--loader-workers {args.loader_workers}: give 0 or more")
         make_freezer(args.mode, static_depth=args.freeze_depth or 1, static_at_epoch=args.freeze_at or 0,
                      eval_every=args.eval_every)
         data_dir = None if args.workload == "digits" else resolve_data_dir(args.data_dir)  # digits: scikit-learn's

@@ -150,6 +150,9 @@ class TrainingRun:
     state (dropout: the CPU's and, on CUDA, the device's), so interleaved
     runs compute what they would alone. ``device``: where the model trains
     (batches, served entries and evaluation inputs go there).
+    ``loader_workers``: the training loader's worker processes (kept across
+    epochs). As with any DataLoader, the shuffle order after the first epoch
+    depends on it, so compare runs made with the same number.
     The freezer is started with the run's model and optimizer here and
     closed when ``slices()`` ends, also when it fails or is abandoned; time
     spent in its hooks counts as "other" in the split.
@@ -168,6 +171,7 @@ class TrainingRun:
         store_dtype: torch.dtype | None = None,
         planner: bool = False,
         device: torch.device | str = "cpu",
+        loader_workers: int = 0,
     ) -> None:
         w = self.workload = workload
         self.slice_steps = slice_steps
@@ -182,7 +186,9 @@ class TrainingRun:
             # targets: the inputs of samples the cache serves are not loaded
             DataLoader(ac.IndexedDataset(w.train_set, augment=w.augment, targets=getattr(w.train_set, "labels", None)),
                        batch_size=w.batch_size, shuffle=True,
-                       generator=torch.Generator().manual_seed(w.seed), collate_fn=w.collate),
+                       generator=torch.Generator().manual_seed(w.seed), collate_fn=w.collate,
+                       num_workers=loader_workers, persistent_workers=loader_workers > 0,
+                       pin_memory=self.device.type == "cuda"),
             self.model, variants=w.variants)
         self.eval_loader = DataLoader(w.eval_set, batch_size=w.eval_batch_size, collate_fn=w.collate)
         self.opt = w.optimizer(self.staged.parameters())

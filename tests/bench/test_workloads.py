@@ -56,6 +56,17 @@ def test_cifar_workload_trains_the_same_with_and_without_the_cache(data_dir, dae
     assert on.timeline[1]["active_params"] < on.timeline[0]["active_params"] == on.timeline[0]["total_params"]
 
 
+def test_with_loader_workers_a_run_trains_the_same_with_and_without_the_cache(data_dir, daemon):
+    w = cifar(data_dir, epochs=4, batch_size=16)
+    w.static_at_epoch = 1
+    off = train(w, StaticFreeze(w.static_depth, 1), None, loader_workers=2)
+    with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+        on = train(w, StaticFreeze(w.static_depth, 1), conn, loader_workers=2)
+    check_real(on, cached=True)
+    assert on.cache_stats["hits"] == len(w.train_set)
+    assert [p.loss for p in on.evals] == pytest.approx([p.loss for p in off.evals], abs=1e-4)
+
+
 @CUDA
 def test_cifar_workload_trains_on_cuda_the_same_with_and_without_the_cache(data_dir, daemon):
     w = cifar(data_dir, epochs=4, batch_size=16)
