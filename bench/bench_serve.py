@@ -279,11 +279,11 @@ def served_run(daemon: DaemonProcess, ns: int, depth: int, order: np.ndarray, sh
         seconds = time.perf_counter() - t0
         cpu1 = (_process_cpu(daemon.pid), time.process_time())
         after = _ns_counters(client, ns)
-    gb = nbytes / 1e9
+    gb, daemon_cpu = nbytes / 1e9, _cpu_between(cpu0[0], cpu1[0])
     out = {"samples_per_s": received / seconds, "MBps": nbytes / seconds / 1e6, "seconds": seconds, "GB": gb,
-           "daemon_cpu_s": _cpu_between(cpu0[0], cpu1[0]),
+           "daemon_cpu_s": daemon_cpu,
            "read_MBps": (after["read_bytes"] - before["read_bytes"]) / seconds / 1e6,
-           "daemon_cpu_s_per_GB": _cpu_between(cpu0[0], cpu1[0]) / gb, "client_cpu_s_per_GB": (cpu1[1] - cpu0[1]) / gb}
+           "daemon_cpu_s_per_GB": daemon_cpu / gb, "client_cpu_s_per_GB": (cpu1[1] - cpu0[1]) / gb}
     out["cpu_s_per_GB"] = out["daemon_cpu_s_per_GB"] + out["client_cpu_s_per_GB"]
     if marks:
         served = (after["hits"] + after["misses"]) - (marks[0]["hits"] + marks[0]["misses"])
@@ -316,7 +316,7 @@ def _process_cpu(pid: int) -> CpuReading:
         except (OSError, StopIteration):  # the thread ended meanwhile, or no sched file: ticks only
             threads = None
             break
-        threads[int(task.name)] = float(line.split(":")[1]) / 1e3  # ms
+        threads[int(task.name)] = float(line.split(":")[1]) / 1e3  # the file says milliseconds
     return CpuReading(ticks_s, threads)
 
 
