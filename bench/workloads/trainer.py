@@ -123,10 +123,11 @@ def _to(state: torch.Tensor | tuple[torch.Tensor, ...], device: torch.device) ->
 def evaluate(staged: ac.StagedModel, loader: DataLoader, metric: str, device: torch.device | str = "cpu") -> float:
     """The dev metric in points; runs every stage in eval mode (on ``device``) and restores train mode."""
     staged.eval()
+    device = torch.device(device)
     preds, golds = [], []
     with torch.no_grad():
         for x, y in loader:
-            preds.append(staged.run(_to(x, torch.device(device))).argmax(-1).cpu())
+            preds.append(staged.run(_to(x, device)).argmax(-1).cpu())
             golds.append(y)
     staged.train()
     pred, gold = torch.cat(preds), torch.cat(golds)
