@@ -83,6 +83,11 @@ class Extent:
         return cls(pgno * page_size + PAGE_HEADER_BYTES, length)
 
     @property
+    def read_start(self) -> int:
+        """File offset an explicit read starts at: the page header before the value."""
+        return self.offset - PAGE_HEADER_BYTES
+
+    @property
     def read_bytes(self) -> int:
         """Bytes an explicit read transfers (the page header included); 0 for inline values."""
         return 0 if self.inline is not None else self.length + PAGE_HEADER_BYTES
@@ -111,7 +116,7 @@ class ValueFile:
     def advise(self, extent: Extent) -> None:
         """Ask the kernel to start reading ``extent`` into the page cache (asynchronous)."""
         if extent.inline is None and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fd, extent.offset - PAGE_HEADER_BYTES, extent.read_bytes, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(self._fd, extent.read_start, extent.read_bytes, os.POSIX_FADV_WILLNEED)
 
     def resident(self, extent: Extent) -> bool | None:
         """Is the end of ``extent`` in the page cache? None when the kernel cannot tell (no RWF_NOWAIT)."""
@@ -137,7 +142,7 @@ class ValueFile:
     def read(self, extent: Extent) -> tuple[memoryview | None, bool | None]:
         """The value's bytes (None when the page header read with them does not match), and whether
         they all came from the page cache (None when the kernel cannot tell)."""
-        start, size = extent.offset - PAGE_HEADER_BYTES, extent.read_bytes
+        start, size = extent.read_start, extent.read_bytes
         view = memoryview(np.empty(size, np.uint8))  # uninitialized: pread fills it
         got = self._pread_nowait(view, start)
         resident = None if got is None else got == size
