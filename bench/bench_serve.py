@@ -104,15 +104,19 @@ daemon's Python per entry (a lookup, a ``pread``, a slot, a frame entry),
 19x the checksum's own cost on raw 16 KiB entries: batching that work per
 frame is what is left to reach ``serve_ratio_shm`` 0.9.
 
-Cold, against the replay (``--quick``, four runs on this VM): raw fp16
-entries are served at 0.68-0.73 of it, raw bf16 at 0.60-0.66 and lz4 fp32
-maps at 0.40-0.46 (the replay does not decode them). The raw shapes are
+Cold, against the replay (``--quick``, three runs on this VM): raw fp16
+entries are served at 0.67-0.89 of it, raw bf16 at 0.67-0.73 and lz4 fp32
+maps at 0.50-0.57 (the replay does not decode them). The raw shapes are
 not CPU-bound here: over a 512 MiB cold fp16 stream one of the two cores
-stays idle (/proc/stat) and the reader thread is busy all the time, about
-30% in its WILLNEED calls (blocked while the disk queue is full), the rest
-in reads and map copies waiting for the disk. The disk counters show the
-same bytes read as the replay, about 9% more requests (B-tree pages) and
-about 100 requests in flight on average against the replay's 43.
+stays idle (/proc/stat) and the reader thread is busy all the time, with
+about 30 us of CPU per entry (80% of it in the kernel: readahead, the copy
+out of the page cache, page faults on the map) and about 30% of its time
+in WILLNEED calls (blocked while the disk queue is full). The disk
+counters show the same bytes read as the replay and about 100 requests in
+flight on average against the replay's 43; the 9% more requests they
+showed were the one-page reads that the probes' residency checks started,
+gone since probes ask with cachestat(2). Moving the WILLNEED calls, or
+the reads, off the reader thread onto other threads served no faster here.
 
 Format 1 (zstd-1 and CRC32 on every entry), for the record: Serving is CPU-bound on this machine. The raw loop verifies and
 decompresses (checksum + zstd: 1.5-1.6 CPU-s/GB measured on these
