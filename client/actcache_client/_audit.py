@@ -18,6 +18,10 @@ one CPU thread: 1.9 ms for one sample, 6.4 ms for eight), and each audited
 sample makes its batch a partly loaded one. Eight hits every 8,000 cost the
 trainer about a third of one hit every 1,000, for the same share.
 
+``HitAudit`` recomputes the hits chosen and compares them: a mismatch drops
+the fingerprint's entries in the daemon, warns (CacheMismatchWarning) and
+has the step recompute, or raises CacheMismatchError in strict mode.
+
 ``same_entry`` compares a served entry with the entry the prefix computes now,
 tensor by tensor: same dtypes and shapes, values within a tolerance for the
 stored dtype (kernels differ slightly between batch sizes, so bit equality is
@@ -29,16 +33,23 @@ outputs carry fp16's 10-bit mantissa and get fp16's tolerance
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from actcache.errors import ConfigError
-from actcache_client._tensors import collate_entries
+from actcache.errors import CacheMismatchError, ConfigError
+from actcache_client._connection import Connection
+from actcache_client._counters import StepTimes
+from actcache_client._generations import Generations
+from actcache_client._precision import StorePrecision
+from actcache_client._rows import RawInputs
+from actcache_client._stages import StagedModel
+from actcache_client._tensors import VarLen, collate_entries, encode_samples
 
-__all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "same_entry", "tolerances"]
+__all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "HitAudit", "same_entry", "tolerances"]
 
 # Largest |served - computed| allowed, relative to the largest |computed| of that tensor.
 _RELATIVE_TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
@@ -138,3 +149,89 @@ def warn_mismatch(namespace: str, fingerprint: bytes, depth: int, samples: int) 
         "without changing its spread, name the version with IndexedDataset(data_id=...)",
         CacheMismatchWarning, stacklevel=4,
     )
+
+
+class HitAudit:
+    """Recomputes the served hits an Auditor picks and compares them with the entries (``check``).
+
+    The auditor starts again (its first hits are audited again) after each
+    (re)connection to the daemon (``sync``) and each new cache target
+    (``retarget``). Without an AuditConfig (``audit=False``) nothing is audited.
+    """
+
+    def __init__(self, audit: AuditConfig | bool, *, model: StagedModel, connection: Connection | None,
+                 device: torch.device, precision: StorePrecision, varlen: VarLen | None,
+                 generations: Generations) -> None:
+        self._model = model
+        self._connection = connection
+        self._device = device
+        self._precision = precision
+        self._varlen = varlen
+        self._generations = generations
+        self.auditor: Auditor | None = None
+        self.configure(audit)
+        self._opens = 0  # connection.opens when the auditor last restarted
+        self._target: tuple[bytes, int] | None = None
+
+    def configure(self, audit: AuditConfig | bool) -> None:
+        """Audit per ``audit`` (True: the default AuditConfig; False: no audits)."""
+        config = AuditConfig() if audit is True else audit
+        self.auditor = Auditor(config) if config else None
+
+    @property
+    def active(self) -> bool:
+        return self.auditor is not None
+
+    def retarget(self, key: tuple[bytes, int] | None) -> None:
+        """The cache target is now (fingerprint, depth) ``key`` (None: nothing cached)."""
+        if key != self._target and self.auditor is not None:
+            self.auditor.restart()
+        self._target = key
+
+    def sync(self) -> None:
+        """Restart the auditor after a (re)connection to the daemon, before it next chooses: its first
+        hits are audited again (checked at the epoch's start too, where skipped loads are chosen)."""
+        if self.auditor is not None and self._connection.opens != self._opens:
+            self._opens = self._connection.opens
+            self.auditor.restart()
+
+    def choose(self, hits: int) -> list[int]:
+        """Positions (in ``range(hits)``) of the hits to audit."""
+        return self.auditor.choose(hits) if self.auditor is not None else []
+
+    def check(self, fingerprint: bytes, depth: int, rows: list[int], raw: RawInputs, values: list,
+              found: list[int], times: StepTimes) -> bool:
+        """Recompute the hits the auditor picks; False (after dropping the fingerprint) if one differs.
+
+        ``values[i]`` is the entry served for batch row ``rows[i]``; ``found`` the positions served.
+        When the loader skipped inputs, the auditor chose at the epoch's start (the skipped loads)
+        and the hits whose input was loaded anyway are the ones audited.
+        """
+        self.sync()
+        if raw.partial:
+            chosen = [i for i in found if raw.has(rows[i])]
+        else:
+            chosen = [found[p] for p in self.auditor.choose(len(found))]
+        if not chosen:
+            return True
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            computed = self._model.run(raw.rows([rows[i] for i in chosen]), 0, depth)
+        entries = encode_samples(self._precision.to_stored(computed), varlen=self._varlen)
+        tolerance = tolerances(self._device)
+        bad = sum(not same_entry(values[i], entry, tolerance) for i, entry in zip(chosen, entries))
+        times.audit += time.perf_counter() - t0
+        times.audited_samples += len(chosen)
+        if not bad:
+            return True
+        namespace = self._connection.config.namespace
+        self._connection.drop(fingerprint)
+        self._generations.forget(fingerprint)
+        self.auditor.restart()
+        if self._connection.config.strict:
+            raise CacheMismatchError(
+                f"{bad} of {len(chosen)} audited entries of namespace {namespace!r}, fingerprint "
+                f"{fingerprint.hex()}, depth {depth} differ from what the frozen prefix computes for them; "
+                "their fingerprint's entries were dropped")
+        warn_mismatch(namespace, fingerprint, depth, bad)
+        return False

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, fields
 
-__all__ = ["EpochCounters", "StepTimes"]
+__all__ = ["EpochCounters", "EpochLog", "StepTimes"]
 
 
 @dataclass
@@ -45,3 +46,23 @@ class EpochCounters:
     times: StepTimes
     #: Entries asked, hits, misses, streamed, gets, puts... of ClientStats during the epoch (None without a connection).
     entries: dict[str, float] | None
+
+
+class EpochLog:
+    """The counters at each epoch's start, so that what each epoch added can be told apart."""
+
+    def __init__(self) -> None:
+        self._marks: list[tuple[int, StepTimes, dict[str, float] | None]] = []
+
+    def mark(self, epoch: int, times: StepTimes, entries: dict[str, float] | None) -> None:
+        """Epoch ``epoch`` starts with these StepTimes and ClientStats counts."""
+        self._marks.append((epoch, copy.copy(times), entries))
+
+    def counters(self, times: StepTimes, entries: dict[str, float] | None) -> list[EpochCounters]:
+        """What each epoch added, the last one until the counts given now."""
+        marks = [*self._marks, (None, times, entries)]
+        out = []
+        for (epoch, earlier, counts), (_, later, later_counts) in zip(marks, marks[1:]):
+            delta = None if counts is None else {k: later_counts[k] - v for k, v in counts.items()}
+            out.append(EpochCounters(epoch, later.since(earlier), delta))
+        return out

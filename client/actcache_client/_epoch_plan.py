@@ -1,0 +1,134 @@
+"""The epoch as the loader planned it: this rank's batches, the stream of their entries, the skipped loads.
+
+CachedLoader hands over the epoch's batches (``begin``). The plan pushes
+them to the daemon's stream (actcache_client._stream) at the cache target,
+follows the step through them (``advance``), pushes the rest of the epoch
+again when the target changes, and asks the daemon which samples are stored,
+so that the loader can leave out their inputs (``skipped``), except those the
+audit will recompute. While an epoch is served without misses, the next
+epoch's batches are pushed ahead (``prepare_next``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from actcache_client._audit import HitAudit
+from actcache_client._connection import Connection
+from actcache_client._stream import EpochStream, cached_batches
+
+__all__ = ["EpochPlan", "Target"]
+
+
+class Target(NamedTuple):
+    """Where the cache serves the frozen prefix from: entries under ``fingerprint`` at ``depth``, for the
+    ``fraction`` of samples in the cached subset (actcache_client.cost_model.cached_subset)."""
+
+    fingerprint: bytes
+    depth: int
+    fraction: float
+
+
+class EpochPlan:
+    """This epoch's batches (sample ids) and variant, the step's position in them, and the stream.
+
+    Invariant: ``position`` is the epoch position of the next batch the step
+    runs; a batch the step runs out of order gets no position (it is not
+    served by the stream).
+    """
+
+    def __init__(self, connection: Connection | None, stream: EpochStream | None, audit: HitAudit) -> None:
+        self._connection = connection
+        self.stream = stream
+        self._audit = audit
+        self._epoch: tuple[list[list[int]], int] | None = None  # this epoch's batches (sample ids) and variant
+        self.position = 0  # the epoch position of the next batch the step runs
+        self.misses = 0  # samples of the cached subset that missed this epoch
+        self._skip_loads = False  # the loader can skip loading inputs (its dataset has targets)
+        self._skips: dict[int, frozenset[int]] = {}  # epoch position -> sample ids the loader need not load
+
+    def reset(self, skip_loads: bool) -> None:
+        """Forget the last epoch: until ``begin``, retargets push nothing."""
+        self._epoch, self._skips, self._skip_loads = None, {}, skip_loads
+
+    def begin(self, batches: Sequence[Sequence[int]], variant: int, start: int, target: Target | None) -> None:
+        """Start the epoch at batch ``start``: push its batches to the stream (or adopt those pushed ahead)."""
+        batches = [list(b) for b in batches]
+        self._epoch, self.position, self.misses = (batches, variant), start, 0
+        if self.stream is None or target is None:
+            return
+        if not (start == 0 and self.stream.adopt_next(target.fingerprint, target.depth, target.fraction, variant,
+                                                      batches)):
+            # Entries the last epoch stored must be in the daemon before it looks them up for this one.
+            self._connection.flush(timeout_s=self._connection.config.timeout_s)
+            self.stream.push(target.fingerprint, target.depth, target.fraction, variant, batches[start:], start)
+        self._plan_skips(target)
+
+    def retarget(self, target: Target | None) -> None:
+        """The cache target changed: mid-epoch, the rest of the epoch is pushed again from the current batch."""
+        if self.stream is None or self._epoch is None:
+            return
+        batches, variant = self._epoch
+        if target is None:
+            self.stream.close()
+        elif not self.stream.serves(target.fingerprint, target.depth, target.fraction, variant):
+            self.stream.push(target.fingerprint, target.depth, target.fraction, variant, batches[self.position:],
+                             self.position)
+        else:
+            return
+        self._plan_skips(target)
+
+    def advance(self, ids: list[int]) -> int | None:
+        """The epoch position of the batch ``ids`` if it is the one due next (then the step moves on), else None."""
+        if self._epoch is None or self.position >= len(self._epoch[0]) or self._epoch[0][self.position] != ids:
+            return None
+        self.position += 1
+        return self.position - 1
+
+    def take(self, position: int | None, ids: list[int]) -> list | None:
+        """The streamed entries of the batch at ``position`` (None per miss), or None if no stream serves it."""
+        return self.stream.take(position, ids) if self.stream is not None and position is not None else None
+
+    def missed(self, samples: int) -> None:
+        """``samples`` of the cached subset missed: the next epoch pushed ahead is pushed again at its start."""
+        self.misses += samples
+        if samples and self.stream is not None:
+            self.stream.discard_next()  # pushed before these misses were stored
+
+    def samples(self) -> int | None:
+        """Samples in this epoch's batches (None before the loader's first epoch)."""
+        return sum(len(b) for b in self._epoch[0]) if self._epoch is not None else None
+
+    def skipped(self, position: int) -> frozenset[int]:
+        """Sample ids of epoch batch ``position`` whose inputs the loader need not load (the cache has them)."""
+        return self._skips.get(position, frozenset())
+
+    def prepare_next(self, batches: Sequence[Sequence[int]], variant: int, target: Target | None) -> None:
+        """Push the next epoch's batches ahead, only after an epoch served without misses so far, so the
+        daemon does not read ahead entries that are still being stored; a miss later discards it."""
+        if self.stream is None or target is None or self.misses:
+            return
+        self.stream.push_next(target.fingerprint, target.depth, target.fraction, variant, [list(b) for b in batches])
+
+    def _plan_skips(self, target: Target | None) -> None:
+        """Ask the daemon which samples of the rest of the epoch are stored at the cache target: the
+        loader skips their inputs, except for those the auditor picks (they are recomputed)."""
+        self._skips = {}
+        if not self._skip_loads or self._epoch is None or target is None or self.stream is None:
+            return
+        batches, variant = self._epoch
+        subset = cached_batches(batches[self.position:], target.fraction)
+        ids = [s for b in subset for s in b]
+        present = None  # the push answered which entries are stored; else ask
+        if self.stream.serves(target.fingerprint, target.depth, target.fraction, variant):
+            present = self.stream.stored_from(self.position)
+        if present is None or len(present) != len(ids):
+            present = self._connection.contains(target.fingerprint, target.depth, ids, variant)
+        if present is None:
+            return
+        flags = iter(present)
+        self._audit.sync()
+        for position, ids in enumerate(subset, start=self.position):
+            stored = [s for s in ids if next(flags)]
+            audited = {stored[p] for p in self._audit.choose(len(stored))}
+            self._skips[position] = frozenset(s for s in stored if s not in audited)

@@ -1,0 +1,84 @@
+"""The frozen prefix of a StagedModel: which stages are frozen, and the fingerprints cache keys carry.
+
+``freeze(k)`` turns off the gradients of stages[:k] and keeps them in eval
+mode; the stages behind them get their gradients and the model's train/eval
+mode back. The fingerprints (actcache_client._fingerprint) cover the frozen
+weights, the data fingerprint bound by the loader (``bind_data``) and the
+stored precision. Depths that stay frozen with unchanged weights across a
+``freeze`` keep their entries as seeds for deeper ones (``seed_depths``,
+deepest first).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from actcache.errors import ConfigError
+from actcache_client._fingerprint import cache_fingerprints, prefix_fingerprints
+from actcache_client._stages import StagedModel
+
+__all__ = ["FrozenPrefix"]
+
+
+class FrozenPrefix:
+    """The frozen depth of ``model``, its modules, and the weight and cache-key fingerprints per depth.
+
+    ``fingerprints[d]`` is what cache keys carry for stages[:d]; ``weights[d]``
+    identifies the weights of stages[:d] alone. Both run from depth 0 to the
+    frozen depth.
+    """
+
+    def __init__(self, model: StagedModel, key_tag: bytes) -> None:
+        self.model = model
+        self._key_tag = key_tag  # entries stored in another precision carry other keys
+        self.depth = 0
+        self._modules: list[nn.Module] = []  # every module of the frozen stages (kept in eval mode)
+        self.data = b""  # the data fingerprint folded into cache keys (empty: unknown)
+        self.weights: list[bytes] = prefix_fingerprints(list(model.stages), 0)
+        self.fingerprints: list[bytes] = self.keyed(self.weights, self.data)
+        self.seed_depths: list[int] = []  # frozen depths whose entries may seed deeper ones
+
+    def keyed(self, weights: list[bytes], data: bytes) -> list[bytes]:
+        """The fingerprints cache keys carry: weights, data, and the stored precision."""
+        return cache_fingerprints(weights, data + self._key_tag)
+
+    def bind_data(self, data: bytes) -> bool:
+        """Key entries by this data fingerprint from now on; False if it is the one already bound."""
+        if data == self.data:
+            return False
+        self.data = data
+        self.fingerprints = self.keyed(self.weights, data)
+        self.seed_depths = []  # seeds were entries of the other data
+        return True
+
+    def freeze(self, depth: int, fingerprint_depth: int = 0) -> list[bytes]:
+        """Freeze stages[:depth] and unfreeze the rest (the last stage always trains).
+
+        Returns the weights' fingerprints of depths 0..max(depth, fingerprint_depth),
+        so that entries written at deeper depths can be checked against them.
+        """
+        stages = list(self.model.stages)
+        if not 0 <= depth < len(stages):
+            raise ConfigError(f"set_frozen depth must be in 0..{len(stages) - 1} (the head always trains), got {depth}")
+        old, old_fps = self.depth, self.fingerprints
+        for i, stage in enumerate(stages):
+            stage.requires_grad_(i >= depth)
+            stage.train(self.model.training if i >= depth else False)
+        weights = prefix_fingerprints(stages, max(depth, fingerprint_depth))
+        self.weights = weights[: depth + 1]
+        self.fingerprints = self.keyed(self.weights, self.data)
+        # Depths still frozen with unchanged weights keep their entries as seeds.
+        candidates = set(self.seed_depths) | ({old} if old else set())
+        self.seed_depths = sorted(
+            (d for d in candidates if 0 < d <= depth and d < len(old_fps) and old_fps[d] == self.fingerprints[d]),
+            reverse=True,
+        )
+        self.depth = depth
+        self._modules = [m for stage in stages[:depth] for m in stage.modules()]
+        return weights
+
+    def keep_eval(self) -> None:
+        """Put the frozen stages back in eval mode if a user's ``net.train()`` switched them."""
+        if any(m.training for m in self._modules):
+            for stage in self.model.stages[: self.depth]:
+                stage.train(False)

@@ -1,0 +1,43 @@
+"""The precision a frozen prefix's outputs are stored in, and the casts to and from it.
+
+With ``store_dtype`` None the cache stores what the stages compute. With
+torch.float16 or torch.bfloat16 it stores their floating-point outputs in 16
+bits (half the bytes to store, read and decode) and casts them back to the
+stages' precision when served; masks and ids stay as they are. Such entries
+are another computation's: their keys carry ``key_tag``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actcache.errors import ConfigError
+from actcache_client._stages import State
+
+__all__ = ["StorePrecision"]
+
+
+class StorePrecision:
+    """``store_dtype`` (None: as computed) and ``compute_dtype`` (the stages'), and casts between them."""
+
+    def __init__(self, store_dtype: torch.dtype | None, compute_dtype: torch.dtype) -> None:
+        if store_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ConfigError(f"store_dtype must be torch.float16, torch.bfloat16 or None, got {store_dtype}")
+        self.store_dtype = store_dtype
+        self.compute_dtype = compute_dtype
+        self.key_tag = b"" if store_dtype is None else f"store:{store_dtype}".encode()
+
+    def to_stored(self, state: State) -> State:
+        """``state`` as it is stored (computed outputs cast to ``store_dtype``)."""
+        return state if self.store_dtype is None else _cast(state, self.compute_dtype, self.store_dtype)
+
+    def to_compute(self, state: State) -> State:
+        """A served ``state`` back in the precision the stages compute in."""
+        return state if self.store_dtype is None else _cast(state, self.store_dtype, self.compute_dtype)
+
+
+def _cast(state: State, source: torch.dtype, target: torch.dtype) -> State:
+    """``state`` with its ``source``-dtype tensors cast to ``target`` (masks and ids stay as they are)."""
+    if isinstance(state, tuple):
+        return tuple(t.to(target) if t.dtype == source else t for t in state)
+    return state.to(target) if state.dtype == source else state

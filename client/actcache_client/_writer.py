@@ -1,0 +1,114 @@
+"""Puts what the frozen prefix computed into the daemon, in the codec chosen for its entries.
+
+``encoding`` says how the daemon stores the entries: an AutoEncoding picks
+raw, lz4 or zstd per (fingerprint, depth) from the first entries written
+(actcache_client._codec_choice), on the connection's writer thread, and
+tells the planner (it records it in the plan); ``"daemon"`` leaves it to the
+daemon's ``--encoding``; ``"raw"``, ``"lz4"``, ``"zstd"``, ``"zstd:LEVEL"``
+fix it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from actcache.codec import Encoding
+from actcache.errors import ConfigError, ConfigTypeError, InvalidRequest
+from actcache_client._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
+from actcache_client._connection import Connection
+from actcache_client._epoch_plan import EpochPlan
+from actcache_client._frozen import FrozenPrefix
+from actcache_client._generations import Generations
+from actcache_client._planner import CachePlanner
+from actcache_client._precision import StorePrecision
+from actcache_client._stages import State
+from actcache_client._tensors import VarLen, encode_samples
+
+__all__ = ["EntryWriter", "check_encoding"]
+
+log = logging.getLogger("actcache_client")
+
+
+class EntryWriter:
+    """Stores a depth's computed states for a batch's samples, asynchronously (``Connection.store``)."""
+
+    def __init__(self, connection: Connection | None, encoding: str | AutoEncoding, *, frozen: FrozenPrefix,
+                 generations: Generations, epoch: EpochPlan, planner: CachePlanner | None,
+                 precision: StorePrecision, varlen: VarLen | None) -> None:
+        self._connection = connection
+        self.encoding = encoding
+        self._frozen = frozen
+        self._generations = generations
+        self._epoch = epoch
+        self._planner = planner
+        self._precision = precision
+        self._varlen = varlen
+        self._encodings: dict[bytes, EncodingChoice] = {}  # fingerprint -> codec chosen (the writer thread's)
+        self._probed = False  # a read-speed probe was sent this epoch
+
+    def new_epoch(self) -> None:
+        self._probed = False
+
+    def choice(self, fingerprint: bytes) -> EncodingChoice | None:
+        """The codec an AutoEncoding chose for ``fingerprint``'s entries, if any yet."""
+        return self._encodings.get(fingerprint)
+
+    def store(self, depth: int, ids: list[int], variant: int, state: State) -> None:
+        """Put ``state`` (the batch rows of ``ids`` at ``depth``) under the current fingerprint of ``depth``."""
+        # A private copy: the suffix may modify its input in place (e.g. ReLU(inplace=True)).
+        snapshot = tuple(t.detach().clone() for t in state) if isinstance(state, tuple) else state.detach().clone()
+        snapshot = self._precision.to_stored(snapshot)
+        varlen, fingerprint = self._varlen, self._frozen.fingerprints[depth]
+        self._generations.mark(fingerprint, depth, ids)
+        self._generations.wrote(fingerprint, depth, self._frozen.data)
+        # Without a read-speed measurement yet, read one put back (once per epoch until it is
+        # measured): a slow disk then shows during the write epoch, before the cache is relied upon.
+        probe = self._planner is not None and not self._planner.has_fetch_rate() and not self._probed
+        self._probed = self._probed or probe
+        self._connection.store(
+            fingerprint, depth, ids, [variant] * len(ids),
+            lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
+        )
+
+    def _encoding_for(self, depth: int) -> Callable[[list[bytes]], str] | None:
+        """How the daemon stores depth ``depth``'s entries; an AutoEncoding measures the first ones
+        (on the connection's writer thread) and keeps its choice per fingerprint."""
+        if not isinstance(self.encoding, AutoEncoding):
+            return None if self.encoding == "daemon" else (lambda entries, fixed=self.encoding: fixed)
+        fingerprint, config, samples = self._frozen.fingerprints[depth], self.encoding, self._epoch.samples()
+
+        def choose(entries: list[bytes]) -> str:
+            choice = self._encodings.get(fingerprint)
+            if choice is None:
+                try:
+                    choice = choose_encoding(entries, samples=samples, config=config)
+                except Exception as exc:  # a failed measurement must not stop the writes
+                    choice = EncodingChoice("", f"the daemon's --encoding: measuring the codecs failed ({exc!r})", {})
+                self._encodings[fingerprint] = choice
+                if self._planner is not None:
+                    self._planner.record_encoding(depth, choice)  # logs it with the plan
+                else:
+                    log.info("actcache encoding for depth %d: %s", depth, choice.reason)
+            return choice.encoding
+
+        return choose
+
+
+def check_encoding(encoding: str | AutoEncoding) -> str | AutoEncoding:
+    """``encoding`` as CachedForward keeps it: an AutoEncoding, "daemon" or a valid ``--encoding`` value."""
+    if isinstance(encoding, AutoEncoding):
+        return encoding
+    if not isinstance(encoding, str):
+        raise ConfigTypeError(f"encoding must be a str or an AutoEncoding, got {type(encoding).__name__} "
+                              f"{encoding!r}")
+    if encoding == "auto":
+        return AutoEncoding()
+    if encoding == "daemon":
+        return encoding
+    try:
+        Encoding.parse(encoding)
+    except InvalidRequest:
+        raise ConfigError(f"encoding={encoding!r}: use 'auto' (or an AutoEncoding), 'daemon', 'raw', 'lz4', "
+                          "'zstd' or 'zstd:LEVEL' (-7..22)") from None
+    return encoding
