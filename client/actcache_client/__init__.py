@@ -17,7 +17,7 @@ Errors are actcache's (``actcache.ActCacheError`` and its subclasses).
 from actcache_client._audit import AuditConfig, CacheMismatchWarning
 from actcache_client._cached_forward import CachedForward, EpochCounters, StepTimes
 from actcache_client._codec_choice import AutoEncoding
-from actcache_client._connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig, connect
+from actcache_client._connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig
 from actcache_client.freeze import (
     AutoFreezeConfig,
     AutoFreezePolicy,
@@ -34,6 +34,7 @@ from actcache_client.freeze import (
     StaticPolicy,
 )
 from actcache_client._loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
+from actcache_client._node_daemon import connect
 from actcache_client._planner import CachePlanner, PlannerConfig
 from actcache_client.sampler import NodeStableSampler
 from actcache_client._stages import StagedModel, auto_partition, from_bert, from_resnet, from_sequential

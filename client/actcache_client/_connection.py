@@ -24,15 +24,22 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
 from actcache.errors import ActCacheError, BudgetExceeded, ConfigError, DaemonUnavailable, EntryCorrupt, NamespaceNotFound
 from actcache.rpc_client import EntryBatch, JobInfo, RpcClient, target_for
 
-__all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "connect"]
+__all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "Lease"]
 
 log = logging.getLogger("actcache_client")
 T = TypeVar("T")
+
+
+class Lease(Protocol):
+    """What a connection stops when it closes: a daemon of its own, or its lease on the node daemon
+    (actcache_client._node_daemon)."""
+
+    def stop(self) -> None: ...
 
 
 class CacheFallbackWarning(RuntimeWarning):
@@ -120,7 +127,7 @@ _PROBE_BYTES = 1 << 20
 class Connection:
     """A namespace on a daemon, used by CachedForward; safe to share between threads."""
 
-    def __init__(self, config: ConnectionConfig, *, embedded: "EmbeddedDaemon | NodeDaemonLease | None" = None) -> None:
+    def __init__(self, config: ConnectionConfig, *, embedded: Lease | None = None) -> None:
         self.config = config
         self.stats = ClientStats()
         self._embedded = embedded
@@ -430,7 +437,3 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# Re-exported: connect() and the daemons it starts live in node_daemon (imported last, as it uses Connection).
-from actcache_client._node_daemon import EmbeddedDaemon, NodeDaemonLease, connect  # noqa: E402

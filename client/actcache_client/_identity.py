@@ -25,19 +25,29 @@ import hashlib
 import pickle
 import struct
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from actcache_client._loader import IndexedDataset
-
-__all__ = ["SPREAD_ITEMS", "data_fingerprint", "spread"]
+__all__ = ["SPREAD_ITEMS", "IdentifiedData", "data_fingerprint", "spread"]
 
 #: Items whose content goes into a data fingerprint.
 SPREAD_ITEMS = 64
 _ROOT = b"actcache/data/v1"
+
+
+class IdentifiedData(Protocol):
+    """What ``data_fingerprint`` reads of a dataset: an IndexedDataset (actcache_client._loader)."""
+
+    dataset: Any  # the wrapped dataset: its type is digested
+    data_id: str | None
+    sample_ids: Sequence[int] | None
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any]:
+        """``(sample_id, item)`` of ``(index, variant)``, the item as the model receives it."""
 
 
 def spread(length: int, count: int = SPREAD_ITEMS) -> list[int]:
@@ -47,7 +57,7 @@ def spread(length: int, count: int = SPREAD_ITEMS) -> list[int]:
     return sorted({round(i * (length - 1) / (count - 1)) for i in range(count)})
 
 
-def data_fingerprint(dataset: "IndexedDataset", variants: int = 1) -> bytes:
+def data_fingerprint(dataset: IdentifiedData, variants: int = 1) -> bytes:
     """16-byte fingerprint of what ``dataset`` gives the model, over augmentation variants ``0..variants-1``."""
     h = hashlib.blake2b(_ROOT, digest_size=16)
     inner = dataset.dataset

@@ -22,13 +22,10 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from actcache.errors import ConfigError, DaemonUnavailable
 from actcache.node import NodeDaemon, ensure_running
-
-if TYPE_CHECKING:
-    from actcache_client._connection import Connection
+from actcache_client._connection import Connection, ConnectionConfig
 
 __all__ = ["EmbeddedDaemon", "NodeDaemonLease", "connect"]
 
@@ -98,7 +95,7 @@ def connect(
     token: str | None = None,
     strict: bool = False,
     **options,
-) -> "Connection":
+) -> Connection:
     """Connect to ``socket``, ``address``, ``$ACTCACHE_SOCKET``, or this node's daemon, started if needed.
 
     ``embedded=True``: a private daemon in a temp dir, stopped when the connection closes or the process
@@ -107,8 +104,6 @@ def connect(
     raises DaemonUnavailable instead. A malformed ``$ACTCACHE_IDLE_TIMEOUT`` is a ConfigError.
     ``options`` are ConnectionConfig fields (``timeout_s``, ``put_queue``, ...).
     """
-    from actcache_client._connection import Connection, ConnectionConfig
-
     if embedded and (socket is not None or address is not None):
         raise ConfigError("connect(embedded=True) starts a daemon of its own; pass no socket or address with it")
     lease: EmbeddedDaemon | NodeDaemonLease | None = None
