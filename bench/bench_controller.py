@@ -7,7 +7,7 @@ is set so low that it never freezes: this measures the cost of watching, not
 the gain of freezing). The two modes alternate in blocks of ``--steps``
 steps, ``--rounds`` times, so machine drift hits both alike. "egeria" runs
 the controller's hooks every step and an evaluation every ``--eval-every``
-steps: one probe per interval copied to the reference process (int8/auto, a
+steps: one probe per interval copied to the reference process (fp32, a
 spawned CPU process with 1 thread), the snapshot refreshed every W=10
 evaluations. Training uses ``--threads`` torch threads (default 1: on a
 shared 2-core machine two OpenMP threads ran a ResNet-20 step 10-30x slower
@@ -18,7 +18,7 @@ spare CPU cores. Sample output (2 shared cores, --quick):
     mode      steps/s   ms/step   per round (ms/step)
     off          5.59     178.9   183 180 188 180 178 164
     egeria       5.83     171.5   193 185 180 160 146 166
-    reference (measured rounds): 12 readings, 0 skipped (queue full), 0 skipped (CPU busy); stage 0 as static_int8 ...
+    reference (measured rounds): 12 readings, 0 skipped (queue full), 0 skipped (CPU busy); stage 0 at ... ms a batch
     time with / without: 0.958 over all rounds; per round 0.817 0.890 0.956 1.012 1.025 1.052 (median below: ...)
     figure: egeria_overhead = 0.984
 """
@@ -63,7 +63,6 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8, help="alternations of the two modes")
     parser.add_argument("--steps", type=int, default=40, help="steps per mode per round")
     parser.add_argument("--eval-every", type=int, default=20, help="steps between evaluations (Egeria's n)")
-    parser.add_argument("--precision", default="auto", help="reference precision (auto, static_int8, fp32, ...)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the training process")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -78,7 +77,7 @@ def main() -> int:
     data = [(torch.randn(args.batch, 3, 32, 32, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
             for _ in range(args.steps)]
     policy = EgeriaPolicy(EgeriaConfig(bootstrap_threshold=None, tolerance_fraction=1e-12))
-    reference = ReferenceConfig(precision=args.precision, max_cpu_percent=None)
+    reference = ReferenceConfig(max_cpu_percent=None)
     with FreezeController(cached, opt, policy, eval_every=args.eval_every, reference=reference,
                           hook_optimizer=False) as ctl:
         # Warm-up: both modes once, and the reference process up with stage 0 built.
@@ -105,11 +104,10 @@ def main() -> int:
         rounds = " ".join(f"{1e3 * x / args.steps:.0f}" for x in t)
         print(f"{mode:<8}{1e3 / per_step[mode]:>9.2f}{per_step[mode]:>10.1f}   {rounds}")
     built = stats.builds[0] if stats.builds else {}
-    speeds = ", ".join(f"{k} {v:.2f} ms" for k, v in built.get("ms_per_batch", {}).items())
     print(f"reference (measured rounds): {stats.readings - stats_before['readings']} readings, "
           f"{stats.skipped_full - stats_before['skipped_full']} skipped (queue full), "
-          f"{stats.skipped_busy - stats_before['skipped_busy']} skipped (CPU busy); stage 0 as "
-          f"{built.get('precision')} ({speeds})")
+          f"{stats.skipped_busy - stats_before['skipped_busy']} skipped (CPU busy); stage 0 at "
+          f"{built.get('ms_per_batch', float('nan')):.2f} ms a batch")
     paired = sorted(e / o for e, o in zip(times["egeria"], times["off"]))
     overhead = paired[len(paired) // 2] if len(paired) % 2 else (paired[len(paired) // 2 - 1] + paired[len(paired) // 2]) / 2
     print(f"time with / without: {per_step['egeria'] / per_step['off']:.3f} over all rounds; per round "

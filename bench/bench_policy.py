@@ -14,7 +14,7 @@ matrices of equal norm, plus fresh jitter of 1% each step):
 
 The real ``FreezeController`` runs ``EgeriaPolicy`` (W=10, bootstrapping
 off) on it with one evaluation per step and the real reference process
-(dynamic int8; the readings compare eval-mode snapshots, so the dropout of
+(fp32; the readings compare eval-mode snapshots, so the dropout of
 the training forward is not in them). Unlike a training run, each evaluation waits
 for the reading of the previous probe, so every evaluation gets one and the
 figures do not depend on the machine's load.
@@ -73,7 +73,6 @@ from actcache_client.freeze import (
     FreezeController,
     ReferenceConfig,
     Signals,
-    build_reference,
     sp_loss,
 )
 from actcache_client.freeze.reference import ReferenceWorker
@@ -171,7 +170,7 @@ def run_controller(kind: str, count: int, seed: int, evaluations: int, window: i
     cached = ac.CachedForward(staged)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # the controller reads its lr
     policy = EgeriaPolicy(EgeriaConfig(window=window, bootstrap_threshold=None))
-    reference = ReferenceConfig(precision="dynamic_int8")
+    reference = ReferenceConfig()
     g = torch.Generator().manual_seed(seed)
 
     def move_to(t: int) -> None:  # what an optimizer step does in training: new weights before the evaluation
@@ -196,7 +195,7 @@ def run_controller(kind: str, count: int, seed: int, evaluations: int, window: i
 def expected_drift(trajectory: Trajectory, stage: nn.Module, evaluations: int, age: int, window: int,
                    draws: int = 16) -> tuple[list, list]:
     """Per evaluation step s, the mean over ``draws`` batches and jitters of the reading the policy gets
-    there (int8 references of ``stage``, the judged stage with its projection, with the weights of s - 1 -
+    there (fp32 references of ``stage``, the judged stage with its projection, with the weights of s - 1 -
     age and s - 1, jittered), the first at s = age + 2; and its moving average over W: the drift without
     the sampling noise of one reading."""
     g = torch.Generator().manual_seed(7)
@@ -214,8 +213,7 @@ def expected_drift(trajectory: Trajectory, stage: nn.Module, evaluations: int, a
                 x = torch.randn(BATCH, D_IN, generator=g)
                 synthetic[0].linear.weight.copy_(trajectory.clean(s - 1) + jitter(g))
                 synthetic[1].linear.weight.copy_(trajectory.clean(s - 1 - age) + jitter(g))
-                total += sp_loss(build_reference(ref_now, "dynamic_int8", x, repeats=0).run(x),
-                                 build_reference(ref_old, "dynamic_int8", x, repeats=0).run(x))
+                total += sp_loss(ref_now(x), ref_old(x))
             raw.append(total / draws)
     smoothed, seen = [], []
     for value in raw:

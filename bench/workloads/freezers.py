@@ -299,7 +299,7 @@ class EgeriaFreeze(ControllerFreeze):
     per interval, unfreeze all on a discrete 10x learning-rate drop since
     stage 0 froze. The interval n comes from the run's length and stage
     count (:func:`egeria_eval_every`). Reference: the controller's defaults
-    (``precision="auto"``, one thread, at most one probe in flight, readings
+    (fp32, one thread, at most one probe in flight, readings
     W/2 evaluations apart, ``max_cpu_percent="auto"``: never skip a probe
     for CPU load, since these runs train on the CPU and keep it busy).
 

@@ -72,7 +72,7 @@ def test_config_is_validated():
     opt = torch.optim.SGD(staged.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match="eval_every=0"):
         FreezeController(cached, opt, ManualPolicy(), eval_every=0)
-    for bad, text in [({"precision": "int4"}, "precision"), ({"queue_size": 0}, "queue_size"),
+    for bad, text in [({"queue_size": 0}, "queue_size"),
                       ({"max_cpu_percent": 0}, "max_cpu_percent"), ({"reference_age": 0}, "reference_age"),
                       ({"max_cpu_percent": "busy"}, "max_cpu_percent"),
                       ({"max_samples": 1}, "max_samples"), ({"threads": 0}, "threads")]:
@@ -319,7 +319,7 @@ def test_plasticity_compares_snapshots_of_constant_age_in_eval_mode(monkeypatch)
     opt = torch.optim.SGD(staged.parameters(), lr=0.0)
     policy = EgeriaPolicy(EgeriaConfig(window=6, bootstrap_threshold=None, tolerance_fraction=1e-9))
     g = torch.Generator().manual_seed(2)
-    with FreezeController(cached, opt, policy, eval_every=2, reference=ReferenceConfig(precision="fp32")) as ctl:
+    with FreezeController(cached, opt, policy, eval_every=2, reference=ReferenceConfig()) as ctl:
         def steps(n, move):
             for _ in range(n):
                 loss = cached(torch.arange(16), torch.randn(16, 12, generator=g)).sum()

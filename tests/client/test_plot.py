@@ -24,7 +24,7 @@ def synthetic_timeline(path) -> None:
                         "signal": "plasticity", "value": value, "decision": decision, "frozen": after,
                         "active_param_share": shares[after], "numbers": {"smoothed": value + 0.01}})
         frozen = after
-    timeline.write({"event": "reference", "step": 5, "stage": 0, "precision": "static_int8"})
+    timeline.write({"event": "reference", "step": 5, "stage": 0, "ms_per_batch": 1.5})
     timeline.close()
 
 

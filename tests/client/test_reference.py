@@ -53,7 +53,7 @@ def stage_and_probe(seed: int = 0):
 def test_a_reading_compares_snapshots_age_apart_on_the_same_batch_and_is_zero_for_identical_weights():
     stage, x = stage_and_probe()
     frozen_copies = []
-    worker = ReferenceWorker(ReferenceConfig(precision="fp32", queue_size=4))
+    worker = ReferenceWorker(ReferenceConfig(queue_size=4))
     assert worker.config.max_cpu_percent is None  # "auto" with training on the CPU
     worker.start()
     try:
@@ -79,28 +79,9 @@ def test_a_reading_compares_snapshots_age_apart_on_the_same_batch_and_is_zero_fo
     # Both sides of a reading are eval-mode references, so identical weights read exactly 0 (no train-mode floor).
     assert (still.step, still.index) == (7, 3) and still.plasticity == 0.0
     built = next(m for m in messages if isinstance(m, Built))
-    assert built.precision == "fp32" and built.ms_per_batch["fp32"] > 0
+    assert built.stage == 0 and built.ms_per_batch > 0
     assert worker.stats.dropped == 2 and worker.stats.readings == 2 and worker.stats.in_flight == 0
     assert worker.stats.snapshots == 4 and worker.state is ReferenceState.CLOSED
-
-
-def test_static_int8_references_of_a_stage_share_one_calibration_batch():
-    # Calibrated on different batches, int8 references of identical weights disagree (about 5e-8 on
-    # ResNet-20's stem); every reference of a stage calibrates on its first probe's input instead.
-    stage, _ = stage_and_probe()
-    worker = ReferenceWorker(ReferenceConfig(precision="static_int8", queue_size=4))
-    worker.start()
-    try:
-        for index in range(3):
-            worker.snapshot(stage, stage=0, generation=0, index=index, age=2)
-        worker.submit(0, 2, 6, to_shared(torch.randn(6, 3, 8, 8)))  # builds references 0 and 2
-        for index in (3, 4):
-            worker.snapshot(stage, stage=0, generation=0, index=index, age=2)
-        worker.submit(0, 4, 8, to_shared(4 * torch.randn(6, 3, 8, 8)))  # reference 2 again, 4 built now
-        readings = [m for m in wait_for(worker, Reading, 2) if isinstance(m, Reading)]
-    finally:
-        worker.close()
-    assert [(r.index, r.plasticity) for r in readings] == [(2, 0.0), (4, 0.0)]
 
 
 def test_snapshots_wait_in_order_while_the_inbox_is_full_and_the_oldest_are_dropped():
@@ -109,7 +90,7 @@ def test_snapshots_wait_in_order_while_the_inbox_is_full_and_the_oldest_are_drop
             raise queue.Full
 
     stage, _ = stage_and_probe()
-    worker = ReferenceWorker(ReferenceConfig(precision="fp32"))
+    worker = ReferenceWorker(ReferenceConfig())
     worker.state, worker._inbox = ReferenceState.RUNNING, Full()  # no process: the inbox never takes anything
     for index in range(MAX_PENDING_SNAPSHOTS + 5):
         worker.snapshot(stage, stage=0, generation=3, index=index, age=2)
@@ -134,7 +115,7 @@ def test_max_cpu_percent_auto_follows_where_training_runs():
 
 def test_a_busy_reference_process_turns_probes_into_skips_not_waits():
     _, x = stage_and_probe()
-    worker = ReferenceWorker(ReferenceConfig(precision="fp32", max_cpu_percent=None, queue_size=1))
+    worker = ReferenceWorker(ReferenceConfig(max_cpu_percent=None, queue_size=1))
     worker.start()
     try:
         worker.snapshot(Stall(), stage=0, generation=0)
@@ -160,7 +141,7 @@ def test_cpu_back_off_counts_skips():
 
 def test_a_failing_reference_raises_in_the_training_process():
     _, x = stage_and_probe()
-    worker = ReferenceWorker(ReferenceConfig(precision="fp32", max_cpu_percent=None))
+    worker = ReferenceWorker(ReferenceConfig(max_cpu_percent=None))
     worker.start()
     try:
         worker.snapshot(Broken(), stage=0, generation=0, index=0, age=1)

@@ -74,7 +74,7 @@ def test_egeria_freezes_a_stage_of_a_cnn_on_real_images_without_waiting_for_the_
             assert freeze["signal"] == "plasticity" and freeze["stage"] == 0 and freeze["frozen"] == 1
             assert freeze["active_param_share"] < 1.0 and freeze["smoothed"] is not None
             built = [r for r in records if r["event"] == "reference"]
-            assert built and built[0]["stage"] == 0 and built[0]["precision"] in built[0]["ms_per_batch"]
+            assert built and built[0]["stage"] == 0 and built[0]["ms_per_batch"] > 0
             print(f"{source}: froze stage 0 at step {freeze['step']}; reference {stats}")
         # The frozen prefix is now served from the cache: stored in one epoch, hit in the next.
         for epoch in range(2):

@@ -20,7 +20,6 @@ from actcache_client.freeze.policy import (
     Signals,
     check_freeze_policy_contract,
 )
-from actcache_client.freeze.quantize import PRECISIONS, BuiltReference, build_reference
 from actcache_client.freeze.reference import ReferenceConfig, ReferenceState, ReferenceStats, ReferenceWorker
 from actcache_client.freeze.static import FreezeMilestone, ManualPolicy, StaticPolicy
 from actcache_client.freeze.timeline import Timeline, read_timeline
@@ -28,7 +27,6 @@ from actcache_client.freeze.timeline import Timeline, read_timeline
 __all__ = [
     "AutoFreezeConfig",
     "AutoFreezePolicy",
-    "BuiltReference",
     "Decision",
     "DecisionKind",
     "EgeriaConfig",
@@ -37,7 +35,6 @@ __all__ = [
     "FreezeMilestone",
     "FreezePolicy",
     "ManualPolicy",
-    "PRECISIONS",
     "ReferenceConfig",
     "ReferenceState",
     "ReferenceStats",
@@ -46,7 +43,6 @@ __all__ = [
     "Signals",
     "StaticPolicy",
     "Timeline",
-    "build_reference",
     "check_freeze_policy_contract",
     "read_timeline",
     "sp_loss",

@@ -5,22 +5,19 @@ the first of a generation carries the pickled module, later ones its
 ``state_dict`` in shared memory), ``Probe`` (that stage's input for one
 batch, taken on the step after evaluation ``index``), ``Stop``. Outbox:
 exactly one ``Reading`` or ``Dropped`` for every probe, ``Built`` when a
-generation's first reference is built, ``Failed`` (then the process exits)
+stage's first reference is built, ``Failed`` (then the process exits)
 on any error.
 
 A reading runs the probe's input through two snapshots of the stage, both
-in eval mode at the same precision: the one of the probe's own evaluation
-and the one ``age`` evaluations older::
+in eval mode and in fp32, as Egeria's reference: the one of the probe's own
+evaluation and the one ``age`` evaluations older::
 
     plasticity = sp_loss(ref[index](x), ref[index - age](x))
 
-It is exactly 0 for identical weights: every reference of a generation is
-calibrated on the same batch (the input of its first probe), so static int8
-rounds identical weights identically. A snapshot's reference is built once,
-lazily, on its first use and kept until no later probe can need it (indices
-below ``index - age`` of the latest probe or snapshot). Under
-``precision="auto"`` the choice is made on a stage's first build and kept
-for its later snapshots, so candidates are timed once per stage.
+It is exactly 0 for identical weights. A snapshot's reference is loaded
+once, lazily, on its first use and kept until no later probe can need it
+(indices below ``index - age`` of the latest probe or snapshot). A stage's
+first reference is timed on its first probe (``Built``).
 """
 
 from __future__ import annotations
@@ -32,17 +29,18 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from actcache.errors import ReferenceModelFailed
 from actcache_client.freeze.plasticity import sp_loss
-from actcache_client.freeze.quantize import build_reference
 from actcache_client._stages import State
 
 #: How often a waiting reference process checks that its parent is still alive.
 PARENT_CHECK_S = 5.0
+#: Runs of a generation's first reference on its first probe; the fastest is reported.
+TIMING_RUNS = 5
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,6 @@ class Snapshot:
     generation: int
     index: int  # evaluations since the generation started
     stage: int
-    precision: str
     age: int  # evaluations between the two references of a reading
     payload: bytes | None = None  # pickle.dumps of the stage module on the CPU (index 0 of a generation)
     state: dict[str, torch.Tensor] | None = None  # its state_dict in shared memory (later indices)
@@ -92,12 +89,7 @@ class Built:
     generation: int
     index: int
     stage: int
-    precision: str
-    ms_per_batch: dict[str, float]
-    error_vs_fp32: dict[str, float]
-    notes: list[str] = field(default_factory=list)
-    ms_per_build: dict[str, float] = field(default_factory=dict)
-    drift_reading: dict[str, float] = field(default_factory=dict)
+    ms_per_batch: float  # the fastest of TIMING_RUNS runs on the first probe's input
 
 
 @dataclass(frozen=True)
@@ -115,7 +107,7 @@ def main(inbox, outbox, threads: int, parent_pid: int) -> None:
 
 
 class _Generation:
-    """The snapshots of one frontmost stage, by evaluation index, and their built references."""
+    """The snapshots of one frontmost stage, by evaluation index, and their loaded references."""
 
     def __init__(self, first: Snapshot) -> None:
         if first.payload is None:
@@ -124,12 +116,12 @@ class _Generation:
         self.module: torch.nn.Module = pickle.loads(first.payload)
         self.states: dict[int, dict[str, torch.Tensor] | None] = {first.index: None}  # None: the module as sent
         self.runs: dict[int, Callable[[State], State]] = {}
-        self.calibration: State | None = None  # the first probe's input: every build calibrates on it
 
     def add(self, snapshot: Snapshot) -> None:
         self.states[snapshot.index] = snapshot.state
 
-    def reference(self, index: int, example: State, chosen: dict[int, str], outbox) -> Callable[[State], State]:
+    def reference(self, index: int, example: State, timed: set[int], outbox) -> Callable[[State], State]:
+        """Snapshot ``index`` as a reference; the stage's first one (not in ``timed``) is timed on ``example``."""
         run = self.runs.get(index)
         if run is not None:
             return run
@@ -137,18 +129,12 @@ class _Generation:
         module = self.module if state is None else copy.deepcopy(self.module)
         if state is not None:
             module.load_state_dict(state)
-        stage = self.first.stage
-        if self.calibration is None:
-            self.calibration = example
-        if stage in chosen:
-            built = build_reference(module, chosen[stage], self.calibration, repeats=0)
-        else:
-            built = build_reference(module, self.first.precision, self.calibration)
-            chosen[stage] = built.precision
-            outbox.put(Built(self.first.generation, index, stage, built.precision, built.ms_per_batch,
-                             built.error_vs_fp32, built.notes, built.ms_per_build, built.drift_reading))
-        self.runs[index] = built.run
-        return built.run
+        module.eval()
+        if self.first.stage not in timed:
+            timed.add(self.first.stage)
+            outbox.put(Built(self.first.generation, index, self.first.stage, _ms_per_batch(module, example)))
+        self.runs[index] = module
+        return module
 
     def prune(self, below: int) -> None:
         """Forget snapshots no later probe can use (every later probe has a larger index)."""
@@ -157,9 +143,20 @@ class _Generation:
             self.runs.pop(index, None)
 
 
+def _ms_per_batch(module: torch.nn.Module, example: State) -> float:
+    with torch.no_grad():
+        module(example)  # raises here, before any timing, if the stage cannot run
+        best = float("inf")
+        for _ in range(TIMING_RUNS):
+            start = time.perf_counter()
+            module(example)
+            best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
 def _serve(inbox, outbox, parent_pid: int) -> None:
     current: _Generation | None = None
-    chosen: dict[int, str] = {}  # stage -> precision picked by "auto"
+    timed: set[int] = set()  # stages whose reference was timed
     while True:
         try:
             message = inbox.get(timeout=PARENT_CHECK_S)
@@ -189,8 +186,8 @@ def _serve(inbox, outbox, parent_pid: int) -> None:
             outbox.put(Dropped(probe.generation, probe.step, f"snapshot(s) {missing} of generation "
                                                             f"{probe.generation} never arrived"))
             continue
-        old = current.reference(probe.index - age, probe.inputs, chosen, outbox)
-        new = current.reference(probe.index, probe.inputs, chosen, outbox)
+        old = current.reference(probe.index - age, probe.inputs, timed, outbox)
+        new = current.reference(probe.index, probe.inputs, timed, outbox)
         start = time.perf_counter()
         with torch.no_grad():
             plasticity = sp_loss(new(probe.inputs), old(probe.inputs))

@@ -47,8 +47,7 @@ def _similarity(tensor: torch.Tensor) -> torch.Tensor:
 def sp_loss(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence[torch.Tensor]) -> float:
     """SP loss of activations ``a`` and ``b`` of shape (batch, ...); 0.0 when they match.
 
-    Tuple stage states contribute their first tensor. Pass real-valued tensors
-    (dequantize an int8 reference's outputs first). The computation runs in
+    Tuple stage states contribute their first tensor. The computation runs in
     float64 on ``a``'s device, without gradients. A sample whose activation is
     all zeros gets a zero similarity row.
     """

@@ -75,7 +75,6 @@ class PlasticityProbe:
         self._index = -1  # snapshots sent in this generation, minus one
         self._age = 1
         self._snapped = False  # a snapshot was sent during the current evaluation
-        self._reported: int | None = None
         self._probed = False
         self._capture: _Capture | None = None
 
@@ -156,21 +155,11 @@ class PlasticityProbe:
             self._capture = None
 
     def _report_build(self, built: _refproc.Built, step: int) -> None:
-        """Log and record a stage's first build (where ``auto`` measures its candidates); refreshes at debug."""
-        first = self._reported != built.generation
-        self._reported = built.generation
-        speeds = ", ".join(f"{k} {v:.2f} ms" + (f" (build {built.ms_per_build[k]:.0f} ms)" if k in built.ms_per_build
-                                                else "") for k, v in built.ms_per_batch.items())
-        errors = ", ".join(f"{k} {v:.2g}" for k, v in built.error_vs_fp32.items())
-        log.log(logging.INFO if first else logging.DEBUG,
-                "actcache: reference of stage %d (%s): %s; per batch: %s; SP loss vs fp32: %s%s", built.stage,
-                self.cached.model.stage_names[built.stage], built.precision, speeds, errors,
-                "".join(f"; {n}" for n in built.notes))
-        if first:
-            self.timeline.write({"event": "reference", "step": step, "stage": built.stage,
-                                 "precision": built.precision, "ms_per_batch": built.ms_per_batch,
-                                 "ms_per_build": built.ms_per_build, "error_vs_fp32": built.error_vs_fp32,
-                                 "drift_reading": built.drift_reading, "notes": built.notes})
+        """Log and record a stage's first reference and its speed."""
+        log.info("actcache: reference of stage %d (%s): %.2f ms per batch", built.stage,
+                 self.cached.model.stage_names[built.stage], built.ms_per_batch)
+        self.timeline.write({"event": "reference", "step": step, "stage": built.stage,
+                             "ms_per_batch": built.ms_per_batch})
 
     def close(self) -> None:
         self._drop_capture()

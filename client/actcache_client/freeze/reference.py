@@ -8,8 +8,7 @@ frontmost active stage s and one training batch, the training side sends
           the raw batch when s == 0)
 
 and the reference process runs x through two snapshots of stage s (eval
-mode, quantized per ``ReferenceConfig.precision``, calibrated on the same
-batch): the one taken at the evaluation just before the probe (the
+mode, fp32): the one taken at the evaluation just before the probe (the
 training stage's weights) and the one taken ``age`` evaluations earlier
 (``reference_age``)::
 
@@ -36,9 +35,7 @@ mean +- spread over the batches)::
 
 After the first LR drop the old reading was noise around 0 (a stage froze
 when the noise averaged out, not when its drift fell); the eval-mode
-reading keeps a spread of about 10% at every step. With static int8,
-references calibrated on different batches read 5e-8 for identical
-weights, hence one calibration batch per stage. Feeding both snapshots the
+reading keeps a spread of about 10% at every step. Feeding both snapshots the
 same x isolates stage s: the frozen stages before it are identical in both
 models, and the reference never recomputes them. A snapshot is sent at
 every evaluation (a state_dict in shared memory; the pickled module once
@@ -76,7 +73,6 @@ from torch import nn
 
 from actcache.errors import ConfigError, LifecycleError, ReferenceModelFailed
 from actcache_client.freeze import _refproc
-from actcache_client.freeze.quantize import PRECISIONS
 from actcache_client._stages import State
 
 __all__ = ["ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWorker", "to_shared"]
@@ -91,9 +87,6 @@ MAX_PENDING_SNAPSHOTS = 16
 class ReferenceConfig:
     """How the reference model is built and run."""
 
-    #: auto | dynamic_int8 | static_int8 | fp32 | bf16 (see freeze/quantize.py). Egeria: int8,
-    #: dynamic for NLP, static for CNNs, full precision as the fallback (§4.1.3, §5).
-    precision: str = "auto"
     #: Evaluations between the two snapshots a reading compares; None: half the policy's W
     #: (at least 1), the mean age of Egeria's reference, refreshed every W (§4.1.3).
     reference_age: int | None = None
@@ -110,8 +103,6 @@ class ReferenceConfig:
     max_samples: int | None = None
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.reference_age is not None and self.reference_age < 1:
             raise ConfigError(f"reference_age={self.reference_age} must be >= 1 evaluation (or None for W / 2)")
         if self.queue_size < 1:
@@ -149,7 +140,7 @@ class ReferenceStats:
     snapshots: int = 0
     #: Snapshots dropped because the inbox stayed full (their readings are dropped in turn).
     snapshots_dropped: int = 0
-    #: The first build of each snapshot generation (a new frontmost stage): precision and speeds.
+    #: The first build of each stage's reference: its speed (``_refproc.Built`` as a dict).
     builds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
@@ -235,11 +226,11 @@ class ReferenceWorker:
                 raise ConfigError(f"stage {stage} ({type(module).__name__}) cannot be pickled for the reference "
                                   f"process: {exc}; define its modules at module level (no lambdas or "
                                   "closures)") from exc
-            message = _refproc.Snapshot(generation, index, stage, self.config.precision, age, payload=payload)
+            message = _refproc.Snapshot(generation, index, stage, age, payload=payload)
             self._pending.clear()  # older generations are of no use any more
         else:
             state = {k: to_shared(v) for k, v in module.state_dict().items()}
-            message = _refproc.Snapshot(generation, index, stage, self.config.precision, age, state=state)
+            message = _refproc.Snapshot(generation, index, stage, age, state=state)
         self._pending.append(message)
         while len(self._pending) > MAX_PENDING_SNAPSHOTS:
             opener = self._pending[0].payload is not None  # never drop the one that opens a generation
@@ -317,8 +308,7 @@ class ReferenceWorker:
                 else:
                     self.stats.dropped += 1
             elif isinstance(message, _refproc.Built):
-                if not self.stats.builds or self.stats.builds[-1]["generation"] != message.generation:
-                    self.stats.builds.append(dataclasses.asdict(message))  # a stage's first build
+                self.stats.builds.append(dataclasses.asdict(message))  # a stage's first build
                 out.append(message)
         if self._process.exitcode is not None:
             self._fail(f"the reference process exited unexpectedly with code {self._process.exitcode}")

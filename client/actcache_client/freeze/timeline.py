@@ -9,9 +9,8 @@ Record kinds (``event``):
   reason, lr, frozen (after the decision),
   active_param_share (after), rewrap_s (DDP re-wrap seconds when the depth
   changed), numbers (everything the policy reported) and reference counters.
-- ``reference``: a reference stage was built: stage, precision, ms_per_batch
-  and ms_per_build per precision tried, error_vs_fp32, drift_reading (what
-  each precision read for a small drift, under ``auto``), notes.
+- ``reference``: a stage's first reference was built: stage, ms_per_batch
+  (its speed on the first probe's batch).
 - ``plan``: the cost model decided (CachedForward with a planner): step,
   epoch, frozen, mode (cache or recompute), cache_depth, recompute_stages,
   cached_fraction, expected_step_s, baseline_step_s, write_epoch_extra_s,
