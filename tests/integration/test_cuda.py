@@ -119,22 +119,19 @@ def test_cuda_stager_never_overwrites_a_slot_still_being_copied():
     assert readings and all(nbytes == 64 * 256 * 256 * 4 and seconds > 0 for nbytes, seconds in readings)
 
 
-def test_stagers_share_a_page_locked_ring_and_a_collected_segment_leaves_no_registration():
-    """Two CachedForwards on one connection take turns with one reused ring: the driver registers a range
-    once per process, and a mapping dropped while registered made the next one at its address fail."""
+def test_stagers_copy_batches_straight_out_of_a_reused_shared_memory_ring():
+    """Two CachedForwards on one connection take turns with one reused ring, mapped again each time."""
     ring = ShmRing(MIN_RING_BYTES, start=0)  # in shared memory, as the daemon makes them
     size, count = 1024, 8
     offset = ring.alloc(0, size * count)
     ring.view(offset, size * count)[:] = bytes(range(256)) * (size * count // 256)
     first, second = Stager("cuda"), Stager("cuda")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # "could not page-lock" would fail the test
-        for _ in range(2):
-            segment = ClientSegment(str(ring.path))
-            rows = [stager.ring_to_device(SlotRun(segment, offset, size), count)[0] for stager in (first, second)]
-            assert torch.equal(rows[0], rows[1]) and rows[0].cpu().flatten()[:256].tolist() == list(range(256))
-            del segment, rows
-            gc.collect()  # not closed: unregistered as it is collected, so the next mapping registers
+    for _ in range(2):
+        segment = ClientSegment(str(ring.path))
+        rows = [stager.ring_to_device(SlotRun(segment, offset, size), count)[0] for stager in (first, second)]
+        assert torch.equal(rows[0], rows[1]) and rows[0].cpu().flatten()[:256].tolist() == list(range(256))
+        del segment, rows
+        gc.collect()
     torch.zeros(1, device="cuda").add_(1)  # no CUDA error left behind for a kernel launch
     assert first.ring_copies == second.ring_copies == 2
     ring.close()
@@ -174,7 +171,7 @@ def test_cuda_daemon_killed_mid_epoch_training_completes(tmp_path, deterministic
 
 def test_cuda_two_models_on_one_connection_take_turns_with_its_rings(daemon):
     """bench_step's pattern: two CachedForwards share a connection, so a ring one stream used is reused by
-    the other's; every epoch after the fill is served whole, with no page-locking failure."""
+    the other's; every epoch after the fill is served whole."""
     torch.manual_seed(0)
     staged = ac.from_resnet(resnet20()).to("cuda")
     g = torch.Generator().manual_seed(0)
@@ -187,7 +184,7 @@ def test_cuda_two_models_on_one_connection_take_turns_with_its_rings(daemon):
         for m in models:
             m.set_frozen(10)
         with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # "could not page-lock" fails the test
+            warnings.simplefilter("error", RuntimeWarning)
             with torch.no_grad():
                 for batch in loaders[0]:  # fills the cache
                     models[0](batch)
