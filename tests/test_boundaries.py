@@ -1,9 +1,11 @@
-"""Import boundaries: the daemon never imports torch; the client never imports the daemon."""
+"""Import boundaries: the daemon never imports torch; the client never imports the daemon; no import cycles."""
 
+import ast
 import importlib
 import pkgutil
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -51,8 +53,6 @@ _LAYERS = ["store", "prefetch", "service"]  # each may import only the ones befo
 
 @pytest.mark.parametrize("layer", _LAYERS)
 def test_daemon_layers_import_only_downwards(layer):
-    import ast
-
     above = [f"actcache.daemon.{name}" for name in _LAYERS[_LAYERS.index(layer) + 1 :]]
     folder = Path(actcache.__file__).parent / "daemon" / layer
     for path in sorted(folder.glob("*.py")):
@@ -62,6 +62,110 @@ def test_daemon_layers_import_only_downwards(layer):
             for name in names:
                 assert not any(name == a or name.startswith(a + ".") for a in above), \
                     f"{path.name} (layer {layer}) imports {name}, a layer above it"
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of actcache and actcache_client by dotted name (a package by its __init__.py)."""
+    modules = {}
+    for package in (actcache, actcache_client):
+        folder = Path(package.__file__).parent
+        for path in folder.rglob("*.py"):
+            parts = [package.__name__, *path.relative_to(folder).with_suffix("").parts]
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``module`` imports anywhere in its file (module or function level,
+    absolute or relative); ``from package import name`` counts the submodule ``name`` if there is one,
+    else the package."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, *([base] if base else [])])
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:  # a name inside a module: the module
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One shortest cycle through the first module of each strongly connected component of ``graph``
+    with more than one module (Tarjan's algorithm), as ``[a, b, ..., a]``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    cycles = []
+    for component in sorted(components):
+        start, members = component[0], set(component)
+        previous: dict[str, str] = {}
+        queue = deque([start])
+        while queue:  # breadth first inside the component, back to start
+            node = queue.popleft()
+            if start in graph[node]:
+                path = [node]
+                while path[-1] != start:
+                    path.append(previous[path[-1]])
+                cycles.append([*reversed(path), start])
+                break
+            for nxt in sorted(graph[node] & members):
+                if nxt not in previous and nxt != start:
+                    previous[nxt] = node
+                    queue.append(nxt)
+    return cycles
+
+
+def test_import_cycle_finder_finds_each_cycle():
+    graph = {"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"e"}, "e": {"d", "a"}, "f": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "a"], ["d", "e", "d"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    modules = _module_files()
+    graph = {module: _imported(module, path, modules) for module, path in modules.items()}
+    assert graph["actcache_client._loader"] >= {"actcache_client._identity", "actcache_client._cached_forward"}
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
 def test_the_two_packages_public_names_are_pinned():
