@@ -12,7 +12,8 @@ Puts run on one background thread fed by a bounded queue: ``store`` never
 blocks the training step; when the queue is full the put is dropped and
 counted.
 
-One module of about 400 lines: the put thread, the fallback and back-off and the calls share the connection's state and lock.
+The put thread, the fallback and back-off, and the calls share the connection's
+state under one lock.
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ and recomputes the teacher every step from then on. A change before any use
 (weights loaded after wrapping) just re-keys. Changes within an epoch are
 seen at the next epoch start.
 
-One module of about 400 lines: CachedTeacher and the distillation helpers that read its outputs.
+The module holds ``CachedTeacher`` and the helpers that read its outputs:
+``topk_soft_targets`` and ``distillation_loss``.
 """
 
 from __future__ import annotations
