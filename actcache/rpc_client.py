@@ -171,7 +171,6 @@ class RpcClient:
         self._pid: int | None = None
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, Callable] = {}
-        self._schedule_small = True  # whether the daemon has ScheduleSmall (False once it said UNIMPLEMENTED)
 
     # ---- channel ---------------------------------------------------------
 
@@ -210,7 +209,6 @@ class RpcClient:
             "Schedule": channel.stream_unary(
                 method("Schedule"), request_serializer=pb.ScheduleChunk.SerializeToString, response_deserializer=pb.ScheduleReply.FromString
             ),
-            "ScheduleSmall": unary("ScheduleSmall", pb.ScheduleChunk, pb.ScheduleReply),
             "Fetch": channel.unary_stream(method("Fetch"), request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=_identity),
         }
         self._channel = channel
@@ -350,8 +348,7 @@ class RpcClient:
         ``report_present`` the reply's ``present`` says which entries are
         stored (one byte each; values are not read). Ids travel as
         packed uint64 arrays in chunks of ``chunk_ids``, so 10 M ids cost
-        about 80 MB on the wire and no per-id Python work; an order of one
-        chunk goes in a unary call (``ScheduleSmall``).
+        about 80 MB on the wire and no per-id Python work.
         """
         fingerprint = check_fingerprint(fingerprint)
         ids = _as_array(sample_ids, np.uint64, "sample id", 2**64 - 1)
@@ -373,13 +370,6 @@ class RpcClient:
                 yield chunk
 
         def push(timeout: float) -> pb.ScheduleReply:
-            if len(ids) <= chunk_ids and self._schedule_small:  # one message: a unary call
-                try:
-                    return self._call("ScheduleSmall")(next(chunks()), timeout=timeout, metadata=self._metadata())
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                        raise
-                    self._schedule_small = False  # a daemon older than ScheduleSmall: stream from now on
             return self._call("Schedule")(chunks(), timeout=timeout, metadata=self._metadata())
 
         return self._invoke(push)

@@ -59,8 +59,7 @@ DOCUMENTED = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.PERMISSION_DENIED,
 }
-ALLOWED = {name: DOCUMENTED for name in ("Open", "Put", "Get", "Drop", "Stats", "Schedule", "ScheduleSmall",
-                                                   "Fetch")}
+ALLOWED = {name: DOCUMENTED for name in ("Open", "Put", "Get", "Drop", "Stats", "Schedule", "Fetch")}
 RSS_LIMIT_BYTES = 512 << 20  # generous: the daemon runs near 100 MB here
 FUZZ = settings(max_examples=int(os.environ.get("ACTCACHE_FUZZ_EXAMPLES", 150)), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -235,8 +234,6 @@ def test_schedule_and_fetch(fuzzed, data):
         for _ in range(data.draw(st.integers(0, 3)))
     ]
     call(fuzzed[1], "Schedule", chunks, stream_request=True)
-    if chunks:
-        call(fuzzed[1], "ScheduleSmall", chunks[0])
     fetch = pb.FetchRequest(namespace_id=data.draw(namespaces(fuzzed)), schedule_id=data.draw(st.text(max_size=40)),
                             start=data.draw(u64))
     call(fuzzed[1], "Fetch", fetch.SerializeToString(), stream_response=True)

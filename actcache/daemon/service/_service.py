@@ -152,8 +152,6 @@ class ActCacheService:
                 "Schedule": grpc.stream_unary_rpc_method_handler(
                     self.Schedule, pb.ScheduleChunk.FromString, pb.ScheduleReply.SerializeToString
                 ),
-                "ScheduleSmall": unary(self.ScheduleSmall, pb.ScheduleChunk.FromString,
-                                       pb.ScheduleReply.SerializeToString),
                 "Fetch": grpc.unary_stream_rpc_method_handler(self.Fetch, pb.FetchRequest.FromString, raw),
             },
         )
@@ -245,10 +243,6 @@ class ActCacheService:
         for _ in chunks:
             raise InvalidRequest("the Schedule stream went on after its end")
         return self._push(builder, report)
-
-    @_status_on_error
-    def ScheduleSmall(self, chunk: pb.ScheduleChunk, context) -> pb.ScheduleReply:
-        return self._push(*self._read_order([chunk]))
 
     def _read_order(self, chunks: Iterable[pb.ScheduleChunk]) -> tuple[ScheduleBuilder, int | None]:
         """The schedule the chunks describe, and the namespace handle to report present entries of (None: no report)."""
