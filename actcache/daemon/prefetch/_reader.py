@@ -46,7 +46,6 @@ from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._lookahead import Prober, ShortTransaction
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.prefetch._served import ServedBatch
-from actcache.daemon.prefetch._threads import ReusedThreads
 from actcache.daemon.store import ExtentHints, PageCacheGuess
 from actcache.errors import ActCacheError, BudgetExceeded, InvalidRequest, StoreError
 from actcache.keys import group_prefix
@@ -181,17 +180,19 @@ class ScheduleReader:
         self._claim_from = 0  # after a run was given back: not before the reader has read this far
         # The reader's probes still tell the kernel what to read (cold data); a warm group's start paused.
         self._hinting = not self._guess.warm
-        self._done: threading.Event | None = None  # set once the reading loop returned (``begin``)
+        self._thread: threading.Thread | None = None  # runs the reading loop (``begin``)
 
     # ---- lifecycle -------------------------------------------------------
 
-    def begin(self, threads: ReusedThreads) -> None:
-        """Start reading, on one of ``threads``."""
-        self._done = threads.run(self._run, f"actcache-reader-{self.schedule.schedule_id}")
+    def begin(self) -> None:
+        """Start reading, on a thread of its own."""
+        self._thread = threading.Thread(target=self._run, name=f"actcache-reader-{self.schedule.schedule_id}",
+                                        daemon=True)
+        self._thread.start()
 
     def join(self, timeout: float | None = None) -> None:
-        if self._done is not None:
-            self._done.wait(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _set_state(self, state: ReaderState) -> None:
         """Caller holds ``_cond``; the prefetcher is told after the lock is dropped."""
