@@ -20,10 +20,12 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import grpc
 import numpy as np
 
+from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
 from actcache.frame_pump import FramePump
 from actcache.keys import MAX_VARIANT, check_fingerprint
+from actcache import rpc
 from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
 from actcache.shm import ClientSegment, SegmentPool, ShmRing, SlotRun
 
@@ -260,12 +262,19 @@ class RpcClient:
         on NamespaceNotFound for it, open again). ``job`` (e.g.
         ``JobInfo.current(data_id)``) tells the daemon who opens it; it lists
         the last jobs of each namespace in Stats.
+
+        Client and daemon exchange versions here: raises VersionMismatch when
+        the daemon speaks another wire protocol (or predates the exchange).
         """
         if isinstance(secret, str):
             secret = secret.encode()
         request = pb.OpenRequest(name=name, create=create, secret=secret or b"",
-                                 job=job.to_message() if job is not None else None)
-        return self._invoke(lambda t: self._call("Open")(request, timeout=t, metadata=self._metadata()))
+                                 job=job.to_message() if job is not None else None,
+                                 client_version=__version__, protocol_version=rpc.PROTOCOL_VERSION)
+        reply = self._invoke(lambda t: self._call("Open")(request, timeout=t, metadata=self._metadata()))
+        if reply.protocol_version != rpc.PROTOCOL_VERSION:
+            raise rpc.version_mismatch(__version__, rpc.PROTOCOL_VERSION, reply.server_version, reply.protocol_version)
+        return reply
 
     def put(
         self,

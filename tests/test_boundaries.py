@@ -69,7 +69,8 @@ def test_the_two_packages_public_names_are_pinned():
     assert actcache.__all__ == [
         "ActCacheError", "BudgetExceeded", "CacheMismatchError", "ConfigError", "ConfigTypeError", "DaemonUnavailable",
         "EntryCorrupt", "FetchAborted", "InvalidRequest", "LifecycleError", "NamespaceNotFound", "PermissionDenied",
-        "PolicyError", "ReferenceModelFailed", "ScheduleNotFound", "StoreError", "Unauthenticated", "__version__",
+        "PolicyError", "ReferenceModelFailed", "ScheduleNotFound", "StoreError", "Unauthenticated", "VersionMismatch",
+        "__version__",
     ]
     assert actcache_client.__all__ == [
         "AuditConfig", "AutoEncoding", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning", "CacheMismatchWarning",

@@ -15,16 +15,20 @@ class Frame(_message.Message):
     def __init__(self, header: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("name", "create", "secret", "job")
+    __slots__ = ("name", "create", "secret", "job", "client_version", "protocol_version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CREATE_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     create: bool
     secret: bytes
     job: JobInfo
-    def __init__(self, name: _Optional[str] = ..., create: _Optional[bool] = ..., secret: _Optional[bytes] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ...) -> None: ...
+    client_version: str
+    protocol_version: int
+    def __init__(self, name: _Optional[str] = ..., create: _Optional[bool] = ..., secret: _Optional[bytes] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., client_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("pid", "host", "start_time", "data_id")
@@ -39,20 +43,22 @@ class JobInfo(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., host: _Optional[str] = ..., start_time: _Optional[float] = ..., data_id: _Optional[str] = ...) -> None: ...
 
 class OpenReply(_message.Message):
-    __slots__ = ("namespace_id", "namespace_budget_bytes", "daemon_budget_bytes", "max_message_bytes", "max_entry_bytes", "server_version")
+    __slots__ = ("namespace_id", "namespace_budget_bytes", "daemon_budget_bytes", "max_message_bytes", "max_entry_bytes", "server_version", "protocol_version")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     DAEMON_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     namespace_budget_bytes: int
     daemon_budget_bytes: int
     max_message_bytes: int
     max_entry_bytes: int
     server_version: str
-    def __init__(self, namespace_id: _Optional[int] = ..., namespace_budget_bytes: _Optional[int] = ..., daemon_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_entry_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, namespace_id: _Optional[int] = ..., namespace_budget_bytes: _Optional[int] = ..., daemon_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_entry_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth", "sample_ids", "variants", "lengths", "encoding")

@@ -26,7 +26,7 @@ from actcache.daemon.service._stats import stats_reply
 from actcache.daemon.service._throttle import Throttle
 from actcache.daemon.store import Store
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
-from actcache.rpc import SERVICE, decode_frame, encode_frame, split_payload
+from actcache.rpc import PROTOCOL_VERSION, SERVICE, decode_frame, encode_frame, split_payload, version_mismatch
 
 __all__ = ["ActCacheService", "Counters"]
 
@@ -158,6 +158,8 @@ class ActCacheService:
 
     @_status_on_error
     def Open(self, request: pb.OpenRequest, context) -> pb.OpenReply:
+        if request.protocol_version != PROTOCOL_VERSION:  # 0: a client older than the exchange
+            raise version_mismatch(request.client_version[:64], request.protocol_version, __version__, PROTOCOL_VERSION)
         info = self.store.open_namespace(request.name, create=request.create, secret=request.secret)
         if request.HasField("job"):
             job = request.job
@@ -170,6 +172,7 @@ class ActCacheService:
             max_message_bytes=self.max_message_bytes,
             max_entry_bytes=cfg.max_entry_bytes,
             server_version=__version__,
+            protocol_version=PROTOCOL_VERSION,
         )
 
     @_status_on_error
