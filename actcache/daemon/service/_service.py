@@ -328,4 +328,5 @@ class ActCacheService:
 
     @_status_on_error
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
-        return stats_reply(self)
+        return stats_reply(self.store, self.prefetcher, self.jobs, self.counters.snapshot(),
+                           time.monotonic() - self.started)
