@@ -39,11 +39,11 @@ class FrameTaker:
     (``ServedBatch.finish``), not when it is taken.
     """
 
-    def __init__(self, owner: object, schedule: Schedule, shared: ReadAhead, handover: Handover, *, store: Store,
+    def __init__(self, schedule: Schedule, shared: ReadAhead, handover: Handover, *, store: Store,
                  budget: MemoryBudget, guess: PageCacheGuess, decode_pool: Executor | None,
                  key: Callable[[int], bytes], on_done: Callable[[], None]) -> None:
-        """``owner``: what the budget counts the reader's bytes under; ``on_done``: the stream is served."""
-        self._owner, self._schedule, self._shared, self._handover = owner, schedule, shared, handover
+        """The budget counts the reader's bytes under ``shared``; ``on_done``: the stream is served."""
+        self._owner, self._schedule, self._shared, self._handover = shared, schedule, shared, handover
         self._store, self._budget, self._guess, self._decode, self._key = store, budget, guess, decode_pool, key
         self._on_done = on_done
 

@@ -38,11 +38,11 @@ class ReadLoop:
     pins no pages. It stops (``Stop``) as soon as the reader is stopping.
     """
 
-    def __init__(self, owner: object, schedule: Schedule, shared: ReadAhead, handover: Handover, *, store: Store,
+    def __init__(self, schedule: Schedule, shared: ReadAhead, handover: Handover, *, store: Store,
                  budget: MemoryBudget, probe_pool: Executor | None, probe_bytes: int, guess: PageCacheGuess,
-                 on_starved: Callable[[object, int], None] | None) -> None:
-        """``owner``: what the budget counts this reader's bytes under (its ScheduleReader)."""
-        self._owner, self._schedule, self._shared, self._handover = owner, schedule, shared, handover
+                 on_starved: Callable[[ReadAhead, int], None] | None) -> None:
+        """The budget counts this reader's bytes under ``shared`` (its ScheduleReader)."""
+        self._owner, self._schedule, self._shared, self._handover = shared, schedule, shared, handover
         self._store, self._budget, self._probe, self._probe_bytes = store, budget, probe_pool, probe_bytes
         self._guess, self._on_starved = guess, on_starved
         self._keys: dict[int, list[bytes]] = {}

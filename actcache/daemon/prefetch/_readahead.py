@@ -89,7 +89,7 @@ class ReadAhead:
     every state change wakes both.
 
     ``attached``, ``allowed`` and ``reclaimed`` are set by the prefetcher
-    under the budget's condition (see ``ScheduleReader``).
+    under the budget's condition (see ``ScheduleReader``, which is one).
     """
 
     def __init__(self, length: int, start: int, *, attached: bool) -> None:
@@ -107,8 +107,11 @@ class ReadAhead:
         self.fill_bytes = FILL_BYTES
         self.error: ActCacheError | None = None
         self.stopping = False
+        #: A Fetch consumes this stream.
         self.attached = attached
+        #: May the reader read now?
         self.allowed = attached
+        #: Gave its bytes back to a starving consumer; never attached.
         self.reclaimed = False
 
     def set_state(self, state: ReaderState) -> None:
@@ -150,7 +153,7 @@ class ReadAhead:
         self.ready_bytes -= size
         return start, taken
 
-    def cancel(self, error: ActCacheError | None) -> int | None:
+    def end_cancelled(self, error: ActCacheError | None) -> int | None:
         """End as CANCELLED and drop every slot; the budget bytes they held (None: already over)."""
         with self.cond:
             if self.state in (ReaderState.DONE, ReaderState.CANCELLED):
@@ -164,7 +167,7 @@ class ReadAhead:
             self.set_state(ReaderState.CANCELLED)
         return freed
 
-    def fail(self, error: ActCacheError, at: int) -> int | None:
+    def end_failed(self, error: ActCacheError, at: int) -> int | None:
         """End as FAILED: positions before ``at`` are still served, then ``error``; the budget bytes of
         the slots dropped (None: already over)."""
         freed = 0

@@ -13,7 +13,7 @@ already warm (the next epoch's, pushed ahead) reads at most one run before
 its consumer attaches, and the consumer may claim it while it still waits
 for its budget turn: it is read by its Fetch from its first entry.
 
-The parts share one ``ReadAhead`` (positions, slots, lifecycle) and its condition.
+The reader is the parts' shared ``ReadAhead`` (positions, slots, lifecycle) and its condition.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._frames import FrameTaker
 from actcache.daemon.prefetch._handover import Handover
 from actcache.daemon.prefetch._read_loop import ReadLoop
-from actcache.daemon.prefetch._readahead import MAX_AHEAD_ENTRIES, ReadAhead, ReaderSnapshot, ReaderState, Stop
+from actcache.daemon.prefetch._readahead import ReadAhead, ReaderSnapshot, ReaderState, Stop
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.prefetch._served import ServedBatch
 from actcache.daemon.store import PageCacheGuess
@@ -38,23 +38,22 @@ from actcache.rpc import encode_frame
 if TYPE_CHECKING:
     from actcache.daemon.store import Store
 
-__all__ = ["DirectRun", "MAX_AHEAD_ENTRIES", "ReaderSnapshot", "ReaderState", "ScheduleReader", "ServedBatch"]
+__all__ = ["DirectRun", "ReaderSnapshot", "ReaderState", "ScheduleReader", "ServedBatch"]
 
 log = logging.getLogger(__name__)
 
 
-class ScheduleReader:
-    """Reads ``schedule`` from ``start`` ahead of the consumer within the shared budget.
+class ScheduleReader(ReadAhead):
+    """Reads ``schedule`` from ``start`` ahead of the consumer within the shared budget: the stream's
+    ``ReadAhead`` (positions, slots, lifecycle), its reader thread, its consumer's frames and the
+    hand-over between them.
 
-    Invariants (under the ``ReadAhead``'s condition; see ``ReadAhead``):
-    ``start <= served <= ready <= read <= len(schedule)``. The budget bytes
-    this reader holds equal the bytes of its slots plus at most one
-    reservation for the entry being read, so the budget's ``used <= limit``
-    bounds its memory. A slot is dropped as soon as its frame is built. A
-    cancelled reader frees every slot at once.
-
-    ``attached``, ``allowed`` and ``reclaimed`` are set by the prefetcher
-    under the budget's condition.
+    Invariants (under ``cond``; see ``ReadAhead``): ``start <= served <=
+    ready <= read <= len(schedule)``. The budget bytes this reader holds
+    equal the bytes of its slots plus at most one reservation for the entry
+    being read, so the budget's ``used <= limit`` bounds its memory. A slot
+    is dropped as soon as its frame is built. A cancelled reader frees every
+    slot at once.
     """
 
     def __init__(
@@ -72,65 +71,18 @@ class ScheduleReader:
         on_starved: Callable[["ScheduleReader", int], None] | None = None,
         guess: PageCacheGuess | None = None,
     ) -> None:
+        super().__init__(len(schedule), start, attached=attached)
         self.schedule = schedule
-        self.start = start
         self._budget = budget
         self._on_change = on_change
         guess = guess or PageCacheGuess()  # whether this stream's values are in the page cache
-        self._shared = ReadAhead(len(schedule), start, attached=attached)
-        self._handover = Handover(self._shared, schedule, guess, explicit_reads=store.config.explicit_reads,
+        self._handover = Handover(self, schedule, guess, explicit_reads=store.config.explicit_reads,
                                   on_read_all=lambda: on_change(self))
-        self._loop = ReadLoop(self, schedule, self._shared, self._handover, store=store, budget=budget,
-                              probe_pool=probe_pool, probe_bytes=probe_bytes, guess=guess, on_starved=on_starved)
-        self._frames = FrameTaker(self, schedule, self._shared, self._handover, store=store, budget=budget,
-                                  guess=guess, decode_pool=decode_pool, key=self._loop.key,
-                                  on_done=lambda: on_change(self))
+        self._loop = ReadLoop(schedule, self, self._handover, store=store, budget=budget, probe_pool=probe_pool,
+                              probe_bytes=probe_bytes, guess=guess, on_starved=on_starved)
+        self._frames = FrameTaker(schedule, self, self._handover, store=store, budget=budget, guess=guess,
+                                  decode_pool=decode_pool, key=self._loop.key, on_done=lambda: on_change(self))
         self._thread: threading.Thread | None = None  # runs the reading loop (``begin``)
-
-    # ---- the state the prefetcher reads and sets ---------------------------
-
-    @property
-    def attached(self) -> bool:
-        """A Fetch consumes this reader."""
-        return self._shared.attached
-
-    @attached.setter
-    def attached(self, value: bool) -> None:
-        self._shared.attached = value
-
-    @property
-    def allowed(self) -> bool:
-        """May this reader read now?"""
-        return self._shared.allowed
-
-    @allowed.setter
-    def allowed(self, value: bool) -> None:
-        self._shared.allowed = value
-
-    @property
-    def reclaimed(self) -> bool:
-        """Gave its bytes back to a starving consumer; never attached."""
-        return self._shared.reclaimed
-
-    @reclaimed.setter
-    def reclaimed(self, value: bool) -> None:
-        self._shared.reclaimed = value
-
-    @property
-    def state(self) -> ReaderState:
-        return self._shared.state
-
-    @property
-    def served(self) -> int:
-        return self._shared.served
-
-    @property
-    def ready(self) -> int:
-        return self._shared.ready
-
-    @property
-    def read(self) -> int:
-        return self._shared.read
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -149,59 +101,52 @@ class ScheduleReader:
 
         ``error`` goes to a consumer still listening; None ends its stream quietly.
         """
-        freed = self._shared.cancel(error)
-        if freed is None:
-            return
-        self._ended(freed)
+        self._ended(self.end_cancelled(error))
 
     def _fail(self, exc: BaseException, at: int | None = None) -> None:
         """End reading with ``exc``: the consumer still gets the entries before position ``at``
         (default: everything read so far), then the error."""
-        at = self._shared.read if at is None else at
+        at = self.read if at is None else at
         error = exc if isinstance(exc, ActCacheError) else StoreError(
             f"reading schedule {self.schedule.schedule_id!r} failed at position {at}: {exc!r}"
         )
         if not isinstance(exc, ActCacheError):
             log.error("schedule reader failed", exc_info=exc)
-        freed = self._shared.fail(error, at)
+        self._ended(self.end_failed(error, at))
+
+    def _ended(self, freed: int | None) -> None:
+        """Give back the bytes an ending freed and tell the prefetcher (None: it had ended already)."""
         if freed is None:
             return
-        self._ended(freed)
-
-    def _ended(self, freed: int) -> None:
         self._budget.release(self, freed)
         self._on_change(self)
         self._budget.wake()
 
     def snapshot(self) -> ReaderSnapshot:
-        shared = self._shared
-        with shared.cond:
-            return ReaderSnapshot(
-                shared.state, shared.attached, self.start, shared.served, shared.ready, shared.read,
-                len(self.schedule), self._budget.held(self),
-            )
+        with self.cond:
+            return ReaderSnapshot(self.state, self.attached, self.start, self.served, self.ready, self.read,
+                                  len(self.schedule), self._budget.held(self))
 
     def consumer_attached(self) -> None:
         """A Fetch took this reader over (``attached`` is set): wake it if it waits for one."""
-        with self._shared.cond:
-            self._shared.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
 
     # ---- the reader thread -----------------------------------------------
 
     def _run(self) -> None:
-        shared = self._shared
         try:
             with self._budget.cond:
-                self._budget.cond.wait_for(lambda: shared.stopping or shared.allowed)
-            with shared.cond:
-                if shared.stopping:
+                self._budget.cond.wait_for(lambda: self.stopping or self.allowed)
+            with self.cond:
+                if self.stopping:
                     return
-                shared.set_state(ReaderState.READING)
+                self.set_state(ReaderState.READING)
             self._on_change(self)
             self._loop.read_all()
-            with shared.cond:
-                if shared.state is ReaderState.READING:
-                    shared.set_state(ReaderState.READ_ALL)
+            with self.cond:
+                if self.state is ReaderState.READING:
+                    self.set_state(ReaderState.READ_ALL)
             self._on_change(self)
         except Stop:
             return  # cancelled, or failed and already ended by _fail
