@@ -7,8 +7,7 @@ import pytest
 
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.daemon.config import StoreConfig
-from actcache.daemon.store._cachestat import cached_pages
-from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess, ValueFile
+from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess
 from actcache.daemon.store._pages import present_keys, stored_length
 from actcache.daemon.store import Store
 from actcache.keys import encode_key, group_prefix
@@ -70,7 +69,7 @@ def test_probe_and_stored_length(store):
     store.put(ns, FP, 1, [(3, 0, value)])
     key = encode_key(ns, FP, 1, 3)
     store.get(ns, FP, 1, [(3, 0)])  # now in the page cache
-    assert store.probe([key, encode_key(ns, FP, 1, 4)]) == [store._file.tells_residency, None]
+    assert store.probe([key, encode_key(ns, FP, 1, 4)]) == [hasattr(os, "RWF_NOWAIT"), None]
     with store._env.begin(db=store._entries, buffers=True) as txn:
         cursor = txn.cursor()
         assert stored_length(cursor, key) == len(value)
@@ -219,43 +218,3 @@ def test_presence_is_read_from_whole_leaf_pages_and_matches_a_lookup_per_key(tmp
     assert got == expected and sum(got) == len(stored) + 2
     assert len(lookups) < len(stored) // 20  # one lookup per leaf page, not per key
     store.close()
-
-
-def _evicted(path) -> bool:
-    """Drop ``path``'s clean pages from the page cache; whether the kernel did."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return cached_pages(fd, 0, os.path.getsize(path)) == 0
-    finally:
-        os.close(fd)
-
-
-def test_asking_whether_a_value_is_cached_does_not_read_it(tmp_path):
-    path = tmp_path / "data.mdb"
-    path.write_bytes(os.urandom(16 * 4096))
-    probe_fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(probe_fd, 0, 0, os.POSIX_FADV_RANDOM)  # reads below bring in their own pages only
-    values = ValueFile(path, 4096)
-    extent = Extent.at_page(4, 3 * 4096 - 16, 4096)  # pages 4-6
-    nowait_answer = True if hasattr(os, "RWF_NOWAIT") else None  # the fallback, on the cached file
-    try:
-        if cached_pages(probe_fd, 0, 1) is None:  # a kernel before Linux 6.5: the fallback is taken
-            assert not values._cachestat and values.resident(extent) is nowait_answer
-            return
-        assert values.tells_residency
-        assert _evicted(path)
-        for _ in range(3):
-            assert values.resident(extent) is False
-        assert cached_pages(probe_fd, 0, 16 * 4096) == 0  # asking read nothing in
-        os.pread(probe_fd, 4096, 6 * 4096)  # only the value's last page
-        assert values.resident(extent) is False
-        os.pread(probe_fd, 3 * 4096, 4 * 4096)
-        assert values.resident(extent) is True
-        assert cached_pages(probe_fd, 0, 16 * 4096) == 3
-        values._cachestat = False  # as without cachestat: a non-blocking read of the value's last byte
-        assert values.resident(extent) is nowait_answer
-    finally:
-        values.close()
-        os.close(probe_fd)

@@ -57,14 +57,12 @@ from pathlib import Path
 
 import numpy as np
 
-from actcache.daemon.store._cachestat import cached_pages
 from actcache.daemon.store._pages import PAGE_HEADER_BYTES, is_overflow_page, leaf_nodes, overflow_node
 from actcache.keys import KEY_BYTES, sample_ids_of
 
 __all__ = ["Extent", "ExtentHints", "ReadSession", "ValueFile"]
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-_MEMORY_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +107,6 @@ class ValueFile:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._nowait = bool(_NOWAIT)
-        self._cachestat = cached_pages(self._fd, 0, 1) is not None
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -122,23 +119,11 @@ class ValueFile:
             os.posix_fadvise(self._fd, extent.read_start, extent.read_bytes, os.POSIX_FADV_WILLNEED)
 
     def resident(self, extent: Extent) -> bool | None:
-        """Is all of ``extent`` in the page cache? Asked without reading it (``cached_pages``) where the
-        kernel can; else whether its last byte is, by a non-blocking read of it (which on a miss starts
-        reading that page). None when the kernel cannot tell."""
+        """Is the end of ``extent`` in the page cache? None when the kernel cannot tell (no RWF_NOWAIT)."""
         if extent.inline is not None:
             return True
-        if self._cachestat:
-            pages = cached_pages(self._fd, extent.read_start, extent.read_bytes)
-            if pages is not None:
-                return pages >= _pages_spanned(extent.read_start, extent.read_bytes)
-            self._cachestat = False
         got = self._pread_nowait(memoryview(bytearray(1)), extent.offset + extent.length - 1)
         return None if got is None else got == 1
-
-    @property
-    def tells_residency(self) -> bool:
-        """Whether ``resident`` can answer (else it answers None)."""
-        return self._cachestat or self._nowait
 
     def _pread_nowait(self, view: memoryview, offset: int) -> int | None:
         """Bytes read without waiting for the disk (0 if none are cached); None if unsupported."""
@@ -170,11 +155,6 @@ class ValueFile:
         if not is_overflow_page(view, start, self.page_size):
             return None, resident
         return view[PAGE_HEADER_BYTES:], resident
-
-
-def _pages_spanned(offset: int, length: int) -> int:
-    """Memory pages that the file bytes ``[offset, offset + length)`` lie on."""
-    return (offset + length - 1) // _MEMORY_PAGE - offset // _MEMORY_PAGE + 1 if length else 0
 
 
 class PageCacheGuess:
