@@ -8,7 +8,6 @@ import pytest
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.daemon.config import StoreConfig
 from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess
-from actcache.daemon.store._pages import present_keys, stored_length
 from actcache.daemon.store import Store
 from actcache.keys import encode_key, group_prefix
 
@@ -72,8 +71,8 @@ def test_probe_and_stored_length(store):
     assert store.probe([key, encode_key(ns, FP, 1, 4)]) == [hasattr(os, "RWF_NOWAIT"), None]
     with store._env.begin(db=store._entries, buffers=True) as txn:
         cursor = txn.cursor()
-        assert stored_length(cursor, key) == len(value)
-        assert stored_length(cursor, encode_key(ns, FP, 1, 4)) is None
+        assert store._file.pages.stored_length(cursor, key) == len(value)
+        assert store._file.pages.stored_length(cursor, encode_key(ns, FP, 1, 4)) is None
 
 
 def test_one_lookup_per_leaf_page_learns_where_every_value_beside_it_is(tmp_path):
@@ -214,7 +213,7 @@ def test_presence_is_read_from_whole_leaf_pages_and_matches_a_lookup_per_key(tmp
                 lookups.append(key)
                 return real_set_range(key)
 
-        got = present_keys(Counting(), asked, store._file.page_size)
+        got = store._file.pages.present_keys(Counting(), asked)
     assert got == expected and sum(got) == len(stored) + 2
     assert len(lookups) < len(stored) // 20  # one lookup per leaf page, not per key
     store.close()

@@ -13,7 +13,6 @@ import struct
 from typing import TYPE_CHECKING, Iterable
 
 from actcache.codec import verify_entry
-from actcache.daemon.store._pages import stored_length
 from actcache.daemon.store._records import NamespaceInfo, PutResult
 from actcache.daemon.store._generations import GEN_PREFIX_BYTES, Generation, ReclaimPlan, read_write_time, write_time
 from actcache.daemon.store._writer import WriteOp
@@ -72,7 +71,7 @@ class _PutOp(_StoreOp):
         cursor = txn.cursor(db=db)
         for key, value in self.records:
             if key not in sizes:
-                sizes[key] = stored_length(cursor, key)
+                sizes[key] = self.store._file.pages.stored_length(cursor, key)
             if sizes[key] is None:
                 added += 1
                 delta += len(value)

@@ -47,6 +47,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
+import lmdb
 import numpy as np
 
 from actcache.codec import Codec, Encoding, compress_entry, verify_entry
@@ -54,7 +55,7 @@ from actcache.daemon.store._access import Handles, check_secret, hash_secret, ve
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.store._dirlock import DirLock
 from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
-from actcache.daemon.store._pages import present_keys
+from actcache.daemon.store._pages import check_layout
 from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
 from actcache.daemon.store._generations import (
     GEN_PREFIX_BYTES,
@@ -123,14 +124,30 @@ class Store:
             raise
         self._file = ValueFile(config.dir / "data.mdb", self._env.stat()["psize"])
         self._read_counts = {"explicit_reads": 0, "fallback_reads": 0, "cached_copies": 0}
+        #: 1 when the leaf-page reader did not read this LMDB's layout at open (its hints are then off).
+        self.page_layout_unrecognized = 0
+        self._check_page_layout()
         stale = self._env.reader_check()
         if stale:
             log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
         self._writer = Writer(
             self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s, meta_db=self._meta,
-            on_damage=lambda reason: mark_damaged(config.dir, reason),
+            on_damage=lambda reason: mark_damaged(config.dir, reason), on_remap=self._file.pages.remapped,
         )
         self._writer.start()
+
+    def _check_page_layout(self) -> None:
+        """Turn the leaf-page reader off unless it finds a known value written into the meta table."""
+        try:
+            problem = check_layout(self._env, self._meta, self._file.pages)
+        except (lmdb.Error, OSError) as exc:
+            problem = f"the check could not run: {exc}"
+        if problem is None:
+            return
+        self._file.pages.enabled = False
+        self.page_layout_unrecognized = 1
+        log.warning("LMDB %s: its on-disk page layout is not the one this daemon reads (%s); leaf-page hints "
+                    "and explicit reads are off, values are copied from LMDB's map", lmdb.version(), problem)
 
     def _open(self) -> None:
         """Open and check the environment and load the in-memory maps; raises UnusableStore."""
@@ -385,12 +402,12 @@ class Store:
     def contains(self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: "np.ndarray",
                  variants: "np.ndarray | None" = None) -> list[bool]:
         """Whether each sample id (uint64 array; variants uint16 or None for 0) is stored; reads no value
-        past its first page, and a cold group costs one random read per leaf page (``present_keys``)."""
+        past its first page, and a cold group costs one random read per leaf page (``LeafPages.present_keys``)."""
         keys = encode_keys(self.resolve(namespace_id), fingerprint, depth, sample_ids, variants)
         if keys:
             self.generations.read(keys[0][:GEN_PREFIX_BYTES])
         with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
-            return present_keys(txn.cursor(), keys, self._file.page_size)
+            return self._file.pages.present_keys(txn.cursor(), keys)
 
     def probe(self, keys: Sequence[bytes], hints: ExtentHints | None = None, start: int = 0) -> list[bool | None]:
         """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask
