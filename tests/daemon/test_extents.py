@@ -69,7 +69,7 @@ def test_probe_and_stored_length(store):
     key = encode_key(ns, FP, 1, 3)
     store.get(ns, FP, 1, [(3, 0)])  # now in the page cache
     assert store.probe([key, encode_key(ns, FP, 1, 4)]) == [hasattr(os, "RWF_NOWAIT"), None]
-    with store._env.begin(db=store._entries, buffers=True) as txn:
+    with store._env.begin(db=store._state.entries, buffers=True) as txn:
         cursor = txn.cursor()
         assert store._file.pages.stored_length(cursor, key) == len(value)
         assert store._file.pages.stored_length(cursor, encode_key(ns, FP, 1, 4)) is None
@@ -199,7 +199,7 @@ def test_presence_is_read_from_whole_leaf_pages_and_matches_a_lookup_per_key(tmp
     store.put(ns, FP, 2, [(i, 0, entry(i, 3000)) for i in range(0, 900, 3)])  # another depth, interleaved
     asked = [encode_key(ns, FP, 1, i) for i in [*range(0, 950), 5, 5, 2**63]]  # before, between, after, repeated
     asked = [asked[i] for i in np.random.default_rng(0).permutation(len(asked))]
-    with store._env.begin(db=store._entries, buffers=True) as txn:
+    with store._env.begin(db=store._state.entries, buffers=True) as txn:
         expected = [txn.cursor().set_key(key) for key in asked]
         lookups = []
         cursor = txn.cursor()

@@ -67,7 +67,7 @@ def test_this_lmdbs_layout_is_read_and_the_check_leaves_no_trace(tmp_path, caplo
     store = Store(StoreConfig(dir=tmp_path, encoding="raw"))
     try:
         assert store.page_layout_unrecognized == 0 and store._file.pages.enabled
-        with store._env.begin(db=store._meta) as txn:
+        with store._env.begin(db=store._state.meta) as txn:
             assert not [key for key, _ in txn.cursor() if key.startswith(b"\xffpage-layout-check")]
         check_serving(store)
         assert store.read_counts()["explicit_reads"] > 0
@@ -104,7 +104,7 @@ def test_a_key_outside_the_map_or_a_page_not_a_leaf_is_not_recognized(tmp_path):
         store.put(ns, FP, 1, [(i, 0, entry(4)) for i in range(50)])
         pages = store._file.pages
         key = encode_key(ns, FP, 1, 3)
-        with store._env.begin(db=store._entries, buffers=True) as txn:
+        with store._env.begin(db=store._state.entries, buffers=True) as txn:
             cursor = txn.cursor()
             assert cursor.set_key(key)
             assert pages.overflow_node(cursor, key) is not None
