@@ -203,6 +203,8 @@ def _run_stats(args: argparse.Namespace) -> int:
     print(f"lookups  {reply.gets_total} Get calls, {reply.fetches_total} Fetch streams: {hits} hits, {misses} misses "
           f"(hit ratio {ratio}), served {_fmt(reply.served_bytes_total)}")
     print(f"corrupt  {reply.corrupt_total} entries deleted")
+    if reply.page_layout_unrecognized_total:
+        print("layout   LMDB's page layout not recognized at start: leaf-page hints and explicit reads are off")
     for ns in reply.namespaces:
         print(f"  {ns.name:<24} {ns.entries:>10} entries {_fmt(ns.bytes):>12}, {_fmt(ns.reclaimable_bytes)} reclaimable")
         for job in ns.jobs:

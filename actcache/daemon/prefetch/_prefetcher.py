@@ -19,8 +19,7 @@ fetched cannot hold the budget.
 Cold reads: lookups run ahead of each reader (on ``probe_threads`` threads
 for entries of MIN_PROBED_ENTRY_BYTES and more, in the reader's thread for
 smaller ones; one lookup per B-tree leaf page, see ExtentHints) and hint the
-kernel (POSIX_FADV_WILLNEED) about the values it has not cached yet (asked
-with cachestat(2), which reads nothing); the reader then
+kernel (POSIX_FADV_WILLNEED) about the values it has not cached yet; the reader then
 ``pread``s each
 value (actcache.daemon.store._extents, which holds the measurements).
 Entries are buffered as stored (compressed); the Fetch thread verifies

@@ -45,6 +45,7 @@ def stats_reply(
         explicit_reads_total=reads["explicit_reads"],
         fallback_reads_total=reads["fallback_reads"],
         cached_copies_total=reads["cached_copies"],
+        page_layout_unrecognized_total=store.page_layout_unrecognized,
         reclaimed_generations_total=store.generations.reclaimed_generations,
         reclaimed_bytes_total=store.generations.reclaimed_bytes,
         reclaim_after_seconds=store.config.reclaim_after_s,
