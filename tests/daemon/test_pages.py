@@ -11,7 +11,6 @@ from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.service._service import ActCacheService
-from actcache.daemon.service._stats import stats_reply
 from actcache.daemon.store import Store
 from actcache.daemon.store import _pages
 from actcache.keys import encode_key
@@ -43,7 +42,7 @@ def served(store, ns: int, order) -> dict[int, bytes | None]:
 def stats(store):
     prefetcher = Prefetcher(store, PrefetchConfig())
     try:
-        return stats_reply(ActCacheService(store, prefetcher, max_message_bytes=1 << 20))
+        return ActCacheService(store, prefetcher, max_message_bytes=1 << 20).Stats(None, None)
     finally:
         prefetcher.close()
 
