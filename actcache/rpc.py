@@ -18,7 +18,6 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SERVICE",
     "decode_frame",
-    "default_socket_path",
     "encode_frame",
     "method",
     "split_payload",
@@ -44,15 +43,6 @@ def version_mismatch(client_version: str, client_protocol: int, daemon_version: 
         f"{side(daemon_version, daemon_protocol)} cannot serve each other; restart the node daemon: "
         "run `actcache stop` (with the job's --socket, if it sets one), and the next connect() starts a current one"
     )
-
-
-def default_socket_path() -> Path:
-    """``$ACTCACHE_SOCKET``, else ``$XDG_RUNTIME_DIR/actcache/actcache.sock``, else ``/tmp/actcache-<uid>/actcache.sock``."""
-    if os.environ.get("ACTCACHE_SOCKET"):
-        return Path(os.environ["ACTCACHE_SOCKET"])
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "actcache" if runtime else Path(f"/tmp/actcache-{os.getuid()}")
-    return base / "actcache.sock"
 
 
 def method(name: str) -> str:

@@ -26,7 +26,8 @@ from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable
 from actcache.frame_pump import FramePump
 from actcache.keys import MAX_VARIANT, check_fingerprint
 from actcache import rpc
-from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
+from actcache.node import default_socket_path
+from actcache.rpc import decode_frame, encode_frame, method, split_payload
 from actcache.shm import ClientSegment, SegmentPool, ShmRing, SlotRun
 
 __all__ = ["EntryBatch", "JobInfo", "RpcClient", "target_for"]
