@@ -295,6 +295,7 @@ class CachedLoader:
         self._next_order: tuple[int, list[list[int]]] | None = None  # (epoch, its batches), drawn ahead
         self._replay = _Replay()
         self._drawn = False  # an order was drawn (persistent workers draw their base seed once)
+        self._generator_after: dict[int, torch.Tensor] = {}  # epoch -> the loader generator's state after its draw
         #: Raw items the loader loaded (the inputs of skipped samples are not loaded).
         self.raw_items_loaded = 0
         dataset: IndexedDataset = loader.dataset
@@ -355,7 +356,11 @@ class CachedLoader:
         sampler = getattr(loader.batch_sampler, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        return [list(b) for b in loader.batch_sampler]
+        order = [list(b) for b in loader.batch_sampler]
+        if loader.generator is not None:
+            self._generator_after = {e: s for e, s in self._generator_after.items() if e >= self.epoch}
+            self._generator_after[epoch] = loader.generator.get_state()
+        return order
 
     def _draws_deterministically(self) -> bool:
         sampler = getattr(self.loader.batch_sampler, "sampler", None)
@@ -400,8 +405,19 @@ class CachedLoader:
         self.epoch, self._position, self._order = self.epoch + 1, 0, None
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, position and this epoch's batches: enough to resume mid-epoch."""
-        return {"epoch": self.epoch, "position": self._position, "order": self._order}
+        """Epoch, position, this epoch's batches and the loader generator's state after drawing them:
+        a run restored with ``load_state_dict`` goes on with the batches the uninterrupted run would see."""
+        order = self._order
+        if order is None and self._next_order is not None and self._next_order[0] == self.epoch:
+            order = self._next_order[1]
+        generator = self.loader.generator
+        after = self._generator_after.get(self.epoch) if order is not None else None
+        if after is None and generator is not None:
+            after = generator.get_state()
+        return {"epoch": self.epoch, "position": self._position, "order": order, "generator": after}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self._position, self._order = state["epoch"], state["position"], state["order"]
+        self._next_order = None
+        if state.get("generator") is not None and self.loader.generator is not None:
+            self.loader.generator.set_state(state["generator"])
