@@ -23,6 +23,7 @@ from actcache.errors import (
     ScheduleNotFound,
     StoreError,
     Unauthenticated,
+    VersionMismatch,
 )
 
 __version__ = "0.1.0"
@@ -45,5 +46,6 @@ __all__ = [
     "ScheduleNotFound",
     "StoreError",
     "Unauthenticated",
+    "VersionMismatch",
     "__version__",
 ]

@@ -17,10 +17,11 @@ import argparse
 import json
 import logging
 import os
+from pathlib import Path
 import sys
 from typing import Callable
 
-from actcache.errors import ActCacheError
+from actcache.errors import ActCacheError, DaemonUnavailable
 
 __all__ = ["main"]
 
@@ -51,8 +52,8 @@ def _size(text: str) -> int:
 
 
 def _connection_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", help="daemon Unix socket (default: $ACTCACHE_SOCKET, else the node daemon's when it "
-                                    "runs, else the per-user runtime dir)")
+    p.add_argument("--socket", help="daemon Unix socket (default: $ACTCACHE_SOCKET, else the node daemon's, "
+                                    "in $ACTCACHE_DIR or ~/.cache/actcache)")
     p.add_argument("--address", help="daemon HOST:PORT instead of a socket")
     p.add_argument("--token-file", help="file holding the daemon's token (or set ACTCACHE_TOKEN)")
     p.add_argument("--tls-ca", help="PEM certificate(s) to verify a TLS daemon at --address")
@@ -61,7 +62,7 @@ def _connection_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace):
-    from actcache.node import tool_socket
+    from actcache.node import default_socket_path
     from actcache.rpc_client import RpcClient, target_for
 
     token = os.environ.get("ACTCACHE_TOKEN")
@@ -72,13 +73,13 @@ def _client(args: argparse.Namespace):
     if args.tls_ca:
         with open(args.tls_ca, "rb") as f:
             roots = f.read()
-    return RpcClient(target_for(args.socket or tool_socket(), args.address), token=token, timeout_s=args.timeout, retries=1,
+    return RpcClient(target_for(args.socket or default_socket_path(), args.address), token=token, timeout_s=args.timeout, retries=1,
                      root_certificates=roots)
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", help="cache directory (env ACTCACHE_DIR)")
-    p.add_argument("--socket", help="Unix socket path (env ACTCACHE_SOCKET; default $XDG_RUNTIME_DIR/actcache/actcache.sock or /tmp/actcache-UID/actcache.sock)")
+    p.add_argument("--dir", help="cache directory (env ACTCACHE_DIR; default: the node daemon's, ~/.cache/actcache)")
+    p.add_argument("--socket", help="Unix socket path (env ACTCACHE_SOCKET; default: the node daemon's, DIR/daemon.sock)")
     p.add_argument("--socket-mode", help="permission bits of the socket (default 0600; 0660 shares it with --socket-group)")
     p.add_argument("--socket-group", help="group given the socket, e.g. a project's group")
     p.add_argument("--listen", help="also listen on TCP HOST:PORT (loopback only unless --allow-remote); requires a token")
@@ -149,8 +150,6 @@ def _make_dirs(config) -> None:
 def _path_error(exc: OSError, config, flags: dict) -> ActCacheError | None:
     """A one-line error naming --dir or --socket when ``exc`` is about one of their paths
     (``--dir /proc/actcache``: the directory cannot be created); None for any other OSError."""
-    from pathlib import Path
-
     from actcache.errors import ConfigError
 
     if exc.filename is None:
@@ -203,6 +202,8 @@ def _run_stats(args: argparse.Namespace) -> int:
     print(f"lookups  {reply.gets_total} Get calls, {reply.fetches_total} Fetch streams: {hits} hits, {misses} misses "
           f"(hit ratio {ratio}), served {_fmt(reply.served_bytes_total)}")
     print(f"corrupt  {reply.corrupt_total} entries deleted")
+    if reply.page_layout_unrecognized_total:
+        print("layout   LMDB's page layout not recognized at start: leaf-page hints and explicit reads are off")
     for ns in reply.namespaces:
         print(f"  {ns.name:<24} {ns.entries:>10} entries {_fmt(ns.bytes):>12}, {_fmt(ns.reclaimable_bytes)} reclaimable")
         for job in ns.jobs:
@@ -310,17 +311,16 @@ def _run_drop(args: argparse.Namespace) -> int:
 
 
 def _add_clean(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", help="daemon Unix socket to check (default: $ACTCACHE_SOCKET or the per-user runtime dir)")
+    p.add_argument("--socket", help="daemon Unix socket to check (default: $ACTCACHE_SOCKET, else the node daemon's)")
     p.add_argument("--dir", help="cache directory to check (default: $ACTCACHE_DIR; without it only the socket is checked)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 @command("clean", "reclaim leftovers of crashes: stale socket, stale LMDB reader slots, bench temp files")(_add_clean)
 def _run_clean(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from actcache.ops.clean import Action, clean
-    from actcache.rpc import default_socket_path
+    from actcache.node import default_socket_path
 
     directory = args.dir or os.environ.get("ACTCACHE_DIR")
     findings = clean(
@@ -343,11 +343,10 @@ def _add_stop(p: argparse.ArgumentParser) -> None:
 
 @command("stop", "stop a daemon: SIGTERM to the process on its socket, then wait until it has exited")(_add_stop)
 def _run_stop(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
-    from actcache.node import stop_daemon, tool_socket
+    from actcache.node import default_socket_path, stop_daemon
 
-    socket = Path(args.socket) if args.socket else tool_socket()
+    socket = Path(args.socket) if args.socket else default_socket_path()
     pid = stop_daemon(socket, args.timeout)
     print(f"stopped the daemon on {socket} (pid {pid})" if pid else f"no daemon is listening on {socket}; nothing to stop")
     return 0
@@ -392,12 +391,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unreachable(args: argparse.Namespace, exc: ActCacheError) -> bool:
+    """A command given no --address found no daemon on its socket."""
+    return isinstance(exc, DaemonUnavailable) and hasattr(args, "socket") and not getattr(args, "address", None) \
+        and not Path(args.socket or _default_socket()).exists()
+
+
+def _default_socket() -> Path:
+    from actcache.node import default_socket_path
+
+    return default_socket_path()
+
+
+def _no_daemon(args: argparse.Namespace) -> str:
+    socket = args.socket or _default_socket()
+    whose = "given by --socket" if args.socket else "from ACTCACHE_SOCKET" if os.environ.get("ACTCACHE_SOCKET") \
+        else f"the node daemon's, of ACTCACHE_DIR={os.environ['ACTCACHE_DIR']}" if os.environ.get("ACTCACHE_DIR") \
+        else "the node daemon's, of ~/.cache/actcache"
+    return (f"no daemon at {socket} ({whose}); start one with `actcache serve` (or a training run's connect()), "
+            "or point --socket or ACTCACHE_SOCKET at a running daemon")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except ActCacheError as exc:
-        print(f"actcache {args.command_name}: {exc}", file=sys.stderr)
+        print(f"actcache {args.command_name}: {_no_daemon(args) if _unreachable(args, exc) else exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

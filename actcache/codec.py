@@ -6,7 +6,7 @@ Layout of one encoded entry, format version 2 (all header integers little-endian
     0       4     magic b"ACE1"
     4       1     format version (2)
     5       1     codec: 0 raw, 1 zstd, 2 raw_verified (served only, see Codec), 3 lz4
-    6       1     checksum: 0 crc32 (zlib), 1 crc32c, 2 xxh3 (its low 32 bits)
+    6       1     checksum: 0 crc32 (zlib), 2 xxh3 (its low 32 bits); 1 is unused (an entry naming it is corrupt)
     7       1     number of tensors n
     8       8     raw_len: bytes of the uncompressed payload
     16      8     stored_len: bytes of the payload as stored (after the codec)
@@ -38,7 +38,6 @@ import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
-import crc32c
 import lz4.block
 import xxhash
 
@@ -118,10 +117,10 @@ class Codec(enum.IntEnum):
 
 
 class Checksum(enum.IntEnum):
-    """What checks an entry: zlib's CRC32 (version 1 entries), CRC32C (hardware), or xxh3's low 32 bits."""
+    """What checks an entry: zlib's CRC32 (version 1 entries) or xxh3's low 32 bits. Id 1 is not
+    used: a header naming it fails to parse, like any unknown id, so the entry reads as corrupt."""
 
     crc32 = 0
-    crc32c = 1
     xxh3 = 2
 
 
@@ -130,16 +129,12 @@ DEFAULT_CHECKSUM = Checksum.xxh3
 _COMPRESSED = (Codec.zstd, Codec.lz4)
 
 
-def _crc32c(data, value: int) -> int:
-    return crc32c.crc32c(data, value)
-
-
 def _xxh3(data, value: int) -> int:
     return xxhash.xxh3_64_intdigest(data, seed=value) & 0xFFFFFFFF
 
 
 # Chained over the parts of an entry: value = f(part, value), starting at 0.
-_CHECKSUM_FNS = {Checksum.crc32: zlib.crc32, Checksum.crc32c: _crc32c, Checksum.xxh3: _xxh3}
+_CHECKSUM_FNS = {Checksum.crc32: zlib.crc32, Checksum.xxh3: _xxh3}
 #: Each checksum of one buffer, by name (bench/bench_codec.py measures them).
 CHECKSUMS = {c.name: (lambda data, f=f: f(data, 0)) for c, f in _CHECKSUM_FNS.items()}
 

@@ -4,6 +4,8 @@
     ├── ConfigError                 a flag, env var or config value is invalid
     │   └── ConfigTypeError         ... of the wrong type (also a TypeError)
     ├── DaemonUnavailable           the daemon cannot be reached or timed out   UNAVAILABLE / DEADLINE_EXCEEDED
+    ├── VersionMismatch             client and daemon speak different wire      FAILED_PRECONDITION
+    │                               protocols (restart the node daemon)
     ├── Unauthenticated             missing or wrong token                      UNAUTHENTICATED
     ├── PermissionDenied            wrong or missing namespace secret, or a     PERMISSION_DENIED
     │                               protected namespace addressed by its id
@@ -56,6 +58,7 @@ __all__ = [
     "ScheduleNotFound",
     "StoreError",
     "Unauthenticated",
+    "VersionMismatch",
     "error_from_status",
     "status_of",
 ]
@@ -79,6 +82,14 @@ class DaemonUnavailable(ActCacheError):
     """The daemon is not running, not reachable, or did not answer in time."""
 
     status = grpc.StatusCode.UNAVAILABLE
+
+
+class VersionMismatch(ActCacheError):
+    """At ``Open``: the client and the node daemon speak different wire protocols (a daemon that
+    outlived a client upgrade, or the reverse). The message names both versions and says to restart
+    the node daemon."""
+
+    status = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class Unauthenticated(ActCacheError):
@@ -170,6 +181,7 @@ _BY_STATUS: dict[grpc.StatusCode, type[ActCacheError]] = {
     grpc.StatusCode.DATA_LOSS: EntryCorrupt,
     grpc.StatusCode.RESOURCE_EXHAUSTED: BudgetExceeded,
     grpc.StatusCode.INTERNAL: StoreError,
+    grpc.StatusCode.FAILED_PRECONDITION: VersionMismatch,
 }
 
 
@@ -183,8 +195,8 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
 _BY_NAME: dict[str, type[ActCacheError]] = {
     cls.__name__: cls
     for cls in (
-        ActCacheError, ConfigError, DaemonUnavailable, Unauthenticated, NamespaceNotFound, ScheduleNotFound,
-        FetchAborted, InvalidRequest, EntryCorrupt, BudgetExceeded, StoreError,
+        ActCacheError, ConfigError, DaemonUnavailable, VersionMismatch, Unauthenticated, NamespaceNotFound,
+        ScheduleNotFound, FetchAborted, InvalidRequest, EntryCorrupt, BudgetExceeded, StoreError,
     )
 }
 _BY_STATUS[grpc.StatusCode.ABORTED] = FetchAborted

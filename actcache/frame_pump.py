@@ -7,13 +7,10 @@ wake-ups. A thread that asks for the next message as soon as it has the
 last one keeps up to ``depth`` of them ready, so a consumer whose next frame
 has arrived takes it without waiting.
 
-When it pays (2-core machine, frozen ResNet-20 prefix, batches of 128 entries
-of 16 KiB over shared memory): with a 2 ms sleep per step standing for a GPU's
-work, the step's wait for its frame fell from a median of 0.16-0.20 ms to
-0.09 ms. A step that keeps the interpreter busy (training on the CPU) lost
-about 5% instead (1.15-1.26 against 1.22-1.35 ms a step): the thread's turns
-compete with it for the interpreter lock. So ``CachedForward`` receives ahead
-only on CUDA.
+It pays only when the consumer leaves the interpreter idle between frames (a
+step waiting on the GPU); a step that keeps it busy loses to the thread's
+turns for the interpreter lock, so ``CachedForward`` receives ahead only on
+CUDA.
 
 What stays with the consumer: everything that depends on it having finished
 with a frame (the shared-memory plane releases a frame's ring slots only

@@ -2,6 +2,10 @@
 
 Big-endian fields keep keys of one (namespace, fingerprint, depth) group
 contiguous and ordered by sample id, so a group is one range scan or drop.
+Layout (bytes): namespace id 0-4, fingerprint 4-20, depth 20-22, sample id
+22-30, variant 30-32. Its heads are prefixes: a namespace (4 bytes), a
+generation (namespace, fingerprint: 20) and a group (with the depth: 22).
+This module is the one place that knows these offsets.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from actcache.errors import InvalidRequest
 __all__ = [
     "EntryKey",
     "FINGERPRINT_BYTES",
+    "GENERATION_PREFIX_BYTES",
+    "GROUP_PREFIX_BYTES",
     "KEY_BYTES",
     "MAX_DEPTH",
     "MAX_NAMESPACE_ID",
@@ -25,8 +31,15 @@ __all__ = [
     "check_fingerprint",
     "encode_key",
     "encode_keys",
+    "fingerprint_of",
+    "generation_of",
+    "group_of",
     "group_prefix",
+    "namespace_id_of",
+    "namespace_of",
+    "sample_id_of",
     "sample_ids_of",
+    "split_group",
 ]
 
 FINGERPRINT_BYTES = 16
@@ -36,6 +49,12 @@ MAX_NAMESPACE_ID = 2**32 - 1
 MAX_DEPTH = 2**16 - 1
 MAX_SAMPLE_ID = 2**64 - 1
 MAX_VARIANT = 2**16 - 1
+_NAMESPACE = struct.Struct(">I")
+_GROUP = struct.Struct(">I16sH")
+_SAMPLE_AT = _GROUP.size
+_NAMESPACE_PREFIX_BYTES = _NAMESPACE.size  # 4
+GENERATION_PREFIX_BYTES = _NAMESPACE.size + FINGERPRINT_BYTES  # 20
+GROUP_PREFIX_BYTES = _GROUP.size  # 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,3 +145,38 @@ def group_prefix(namespace_id: int, fingerprint: bytes | None = None, depth: int
         _check_range("depth", depth, MAX_DEPTH)
         prefix += struct.pack(">H", depth)
     return prefix
+
+
+def namespace_of(key: bytes) -> bytes:
+    """The namespace prefix (4 bytes) of a key or of any of its prefixes."""
+    return key[:_NAMESPACE_PREFIX_BYTES]
+
+
+def generation_of(key: bytes) -> bytes:
+    """The generation prefix (namespace, fingerprint) of a key, a group prefix or a generation prefix."""
+    return key[:GENERATION_PREFIX_BYTES]
+
+
+def group_of(key: bytes) -> bytes:
+    """The group prefix (namespace, fingerprint, depth) of a key."""
+    return key[:GROUP_PREFIX_BYTES]
+
+
+def namespace_id_of(key: bytes) -> int:
+    """The namespace id of a key or of any of its prefixes."""
+    return _NAMESPACE.unpack_from(key)[0]
+
+
+def fingerprint_of(key: bytes) -> bytes:
+    """The fingerprint of a key, a group prefix or a generation prefix."""
+    return bytes(key[_NAMESPACE_PREFIX_BYTES:GENERATION_PREFIX_BYTES])
+
+
+def split_group(prefix: bytes) -> tuple[int, bytes, int]:
+    """``(namespace id, fingerprint, depth)`` of a group prefix (or of a key)."""
+    return _GROUP.unpack_from(prefix)
+
+
+def sample_id_of(key: bytes) -> int:
+    """The sample id of a key."""
+    return struct.unpack_from(">Q", key, _SAMPLE_AT)[0]

@@ -3,11 +3,8 @@
 glibc serves allocations above ``M_MMAP_THRESHOLD`` with a fresh ``mmap``
 and returns them to the system on free, so every multi-MiB message (a Fetch
 frame joined by the daemon, the bytes object gRPC hands the client) pays
-the page faults of fresh memory again: 1.5 GB/s instead of 11-13 GB/s for
-reused memory on this class of machine (../shared/notes fact 3). Raising
-the thresholds keeps those buffers in the heap to be reused. Measured on a
-conv fp32 Fetch stream (bench/bench_serve.py data, 512 MiB, warm): daemon
-minor faults 112-151 k/GB -> 26-44 k/GB, daemon CPU 2.8 -> 2.6 s/GB.
+the page faults of fresh memory again. Raising the thresholds keeps those
+buffers in the heap to be reused.
 
 The daemon calls ``tune_malloc()`` at start; a training process receiving
 Fetch streams may call it too. The ``MALLOC_MMAP_THRESHOLD_`` and

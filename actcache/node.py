@@ -74,11 +74,12 @@ __all__ = [
     "DRAIN_TIMEOUT_S",
     "NodeDaemon",
     "default_budget",
+    "default_dir",
+    "default_socket_path",
     "ensure_running",
     "healthy",
     "peer_pid",
     "stop_daemon",
-    "tool_socket",
     "wait_exit",
 ]
 
@@ -140,19 +141,18 @@ def _socket_for(directory: Path, env: Mapping[str, str]) -> Path:
     return Path(f"/tmp/actcache-{os.getuid()}") / name
 
 
-def tool_socket(env: Mapping[str, str] | None = None) -> Path:
-    """The daemon the CLI talks to by default: ``$ACTCACHE_SOCKET``, else the node daemon's socket when it
-    exists, else the ``actcache serve`` default (actcache.rpc.default_socket_path)."""
-    from actcache.rpc import default_socket_path
-
+def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
+    """The one default daemon of ``actcache serve``, ``connect()`` and every CLI command:
+    ``$ACTCACHE_SOCKET``, else the node daemon's socket (of ``$ACTCACHE_DIR``, else ``~/.cache/actcache``)."""
     env = os.environ if env is None else env
     if env.get("ACTCACHE_SOCKET"):
         return Path(env["ACTCACHE_SOCKET"])
-    with suppress(ConfigError):
-        node = NodeDaemon.from_env(env)
-        if node.socket.exists():
-            return node.socket
-    return default_socket_path()
+    return NodeDaemon.from_env(env).socket
+
+
+def default_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The node daemon's directory: ``actcache serve``'s default ``--dir``."""
+    return NodeDaemon.from_env(env).dir
 
 
 def default_budget(directory: Path) -> int:

@@ -12,27 +12,37 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from actcache.errors import InvalidRequest
+from actcache.errors import InvalidRequest, VersionMismatch
 
 __all__ = [
+    "PROTOCOL_VERSION",
     "SERVICE",
     "decode_frame",
-    "default_socket_path",
     "encode_frame",
     "method",
     "split_payload",
+    "version_mismatch",
 ]
 
 SERVICE = "actcache.v1.ActCache"
 
+#: The wire protocol client and daemon speak, exchanged at Open; raise it with any change that one
+#: side of another version cannot serve (0 on the wire: a peer older than the exchange).
+PROTOCOL_VERSION = 1
 
-def default_socket_path() -> Path:
-    """``$ACTCACHE_SOCKET``, else ``$XDG_RUNTIME_DIR/actcache/actcache.sock``, else ``/tmp/actcache-<uid>/actcache.sock``."""
-    if os.environ.get("ACTCACHE_SOCKET"):
-        return Path(os.environ["ACTCACHE_SOCKET"])
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    base = Path(runtime) / "actcache" if runtime else Path(f"/tmp/actcache-{os.getuid()}")
-    return base / "actcache.sock"
+
+def version_mismatch(client_version: str, client_protocol: int, daemon_version: str,
+                     daemon_protocol: int) -> VersionMismatch:
+    """The one error for a client and a daemon that speak different protocols (raised on either side)."""
+
+    def side(version: str, protocol: int) -> str:
+        return f"{version or 'unknown'} (wire protocol {protocol or 'unknown: older than the version check'})"
+
+    return VersionMismatch(
+        f"actcache client {side(client_version, client_protocol)} and node daemon "
+        f"{side(daemon_version, daemon_protocol)} cannot serve each other; restart the node daemon: "
+        "run `actcache stop` (with the job's --socket, if it sets one), and the next connect() starts a current one"
+    )
 
 
 def method(name: str) -> str:

@@ -20,11 +20,14 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import grpc
 import numpy as np
 
+from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
 from actcache.frame_pump import FramePump
 from actcache.keys import MAX_VARIANT, check_fingerprint
-from actcache.rpc import decode_frame, default_socket_path, encode_frame, method, split_payload
+from actcache import rpc
+from actcache.node import default_socket_path
+from actcache.rpc import decode_frame, encode_frame, method, split_payload
 from actcache.shm import ClientSegment, SegmentPool, ShmRing, SlotRun
 
 __all__ = ["EntryBatch", "JobInfo", "RpcClient", "target_for"]
@@ -171,7 +174,6 @@ class RpcClient:
         self._pid: int | None = None
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, Callable] = {}
-        self._schedule_small = True  # whether the daemon has ScheduleSmall (False once it said UNIMPLEMENTED)
 
     # ---- channel ---------------------------------------------------------
 
@@ -210,7 +212,6 @@ class RpcClient:
             "Schedule": channel.stream_unary(
                 method("Schedule"), request_serializer=pb.ScheduleChunk.SerializeToString, response_deserializer=pb.ScheduleReply.FromString
             ),
-            "ScheduleSmall": unary("ScheduleSmall", pb.ScheduleChunk, pb.ScheduleReply),
             "Fetch": channel.unary_stream(method("Fetch"), request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=_identity),
         }
         self._channel = channel
@@ -262,12 +263,19 @@ class RpcClient:
         on NamespaceNotFound for it, open again). ``job`` (e.g.
         ``JobInfo.current(data_id)``) tells the daemon who opens it; it lists
         the last jobs of each namespace in Stats.
+
+        Client and daemon exchange versions here: raises VersionMismatch when
+        the daemon speaks another wire protocol (or predates the exchange).
         """
         if isinstance(secret, str):
             secret = secret.encode()
         request = pb.OpenRequest(name=name, create=create, secret=secret or b"",
-                                 job=job.to_message() if job is not None else None)
-        return self._invoke(lambda t: self._call("Open")(request, timeout=t, metadata=self._metadata()))
+                                 job=job.to_message() if job is not None else None,
+                                 client_version=__version__, protocol_version=rpc.PROTOCOL_VERSION)
+        reply = self._invoke(lambda t: self._call("Open")(request, timeout=t, metadata=self._metadata()))
+        if reply.protocol_version != rpc.PROTOCOL_VERSION:
+            raise rpc.version_mismatch(__version__, rpc.PROTOCOL_VERSION, reply.server_version, reply.protocol_version)
+        return reply
 
     def put(
         self,
@@ -350,8 +358,7 @@ class RpcClient:
         ``report_present`` the reply's ``present`` says which entries are
         stored (one byte each; values are not read). Ids travel as
         packed uint64 arrays in chunks of ``chunk_ids``, so 10 M ids cost
-        about 80 MB on the wire and no per-id Python work; an order of one
-        chunk goes in a unary call (``ScheduleSmall``).
+        about 80 MB on the wire and no per-id Python work.
         """
         fingerprint = check_fingerprint(fingerprint)
         ids = _as_array(sample_ids, np.uint64, "sample id", 2**64 - 1)
@@ -373,13 +380,6 @@ class RpcClient:
                 yield chunk
 
         def push(timeout: float) -> pb.ScheduleReply:
-            if len(ids) <= chunk_ids and self._schedule_small:  # one message: a unary call
-                try:
-                    return self._call("ScheduleSmall")(next(chunks()), timeout=timeout, metadata=self._metadata())
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                        raise
-                    self._schedule_small = False  # a daemon older than ScheduleSmall: stream from now on
             return self._call("Schedule")(chunks(), timeout=timeout, metadata=self._metadata())
 
         return self._invoke(push)

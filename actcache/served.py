@@ -18,7 +18,6 @@ import struct
 import zlib
 from typing import Callable, Sequence
 
-import crc32c
 import numpy as np
 import xxhash
 
@@ -281,7 +280,7 @@ def _raw_run_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memoryview]
 
 
 # The last link of an entry's checksum chain without the 32-bit mask (a batch of them is masked at once).
-_LAST_LINK_FNS = {Checksum.crc32: zlib.crc32, Checksum.crc32c: crc32c.crc32c, Checksum.xxh3: xxhash.xxh3_64_intdigest}
+_LAST_LINK_FNS = {Checksum.crc32: zlib.crc32, Checksum.xxh3: xxhash.xxh3_64_intdigest}
 
 
 def _payload_checksum(header: EntryHeader, first: bytes | memoryview) -> tuple[Callable, int]:

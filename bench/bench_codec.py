@@ -15,7 +15,6 @@ per GB. Figures:
     figure: zstd1_ratio_transformer = R    (MiniLM states, fp32)
     figure: lz4_decode_vs_zstd1 = R        (zstd-1 decode CPU-s/GB / lz4's, ResNet-20 maps)
     figure: lz4_ratio_relu = R             (ResNet-20 maps, fp32)
-    figure: crc32c_vs_crc32 = R            (zlib CRC32 CPU-s/GB / CRC32C's)
     figure: xxh3_vs_crc32 = R              (zlib CRC32 CPU-s/GB / xxh3's)
 
 Then the codec ``CachedForward(encoding="auto")`` chooses for each fp32 state
@@ -180,7 +179,6 @@ def main() -> int:
         "zstd1_ratio_transformer": sum(r["zstd1"]["ratio"] for r in text) / len(text),
         "lz4_decode_vs_zstd1": sum(r["zstd1"]["decompress"] for r in relu) / sum(r["lz4"]["decompress"] for r in relu),
         "lz4_ratio_relu": sum(r["lz4"]["ratio"] for r in relu) / len(relu),
-        "crc32c_vs_crc32": speeds["crc32"] / speeds["crc32c"],
         "xxh3_vs_crc32": speeds["crc32"] / speeds["xxh3"],
     }
     print_choices({name: entries_of(state, torch.float32) for name, state in states.items()})

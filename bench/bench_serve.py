@@ -113,9 +113,8 @@ about 30 us of CPU per entry (80% of it in the kernel: readahead, the copy
 out of the page cache, page faults on the map) and about 30% of its time
 in WILLNEED calls (blocked while the disk queue is full). The disk
 counters show the same bytes read as the replay and about 100 requests in
-flight on average against the replay's 43; the 9% more requests they
-showed were the one-page reads that the probes' residency checks started,
-gone since probes ask with cachestat(2). Moving the WILLNEED calls, or
+flight on average against the replay's 43, and about 9% more requests:
+the one-page reads that the probes' residency checks start. Moving the WILLNEED calls, or
 the reads, off the reader thread onto other threads served no faster here.
 
 Format 1 (zstd-1 and CRC32 on every entry), for the record: Serving is CPU-bound on this machine. The raw loop verifies and

@@ -173,15 +173,16 @@ def test_the_two_packages_public_names_are_pinned():
     assert actcache.__all__ == [
         "ActCacheError", "BudgetExceeded", "CacheMismatchError", "ConfigError", "ConfigTypeError", "DaemonUnavailable",
         "EntryCorrupt", "FetchAborted", "InvalidRequest", "LifecycleError", "NamespaceNotFound", "PermissionDenied",
-        "PolicyError", "ReferenceModelFailed", "ScheduleNotFound", "StoreError", "Unauthenticated", "__version__",
+        "PolicyError", "ReferenceModelFailed", "ScheduleNotFound", "StoreError", "Unauthenticated", "VersionMismatch",
+        "__version__",
     ]
     assert actcache_client.__all__ == [
-        "AuditConfig", "AutoEncoding", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning", "CacheMismatchWarning",
-        "CachePlanner", "CachedForward", "CachedLoader", "CachedTeacher", "ClientStats", "Connection",
+        "ActCache", "AuditConfig", "AutoEncoding", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning", "CacheMismatchWarning",
+        "CachePlanner", "CachedForward", "CachedLoader", "CachedTeacher", "ChangedInputWarning", "ClientStats", "Connection",
         "ConnectionConfig", "Decision", "DecisionKind", "EgeriaConfig", "EgeriaPolicy", "EpochCounters",
         "FreezeController", "FreezeMilestone", "FreezePolicy", "IndexedDataset", "ManualPolicy",
         "MovingTeacherWarning", "NodeStableSampler", "PlannerConfig", "ReferenceConfig", "Signals", "StagedModel",
-        "StaticPolicy", "StepTimes", "TeacherOutput", "UncacheableDataWarning", "VarLen", "auto_partition",
+        "StaticPolicy", "StepTimes", "TeacherOutput", "UncacheableDataWarning", "VarLen", "WrappedLoader", "auto_partition",
         "connect", "distillation_loss", "from_bert", "from_resnet", "from_sequential", "topk_soft_targets",
     ]
     # every error class actcache raises is reachable from the top package

@@ -178,3 +178,14 @@ def test_flags_win_over_a_bad_variable(serve_cli):
     code, lines = serve_cli(["--sync"], {"ACTCACHE_SYNC": "maybe"})
     assert code == 0, lines
     assert not any(re.search("ACTCACHE_SYNC", line) for line in lines)
+
+
+@pytest.mark.parametrize("command", [["stats"], ["ls"], ["drop", "ns"]])
+def test_no_daemon_is_one_sentence_naming_where_it_looked_and_the_fix(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ACTCACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ACTCACHE_SOCKET", raising=False)
+    assert main([*command, "--timeout", "2"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message
+    assert f"no daemon at {tmp_path / 'daemon.sock'} (the node daemon's, of ACTCACHE_DIR={tmp_path})" in message
+    assert "`actcache serve`" in message and "--socket or ACTCACHE_SOCKET" in message

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from actcache.errors import ConfigError
-from actcache.node import DEFAULT_BUDGET_CAP, DEFAULT_IDLE_TIMEOUT_S, NodeDaemon, default_budget, tool_socket
+from actcache.node import DEFAULT_BUDGET_CAP, DEFAULT_IDLE_TIMEOUT_S, NodeDaemon, default_budget, default_socket_path
 
 
 def test_directory_from_actcache_dir_then_xdg_cache_home_then_home(tmp_path):
@@ -43,9 +43,14 @@ def test_default_budget_is_capped_and_at_most_half_the_disk(tmp_path):
     assert budget <= max(1 << 20, st.f_bavail * st.f_frsize // 2 + (1 << 20))
 
 
-def test_tools_talk_to_the_node_daemon_when_its_socket_exists(tmp_path):
+def test_serve_connect_and_the_tools_agree_on_one_default_daemon(tmp_path, monkeypatch):
+    from actcache.daemon.config import DaemonConfig
+
     env = {"ACTCACHE_DIR": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path / "run")}
-    assert tool_socket(env) != tmp_path / "daemon.sock"  # not running: the `actcache serve` default
-    (tmp_path / "daemon.sock").touch()
-    assert tool_socket(env) == tmp_path / "daemon.sock"
-    assert tool_socket({**env, "ACTCACHE_SOCKET": "/x.sock"}) == Path("/x.sock")
+    assert default_socket_path(env) == NodeDaemon.from_env(env).socket == tmp_path / "daemon.sock"
+    assert default_socket_path({**env, "ACTCACHE_SOCKET": "/x.sock"}) == Path("/x.sock")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("ACTCACHE_SOCKET", raising=False)
+    config = DaemonConfig.from_sources({})  # `actcache serve` with no flags: the node daemon's dir and socket
+    assert (config.store.dir, config.server.socket) == (tmp_path, tmp_path / "daemon.sock")

@@ -15,16 +15,20 @@ class Frame(_message.Message):
     def __init__(self, header: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("name", "create", "secret", "job")
+    __slots__ = ("name", "create", "secret", "job", "client_version", "protocol_version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CREATE_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     create: bool
     secret: bytes
     job: JobInfo
-    def __init__(self, name: _Optional[str] = ..., create: _Optional[bool] = ..., secret: _Optional[bytes] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ...) -> None: ...
+    client_version: str
+    protocol_version: int
+    def __init__(self, name: _Optional[str] = ..., create: _Optional[bool] = ..., secret: _Optional[bytes] = ..., job: _Optional[_Union[JobInfo, _Mapping]] = ..., client_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("pid", "host", "start_time", "data_id")
@@ -39,20 +43,22 @@ class JobInfo(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., host: _Optional[str] = ..., start_time: _Optional[float] = ..., data_id: _Optional[str] = ...) -> None: ...
 
 class OpenReply(_message.Message):
-    __slots__ = ("namespace_id", "namespace_budget_bytes", "daemon_budget_bytes", "max_message_bytes", "max_entry_bytes", "server_version")
+    __slots__ = ("namespace_id", "namespace_budget_bytes", "daemon_budget_bytes", "max_message_bytes", "max_entry_bytes", "server_version", "protocol_version")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     DAEMON_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_ENTRY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     namespace_budget_bytes: int
     daemon_budget_bytes: int
     max_message_bytes: int
     max_entry_bytes: int
     server_version: str
-    def __init__(self, namespace_id: _Optional[int] = ..., namespace_budget_bytes: _Optional[int] = ..., daemon_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_entry_bytes: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, namespace_id: _Optional[int] = ..., namespace_budget_bytes: _Optional[int] = ..., daemon_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_entry_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth", "sample_ids", "variants", "lengths", "encoding")
@@ -265,7 +271,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., namespace_id: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStats, _Mapping]]] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version", "schedules", "prefetch", "prefetch_budget_bytes", "prefetch_buffered_bytes", "prefetch_max_buffered_bytes", "schedules_total", "fetches_total", "explicit_reads_total", "fallback_reads_total", "reclaimable_bytes", "reclaimed_generations_total", "reclaimed_bytes_total", "reclaim_after_seconds", "now", "cached_copies_total", "rings_created_total", "rings_reused_total")
+    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version", "schedules", "prefetch", "prefetch_budget_bytes", "prefetch_buffered_bytes", "prefetch_max_buffered_bytes", "schedules_total", "fetches_total", "explicit_reads_total", "fallback_reads_total", "reclaimable_bytes", "reclaimed_generations_total", "reclaimed_bytes_total", "reclaim_after_seconds", "now", "cached_copies_total", "rings_created_total", "rings_reused_total", "page_layout_unrecognized_total")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +304,7 @@ class StatsReply(_message.Message):
     CACHED_COPIES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RINGS_CREATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RINGS_REUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_LAYOUT_UNRECOGNIZED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
     used_bytes: int
@@ -330,7 +337,8 @@ class StatsReply(_message.Message):
     cached_copies_total: int
     rings_created_total: int
     rings_reused_total: int
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScheduleStats, _Mapping]]] = ..., prefetch: _Optional[_Iterable[_Union[NamespacePrefetchStats, _Mapping]]] = ..., prefetch_budget_bytes: _Optional[int] = ..., prefetch_buffered_bytes: _Optional[int] = ..., prefetch_max_buffered_bytes: _Optional[int] = ..., schedules_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., explicit_reads_total: _Optional[int] = ..., fallback_reads_total: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., reclaimed_generations_total: _Optional[int] = ..., reclaimed_bytes_total: _Optional[int] = ..., reclaim_after_seconds: _Optional[float] = ..., now: _Optional[float] = ..., cached_copies_total: _Optional[int] = ..., rings_created_total: _Optional[int] = ..., rings_reused_total: _Optional[int] = ...) -> None: ...
+    page_layout_unrecognized_total: int
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScheduleStats, _Mapping]]] = ..., prefetch: _Optional[_Iterable[_Union[NamespacePrefetchStats, _Mapping]]] = ..., prefetch_budget_bytes: _Optional[int] = ..., prefetch_buffered_bytes: _Optional[int] = ..., prefetch_max_buffered_bytes: _Optional[int] = ..., schedules_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., explicit_reads_total: _Optional[int] = ..., fallback_reads_total: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., reclaimed_generations_total: _Optional[int] = ..., reclaimed_bytes_total: _Optional[int] = ..., reclaim_after_seconds: _Optional[float] = ..., now: _Optional[float] = ..., cached_copies_total: _Optional[int] = ..., rings_created_total: _Optional[int] = ..., rings_reused_total: _Optional[int] = ..., page_layout_unrecognized_total: _Optional[int] = ...) -> None: ...
 
 class PrefetchCounters(_message.Message):
     __slots__ = ("hits", "misses", "hit_ratio", "corrupt", "ready_on_ask", "stalls", "stall_seconds", "read_bytes", "served_bytes", "direct")

@@ -54,11 +54,6 @@ class ActCacheStub:
                 request_serializer=actcache_dot___proto_dot_actcache__pb2.ScheduleChunk.SerializeToString,
                 response_deserializer=actcache_dot___proto_dot_actcache__pb2.ScheduleReply.FromString,
                 _registered_method=True)
-        self.ScheduleSmall = channel.unary_unary(
-                '/actcache.v1.ActCache/ScheduleSmall',
-                request_serializer=actcache_dot___proto_dot_actcache__pb2.ScheduleChunk.SerializeToString,
-                response_deserializer=actcache_dot___proto_dot_actcache__pb2.ScheduleReply.FromString,
-                _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/actcache.v1.ActCache/Fetch',
                 request_serializer=actcache_dot___proto_dot_actcache__pb2.FetchRequest.SerializeToString,
@@ -117,14 +112,6 @@ class ActCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ScheduleSmall(self, request, context):
-        """The same for an order that fits one chunk, in one message: a unary call
-        costs about half of a client stream's (no request stream to end).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Fetch(self, request, context):
         """Streams the scheduled entries in schedule order, from `start` to the end.
         Each reply frame: header = EntriesHeader, payload = uncompressed entries:
@@ -178,11 +165,6 @@ def add_ActCacheServicer_to_server(servicer, server):
             ),
             'Schedule': grpc.stream_unary_rpc_method_handler(
                     servicer.Schedule,
-                    request_deserializer=actcache_dot___proto_dot_actcache__pb2.ScheduleChunk.FromString,
-                    response_serializer=actcache_dot___proto_dot_actcache__pb2.ScheduleReply.SerializeToString,
-            ),
-            'ScheduleSmall': grpc.unary_unary_rpc_method_handler(
-                    servicer.ScheduleSmall,
                     request_deserializer=actcache_dot___proto_dot_actcache__pb2.ScheduleChunk.FromString,
                     response_serializer=actcache_dot___proto_dot_actcache__pb2.ScheduleReply.SerializeToString,
             ),
@@ -313,33 +295,6 @@ class ActCache:
             request_iterator,
             target,
             '/actcache.v1.ActCache/Schedule',
-            actcache_dot___proto_dot_actcache__pb2.ScheduleChunk.SerializeToString,
-            actcache_dot___proto_dot_actcache__pb2.ScheduleReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ScheduleSmall(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/actcache.v1.ActCache/ScheduleSmall',
             actcache_dot___proto_dot_actcache__pb2.ScheduleChunk.SerializeToString,
             actcache_dot___proto_dot_actcache__pb2.ScheduleReply.FromString,
             options,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from actcache.codec import Encoding
 from actcache.errors import ConfigError, InvalidRequest
-from actcache.rpc import default_socket_path
+from actcache.node import default_dir, default_socket_path
 
 __all__ = [
     "DaemonConfig",
@@ -342,7 +342,7 @@ class DaemonConfig:
         size, count = _SIZE, "a whole number"
         directory = pick("dir", _path, "a directory path")
         if directory is None:
-            raise ConfigError("no cache directory; pass --dir DIR or set ACTCACHE_DIR")
+            directory = default_dir()
         token = pick("token")
         token_file = pick("token_file", _path, "a file path")
         if token_file:  # the file wins over ACTCACHE_TOKEN: it was asked for by name

@@ -1,5 +1,15 @@
 """actcache_client: serve a network's frozen prefix from the actcache daemon.
 
+In a plain loop (the loop and its batches stay as they are):
+
+    cache = actcache_client.ActCache(net)                # this node's daemon, started on first use
+    loader = cache.wrap(DataLoader(ds, batch_size=64, shuffle=True))
+    for x, y in loader:
+        loss = F.cross_entropy(net(x), y)                # net's frozen prefix is served from the cache
+    cache.freeze(4)                                      # or FreezeController(cache.model, opt)
+
+Underneath, with the batch type of its own:
+
     conn = actcache_client.connect()                      # this node's daemon, started on first use
     model = actcache_client.CachedForward(from_resnet(net), conn)
     data = actcache_client.IndexedDataset(ds, targets=ds.targets)  # the cache serves what is not loaded
@@ -17,6 +27,8 @@ Errors are actcache's (``actcache.ActCacheError`` and its subclasses).
 from actcache_client._audit import AuditConfig, CacheMismatchWarning
 from actcache_client._cached_forward import CachedForward, EpochCounters, StepTimes
 from actcache_client._codec_choice import AutoEncoding
+from actcache_client._dropin import ActCache, WrappedLoader
+from actcache_client._inplace import ChangedInputWarning
 from actcache_client._connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig
 from actcache_client.freeze import (
     AutoFreezeConfig,
@@ -48,6 +60,7 @@ from actcache_client._teacher import (
 from actcache_client._tensors import VarLen
 
 __all__ = [
+    "ActCache",
     "AuditConfig",
     "AutoEncoding",
     "AutoFreezeConfig",
@@ -59,6 +72,7 @@ __all__ = [
     "CachedForward",
     "CachedLoader",
     "CachedTeacher",
+    "ChangedInputWarning",
     "ClientStats",
     "Connection",
     "ConnectionConfig",
@@ -83,6 +97,7 @@ __all__ = [
     "TeacherOutput",
     "UncacheableDataWarning",
     "VarLen",
+    "WrappedLoader",
     "auto_partition",
     "connect",
     "distillation_loss",

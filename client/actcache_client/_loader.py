@@ -24,10 +24,14 @@ cached: the loader warns and the model recomputes every step.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import random
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
 
 import torch
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
@@ -38,7 +42,7 @@ from actcache_client._batch import Batch, Skipped
 from actcache_client._cached_forward import CachedForward
 from actcache_client._identity import data_fingerprint
 
-__all__ = ["Batch", "CachedLoader", "IndexedDataset", "Skipped", "UncacheableDataWarning", "sample_seed"]
+__all__ = ["Batch", "CachedLoader", "IndexedDataset", "Skipped", "UncacheableDataWarning", "sample_seed", "seeded_item"]
 
 
 class UncacheableDataWarning(UserWarning):
@@ -49,6 +53,27 @@ def sample_seed(sample_id: int, variant: int) -> int:
     """The seed of the random transforms of ``(sample_id, variant)``: stable across processes and runs."""
     digest = hashlib.blake2b(f"{sample_id}/{variant}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+@contextlib.contextmanager
+def _global_rngs_seeded(seed: int) -> Iterator[None]:
+    """torch's, Python's and NumPy's global random generators seeded with ``seed``, restored after."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+def seeded_item(dataset: Any, index: int, seed: int) -> Any:
+    """``dataset[index]`` with the global random generators seeded by ``seed`` (transforms in ``__getitem__``)."""
+    with _global_rngs_seeded(seed):
+        return dataset[index]
 
 
 class IndexedDataset(Dataset):
@@ -67,6 +92,11 @@ class IndexedDataset(Dataset):
     function of the index) gives each item's target without loading it: items
     are then ``(input, target)`` pairs, and the loader does not load the
     inputs of samples whose frozen-prefix output the cache will serve.
+
+    ``seeded=True``: ``dataset[i]`` draws its random transforms from the global
+    generators (torchvision transforms in ``__getitem__``); they are seeded by
+    ``(sample_id, variant)`` around each load, so each variant of a sample is
+    always the same input.
     """
 
     def __init__(
@@ -78,6 +108,7 @@ class IndexedDataset(Dataset):
         random_transforms: bool = False,
         data_id: str | None = None,
         targets: Sequence[Any] | Callable[[int], Any] | None = None,
+        seeded: bool = False,
     ) -> None:
         if sample_ids is not None and len(sample_ids) != len(dataset):
             raise ConfigError(f"{len(sample_ids)} sample ids for a dataset of {len(dataset)} items")
@@ -89,6 +120,7 @@ class IndexedDataset(Dataset):
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
         self.random_transforms = random_transforms
         self.data_id = data_id
+        self.seeded = seeded
         self._fingerprints: dict[int, bytes] = {}
 
     def fingerprint(self, variants: int = 1) -> bytes:
@@ -96,6 +128,11 @@ class IndexedDataset(Dataset):
         if variants not in self._fingerprints:
             self._fingerprints[variants] = data_fingerprint(self, variants)
         return self._fingerprints[variants]
+
+    @property
+    def augments(self) -> bool:
+        """Whether items differ by variant (``augment``, or seeded transforms in the dataset)."""
+        return self.augment is not None or self.seeded
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -115,7 +152,7 @@ class IndexedDataset(Dataset):
         sample_id = self.sample_id(index)
         if not load:
             return sample_id, Skipped(self.target(index))
-        item = self.dataset[index]
+        item = seeded_item(self.dataset, index, sample_seed(sample_id, variant)) if self.seeded else self.dataset[index]
         if self.augment is not None:
             generator = torch.Generator().manual_seed(sample_seed(sample_id, variant))
             item = self.augment(item, generator)
@@ -258,10 +295,11 @@ class CachedLoader:
         self._next_order: tuple[int, list[list[int]]] | None = None  # (epoch, its batches), drawn ahead
         self._replay = _Replay()
         self._drawn = False  # an order was drawn (persistent workers draw their base seed once)
+        self._generator_after: dict[int, torch.Tensor] = {}  # epoch -> the loader generator's state after its draw
         #: Raw items the loader loaded (the inputs of skipped samples are not loaded).
         self.raw_items_loaded = 0
         dataset: IndexedDataset = loader.dataset
-        self.cacheable = not dataset.random_transforms and (dataset.augment is None or variants is not None)
+        self.cacheable = not dataset.random_transforms and (not dataset.augments or variants is not None)
         if not self.cacheable and model is not None:
             why = ("the dataset declares random transforms actcache cannot control" if dataset.random_transforms
                    else "the dataset has random augmentation but no variants=K was given")
@@ -271,7 +309,7 @@ class CachedLoader:
             model.disable(why)
         self.data_identity = b""
         if model is not None and self.cacheable:
-            self.data_identity = dataset.fingerprint(variants if dataset.augment is not None else 1)
+            self.data_identity = dataset.fingerprint(variants if dataset.augments else 1)
             model.bind_data(self.data_identity, dataset.data_id or "")
         self._inner = self._build_inner(loader)
 
@@ -318,14 +356,18 @@ class CachedLoader:
         sampler = getattr(loader.batch_sampler, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        return [list(b) for b in loader.batch_sampler]
+        order = [list(b) for b in loader.batch_sampler]
+        if loader.generator is not None:
+            self._generator_after = {e: s for e, s in self._generator_after.items() if e >= self.epoch}
+            self._generator_after[epoch] = loader.generator.get_state()
+        return order
 
     def _draws_deterministically(self) -> bool:
         sampler = getattr(self.loader.batch_sampler, "sampler", None)
         return hasattr(sampler, "set_epoch") or self.loader.generator is not None or isinstance(sampler, SequentialSampler)
 
     def _variant_of(self, epoch: int) -> int:
-        if self.loader.dataset.augment is None:
+        if not self.loader.dataset.augments:
             return 0
         return epoch if self.variants is None else epoch % self.variants
 
@@ -363,8 +405,19 @@ class CachedLoader:
         self.epoch, self._position, self._order = self.epoch + 1, 0, None
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, position and this epoch's batches: enough to resume mid-epoch."""
-        return {"epoch": self.epoch, "position": self._position, "order": self._order}
+        """Epoch, position, this epoch's batches and the loader generator's state after drawing them:
+        a run restored with ``load_state_dict`` goes on with the batches the uninterrupted run would see."""
+        order = self._order
+        if order is None and self._next_order is not None and self._next_order[0] == self.epoch:
+            order = self._next_order[1]
+        generator = self.loader.generator
+        after = self._generator_after.get(self.epoch) if order is not None else None
+        if after is None and generator is not None:
+            after = generator.get_state()
+        return {"epoch": self.epoch, "position": self._position, "order": order, "generator": after}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self._position, self._order = state["epoch"], state["position"], state["order"]
+        self._next_order = None
+        if state.get("generator") is not None and self.loader.generator is not None:
+            self.loader.generator.set_state(state["generator"])

@@ -203,9 +203,10 @@ def test_version_1_entries_stay_readable():
 
 def test_unknown_ids_and_encodings_are_named():
     stored = bytearray(encode_entry([TensorSpec(DType.float32, (4,))], [np.ones(4, np.float32)]))
-    stored[6] = 9
-    with pytest.raises(InvalidRequest, match="unknown checksum 9; known: .*'xxh3'"):
-        parse_header(bytes(stored))
+    for unknown in (1, 9):  # 1 is not used (a retired checksum)
+        stored[6] = unknown
+        with pytest.raises(InvalidRequest, match=f"unknown checksum {unknown}; known: .*'xxh3'"):
+            parse_header(bytes(stored))
     stored[6], stored[5] = 0, 7
     with pytest.raises(InvalidRequest, match="unknown codec 7; known: .*'lz4'"):
         parse_header(bytes(stored))

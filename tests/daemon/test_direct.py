@@ -203,7 +203,7 @@ def test_a_consumer_that_leaves_gives_reading_back(store, tmp_path):
     assert counters["direct"] > 0 and len(got) >= 400
     # the reader thread was parked for the consumer; released, it reads on to the end of the order
     wait_until(lambda: reader.snapshot().read == N or reader.state in (ReaderState.CANCELLED, ReaderState.READ_ALL))
-    assert not reader._parked
+    assert not reader._handover.parked
 
 
 def serve_threaded(store, order, tmp_path, per_frame: int, on_frame, *, whole_frames: bool = False):
@@ -310,9 +310,9 @@ def test_a_warm_stream_of_compressed_entries_is_decoded_with_the_decode_pools_he
 def test_what_a_parked_reader_read_is_served_at_once_not_after_waiting_for_a_fuller_frame(store, tmp_path, monkeypatch):
     """A warm group's next stream: its reader reads one run and parks for the Fetch to read on. Before, the
     Fetch waited out _LINGER_S for a frame's worth that the parked reader would never add (5 ms a stream)."""
-    from actcache.daemon.prefetch import _reader
+    from actcache.daemon.prefetch import _frames
 
-    monkeypatch.setattr(_reader, "_LINGER_S", 60.0)  # a wait for a fuller frame would now outlast the test
+    monkeypatch.setattr(_frames, "_LINGER_S", 60.0)  # a wait for a fuller frame would now outlast the test
     # 2 MiB: the reader holds at most ~320 of the N positions, so however far it runs before the Fetch
     # starts (a loaded machine), the rest of the stream is served by the Fetch's direct runs.
     p = Prefetcher(store, PrefetchConfig(prefetch_bytes=2 << 20, decode_threads=1))

@@ -7,9 +7,7 @@ import pytest
 
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.daemon.config import StoreConfig
-from actcache.daemon.store._cachestat import cached_pages
-from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess, ValueFile
-from actcache.daemon.store._pages import present_keys, stored_length
+from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess
 from actcache.daemon.store import Store
 from actcache.keys import encode_key, group_prefix
 
@@ -52,16 +50,17 @@ def test_reads_return_the_stored_bytes_for_every_size(store):
 def test_a_wrong_extent_falls_back_to_the_map(store):
     ns = store.open_namespace("x").id
     value = entry(1, 100_000)
-    store.put(ns, FP, 1, [(1, 0, value), (2, 0, entry(2, 100_000))])
-    key = encode_key(ns, FP, 1, 1)
+    store.put(ns, FP, 1, [(1, 0, value), (2, 0, entry(2, 300_000))])  # the other value spans the wrong extent
+    key, other = encode_key(ns, FP, 1, 1), encode_key(ns, FP, 1, 2)
+    with store._env.begin(db=store._state.entries, buffers=True) as txn:
+        cursor = txn.cursor()
+        assert cursor.set_key(other)
+        first_page, _ = store._file.pages.overflow_node(cursor, other)
+    # Points into the middle of the other value: the page header check rejects it, in either mode.
+    wrong = Extent.at_page(first_page + 1, len(value), store._file.page_size)
     with store.read_session() as session:
-        other = session.locate(encode_key(ns, FP, 1, 2))
-        if other.inline is None:
-            # Points into the middle of another value: the page header check rejects it.
-            wrong = Extent(other.offset + 4096, len(value))
-            assert bytes(session.read(key, wrong)) == value
-    if store.config.explicit_reads:
-        assert store.read_counts()["fallback_reads"] == 1
+        assert bytes(session.read(key, wrong)) == value
+    assert store.read_counts() == {"explicit_reads": 0, "fallback_reads": 1, "cached_copies": 0}
 
 
 def test_probe_and_stored_length(store):
@@ -70,11 +69,11 @@ def test_probe_and_stored_length(store):
     store.put(ns, FP, 1, [(3, 0, value)])
     key = encode_key(ns, FP, 1, 3)
     store.get(ns, FP, 1, [(3, 0)])  # now in the page cache
-    assert store.probe([key, encode_key(ns, FP, 1, 4)]) == [store._file.tells_residency, None]
-    with store._env.begin(db=store._entries, buffers=True) as txn:
+    assert store.probe([key, encode_key(ns, FP, 1, 4)]) == [hasattr(os, "RWF_NOWAIT"), None]
+    with store._env.begin(db=store._state.entries, buffers=True) as txn:
         cursor = txn.cursor()
-        assert stored_length(cursor, key) == len(value)
-        assert stored_length(cursor, encode_key(ns, FP, 1, 4)) is None
+        assert store._file.pages.stored_length(cursor, key) == len(value)
+        assert store._file.pages.stored_length(cursor, encode_key(ns, FP, 1, 4)) is None
 
 
 def test_one_lookup_per_leaf_page_learns_where_every_value_beside_it_is(tmp_path):
@@ -201,7 +200,7 @@ def test_presence_is_read_from_whole_leaf_pages_and_matches_a_lookup_per_key(tmp
     store.put(ns, FP, 2, [(i, 0, entry(i, 3000)) for i in range(0, 900, 3)])  # another depth, interleaved
     asked = [encode_key(ns, FP, 1, i) for i in [*range(0, 950), 5, 5, 2**63]]  # before, between, after, repeated
     asked = [asked[i] for i in np.random.default_rng(0).permutation(len(asked))]
-    with store._env.begin(db=store._entries, buffers=True) as txn:
+    with store._env.begin(db=store._state.entries, buffers=True) as txn:
         expected = [txn.cursor().set_key(key) for key in asked]
         lookups = []
         cursor = txn.cursor()
@@ -215,47 +214,7 @@ def test_presence_is_read_from_whole_leaf_pages_and_matches_a_lookup_per_key(tmp
                 lookups.append(key)
                 return real_set_range(key)
 
-        got = present_keys(Counting(), asked, store._file.page_size)
+        got = store._file.pages.present_keys(Counting(), asked)
     assert got == expected and sum(got) == len(stored) + 2
     assert len(lookups) < len(stored) // 20  # one lookup per leaf page, not per key
     store.close()
-
-
-def _evicted(path) -> bool:
-    """Drop ``path``'s clean pages from the page cache; whether the kernel did."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return cached_pages(fd, 0, os.path.getsize(path)) == 0
-    finally:
-        os.close(fd)
-
-
-def test_asking_whether_a_value_is_cached_does_not_read_it(tmp_path):
-    path = tmp_path / "data.mdb"
-    path.write_bytes(os.urandom(16 * 4096))
-    probe_fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(probe_fd, 0, 0, os.POSIX_FADV_RANDOM)  # reads below bring in their own pages only
-    values = ValueFile(path, 4096)
-    extent = Extent.at_page(4, 3 * 4096 - 16, 4096)  # pages 4-6
-    nowait_answer = True if hasattr(os, "RWF_NOWAIT") else None  # the fallback, on the cached file
-    try:
-        if cached_pages(probe_fd, 0, 1) is None:  # a kernel before Linux 6.5: the fallback is taken
-            assert not values._cachestat and values.resident(extent) is nowait_answer
-            return
-        assert values.tells_residency
-        assert _evicted(path)
-        for _ in range(3):
-            assert values.resident(extent) is False
-        assert cached_pages(probe_fd, 0, 16 * 4096) == 0  # asking read nothing in
-        os.pread(probe_fd, 4096, 6 * 4096)  # only the value's last page
-        assert values.resident(extent) is False
-        os.pread(probe_fd, 3 * 4096, 4 * 4096)
-        assert values.resident(extent) is True
-        assert cached_pages(probe_fd, 0, 16 * 4096) == 3
-        values._cachestat = False  # as without cachestat: a non-blocking read of the value's last byte
-        assert values.resident(extent) is nowait_answer
-    finally:
-        values.close()
-        os.close(probe_fd)

@@ -2,7 +2,23 @@ import numpy as np
 import pytest
 
 from actcache.errors import InvalidRequest
-from actcache.keys import KEY_BYTES, EntryKey, encode_key, encode_keys, group_prefix, sample_ids_of
+from actcache.keys import (
+    GENERATION_PREFIX_BYTES,
+    GROUP_PREFIX_BYTES,
+    KEY_BYTES,
+    EntryKey,
+    encode_key,
+    encode_keys,
+    fingerprint_of,
+    generation_of,
+    group_of,
+    group_prefix,
+    namespace_id_of,
+    namespace_of,
+    sample_id_of,
+    sample_ids_of,
+    split_group,
+)
 
 FP = bytes(range(16))
 
@@ -42,3 +58,14 @@ def test_sample_ids_of_reads_back_what_encode_keys_packed():
     got_ids, got_variants = sample_ids_of(encode_keys(9, FP, 3, ids, variants))
     assert got_ids.dtype == np.uint64 and got_variants.dtype == np.uint16
     assert got_ids.tolist() == ids.tolist() and got_variants.tolist() == variants.tolist()
+
+
+def test_the_parts_of_a_key_are_read_back_from_it_and_its_prefixes():
+    key = encode_key(70_000, FP, 513, 2**40 + 3, 9)
+    assert namespace_of(key) == group_prefix(70_000)
+    assert generation_of(key) == group_prefix(70_000, FP) and len(generation_of(key)) == GENERATION_PREFIX_BYTES
+    assert group_of(key) == group_prefix(70_000, FP, 513) and len(group_of(key)) == GROUP_PREFIX_BYTES
+    for head in (key, group_of(key), generation_of(key)):
+        assert namespace_id_of(head) == 70_000 and fingerprint_of(head) == FP
+    assert split_group(group_of(key)) == (70_000, FP, 513)
+    assert sample_id_of(key) == 2**40 + 3

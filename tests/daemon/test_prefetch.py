@@ -10,7 +10,7 @@ import pytest
 from actcache.codec import Codec, DType, TensorSpec, decode_entry, encode_entry
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
-import actcache.daemon.prefetch._reader as reader_module
+import actcache.daemon.prefetch._readahead as readahead
 from actcache.daemon.prefetch._reader import ReaderState
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.store import Store
@@ -74,7 +74,7 @@ def check_invariants(p: Prefetcher) -> None:
         r = status.reader
         if r is not None:
             assert r.start <= r.served <= r.ready <= r.read <= r.length
-            assert r.read - r.served <= reader_module.MAX_AHEAD_ENTRIES
+            assert r.read - r.served <= readahead.MAX_AHEAD_ENTRIES
 
 
 def test_entries_come_in_order_with_misses_in_place(store):
@@ -306,7 +306,7 @@ def test_an_entry_larger_than_the_budget_fails_clearly(tmp_path):
 
 
 def test_read_ahead_of_misses_is_bounded_in_entries(store, monkeypatch):
-    monkeypatch.setattr(reader_module, "MAX_AHEAD_ENTRIES", 100)
+    monkeypatch.setattr(readahead, "MAX_AHEAD_ENTRIES", 100)
     with prefetcher_of(store) as p:
         p.push(schedule(range(1001, 3001, 2)))  # 1000 misses: no budget bytes at all
         wait_until(lambda: p.stats().schedules[0].reader.read == 100)

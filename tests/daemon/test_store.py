@@ -142,7 +142,8 @@ def test_errors_name_the_problem(store):
         store.put(ns, FP, 0, [(6, 0, served)])
 
 
-def test_corrupt_entry_is_deleted_on_read(tmp_path):
+@pytest.mark.parametrize("damage", [100, 6])  # a payload byte; the checksum id, to the unused id 1
+def test_corrupt_entry_is_deleted_on_read(tmp_path, damage):
     config = StoreConfig(dir=tmp_path, encoding="raw")
     s = Store(config)
     ns = s.open_namespace("c").id
@@ -152,7 +153,7 @@ def test_corrupt_entry_is_deleted_on_read(tmp_path):
     db = env.open_db(b"entries")
     with env.begin(write=True, db=db) as txn:
         value = bytearray(txn.get(encode_key(ns, FP, 0, 1)))
-        value[100] ^= 0xFF
+        value[damage] = 1 if damage == 6 else value[damage] ^ 0xFF
         txn.put(encode_key(ns, FP, 0, 1), bytes(value))
     env.close()
     s = Store(config)

@@ -7,6 +7,7 @@ import re
 import stat
 import subprocess
 import sys
+from concurrent import futures
 
 import grpc
 import numpy as np
@@ -16,8 +17,11 @@ from hypothesis import strategies as st
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
-from actcache.errors import BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, Unauthenticated
-from actcache.rpc import encode_frame
+from actcache import __version__, rpc
+from actcache.errors import (
+    BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, Unauthenticated, VersionMismatch, error_from_status,
+)
+from actcache.rpc import SERVICE, encode_frame, method
 from actcache.rpc_client import RpcClient
 from actcache.testing import run_daemon
 from tests.integration.conftest import MARKER, MARKER_SPEC, flip_marker_byte
@@ -157,6 +161,77 @@ def test_socket_is_private_and_daemon_has_no_torch(daemon):
     assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o600
     with open(f"/proc/{daemon.pid}/maps") as f:
         assert "libtorch" not in f.read()
+
+
+def test_open_exchanges_versions_with_a_current_client(client):
+    reply = client.open("versions")
+    assert (reply.server_version, reply.protocol_version) == (__version__, rpc.PROTOCOL_VERSION)
+
+
+def test_a_client_of_another_protocol_gets_one_clear_error(daemon, monkeypatch):
+    monkeypatch.setattr(rpc, "PROTOCOL_VERSION", rpc.PROTOCOL_VERSION + 1)
+    with daemon.client() as c, pytest.raises(VersionMismatch) as info:
+        c.open("newer-client")
+    message = str(info.value)
+    for part in (f"client {__version__} (wire protocol {rpc.PROTOCOL_VERSION})",
+                 f"node daemon {__version__} (wire protocol {rpc.PROTOCOL_VERSION - 1})",
+                 "restart the node daemon", "`actcache stop`", "connect()", "FAILED_PRECONDITION"):
+        assert part in message
+    monkeypatch.undo()
+    with daemon.client() as c:  # the daemon serves current clients on
+        assert c.open("newer-client").namespace_id
+
+
+def test_a_strict_connection_raises_the_mismatch_and_a_lenient_one_recomputes(daemon, monkeypatch):
+    import actcache_client as ac
+
+    monkeypatch.setattr(rpc, "PROTOCOL_VERSION", rpc.PROTOCOL_VERSION + 1)
+    with ac.connect(daemon.socket, namespace="strict-versions", strict=True) as conn:
+        with pytest.raises(VersionMismatch, match="restart the node daemon"):
+            conn.contains(FP, 1, [1], 0)
+    with ac.connect(daemon.socket, namespace="lenient-versions") as conn:
+        with pytest.warns(ac.CacheFallbackWarning, match="wire protocol .*restart the node daemon"):
+            assert conn.contains(FP, 1, [1], 0) is None
+
+
+@pytest.mark.parametrize("protocol", [0, rpc.PROTOCOL_VERSION + 1], ids=["older-client", "newer-client"])
+def test_the_daemon_rejects_an_open_of_another_protocol(daemon, protocol):
+    with grpc.insecure_channel(daemon.target) as channel:
+        call = channel.unary_unary(method("Open"), request_serializer=pb.OpenRequest.SerializeToString,
+                                   response_deserializer=pb.OpenReply.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            call(pb.OpenRequest(name="foreign", create=True, protocol_version=protocol,
+                                client_version="9.9.9" if protocol else ""), timeout=10)
+    exc = info.value
+    assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+    name = dict(exc.trailing_metadata())["actcache-error"]
+    error = error_from_status(exc.code(), exc.details(), name)
+    assert type(error) is VersionMismatch
+    side = "unknown (wire protocol unknown: older than the version check)" if protocol == 0 else \
+        f"9.9.9 (wire protocol {protocol})"
+    assert f"client {side}" in str(error) and f"node daemon {__version__} (wire protocol {rpc.PROTOCOL_VERSION})" \
+        in str(error)
+
+
+def test_a_daemon_older_than_the_version_exchange_is_a_mismatch(tmp_path):
+    """A daemon that leaves OpenReply.protocol_version unset (it predates the field)."""
+    def open_(request, context):
+        return pb.OpenReply(namespace_id=1, server_version="0.0.9")
+
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
+        "Open": grpc.unary_unary_rpc_method_handler(open_, pb.OpenRequest.FromString, pb.OpenReply.SerializeToString),
+    })])
+    target = f"unix:{tmp_path / 'old.sock'}"
+    server.add_insecure_port(target)
+    server.start()
+    try:
+        with RpcClient(target, timeout_s=10) as c, pytest.raises(VersionMismatch) as info:
+            c.open("any")
+    finally:
+        server.stop(None)
+    assert "node daemon 0.0.9 (wire protocol unknown: older than the version check)" in str(info.value)
+    assert "`actcache stop`" in str(info.value)
 
 
 def test_entries_survive_restart_and_corruption_is_data_loss(tmp_path):

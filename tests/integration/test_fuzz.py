@@ -46,7 +46,7 @@ from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.daemon.prefetch import MAX_SCHEDULES_PER_NAMESPACE
 from actcache.errors import ActCacheError
 from actcache.keys import MAX_DEPTH
-from actcache.rpc import encode_frame, method
+from actcache.rpc import PROTOCOL_VERSION, encode_frame, method
 from actcache.rpc_client import RpcClient
 from actcache.testing import run_daemon, wait_until
 from tests.integration.conftest import fetched, holds_its_tensor, put_range, segments, tensor_of
@@ -59,8 +59,8 @@ DOCUMENTED = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.PERMISSION_DENIED,
 }
-ALLOWED = {name: DOCUMENTED for name in ("Open", "Put", "Get", "Drop", "Stats", "Schedule", "ScheduleSmall",
-                                                   "Fetch")}
+ALLOWED = {name: DOCUMENTED for name in ("Open", "Put", "Get", "Drop", "Stats", "Schedule", "Fetch")}
+ALLOWED["Open"] = DOCUMENTED | {grpc.StatusCode.FAILED_PRECONDITION}  # another wire protocol (VersionMismatch)
 RSS_LIMIT_BYTES = 512 << 20  # generous: the daemon runs near 100 MB here
 FUZZ = settings(max_examples=int(os.environ.get("ACTCACHE_FUZZ_EXAMPLES", 150)), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -92,10 +92,12 @@ def fuzzed(tmp_path_factory):
         sampler.start()
         public = pb.OpenReply.FromString(
             channel.unary_unary(method("Open"), request_serializer=_identity, response_deserializer=_identity)(
-                pb.OpenRequest(name="fuzz", create=True).SerializeToString(), timeout=10))
+                pb.OpenRequest(name="fuzz", create=True, protocol_version=PROTOCOL_VERSION).SerializeToString(),
+                timeout=10))
         protected = pb.OpenReply.FromString(
             channel.unary_unary(method("Open"), request_serializer=_identity, response_deserializer=_identity)(
-                pb.OpenRequest(name="fuzz-secret", create=True, secret=b"s").SerializeToString(), timeout=10))
+                pb.OpenRequest(name="fuzz-secret", create=True, secret=b"s",
+                               protocol_version=PROTOCOL_VERSION).SerializeToString(), timeout=10))
         yield daemon, channel, [public.namespace_id, protected.namespace_id]
         FIGURES["rss_end"] = proc.memory_info().rss
         stop.set()
@@ -148,7 +150,9 @@ def count(test: str) -> None:
 def test_open(fuzzed, data):
     name = data.draw(st.one_of(st.text(max_size=140), st.from_regex(r"[A-Za-z0-9._-]{1,8}", fullmatch=True)))
     secret = data.draw(st.one_of(st.just(b""), st.binary(min_size=1, max_size=1100)))
-    request = pb.OpenRequest(name=name, create=data.draw(st.booleans()), secret=secret)
+    protocol = data.draw(st.one_of(st.just(PROTOCOL_VERSION), st.integers(0, 2**32 - 1)))
+    request = pb.OpenRequest(name=name, create=data.draw(st.booleans()), secret=secret, protocol_version=protocol,
+                             client_version=data.draw(st.text(max_size=300)))
     call(fuzzed[1], "Open", request.SerializeToString())
     count("open")
 
@@ -235,8 +239,6 @@ def test_schedule_and_fetch(fuzzed, data):
         for _ in range(data.draw(st.integers(0, 3)))
     ]
     call(fuzzed[1], "Schedule", chunks, stream_request=True)
-    if chunks:
-        call(fuzzed[1], "ScheduleSmall", chunks[0])
     fetch = pb.FetchRequest(namespace_id=data.draw(namespaces(fuzzed)), schedule_id=data.draw(st.text(max_size=40)),
                             start=data.draw(u64))
     call(fuzzed[1], "Fetch", fetch.SerializeToString(), stream_response=True)

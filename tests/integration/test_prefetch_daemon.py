@@ -69,12 +69,12 @@ def test_a_push_answers_which_entries_are_stored(client):
         assert sum(len(b) for b in client.fetch_batches(ns, schedule_id)) == 90
 
 
-def test_an_order_of_one_chunk_is_pushed_in_one_message_and_schedules_the_same(client):
+def test_an_order_in_one_chunk_schedules_as_in_many(client):
     ns = client.open("one-chunk").namespace_id
     put_range(client, ns, range(0, 60, 3))
     order = np.random.default_rng(3).permutation(90).astype(np.uint64)
     variants = (order % 2).astype(np.uint16)
-    unary = client.schedule(ns, FP, 1, "unary", order, variants, report_present=True)  # one chunk: ScheduleSmall
+    unary = client.schedule(ns, FP, 1, "unary", order, variants, report_present=True)  # one chunk
     streamed = client.schedule(ns, FP, 1, "streamed", order, variants, chunk_ids=16, report_present=True)
     assert (unary.length, unary.present) == (streamed.length, streamed.present) == (90, streamed.present)
     assert sum(streamed.present) == sum(1 for s, v in zip(order, variants) if s < 60 and s % 3 == 0 and v == 0)
@@ -87,20 +87,6 @@ def test_an_order_of_one_chunk_is_pushed_in_one_message_and_schedules_the_same(c
         client.schedule(ns + 12345, FP, 1, "nowhere", order[:5])
     with pytest.raises(InvalidRequest, match="schedule id .bad id!. is invalid"):
         client.schedule(ns, FP, 1, "bad id!", order[:5])
-
-
-def test_a_daemon_without_schedule_small_gets_the_order_streamed(client):
-    """A client newer than its daemon: ScheduleSmall answers UNIMPLEMENTED, the client streams instead."""
-    ns = client.open("older-daemon").namespace_id
-    put_range(client, ns, range(10))
-    client.schedule(ns, FP, 1, "warm-up", [0])  # opens the channel
-    assert len(list(client.fetch(ns, "warm-up"))) == 1  # read to its end: its read-ahead is freed
-    client._calls["ScheduleSmall"] = client._channel.unary_unary(  # a method the daemon does not have
-        "/actcache.v1.ActCache/ScheduleGone", request_serializer=pb.ScheduleChunk.SerializeToString,
-        response_deserializer=pb.ScheduleReply.FromString)
-    assert client.schedule(ns, FP, 1, "streamed", np.arange(10, dtype=np.uint64)).length == 10
-    assert not client._schedule_small
-    assert [sid for _, sid, _, value in client.fetch(ns, "streamed") if value is not None] == list(range(10))
 
 
 def test_stats_counters_are_exact_on_a_known_workload(daemon, client):

@@ -1,14 +1,9 @@
 """Direct runs: positions of a warm stream that the consumer reads from the store itself, one pass per frame.
 
-Why: for values in the page cache, reading ahead buys nothing and costs
-most of the daemon's time. The reader thread copied each value out of
-LMDB's map into a buffer, the Fetch thread copied it again into the ring,
-and the slots, budget and wake-ups between the two threads cost more than
-both copies: 11.7-14.2 daemon CPU-µs per 16 KiB entry served over shared
-memory, against 5.9-6.8 with one thread that looks a frame's keys up in one
-LMDB call and copies each value once, straight into its ring slot (the
-Fetch path of ``bench/bench_entry_cost.py``, 20,480 warm entries, this
-2-core VM).
+Why: for values in the page cache, reading ahead buys nothing: the reader
+thread's copy, the slots, the budget and the wake-ups between two threads
+cost more than one thread that looks a frame's keys up in one LMDB call and
+copies each value once, straight into its ring slot.
 
 How: once the reader's ``PageCacheGuess`` says the stream is warm and its
 probes have paused (cold data keeps them hinting the kernel ahead, which a

@@ -20,13 +20,8 @@ _WARM_STREAK = 128
 _PROBE_BATCH = 8
 # Entries of at least this size (stored bytes, on average) are probed on the probe pool; smaller
 # ones from the reader's own thread (INLINE_PROBE_AHEAD entries ahead until the entry size is
-# known, then as far as the pool's window). With lookups learning whole leaf pages (ExtentHints),
-# probing from the reader's thread served cold entries faster and for less CPU than the pool up to
-# 660 KiB stored (daemon, shared memory, page cache dropped; MB/s inline against pool): 32 KiB
-# 800-870 against 620-680 with the old 64-entry window, 96 KiB 1218-1300 against 1163-1165, 165 KiB
-# 1378-1413 against 1226-1232, 660 KiB 1530-1549 against 1094-1174 (2-core VM), and 96 KiB 1298-1538
-# against 1023-1033 on a 16-core node; at 1 MiB the pool was ahead, 1433-1934 against 1250-1370
-# (the reader's own WILLNEED calls block while the disk's queue is full).
+# known, then as far as the pool's window): below it, the reader's own probes served cold entries
+# faster; from it on the pool is ahead (the reader's WILLNEED calls block on a full disk queue).
 MIN_PROBED_ENTRY_BYTES = 1 << 20
 INLINE_PROBE_AHEAD = 64
 _SESSION_ENTRIES = 256

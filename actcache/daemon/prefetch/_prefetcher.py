@@ -19,8 +19,7 @@ fetched cannot hold the budget.
 Cold reads: lookups run ahead of each reader (on ``probe_threads`` threads
 for entries of MIN_PROBED_ENTRY_BYTES and more, in the reader's thread for
 smaller ones; one lookup per B-tree leaf page, see ExtentHints) and hint the
-kernel (POSIX_FADV_WILLNEED) about the values it has not cached yet (asked
-with cachestat(2), which reads nothing); the reader then
+kernel (POSIX_FADV_WILLNEED) about the values it has not cached yet; the reader then
 ``pread``s each
 value (actcache.daemon.store._extents, which holds the measurements).
 Entries are buffered as stored (compressed); the Fetch thread verifies
@@ -54,7 +53,6 @@ from actcache.daemon.config import PrefetchConfig
 from actcache.daemon.prefetch._stats import PrefetchCounters
 from actcache.daemon.prefetch._reader import ReaderSnapshot, ReaderState, ScheduleReader
 from actcache.daemon.prefetch._schedule import Schedule
-from actcache.daemon.prefetch._threads import ReusedThreads
 from actcache.daemon.store import PageCacheGuess, Store
 from actcache.errors import DaemonUnavailable, FetchAborted, InvalidRequest, ScheduleNotFound
 from actcache.keys import group_prefix
@@ -121,8 +119,6 @@ class Prefetcher:
             ThreadPoolExecutor(config.probe_threads, thread_name_prefix="actcache-probe")
             if config.probe_threads and store.config.explicit_reads else None
         )
-        # Each reader's loop runs on a thread of these, kept from one schedule to the next.
-        self._reader_threads = ReusedThreads("actcache-reader")
         self._schedules: dict[tuple[int, str], Schedule] = {}
         self._readers: dict[tuple[int, str], ScheduleReader] = {}
         # Whether a group's values are in the page cache, kept from one schedule (epoch) to the next:
@@ -160,7 +156,7 @@ class Prefetcher:
                 r.cancel(None)
         for s in ([old] if old is not None else []) + evicted:
             self._retire(s)
-        reader.begin(self._reader_threads)
+        reader.begin()
         return old is not None
 
     def attach(self, namespace_id: int, schedule_id: str, start: int) -> ScheduleReader:
@@ -193,7 +189,7 @@ class Prefetcher:
             old.cancel(FetchAborted(
                 f"a newer Fetch of schedule {schedule_id!r} (from position {start}) took over this stream"
             ))
-        reader.begin(self._reader_threads)
+        reader.begin()
         return reader
 
     def close(self) -> None:
@@ -208,7 +204,6 @@ class Prefetcher:
             ))
         for reader in readers:
             reader.join(5.0)
-        self._reader_threads.close()
         if self._decode is not None:
             self._decode.shutdown(wait=True, cancel_futures=True)
         if self._probe is not None:

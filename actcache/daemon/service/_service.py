@@ -26,7 +26,7 @@ from actcache.daemon.service._stats import stats_reply
 from actcache.daemon.service._throttle import Throttle
 from actcache.daemon.store import Store
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
-from actcache.rpc import SERVICE, decode_frame, encode_frame, split_payload
+from actcache.rpc import PROTOCOL_VERSION, SERVICE, decode_frame, encode_frame, split_payload, version_mismatch
 
 __all__ = ["ActCacheService", "Counters"]
 
@@ -152,14 +152,14 @@ class ActCacheService:
                 "Schedule": grpc.stream_unary_rpc_method_handler(
                     self.Schedule, pb.ScheduleChunk.FromString, pb.ScheduleReply.SerializeToString
                 ),
-                "ScheduleSmall": unary(self.ScheduleSmall, pb.ScheduleChunk.FromString,
-                                       pb.ScheduleReply.SerializeToString),
                 "Fetch": grpc.unary_stream_rpc_method_handler(self.Fetch, pb.FetchRequest.FromString, raw),
             },
         )
 
     @_status_on_error
     def Open(self, request: pb.OpenRequest, context) -> pb.OpenReply:
+        if request.protocol_version != PROTOCOL_VERSION:  # 0: a client older than the exchange
+            raise version_mismatch(request.client_version[:64], request.protocol_version, __version__, PROTOCOL_VERSION)
         info = self.store.open_namespace(request.name, create=request.create, secret=request.secret)
         if request.HasField("job"):
             job = request.job
@@ -172,6 +172,7 @@ class ActCacheService:
             max_message_bytes=self.max_message_bytes,
             max_entry_bytes=cfg.max_entry_bytes,
             server_version=__version__,
+            protocol_version=PROTOCOL_VERSION,
         )
 
     @_status_on_error
@@ -245,10 +246,6 @@ class ActCacheService:
         for _ in chunks:
             raise InvalidRequest("the Schedule stream went on after its end")
         return self._push(builder, report)
-
-    @_status_on_error
-    def ScheduleSmall(self, chunk: pb.ScheduleChunk, context) -> pb.ScheduleReply:
-        return self._push(*self._read_order([chunk]))
 
     def _read_order(self, chunks: Iterable[pb.ScheduleChunk]) -> tuple[ScheduleBuilder, int | None]:
         """The schedule the chunks describe, and the namespace handle to report present entries of (None: no report)."""
@@ -331,4 +328,5 @@ class ActCacheService:
 
     @_status_on_error
     def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
-        return stats_reply(self)
+        return stats_reply(self.store, self.prefetcher, self.jobs, self.counters.snapshot(),
+                           time.monotonic() - self.started)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from actcache import __version__
@@ -11,17 +10,20 @@ from actcache.daemon.prefetch import PrefetchCounters
 from actcache.keys import group_prefix
 
 if TYPE_CHECKING:
-    from actcache.daemon.service._service import ActCacheService
+    from actcache.daemon.prefetch import Prefetcher
+    from actcache.daemon.service._jobs import NamespaceJobs
+    from actcache.daemon.store import Store
 
 __all__ = ["stats_reply"]
 
 
-def stats_reply(service: "ActCacheService") -> pb.StatsReply:
-    """What ``actcache stats`` and the Stats call show, read from the service's live state."""
-    store = service.store
+def stats_reply(
+    store: Store, prefetcher: Prefetcher, jobs: NamespaceJobs, counters: dict[str, int], uptime_s: float
+) -> pb.StatsReply:
+    """What ``actcache stats`` and the Stats call show: the live state of the daemon's parts, plus the
+    service's request ``counters`` (a snapshot, added to here) and its uptime."""
     names = {}
-    prefetch = service.prefetcher.stats()
-    counters = service.counters.snapshot()
+    prefetch = prefetcher.stats()
     for totals in prefetch.namespaces.values():
         counters["hits_total"] += totals["hits"]
         counters["misses_total"] += totals["misses"]
@@ -33,7 +35,7 @@ def stats_reply(service: "ActCacheService") -> pb.StatsReply:
         budget_bytes=store.config.budget_bytes,
         map_size_bytes=store.map_size(),
         file_bytes=store.file_bytes(),
-        uptime_seconds=time.monotonic() - service.started,
+        uptime_seconds=uptime_s,
         server_version=__version__,
         prefetch_budget_bytes=prefetch.budget_bytes,
         prefetch_buffered_bytes=prefetch.buffered_bytes,
@@ -43,6 +45,7 @@ def stats_reply(service: "ActCacheService") -> pb.StatsReply:
         explicit_reads_total=reads["explicit_reads"],
         fallback_reads_total=reads["fallback_reads"],
         cached_copies_total=reads["cached_copies"],
+        page_layout_unrecognized_total=store.page_layout_unrecognized,
         reclaimed_generations_total=store.generations.reclaimed_generations,
         reclaimed_bytes_total=store.generations.reclaimed_bytes,
         reclaim_after_seconds=store.config.reclaim_after_s,
@@ -61,7 +64,7 @@ def stats_reply(service: "ActCacheService") -> pb.StatsReply:
             name=info.name, namespace_id=info.id, entries=entries, bytes=nbytes,
             budget_bytes=store.config.namespace_budget_bytes, reclaimable_bytes=reclaimable.get(info.id, 0),
         )
-        for job in service.jobs.of(info.id):
+        for job in jobs.of(info.id):
             row.jobs.add(
                 job=pb.JobInfo(pid=job.pid, host=job.host, start_time=job.start_time, data_id=job.data_id),
                 first_seen=job.first_seen, last_seen=job.last_seen, opens=job.opens,

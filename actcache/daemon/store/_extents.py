@@ -8,7 +8,7 @@ time (``readahead=False``) or drags in an 8 MiB window around every fault
 one large explicit read per value near its full speed.
 
 How: a B-tree leaf node holds, right after its key, the number of the value's
-first overflow page and the value's size (read from the map: ``_pages``). Every explicit read
+first overflow page and the value's size (read from its leaf page: ``_pages``). Every explicit read
 checks the page header it reads (page number and overflow flag) and the
 caller verifies the entry checksum on the bytes it serves; whatever does not
 match is read again the plain way (a copy from the map), so a layout this
@@ -57,14 +57,12 @@ from pathlib import Path
 
 import numpy as np
 
-from actcache.daemon.store._cachestat import cached_pages
-from actcache.daemon.store._pages import PAGE_HEADER_BYTES, is_overflow_page, leaf_nodes, overflow_node
+from actcache.daemon.store._pages import PAGE_HEADER_BYTES, LeafPages, is_overflow_page
 from actcache.keys import KEY_BYTES, sample_ids_of
 
 __all__ = ["Extent", "ExtentHints", "ReadSession", "ValueFile"]
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-_MEMORY_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +107,8 @@ class ValueFile:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._nowait = bool(_NOWAIT)
-        self._cachestat = cached_pages(self._fd, 0, 1) is not None
+        #: The file's B-tree leaf pages, read on the same descriptor.
+        self.pages = LeafPages(self._fd, page_size)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -122,23 +121,11 @@ class ValueFile:
             os.posix_fadvise(self._fd, extent.read_start, extent.read_bytes, os.POSIX_FADV_WILLNEED)
 
     def resident(self, extent: Extent) -> bool | None:
-        """Is all of ``extent`` in the page cache? Asked without reading it (``cached_pages``) where the
-        kernel can; else whether its last byte is, by a non-blocking read of it (which on a miss starts
-        reading that page). None when the kernel cannot tell."""
+        """Is the end of ``extent`` in the page cache? None when the kernel cannot tell (no RWF_NOWAIT)."""
         if extent.inline is not None:
             return True
-        if self._cachestat:
-            pages = cached_pages(self._fd, extent.read_start, extent.read_bytes)
-            if pages is not None:
-                return pages >= _pages_spanned(extent.read_start, extent.read_bytes)
-            self._cachestat = False
         got = self._pread_nowait(memoryview(bytearray(1)), extent.offset + extent.length - 1)
         return None if got is None else got == 1
-
-    @property
-    def tells_residency(self) -> bool:
-        """Whether ``resident`` can answer (else it answers None)."""
-        return self._cachestat or self._nowait
 
     def _pread_nowait(self, view: memoryview, offset: int) -> int | None:
         """Bytes read without waiting for the disk (0 if none are cached); None if unsupported."""
@@ -170,11 +157,6 @@ class ValueFile:
         if not is_overflow_page(view, start, self.page_size):
             return None, resident
         return view[PAGE_HEADER_BYTES:], resident
-
-
-def _pages_spanned(offset: int, length: int) -> int:
-    """Memory pages that the file bytes ``[offset, offset + length)`` lie on."""
-    return (offset + length - 1) // _MEMORY_PAGE - offset // _MEMORY_PAGE + 1 if length else 0
 
 
 class PageCacheGuess:
@@ -216,9 +198,9 @@ class PageCacheGuess:
         self._streak = self._streak + 1 if resident else 0
 
 
-def _leaf_extents(cursor, page_size: int) -> list[tuple[bytes, "Extent"]]:
+def _leaf_extents(cursor, pages: LeafPages) -> list[tuple[bytes, "Extent"]]:
     """The overflow extents of every value on the leaf page the cursor sits on ([] if not recognized)."""
-    return [(key, Extent.at_page(pgno, size, page_size)) for key, size, pgno in leaf_nodes(cursor, page_size)
+    return [(key, Extent.at_page(pgno, size, pages.page_size)) for key, size, pgno in pages.leaf_nodes(cursor)
             if pgno >= 0]
 
 
@@ -331,7 +313,7 @@ class ReadSession:
             if self._guess is not None and self._guess.use_map():
                 self.cached_copies += 1
             else:
-                node = overflow_node(cursor, key)
+                node = self._file.pages.overflow_node(cursor, key)
                 if node is not None:
                     return Extent.at_page(*node, self._file.page_size)
         value = cursor.value()
@@ -345,8 +327,8 @@ class ReadSession:
             return extent
         if not self._cursor.set_key(key):
             return None
-        hints.learn(_leaf_extents(self._cursor, self._file.page_size))
-        node = overflow_node(self._cursor, key)
+        hints.learn(_leaf_extents(self._cursor, self._file.pages))
+        node = self._file.pages.overflow_node(self._cursor, key)
         if node is None:  # a small value inside its leaf, or a node not recognized
             return self.locate(key)
         hints.take(key)  # its own, learned with its page
@@ -374,7 +356,7 @@ class ReadSession:
         """Whether the first stored value of ``keys`` is in the page cache (told to the guess)."""
         for key in keys:
             if self._cursor.set_key(key):
-                node = overflow_node(self._cursor, key)
+                node = self._file.pages.overflow_node(self._cursor, key)
                 resident = True if node is None else self._file.resident(
                     Extent.at_page(*node, self._file.page_size))
                 self._guess.saw(resident)

@@ -37,14 +37,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 from actcache.daemon.config import format_size
+from actcache.keys import fingerprint_of, namespace_id_of, namespace_of
 
-__all__ = ["GEN_PREFIX_BYTES", "Generation", "Generations", "ReclaimPlan", "plan_reclaim", "read_write_time",
+__all__ = ["Generation", "Generations", "ReclaimPlan", "plan_reclaim", "read_write_time",
            "write_time"]
 
 log = logging.getLogger(__name__)
 
-#: A generation's key: namespace id (u32, big-endian) + fingerprint (16 bytes), the head of its entries' keys.
-GEN_PREFIX_BYTES = 4 + 16
 _TIME = struct.Struct(">d")
 
 
@@ -74,11 +73,11 @@ class Generation:
 
     @property
     def namespace_id(self) -> int:
-        return struct.unpack(">I", self.prefix[:4])[0]
+        return namespace_id_of(self.prefix)
 
     @property
     def fingerprint(self) -> bytes:
-        return self.prefix[4:GEN_PREFIX_BYTES]
+        return fingerprint_of(self.prefix)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +104,7 @@ def plan_reclaim(
     """
     order = sorted((g for g in dead if g.prefix != own and g.bytes > 0),
                    key=lambda g: (g.last_write is not None, g.last_write or 0.0, g.prefix))
-    mine = [g for g in order if g.prefix[:4] == namespace]
+    mine = [g for g in order if namespace_of(g.prefix) == namespace]
     scope = order if daemon_need > 0 else mine
     reclaimable = sum(g.bytes for g in scope)
     victims: dict[bytes, Generation] = {}

@@ -1,15 +1,22 @@
-"""LMDB's B-tree pages read directly from the memory map: where a value's overflow pages start, the
-nodes of a whole leaf page, and which keys are stored, a leaf page at a time.
+"""LMDB's B-tree leaf pages, read from ``data.mdb`` by page number: where a value's overflow pages
+start, the nodes of a whole leaf page, and which keys are stored, a leaf page at a time.
 
 LMDB's on-disk format: a page starts with a 16-byte header (``pgno`` u64, ``pad``, ``flags``,
 ``lower``, ``upper`` u16; ``P_LEAF`` = 2, ``P_OVERFLOW`` = 4), then on a leaf ``(lower - 16) / 2``
-u16 offsets of its nodes, in key order. A node is ``lo, hi, flags, ksize`` (four u16), its key, then
-its data: for a value too large for the leaf (flag ``F_BIGDATA`` = 1), the number of its first
-overflow page; the value then is ``lo | hi << 16`` bytes at file offset ``pgno * page_size + 16``.
-A positioned cursor's ``key()`` is a view into its leaf (``buffers=True``), so its node header sits
-just before it, and the map is page-aligned, so its page starts at that address rounded down to the
-page size. Everything here checks what it reads and answers "not recognized" otherwise: callers then
-take LMDB's own way (a layout this module does not know costs speed, never bytes).
+u16 offsets of its nodes, in key order, each at or above ``upper``. A node is ``lo, hi, flags,
+ksize`` (four u16), its key, then its data: for a value too large for the leaf (flag ``F_BIGDATA``
+= 1), the number of its first overflow page; the value then is ``lo | hi << 16`` bytes at file
+offset ``pgno * page_size + 16``.
+
+Finding a cursor's page: a positioned cursor's ``key()`` is a view into its leaf page in LMDB's
+memory map (``buffers=True``). Its address minus the start of this process's mapping of
+``data.mdb`` (from ``/proc/self/maps``) gives the page number and the node's offset in the page.
+The page is then read with ``os.pread``, never through the address, and checked before use: its own
+page number, its type, its bounds, every node offset, and the node at that offset holding the
+cursor's key. Whatever does not match answers "not recognized" and callers take LMDB's own way, as
+for a key outside the map (a page the writer's open transaction changed): a layout this module does
+not know costs speed, never bytes. The store checks at open that this LMDB's layout is read
+(``check_layout``) and turns the reader off otherwise.
 
 Why read pages at all: positioning a cursor on a cold value reads that value's first page (LMDB
 checks its header), one random read per lookup; a whole leaf page answers for about 80 keys.
@@ -17,13 +24,13 @@ checks its header), one random read per lookup; a whole leaf page answers for ab
 
 from __future__ import annotations
 
-import ctypes
+import os
 import struct
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["PAGE_HEADER_BYTES", "is_overflow_page", "leaf_nodes", "overflow_node", "present_keys", "stored_length"]
+__all__ = ["LeafPages", "PAGE_HEADER_BYTES", "check_layout", "is_overflow_page"]
 
 PAGE_HEADER_BYTES = 16
 _NODE = struct.Struct("<HHHH")  # lo, hi, flags, ksize
@@ -31,93 +38,235 @@ _F_BIGDATA = 0x01
 _F_SUBDATA_OR_DUP = 0x02 | 0x04
 _P_LEAF = 0x02
 _P_OVERFLOW = 0x04
+_P_TYPES = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40  # branch, leaf, overflow, meta, leaf2, subpage
 _PGNO = struct.Struct("<Q")
+_U16 = struct.Struct("<H")
 _PAGE_HEAD = struct.Struct("<QHH")  # pgno, pad, flags
 _PAGE_BOUNDS = struct.Struct("<QHHHH")  # pgno, pad, flags, lower (end of the node offsets), upper
+
+# The keys check_layout writes into the store's meta table and deletes again: a value stored in
+# overflow pages, and a small one stored in its leaf.
+_PROBE_BIG = b"\xffpage-layout-check:overflow".ljust(32, b"\0")
+_PROBE_SMALL = b"\xffpage-layout-check:inline".ljust(32, b"\0")
 
 
 def is_overflow_page(header: bytes | memoryview, offset: int, page_size: int) -> bool:
     """Whether ``header`` (a page's first bytes) is the overflow page at file ``offset``."""
     pgno, _, flags = _PAGE_HEAD.unpack_from(header)
-    return pgno * page_size == offset and bool(flags & _P_OVERFLOW)
+    return pgno * page_size == offset and flags & _P_TYPES == _P_OVERFLOW
 
 
-def overflow_node(cursor, key: bytes) -> tuple[int, int] | None:
-    """(first overflow page, value size) from the leaf node the cursor sits on, or None if not recognized."""
-    key_view = cursor.key()
-    ksize = len(key_view)
-    head = ctypes.string_at(_address(key_view) - _NODE.size, _NODE.size + ksize + _PGNO.size)
-    lo, hi, flags, node_ksize = _NODE.unpack_from(head)
-    if node_ksize != ksize or head[_NODE.size : _NODE.size + ksize] != key:
-        return None
-    if not flags & _F_BIGDATA or flags & _F_SUBDATA_OR_DUP:
-        return None
-    (pgno,) = _PGNO.unpack_from(head, _NODE.size + ksize)
-    return pgno, lo | hi << 16
+class LeafPages:
+    """Leaf pages of one ``data.mdb``, read by ``pread`` on ``fd``; thread-safe.
 
-
-def leaf_nodes(cursor, page_size: int) -> list[tuple[bytes, int, int]]:
-    """``(key, data size, first overflow page or -1)`` of every node, in key order, on the B-tree
-    leaf page the cursor sits on, read from the page itself: [] if the page is not recognized."""
-    node = _address(cursor.key()) - _NODE.size
-    base = node - node % page_size
-    page = ctypes.string_at(base, page_size)
-    _, _, flags, lower, upper = _PAGE_BOUNDS.unpack_from(page)
-    if not flags & _P_LEAF or not PAGE_HEADER_BYTES <= lower <= upper <= page_size:
-        return []
-    offsets = struct.unpack_from(f"<{(lower - PAGE_HEADER_BYTES) // 2}H", page, PAGE_HEADER_BYTES)
-    if node - base not in offsets:
-        return []
-    out = []
-    for at in offsets:
-        if at + _NODE.size > page_size:
-            return []
-        lo, hi, node_flags, ksize = _NODE.unpack_from(page, at)
-        end = at + _NODE.size + ksize
-        if end > page_size:
-            return []
-        big = node_flags & _F_BIGDATA and not node_flags & _F_SUBDATA_OR_DUP and end + _PGNO.size <= page_size
-        out.append((page[at + _NODE.size : end], lo | hi << 16, _PGNO.unpack_from(page, end)[0] if big else -1))
-    keys = [key for key, _, _ in out]
-    return out if all(a < b for a, b in zip(keys, keys[1:])) else []
-
-
-def present_keys(cursor, keys: Sequence[bytes], page_size: int) -> list[bool]:
-    """Whether each of ``keys`` is stored, reading no value past its first page.
-
-    A lookup of a cold value waits for a random read of its first page (LMDB reads it), so keys are
-    looked up in order, and each lookup's whole leaf page answers for every key in its range: one
-    random read per leaf page (about 80 entries) instead of one per key. A page not recognized
-    answers for its own key only.
+    ``enabled`` False (the store's layout check failed) makes every answer "not recognized".
+    ``remapped()`` must be called after LMDB moved its map (``set_mapsize``), while no
+    transaction is open in the process.
     """
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    out = [False] * len(keys)
-    i = 0
-    while i < len(order):
-        key = keys[order[i]]
-        if not cursor.set_range(key):  # nothing at or after it: the rest are absent
-            break
-        # set_range lands on the smallest stored key >= key, so every key from `key` to the page's
-        # last one is stored exactly if it is on the page
-        page = [node[0] for node in leaf_nodes(cursor, page_size)]
-        if not page:
-            out[order[i]] = bytes(cursor.key()) == key
-            i += 1
-            continue
-        last, on_page = page[-1], set(page)
-        while i < len(order) and keys[order[i]] <= last:
-            out[order[i]] = keys[order[i]] in on_page
-            i += 1
-    return out
+
+    def __init__(self, fd: int, page_size: int) -> None:
+        self._fd = fd
+        self.page_size = page_size
+        self.enabled = True
+        self._map: tuple[int, int] | None = None  # [start, end) of data.mdb's mapping; None: look it up
+
+    def remapped(self) -> None:
+        self._map = None
+
+    def overflow_node(self, cursor, key: bytes) -> tuple[int, int] | None:
+        """(first overflow page, value size) of ``key``, on whose node the cursor sits, or None if not
+        recognized (a small value inside its leaf included)."""
+        found = self._cursor_page(cursor)
+        if found is None:
+            return None
+        page, at, _ = found
+        node = _node(page, at)
+        if node is None or node[0] != key or node[2] < 0:
+            return None
+        return node[2], node[1]
+
+    def leaf_nodes(self, cursor) -> list[tuple[bytes, int, int]]:
+        """``(key, data size, first overflow page or -1)`` of every node, in key order, on the leaf
+        page the cursor sits on: [] if the page is not recognized."""
+        found = self._cursor_page(cursor)
+        if found is None:
+            return []
+        page, _, lower = found
+        offsets = _node_offsets(page, lower)
+        if offsets is None:
+            return []
+        out = []
+        for at in offsets:
+            node = _node(page, at)
+            if node is None:
+                return []
+            out.append(node)
+        keys = [key for key, _, _ in out]
+        return out if all(a < b for a, b in zip(keys, keys[1:])) else []
+
+    def present_keys(self, cursor, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is stored, reading no value past its first page.
+
+        A lookup of a cold value waits for a random read of its first page (LMDB reads it), so keys
+        are looked up in order, and each lookup's whole leaf page answers for every key in its range:
+        one random read per leaf page (about 80 entries) instead of one per key. A page not
+        recognized answers for its own key only.
+        """
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        out = [False] * len(keys)
+        i = 0
+        while i < len(order):
+            key = keys[order[i]]
+            if not cursor.set_range(key):  # nothing at or after it: the rest are absent
+                break
+            # set_range lands on the smallest stored key >= key, so every key from `key` to the page's
+            # last one is stored exactly if it is on the page
+            page = [node[0] for node in self.leaf_nodes(cursor)]
+            if not page:
+                out[order[i]] = bytes(cursor.key()) == key
+                i += 1
+                continue
+            last, on_page = page[-1], set(page)
+            while i < len(order) and keys[order[i]] <= last:
+                out[order[i]] = keys[order[i]] in on_page
+                i += 1
+        return out
+
+    def stored_length(self, cursor, key: bytes) -> int | None:
+        """Size of the value under ``key`` (None if absent) without reading its pages past the first."""
+        if not cursor.set_key(key):
+            return None
+        node = self.overflow_node(cursor, key)
+        return node[1] if node is not None else len(cursor.value())
+
+    def _cursor_page(self, cursor) -> tuple[bytes, int, int] | None:
+        """``(page, node offset, lower)`` of the leaf the cursor sits on, read and checked (its header,
+        the node's offset listed in it and inside the page, the node holding the cursor's key); None
+        if anything is not recognized."""
+        if not self.enabled:
+            return None
+        key_view = cursor.key()
+        start, end = self._mapping()
+        node_address = _address(key_view) - _NODE.size
+        if not start <= node_address < end:
+            return None
+        pgno, at = divmod(node_address - start, self.page_size)
+        try:
+            page = os.pread(self._fd, self.page_size, pgno * self.page_size)
+        except OSError:
+            return None
+        bounds = _leaf_bounds(page, pgno, self.page_size)
+        if bounds is None or not bounds[1] <= at <= self.page_size - _NODE.size or not _lists(page, bounds[0], at):
+            return None
+        lo, hi, flags, ksize = _NODE.unpack_from(page, at)
+        end_of_key = at + _NODE.size + ksize
+        if ksize != len(key_view) or end_of_key > len(page) or page[at + _NODE.size : end_of_key] != key_view:
+            return None
+        return page, at, bounds[0]
+
+    def _mapping(self) -> tuple[int, int]:
+        found = self._map
+        if found is None:
+            found = self._map = _mapping_of(self._fd)
+        return found
 
 
-def stored_length(cursor, key: bytes) -> int | None:
-    """Size of the value under ``key`` (None if absent) without reading the value's pages past the first."""
-    if not cursor.set_key(key):
+def _leaf_bounds(page: bytes, pgno: int, page_size: int) -> tuple[int, int] | None:
+    """``(lower, upper)`` of leaf page ``pgno``, or None unless its header says it is that leaf page,
+    with its node offsets (16 to ``lower``) below its nodes (``upper`` to the end)."""
+    if len(page) != page_size:
         return None
-    node = overflow_node(cursor, key)
-    return node[1] if node is not None else len(cursor.value())
+    own, _, flags, lower, upper = _PAGE_BOUNDS.unpack_from(page)
+    if own != pgno or flags & _P_TYPES != _P_LEAF or not PAGE_HEADER_BYTES <= lower <= upper <= page_size:
+        return None
+    return None if (lower - PAGE_HEADER_BYTES) % 2 else (lower, upper)
+
+
+def _lists(page: bytes, lower: int, at: int) -> bool:
+    """Whether the page's node offsets (16 to ``lower``) include ``at``."""
+    needle = _U16.pack(at)
+    i = page.find(needle, PAGE_HEADER_BYTES, lower)
+    while i >= 0 and i % 2:
+        i = page.find(needle, i + 1, lower)
+    return i >= 0
+
+
+def _node_offsets(page: bytes, lower: int) -> tuple[int, ...] | None:
+    """The node offsets of a page ``_leaf_bounds`` accepted; None unless each lies inside its node area."""
+    upper = _PAGE_BOUNDS.unpack_from(page)[4]
+    offsets = struct.unpack_from(f"<{(lower - PAGE_HEADER_BYTES) // 2}H", page, PAGE_HEADER_BYTES)
+    if offsets and (min(offsets) < upper or max(offsets) > len(page) - _NODE.size):
+        return None
+    return offsets
+
+
+def _node(page: bytes, at: int) -> tuple[bytes, int, int] | None:
+    """``(key, data size, first overflow page or -1)`` of the node at ``at`` (an offset checked to lie
+    inside the page's node area), or None if it runs past the page."""
+    lo, hi, flags, ksize = _NODE.unpack_from(page, at)
+    end = at + _NODE.size + ksize
+    if end > len(page):
+        return None
+    key = page[at + _NODE.size : end]
+    if not flags & _F_BIGDATA or flags & _F_SUBDATA_OR_DUP:
+        return key, lo | hi << 16, -1
+    if end + _PGNO.size > len(page):
+        return None
+    return key, lo | hi << 16, _PGNO.unpack_from(page, end)[0]
+
+
+def _mapping_of(fd: int) -> tuple[int, int]:
+    """``[start, end)`` of this process's one mapping of ``fd``'s file from offset 0; ``(0, 0)`` if
+    there is none, or several, or the system does not say (no ``/proc``)."""
+    st = os.fstat(fd)
+    found = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 5 or fields[4] != str(st.st_ino):
+                    continue
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                if os.makedev(major, minor) != st.st_dev or int(fields[2], 16) != 0:
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                found.append((start, end))
+    except (OSError, ValueError):
+        return 0, 0
+    return found[0] if len(found) == 1 else (0, 0)
 
 
 def _address(view: memoryview) -> int:
     return np.frombuffer(view, np.uint8).__array_interface__["data"][0]  # .ctypes.data builds a ctypes object
+
+
+def check_layout(env, db, pages: LeafPages) -> str | None:
+    """Whether ``pages`` reads this LMDB's layout: writes two known values into ``db`` (the store's
+    meta table), finds them through ``pages``, reads the large one back with ``pread`` and deletes
+    both. None if everything matched, else what did not."""
+    size = pages.page_size
+    big, small = (bytes(range(251)) * (size // 251 + 1))[:size], b"small value"
+    with env.begin(write=True, db=db) as txn:
+        txn.put(_PROBE_BIG, big)
+        txn.put(_PROBE_SMALL, small)
+    try:
+        with env.begin(db=db, buffers=True) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_key(_PROBE_BIG):
+                return "the check value was not stored"
+            node = pages.overflow_node(cursor, _PROBE_BIG)
+            if node is None:
+                return "its leaf node was not found"
+            pgno, length = node
+            nodes = {key: (length, first) for key, length, first in pages.leaf_nodes(cursor)}
+            if nodes.get(_PROBE_BIG) != (length, pgno) or nodes.get(_PROBE_SMALL) != (len(small), -1):
+                return f"its leaf page read as {sorted(nodes.items())[:4]}"
+            start = pgno * size
+            read = os.pread(pages._fd, PAGE_HEADER_BYTES + length, start)
+            if length != len(big) or not is_overflow_page(read, start, size) or read[PAGE_HEADER_BYTES:] != big:
+                return f"page {pgno} ({length} bytes) does not hold the value written"
+        return None
+    finally:
+        with env.begin(write=True, db=db) as txn:
+            txn.delete(_PROBE_BIG)
+            txn.delete(_PROBE_SMALL)

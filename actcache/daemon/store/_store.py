@@ -32,9 +32,8 @@ caller's thread submits a drop of each chosen generation (in chunks, each
 checking in its own transaction that the generation is still dead and
 unwritten since the plan) and then submits the put again.
 
-The write operations themselves are in ``_ops.py``. ``Store`` stays one
-class of about 450 lines: its namespace, read, usage and budget methods
-share one environment, its in-memory usage maps and their lock.
+The write operations themselves are in ``_ops.py``; what they and ``Store``
+share (the tables and their in-memory maps) is one ``StoreState`` (``_state.py``).
 """
 
 from __future__ import annotations
@@ -42,11 +41,10 @@ from __future__ import annotations
 import logging
 import os
 import re
-import struct
-import threading
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
+import lmdb
 import numpy as np
 
 from actcache.codec import Codec, Encoding, compress_entry, verify_entry
@@ -54,18 +52,10 @@ from actcache.daemon.store._access import Handles, check_secret, hash_secret, ve
 from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.store._dirlock import DirLock
 from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
-from actcache.daemon.store._pages import present_keys
+from actcache.daemon.store._pages import check_layout
 from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
-from actcache.daemon.store._generations import (
-    GEN_PREFIX_BYTES,
-    Generation,
-    Generations,
-    ReclaimPlan,
-    plan_reclaim,
-    read_write_time,
-)
+from actcache.daemon.store._generations import Generation, Generations, ReclaimPlan, plan_reclaim
 from actcache.daemon.store._ops import (
-    _USAGE,
     _CreateNamespace,
     _DeleteOp,
     _DropOp,
@@ -74,6 +64,7 @@ from actcache.daemon.store._ops import (
     _ReclaimOp,
 )
 from actcache.daemon.store._records import GroupUsage, NamespaceInfo, PutResult
+from actcache.daemon.store._state import StoreState
 from actcache.daemon.store._writer import ReadGate, Writer
 from actcache.errors import (
     BudgetExceeded,
@@ -83,7 +74,17 @@ from actcache.errors import (
     PermissionDenied,
     StoreError,
 )
-from actcache.keys import MAX_NAMESPACE_ID, encode_key, encode_keys, group_prefix
+from actcache.keys import (
+    MAX_NAMESPACE_ID,
+    encode_key,
+    encode_keys,
+    generation_of,
+    group_prefix,
+    namespace_id_of,
+    namespace_of,
+    sample_id_of,
+    split_group,
+)
 
 __all__ = ["GroupUsage", "NamespaceInfo", "PutResult", "Store"]
 
@@ -105,7 +106,6 @@ class Store:
         # One daemon per directory: a second one refuses here, naming the holder's pid.
         self._dir_lock = DirLock.acquire(config.dir)
         self._gate = ReadGate()
-        self._lock = threading.Lock()  # guards the in-memory maps below
         try:
             try:
                 self._open()
@@ -123,14 +123,30 @@ class Store:
             raise
         self._file = ValueFile(config.dir / "data.mdb", self._env.stat()["psize"])
         self._read_counts = {"explicit_reads": 0, "fallback_reads": 0, "cached_copies": 0}
+        #: 1 when the leaf-page reader did not read this LMDB's layout at open (its hints are then off).
+        self.page_layout_unrecognized = 0
+        self._check_page_layout()
         stale = self._env.reader_check()
         if stale:
             log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
         self._writer = Writer(
-            self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s, meta_db=self._meta,
-            on_damage=lambda reason: mark_damaged(config.dir, reason),
+            self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s, meta_db=self._state.meta,
+            on_damage=lambda reason: mark_damaged(config.dir, reason), on_remap=self._file.pages.remapped,
         )
         self._writer.start()
+
+    def _check_page_layout(self) -> None:
+        """Turn the leaf-page reader off unless it finds a known value written into the meta table."""
+        try:
+            problem = check_layout(self._env, self._state.meta, self._file.pages)
+        except (lmdb.Error, OSError) as exc:
+            problem = f"the check could not run: {exc}"
+        if problem is None:
+            return
+        self._file.pages.enabled = False
+        self.page_layout_unrecognized = 1
+        log.warning("LMDB %s: its on-disk page layout is not the one this daemon reads (%s); leaf-page hints "
+                    "and explicit reads are off, values are copied from LMDB's map", lmdb.version(), problem)
 
     def _open(self) -> None:
         """Open and check the environment and load the in-memory maps; raises UnusableStore."""
@@ -140,17 +156,10 @@ class Store:
             self.config.dir, map_size=self.config.map_size_bytes, sync=self.config.sync,
             readahead=not self.config.explicit_reads,
         )
-        self._ns_by_name: dict[str, int] = {}
-        self._ns_by_id: dict[int, str] = {}
-        self._usage: dict[bytes, list[int]] = {}  # group prefix -> [entries, bytes]
-        self._secret_of: dict[int, bytes] = {}  # namespace id -> scrypt record, for protected namespaces
         self._handles = Handles()
-        #: Last write, last read and live schedules of each (namespace, fingerprint).
-        self.generations = Generations(self.config.reclaim_after_s)
         try:
-            self._entries, self._namespaces, self._groups, self._meta, self._secrets, self._generations = (
-                self._env.open_db(n) for n in DB_NAMES
-            )
+            tables = [self._env.open_db(n) for n in DB_NAMES]
+            self._state = StoreState(self._env, *tables, generations=Generations(self.config.reclaim_after_s))
             self._load()
         except DAMAGE_ERRORS as exc:
             self._env.close()
@@ -169,27 +178,25 @@ class Store:
         self._file.close()
         self._dir_lock.release()
 
+    @property
+    def generations(self) -> Generations:
+        """Last write, last read and live schedules of each (namespace, fingerprint)."""
+        return self._state.generations
+
     def _load(self) -> None:
+        state = self._state
         with self._env.begin(write=True) as txn:
-            marker = txn.get(b"format", db=self._meta)
+            marker = txn.get(b"format", db=state.meta)
             if marker is None:
-                if any(txn.stat(db)["entries"] for db in (self._entries, self._namespaces, self._groups)):
+                if any(txn.stat(db)["entries"] for db in (state.entries, state.namespaces, state.groups)):
                     raise UnusableStore(
                         f"{self.config.dir / 'data.mdb'} holds actcache tables but no format marker; "
                         "it was damaged or written by another program"
                     )
-                txn.put(b"format", FORMAT, db=self._meta)
+                txn.put(b"format", FORMAT, db=state.meta)
             elif marker != FORMAT:
                 raise UnusableStore(f"{self.config.dir} holds store format {marker!r}, this daemon reads {FORMAT!r}")
-            for name, value in txn.cursor(db=self._namespaces):
-                ns_id = struct.unpack(">I", value)[0]
-                self._ns_by_name[name.decode()] = ns_id
-                self._ns_by_id[ns_id] = name.decode()
-            for prefix, value in txn.cursor(db=self._groups):
-                self._usage[bytes(prefix)] = list(_USAGE.unpack(value))
-            for ns_id, record in txn.cursor(db=self._secrets):
-                self._secret_of[struct.unpack(">I", ns_id)[0]] = bytes(record)
-            self.generations.load((bytes(g), read_write_time(t)) for g, t in txn.cursor(db=self._generations))
+            state.load(txn)
 
     # ---- namespaces ------------------------------------------------------
 
@@ -202,18 +209,19 @@ class Store:
         if not _NAME_RE.fullmatch(name or ""):
             raise InvalidRequest(f"namespace name {name!r} is invalid; use 1-128 characters of A-Z a-z 0-9 . _ -")
         secret = check_secret(secret)
-        with self._lock:
-            ns_id = self._ns_by_name.get(name)
+        state = self._state
+        with state.lock:
+            ns_id = state.ns_by_name.get(name)
         if ns_id is None:
             if not create:
                 raise NamespaceNotFound(f"namespace {name!r} does not exist; open it with create=True first")
             record = hash_secret(secret) if secret else None
-            info, created = self._writer.submit(_CreateNamespace(self, name, record))
+            info, created = self._writer.submit(_CreateNamespace(state, name, record))
             if created:
                 return NamespaceInfo(info.id, name, self._handles.issue(info.id) if record else info.id)
             ns_id = info.id  # created concurrently by another caller: its secret decides
-        with self._lock:
-            record = self._secret_of.get(ns_id)
+        with state.lock:
+            record = state.secret_of.get(ns_id)
         if record is None:
             if secret:
                 raise PermissionDenied(
@@ -241,9 +249,9 @@ class Store:
                     "last one daemon run, so call Open again with the namespace's secret"
                 )
             return ns_id
-        with self._lock:
-            name = self._ns_by_id.get(handle)
-            protected = handle in self._secret_of
+        with self._state.lock:
+            name = self._state.ns_by_id.get(handle)
+            protected = handle in self._state.secret_of
         if name is None:
             raise NamespaceNotFound(f"namespace id {handle} is not open on this daemon; call Open first")
         if protected:
@@ -251,12 +259,6 @@ class Store:
                 f"namespace {name!r} is protected by a secret; address it by the handle Open returned, not its id"
             )
         return handle
-
-    def namespace_name(self, namespace_id: int) -> str:
-        """The name of the namespace a handle (or an unprotected id) stands for."""
-        ns_id = self.resolve(namespace_id)
-        with self._lock:
-            return self._ns_by_id[ns_id]
 
     # ---- entries ---------------------------------------------------------
 
@@ -293,7 +295,8 @@ class Store:
             return PutResult(0, 0, 0)
         for round_ in range(_RECLAIM_ROUNDS):
             try:
-                return self._writer.submit(_PutOp(self, prefix, records))
+                return self._writer.submit(_PutOp(self._state, prefix, records, stored_length=self._file.pages.stored_length,
+                                                  check_room=self._check_room))
             except _ReclaimNeeded as need:
                 if round_ == _RECLAIM_ROUNDS - 1:
                     raise BudgetExceeded(str(need)) from None
@@ -319,7 +322,7 @@ class Store:
         namespace_id = self.resolve(namespace_id)
         encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
         if encoded:
-            self.generations.read(encoded[0][:GEN_PREFIX_BYTES])
+            self.generations.read(generation_of(encoded[0]))
         out: list[bytes | memoryview | None] = []
         corrupt: list[tuple[bytes, str]] = []
         try:
@@ -333,7 +336,7 @@ class Store:
             ) from None
         if corrupt:
             self.discard_corrupt([k for k, _ in corrupt])
-            ids = [struct.unpack(">Q", k[22:30])[0] for k, _ in corrupt]
+            ids = [sample_id_of(k) for k, _ in corrupt]
             raise EntryCorrupt(
                 f"{len(corrupt)} stored entries failed verification and were deleted "
                 f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them"
@@ -372,12 +375,12 @@ class Store:
     def read_session(self, guess: PageCacheGuess | None = None) -> Iterator[ReadSession]:
         """A read transaction for locating and reading entries; keep it short (it pins pages).
         ``guess``: the reader's, so values the page cache holds are copied out of the map."""
-        with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
+        with self._gate.reading(), self._env.begin(db=self._state.entries, buffers=True) as txn:
             session = ReadSession(txn, self._file, explicit=self.config.explicit_reads, guess=guess)
             try:
                 yield session
             finally:
-                with self._lock:
+                with self._state.lock:
                     self._read_counts["explicit_reads"] += session.explicit_reads
                     self._read_counts["fallback_reads"] += session.fallback_reads
                     self._read_counts["cached_copies"] += session.cached_copies
@@ -385,12 +388,12 @@ class Store:
     def contains(self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: "np.ndarray",
                  variants: "np.ndarray | None" = None) -> list[bool]:
         """Whether each sample id (uint64 array; variants uint16 or None for 0) is stored; reads no value
-        past its first page, and a cold group costs one random read per leaf page (``present_keys``)."""
+        past its first page, and a cold group costs one random read per leaf page (``LeafPages.present_keys``)."""
         keys = encode_keys(self.resolve(namespace_id), fingerprint, depth, sample_ids, variants)
         if keys:
-            self.generations.read(keys[0][:GEN_PREFIX_BYTES])
-        with self._gate.reading(), self._env.begin(db=self._entries, buffers=True) as txn:
-            return present_keys(txn.cursor(), keys, self._file.page_size)
+            self.generations.read(generation_of(keys[0]))
+        with self._gate.reading(), self._env.begin(db=self._state.entries, buffers=True) as txn:
+            return self._file.pages.present_keys(txn.cursor(), keys)
 
     def probe(self, keys: Sequence[bytes], hints: ExtentHints | None = None, start: int = 0) -> list[bool | None]:
         """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask
@@ -418,11 +421,11 @@ class Store:
 
     def discard_corrupt(self, keys: Sequence[bytes]) -> int:
         """Delete those of ``keys`` whose stored entry still fails verification; returns how many."""
-        return self._writer.submit(_DeleteOp(self, keys, only_corrupt=True))
+        return self._writer.submit(_DeleteOp(self._state, keys, only_corrupt=True))
 
     def read_counts(self) -> dict[str, int]:
         """Values read explicitly (pread) and by the fallback copy from the map, since start."""
-        with self._lock:
+        with self._state.lock:
             return dict(self._read_counts)
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> tuple[int, int]:
@@ -431,7 +434,7 @@ class Store:
         prefix = group_prefix(namespace_id, fingerprint, depth)
         entries = nbytes = 0
         while True:
-            removed, freed, done = self._writer.submit(_DropOp(self, prefix))
+            removed, freed, done = self._writer.submit(_DropOp(self._state, prefix))
             entries, nbytes = entries + removed, nbytes + freed
             if done:
                 return entries, nbytes
@@ -441,13 +444,13 @@ class Store:
         for gen in plan.victims:
             entries = nbytes = 0
             while True:
-                op = _ReclaimOp(self, gen)
+                op = _ReclaimOp(self._state, gen)
                 removed, freed, done = self._writer.submit(op)
                 entries, nbytes = entries + removed, nbytes + freed
                 if done or op.aborted:
                     break
-            with self._lock:
-                name = self._ns_by_id.get(gen.namespace_id, str(gen.namespace_id))
+            with self._state.lock:
+                name = self._state.ns_by_id.get(gen.namespace_id, str(gen.namespace_id))
             self.generations.reclaimed(name, gen, entries, nbytes, complete=not op.aborted)
 
     # ---- usage -----------------------------------------------------------
@@ -455,35 +458,31 @@ class Store:
     def generation_stats(self) -> list[Generation]:
         """Every stored generation (namespace, fingerprint) with its bytes, activity and whether it is dead now."""
         usage: dict[bytes, int] = {}
-        with self._lock:
-            for p, (n, b) in self._usage.items():
+        with self._state.lock:
+            for p, (n, b) in self._state.usage.items():
                 if n:
-                    usage[p[:GEN_PREFIX_BYTES]] = usage.get(p[:GEN_PREFIX_BYTES], 0) + b
+                    usage[generation_of(p)] = usage.get(generation_of(p), 0) + b
         return self.generations.snapshot(usage)
 
     def groups(self) -> list[GroupUsage]:
-        with self._lock:
-            rows = [(p, u[0], u[1]) for p, u in self._usage.items() if u[0]]
-        return [
-            GroupUsage(struct.unpack(">I", p[:4])[0], p[4:20], struct.unpack(">H", p[20:22])[0], n, b)
-            for p, n, b in sorted(rows)
-        ]
+        with self._state.lock:
+            rows = [(p, u[0], u[1]) for p, u in self._state.usage.items() if u[0]]
+        return [GroupUsage(*split_group(p), n, b) for p, n, b in sorted(rows)]
 
     def namespaces(self) -> list[tuple[NamespaceInfo, int, int]]:
         """Every namespace with its (entries, bytes)."""
-        with self._lock:
-            totals = {ns_id: [0, 0] for ns_id in self._ns_by_id}
-            for prefix, (n, b) in self._usage.items():
-                total = totals.setdefault(struct.unpack(">I", prefix[:4])[0], [0, 0])
+        state = self._state
+        with state.lock:
+            totals = {ns_id: [0, 0] for ns_id in state.ns_by_id}
+            for prefix, (n, b) in state.usage.items():
+                total = totals.setdefault(namespace_id_of(prefix), [0, 0])
                 total[0] += n
                 total[1] += b
-            return [(NamespaceInfo(i, self._ns_by_id[i]), *totals[i]) for i in sorted(self._ns_by_id)]
+            return [(NamespaceInfo(i, state.ns_by_id[i]), *totals[i]) for i in sorted(state.ns_by_id)]
 
     def used_bytes(self, namespace_id: int | None = None) -> int:
-        with self._lock:
-            return sum(
-                u[1] for p, u in self._usage.items() if namespace_id is None or p[:4] == struct.pack(">I", namespace_id)
-            )
+        with self._state.lock:
+            return sum(u[1] for p, u in self._state.usage.items() if namespace_id is None or namespace_id_of(p) == namespace_id)
 
     def map_size(self) -> int:
         return self._env.info()["map_size"]
@@ -496,7 +495,8 @@ class Store:
         """About how many bytes of ``data.mdb`` are free pages LMDB will reuse (file pages minus tree pages)."""
         used = 2  # meta pages
         main = self._env.stat()
-        tables = (self._entries, self._namespaces, self._groups, self._meta, self._secrets, self._generations)
+        s = self._state
+        tables = (s.entries, s.namespaces, s.groups, s.meta, s.secrets, s.generation_times)
         for stat in [main, *(txn.stat(db) for db in tables)]:
             used += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
         return max(0, self._env.info()["last_pgno"] + 1 - used) * main["psize"]
@@ -522,6 +522,11 @@ class Store:
 
     # ---- helpers for write operations (writer thread only) ---------------
 
+    def _check_room(self, txn, prefix: bytes, delta: int, nbytes: int, pending: dict[bytes, list[int]]) -> None:
+        """A put's check (``_ops.RoomCheck``): its group's budgets, then the disk reserve."""
+        self._check_budget(prefix, delta, pending)
+        self._check_disk(txn, nbytes)
+
     def _check_budget(self, prefix: bytes, delta: int, pending: dict[bytes, list[int]]) -> None:
         """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op).
 
@@ -532,31 +537,32 @@ class Store:
         ns_limit, limit = self.config.namespace_budget_bytes, self.config.budget_bytes
         if delta <= 0 or not (ns_limit or limit):
             return
-        ns = prefix[:4]
+        usage = self._state.usage
+        ns = namespace_of(prefix)
         ns_used = all_used = 0
-        for p, u in self._usage.items():
+        for p, u in usage.items():
             size = pending[p][1] if p in pending else u[1]
             all_used += size
-            ns_used += size if p[:4] == ns else 0
+            ns_used += size if namespace_of(p) == ns else 0
         for p, u in pending.items():
-            if p not in self._usage:
+            if p not in usage:
                 all_used += u[1]
-                ns_used += u[1] if p[:4] == ns else 0
+                ns_used += u[1] if namespace_of(p) == ns else 0
         ns_need = ns_used + delta - ns_limit if ns_limit else 0
         all_need = all_used + delta - limit if limit else 0
         if ns_need <= 0 and all_need <= 0:
             return
         sizes: dict[bytes, int] = {}
-        for p in set(self._usage) | set(pending):
-            size = pending[p][1] if p in pending else self._usage[p][1]
-            sizes[p[:GEN_PREFIX_BYTES]] = sizes.get(p[:GEN_PREFIX_BYTES], 0) + size
-        busy = {p[:GEN_PREFIX_BYTES] for p in pending}  # touched in this transaction: not planned around
+        for p in set(usage) | set(pending):
+            size = pending[p][1] if p in pending else usage[p][1]
+            sizes[generation_of(p)] = sizes.get(generation_of(p), 0) + size
+        busy = {generation_of(p) for p in pending}  # touched in this transaction: not planned around
         dead = [g for g in self.generations.snapshot(sizes) if g.dead and g.prefix not in busy]
-        plan = plan_reclaim(dead, own=prefix[:GEN_PREFIX_BYTES], namespace=ns, namespace_need=ns_need,
+        plan = plan_reclaim(dead, own=generation_of(prefix), namespace=ns, namespace_need=ns_need,
                             daemon_need=all_need)
         reclaimable = f"; {self.generations.describe(plan)}"
         if ns_need > 0:
-            name = self._ns_by_id.get(struct.unpack(">I", ns)[0], "?")
+            name = self._state.ns_by_id.get(namespace_id_of(ns), "?")
             message = (
                 f"namespace {name!r} uses {ns_used} of its {ns_limit} byte budget "
                 f"({format_size(ns_used)} of {format_size(ns_limit)}) and this put needs {delta} more bytes"

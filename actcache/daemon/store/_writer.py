@@ -149,8 +149,11 @@ class Writer:
         sync_interval_s: float,
         meta_db=None,
         on_damage: Callable[[str], None] | None = None,
+        on_remap: Callable[[], None] | None = None,
     ) -> None:
+        """``on_remap``: called after the map moved (it grew), before any reader may start again."""
         self._env = env
+        self._on_remap = on_remap
         self._on_damage = on_damage
         self._gate = gate
         self._meta_db = meta_db
@@ -312,6 +315,9 @@ class Writer:
                 )
                 log.critical("%s", self._gate.broken)
                 return StoreError(self._gate.broken)
+            finally:
+                if self._on_remap is not None:
+                    self._on_remap()
         log.info("LMDB map full at %d bytes; grew it to %d bytes", old, new)
         return None
 

@@ -1,0 +1,185 @@
+"""What one schedule reader shares with its consumer: the lifecycle, the positions and the entries read ahead.
+
+Lifecycle (ReaderState)::
+
+    WAITING --> READING --> READ_ALL --> DONE
+       |           |           |
+       +-----------+-----------+--> CANCELLED   consumer gone, schedule replaced,
+                   |           |                newer Fetch, daemon stopping
+                   +-----------+--> FAILED      the store failed; the consumer gets
+                                                the error after the entries read before it
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+from actcache.errors import ActCacheError
+
+__all__ = ["ENDED", "FILL_BYTES", "MAX_AHEAD_ENTRIES", "ReadAhead", "ReaderSnapshot", "ReaderState", "Slot", "Stop"]
+
+# Entries a reader keeps read ahead of its consumer at most (misses hold no
+# budget bytes, so the budget alone would not bound them).
+MAX_AHEAD_ENTRIES = 1 << 16
+# A frame is filled when this many bytes (or FILL_ENTRIES entries) are ready: every frame costs a gRPC
+# message and wake-ups on both sides, whatever it holds.
+FILL_BYTES = 1 << 20
+FILL_ENTRIES = 1024
+
+
+class ReaderState(enum.Enum):
+    WAITING = "waiting"
+    READING = "reading"
+    READ_ALL = "read_all"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+ENDED = (ReaderState.DONE, ReaderState.CANCELLED, ReaderState.FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class ReaderSnapshot:
+    """Positions and memory of a reader at one instant (start <= served <= ready <= read <= length)."""
+
+    state: ReaderState
+    attached: bool
+    start: int
+    served: int
+    ready: int
+    read: int
+    length: int
+    buffered_bytes: int
+
+    @property
+    def read_ahead_entries(self) -> int:
+        return self.read - self.served
+
+
+class Slot:
+    """One read position: the entry as stored (None = a miss), its budget bytes, its size as served."""
+
+    __slots__ = ("held", "data", "nbytes")
+
+    def __init__(self, held: int = 0, data=None, nbytes: int = 0) -> None:
+        self.held = held
+        self.data = data
+        self.nbytes = nbytes
+
+
+class Stop(Exception):
+    """The reader was cancelled or failed; its thread ends."""
+
+
+class ReadAhead:
+    """The state one stream's reader thread, its consumer and the prefetcher share, under ``cond``.
+
+    Invariants (under ``cond``): ``start <= served <= ready <= read <=
+    len(schedule)`` and ``read - served <= MAX_AHEAD_ENTRIES``; positions in
+    ``[served, read)`` have a slot; an entry is ready as soon as it is read
+    (``ready == read`` while reading; a failure moves ``ready`` back to
+    ``end``, where serving ends); ``ready_bytes`` is the served size of the
+    slots in ``[served, ready)``. Once ``stopping`` (cancelled or failed)
+    nothing more is published. Wake-ups: ``publish`` wakes the consumer only
+    when what it waits for (``consumer_waits``) is there; the consumer wakes
+    the reader after taking a frame only when it waits (``reader_waits``);
+    every state change wakes both.
+
+    ``attached``, ``allowed`` and ``reclaimed`` are set by the prefetcher
+    under the budget's condition (see ``ScheduleReader``, which is one).
+    """
+
+    def __init__(self, length: int, start: int, *, attached: bool) -> None:
+        self.cond = threading.Condition()
+        self.state = ReaderState.WAITING
+        self.start = start
+        self.served = self.ready = self.read = start
+        #: Positions from here on are never served (the length, or where the reader failed).
+        self.end = length
+        self.slots: dict[int, Slot] = {}
+        self.ready_bytes = 0
+        self.reader_waits = False  # the reader waits for the consumer (MAX_AHEAD_ENTRIES)
+        #: What the consumer waits for: None (not waiting), "any" ready entry, or a frame's "fill".
+        self.consumer_waits: str | None = None
+        self.fill_bytes = FILL_BYTES
+        self.error: ActCacheError | None = None
+        self.stopping = False
+        #: A Fetch consumes this stream.
+        self.attached = attached
+        #: May the reader read now?
+        self.allowed = attached
+        #: Gave its bytes back to a starving consumer; never attached.
+        self.reclaimed = False
+
+    def set_state(self, state: ReaderState) -> None:
+        """Caller holds ``cond``; the prefetcher is told after the lock is dropped."""
+        self.state = state
+        self.cond.notify_all()
+
+    def frame_filled(self) -> bool:
+        """A frame's worth is ready. Caller holds ``cond``."""
+        return self.ready_bytes >= self.fill_bytes or self.ready - self.served >= FILL_ENTRIES
+
+    def publish(self, start: int, slots: list[Slot]) -> bool:
+        """Make ``slots`` the entries from ``start`` on, read and ready, under one lock; False (nothing
+        published) once stopping."""
+        with self.cond:
+            if self.stopping:
+                return False
+            for pos, slot in enumerate(slots, start=start):
+                self.slots[pos] = slot
+                self.ready_bytes += slot.nbytes
+            self.read = self.ready = start + len(slots)
+            # Wake the consumer only when what it waits for is there (a wake-up per entry costs more
+            # CPU than the entry's decoding); state changes and the end of reading wake it in set_state.
+            if self.consumer_waits == "any" or self.consumer_waits == "fill" and self.frame_filled():
+                self.cond.notify_all()
+        return True
+
+    def take(self, max_frame_bytes: int) -> tuple[int, list[Slot]]:
+        """The ready slots of one frame (at least one, at most ``max_frame_bytes`` beyond the first), now
+        served. Caller holds ``cond``; ``served < ready``."""
+        start, taken, size = self.served, [], 0
+        while self.served < self.ready:
+            slot = self.slots[self.served]
+            if taken and size + slot.nbytes > max_frame_bytes:
+                break
+            taken.append(self.slots.pop(self.served))
+            size += slot.nbytes
+            self.served += 1
+        self.ready_bytes -= size
+        return start, taken
+
+    def end_cancelled(self, error: ActCacheError | None) -> int | None:
+        """End as CANCELLED and drop every slot; the budget bytes they held (None: already over)."""
+        with self.cond:
+            if self.state in (ReaderState.DONE, ReaderState.CANCELLED):
+                return None
+            self.stopping = True
+            self.error = error
+            freed = sum(slot.held for slot in self.slots.values())
+            self.slots.clear()
+            self.ready = self.served
+            self.ready_bytes = 0
+            self.set_state(ReaderState.CANCELLED)
+        return freed
+
+    def end_failed(self, error: ActCacheError, at: int) -> int | None:
+        """End as FAILED: positions before ``at`` are still served, then ``error``; the budget bytes of
+        the slots dropped (None: already over)."""
+        freed = 0
+        with self.cond:
+            if self.state in ENDED:
+                return None
+            self.stopping = True
+            self.error = error
+            self.end = min(self.end, at)
+            for pos in [p for p in self.slots if p >= self.end]:
+                freed += self.slots.pop(pos).held
+            self.ready = min(self.ready, self.end)
+            self.ready_bytes = sum(self.slots[p].nbytes for p in range(self.served, self.ready))
+            self.set_state(ReaderState.FAILED)
+        return freed

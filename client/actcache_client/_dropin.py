@@ -1,0 +1,246 @@
+"""``ActCache``: the cache added to a plain training loop without changing the loop.
+
+    cache = ActCache(net)                  # this node's daemon; stages from net's layout
+    loader = cache.wrap(loader)            # same batches, same structure and sizes
+    for x, y in loader:
+        loss = loss_fn(net(x), y)          # net's frozen prefix is served from the cache
+    cache.freeze(5)                        # or a FreezeController(cache.model, opt, ...)
+
+The loader yields what the user's DataLoader yields. Where the cache will
+serve a sample's prefix output and the dataset gives its target without
+loading it (``dataset.targets``), its input is not loaded: the row holds
+zeros of the input's shape (a placeholder) that the model never reads.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from torch.utils.data._utils.collate import default_collate
+
+from actcache.errors import ConfigError
+from actcache_client._batch import Batch
+from actcache_client._cached_forward import CachedForward
+from actcache_client._connection import Connection
+from actcache_client._inplace import InPlacePrefix
+from actcache_client._loader import CachedLoader, IndexedDataset, seeded_item
+from actcache_client._node_daemon import connect
+from actcache_client._stages import StagedModel, State, from_bert, from_resnet, from_sequential
+from actcache_client._tensors import VarLen
+
+__all__ = ["ActCache", "WrappedLoader"]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How a network's stages are found, and how its batches and states map to theirs."""
+
+    stages: StagedModel
+    varlen: VarLen | None
+    inputs_of: Callable[[Any], State]
+    output_of: Callable[[State, Tensor], Any]
+
+
+def _unwrap(net: nn.Module) -> nn.Module:
+    """The network inside a DistributedDataParallel / DataParallel wrapper."""
+    while isinstance(net, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        net = net.module
+    return net
+
+
+def _first_field(data: Any) -> Any:
+    return data[0] if isinstance(data, (list, tuple)) else data
+
+
+def _bert_inputs(data: Any) -> State:
+    if isinstance(data, dict):
+        if "input_ids" not in data:
+            raise ConfigError(f"a BERT batch needs 'input_ids'; the collate gave keys {sorted(data)}")
+        ids = data["input_ids"]
+        mask = data.get("attention_mask", torch.ones_like(ids))
+        types = data.get("token_type_ids")
+        return (ids, mask) if types is None else (ids, mask, types)
+    return tuple(data[:3]) if isinstance(data, (list, tuple)) else data
+
+
+def _bert_hidden(state: State, input_ids: Tensor) -> Tensor:
+    """The served ``(hidden, mask)`` as the encoder's next layer takes it: hidden padded to the batch's length."""
+    hidden = state[0]
+    missing = input_ids.shape[1] - hidden.shape[1]
+    return hidden if missing <= 0 else nn.functional.pad(hidden, (0, 0, 0, missing))
+
+
+def _layout(net: nn.Module) -> _Layout:
+    if isinstance(net, nn.Sequential):
+        return _Layout(from_sequential(net), None, _first_field, lambda state, _: state)
+    if hasattr(net, "conv1") and hasattr(net, "layer1"):
+        return _Layout(from_resnet(net), None, _first_field, lambda state, _: state)
+    if hasattr(getattr(net, "bert", net), "embeddings") and hasattr(net, "classifier"):
+        return _Layout(from_bert(net), VarLen(), _bert_inputs, _bert_hidden)
+    raise ConfigError(
+        f"actcache cannot tell the stages of a {type(net).__name__}: it knows nn.Sequential, ResNets "
+        "(conv1, bn1, relu, layer1..) and BERT classifiers (.bert.embeddings/.encoder.layer, .classifier); "
+        "pass stages=StagedModel([...]) built from the network's own modules, in the order it calls them"
+    )
+
+
+class ActCache:
+    """Serves ``net``'s frozen prefix from the cache inside ``net`` itself.
+
+    ``connection`` defaults to this node's daemon (``connect()``). ``stages``
+    (a StagedModel over ``net``'s own modules) overrides the layout found from
+    ``net`` (a ResNet, a BERT classifier, an nn.Sequential). ``options`` are
+    CachedForward's (``store_dtype``, ``audit``, ``planner``, ...). ``model``
+    is that CachedForward: give it to a FreezeController. A network wrapped
+    in DistributedDataParallel works either way round (``ActCache(ddp)`` or
+    ``DistributedDataParallel(net)`` after ``ActCache(net)``).
+    """
+
+    def __init__(self, net: nn.Module, connection: Connection | None = None, *,
+                 stages: StagedModel | None = None, **options: Any) -> None:
+        self.net = _unwrap(net)
+        layout = _layout(self.net)
+        if stages is not None:
+            layout = _Layout(stages, options.pop("varlen", None), _first_field, lambda state, _: state)
+        options.setdefault("varlen", layout.varlen)
+        self.connection = connection if connection is not None else connect()
+        self.model = CachedForward(layout.stages, self.connection, **options)
+        self.layout = layout
+        self.prefix = InPlacePrefix(self.model, self.net, inputs_of=layout.inputs_of, output_of=layout.output_of)
+
+    @property
+    def frozen(self) -> int:
+        return self.model.frozen
+
+    def freeze(self, depth: int) -> None:
+        """Freeze the first ``depth`` stages (0 unfreezes all); the next training step serves them."""
+        if depth != self.model.frozen:
+            self.model.set_frozen(depth)
+        self.prefix.sync()
+
+    def wrap(self, loader: DataLoader, *, variants: int | None = None,
+             targets: Sequence[Any] | Callable[[int], Any] | None = None) -> "WrappedLoader":
+        """``loader``'s batches, with the sample ids the cache needs kept on the side.
+
+        ``variants=K``: the dataset augments at random in ``__getitem__``; the cache keeps K
+        augmented versions of each sample (epoch e sees version e % K) and each version's
+        random draws are seeded by (sample, version), so the cache serves exactly what the model
+        would compute. Without it such a dataset is not cached (a warning says so).
+        ``targets`` (default: ``dataset.targets`` when present) lets the loader skip loading
+        the inputs the cache serves.
+        """
+        return WrappedLoader(self, loader, variants=variants, targets=targets)
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+class WrappedLoader:
+    """Yields what the wrapped DataLoader yields, and tells the network's served prefix which samples they are."""
+
+    def __init__(self, cache: ActCache, loader: DataLoader, *, variants: int | None,
+                 targets: Sequence[Any] | Callable[[int], Any] | None) -> None:
+        if isinstance(loader, WrappedLoader):
+            raise ConfigError("this loader is already wrapped by ActCache.wrap")
+        if loader.batch_sampler is None:
+            raise ConfigError("ActCache.wrap needs a DataLoader with batch_size or batch_sampler (automatic batching)")
+        dataset = loader.dataset
+        example = dataset[0]
+        if targets is None:
+            targets = getattr(dataset, "targets", None)
+        skippable = (targets is not None and loader.collate_fn is default_collate and isinstance(example, tuple)
+                     and len(example) == 2 and isinstance(example[0], Tensor))
+        random = variants is None and _draws_at_random(dataset)
+        indexed = IndexedDataset(dataset, targets=targets if skippable else None, seeded=variants is not None,
+                                 random_transforms=random)
+        if random:
+            warnings.warn("actcache: the dataset's items change from one load to the next (random augmentation in "
+                          "__getitem__); pass variants=K to ActCache.wrap to cache K augmented versions of each "
+                          "sample", stacklevel=3)
+        inner = DataLoader(indexed, batch_sampler=loader.batch_sampler, collate_fn=loader.collate_fn,
+                           num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                           worker_init_fn=loader.worker_init_fn, generator=loader.generator,
+                           multiprocessing_context=loader.multiprocessing_context,
+                           persistent_workers=loader.persistent_workers,
+                           **({"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}))
+        self.cache = cache
+        self.loader = loader
+        with warnings.catch_warnings():  # said above, in the user's terms
+            warnings.simplefilter("ignore")
+            self.cached = CachedLoader(inner, cache.model, variants=variants)
+        self._placeholder = example[0] if skippable else None
+        self._as_list = isinstance(default_collate([example]), list)
+
+    def __len__(self) -> int:
+        return len(self.cached)
+
+    @property
+    def dataset(self) -> Any:
+        """The wrapped DataLoader's dataset."""
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.loader.batch_size
+
+    @property
+    def epoch(self) -> int:
+        return self.cached.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.cached.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, position and this epoch's batches: restored with ``load_state_dict``, a run resumes mid-epoch."""
+        return self.cached.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cached.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        prefix, inputs_of = self.cache.prefix, self.cache.layout.inputs_of
+        try:
+            for batch in self.cached:
+                if batch.loaded is None:
+                    data = batch.data
+                    raw = inputs_of(data)
+                else:  # the rows the loader loaded, and placeholders for the others
+                    data, raw = self._fill(batch), batch.data[0]
+                given = inputs_of(data)
+                prefix.begin(replace(batch, data=(raw, None)), given[0] if isinstance(given, tuple) else given)
+                yield data
+        finally:
+            prefix.end()
+
+    def _fill(self, batch: Batch) -> Any:
+        """The batch as the user's collate would give it, with placeholder rows for the inputs not loaded."""
+        inputs, targets = batch.data
+        shape, dtype = self._placeholder.shape, self._placeholder.dtype
+        full = torch.zeros((len(batch.ids), *shape), dtype=dtype)
+        if inputs is not None:
+            full[batch.loaded] = inputs
+        return [full, targets] if self._as_list else (full, targets)
+
+
+def _draws_at_random(dataset: Any) -> bool:
+    """Whether loads of item 0 under different random seeds differ (random augmentation in ``__getitem__``).
+
+    Eight loads: a transform applied with probability p goes unnoticed with probability p^8 + (1-p)^8.
+    """
+    first = seeded_item(dataset, 0, 0)
+    return any(not _equal(first, seeded_item(dataset, 0, seed)) for seed in range(1, 8))
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b

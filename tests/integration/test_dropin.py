@@ -1,0 +1,199 @@
+"""ActCache in a plain loop: the loop and its batches stay the user's, and the cache changes no result."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import actcache_client as ac
+from actcache.errors import ConfigError
+from actcache_client.models import resnet20
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+class Images(Dataset):
+    """Random 3x8x8 images with a ``targets`` list; ``augment``: a random flip drawn from torch's global RNG."""
+
+    def __init__(self, n: int = 96, augment: bool = False) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.images = torch.randn(n, 3, 8, 8, generator=g)
+        self.targets = torch.randint(0, 10, (n,), generator=g).tolist()
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x = self.images[i]
+        if self.augment and torch.rand(()) < 0.5:
+            x = x.flip(-1)
+        return x, self.targets[i]
+
+
+def _connect(daemon) -> ac.Connection:
+    return ac.connect(daemon.socket, namespace=f"dropin-{uuid.uuid4().hex[:8]}", strict=True)
+
+
+def _train(daemon, *, epochs: int = 3, cached: bool = True, dataset: Dataset | None = None, variants: int | None = None,
+           change_input: bool = False, sizes: list | None = None, disabled: bool = False):
+    """Losses of a plain loop freezing the stem + layer1 after epoch 0; with ``cached``, through ActCache."""
+    torch.manual_seed(0)
+    net = resnet20()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = DataLoader(dataset or Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1))
+    cache = None
+    if cached:
+        cache = ac.ActCache(net, _connect(daemon))
+        loader = cache.wrap(loader, variants=variants)
+        if disabled:
+            cache.model.disable("the comparison run")
+    losses = []
+    for epoch in range(epochs):
+        net.train()
+        if epoch >= 1:
+            if cache is not None:
+                cache.freeze(4)
+            else:
+                for m in (net.conv1, net.bn1, net.layer1):
+                    m.requires_grad_(False).eval()
+        for x, y in loader:
+            if sizes is not None:
+                sizes.append((x.shape[0], len(y)))
+            if change_input:
+                x = x * 1.0 + 0.0 if epoch == 0 else x + 1.0
+            loss = F.cross_entropy(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses, cache, loader
+
+
+@pytest.fixture(scope="module")
+def reference(daemon):
+    return _train(daemon, cached=False)[0]
+
+
+def test_the_cache_serves_the_prefix_and_changes_no_loss(daemon, reference):
+    sizes: list = []
+    losses, cache, loader = _train(daemon, sizes=sizes)
+    assert losses == reference
+    assert all(n == 32 and t == 32 for n, t in sizes)  # x keeps the batch size from the first step to the last
+    assert cache.connection.stats.hits == 96  # epoch 1 computed and stored the prefix, epoch 2 was served
+    assert loader.cached.raw_items_loaded < 3 * 96 - 64  # and most of epoch 2's inputs were not loaded
+    cache.close()
+
+
+def test_evaluation_runs_the_network_and_never_touches_the_cache(daemon):
+    _, cache, loader = _train(daemon, epochs=2)
+    net = cache.net
+    before = (cache.connection.stats.hits, cache.connection.stats.misses, cache.connection.stats.puts)
+    net.eval()
+    x = Images().images[:16]
+    with torch.no_grad():
+        served = net(x)
+    assert (cache.connection.stats.hits, cache.connection.stats.misses, cache.connection.stats.puts) == before
+    assert cache.frozen == 4 and torch.isfinite(served).all()
+    cache.close()
+
+
+def test_an_input_changed_in_the_loop_is_computed_not_served(daemon):
+    expected = _train(daemon, cached=False, change_input=True)[0]
+    with pytest.warns(ac.ChangedInputWarning, match="Move input transforms into the dataset"):
+        losses, cache, _ = _train(daemon, change_input=True)
+    assert losses == expected
+    cache.close()
+
+
+def test_random_augmentation_in_getitem_is_cached_per_variant(daemon):
+    with pytest.warns(UserWarning, match="pass variants=K"):
+        _, cache, loader = _train(daemon, dataset=Images(augment=True), epochs=2)
+    assert not loader.cached.cacheable and cache.connection.stats.hits == 0
+    cache.close()
+    losses, cache, loader = _train(daemon, dataset=Images(augment=True), variants=1)
+    assert cache.connection.stats.hits == 96
+    cache.close()
+    # The same seeded draws with the cache switched off: what the cache served is what the model computes.
+    off, cache, _ = _train(daemon, dataset=Images(augment=True), variants=1, disabled=True)
+    assert cache.connection.stats.hits == 0 and off == losses
+    cache.close()
+
+
+def test_a_network_wrapped_in_ddp_is_unwrapped(daemon):
+    cache = ac.ActCache(nn.parallel.DataParallel(resnet20()), _connect(daemon))
+    assert isinstance(cache.net, type(resnet20()))
+    cache.close()
+
+
+def test_an_unknown_layout_names_the_fix(daemon):
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+
+    with pytest.raises(ConfigError, match="pass stages=StagedModel"):
+        ac.ActCache(Net(), _connect(daemon))
+
+
+def test_resume_mid_epoch_gives_the_uninterrupted_run(daemon, reference):
+    torch.manual_seed(0)
+    net = resnet20()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    cache = ac.ActCache(net, _connect(daemon))
+    loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    losses = []
+    for epoch in range(2):  # stop after epoch 1's first batch, as a crash would
+        net.train()
+        if epoch >= 1:
+            cache.freeze(4)
+        for step, (x, y) in enumerate(loader):
+            loss = F.cross_entropy(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if epoch == 1:
+                break
+    checkpoint = {"net": net.state_dict(), "opt": opt.state_dict(), "loader": loader.state_dict()}
+    cache.close()
+
+    net = resnet20()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    net.load_state_dict(checkpoint["net"])
+    opt.load_state_dict(checkpoint["opt"])
+    cache = ac.ActCache(net, _connect(daemon))
+    loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    loader.load_state_dict(checkpoint["loader"])
+    assert loader.epoch == 1
+    for epoch in range(loader.epoch, 3):
+        net.train()
+        cache.freeze(4)
+        for x, y in loader:
+            loss = F.cross_entropy(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert losses == reference
+    cache.close()
+
+
+def test_the_readme_quickstart_runs_the_same_with_and_without_actcache(daemon, monkeypatch):
+    monkeypatch.setenv("ACTCACHE_SOCKET", str(daemon.socket))
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import plain_loop
+    import plain_loop_actcache
+
+    try:
+        assert plain_loop_actcache.train(epochs=2, size=128) == plain_loop.train(epochs=2, size=128)
+    finally:
+        sys.modules.pop("plain_loop", None)
+        sys.modules.pop("plain_loop_actcache", None)
