@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from actcache.errors import ConfigTypeError
 from actcache_client._assembly import PrefixAssembly
 from actcache_client._audit import AuditConfig, HitAudit
 from actcache_client._batch import Batch
@@ -288,6 +289,11 @@ class CachedForward:
     def prefix(self, batch: "Batch | Tensor | Sequence[int]", inputs: State | None = None, *, variant: int = 0) -> State:
         """The state after the frozen stages for this batch (no grad); arguments as for calling the model."""
         start = time.perf_counter()
+        if isinstance(batch, Tensor) and inputs is None and batch.is_floating_point():
+            raise ConfigTypeError(
+                f"CachedForward was called with a {tuple(batch.shape)} {batch.dtype} tensor; it needs the batch's sample "
+                "ids: call it with a CachedLoader Batch, model(batch), or as model(ids, inputs) — or keep calling your "
+                "own network and let ActCache(net) serve its frozen prefix")
         if isinstance(batch, Batch):
             ids, variant = batch.ids, batch.variant
             loaded = None if batch.loaded is None else batch.loaded.tolist()

@@ -54,6 +54,9 @@ def _unwrap(net: nn.Module) -> nn.Module:
 
 
 def _first_field(data: Any) -> Any:
+    if isinstance(data, dict):
+        raise ConfigError(f"the loader yields dicts (keys {sorted(data)}); say which field is the network's input: "
+                          "ActCache(net, inputs=lambda batch: batch['image'])")
     return data[0] if isinstance(data, (list, tuple)) else data
 
 
@@ -94,7 +97,10 @@ class ActCache:
 
     ``connection`` defaults to this node's daemon (``connect()``). ``stages``
     (a StagedModel over ``net``'s own modules) overrides the layout found from
-    ``net`` (a ResNet, a BERT classifier, an nn.Sequential). ``options`` are
+    ``net`` (a ResNet, a BERT classifier, an nn.Sequential). ``inputs(batch)``
+    picks the network's input out of a batch as the loader yields it (default:
+    its first field; a BERT layout's ``input_ids``, ``attention_mask`` and
+    ``token_type_ids``). ``options`` are
     CachedForward's (``store_dtype``, ``audit``, ``planner``, ...). ``model``
     is that CachedForward: give it to a FreezeController. A network wrapped
     in DistributedDataParallel works either way round (``ActCache(ddp)`` or
@@ -102,11 +108,13 @@ class ActCache:
     """
 
     def __init__(self, net: nn.Module, connection: Connection | None = None, *,
-                 stages: StagedModel | None = None, **options: Any) -> None:
+                 stages: StagedModel | None = None, inputs: Callable[[Any], State] | None = None,
+                 **options: Any) -> None:
         self.net = _unwrap(net)
-        layout = _layout(self.net)
-        if stages is not None:
-            layout = _Layout(stages, options.pop("varlen", None), _first_field, lambda state, _: state)
+        layout = _layout(self.net) if stages is None else \
+            _Layout(stages, options.pop("varlen", None), _first_field, lambda state, _: state)
+        if inputs is not None:
+            layout = replace(layout, inputs_of=inputs)
         options.setdefault("varlen", layout.varlen)
         self.connection = connection if connection is not None else connect()
         self.model = CachedForward(layout.stages, self.connection, **options)

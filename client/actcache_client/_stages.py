@@ -165,6 +165,11 @@ def from_sequential(seq: nn.Sequential, groups: Sequence[int] | None = None) -> 
 
 
 def _require(model: object, path: str, expected: str) -> nn.Module:
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise ConfigError(
+            f"the model is wrapped in {type(model).__name__}; stage the network inside it ({type(model).__name__}"
+            "(net).module) and wrap the active stages with CachedForward.set_suffix_wrapper, or use ActCache(net), "
+            "which serves the frozen prefix inside the wrapped network")
     obj = model
     for part in path.split("."):
         obj = getattr(obj, part, None)

@@ -197,3 +197,40 @@ def test_the_readme_quickstart_runs_the_same_with_and_without_actcache(daemon, m
     finally:
         sys.modules.pop("plain_loop", None)
         sys.modules.pop("plain_loop_actcache", None)
+
+
+def test_a_tensor_given_to_a_cached_forward_names_the_fix():
+    from actcache.errors import ConfigTypeError
+
+    model = ac.CachedForward(ac.from_resnet(resnet20()))
+    with pytest.raises(ConfigTypeError, match=r"model\(batch\).*ActCache\(net\)"):
+        model(torch.randn(2, 3, 8, 8))
+
+
+def test_staging_a_wrapped_network_names_the_fix():
+    with pytest.raises(ConfigError, match=r"DataParallel\(net\)\.module.*ActCache\(net\)"):
+        ac.from_resnet(nn.DataParallel(resnet20()))
+
+
+class DictImages(Images):
+    def __getitem__(self, i: int) -> dict:
+        x, y = super().__getitem__(i)
+        return {"image": x, "label": y}
+
+
+def test_a_dict_batch_stays_a_dict_and_inputs_names_its_field(daemon):
+    net = resnet20()
+    loader = DataLoader(DictImages(), batch_size=32)
+    cache = ac.ActCache(net, _connect(daemon))
+    with pytest.raises(ConfigError, match=r"inputs=lambda batch: batch\['image'\]"):
+        next(iter(cache.wrap(loader)))
+    cache.close()
+    cache = ac.ActCache(net, _connect(daemon), inputs=lambda batch: batch["image"])
+    wrapped = cache.wrap(loader)
+    cache.freeze(4)
+    for epoch in range(2):
+        for batch in wrapped:
+            assert set(batch) == {"image", "label"} and batch["image"].shape[0] == 32
+            F.cross_entropy(net(batch["image"]), batch["label"]).backward()
+    assert cache.connection.stats.hits == 96
+    cache.close()
