@@ -56,7 +56,7 @@ from actcache_client._rows import RawInputs, merge
 from actcache_client._stages import StagedModel, State, Suffix
 from actcache_client._staging import Stager
 from actcache_client._stream import EpochStream, cached_batches
-from actcache_client._tensors import VarLen, collate_entries, encode_samples, run_layout, split_rows
+from actcache_client._tensors import VarLen, check_fixed_length, collate_entries, encode_samples, run_layout, split_rows
 
 __all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # the counters are re-exported from actcache_client._counters
 
@@ -136,6 +136,7 @@ class CachedForward:
         self._target: tuple[bytes, int] | None = None
         self.keep_generations = keep_generations
         self._generations: dict[bytes, tuple[int, bytes]] = {}  # fingerprint written -> (depth, data fingerprint)
+        self._entry_shapes: dict[int, list[tuple[int, ...]]] = {}  # depth -> per-sample shapes of its first put
         self._seed_depths: list[int] = []  # frozen depths whose entries may seed deeper ones
         # On CUDA the step leaves the interpreter idle while the GPU works: frames are received ahead then.
         self._stream = EpochStream(connection, rank=_rank(), receive_ahead=self.stager.device.type == "cuda") \
@@ -586,6 +587,8 @@ class CachedForward:
         if self.store_dtype is not None:
             snapshot = _cast(snapshot, self._compute_dtype, self.store_dtype)
         varlen = self.varlen
+        if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated
+            check_fixed_length(snapshot, self._entry_shapes, depth)
         self._mark_written(depth, ids)
         self._generations.setdefault(self._fingerprints[depth], (depth, self._data))
         # Without a read-speed measurement yet, read one put back (once per epoch until it is
