@@ -179,13 +179,16 @@ def load_minilm(num_labels: int = 2) -> tuple[nn.Module, Any]:
     from transformers.utils import logging as hf_logging
 
     path = minilm_dir()
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the new head's "newly initialized" notice: expected here
+    hf_logging.disable_progress_bar()
     try:
         model, info = BertForSequenceClassification.from_pretrained(path, num_labels=num_labels,
                                                                     output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     missing = [k for k in info["missing_keys"] if not k.startswith("classifier.")]
     if missing or info["unexpected_keys"] or info["mismatched_keys"]:
         raise ConfigError(f"{path}/model.safetensors does not match BertForSequenceClassification: missing {missing}, "
