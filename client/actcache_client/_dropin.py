@@ -15,6 +15,7 @@ zeros of the input's shape (a placeholder) that the model never reads.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -27,6 +28,7 @@ from actcache.errors import ConfigError
 from actcache_client._batch import Batch
 from actcache_client._cached_forward import CachedForward
 from actcache_client._connection import Connection
+from actcache_client._hf_stages import from_transformers, is_transformers_model
 from actcache_client._inplace import InPlacePrefix
 from actcache_client._loader import CachedLoader, IndexedDataset, seeded_item
 from actcache_client._node_daemon import connect
@@ -61,11 +63,13 @@ def _first_field(data: Any) -> Any:
 
 
 def _bert_inputs(data: Any) -> State:
-    if isinstance(data, dict):
+    if isinstance(data, Mapping):  # a dict, or transformers' BatchEncoding
         if "input_ids" not in data:
             raise ConfigError(f"a BERT batch needs 'input_ids'; the collate gave keys {sorted(data)}")
         ids = data["input_ids"]
-        mask = data.get("attention_mask", torch.ones_like(ids))
+        mask = data.get("attention_mask")
+        if mask is None and isinstance(ids, Tensor):
+            mask = torch.ones_like(ids)
         types = data.get("token_type_ids")
         return (ids, mask) if types is None else (ids, mask, types)
     return tuple(data[:3]) if isinstance(data, (list, tuple)) else data
@@ -83,6 +87,8 @@ def _layout(net: nn.Module) -> _Layout:
         return _Layout(from_sequential(net), None, _first_field, lambda state, _: state)
     if hasattr(net, "conv1") and hasattr(net, "layer1"):
         return _Layout(from_resnet(net), None, _first_field, lambda state, _: state)
+    if is_transformers_model(net):
+        return _Layout(from_transformers(net), VarLen(), _bert_inputs, _bert_hidden)
     if hasattr(getattr(net, "bert", net), "embeddings") and hasattr(net, "classifier"):
         return _Layout(from_bert(net), VarLen(), _bert_inputs, _bert_hidden)
     raise ConfigError(
@@ -216,7 +222,7 @@ class WrappedLoader:
             for batch in self.cached:
                 if batch.loaded is None:
                     data = batch.data
-                    raw = inputs_of(data)
+                    raw = _splittable(inputs_of(data), len(batch.ids))
                 else:  # the rows the loader loaded, and placeholders for the others
                     data, raw = self._fill(batch), batch.data[0]
                 given = inputs_of(data)
@@ -233,6 +239,19 @@ class WrappedLoader:
         if inputs is not None:
             full[batch.loaded] = inputs
         return [full, targets] if self._as_list else (full, targets)
+
+
+def _splittable(state: Any, rows: int) -> State:
+    """``state`` if the cache can split it into one entry per sample: tensors whose first dimension is the batch."""
+    tensors = state if isinstance(state, tuple) else (state,)
+    if all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows for t in tensors):
+        return state
+    found = ", ".join(f"{type(t).__name__}{list(t.shape) if isinstance(t, Tensor) else ''}" for t in tensors)
+    raise ConfigError(
+        f"actcache cannot split this batch's inputs into its {rows} samples: the model's inputs are {found}; "
+        f"the cache needs tensors whose first dimension is the batch ({rows}): return tensors from the collate_fn "
+        "(a transformers collator: return_tensors='pt'), one row per sample, no packing"
+    )
 
 
 def _draws_at_random(dataset: Any) -> bool:

@@ -18,13 +18,14 @@ from torch import Tensor
 
 from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_entry
 from actcache.served import uniform_layout, uniform_rows
-from actcache.errors import InvalidRequest
+from actcache.errors import ConfigError, InvalidRequest
 from actcache.shm import SlotRun
 
 from actcache_client._stages import State
 
 __all__ = [
     "VarLen",
+    "check_fixed_length",
     "collate_entries",
     "encode_samples",
     "run_layout",
@@ -88,6 +89,30 @@ def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None =
         specs = [TensorSpec(to_dtype(p.dtype), tuple(p.shape)) for p in parts]
         out.append(encode_entry(specs, [_sample_bytes(p) for p in parts], zstd_level=zstd_level))
     return out
+
+
+def check_fixed_length(state: State, seen: dict[int, list[tuple[int, ...]]], depth: int) -> None:
+    """Raise if ``state`` (stored without VarLen) holds padded sequences: entries of other batches would not fit.
+
+    Caught at the first put: a 0/1 integer ``(B, L)`` tensor with zeros beside a ``(B, L, ...)`` one (a padded
+    text state), or per-sample shapes other than those of depth ``depth``'s first put (kept in ``seen``).
+    """
+    tensors = _as_tuple(state)
+    shapes = [tuple(t.shape[1:]) for t in tensors]
+    first = seen.setdefault(depth, shapes)
+    masks = [t for t in tensors if t.dim() == 2 and not t.is_floating_point() and bool(((t == 0) | (t == 1)).all())]
+    padded = next((m for m in masks if any(u.dim() > 2 and u.shape[:2] == m.shape for u in tensors)
+                   and not bool(m.all())), None)
+    if padded is None and shapes == first:
+        return
+    found = ", ".join(f"{t.dtype}{list(t.shape)}".replace("torch.", "") for t in tensors)
+    why = (f"its sequences are padded to the batch's longest ({int(padded.sum(1).min())} to {padded.shape[1]} tokens)"
+           if padded is not None else f"its per-sample shapes changed from {first} to {shapes}")
+    raise ConfigError(
+        f"the frozen prefix's output at depth {depth} ({found}) cannot be cached one fixed shape per sample: {why}; "
+        "pass varlen=VarLen() (ActCache(net, stages=..., varlen=VarLen()), or CachedForward(..., varlen=VarLen())) "
+        "so that each sample is stored at its own length"
+    )
 
 
 def _lengths(tensors: Sequence[Tensor], varlen: VarLen) -> list[int]:

@@ -23,7 +23,7 @@ from actcache_client._generations import Generations
 from actcache_client._planner import CachePlanner
 from actcache_client._precision import StorePrecision
 from actcache_client._stages import State
-from actcache_client._tensors import VarLen, encode_samples
+from actcache_client._tensors import VarLen, check_fixed_length, encode_samples
 
 __all__ = ["EntryWriter", "check_encoding"]
 
@@ -46,6 +46,7 @@ class EntryWriter:
         self._varlen = varlen
         self._encodings: dict[bytes, EncodingChoice] = {}  # fingerprint -> codec chosen (the writer thread's)
         self._probed = False  # a read-speed probe was sent this epoch
+        self._entry_shapes: dict[int, list[tuple[int, ...]]] = {}  # depth -> per-sample shapes of its first put
 
     def new_epoch(self) -> None:
         self._probed = False
@@ -60,6 +61,8 @@ class EntryWriter:
         snapshot = tuple(t.detach().clone() for t in state) if isinstance(state, tuple) else state.detach().clone()
         snapshot = self._precision.to_stored(snapshot)
         varlen, fingerprint = self._varlen, self._frozen.fingerprints[depth]
+        if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated
+            check_fixed_length(snapshot, self._entry_shapes, depth)
         self._generations.mark(fingerprint, depth, ids)
         self._generations.wrote(fingerprint, depth, self._frozen.data)
         # Without a read-speed measurement yet, read one put back (once per epoch until it is
