@@ -114,7 +114,7 @@ class ActCacheCallback(pl.Callback):
         if stage != TrainerFn.FITTING or self._process is None:
             return
         trainer.strategy.process_dataloader = self._process
-        self._process, self.loader = None, None
+        self._process = None
         if self.connection is None and self.cache is not None:  # the node daemon's connection, opened in setup
             self.cache.close()
             self._closed = True

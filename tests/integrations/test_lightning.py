@@ -1,0 +1,152 @@
+"""ActCacheCallback on a real Lightning Trainer (CPU): the examples' losses with and without the cache,
+resume from a checkpoint, validation, the served rows, and a two-process DDP run (gloo)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning", reason="the lightning extra (actcache[lightning]) is not installed")
+
+import lightning as L  # noqa: E402
+from torch import nn  # noqa: E402
+
+from actcache.errors import ConfigError  # noqa: E402
+from actcache.testing import run_daemon  # noqa: E402
+from actcache_client.integrations.lightning import ActCacheCallback  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SIZE, EPOCHS = 256, 3  # 4 steps of 64 per epoch; frozen (stem + layer1) from epoch 1
+TINY = ["--size", str(SIZE), "--epochs", str(EPOCHS), "--freeze-at", "1"]
+
+pytestmark = [
+    # Lightning's own notices about this tiny CPU setup (no DataLoader workers, few batches per log interval).
+    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
+    # lightning 2.6's _pytree calls a torch API torch deprecates.
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
+]
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with run_daemon() as d:
+        yield d
+
+
+@pytest.fixture
+def node(daemon, monkeypatch):
+    """connect() (the callback's default) reaches the test's daemon."""
+    monkeypatch.setenv("ACTCACHE_SOCKET", str(daemon.socket))
+    return daemon
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The plain example's run: its own freezing callback, no cache."""
+    _, model = _example("lightning_train").main([*TINY, "--root", str(tmp_path_factory.mktemp("plain"))])
+    return model
+
+
+def _callback(trainer: L.Trainer) -> ActCacheCallback:
+    (callback,) = [c for c in trainer.callbacks if isinstance(c, ActCacheCallback)]
+    return callback
+
+
+def test_the_example_with_actcache_trains_exactly_as_without_and_serves_the_frozen_rows(plain, node, tmp_path,
+                                                                                          monkeypatch):
+    example = _example("lightning_train_actcache")
+    shapes: list[tuple[int, int]] = []
+
+    class Recording(example.DigitsModule):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            shapes.append((x.shape[0], y.shape[0]))
+            return super().training_step(batch, batch_idx)
+
+    monkeypatch.setattr(example, "DigitsModule", Recording)
+    trainer, model = example.main([*TINY, "--root", str(tmp_path)])
+    assert model.losses == plain.losses  # bit-equal, step by step
+    assert model.val_losses == plain.val_losses
+    assert len(shapes) == EPOCHS * SIZE // 64 and all(shape == (64, 64) for shape in shapes)
+    counters = _callback(trainer).cache.model.epoch_counters()
+    # Only the training batches of the frozen epochs went through the cache: validation never did.
+    assert sum(c.times.prefix_samples for c in counters) == (EPOCHS - 1) * SIZE
+    assert counters[-1].times.cached_samples == SIZE  # the second frozen epoch is served entirely
+    last = counters[-1].times  # the inputs the cache served were not loaded, but for the few the audit checks
+    assert last.raw_loaded == last.audited_samples < SIZE // 4
+
+
+def test_a_run_resumed_from_its_checkpoint_matches_the_uninterrupted_run(plain, node, tmp_path):
+    example = _example("lightning_train_actcache")
+    args = ["--size", str(SIZE), "--freeze-at", "1", "--root", str(tmp_path / "run")]
+    _, first = example.main([*args, "--epochs", "2"])
+    (saved,) = (tmp_path / "run" / "checkpoints").glob("*.ckpt")
+    checkpoint = saved.rename(tmp_path / "stopped.ckpt")  # Lightning warns of a checkpoint dir not empty
+    trainer, second = example.main([*args, "--epochs", str(EPOCHS), "--resume", str(checkpoint)])
+    assert first.losses + second.losses == plain.losses
+    callback = _callback(trainer)
+    assert callback.loader.epoch == EPOCHS - 1 and callback.cache.frozen == 4
+    (resumed,) = callback.cache.model.epoch_counters()
+    assert resumed.epoch == EPOCHS - 1 and resumed.times.cached_samples == SIZE  # served what the first run stored
+
+
+class _TwoNets(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        self.teacher = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def test_the_callback_asks_which_network_when_it_cannot_tell(tmp_path):
+    trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path)
+    with pytest.raises(ConfigError, match='several of _TwoNets.*pass module="<attribute>"'):
+        ActCacheCallback(depth=1).setup(trainer, _TwoNets(), "fit")
+    with pytest.raises(ConfigError, match="_TwoNets has no attribute 'net'"):
+        ActCacheCallback(depth=1, module="net").setup(trainer, _TwoNets(), "fit")
+    with pytest.raises(ConfigError, match="depth must be >= 1"):
+        ActCacheCallback(depth=0)
+
+
+def _run_example(name: str, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), *args], env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_under_plain_ddp_the_callback_names_the_strategy_that_follows_a_freeze(node, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = _run_example("lightning_train_actcache", [*TINY, "--devices", "1", "--strategy", "ddp",
+                                                     "--root", str(tmp_path)], env)
+    assert done.returncode != 0
+    assert 'use Trainer(strategy="ddp_find_unused_parameters_true")' in done.stderr
+
+
+def test_two_ddp_processes_train_as_without_the_cache_and_each_caches_what_it_consumes(node, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    ddp = ["--devices", "2", "--strategy", "ddp_find_unused_parameters_true"]
+    results = {}
+    for name in ("lightning_train", "lightning_train_actcache"):
+        out = tmp_path / name
+        done = _run_example(name, [*TINY, *ddp, "--root", str(out), "--out", str(out / "RANK.json")], env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[name] = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+    plain, cached = results["lightning_train"], results["lightning_train_actcache"]
+    for rank in range(2):
+        assert cached[rank]["losses"] == plain[rank]["losses"] and len(plain[rank]["losses"]) == EPOCHS * 2
+        assert cached[rank]["val_losses"] == plain[rank]["val_losses"]
+    assert plain[0]["losses"] != plain[1]["losses"]  # each rank trained on its own half
+    with node.client() as client:
+        stats = client.stats()
+    print(stats)
