@@ -3,6 +3,7 @@ resume from a checkpoint, validation, the served rows, and a two-process DDP run
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -25,12 +26,9 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SIZE, EPOCHS = 256, 3  # 4 steps of 64 per epoch; frozen (stem + layer1) from epoch 1
 TINY = ["--size", str(SIZE), "--epochs", str(EPOCHS), "--freeze-at", "1"]
 
-pytestmark = [
-    # Lightning's own notices about this tiny CPU setup (no DataLoader workers, few batches per log interval).
-    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
-    # lightning 2.6's _pytree calls a torch API torch deprecates.
-    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
-]
+# lightning 2.6's _pytree calls a torch API that this torch deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
+
 
 
 def _example(name: str):
@@ -103,6 +101,18 @@ def test_a_run_resumed_from_its_checkpoint_matches_the_uninterrupted_run(plain, 
     assert resumed.epoch == EPOCHS - 1 and resumed.times.cached_samples == SIZE  # served what the first run stored
 
 
+def test_the_actcache_example_is_the_plain_one_with_two_lines_changed():
+    plain, cached = ((EXAMPLES / f"{name}.py").read_text().splitlines()
+                     for name in ("lightning_train", "lightning_train_actcache"))
+    diff = [line for line in difflib.unified_diff(plain, cached, lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert diff == [
+        "+from actcache_client.integrations.lightning import ActCacheCallback",
+        "-        callbacks=[FreezeStem(args.freeze_at)],",
+        "+        callbacks=[ActCacheCallback(freeze_at_epoch=args.freeze_at, depth=4)],",
+    ]
+
+
 class _TwoNets(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -133,20 +143,22 @@ def test_under_plain_ddp_the_callback_names_the_strategy_that_follows_a_freeze(n
     assert 'use Trainer(strategy="ddp_find_unused_parameters_true")' in done.stderr
 
 
-def test_two_ddp_processes_train_as_without_the_cache_and_each_caches_what_it_consumes(node, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+def test_two_ddp_processes_train_as_without_the_cache_and_each_caches_what_it_consumes(tmp_path):
     ddp = ["--devices", "2", "--strategy", "ddp_find_unused_parameters_true"]
     results = {}
-    for name in ("lightning_train", "lightning_train_actcache"):
-        out = tmp_path / name
-        done = _run_example(name, [*TINY, *ddp, "--root", str(out), "--out", str(out / "RANK.json")], env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        results[name] = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+    with run_daemon() as daemon:  # one daemon for the node, shared by the two ranks
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "ACTCACHE_SOCKET": str(daemon.socket)}
+        for name in ("lightning_train", "lightning_train_actcache"):
+            out = tmp_path / name
+            done = _run_example(name, [*TINY, *ddp, "--root", str(out), "--out", str(out / "RANK.json")], env)
+            assert done.returncode == 0, done.stderr[-3000:]
+            results[name] = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+        with daemon.client() as client:
+            stats = client.stats()
     plain, cached = results["lightning_train"], results["lightning_train_actcache"]
     for rank in range(2):
         assert cached[rank]["losses"] == plain[rank]["losses"] and len(plain[rank]["losses"]) == EPOCHS * 2
         assert cached[rank]["val_losses"] == plain[rank]["val_losses"]
-    assert plain[0]["losses"] != plain[1]["losses"]  # each rank trained on its own half
-    with node.client() as client:
-        stats = client.stats()
-    print(stats)
+    assert plain[0]["losses"] != plain[1]["losses"]  # each rank trained on its own half of the data
+    # Epoch 1 stored each sample once (each rank the half it consumed); epoch 2 was served.
+    assert stats.puts_total == SIZE and stats.hits_total >= SIZE
