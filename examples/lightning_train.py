@@ -115,7 +115,8 @@ def main(argv=None):
     )
     trainer.fit(model, ckpt_path=args.resume)
     if args.out:
-        result = {"losses": model.losses, "val_losses": model.val_losses, "val_acc": float(trainer.callback_metrics["val_acc"])}
+        result = {"losses": model.losses, "val_losses": model.val_losses,
+                  "val_acc": float(trainer.callback_metrics["val_acc"])}
         with open(args.out.replace("RANK", str(trainer.global_rank)), "w") as f:
             json.dump(result, f)
     return trainer, model

@@ -7,6 +7,7 @@ import difflib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ pytest.importorskip("lightning", reason="the lightning extra (actcache[lightning
 
 import lightning as L  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 from actcache.errors import ConfigError  # noqa: E402
 from actcache.testing import run_daemon  # noqa: E402
@@ -79,12 +81,28 @@ def test_the_example_with_actcache_trains_exactly_as_without_and_serves_the_froz
     assert model.losses == plain.losses  # bit-equal, step by step
     assert model.val_losses == plain.val_losses
     assert len(shapes) == EPOCHS * SIZE // 64 and all(shape == (64, 64) for shape in shapes)
+    assert "process_dataloader" not in vars(trainer.strategy)  # the callback gave the strategy its own back
     counters = _callback(trainer).cache.model.epoch_counters()
     # Only the training batches of the frozen epochs went through the cache: validation never did.
     assert sum(c.times.prefix_samples for c in counters) == (EPOCHS - 1) * SIZE
     assert counters[-1].times.cached_samples == SIZE  # the second frozen epoch is served entirely
     last = counters[-1].times  # the inputs the cache served were not loaded, but for the few the audit checks
     assert last.raw_loaded == last.audited_samples < SIZE // 4
+
+
+def test_a_loader_shuffled_by_the_global_generator_gives_the_same_orders_with_the_cache(node, tmp_path, monkeypatch):
+    runs = []
+    for name in ("lightning_train", "lightning_train_actcache"):
+        example = _example(name)
+
+        def shuffled(self, digits=example.Digits):  # DataLoader(shuffle=True): the order from torch's global RNG
+            return DataLoader(digits(slice(0, self.size)), batch_size=self.batch_size, shuffle=True)
+
+        monkeypatch.setattr(example.DigitsModule, "train_dataloader", shuffled)
+        runs.append(example.main([*TINY, "--root", str(tmp_path / name)]))
+    (_, plain), (trainer, cached) = runs
+    assert cached.losses == plain.losses and cached.val_losses == plain.val_losses
+    assert _callback(trainer).cache.model.epoch_counters()[-1].times.cached_samples == SIZE
 
 
 def test_a_run_resumed_from_its_checkpoint_matches_the_uninterrupted_run(plain, node, tmp_path):
@@ -130,17 +148,26 @@ def test_the_callback_asks_which_network_when_it_cannot_tell(tmp_path):
         ActCacheCallback(depth=0)
 
 
-def _run_example(name: str, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), *args], env=env, capture_output=True,
-                          text=True, timeout=240)
+def _start_example(name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """The example in a session of its own: its DDP launcher starts the other rank in that session."""
+    return subprocess.Popen([sys.executable, str(EXAMPLES / f"{name}.py"), *args], env=env, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _finish(run: subprocess.Popen) -> str:
+    """The run's stderr once it has ended with exit status 0 (AssertionError with its tail otherwise)."""
+    _, stderr = run.communicate(timeout=240)
+    assert run.returncode == 0, stderr[-3000:]
+    return stderr
 
 
 def test_under_plain_ddp_the_callback_names_the_strategy_that_follows_a_freeze(node, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = _run_example("lightning_train_actcache", [*TINY, "--devices", "1", "--strategy", "ddp",
-                                                     "--root", str(tmp_path)], env)
-    assert done.returncode != 0
-    assert 'use Trainer(strategy="ddp_find_unused_parameters_true")' in done.stderr
+    run = _start_example("lightning_train_actcache", [*TINY, "--devices", "1", "--strategy", "ddp",
+                                                      "--root", str(tmp_path)], env)
+    _, stderr = run.communicate(timeout=240)
+    assert run.returncode != 0
+    assert 'use Trainer(strategy="ddp_find_unused_parameters_true")' in stderr
 
 
 def test_two_ddp_processes_train_as_without_the_cache_and_each_caches_what_it_consumes(tmp_path):
@@ -148,11 +175,18 @@ def test_two_ddp_processes_train_as_without_the_cache_and_each_caches_what_it_co
     results = {}
     with run_daemon() as daemon:  # one daemon for the node, shared by the two ranks
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "ACTCACHE_SOCKET": str(daemon.socket)}
-        for name in ("lightning_train", "lightning_train_actcache"):
-            out = tmp_path / name
-            done = _run_example(name, [*TINY, *ddp, "--root", str(out), "--out", str(out / "RANK.json")], env)
-            assert done.returncode == 0, done.stderr[-3000:]
-            results[name] = [json.loads((out / f"{rank}.json").read_text()) for rank in range(2)]
+        names = ("lightning_train", "lightning_train_actcache")
+        runs = [_start_example(name, [*TINY, *ddp, "--root", str(tmp_path / name),
+                                      "--out", str(tmp_path / name / "RANK.json")], env) for name in names]
+        try:
+            for name, run in zip(names, runs):  # the two runs at once: most of their time is starting up
+                _finish(run)
+                results[name] = [json.loads((tmp_path / name / f"{rank}.json").read_text()) for rank in range(2)]
+        finally:
+            for run in runs:
+                if run.poll() is None:  # a run failed: end the other one and its second rank
+                    os.killpg(run.pid, signal.SIGKILL)
+                    run.communicate()
         with daemon.client() as client:
             stats = client.stats()
     plain, cached = results["lightning_train"], results["lightning_train_actcache"]

@@ -27,9 +27,13 @@ import os
 from functools import partial
 from typing import Any, Callable, Sequence
 
-import lightning.pytorch as pl
-from lightning.fabric.utilities.seed import pl_worker_init_function
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.seed import pl_worker_init_function
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError("actcache_client.integrations.lightning needs Lightning: "
+                      "pip install 'actcache[lightning]'") from exc
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -67,8 +71,10 @@ class ActCacheCallback(pl.Callback):
         self.options = options
         self.cache: ActCache | None = None
         self.loader: WrappedLoader | None = None
-        self._process: Callable[[object], object] | None = None  # the strategy's own process_dataloader
+        self._patched: Any = None  # the strategy whose process_dataloader setup replaced
+        self._previous: Callable[[object], object] | None = None  # its instance's own one, if it had one
         self._closed = False  # teardown closed the cache's connection (opened by setup)
+        self._frozen_once = False  # this fit reached freeze_at_epoch (a FreezeController may change it after)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != TrainerFn.FITTING:
@@ -76,17 +82,17 @@ class ActCacheCallback(pl.Callback):
         net = _find_net(pl_module, self.module)
         if self.cache is None or self.cache.net is not net or self._closed:
             self.cache, self._closed = ActCache(net, self.connection, **self.options), False
+        self._frozen_once = False
         strategy = trainer.strategy
-        original = strategy.process_dataloader
-        self._process = original
-        strategy.process_dataloader = partial(self._process_dataloader, trainer, original)
+        self._patched, self._previous = strategy, vars(strategy).get("process_dataloader")
+        strategy.process_dataloader = partial(self._process_dataloader, trainer, strategy.process_dataloader)
 
     def _process_dataloader(self, trainer: pl.Trainer, original: Callable[[object], object],
                             dataloader: object) -> object:
         dataloader = original(dataloader)
         if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
             return dataloader
-        assert self.cache is not None  # set in setup, which Lightning calls first
+        assert self.cache is not None
         if dataloader.worker_init_fn is None and int(os.environ.get("PL_SEED_WORKERS", 0)):
             # What Lightning does for a DataLoader after this hook (seed_everything(workers=True)).
             dataloader.worker_init_fn = partial(pl_worker_init_function, rank=trainer.global_rank)
@@ -103,19 +109,38 @@ class ActCacheCallback(pl.Callback):
                 "(or DDPStrategy(find_unused_parameters=True))"
             )
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._follow(trainer)  # a run resumed mid-epoch gets no on_train_epoch_start for that epoch
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self.cache is not None
+        self._follow(trainer)
+
+    def _follow(self, trainer: pl.Trainer) -> None:
+        """The loader's epoch is the trainer's; from ``freeze_at_epoch`` on, ``depth`` stages are frozen (once)."""
+        assert self.cache is not None  # set in setup, which Lightning calls first
         if self.loader is not None:
             self.loader.set_epoch(trainer.current_epoch)
-        if trainer.current_epoch >= self.freeze_at_epoch and self.cache.frozen != self.depth:
+        if trainer.current_epoch >= self.freeze_at_epoch and not self._frozen_once:
             self.cache.freeze(self.depth)
+            self._frozen_once = True
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != TrainerFn.FITTING or self._process is None:
+        if stage == TrainerFn.FITTING:
+            self._restore()
+
+    def _restore(self) -> None:
+        """The strategy's own process_dataloader back, and the node daemon's connection (opened in setup) closed."""
+        if self._patched is None:
             return
-        trainer.strategy.process_dataloader = self._process
-        self._process = None
-        if self.connection is None and self.cache is not None:  # the node daemon's connection, opened in setup
+        if self._previous is None:
+            del self._patched.process_dataloader
+        else:
+            self._patched.process_dataloader = self._previous
+        self._patched = self._previous = None
+        if self.connection is None and self.cache is not None:
             self.cache.close()
             self._closed = True
 
