@@ -131,6 +131,26 @@ def test_the_actcache_example_is_the_plain_one_with_two_lines_changed():
     ]
 
 
+def test_a_run_resumed_mid_epoch_goes_on_with_the_loaders_position_and_the_freeze(node, tmp_path):
+    example = _example("lightning_train_actcache")
+
+    def fit(root: Path, ckpt_path: str | None = None) -> list[float]:
+        L.seed_everything(0, verbose=False)
+        model = example.DigitsModule(SIZE)
+        every = L.pytorch.callbacks.ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1)
+        trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[ActCacheCallback(freeze_at_epoch=1, depth=4), every])
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return model.losses
+
+    whole = fit(tmp_path / "run")
+    # Step 6 is the second of epoch 1's four: Lightning skips on_train_epoch_start when it resumes there.
+    checkpoint = (tmp_path / "run" / "epoch=1-step=6.ckpt").rename(tmp_path / "stopped.ckpt")
+    for other in (tmp_path / "run").iterdir():  # Lightning warns of a checkpoint dir not empty
+        other.unlink()
+    assert fit(tmp_path / "run", str(checkpoint)) == whole[6:]
+
+
 class _TwoNets(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
