@@ -72,6 +72,8 @@ def _bert_inputs(data: Any) -> State:
             mask = torch.ones_like(ids)
         types = data.get("token_type_ids")
         return (ids, mask) if types is None else (ids, mask, types)
+    if isinstance(data, (list, tuple)) and data and isinstance(data[0], (list, tuple, Mapping)):
+        return _bert_inputs(data[0])  # ((input_ids, attention_mask[, token_type_ids]), labels)
     return tuple(data[:3]) if isinstance(data, (list, tuple)) else data
 
 
@@ -138,7 +140,7 @@ class ActCache:
         self.prefix.sync()
 
     def wrap(self, loader: DataLoader, *, variants: int | None = None,
-             targets: Sequence[Any] | Callable[[int], Any] | None = None) -> "WrappedLoader":
+             targets: Sequence[Any] | Callable[[int], Any] | None = None, skip_loads: bool = True) -> "WrappedLoader":
         """``loader``'s batches, with the sample ids the cache needs kept on the side.
 
         ``variants=K``: the dataset augments at random in ``__getitem__``; the cache keeps K
@@ -146,9 +148,10 @@ class ActCache:
         random draws are seeded by (sample, version), so the cache serves exactly what the model
         would compute. Without it such a dataset is not cached (a warning says so).
         ``targets`` (default: ``dataset.targets`` when present) lets the loader skip loading
-        the inputs the cache serves.
+        the inputs the cache serves (their rows hold zeros); ``skip_loads=False`` loads every input.
         """
-        return WrappedLoader(self, loader, variants=variants, targets=targets)
+        return WrappedLoader(self, loader, variants=variants, targets=targets if skip_loads else None,
+                             skip_loads=skip_loads)
 
     def close(self) -> None:
         self.connection.close()
@@ -158,14 +161,14 @@ class WrappedLoader:
     """Yields what the wrapped DataLoader yields, and tells the network's served prefix which samples they are."""
 
     def __init__(self, cache: ActCache, loader: DataLoader, *, variants: int | None,
-                 targets: Sequence[Any] | Callable[[int], Any] | None) -> None:
+                 targets: Sequence[Any] | Callable[[int], Any] | None, skip_loads: bool = True) -> None:
         if isinstance(loader, WrappedLoader):
             raise ConfigError("this loader is already wrapped by ActCache.wrap")
         if loader.batch_sampler is None:
             raise ConfigError("ActCache.wrap needs a DataLoader with batch_size or batch_sampler (automatic batching)")
         dataset = loader.dataset
         example = dataset[0]
-        if targets is None:
+        if targets is None and skip_loads:
             targets = getattr(dataset, "targets", None)
         skippable = (targets is not None and loader.collate_fn is default_collate and isinstance(example, tuple)
                      and len(example) == 2 and isinstance(example[0], Tensor))

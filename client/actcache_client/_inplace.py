@@ -1,13 +1,17 @@
 """The frozen prefix served inside the user's own network.
 
 While stages[:k] are frozen, the first module the network calls in stage 0
-(the *head*) returns the prefix's state for the batch the wrapped loader
-yielded last, taken from a CachedForward (served from the cache, or computed
-and stored), and every other module of the frozen stages passes its input on
-unchanged. Everything else runs the modules' own ``forward``: evaluation
-(``net.eval()``), a forward with no batch from the loader, a second forward
-on the same batch, and a forward whose input is not the tensor the loader
-yielded (the loop changed it; the cache could not know how).
+(the *head*) returns the prefix's state for a batch the wrapped loader
+yielded, taken from a CachedForward (served from the cache, or computed and
+stored), and every other module of the frozen stages passes its input on
+unchanged. A training forward is matched to the batches yielded and not yet
+run by its input tensor (several are pending under gradient accumulation);
+the batch served last is served again for another forward on the same input
+(a metric under ``no_grad``, in either mode). Everything else runs the
+modules' own ``forward``: evaluation on other data, a forward with no batch
+from the loader, and a training forward on an input the loop changed (the
+cache cannot know how; if that batch holds placeholder rows for inputs the
+loader did not load, that is an error naming the fix).
 
 The modules are patched by setting ``forward`` on the instance (removed when
 the stage is unfrozen), so the network's own ``forward``, its parameters and
@@ -26,6 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from actcache.errors import ConfigError
 from actcache_client._batch import Batch
 from actcache_client._cached_forward import CachedForward
 from actcache_client._stages import State
@@ -95,18 +100,23 @@ class InPlacePrefix:
         self.inputs_of = inputs_of
         self.output_of = output_of
         self.patched_depth = 0
-        self._batch: Batch | None = None  # the batch yielded last, until a forward consumes it
-        self._given: Tensor | None = None  # the first input tensor of that batch, as yielded
+        # Batches yielded and not yet run, oldest first, with their first input tensor as yielded: a loop
+        # accumulating gradients (transformers.Trainer) takes several batches before running them.
+        self._pending: deque[tuple[Batch, Tensor | None]] = deque(maxlen=_MAX_PENDING)
+        self._served: tuple[Batch, Tensor | None] | None = None  # the batch served last, and its input
+        self._computing = False  # inside cached.prefix: the patched modules run their own forward
         self._tails: deque[nn.Module] = deque()  # modules still to pass the served state on, in call order
         self._warned = False
 
     def begin(self, batch: Batch, given: Tensor | None) -> None:
         """The loader yielded ``batch`` (``given``: its first input tensor as the user received it)."""
         self.sync()
-        self._batch, self._given, self._tails = batch, given, deque()
+        self._pending.append((batch, given))
+        self._tails = deque()
 
     def end(self) -> None:
-        self._batch, self._given, self._tails = None, None, deque()
+        """The loader's iteration ended (batches it yielded may still be run)."""
+        self._tails = deque()
 
     def sync(self) -> None:
         depth = self.cached.frozen
@@ -119,35 +129,66 @@ class InPlacePrefix:
             module.forward = _Patched(module, self._head if i == 0 else self._tail)
         self.patched_depth = depth
 
+    def _take(self, given_now: Tensor | None) -> Batch | None:
+        """The pending batch whose input ``given_now`` is (dropping the ones yielded before it), else None."""
+        for i, (batch, given) in enumerate(self._pending):
+            if _same(given_now, given):
+                for _ in range(i + 1):
+                    self._pending.popleft()
+                return batch
+        return None
+
     def _head(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        batch, given = self._batch, self._given
-        self._batch = None  # one forward per batch is served; any other runs the modules
+        if self._computing:  # the CachedForward runs the stages' own modules for the rows it computes
+            return original(*args, **kwargs)
         given_now = _first_tensor(args, kwargs)
-        if not self.net.training:
-            return original(*args, **kwargs)
-        frozen = self.cached.model.stages[: self.patched_depth]
-        if any(m.training for stage in frozen for m in stage.modules()):  # net.train() must not train frozen stages
-            for stage in frozen:
-                stage.train(False)
-        if batch is None or not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-        if not _same(given_now, given):
+        training = self.net.training and torch.is_grad_enabled()
+        if self.net.training:  # net.train() must not train the frozen stages
+            frozen = self.cached.model.stages[: self.patched_depth]
+            if any(m.training for stage in frozen for m in stage.modules()):
+                for stage in frozen:
+                    stage.train(False)
+        batch = self._take(given_now) if training else None
+        if batch is None and self._served is not None and _same(given_now, self._served[1]):
+            batch = self._served[0]  # the batch just trained on, run again (a metric, a second loss)
+        if batch is not None:
+            self._served = (batch, given_now)
+            self._computing = True
+            try:
+                state = self.cached.prefix(batch)
+            finally:
+                self._computing = False
+            self._tails = deque(m for stage in self.sites[: self.patched_depth] for m in stage)
+            self._tails.popleft()  # the head itself
+            return self.output_of(state, given_now)
+        if training and self._pending:
+            self._refuse_placeholders(given_now)
+            self._pending.clear()
             if not self._warned:
                 self._warned = True
                 warnings.warn("actcache: the model's input is not the batch the loader yielded (the loop changed it); "
                               "the frozen prefix is computed for it, not served. Move input transforms into the "
                               "dataset to cache them.", ChangedInputWarning, stacklevel=3)
-            return original(*args, **kwargs)
-        state = self.cached.prefix(batch)
-        self._tails = deque(m for stage in self.sites[: self.patched_depth] for m in stage)
-        self._tails.popleft()  # the head itself
-        return self.output_of(state, given_now)
+        return original(*args, **kwargs)
+
+    def _refuse_placeholders(self, given_now: Tensor | None) -> None:
+        """A changed input of a batch whose skipped rows hold placeholders cannot be computed: raise."""
+        rows = given_now.shape[0] if isinstance(given_now, Tensor) and given_now.dim() else -1
+        if any(batch.loaded is not None and len(batch.ids) == rows for batch, _ in self._pending):
+            self._pending.clear()
+            raise ConfigError(
+                "the loop changed the model's input on a batch whose inputs the loader did not load (the cache serves "
+                "their prefix, their rows are placeholders): move the input transform into the dataset, or wrap the "
+                "loader with ActCache.wrap(loader, skip_loads=False)")
 
     def _tail(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self._tails and self._tails[0] is module:
+        if self._tails and self._tails[0] is module and not self._computing:
             self._tails.popleft()
             return args[0] if args else _first_tensor(args, kwargs)
         return original(*args, **kwargs)
+
+
+_MAX_PENDING = 16  # batches yielded ahead of their forward (gradient accumulation steps, at most)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Tensor | None:
@@ -155,8 +196,8 @@ def _first_tensor(args: tuple, kwargs: dict) -> Tensor | None:
 
 
 def _same(now: Tensor | None, given: Tensor | None) -> bool:
-    if now is None or given is None:
-        return now is given
+    if not isinstance(now, Tensor) or not isinstance(given, Tensor):
+        return False
     if now is given:
         return True
     return now.shape == given.shape and now.dtype == given.dtype and torch.equal(now, given.to(now.device))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 import uuid
 from pathlib import Path
@@ -233,4 +234,69 @@ def test_a_dict_batch_stays_a_dict_and_inputs_names_its_field(daemon):
             assert set(batch) == {"image", "label"} and batch["image"].shape[0] == 32
             F.cross_entropy(net(batch["image"]), batch["label"]).backward()
     assert cache.connection.stats.hits == 96
+    cache.close()
+
+
+def test_batches_taken_ahead_of_their_forward_are_served_in_order(daemon, reference):
+    """Gradient accumulation as transformers.Trainer does it: two batches drawn, then two forwards."""
+    torch.manual_seed(0)
+    net = resnet20()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    cache = ac.ActCache(net, _connect(daemon))
+    loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    losses = []
+    for epoch in range(3):
+        net.train()
+        if epoch >= 1:
+            cache.freeze(4)
+        batches = iter(loader)
+        for first in batches:
+            taken = [first, *itertools.islice(batches, 1)]  # up to two batches before running them
+            for x, y in taken:
+                loss = F.cross_entropy(net(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+    assert losses == reference
+    assert cache.connection.stats.hits == 96
+    cache.close()
+
+
+def test_a_metric_on_the_batch_just_trained_on_sees_the_served_rows(daemon):
+    """Rows the loader did not load are placeholders; a second forward on the same x is served again."""
+    torch.manual_seed(0)
+    net = resnet20()
+    cache = ac.ActCache(net, _connect(daemon))
+    loader = cache.wrap(DataLoader(Images(), batch_size=32))
+    cache.freeze(4)
+    images = Images().images
+    for epoch in range(2):
+        for step, (x, y) in enumerate(loader):
+            net.train()
+            logits = net(x)
+            with torch.no_grad():
+                again = net(x)
+            net.eval()
+            with torch.no_grad():
+                evaluated = net(x)
+                truth = net(images[step * 32:(step + 1) * 32])
+            torch.testing.assert_close(evaluated, truth)
+            assert torch.equal(again, logits.detach())
+    assert loader.cached.raw_items_loaded < 2 * 96  # some rows of epoch 1 were placeholders
+    cache.close()
+
+
+def test_changing_an_input_with_placeholder_rows_is_an_error_naming_the_fix(daemon):
+    net = resnet20()
+    cache = ac.ActCache(net, _connect(daemon))
+    cache.freeze(4)
+    for x, y in cache.wrap(DataLoader(Images(), batch_size=32)):  # the first epoch stores every row
+        net(x)
+    with pytest.raises(ConfigError, match=r"skip_loads=False"):
+        for x, y in cache.wrap(DataLoader(Images(), batch_size=32)):
+            net(x + 1.0)
+    with pytest.warns(ac.ChangedInputWarning):
+        for x, y in cache.wrap(DataLoader(Images(), batch_size=32), skip_loads=False):
+            net(x + 1.0)
     cache.close()
