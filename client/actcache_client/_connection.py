@@ -6,7 +6,8 @@ everything) and puts are dropped; each cause warns once (CacheFallbackWarning)
 and is then logged at most every ``log_every_s``. After a failure to reach the
 daemon, calls are skipped for a back-off interval (1 s doubling to 30 s) so a
 dead daemon costs training nothing but the first timeout. ``strict=True``
-raises the ActCacheError instead, for tests.
+raises the ActCacheError instead, for tests; a strict connection first waits
+up to ``timeout_s`` for a daemon it cannot reach (one restarting).
 
 Puts run on one background thread fed by a bounded queue: ``store`` never
 blocks the training step; when the queue is full the put is dropped and
@@ -49,7 +50,7 @@ class ConnectionConfig:
     namespace: str = "default"
     #: Protects the namespace: only jobs presenting the same secret can use it.
     secret: str | None = field(default=None, repr=False)
-    #: Raise instead of falling back to recomputation.
+    #: Raise instead of falling back to recomputation (after waiting up to timeout_s for an unreachable daemon).
     strict: bool = False
     #: Deadline of one lookup or put, retries included.
     timeout_s: float = 10.0
@@ -373,13 +374,31 @@ class Connection:
     def _namespace(self) -> int:
         if self._namespace_id is None:
             job = JobInfo.current(self._data_id)
-            self._namespace_id = self._rpc.open(self.config.namespace, secret=self.config.secret, job=job).namespace_id
-            self.opens += 1
-        return self._namespace_id
+            self._namespac    def _call(self, fn: Callable[[int], T]) -> T:
+        """``fn(namespace handle)``; a handle the daemon no longer knows (it restarted) is renewed once.
 
-    def _call(self, fn: Callable[[int], T]) -> T:
-        """``fn(namespace handle)``; a handle the daemon no longer knows (it restarted) is renewed once."""
-        try:
+        Strict: a daemon that cannot be reached (socket absent, connection refused: it is restarting)
+        is waited for until ``timeout_s`` has passed, on the channel's reconnect backoff (0.1 to 1 s).
+        """
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            try:
+                try:
+                    return fn(self._namespace())
+                except NamespaceNotFound:
+                    self._namespace_id = None
+                    return fn(self._namespace())
+            except DaemonUnavailable as exc:
+                if not self.config.strict:
+                    raise
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._rpc.wait_ready(remaining):
+                    raise DaemonUnavailable(
+                        f"no daemon answered at {self.target} within {self.config.timeout_s:g} s ({exc}); start "
+                        "it (`actcache serve`, or connect() without a socket for the node daemon) or raise "
+                        "ConnectionConfig.timeout_s") from None
+
+:
             return fn(self._namespace())
         except NamespaceNotFound:
             self._namespace_id = None
