@@ -75,6 +75,9 @@ class ClientStats:
     of them) or through ``Get`` calls (``gets``: seeds from a shallower depth,
     batches no stream served). ``fetch_seconds`` is the time spent waiting for
     either. ``puts`` counts entries stored; ``puts_dropped`` puts not sent.
+    ``timed_bytes`` over ``timed_seconds`` is the read speed the step gets (the cost model's fetch
+    speed): Get calls, timed whole, and the stream's frames the step waited for, timed from the
+    previous frame's arrival (a frame already there when asked only shows that the stream kept up).
     """
 
     gets: int = 0
@@ -83,6 +86,8 @@ class ClientStats:
     misses: int = 0
     bytes_read: int = 0
     fetch_seconds: float = 0.0
+    timed_bytes: int = 0
+    timed_seconds: float = 0.0
     puts: int = 0
     bytes_written: int = 0
     write_seconds: float = 0.0
@@ -116,6 +121,8 @@ class _Drop:
 _STOP = object()
 # Bytes a read-speed probe reads back: enough to time, little enough not to crowd out lookups.
 _PROBE_BYTES = 1 << 20
+# A stream frame the step waited for this share of the time since the previous frame shows the stream's speed.
+_WAITED = 0.25
 
 
 class Connection:
@@ -166,12 +173,15 @@ class Connection:
             self.fallback(exc)
             return None
         hits = sum(v is not None for v in values)
+        seconds, nbytes = time.perf_counter() - t0, sum(len(v) for v in values if v is not None)
         with self._lock:
-            self.stats.fetch_seconds += time.perf_counter() - t0
+            self.stats.fetch_seconds += seconds
+            self.stats.timed_seconds += seconds
             self.stats.gets += 1
             self.stats.hits += hits
             self.stats.misses += len(values) - hits
-            self.stats.bytes_read += sum(len(v) for v in values if v is not None)
+            self.stats.bytes_read += nbytes
+            self.stats.timed_bytes += nbytes
         self._backoff_s = self.config.backoff_s
         return values
 
@@ -216,30 +226,41 @@ class Connection:
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
                                          max_frame_bytes=max_frame_bytes, receive_ahead=receive_ahead,
                                          whole_frames=True)
-        counted = not ahead
+        counted, last = not ahead, None  # last: when the previous frame arrived
         while True:
             t0 = time.perf_counter()
             batch = next(frames, None)
             if batch is None:
                 return
+            arrived = time.perf_counter()
             if counted:
-                self.count_streamed(batch, time.perf_counter() - t0)
-            counted = True
+                self.count_streamed(batch, arrived - t0, None if last is None else arrived - last)
+            counted, last = True, arrived
             try:
                 yield batch
             except GeneratorExit:
                 frames.close()
                 raise
 
-    def count_streamed(self, batch: EntryBatch, seconds: float) -> None:
-        """Count a frame the step takes from a stream, and the seconds it waited for it."""
+    def count_streamed(self, batch: EntryBatch, seconds: float, since_last: float | None = None) -> None:
+        """Count a frame the step takes from a stream, and the seconds it waited for it.
+
+        ``since_last``: seconds since the stream's previous frame arrived. If the step waited for a
+        good part of them, the stream was behind and read this frame in that time (``timed_*``).
+        """
         hits = sum(v is not None for v in batch.values)
+        nbytes = sum(len(v) for v in batch.values if v is not None)
         with self._lock:
             self.stats.fetch_seconds += seconds
             self.stats.streamed += len(batch.values)
             self.stats.hits += hits
             self.stats.misses += len(batch.values) - hits
-            self.stats.bytes_read += sum(len(v) for v in batch.values if v is not None)
+            self.stats.bytes_read += nbytes
+            if not nbytes:
+                self.stats.timed_seconds += seconds  # misses only: a latency
+            elif since_last is not None and seconds >= _WAITED * since_last:
+                self.stats.timed_bytes += nbytes
+                self.stats.timed_seconds += since_last
 
     # ---- writes ----------------------------------------------------------
 
@@ -342,9 +363,12 @@ class Connection:
             values = self._call(lambda ns: self._rpc.get(ns, put.fingerprint, put.depth, ids, variants if any(variants) else None))
         except ActCacheError:
             return  # a failed probe only means no measurement; lookups will report the cause
+        seconds, nbytes = time.perf_counter() - t0, sum(len(v) for v in values if v is not None)
         with self._lock:
-            self.stats.fetch_seconds += time.perf_counter() - t0
-            self.stats.bytes_read += sum(len(v) for v in values if v is not None)
+            self.stats.fetch_seconds += seconds
+            self.stats.timed_seconds += seconds
+            self.stats.bytes_read += nbytes
+            self.stats.timed_bytes += nbytes
 
     def _count_dropped(self) -> None:
         with self._lock:
@@ -374,7 +398,11 @@ class Connection:
     def _namespace(self) -> int:
         if self._namespace_id is None:
             job = JobInfo.current(self._data_id)
-            self._namespac    def _call(self, fn: Callable[[int], T]) -> T:
+            self._namespace_id = self._rpc.open(self.config.namespace, secret=self.config.secret, job=job).namespace_id
+            self.opens += 1
+        return self._namespace_id
+
+    def _call(self, fn: Callable[[int], T]) -> T:
         """``fn(namespace handle)``; a handle the daemon no longer knows (it restarted) is renewed once.
 
         Strict: a daemon that cannot be reached (socket absent, connection refused: it is restarting)
@@ -397,12 +425,6 @@ class Connection:
                         f"no daemon answered at {self.target} within {self.config.timeout_s:g} s ({exc}); start "
                         "it (`actcache serve`, or connect() without a socket for the node daemon) or raise "
                         "ConnectionConfig.timeout_s") from None
-
-:
-            return fn(self._namespace())
-        except NamespaceNotFound:
-            self._namespace_id = None
-            return fn(self._namespace())
 
     def _paused(self) -> bool:
         return time.monotonic() < self._paused_until

@@ -3,6 +3,8 @@ import math
 import pytest
 
 from actcache.errors import ConfigError
+from actcache.rpc_client import EntryBatch
+from actcache_client._connection import Connection, ConnectionConfig
 from actcache_client.cost_model import PlanMode
 from actcache_client._codec_choice import EncodingChoice
 from actcache_client._planner import CachePlanner, PlannerConfig
@@ -81,3 +83,32 @@ def test_the_codec_chosen_for_the_cache_depth_is_recorded_in_the_plan():
     planner.record_encoding(3, EncodingChoice("lz4", "lz4 serves fastest", {}))
     assert planner.current.cache_depth == 3 and planner.current.encoding == "lz4"
     assert planner.plan_for(3).encoding == "lz4"  # kept by the next plan
+
+
+def test_a_slow_stream_is_timed_by_its_arrivals_and_the_planner_recomputes(tmp_path):
+    """A stream read at 1 MB/s, frames of 64 entries of 32 KiB (one every 2.1 s), as a step that
+    computes 0.3 ms/sample of prefix and 1.05 ms/sample of the rest sees it: the first frames were
+    read ahead and are there when asked; then the step waits for each frame most of that time."""
+    frame = EntryBatch(0, list(range(64)), [], [memoryview(bytes(32 << 10))] * 64)
+    period = 64 * (32 << 10) / 1e6
+    conn = Connection(ConnectionConfig(socket=str(tmp_path / "none.sock")))
+    try:
+        for _ in range(4):
+            conn.count_streamed(frame, 1e-3, 0.09)  # read ahead: the step took 90 ms since the last one
+        for _ in range(8):
+            conn.count_streamed(frame, period - 0.09, period)
+    finally:
+        conn.close()
+    s = conn.stats
+    assert s.timed_bytes / s.timed_seconds == pytest.approx(1e6)
+    assert s.bytes_read / s.fetch_seconds > 1.5e6  # the waits alone would claim a faster stream
+
+    planner = CachePlanner(PlannerConfig(total_epochs=10))
+    planner.begin_epoch(1, 512, 64)
+    for _ in range(5):
+        for stage in range(5):
+            planner.record_stage(stage, 0.06e-3 * 64, 64, 32 << 10)
+        planner.record_suffix(1.05e-3 * 64, 64)
+    planner.record_fetch(s.timed_bytes, s.timed_seconds)
+    plan = planner.plan_for(5)
+    assert plan.mode is PlanMode.RECOMPUTE, plan.reason
