@@ -76,8 +76,8 @@ class ClientStats:
     batches no stream served). ``fetch_seconds`` is the time spent waiting for
     either. ``puts`` counts entries stored; ``puts_dropped`` puts not sent.
     ``timed_bytes`` over ``timed_seconds`` is the read speed the step gets (the cost model's fetch
-    speed): Get calls, timed whole, and the stream's frames the step waited for, timed from the
-    previous frame's arrival (a frame already there when asked only shows that the stream kept up).
+    speed): Get calls, timed whole, and the stream's frames the step waited for, as the one before,
+    timed from that one's arrival (a frame already there when asked only shows that the stream kept up).
     """
 
     gets: int = 0
@@ -121,7 +121,7 @@ class _Drop:
 _STOP = object()
 # Bytes a read-speed probe reads back: enough to time, little enough not to crowd out lookups.
 _PROBE_BYTES = 1 << 20
-# A stream frame the step waited for this share of the time since the previous frame shows the stream's speed.
+# The step waited for a frame if it waited this share of the time since the previous frame arrived.
 _WAITED = 0.25
 
 
@@ -226,27 +226,27 @@ class Connection:
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
                                          max_frame_bytes=max_frame_bytes, receive_ahead=receive_ahead,
                                          whole_frames=True)
-        counted, last = not ahead, None  # last: when the previous frame arrived
+        counted, last, behind = not ahead, None, False  # last: when the previous frame arrived
         while True:
             t0 = time.perf_counter()
             batch = next(frames, None)
             if batch is None:
                 return
             arrived = time.perf_counter()
-            if counted:
-                self.count_streamed(batch, arrived - t0, None if last is None else arrived - last)
-            counted, last = True, arrived
+            waited = last is not None and arrived - t0 >= _WAITED * (arrived - last)
+            if counted:  # waited for this frame and the one before: the stream was reading it all along
+                self.count_streamed(batch, arrived - t0, arrived - last if waited and behind else None)
+            counted, last, behind = True, arrived, waited
             try:
                 yield batch
             except GeneratorExit:
                 frames.close()
                 raise
 
-    def count_streamed(self, batch: EntryBatch, seconds: float, since_last: float | None = None) -> None:
+    def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None) -> None:
         """Count a frame the step takes from a stream, and the seconds it waited for it.
 
-        ``since_last``: seconds since the stream's previous frame arrived. If the step waited for a
-        good part of them, the stream was behind and read this frame in that time (``timed_*``).
+        ``read_s``: the seconds the stream took to read the frame, where known (``timed_*``).
         """
         hits = sum(v is not None for v in batch.values)
         nbytes = sum(len(v) for v in batch.values if v is not None)
@@ -258,9 +258,9 @@ class Connection:
             self.stats.bytes_read += nbytes
             if not nbytes:
                 self.stats.timed_seconds += seconds  # misses only: a latency
-            elif since_last is not None and seconds >= _WAITED * since_last:
+            elif read_s is not None:
                 self.stats.timed_bytes += nbytes
-                self.stats.timed_seconds += since_last
+                self.stats.timed_seconds += read_s
 
     # ---- writes ----------------------------------------------------------
 

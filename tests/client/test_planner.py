@@ -1,9 +1,12 @@
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from actcache.errors import ConfigError
 from actcache.rpc_client import EntryBatch
+from actcache_client import _connection
 from actcache_client._connection import Connection, ConnectionConfig
 from actcache_client.cost_model import PlanMode
 from actcache_client._codec_choice import EncodingChoice
@@ -85,21 +88,28 @@ def test_the_codec_chosen_for_the_cache_depth_is_recorded_in_the_plan():
     assert planner.plan_for(3).encoding == "lz4"  # kept by the next plan
 
 
-def test_a_slow_stream_is_timed_by_its_arrivals_and_the_planner_recomputes(tmp_path):
+def test_a_slow_stream_is_timed_by_its_arrivals_and_the_planner_recomputes(tmp_path, monkeypatch):
     """A stream read at 1 MB/s, frames of 64 entries of 32 KiB (one every 2.1 s), as a step that
     computes 0.3 ms/sample of prefix and 1.05 ms/sample of the rest sees it: the first frames were
     read ahead and are there when asked; then the step waits for each frame most of that time."""
     frame = EntryBatch(0, list(range(64)), [], [memoryview(bytes(32 << 10))] * 64)
-    period = 64 * (32 << 10) / 1e6
+    period, step = 64 * (32 << 10) / 1e6, 0.09
+    clock, t = [], 0.0  # per frame: when the step asks for it, when it arrives
+    for i in range(12):
+        wait = 1e-3 if i < 4 else period - step
+        clock += [t, t + wait]
+        t += wait + step
+    ticks = iter([*clock, t])  # and when it asks for a 13th: the stream has ended
+    monkeypatch.setattr(_connection, "time", SimpleNamespace(perf_counter=lambda: next(ticks), monotonic=time.monotonic))
     conn = Connection(ConnectionConfig(socket=str(tmp_path / "none.sock")))
+    conn._rpc.fetch_batches = lambda *args, **kwargs: iter([frame] * 12)
+    conn._namespace_id = 1  # no daemon: the stream's frames come from the list above
     try:
-        for _ in range(4):
-            conn.count_streamed(frame, 1e-3, 0.09)  # read ahead: the step took 90 ms since the last one
-        for _ in range(8):
-            conn.count_streamed(frame, period - 0.09, period)
+        assert len(list(conn.stream("epoch"))) == 12
     finally:
         conn.close()
     s = conn.stats
+    assert s.timed_bytes == 7 * 64 * (32 << 10)  # from the second frame waited for on
     assert s.timed_bytes / s.timed_seconds == pytest.approx(1e6)
     assert s.bytes_read / s.fetch_seconds > 1.5e6  # the waits alone would claim a faster stream
 
@@ -112,3 +122,4 @@ def test_a_slow_stream_is_timed_by_its_arrivals_and_the_planner_recomputes(tmp_p
     planner.record_fetch(s.timed_bytes, s.timed_seconds)
     plan = planner.plan_for(5)
     assert plan.mode is PlanMode.RECOMPUTE, plan.reason
+
