@@ -123,3 +123,22 @@ def test_a_slow_stream_is_timed_by_its_arrivals_and_the_planner_recomputes(tmp_p
     plan = planner.plan_for(5)
     assert plan.mode is PlanMode.RECOMPUTE, plan.reason
 
+
+def test_mid_epoch_the_cached_fraction_is_kept_until_the_next_epoch():
+    """Fetch-bound: the plan caches the share where the fetch keeps up with the step. A re-plan
+    within the epoch keeps that share (a new one would re-push the stream); the next epoch's takes it."""
+    planner = CachePlanner(PlannerConfig(total_epochs=10))
+    planner.begin_epoch(1, 512, 64)
+    measured(planner, 3)
+    for _ in range(20):
+        planner.record_fetch(32_000 * 16, 16 * 32_000 / 8e6)  # 8 MB/s
+    first = planner.plan_for(3)
+    assert first.mode is PlanMode.CACHE and first.cached_fraction < 1
+    for _ in range(20):
+        planner.record_fetch(32_000 * 16, 16 * 32_000 / 4e6)  # 4 MB/s: a smaller share keeps up
+    assert planner.needs_replan(3)
+    assert planner.plan_for(3).cached_fraction == first.cached_fraction
+    assert not planner.needs_replan(3)
+    planner.begin_epoch(2, 512, 64)
+    later = planner.plan_for(3)
+    assert later.mode is PlanMode.CACHE and later.cached_fraction < 0.7 * first.cached_fraction
