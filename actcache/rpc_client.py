@@ -217,6 +217,20 @@ class RpcClient:
         self._channel = channel
         self._pid = os.getpid()
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait until the channel is connected, reconnecting with its backoff (0.1 s growing to 1 s);
+        False if it is not within ``timeout_s``."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._open_channel()
+            ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=timeout_s)
+            return True
+        except grpc.FutureTimeoutError:
+            ready.cancel()
+            return False
+
     def close(self) -> None:
         with self._lock:
             if self._channel is not None and self._pid == os.getpid():

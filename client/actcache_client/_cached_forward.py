@@ -319,7 +319,7 @@ class CachedForward:
         if self.connection is None:
             return
         s = self.connection.stats
-        read, fetch_s, written, write_s = s.bytes_read, s.fetch_seconds, s.bytes_written, s.write_seconds
+        read, fetch_s, written, write_s = s.timed_bytes, s.timed_seconds, s.bytes_written, s.write_seconds
         r0, f0, w0, ws0 = self._connection_seen
         if fetch_s > f0:
             self.planner.record_fetch(read - r0, fetch_s - f0)

@@ -6,7 +6,8 @@ everything) and puts are dropped; each cause warns once (CacheFallbackWarning)
 and is then logged at most every ``log_every_s``. After a failure to reach the
 daemon, calls are skipped for a back-off interval (1 s doubling to 30 s) so a
 dead daemon costs training nothing but the first timeout. ``strict=True``
-raises the ActCacheError instead, for tests.
+raises the ActCacheError instead, for tests; a strict connection first waits
+up to ``timeout_s`` for a daemon it cannot reach (one restarting).
 
 Puts run on one background thread fed by a bounded queue: ``store`` never
 blocks the training step; when the queue is full the put is dropped and
@@ -57,7 +58,7 @@ class ConnectionConfig:
     namespace: str = "default"
     #: Protects the namespace: only jobs presenting the same secret can use it.
     secret: str | None = field(default=None, repr=False)
-    #: Raise instead of falling back to recomputation.
+    #: Raise instead of falling back to recomputation (after waiting up to timeout_s for an unreachable daemon).
     strict: bool = False
     #: Deadline of one lookup or put, retries included.
     timeout_s: float = 10.0
@@ -82,6 +83,9 @@ class ClientStats:
     of them) or through ``Get`` calls (``gets``: seeds from a shallower depth,
     batches no stream served). ``fetch_seconds`` is the time spent waiting for
     either. ``puts`` counts entries stored; ``puts_dropped`` puts not sent.
+    ``timed_bytes`` over ``timed_seconds`` is the read speed the step gets (the cost model's fetch
+    speed): Get calls, timed whole, and the stream's frames the step waited for, as the one before,
+    timed from that one's arrival (a frame already there when asked only shows that the stream kept up).
     """
 
     gets: int = 0
@@ -90,6 +94,8 @@ class ClientStats:
     misses: int = 0
     bytes_read: int = 0
     fetch_seconds: float = 0.0
+    timed_bytes: int = 0
+    timed_seconds: float = 0.0
     puts: int = 0
     bytes_written: int = 0
     write_seconds: float = 0.0
@@ -123,6 +129,8 @@ class _Drop:
 _STOP = object()
 # Bytes a read-speed probe reads back: enough to time, little enough not to crowd out lookups.
 _PROBE_BYTES = 1 << 20
+# The step waited for a frame if it waited this share of the time since the previous frame arrived.
+_WAITED = 0.25
 
 
 class Connection:
@@ -173,12 +181,15 @@ class Connection:
             self.fallback(exc)
             return None
         hits = sum(v is not None for v in values)
+        seconds, nbytes = time.perf_counter() - t0, sum(len(v) for v in values if v is not None)
         with self._lock:
-            self.stats.fetch_seconds += time.perf_counter() - t0
+            self.stats.fetch_seconds += seconds
+            self.stats.timed_seconds += seconds
             self.stats.gets += 1
             self.stats.hits += hits
             self.stats.misses += len(values) - hits
-            self.stats.bytes_read += sum(len(v) for v in values if v is not None)
+            self.stats.bytes_read += nbytes
+            self.stats.timed_bytes += nbytes
         self._backoff_s = self.config.backoff_s
         return values
 
@@ -223,30 +234,41 @@ class Connection:
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
                                          max_frame_bytes=max_frame_bytes, receive_ahead=receive_ahead,
                                          whole_frames=True)
-        counted = not ahead
+        counted, last, behind = not ahead, None, False  # last: when the previous frame arrived
         while True:
             t0 = time.perf_counter()
             batch = next(frames, None)
             if batch is None:
                 return
-            if counted:
-                self.count_streamed(batch, time.perf_counter() - t0)
-            counted = True
+            arrived = time.perf_counter()
+            waited = last is not None and arrived - t0 >= _WAITED * (arrived - last)
+            if counted:  # waited for this frame and the one before: the stream was reading it all along
+                self.count_streamed(batch, arrived - t0, arrived - last if waited and behind else None)
+            counted, last, behind = True, arrived, waited
             try:
                 yield batch
             except GeneratorExit:
                 frames.close()
                 raise
 
-    def count_streamed(self, batch: EntryBatch, seconds: float) -> None:
-        """Count a frame the step takes from a stream, and the seconds it waited for it."""
+    def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None) -> None:
+        """Count a frame the step takes from a stream, and the seconds it waited for it.
+
+        ``read_s``: the seconds the stream took to read the frame, where known (``timed_*``).
+        """
         hits = sum(v is not None for v in batch.values)
+        nbytes = sum(len(v) for v in batch.values if v is not None)
         with self._lock:
             self.stats.fetch_seconds += seconds
             self.stats.streamed += len(batch.values)
             self.stats.hits += hits
             self.stats.misses += len(batch.values) - hits
-            self.stats.bytes_read += sum(len(v) for v in batch.values if v is not None)
+            self.stats.bytes_read += nbytes
+            if not nbytes:
+                self.stats.timed_seconds += seconds  # misses only: a latency
+            elif read_s is not None:
+                self.stats.timed_bytes += nbytes
+                self.stats.timed_seconds += read_s
 
     # ---- writes ----------------------------------------------------------
 
@@ -349,9 +371,12 @@ class Connection:
             values = self._call(lambda ns: self._rpc.get(ns, put.fingerprint, put.depth, ids, variants if any(variants) else None))
         except ActCacheError:
             return  # a failed probe only means no measurement; lookups will report the cause
+        seconds, nbytes = time.perf_counter() - t0, sum(len(v) for v in values if v is not None)
         with self._lock:
-            self.stats.fetch_seconds += time.perf_counter() - t0
-            self.stats.bytes_read += sum(len(v) for v in values if v is not None)
+            self.stats.fetch_seconds += seconds
+            self.stats.timed_seconds += seconds
+            self.stats.bytes_read += nbytes
+            self.stats.timed_bytes += nbytes
 
     def _count_dropped(self) -> None:
         with self._lock:
@@ -386,12 +411,28 @@ class Connection:
         return self._namespace_id
 
     def _call(self, fn: Callable[[int], T]) -> T:
-        """``fn(namespace handle)``; a handle the daemon no longer knows (it restarted) is renewed once."""
-        try:
-            return fn(self._namespace())
-        except NamespaceNotFound:
-            self._namespace_id = None
-            return fn(self._namespace())
+        """``fn(namespace handle)``; a handle the daemon no longer knows (it restarted) is renewed once.
+
+        Strict: a daemon that cannot be reached (socket absent, connection refused: it is restarting)
+        is waited for until ``timeout_s`` has passed, on the channel's reconnect backoff (0.1 to 1 s).
+        """
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            try:
+                try:
+                    return fn(self._namespace())
+                except NamespaceNotFound:
+                    self._namespace_id = None
+                    return fn(self._namespace())
+            except DaemonUnavailable as exc:
+                if not self.config.strict:
+                    raise
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._rpc.wait_ready(remaining):
+                    raise DaemonUnavailable(
+                        f"no daemon answered at {self.target} within {self.config.timeout_s:g} s ({exc}); start "
+                        "it (`actcache serve`, or connect() without a socket for the node daemon) or raise "
+                        "ConnectionConfig.timeout_s") from None
 
     def _paused(self) -> bool:
         return time.monotonic() < self._paused_until

@@ -6,7 +6,10 @@ throughput, host-to-device copy throughput (CUDA), the step period — and the p
 last ``window`` readings of each. ``plan_for(k)`` turns them into
 ``cost_model.Measurements`` and asks ``cost_model.plan``; CachedForward asks
 again on every freeze change, at every epoch start, and whenever a measured
-number drifted by more than ``replan_drift`` since the last plan. Every
+number drifted by more than ``replan_drift`` since the last plan. Within an
+epoch, a re-plan that keeps caching at the same depth keeps the cached
+fraction: a new one re-pushes the rest of the epoch's stream and discards
+what the daemon read ahead; the next epoch's plan takes it. Every
 decision is logged with its numbers and passed to ``on_plan`` listeners
 (e.g. the freeze controller's timeline).
 
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from actcache.errors import ConfigError
-from actcache_client.cost_model import Measurements, Plan, plan, should_replan
+from actcache_client.cost_model import Measurements, Plan, PlanMode, plan, should_replan
 
 if TYPE_CHECKING:
     from actcache_client._codec_choice import EncodingChoice
@@ -92,6 +95,8 @@ class CachePlanner:
         self.epoch = 0
         self._written: dict[int, int] = {}  # depth -> samples known to be stored for the current weights
         self.current: Plan | None = None
+        self._in_epoch = False  # begin_epoch was called: plans follow a loader's epochs
+        self._epoch_plan: int | None = None  # the frozen depth planned for since begin_epoch, if any
         self._basis: Measurements | None = None
         self.listeners: list[Callable[[int, Plan], None]] = []
         self._encodings: dict[int, EncodingChoice] = {}  # depth -> codec chosen for its current entries
@@ -145,6 +150,7 @@ class CachePlanner:
 
     def begin_epoch(self, epoch: int, num_samples: int, batch_size: int) -> None:
         self.epoch, self.num_samples, self.batch_size = epoch, max(num_samples, 1), max(batch_size, 1)
+        self._in_epoch, self._epoch_plan = True, None
 
     # ---- planning --------------------------------------------------------
 
@@ -185,6 +191,11 @@ class CachePlanner:
         if m is None:
             return None
         new = plan(k, m, min_gain=self.config.min_gain)
+        current = self.current
+        if (self._in_epoch and self._epoch_plan == k and current is not None and new.mode is PlanMode.CACHE
+                and (current.mode, current.cache_depth) == (new.mode, new.cache_depth)):
+            new = current  # mid-epoch: keep the fraction (module docstring)
+        self._epoch_plan = k if self._in_epoch else None
         if new.cache_depth in self._encodings:
             new = dataclasses.replace(new, encoding=self._encodings[new.cache_depth].encoding)
         changed = self.current is None or (new.mode, new.cache_depth, round(new.cached_fraction, 3)) != (

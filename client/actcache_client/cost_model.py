@@ -30,12 +30,15 @@ plan beyond them reads them in its write epoch and writes only the rest (so a ca
 Partial caching (AutoFreeze's I < D): c <= c_budget = budget / (num_samples·e_j), members
 chosen by :func:`cached_subset`. amortized is convex piecewise linear in c, so its minimum
 is at c_budget, at the balance point c* where transfer = device (caching more only makes
-the step wait for the disk), or at w (where the write term starts). All j in 1..k with both fractions are tried (deeper j wins
+the step wait for the disk), or at w (where the write term starts). c* is taken at a fetch
+``fetch_margin`` slower than measured: past c* every cached sample makes the step wait e_j/fetch,
+short of it each one only recomputes P(j, k), so an overrated fetch costs far more than an underrated one. All j in 1..k with both fractions are tried (deeper j wins
 ties); CACHE needs strictly faster and ``1 - amortized/baseline >= min_gain``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import math
@@ -174,7 +177,7 @@ def _evaluate(j: int, c: float, k: int, pre: list[float], m: Measurements) -> di
             "balance_fraction": balance, "gain": 1.0 - amortized / baseline if baseline > 0 else 0.0}
 
 
-def plan(frozen_depth: int, m: Measurements, *, min_gain: float = 0.02) -> Plan:
+def plan(frozen_depth: int, m: Measurements, *, min_gain: float = 0.02, fetch_margin: float = 0.25) -> Plan:
     """Choose RECOMPUTE or CACHE at depth j <= ``frozen_depth`` (see the module docstring)."""
     if isinstance(frozen_depth, bool) or not isinstance(frozen_depth, numbers.Integral) or frozen_depth < 0:
         raise ConfigError(f"plan: frozen_depth must be an integer >= 0, got {frozen_depth!r}")
@@ -183,6 +186,8 @@ def plan(frozen_depth: int, m: Measurements, *, min_gain: float = 0.02) -> Plan:
         raise ConfigError(f"frozen depth {k} needs {k} stage times and {k + 1} entry sizes, got "
                          f"{len(m.stage_forward_s_per_sample)} and {len(m.entry_bytes_per_sample)}; measure them")
     min_gain = _number("plan: min_gain", min_gain, fix="pass a share of the step time such as 0.02")
+    fetch_margin = _number("plan: fetch_margin", fetch_margin, fix="pass a share of the fetch speed such as 0.25")
+    slower = dataclasses.replace(m, fetch_bytes_per_s=m.fetch_bytes_per_s / (1.0 + fetch_margin))
     pre = list(itertools.accumulate(m.stage_forward_s_per_sample[:k], initial=0.0))
     b, r = m.batch_size, m.remaining_epochs
     baseline = pre[k] + m.suffix_step_s_per_sample
@@ -203,7 +208,7 @@ def plan(frozen_depth: int, m: Measurements, *, min_gain: float = 0.02) -> Plan:
         need = m.num_samples * m.entry_bytes_per_sample[j]
         c_budget = 1.0 if need <= m.budget_bytes else m.budget_bytes / need
         written = m.written_fraction[j] if j < len(m.written_fraction) else 0.0
-        for c in (c_budget, _evaluate(j, 0.0, k, pre, m)["balance_fraction"], written):
+        for c in (c_budget, _evaluate(j, 0.0, k, pre, slower)["balance_fraction"], written):
             if 0.0 < c <= c_budget and (r > 1.0 or c <= written):
                 cand = {**_evaluate(j, c, k, pre, m), "budget_fraction": c_budget}
                 if best is None or cand["amortized_s_per_sample"] < best["amortized_s_per_sample"]:

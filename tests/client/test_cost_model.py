@@ -79,9 +79,11 @@ def test_disk_speed_against_prefix_weight(prefix_s: float, fetch_bytes_per_s: fl
     p = plan(1, m)
     assert p.mode is mode, (why, p.reason)
     if mode is PlanMode.CACHE:
-        # Unlimited budget, yet not everything is cached: more would make the step wait for the disk.
-        assert p.cached_fraction == pytest.approx(p.numbers["balance_fraction"]) and p.cached_fraction < 0.3
-        assert p.numbers["transfer_s_per_sample"] == pytest.approx(p.numbers["device_s_per_sample"])
+        # Unlimited budget, yet not everything is cached: more would make the step wait for the disk,
+        # so the share stops where a disk 25% slower than measured would still keep up.
+        slower = plan(1, dataclasses.replace(m, fetch_bytes_per_s=fetch_bytes_per_s / 1.25), fetch_margin=0.0)
+        assert p.cached_fraction == pytest.approx(slower.numbers["balance_fraction"]) and p.cached_fraction < 0.3
+        assert p.numbers["transfer_s_per_sample"] < p.numbers["device_s_per_sample"]
     else:
         assert p.expected_step_s == p.baseline_step_s and "min_gain" in p.reason
 
@@ -173,7 +175,9 @@ def _cases(draw: st.DrawFn) -> tuple[int, Measurements, float]:
 @given(_cases())
 def test_chosen_plan_never_slower_than_recompute_and_beats_a_grid(case: tuple[int, Measurements, float]) -> None:
     k, m, min_gain = case
-    p = plan(k, m, min_gain=min_gain)
+    margin = plan(k, m, min_gain=min_gain)  # the share stops short of the balance point: a safe side
+    assert margin.expected_step_s <= margin.baseline_step_s and 0.0 <= margin.cached_fraction <= 1.0
+    p = plan(k, m, min_gain=min_gain, fetch_margin=0.0)  # the search itself, checked against a grid
     assert p.expected_step_s <= p.baseline_step_s
     assert 0.0 <= p.cached_fraction <= 1.0
     if p.mode is PlanMode.CACHE:

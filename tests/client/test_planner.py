@@ -1,8 +1,13 @@
 import math
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from actcache.errors import ConfigError
+from actcache.rpc_client import EntryBatch
+from actcache_client import _connection
+from actcache_client._connection import Connection, ConnectionConfig
 from actcache_client.cost_model import PlanMode
 from actcache_client._codec_choice import EncodingChoice
 from actcache_client._planner import CachePlanner, PlannerConfig
@@ -81,3 +86,59 @@ def test_the_codec_chosen_for_the_cache_depth_is_recorded_in_the_plan():
     planner.record_encoding(3, EncodingChoice("lz4", "lz4 serves fastest", {}))
     assert planner.current.cache_depth == 3 and planner.current.encoding == "lz4"
     assert planner.plan_for(3).encoding == "lz4"  # kept by the next plan
+
+
+def test_a_slow_stream_is_timed_by_its_arrivals_and_the_planner_recomputes(tmp_path, monkeypatch):
+    """A stream read at 1 MB/s, frames of 64 entries of 32 KiB (one every 2.1 s), as a step that
+    computes 0.3 ms/sample of prefix and 1.05 ms/sample of the rest sees it: the first frames were
+    read ahead and are there when asked; then the step waits for each frame most of that time."""
+    frame = EntryBatch(0, list(range(64)), [], [memoryview(bytes(32 << 10))] * 64)
+    period, step = 64 * (32 << 10) / 1e6, 0.09
+    clock, t = [], 0.0  # per frame: when the step asks for it, when it arrives
+    for i in range(12):
+        wait = 1e-3 if i < 4 else period - step
+        clock += [t, t + wait]
+        t += wait + step
+    ticks = iter([*clock, t])  # and when it asks for a 13th: the stream has ended
+    monkeypatch.setattr(_connection, "time", SimpleNamespace(perf_counter=lambda: next(ticks), monotonic=time.monotonic))
+    conn = Connection(ConnectionConfig(socket=str(tmp_path / "none.sock")))
+    conn._rpc.fetch_batches = lambda *args, **kwargs: iter([frame] * 12)
+    conn._namespace_id = 1  # no daemon: the stream's frames come from the list above
+    try:
+        assert len(list(conn.stream("epoch"))) == 12
+    finally:
+        conn.close()
+    s = conn.stats
+    assert s.timed_bytes == 7 * 64 * (32 << 10)  # from the second frame waited for on
+    assert s.timed_bytes / s.timed_seconds == pytest.approx(1e6)
+    assert s.bytes_read / s.fetch_seconds > 1.5e6  # the waits alone would claim a faster stream
+
+    planner = CachePlanner(PlannerConfig(total_epochs=10))
+    planner.begin_epoch(1, 512, 64)
+    for _ in range(5):
+        for stage in range(5):
+            planner.record_stage(stage, 0.06e-3 * 64, 64, 32 << 10)
+        planner.record_suffix(1.05e-3 * 64, 64)
+    planner.record_fetch(s.timed_bytes, s.timed_seconds)
+    plan = planner.plan_for(5)
+    assert plan.mode is PlanMode.RECOMPUTE, plan.reason
+
+
+def test_mid_epoch_the_cached_fraction_is_kept_until_the_next_epoch():
+    """Fetch-bound: the plan caches the share where the fetch keeps up with the step. A re-plan
+    within the epoch keeps that share (a new one would re-push the stream); the next epoch's takes it."""
+    planner = CachePlanner(PlannerConfig(total_epochs=10))
+    planner.begin_epoch(1, 512, 64)
+    measured(planner, 3)
+    for _ in range(20):
+        planner.record_fetch(32_000 * 16, 16 * 32_000 / 8e6)  # 8 MB/s
+    first = planner.plan_for(3)
+    assert first.mode is PlanMode.CACHE and first.cached_fraction < 1
+    for _ in range(20):
+        planner.record_fetch(32_000 * 16, 16 * 32_000 / 4e6)  # 4 MB/s: a smaller share keeps up
+    assert planner.needs_replan(3)
+    assert planner.plan_for(3).cached_fraction == first.cached_fraction
+    assert not planner.needs_replan(3)
+    planner.begin_epoch(2, 512, 64)
+    later = planner.plan_for(3)
+    assert later.mode is PlanMode.CACHE and later.cached_fraction < 0.7 * first.cached_fraction

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import uuid
 
@@ -277,6 +278,30 @@ def test_strict_mode_raises_when_the_daemon_is_gone(tmp_path):
         with pytest.raises(DaemonUnavailable):
             model.prefix(torch.arange(4), x)
         conn.close()
+
+
+def test_a_strict_client_waits_for_a_restarting_daemon(tmp_path):
+    with run_daemon(cache_dir=tmp_path / "c") as daemon:
+        with ac.connect(daemon.socket, namespace="restart", strict=True, timeout_s=60) as conn:
+            assert conn.lookup(b"0" * 16, 1, [0], [0]) == [None]
+            daemon.stop()
+            restart = threading.Timer(1.5, daemon.start)  # past the client's own retries (< 0.5 s)
+            restart.start()
+            try:
+                assert conn.lookup(b"0" * 16, 1, [0], [0]) == [None]
+            finally:
+                restart.join()
+
+
+def test_a_strict_client_gives_up_on_a_daemon_gone_after_its_timeout(tmp_path):
+    with run_daemon(cache_dir=tmp_path / "c") as daemon:
+        with ac.connect(daemon.socket, namespace="gone", strict=True, timeout_s=2) as conn:
+            assert conn.lookup(b"0" * 16, 1, [0], [0]) == [None]
+            daemon.stop()
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailable, match=rf"(?s){daemon.socket}.*within 2 s.*actcache serve"):
+                conn.lookup(b"0" * 16, 1, [0], [0])
+            assert time.monotonic() - t0 >= 2
 
 
 def test_loader_orders_distributed_ranks_workers_and_resume(daemon):
