@@ -165,6 +165,14 @@ def test_the_quickstart_diff_is_the_examples_diff():
     assert (EXAMPLES / "plain_loop.diff").read_text() == quickstart_diff(), "run: python tests/test_docs.py"
 
 
+def test_the_readme_quickstart_is_the_examples_diff_and_the_readme_is_short():
+    readme = (ROOT / "README.md").read_text()
+    assert "```diff\n" + (EXAMPLES / "plain_loop.diff").read_text() + "```" in readme
+    assert len(readme.splitlines()) <= 250
+    changed = [line for line in quickstart_diff().splitlines() if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert len([line for line in changed if line.startswith("+")]) <= 5
+
+
 @pytest.mark.parametrize("page, marker", [(p, m) for p, blocks in GENERATED.items() for m in blocks])
 def test_generated_tables_match_the_code(page, marker):
     assert _block(page.read_text(), marker) == GENERATED[page][marker](), "run: python tests/test_docs.py"
