@@ -56,7 +56,7 @@ def _unwrap(net: nn.Module) -> nn.Module:
 
 
 def _first_field(data: Any) -> Any:
-    if isinstance(data, dict):
+    if isinstance(data, Mapping):
         raise ConfigError(f"the loader yields dicts (keys {sorted(data)}); say which field is the network's input: "
                           "ActCache(net, inputs=lambda batch: batch['image'])")
     return data[0] if isinstance(data, (list, tuple)) else data
@@ -108,11 +108,12 @@ class ActCache:
     ``net`` (a ResNet, a BERT classifier, an nn.Sequential). ``inputs(batch)``
     picks the network's input out of a batch as the loader yields it (default:
     its first field; a BERT layout's ``input_ids``, ``attention_mask`` and
-    ``token_type_ids``). ``options`` are
-    CachedForward's (``store_dtype``, ``audit``, ``planner``, ...). ``model``
-    is that CachedForward: give it to a FreezeController. A network wrapped
-    in DistributedDataParallel works either way round (``ActCache(ddp)`` or
-    ``DistributedDataParallel(net)`` after ``ActCache(net)``).
+    ``token_type_ids``). ``options`` are CachedForward's (``store_dtype``,
+    ``audit``, ``planner``, ...). ``model`` is that CachedForward: give it to
+    a FreezeController. A network wrapped in DistributedDataParallel works
+    either way round (``ActCache(ddp)`` or ``DistributedDataParallel(net)``
+    after ``ActCache(net)``); DDP itself needs ``find_unused_parameters=True``
+    to follow parameters that stop receiving gradients when stages freeze.
     """
 
     def __init__(self, net: nn.Module, connection: Connection | None = None, *,
