@@ -1,5 +1,8 @@
 """Keep large buffers in the heap: fewer page faults per message (glibc only).
 
+Why it stays: warm Fetch over gRPC served faster with it in every paired run
+(docs/design/serving.md).
+
 glibc serves allocations above ``M_MMAP_THRESHOLD`` with a fresh ``mmap``
 and returns them to the system on free, so every multi-MiB message (a Fetch
 frame joined by the daemon, the bytes object gRPC hands the client) pays

@@ -23,7 +23,6 @@ import numpy as np
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
-from actcache.frame_pump import FramePump
 from actcache.keys import MAX_VARIANT, check_fingerprint
 from actcache import rpc
 from actcache.node import default_socket_path
@@ -400,7 +399,7 @@ class RpcClient:
 
     def fetch_batches(
         self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0,
-        shared_memory: bool = False, ring_bytes: int = 0, receive_ahead: bool = False, whole_frames: bool = False,
+        shared_memory: bool = False, ring_bytes: int = 0, whole_frames: bool = False,
     ) -> Iterator[EntryBatch]:
         """Stream a pushed schedule from position ``start``, one EntryBatch per frame, in schedule order.
 
@@ -421,13 +420,6 @@ class RpcClient:
         ``whole_frames=True``: the daemon never cuts a frame short while this
         loop holds earlier ones (``FetchRequest.whole_frames``): safe because
         the loop releases a batch's slots when it asks for the next.
-
-        ``receive_ahead=True``: a thread receives up to 4 frames ahead of the
-        loop (``FramePump``), so a frame that has arrived is taken without
-        waiting (slots are still released only when the loop asks for the
-        next batch). It pays when the loop leaves the interpreter idle between
-        frames (a CUDA step waiting on the GPU); a loop that keeps it busy
-        pays for the thread's turns instead.
         """
         position, attempt = start, 0
         use_shm = shared_memory and self.target.startswith("unix:")
@@ -440,10 +432,9 @@ class RpcClient:
                 whole_frames=whole_frames,
             )
             call = self._call("Fetch")(request, metadata=self._metadata())
-            frames = FramePump(call) if receive_ahead else iter(call)
             segment = None
             try:
-                for frame in frames:
+                for frame in call:
                     header_bytes, payload = decode_frame(frame)
                     header = pb.EntriesHeader.FromString(header_bytes)
                     if header.segment:
@@ -475,8 +466,6 @@ class RpcClient:
                     raise _error_of(exc) from None
             finally:
                 call.cancel()
-                if receive_ahead:
-                    frames.close()
                 if offered is not None:  # the daemon no longer had it
                     offered.close()
                 if segment is not None:  # the daemon parks the ring once the call has ended

@@ -112,8 +112,7 @@ class CachedForward:
         self._generations = Generations(planner)
         self._audit = HitAudit(audit, model=model, connection=connection, device=self.stager.device,
                                precision=precision, varlen=varlen, generations=self._generations)
-        # On CUDA the step leaves the interpreter idle while the GPU works: frames are received ahead then.
-        epoch_stream = EpochStream(connection, rank=_rank(), receive_ahead=self.stager.device.type == "cuda") \
+        epoch_stream = EpochStream(connection, rank=_rank()) \
             if connection is not None and stream else None
         self._epoch = EpochPlan(connection, epoch_stream, self._audit)
         self._writer = EntryWriter(connection, encoding, frozen=self._frozen, generations=self._generations,

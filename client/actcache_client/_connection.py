@@ -222,17 +222,16 @@ class Connection:
         return list(map(bool, reply.present))
 
     def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0, max_frame_bytes: int = 0,
-               ahead: bool = False, receive_ahead: bool = False) -> Iterator[EntryBatch]:
+               ahead: bool = False) -> Iterator[EntryBatch]:
         """Fetch a pushed schedule from ``start``: shared memory on a Unix socket of this host, else bytes.
 
         Counts hits, misses, bytes and the seconds spent waiting for frames in ``stats``; errors are
         raised to the caller (who hands them to ``fallback``). ``ahead``: the stream is opened before
-        it is used, and its first frame is counted when it is (``count_streamed``). ``receive_ahead``:
-        see ``RpcClient.fetch_batches``. Frames are whole (``whole_frames``): frames of one batch stay
+        it is used, and its first frame is counted when it is (``count_streamed``). Frames are whole (``whole_frames``): frames of one batch stay
         one batch each even in a stream opened ahead, which fills its ring long before it is read.
         """
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
-                                         max_frame_bytes=max_frame_bytes, receive_ahead=receive_ahead,
+                                         max_frame_bytes=max_frame_bytes,
                                          whole_frames=True)
         counted, last, behind = not ahead, None, False  # last: when the previous frame arrived
         while True:

@@ -24,8 +24,7 @@ Fetch opened, by a thread (``_Ahead``): the step does not wait for the push,
 and the daemon decodes the head of the next epoch into its ring before the
 boundary. The push's reply (which entries are stored) plans the next
 epoch's skipped inputs. Ring and frame sizes follow the entries served: a
-frame holds one batch, a ring four. With ``receive_ahead`` (CachedForward on
-CUDA) a thread receives the frames ahead of the step (actcache.frame_pump).
+frame holds one batch, a ring four.
 
 Invariants: entries are consumed in schedule order; a batch's entries are
 the schedule positions ``offsets[b] .. offsets[b+1] - 1``. Only the
@@ -167,10 +166,8 @@ class _Order:
 class EpochStream:
     """Pushes an epoch's order and streams its entries back; used by CachedForward on the training thread."""
 
-    def __init__(self, connection: Connection, *, rank: int = 0, ring_bytes: int | None = None,
-                 receive_ahead: bool = False) -> None:
+    def __init__(self, connection: Connection, *, rank: int = 0, ring_bytes: int | None = None) -> None:
         self._connection = connection
-        self._receive_ahead = receive_ahead  # frames received by a thread (RpcClient.fetch_batches)
         self._prefix = f"{_JOB}.{next(_JOBS)}-r{rank}"
         self._fixed_ring = ring_bytes
         self._ring_bytes = ring_bytes or _FIRST_RING
@@ -236,8 +233,7 @@ class EpochStream:
         self._next = _Order(fingerprint, depth, fraction, variant, 0, subset, offsets, [])
         self._ahead = _Ahead(lambda: connection.push(fingerprint, depth, schedule_id, ids, variants),
                              lambda: connection.stream(schedule_id, 0, ring_bytes=ring_bytes,
-                                                       max_frame_bytes=frame_bytes, ahead=True,
-                                                       receive_ahead=self._receive_ahead))
+                                                       max_frame_bytes=frame_bytes, ahead=True))
 
     def adopt_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                    batches: Sequence[Sequence[int]]) -> bool:
@@ -337,8 +333,7 @@ class EpochStream:
         else:
             if opened:
                 self._frames = self._connection.stream(self.schedule_id, lo, ring_bytes=self._ring_bytes,
-                                                       max_frame_bytes=self._frame_bytes,
-                                                       receive_ahead=self._receive_ahead)
+                                                       max_frame_bytes=self._frame_bytes)
             batch = next(self._frames, None)
         self.wait_seconds += time.perf_counter() - t0
         if batch is None:

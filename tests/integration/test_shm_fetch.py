@@ -225,27 +225,6 @@ def test_the_next_fetch_of_a_client_reuses_the_ring_of_its_last(shm_dir):
         assert segments(shm_dir) == []
 
 
-def test_frames_received_ahead_leave_the_held_batch_intact_until_the_next_is_asked_for(shm_dir):
-    """fetch_batches receives frames in a thread ahead of its consumer (FramePump), but the ring's slots
-    of a batch are released only when the consumer asks for the next one."""
-    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
-        ns = client.open("ahead").namespace_id
-        put_range(client, ns, range(300))
-        order = np.arange(300, dtype=np.uint64)
-        client.schedule(ns, FP, 1, "a", order)
-        expected = fetched(client, ns, "a")[0]
-        client.schedule(ns, FP, 1, "b", order)
-        batches = client.fetch_batches(ns, "b", shared_memory=True, ring_bytes=RING, max_frame_bytes=20 << 10,
-                                       receive_ahead=True)
-        got = []
-        for batch in batches:
-            copies = [bytes(v) for v in batch.values]
-            time.sleep(0.05)  # the training step: the pump receives the frames the ring holds meanwhile
-            assert [bytes(v) for v in batch.values] == copies  # released early, the daemon would overwrite them
-            got.extend((pos, sid, var, bytes(v)) for pos, sid, var, v in batch)
-        assert got == expected
-
-
 def test_the_ring_of_a_stream_left_midway_serves_the_next_fetch_exactly(shm_dir):
     """A client that stops reading cancels the call while the daemon is still writing frames into the ring;
     the ring's next stream (the same client's next Fetch) gets exactly the stored values."""

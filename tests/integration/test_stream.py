@@ -183,11 +183,9 @@ def test_the_shared_memory_ring_holds_a_few_batches_within_bounds_and_frames_hol
     assert _sizes([b"x" * (1 << 20)], 512)[0] == _MAX_RING
 
 
-@pytest.mark.parametrize("receive_ahead", [False, True], ids=["cpu", "cuda-receives-ahead"])
-def test_held_slots_are_released_only_after_their_copy_completes(daemon, receive_ahead):
+def test_held_slots_are_released_only_after_their_copy_completes(daemon):
     """A batch copied asynchronously out of the ring (CUDA) is held: the stream waits for the copy's
-    event before it asks for the next frame, which releases the batch's slots to the daemon, also
-    when a thread has received that frame already (CachedForward on CUDA)."""
+    event before it asks for the next frame, which releases the batch's slots to the daemon."""
     from actcache_client._stream import EpochStream
 
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
@@ -197,7 +195,7 @@ def test_held_slots_are_released_only_after_their_copy_completes(daemon, receive
         forward_epoch(model, loader)  # stores every entry
         conn.flush(timeout_s=30)
         batches = [list(range(lo, lo + BATCH)) for lo in range(0, N, BATCH)]
-        stream = EpochStream(conn, receive_ahead=receive_ahead)
+        stream = EpochStream(conn)
         stream.push(model.fingerprint(2), 2, 1.0, 0, batches, 0)
         for position, ids in enumerate(batches):  # the first stream learns the entries' size: frames of one batch
             stream.take(position, ids)

@@ -1,4 +1,8 @@
-"""Helpers of a schedule reader for reading ahead: probes for cold data, and short read transactions."""
+"""Helpers of a schedule reader for reading ahead: probes for cold data, and short read transactions.
+
+Why probes stay: without them explicit reads served cold data at about a third of the speed
+(docs/design/serving.md).
+"""
 
 from __future__ import annotations
 
@@ -18,10 +22,9 @@ __all__ = ["INLINE_PROBE_AHEAD", "MIN_PROBED_ENTRY_BYTES", "Prober", "ShortTrans
 _WARM_STREAK = 128
 # Entries looked up by one probe task (one read transaction).
 _PROBE_BATCH = 8
-# Entries of at least this size (stored bytes, on average) are probed on the probe pool; smaller
-# ones from the reader's own thread (INLINE_PROBE_AHEAD entries ahead until the entry size is
-# known, then as far as the pool's window): below it, the reader's own probes served cold entries
-# faster; from it on the pool is ahead (the reader's WILLNEED calls block on a full disk queue).
+# Entries of at least this size (stored bytes, on average) are probed on the probe pool, where the
+# reader's own WILLNEED calls would block on a full disk queue; smaller ones from the reader's own
+# thread (INLINE_PROBE_AHEAD entries ahead until the entry size is known, then the pool's window).
 MIN_PROBED_ENTRY_BYTES = 1 << 20
 INLINE_PROBE_AHEAD = 64
 _SESSION_ENTRIES = 256

@@ -22,24 +22,8 @@ requests at once instead of one page fault at a time. Its lookups read the
 whole leaf page they land on (``ExtentHints``), so a group costs one cold
 lookup per leaf page rather than one per value.
 
-Measured (``bench/bench_cold_read.py``, this 2-core VM, page cache dropped
-before every run, 1 GiB of 160 KiB values read in a random order out of a
-2 GiB store; MB/s of value bytes; each row next to the disk's O_DIRECT
-random 1 MiB read figure taken in the same run, because this disk's speed
-drifts by 2-3x over minutes)::
-
-    method           MB/s  O_DIRECT MB/s  ratio
-    map-readahead     417            919   0.46   txn.get + copy, readahead on (the old path)
-    map-random         39            885   0.04   txn.get + copy, readahead off
-    explicit          290            790   0.37   lookup + one pread per value, one thread
-    explicit-advise   305            916   0.33   lookups 64 ahead + WILLNEED, one thread
-    explicit-probes  1014           1169   0.85   lookups on 8 threads ahead + WILLNEED,
-                                                  then lookup (cached) + pread: used here
-
-Reading all of a store through the map with readahead looks better than
-this (827 MB/s for the whole 2 GiB, as the 8 MiB windows cover it), but
-with a store larger than what one epoch reads, or pages evicted before their
-turn, most of each window is wasted; explicit reads transfer only the value.
+Why it stays: cold serving of a store larger than the map's readahead
+windows cover was faster with it in every paired run (docs/design/serving.md).
 
 Writes are unaffected: LMDB writes with ``pwrite`` (no ``writemap``), so an
 explicit read of a committed value sees the same bytes as the map. Bytes are
@@ -164,8 +148,7 @@ class PageCacheGuess:
 
     After ``WARM_AFTER`` such reads in a row, values are copied out of the map
     instead, a run of them per LMDB call (``ReadSession.copy_run``: no syscall,
-    no GIL hand-off, no page header to parse; 14 against 25 daemon CPU-µs per
-    16 KiB entry served warm over shared memory). One lookup in
+    no GIL hand-off, no page header to parse). One lookup in
     ``CHECK_EVERY`` is checked again (an explicit read, or for a run the
     kernel's answer for its first value), and one that was not cached ends
     the streak. A wrong guess costs speed (page faults instead of one pread),
