@@ -22,7 +22,7 @@ starting at a multiple of 16 bytes, so decoded tensors can be viewed
 without copies. The daemon checks the header and checksum of every entry it
 accepts or serves. ``bench/bench_codec.py`` measured the choices on the
 benchmarks' activations: xxh3 checksums 3.5x faster than zlib's CRC32, lz4
-decodes 2.8x faster than zstd-1 at a lower ratio (bench/README.md).
+decodes 2.8x faster than zstd-1 at a lower ratio (docs/benchmarks.md).
 
 One job: the entry's byte layout. Encoding, parsing and verifying it, its codecs and checksums.
 The served form Fetch builds from entries, a batch at a time, is ``actcache.served``.
@@ -152,7 +152,7 @@ class Encoding:
 
     ``auto`` (``parse("auto")``) is lz4, kept per entry only when it makes the entry faster to
     serve cold: with lz4 decoding at ~0.3 CPU-s/GB and a disk reading ~1 GB/s (measured here,
-    bench/README.md), ``stored/disk + raw x 0.3 s/GB < raw/disk`` needs a saving of 30%. Sparse
+    docs/benchmarks.md), ``stored/disk + raw x 0.3 s/GB < raw/disk`` needs a saving of 30%. Sparse
     ReLU maps get it, transformer states (ratio ~1.0) stay raw.
     """
 

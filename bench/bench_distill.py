@@ -19,7 +19,7 @@ Both students are fed by ``CachedLoader(loader, [student, teacher])``.
 Times are the whole student epoch (loading, teacher, student step), wall and
 this process's CPU; the daemon's CPU is counted for the served epochs.
 Sample output (2 cores shared with other jobs, --quick, 1 torch thread; the
-whole output is in bench/README.md):
+whole output is in docs/benchmarks.md):
 
     epoch  arm          wall s   cpu s  daemon cpu s  teacher s  served  computed  audited     loss
         1  recomputed    13.74   13.67          0.00       6.66       0       640        0   0.8443

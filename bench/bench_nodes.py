@@ -24,7 +24,7 @@ seeds for both. A third row trains on the data sorted by class with
 ``block_size`` = one tenth of it (each block a single class, 10 canonical
 nodes): the case where node-local shuffling hurts.
 
-Sample output (2 cores, shared machine, ``--quick``): see bench/README.md.
+Figures (2 cores, shared machine): docs/benchmarks.md.
 The last lines:
 
     figure: node_hit_ratio = R               (epochs >= 2, worst rank, node-stable sampler)

@@ -12,7 +12,7 @@ in a temp dir) and without it (--cache or --no-cache keeps one of the two)
 take turns every 5 steps, so drifts in the machine's load hit them alike;
 each run's clock counts only its own turns. Results go to bench/results/
 (JSON + CSV); the last two lines are the mode's figures against the full
-run. bench/README.md has sample output and what every column means:
+run. Sample output and what every column means:
 
     run                final    best   delta    TTA s  train s   wall s  speedup   TTA x   CPU s  CPU x   hits ...
     full               ...
@@ -30,7 +30,7 @@ Egeria; see workloads/freezers.py). Egeria's reference model runs in a
 spawned CPU process per run, never waited for. For these two modes a list of
 every freeze and unfreeze (step, epoch, stage, reason) is printed after the
 tables, and the JSON holds it with every policy observation under
-``runs[i].freezer``. Sample output for them will follow in bench/README.md.
+``runs[i].freezer``. Their figures are in docs/guides/freeze-policies.md.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ the first one, S samples, P nodes, entry size B, raw input size R:
 
 No activation crosses the network in either case: each daemon serves its
 own node. "net" below is the raw input bytes a node loads for its misses.
-Sample output (the default CIFAR-10 train set, depth 4 = stem + layer1; all of it in bench/README.md):
+Sample output (the default CIFAR-10 train set, depth 4 = stem + layer1; all of it in docs/benchmarks.md):
 
       depth  4 (layer1.2 )  16x32x32    65,600 B
     ...

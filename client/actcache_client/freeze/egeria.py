@@ -96,7 +96,7 @@ smaller lr, which moves every stage about 10x less, so readings after it sit
 far below a T calibrated on the readings before it: a kept T refroze each
 stage as soon as W readings arrived, and unfreezing bought only those few
 evaluations of training. Measured on CIFAR-10 (ResNet-20, 20,000 images, 10
-epochs, bench/README.md): stage 0 refroze 7 evaluations after the first
+epochs, docs/guides/freeze-policies.md): stage 0 refroze 7 evaluations after the first
 drop, everything was frozen 0.8 epoch after the second, while the full run
 gained most of its last points after that drop, and the run ended 4.45
 points below it. Calibrated again, a stage refreezes when its drift falls
