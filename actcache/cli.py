@@ -1,14 +1,12 @@
 """``actcache`` command line: a registry of subcommands, each an (add_parser, run) pair.
 
-    actcache serve --dir DIR [--socket PATH]    run the daemon
+    actcache serve [--dir DIR] [--socket PATH]  run the daemon (default: the node daemon)
     actcache stats [--json]                     usage and counters
     actcache ls [--json]                        namespaces, fingerprints, depths; last write/read, reclaimable; jobs
     actcache drop NAMESPACE [--fingerprint HEX [--depth N]]
     actcache clean [--socket PATH] [--dir DIR]  reclaim leftovers of crashes
     actcache stop [--socket PATH]               stop a daemon (default: this node's, see actcache.node)
     actcache bench disk --dir DIR [--size 1GiB] [--json]   size a node: disk and LMDB MB/s
-
-One module of about 400 lines: every subcommand's parser and runner, a few lines each, read together.
 """
 
 from __future__ import annotations

@@ -43,8 +43,6 @@ released DIR.
 
 Stopping: :func:`stop_daemon` (``actcache stop``) finds the pid listening on a
 socket (``SO_PEERCRED``), sends SIGTERM and waits for it to exit.
-
-One module of about 400 lines: the node daemon's directory, start lock, start and stop share its paths and the lock's protocol.
 """
 
 from __future__ import annotations

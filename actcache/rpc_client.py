@@ -3,8 +3,6 @@
 The channel is created lazily in each process (gRPC channels do not survive
 ``fork``, and DataLoader workers fork), so one RpcClient may be handed to
 worker processes.
-
-One class of about 450 lines: every RPC of the service, with the retries, metadata and channel handling they share.
 """
 
 from __future__ import annotations

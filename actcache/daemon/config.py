@@ -1,7 +1,4 @@
-"""Daemon configuration: dataclasses per concern, built from flags > ACTCACHE_* env > defaults.
-
-One module of about 430 lines: every layer's settings and the one builder that merges flags, environment and defaults.
-"""
+"""Daemon configuration: dataclasses per concern, built from flags > ACTCACHE_* env > defaults."""
 
 from __future__ import annotations
 
