@@ -12,7 +12,7 @@ cached before the run). Same seeds, same batches. Training time is the
 Trainer's ``train()``; accuracy is ``evaluate()`` on the dev split. Sample
 output (2 cores, --quick):
 
-    MiniLM-L6 via transformers.Trainer, 192 samples x 2 epochs, batch 32, frozen 4/8 stages after 25%
+    MiniLM-L6 via transformers.Trainer, 192 samples x 3 epochs, batch 32, frozen 4/8 stages after 25%
     round  mode       train_s  eval_acc  served_rows
     ...
     figure: hf_cached_vs_uncached = R   (training time, cached / uncached, medians)
@@ -73,7 +73,7 @@ def run(cached: bool, train: list[dict], dev: list[dict], args: argparse.Namespa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="192 samples x 2 epochs, 128 dev samples, 2 rounds")
+    parser.add_argument("--quick", action="store_true", help="192 samples x 3 epochs, 128 dev samples, 2 rounds")
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="also print one JSON row per run")
     args = parser.parse_args()
     if args.quick:
-        args.samples, args.epochs, args.rounds, args.dev = 192, 2, 2, 128
+        args.samples, args.epochs, args.rounds, args.dev = 192, 3, 2, 128
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true")
     data = resolve_data_dir(args.data_dir)
