@@ -250,7 +250,8 @@ def _counters_line(c) -> str:
     ready = f"{c.ready_on_ask / served:.1%}" if served else "n/a"
     ratio = f"{c.hit_ratio:.1%}" if served else "n/a"
     return (f"{c.hits} hits, {c.misses} misses (hit ratio {ratio}, {c.corrupt} corrupt), ready when asked {ready}, "
-            f"{c.stalls} stalls ({c.stall_seconds:.3f} s), read {_fmt(c.read_bytes)}, served {_fmt(c.served_bytes)}")
+            f"{c.stalls} stalls ({c.stall_seconds:.3f} s), read {_fmt(c.read_bytes)}, served {_fmt(c.served_bytes)} "
+            f"({c.direct} entries read directly)")
 
 
 @command("ls", "list namespaces, fingerprints and depths with their entries and bytes")(_connection_flags)

@@ -240,6 +240,31 @@ class ShmRing:
         self._slots.append((position, self._write))
         return HEADER_BYTES + (self._write - size) % self.ring_bytes
 
+    def alloc_run(self, position: int, count: int, size: int) -> list[tuple[int, int]] | None:
+        """Consecutive slots of ``size`` bytes for the ``count`` entries at ``position`` on: one block,
+        or two when the run reaches the ring's end (the rest starts over at its beginning, after the
+        gap no slot fits in). ``(segment offset, entries)`` per block; None while they do not fit."""
+        self._check_size(size)
+        at = self._write % self.ring_bytes
+        need, before_end = self._run_need(count, size)
+        if self._write + need - self._freed > self.ring_bytes:
+            self.poll()
+            if self._write + need - self._freed > self.ring_bytes:
+                return None
+        gap = need - count * size
+        ends = [self._write + (i + 1) * size + (gap if i >= before_end else 0) for i in range(count)]
+        self._write += need
+        self._slots.extend(zip(range(position, position + count), ends))
+        blocks = [(HEADER_BYTES + at, before_end)] if before_end else []
+        return blocks + [(HEADER_BYTES, count - before_end)] if before_end < count else blocks
+
+    def _run_need(self, count: int, size: int) -> tuple[int, int]:
+        """``(bytes, slots before the end)`` of a run of ``count`` slots of ``size`` from the write
+        position: with the gap at the ring's end that no slot fits in, if the run wraps."""
+        left = self.ring_bytes - self._write % self.ring_bytes
+        before_end = min(count, left // size)
+        return count * size + (left - before_end * size if before_end < count else 0), before_end
+
     def view(self, offset: int, size: int) -> memoryview:
         """The writable bytes of the slot at ``offset`` (from ``alloc``)."""
         return self._view[offset : offset + size]
@@ -248,23 +273,31 @@ class ShmRing:
         """``alloc``, polling the client's releases while ``alive()``; None if the call ended first."""
         return self.alloc(position, size) if self.wait_room(size, alive) else None
 
-    def wait_frame_room(self, nbytes: int, slot_bytes: int, alive: Callable[[], bool], patience_s: float) -> bool:
+    def wait_frame_room(self, nbytes: int, slot_bytes: int, alive: Callable[[], bool], patience_s: float, *,
+                        uniform: bool = False) -> bool:
         """Wait up to ``patience_s`` for a frame of ``nbytes`` in slots of up to ``slot_bytes`` to fit
         whole, polling while ``alive()``; False if the call ended first. It returns at once when the
         client has released every slot (a frame larger than the ring takes what fits), and after
         ``patience_s`` with what fits (a client may hold several frames on purpose).
 
-        It allows one slot more than ``nbytes`` for a gap at the ring's end (a slot never wraps).
+        ``uniform``: the frame's slots are all ``slot_bytes`` (``nbytes`` a multiple of it), so the room
+        it needs is exact; else it allows one slot more for a gap at the ring's end. In a ring of whole
+        frames that slot would cost a whole frame of lead.
 
         Why: a frame cut short by a full ring ends mid-batch, and the client then takes that batch
         from two frames, copying the first part out of the ring before it may ask for the second.
         """
+        exact = uniform and 0 < nbytes <= self.ring_bytes and nbytes % slot_bytes == 0
         deadline = time.monotonic() + patience_s
-        need = min(nbytes + slot_bytes, self.ring_bytes)
+
+        def need() -> int:
+            if exact:
+                return self._run_need(nbytes // slot_bytes, slot_bytes)[0]
+            return min(nbytes + slot_bytes, self.ring_bytes)  # a slot never wraps: allow one slot of gap at the end
 
         def fits() -> bool:
             self.poll()
-            return not self._slots or self._write - self._freed + need <= self.ring_bytes or time.monotonic() > deadline
+            return not self._slots or self._write - self._freed + need() <= self.ring_bytes or time.monotonic() > deadline
 
         return _poll_until(fits, alive)
 

@@ -341,7 +341,7 @@ class StatsReply(_message.Message):
     def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScheduleStats, _Mapping]]] = ..., prefetch: _Optional[_Iterable[_Union[NamespacePrefetchStats, _Mapping]]] = ..., prefetch_budget_bytes: _Optional[int] = ..., prefetch_buffered_bytes: _Optional[int] = ..., prefetch_max_buffered_bytes: _Optional[int] = ..., schedules_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., explicit_reads_total: _Optional[int] = ..., fallback_reads_total: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., reclaimed_generations_total: _Optional[int] = ..., reclaimed_bytes_total: _Optional[int] = ..., reclaim_after_seconds: _Optional[float] = ..., now: _Optional[float] = ..., cached_copies_total: _Optional[int] = ..., rings_created_total: _Optional[int] = ..., rings_reused_total: _Optional[int] = ..., page_layout_unrecognized_total: _Optional[int] = ...) -> None: ...
 
 class PrefetchCounters(_message.Message):
-    __slots__ = ("hits", "misses", "hit_ratio", "corrupt", "ready_on_ask", "stalls", "stall_seconds", "read_bytes", "served_bytes")
+    __slots__ = ("hits", "misses", "hit_ratio", "corrupt", "ready_on_ask", "stalls", "stall_seconds", "read_bytes", "served_bytes", "direct")
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     HIT_RATIO_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,7 @@ class PrefetchCounters(_message.Message):
     STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READ_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     hits: int
     misses: int
     hit_ratio: float
@@ -360,7 +361,8 @@ class PrefetchCounters(_message.Message):
     stall_seconds: float
     read_bytes: int
     served_bytes: int
-    def __init__(self, hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., corrupt: _Optional[int] = ..., ready_on_ask: _Optional[int] = ..., stalls: _Optional[int] = ..., stall_seconds: _Optional[float] = ..., read_bytes: _Optional[int] = ..., served_bytes: _Optional[int] = ...) -> None: ...
+    direct: int
+    def __init__(self, hits: _Optional[int] = ..., misses: _Optional[int] = ..., hit_ratio: _Optional[float] = ..., corrupt: _Optional[int] = ..., ready_on_ask: _Optional[int] = ..., stalls: _Optional[int] = ..., stall_seconds: _Optional[float] = ..., read_bytes: _Optional[int] = ..., served_bytes: _Optional[int] = ..., direct: _Optional[int] = ...) -> None: ...
 
 class ScheduleStats(_message.Message):
     __slots__ = ("namespace", "schedule_id", "state", "length", "start", "served", "ready", "read", "read_ahead_entries", "buffered_bytes", "attached", "counters")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from actcache.codec import Codec, DType, Encoding, TensorSpec, compress_entry, decode_entry, encode_entry, parse_header, verify_entry
 from actcache.codec import AUTO_MIN_SAVING, Checksum, _pack_header, _parse_header
 from actcache.errors import InvalidRequest
-from actcache.served import decoded_size, served_size, to_raw_entries, to_raw_entries_into, to_raw_entry
+from actcache.served import copy_raw_run, decoded_size, served_size, to_raw_entries, to_raw_entries_into, to_raw_entry
 
 NUMPY = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16,
          DType.int64: np.int64, DType.int32: np.int32, DType.uint8: np.uint8, DType.bool: np.bool_}
@@ -249,6 +249,30 @@ def test_raw_entries_of_one_layout_are_served_like_any_others(checksum):
     outs = [memoryview(bytearray(decoded_size(e))) for e in mixed]
     assert to_raw_entries_into(mixed, outs) == [None, None, None]  # another layout: entry by entry
     assert bytes(outs[2]) == mixed[2]
+
+
+@pytest.mark.parametrize("checksum", list(Checksum))
+def test_a_run_of_raw_entries_is_copied_into_consecutive_rows_and_each_copy_is_verified(checksum):
+    arrays = [np.random.default_rng(i).standard_normal((4, 6), dtype=np.float32) for i in range(6)]
+    entries = [encode_entry([TensorSpec(DType.float32, a.shape)], [a], encoding=Encoding(checksum=checksum)) for a in arrays]
+    size = len(entries[0])
+    bad = bytearray(entries[4])
+    bad[-3] ^= 0x10  # one payload bit
+    entries[4] = bytes(bad)
+    dest = memoryview(bytearray(6 * size))
+    errors = copy_raw_run(entries, dest)
+    assert [e is None for e in errors] == [True, True, True, True, False, True]
+    assert f"checksum ({checksum.name}) mismatch" in str(errors[4])
+    for i in (0, 1, 2, 3, 5):
+        assert bytes(dest[i * size : (i + 1) * size]) == entries[i]
+    # another layout of the same size, and a damaged first header: verified row by row
+    other = encode_entry([TensorSpec(DType.float32, (6, 4))], [arrays[0].reshape(6, 4)], encoding=Encoding(checksum=checksum))
+    assert len(other) == size
+    assert copy_raw_run([entries[0], other, entries[1]], memoryview(bytearray(3 * size))) == [None, None, None]
+    broken = bytearray(entries[0])
+    broken[0] ^= 0xFF  # the magic
+    errors = copy_raw_run([bytes(broken), entries[1]], memoryview(bytearray(2 * size)))
+    assert errors[0] is not None and "magic" in str(errors[0]) and errors[1] is None
 
 
 def test_served_size_is_what_fetch_serves_and_a_malformed_entry_keeps_its_size():

@@ -1,5 +1,6 @@
 """The shared-memory ring: slot allocation, release, wrap, naming and stale segments."""
 
+import mmap
 import os
 import subprocess
 import sys
@@ -42,6 +43,38 @@ def test_an_entry_never_crosses_the_end_of_the_ring(ring):
     assert ring.alloc(11, big) == HEADER_BYTES  # the gap at the end goes with it
     with pytest.raises(InvalidRequest, match="does not fit the shared-memory ring"):
         ring.alloc(12, MIN_RING_BYTES + 1)
+
+
+def test_a_run_of_slots_is_one_block_or_two_where_the_ring_wraps_and_is_released_slot_by_slot(ring):
+    client = ClientSegment(str(ring.path))
+    size = MIN_RING_BYTES // 8 - 16  # 8 slots fit, with a 128-byte gap at the end
+    assert ring.alloc_run(10, 3, size) == [(HEADER_BYTES, 3)]  # positions 10..12
+    assert ring.alloc_run(13, 4, size) == [(HEADER_BYTES + 3 * size, 4)]  # 13..16: 7 of 8 slots taken
+    assert ring.alloc_run(17, 2, size) is None  # one slot and the gap left: not room for two
+    client.release(11)  # position 10 consumed
+    assert ring.alloc_run(17, 2, size) == [(HEADER_BYTES + 7 * size, 1), (HEADER_BYTES, 1)]  # 17 at the end, 18 at the start
+    assert ring.alloc(19, size) is None  # 11..18 fill the ring
+    client.release(12)  # 11 alone: its slot is free, though the rest of its run was not released with it
+    assert ring.alloc(19, size) == HEADER_BYTES + size
+    assert ring.alloc(20, size) is None
+    with pytest.raises(InvalidRequest, match="does not fit the shared-memory ring"):
+        ring.alloc_run(21, 1, MIN_RING_BYTES + 1)
+
+
+def test_a_ring_of_whole_frames_never_splits_one(tmp_path):
+    slot, per_frame = 16464, 8  # not a divisor of a page or a MiB
+    frame = slot * per_frame
+    ring = ShmRing(4 * frame, start=0, directory=tmp_path)
+    client = ClientSegment(str(ring.path))
+    assert ring.ring_bytes == 4 * frame and ring.capacity % mmap.PAGESIZE == 0
+    for k in range(12):  # three turns of the ring; the client has not released the last three frames written
+        if k >= 4:  # exactly a frame free: room for a frame of uniform slots (a wait would end at once:
+            # the call reads as ended), not for a frame that must allow a slot of gap
+            assert ring.wait_frame_room(frame, slot, lambda: False, patience_s=30, uniform=True)
+            assert not ring.wait_frame_room(frame, slot, lambda: False, patience_s=30)
+        assert ring.alloc_run(k * per_frame, per_frame, slot) == [(HEADER_BYTES + (k % 4) * frame, per_frame)]
+        client.release(max(k - 2, 0) * per_frame)
+    ring.close()
 
 
 def test_a_reused_ring_serves_a_smaller_request_in_its_first_bytes(tmp_path):

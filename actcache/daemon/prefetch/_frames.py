@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.daemon.prefetch._budget import MemoryBudget
+from actcache.daemon.prefetch._direct import DirectRun
+from actcache.daemon.prefetch._handover import Handover
 from actcache.daemon.prefetch._readahead import FILL_BYTES, ReadAhead, ReaderState
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.prefetch._served import ServedBatch
 from actcache.errors import ActCacheError, InvalidRequest
 
 if TYPE_CHECKING:
-    from actcache.daemon.store import Store
+    from actcache.daemon.store import PageCacheGuess, Store
 
 __all__ = ["FrameTaker"]
 
@@ -27,7 +29,8 @@ _LINGER_S = 0.005
 
 
 class FrameTaker:
-    """Hands one consumer (a Fetch) its stream as frames: ``ServedBatch``es of ready entries.
+    """Hands one consumer (a Fetch) its stream as frames: ``ServedBatch``es of ready entries, or
+    ``DirectRun``s once it has taken reading over (``Handover``).
 
     Runs on the consumer's thread only. Invariants: it moves ``served``
     forward only over ready positions, in order, under ``cond``; it waits for
@@ -36,50 +39,62 @@ class FrameTaker:
     (``ServedBatch.finish``), not when it is taken.
     """
 
-    def __init__(self, schedule: Schedule, shared: ReadAhead, *, store: Store, budget: MemoryBudget,
-                 decode_pool: Executor | None, on_done: Callable[[], None]) -> None:
+    def __init__(self, schedule: Schedule, shared: ReadAhead, handover: Handover, *, store: Store,
+                 budget: MemoryBudget, guess: PageCacheGuess, decode_pool: Executor | None,
+                 key: Callable[[int], bytes], on_done: Callable[[], None]) -> None:
         """The budget counts the reader's bytes under ``shared``; ``on_done``: the stream is served."""
-        self._owner, self._schedule, self._shared = shared, schedule, shared
-        self._store, self._budget, self._decode = store, budget, decode_pool
+        self._owner, self._schedule, self._shared, self._handover = shared, schedule, shared, handover
+        self._store, self._budget, self._guess, self._decode, self._key = store, budget, guess, decode_pool, key
         self._on_done = on_done
 
-    def batches(self, max_frame_bytes: int, fill_whole: bool) -> Iterator[ServedBatch]:
+    def batches(self, max_frame_bytes: int, direct_entries: int) -> Iterator[ServedBatch | DirectRun]:
         """See ``ScheduleReader.batches``."""
-        shared, schedule = self._shared, self._schedule
-        shared.fill_bytes = max_frame_bytes if fill_whole else min(max_frame_bytes, FILL_BYTES)
+        shared, handover, schedule = self._shared, self._handover, self._schedule
+        # Over shared memory the client sizes frames to one batch (it needs all of it): fill them whole.
+        shared.fill_bytes = max_frame_bytes if direct_entries else min(max_frame_bytes, FILL_BYTES)
         while True:
+            direct_at = None
             with shared.cond:
                 def over() -> bool:  # nothing more will become ready for this consumer
                     return (shared.state is ReaderState.CANCELLED or shared.served >= shared.end
                             or shared.state is ReaderState.FAILED and shared.served not in shared.slots)
 
                 def filled() -> bool:  # a frame's worth is ready, or no more is coming soon
-                    return (shared.frame_filled() or over()
+                    return (shared.frame_filled() or over() or handover.parked  # parked: this consumer reads on
                             or shared.state is not ReaderState.READING and shared.ready >= min(shared.read, shared.end))
 
                 stalled, waited = False, 0.0
-                if shared.served == shared.ready and not over():
+                handover.claim(direct_entries)
+                if shared.served == shared.ready and not over() and not handover.parked:
                     stalled, t0 = True, time.monotonic()
                     shared.consumer_waits = "any"
-                    shared.cond.wait_for(lambda: shared.served < shared.ready or over())
+                    shared.cond.wait_for(lambda: shared.served < shared.ready or over() or handover.parked)
                     waited = time.monotonic() - t0
-                if not filled():
-                    # Less than a frame is ready: rather than a small frame (costly on both sides),
-                    # give the reader a moment to fill a reasonable one.
-                    shared.consumer_waits = "fill"
-                    shared.cond.wait_for(filled, _LINGER_S)
-                if shared.served == shared.ready:
-                    shared.consumer_waits = None
-                    if shared.state in (ReaderState.CANCELLED, ReaderState.FAILED):
-                        if shared.error is not None:
-                            raise shared.error
-                        return
-                    shared.set_state(ReaderState.DONE)
-                    break
-                start, taken = shared.take(max_frame_bytes)
+                if handover.parked and shared.served == shared.ready and not over():
+                    direct_at = shared.served
+                else:
+                    if not filled():
+                        # Less than a frame is ready: rather than a small frame (costly on both sides),
+                        # give the reader a moment to fill a reasonable one.
+                        shared.consumer_waits = "fill"
+                        shared.cond.wait_for(filled, _LINGER_S)
+                    if shared.served == shared.ready:
+                        shared.consumer_waits = None
+                        if shared.state in (ReaderState.CANCELLED, ReaderState.FAILED):
+                            if shared.error is not None:
+                                raise shared.error
+                            return
+                        shared.set_state(ReaderState.DONE)
+                        break
+                    start, taken = shared.take(max_frame_bytes)
                 shared.consumer_waits = None
                 if shared.reader_waits:
                     shared.cond.notify_all()
+            if direct_at is not None:
+                yield DirectRun(direct_at, min(shared.end, direct_at + direct_entries), schedule=schedule, key=self._key,
+                                store=self._store, guess=self._guess, done=handover.done,
+                                give_back=handover.give_back, discard=self.discard_corrupt, pool=self._decode)
+                continue
             stop = start + len(taken)
             header = pb.EntriesHeader(
                 start=start,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 from actcache.daemon.prefetch import _readahead
 from actcache.daemon.prefetch._budget import MemoryBudget
+from actcache.daemon.prefetch._handover import Handover
 from actcache.daemon.prefetch._lookahead import Prober, ShortTransaction
 from actcache.daemon.prefetch._readahead import ReadAhead, Slot, Stop
 from actcache.daemon.prefetch._schedule import Schedule
@@ -31,17 +32,17 @@ class ReadLoop:
     Each position is looked up and read as stored (no decoding here), its
     bytes reserved in the shared budget first, then published in order into
     the ``ReadAhead``. Invariants: this thread is the only one that moves
-    ``read`` forward; it holds at most one reservation
+    ``read`` forward while not parked; it holds at most one reservation
     (``carry``) besides its slots' bytes, and closes its read transaction
-    before any wait (budget, consumer), so a waiting reader
+    before any wait (budget, consumer, attach, park), so a waiting reader
     pins no pages. It stops (``Stop``) as soon as the reader is stopping.
     """
 
-    def __init__(self, schedule: Schedule, shared: ReadAhead, *, store: Store,
+    def __init__(self, schedule: Schedule, shared: ReadAhead, handover: Handover, *, store: Store,
                  budget: MemoryBudget, probe_pool: Executor | None, probe_bytes: int, guess: PageCacheGuess,
                  on_starved: Callable[[ReadAhead, int], None] | None) -> None:
         """The budget counts this reader's bytes under ``shared`` (its ScheduleReader)."""
-        self._owner, self._schedule, self._shared = shared, schedule, shared
+        self._owner, self._schedule, self._shared, self._handover = shared, schedule, shared, handover
         self._store, self._budget, self._probe, self._probe_bytes = store, budget, probe_pool, probe_bytes
         self._guess, self._on_starved = guess, on_starved
         self._keys: dict[int, list[bytes]] = {}
@@ -73,9 +74,18 @@ class ReadLoop:
                 if shared.read - shared.served >= _readahead.MAX_AHEAD_ENTRIES:
                     txn.close()
                     self._wait_for_consumer()
+                if self._handover.claimed and not carry:
+                    txn.close()
+                    self._handover.park()
+                    continue
+                if not carry and self._warm_without_consumer():
+                    txn.close()
+                    self._wait_for_attach()
+                    continue
                 pos = shared.read
                 if prober is not None:
                     prober.advance(pos, read_total // read_entries if read_entries else 0)
+                self._handover.hinting = prober is not None and prober.active
                 session = txn.open()
                 if not carry:  # a run of entries whose bytes the budget has now: one reservation, one publish
                     got = self._read_run(session, pos, min(n, pos + RUN, shared.served + _readahead.MAX_AHEAD_ENTRIES),
@@ -186,6 +196,22 @@ class ReadLoop:
     def _publish(self, start: int, slots: list[Slot]) -> None:
         if not self._shared.publish(start, slots):
             self._budget.release(self._owner, sum(slot.held for slot in slots))
+            raise Stop
+
+    def _warm_without_consumer(self) -> bool:
+        """Whether to stop reading ahead until a consumer attaches: the group's values are in the page
+        cache (the guess carries over from its last schedule) and a run is read already. Over shared
+        memory the consumer then reads them itself, one pass per frame (DirectRun); read ahead, each
+        would be copied twice and served entry by entry."""
+        shared = self._shared
+        return (self._guess.warm and not shared.attached and self._store.config.explicit_reads
+                and shared.read - shared.served >= RUN)
+
+    def _wait_for_attach(self) -> None:
+        shared = self._shared
+        with shared.cond:
+            shared.cond.wait_for(lambda: shared.stopping or shared.attached)
+        if shared.stopping:
             raise Stop
 
     def _wait_for_consumer(self) -> None:

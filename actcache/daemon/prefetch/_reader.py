@@ -6,7 +6,12 @@ ahead (see actcache.daemon.store._extents); the consumer, the gRPC thread
 running ``frames()`` or ``batches()`` (``FrameTaker``), verifies and
 decompresses each frame's entries as it serves them, into the frame or
 shared-memory slots, with the decode pool taking part of a large frame
-(decoding there costs no hand-off per entry).
+(decoding there costs no hand-off per entry). A warm stream over shared
+memory skips the reader thread: it parks, and the consumer reads each frame
+from the store itself (``Handover``, ``DirectRun``). A schedule of a group
+already warm (the next epoch's, pushed ahead) reads at most one run before
+its consumer attaches, and the consumer may claim it while it still waits
+for its budget turn: it is read by its Fetch from its first entry.
 
 The reader is the parts' shared ``ReadAhead`` (positions, slots, lifecycle) and its condition.
 """
@@ -19,7 +24,9 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache.daemon.prefetch._budget import MemoryBudget
+from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._frames import FrameTaker
+from actcache.daemon.prefetch._handover import Handover
 from actcache.daemon.prefetch._read_loop import ReadLoop
 from actcache.daemon.prefetch._readahead import ReadAhead, ReaderSnapshot, ReaderState, Stop
 from actcache.daemon.prefetch._schedule import Schedule
@@ -31,14 +38,15 @@ from actcache.rpc import encode_frame
 if TYPE_CHECKING:
     from actcache.daemon.store import Store
 
-__all__ = ["ReaderSnapshot", "ReaderState", "ScheduleReader", "ServedBatch"]
+__all__ = ["DirectRun", "ReaderSnapshot", "ReaderState", "ScheduleReader", "ServedBatch"]
 
 log = logging.getLogger(__name__)
 
 
 class ScheduleReader(ReadAhead):
     """Reads ``schedule`` from ``start`` ahead of the consumer within the shared budget: the stream's
-    ``ReadAhead`` (positions, slots, lifecycle), its reader thread and its consumer's frames.
+    ``ReadAhead`` (positions, slots, lifecycle), its reader thread, its consumer's frames and the
+    hand-over between them.
 
     Invariants (under ``cond``; see ``ReadAhead``): ``start <= served <=
     ready <= read <= len(schedule)``. The budget bytes this reader holds
@@ -68,10 +76,12 @@ class ScheduleReader(ReadAhead):
         self._budget = budget
         self._on_change = on_change
         guess = guess or PageCacheGuess()  # whether this stream's values are in the page cache
-        self._loop = ReadLoop(schedule, self, store=store, budget=budget, probe_pool=probe_pool,
+        self._handover = Handover(self, schedule, guess, explicit_reads=store.config.explicit_reads,
+                                  on_read_all=lambda: on_change(self))
+        self._loop = ReadLoop(schedule, self, self._handover, store=store, budget=budget, probe_pool=probe_pool,
                               probe_bytes=probe_bytes, guess=guess, on_starved=on_starved)
-        self._frames = FrameTaker(schedule, self, store=store, budget=budget, decode_pool=decode_pool,
-                                  on_done=lambda: on_change(self))
+        self._frames = FrameTaker(schedule, self, self._handover, store=store, budget=budget, guess=guess,
+                                  decode_pool=decode_pool, key=self._loop.key, on_done=lambda: on_change(self))
         self._thread: threading.Thread | None = None  # runs the reading loop (``begin``)
 
     # ---- lifecycle -------------------------------------------------------
@@ -153,15 +163,24 @@ class ScheduleReader(ReadAhead):
             batch.finish()
             yield frame
 
-    def batches(self, max_frame_bytes: int, *, fill_whole: bool = False) -> Iterator[ServedBatch]:
+    def batches(self, max_frame_bytes: int, *, direct_entries: int = 0) -> Iterator[ServedBatch | DirectRun]:
         """The entries of one frame at a time, from ``start`` to the end.
 
         The consumer decodes the entries (``decode`` or ``decode_into``), then
         calls ``finish()`` (which releases their budget bytes and counts them;
         closing the generator does it too). Raises the reader's error after
         the entries read before it failed; returns early, quietly, if
-        cancelled without an error for the consumer. ``fill_whole``: a frame
-        waits (a moment) for ``max_frame_bytes`` of ready entries, not 1 MiB
-        (over shared memory the client sizes frames to one batch).
+        cancelled without an error for the consumer.
+
+        ``direct_entries``: once this stream's values are in the page cache
+        (the reader's guess is warm and its probes have paused: the kernel
+        needs no hints), the reader thread stops after its current run; what it read ahead is
+        served first, then the consumer gets ``DirectRun``s of up to that many
+        positions to read from the store itself, in one pass per frame (see
+        _direct.py), until it gives reading back (``DirectRun.give_back``) or
+        the generator ends.
         """
-        return self._frames.batches(max_frame_bytes, fill_whole)
+        try:
+            yield from self._frames.batches(max_frame_bytes, direct_entries)
+        finally:
+            self._handover.release()

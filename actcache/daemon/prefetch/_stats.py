@@ -32,6 +32,8 @@ class PrefetchCounters:
     read_bytes: int = 0
     #: Entry bytes sent to consumers.
     served_bytes: int = 0
+    #: Entries the consumer read from the store itself (warm, over shared memory: _direct.py).
+    direct: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:

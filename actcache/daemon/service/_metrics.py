@@ -200,6 +200,7 @@ _PREFETCH = {
     "stall_seconds": ("counter", "Seconds Fetch consumers waited for their readers"),
     "read_bytes": ("counter", "Value bytes prefetch readers read from the store"),
     "served_bytes": ("counter", "Entry bytes Fetch sent to consumers"),
+    "direct": ("counter", "Entries Fetch read from the store in one pass per frame (warm, shared memory)"),
 }
 
 

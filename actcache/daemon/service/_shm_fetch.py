@@ -8,6 +8,8 @@ import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache._proto import actcache_pb2 as pb
+from actcache.served import copy_raw_run, served_size, stored_raw
+from actcache.daemon.prefetch import DirectRun
 from actcache.rpc import encode_frame
 from actcache.shm import ShmRing, reusable
 
@@ -16,6 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ParkedRings", "fetch_shm", "ring_for"]
 
+# Positions a direct run covers at most; a frame looks up a frame's worth of them.
+_DIRECT_ENTRIES = 1024
 # How long a frame waits for the client to release room for all of it (ShmRing.wait_frame_room):
 # longer than a training step usually takes between two frames; a client holding several frames
 # on purpose gets what fits after it.
@@ -118,7 +122,10 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
     client can release it) before waiting. ``whole_frames`` (FetchRequest.whole_frames): a
     frame waits for room for all of it as long as the client holds (a stream opened ahead of
     its use fills its ring and waits, rather than cutting its next frame short). An entry larger than the whole ring travels alone in
-    a frame of its own, in the payload (offset 0), so no entry size ends the stream.
+    a frame of its own, in the payload (offset 0), so no entry size ends the stream. A warm
+    stream is read here, a frame's worth per LMDB call, straight into the slots (``DirectRun``),
+    in runs that end where a frame of ``frame_bytes`` would: the client sizes frames to one
+    batch of uniform entries, so each frame is one batch.
     """
     first = True
 
@@ -134,7 +141,26 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
         return encode_frame(out.SerializeToString(), list(inline))
 
     patience_s = math.inf if whole_frames else _WHOLE_FRAME_PATIENCE_S
-    for batch in reader.batches(frame_bytes, fill_whole=True):
+    entry_bytes = 0  # the largest entry seen: how many positions a direct run looks up for a frame
+    for batch in reader.batches(frame_bytes, direct_entries=_DIRECT_ENTRIES):
+        if isinstance(batch, DirectRun):
+            entry_bytes = entry_bytes or batch.entry_size()
+            count = _frame_entries(batch.start, frame_bytes, entry_bytes)
+            if entry_bytes and not ring.wait_frame_room(count * entry_bytes, entry_bytes, context.is_active,
+                                                        patience_s, uniform=True):
+                return
+            served = _copy_direct(batch, ring, count, frame_bytes)
+            if served is None:
+                continue
+            lengths, offsets, blocked = served
+            entry_bytes = max([entry_bytes, *lengths])
+            if lengths:
+                yield frame(batch.header(lengths), 0, len(lengths), offsets)
+                if throttle is not None:
+                    throttle.consume(sum(lengths))
+            if blocked and not ring.wait_room(blocked, context.is_active):
+                return
+            continue
         header, count, lo = batch.header, len(batch.stored), 0
         ring.poll()
         if count and not ring.wait_frame_room(sum(header.lengths), max(header.lengths), context.is_active,
@@ -157,6 +183,90 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
         batch.finish()
         if throttle is not None:
             throttle.consume(batch.nbytes)
+
+
+def _frame_entries(position: int, frame_bytes: int, entry_bytes: int) -> int:
+    """Positions a direct run from ``position`` looks up for one frame: up to the next multiple of a
+    frame's entries, so that after a short frame (the stream's first runs) frames are aligned again."""
+    if not entry_bytes:
+        return _DIRECT_ENTRIES
+    per_frame = max(1, frame_bytes // entry_bytes)
+    return per_frame - position % per_frame
+
+
+def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) -> tuple[list[int], list[int], int] | None:
+    """Copy up to ``count`` entries of ``run``, ``frame_bytes`` at most (one entry at least), into ring
+    slots in one read transaction (closed before anything waits): ``(lengths, offsets)`` of the
+    positions served (a prefix of the run; 0 for a miss) and the size of the first entry that did not
+    fit the ring now (0: none); None if the run was given back (the values seem cold, or an entry is
+    larger than the ring: the regular path takes them)."""
+    ring.poll()
+    with run.values(count) as views:
+        if views is None:
+            run.give_back()
+            return None
+        served = (_copy_uniform(run.start, views, ring, frame_bytes)
+                  or _copy_each(run.start, views, ring, frame_bytes, run.decode_into))
+    lengths, offsets, errors, blocked = served
+    if not lengths and not blocked:  # the first entry is larger than the ring
+        run.give_back()
+        return None
+    corrupt = [(i, exc) for i, exc in enumerate(errors) if exc is not None]
+    for i, _ in corrupt:
+        lengths[i] = offsets[i] = 0
+    run.done(lengths, corrupt)
+    return lengths, offsets, blocked
+
+
+def _copy_each(position: int, views: list, ring: ShmRing, frame_bytes: int,
+               decode_into: Callable[[list, list[memoryview]], list]) -> tuple[list[int], list[int], list, int]:
+    """``_copy_direct`` entry by entry, into what fits the ring now (``decode_into``: the run's, decoding
+    with the decode pool's help): ``(lengths, offsets, errors, blocked)``, one error (or None) per
+    position served."""
+    lengths: list[int] = []
+    offsets: list[int] = []
+    blocked = total = 0
+    for i, view in enumerate(views):
+        size = 0 if view is None else served_size(view)
+        total += size
+        if size > ring.ring_bytes or total > frame_bytes and total > size:
+            break
+        offset = ring.alloc(position + i, size) if size else 0
+        if offset is None:
+            blocked = size
+            break
+        lengths.append(size)
+        offsets.append(offset)
+    todo = [i for i, n in enumerate(lengths) if n]
+    decoded = decode_into([views[i] for i in todo], [ring.view(offsets[i], lengths[i]) for i in todo])
+    errors: list = [None] * len(lengths)
+    for i, exc in zip(todo, decoded):
+        errors[i] = exc
+    return lengths, offsets, errors, blocked
+
+
+def _copy_uniform(position: int, views: list, ring: ShmRing, frame_bytes: int
+                  ) -> tuple[list[int], list[int], list, int] | None:
+    """``_copy_direct``'s usual case in one pass: when the values are stored raw entries of one size and
+    a frame's worth of them fits the ring now, copy and verify them in consecutive slots
+    (``copy_raw_run``; two blocks where the ring wraps): ``_copy_each``'s result; else None, and
+    nothing was allocated."""
+    size = len(views[0]) if views and views[0] is not None else 0
+    if not size:
+        return None
+    count = min(len(views), max(1, frame_bytes // size))
+    head = views[:count]
+    if count * size > ring.ring_bytes or any(v is None or len(v) != size or not stored_raw(v) for v in head):
+        return None
+    blocks = ring.alloc_run(position, count, size)
+    if blocks is None:
+        return None
+    offsets: list[int] = []
+    errors: list = []
+    for offset, n in blocks:
+        offsets += range(offset, offset + n * size, size)
+        errors += copy_raw_run(head[len(errors) : len(errors) + n], ring.view(offset, n * size))
+    return [size] * count, offsets, errors, 0
 
 
 def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, context) -> tuple[int | None, list[int]]:

@@ -1,4 +1,4 @@
-"""Fetch over shared memory: entries decoded into ring slots, misses in place, frames whole.
+"""Direct runs: a warm stream served over shared memory is read by the Fetch thread itself, one pass per frame.
 
 In-process: a real store and prefetcher, the daemon's real ``fetch_shm`` on a
 real ring, and a client that maps the segment and releases what it read.
@@ -13,24 +13,31 @@ import pytest
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import DType, TensorSpec, encode_entry
-from actcache.served import served_size
+from actcache.served import copy_raw_run, served_size
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
+from actcache.daemon.prefetch._reader import ReaderState
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.service._shm_fetch import fetch_shm
-from actcache.daemon.store import Store
+from actcache.daemon.store import PageCacheGuess, Store
 from actcache.keys import encode_key
 from actcache.rpc import decode_frame
 from actcache.shm import MIN_RING_BYTES, ClientSegment, ShmRing
+from actcache.testing import wait_until
 from tests.daemon.corrupt import flip_stored_byte
 
 FP = b"D" * 16
-N = 600
+N = 600  # the reader thread is at most ~160 positions ahead when the consumer takes over (1 MiB budget)
 SPEC = [TensorSpec(DType.float32, (4096,))]  # 16 KiB
 
 
 def value(i: int) -> bytes:
     return encode_entry(SPEC, [np.full(4096, i, np.float32)])
+
+
+@pytest.fixture(autouse=True)
+def warm_after_two_reads(monkeypatch):
+    monkeypatch.setattr(PageCacheGuess, "WARM_AFTER", 2)
 
 
 @pytest.fixture
@@ -88,11 +95,12 @@ def expected(order):
     return {pos: value(i) if i % 2 == 0 else None for pos, i in enumerate(order)}
 
 
-def test_a_stream_is_served_in_order_with_misses_in_place(store, tmp_path):
+def test_a_warm_stream_is_read_by_the_fetch_thread_with_misses_in_place(store, tmp_path):
     order = np.random.default_rng(1).permutation(N)
     got, counters, _ = serve(store, order, tmp_path)
     assert got == expected(order)
     assert (counters["hits"], counters["misses"], counters["corrupt"]) == (N // 2, N // 2, 0)
+    assert counters["direct"] > N // 2  # after the first runs, the Fetch thread read the rest itself
     assert counters["ready_on_ask"] + counters["stalls"] >= N
 
 
@@ -100,6 +108,26 @@ def test_a_full_ring_is_waited_for_and_the_stream_goes_on(store, tmp_path):
     order = np.arange(N)
     got, counters, _ = serve(store, order, tmp_path, ring_bytes=MIN_RING_BYTES, frame_bytes=256 << 10)
     assert got == expected(order)
+    assert counters["direct"] > N // 2
+
+
+def test_values_that_seem_cold_go_back_to_the_reader_thread(store, tmp_path, monkeypatch):
+    monkeypatch.setattr(PageCacheGuess, "CHECK_EVERY", 8)
+    direct_when_cold = []  # once set, the kernel says no value is in the page cache any more
+    read = store._file.read
+    monkeypatch.setattr(store._file, "resident", lambda extent: not direct_when_cold)
+    monkeypatch.setattr(store._file, "read", lambda extent: (read(extent)[0], not direct_when_cold))
+
+    def evict_once_direct(reader):
+        direct = reader.schedule.counters.snapshot()["direct"]
+        if direct and not direct_when_cold:
+            direct_when_cold.append(direct)
+
+    order = np.arange(N)
+    got, counters, _ = serve(store, order, tmp_path, on_frame=evict_once_direct)
+    assert got == expected(order)
+    # direct runs (3 entries a frame here) stop at the next check, due every 8 lookups; the reader reads the rest
+    assert direct_when_cold and direct_when_cold[0] <= counters["direct"] <= direct_when_cold[0] + 7
 
 
 def test_an_entry_larger_than_the_ring_is_served_in_its_frame(tmp_path):
@@ -112,18 +140,70 @@ def test_an_entry_larger_than_the_ring_is_served_in_its_frame(tmp_path):
     finally:
         s.close()
     assert got == values
-    assert counters["hits"] == N
+    assert counters["direct"] > 0 and counters["hits"] == N
 
 
-def test_a_corrupt_entry_is_a_counted_miss_and_deleted(store, tmp_path):
+def test_a_corrupt_entry_read_directly_is_a_counted_miss_and_deleted(store, tmp_path):
     flip_stored_byte(store, encode_key(1, FP, 1, 200), tmp_path / "c" / "data.mdb")
     order = np.arange(N)
     got, counters, _ = serve(store, order, tmp_path)
     want = expected(order)
     want[200] = None
     assert got == want
-    assert (counters["hits"], counters["corrupt"]) == (N // 2 - 1, 1)
+    assert (counters["hits"], counters["corrupt"]) == (N // 2 - 1, 1) and counters["direct"] > 0
     assert store.get(1, FP, 1, [(200, 0)]) == [None]
+
+
+def test_a_corrupt_entry_among_uniform_ones_is_a_counted_miss_and_the_others_are_served(store, tmp_path, monkeypatch):
+    """Frames of stored raw entries of one size are copied and verified as one block (copy_raw_run)."""
+    from actcache.daemon.service import _shm_fetch
+
+    runs = []
+    monkeypatch.setattr(_shm_fetch, "copy_raw_run", lambda bufs, dest: runs.append(len(bufs)) or copy_raw_run(bufs, dest))
+    flip_stored_byte(store, encode_key(1, FP, 1, 200), tmp_path / "c" / "data.mdb")
+    order = np.arange(0, N, 2)  # all stored
+    got, counters, _ = serve(store, order, tmp_path)
+    want = {pos: value(int(i)) for pos, i in enumerate(order)}
+    want[100] = None  # sample 200
+    assert got == want
+    assert (counters["hits"], counters["corrupt"]) == (N // 2 - 1, 1) and counters["direct"] > 0
+    assert store.get(1, FP, 1, [(200, 0)]) == [None]
+    assert sum(runs) == counters["direct"] and max(runs) == (64 << 10) // served_size(value(0))  # whole frames
+
+
+def test_a_warm_groups_next_schedule_is_not_read_ahead_but_served_directly_from_its_start(store, tmp_path):
+    """The next epoch's order, pushed while its group is warm, is not copied into read-ahead buffers
+    before its Fetch comes (at most a run of 32): the Fetch reads it from the store itself."""
+    order = np.arange(0, N, 2)  # all stored
+    p = Prefetcher(store, PrefetchConfig(prefetch_bytes=16 << 20, decode_threads=2))
+    try:
+        for schedule_id in ("first", "next"):
+            p.push(Schedule(1, schedule_id, FP, 1, np.asarray(order, np.uint64), None))
+            if schedule_id == "next":
+                time.sleep(0.3)  # room in the budget for every entry: a reader of cold data reads them all
+                before = p.stats().namespaces[1]
+            ring = ShmRing(1 << 20, 0, directory=tmp_path)
+            segment = None
+            for frame in fetch_shm(p.attach(1, schedule_id, 0), ring, 64 << 10, Context(), None):
+                header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
+                segment = segment or ClientSegment(header.segment)
+                for i, (offset, n) in enumerate(zip(header.offsets, header.lengths)):
+                    assert bytes(segment.view[offset : offset + n]) == value(int(order[header.start + i]))
+                segment.release(header.start + len(header.lengths))
+            ring.close()
+        after = p.stats().namespaces[1]
+    finally:
+        p.close()
+    assert after["hits"] - before["hits"] == len(order)
+    assert after["direct"] - before["direct"] >= len(order) - 32
+
+
+def test_a_consumer_that_leaves_gives_reading_back(store, tmp_path):
+    got, counters, reader = serve(store, np.arange(N), tmp_path, stop_after=400)
+    assert counters["direct"] > 0 and len(got) >= 400
+    # the reader thread was parked for the consumer; released, it reads on to the end of the order
+    wait_until(lambda: reader.snapshot().read == N or reader.state in (ReaderState.CANCELLED, ReaderState.READ_ALL))
+    assert not reader._handover.parked
 
 
 def serve_threaded(store, order, tmp_path, per_frame: int, on_frame, *, whole_frames: bool = False):
@@ -171,8 +251,7 @@ def test_a_held_stream_cuts_a_frame_short_after_its_patience_unless_asked_for_wh
 
     spans, _ = serve_threaded(store, order, tmp_path, per_frame, hold_the_first, whole_frames=whole_frames)
     assert sum(n for _, n in spans) == len(order)
-    # the ring (about 7 frames) fills while the first is held: the frame that finds it full is cut, or waits
-    cut = [start for start, n in spans[:10] if n != per_frame or start % per_frame]
+    cut = [start for start, n in spans[:-1] if n != per_frame or start % per_frame]
     assert cut == [] if whole_frames else cut
 
 
@@ -187,24 +266,25 @@ def test_frames_of_a_slower_consumer_stay_whole_and_aligned(store, tmp_path):
             assert bytes(segment.view[offset : offset + n]) == value(int(order[header.start + i]))
         time.sleep(0.002)  # the training step
 
-    spans, _ = serve_threaded(store, order, tmp_path, per_frame, train)
+    spans, counters = serve_threaded(store, order, tmp_path, per_frame, train)
     assert sum(n for _, n in spans) == len(order)
+    assert counters["direct"] > len(order) // 2
     whole = [start % per_frame == 0 and n == per_frame for start, n in spans]
-    assert sum(whole) >= len(spans) - 3  # at most the stream's first frames, before the reader is ahead
+    assert sum(whole) >= len(spans) - 3  # at most the stream's first frames, before it ran direct
 
 
-def test_compressed_entries_are_decoded_with_the_decode_pools_help(tmp_path, monkeypatch):
+def test_a_warm_stream_of_compressed_entries_is_decoded_with_the_decode_pools_help(tmp_path, monkeypatch):
     from actcache.codec import decode_entry
-    from actcache.daemon.prefetch import _served
+    from actcache.daemon.prefetch import _direct
 
     threads: set[str] = set()
-    decode = _served.to_raw_entries_into
+    decode = _direct.to_raw_entries_into
 
     def recording(values, outs):
         threads.add(threading.current_thread().name)
         return decode(values, outs)
 
-    monkeypatch.setattr(_served, "to_raw_entries_into", recording)
+    monkeypatch.setattr(_direct, "to_raw_entries_into", recording)
 
     def relu(i: int) -> np.ndarray:  # compresses about 1.5x, as ReLU maps do: values stay in overflow pages
         return np.maximum(np.random.default_rng(i).standard_normal(4096, np.float32), 0)
@@ -223,5 +303,41 @@ def test_compressed_entries_are_decoded_with_the_decode_pools_help(tmp_path, mon
         else:
             _, raw = decode_entry(got[pos])
             assert np.array_equal(np.frombuffer(raw, np.float32), relu(i)), pos
-    assert counters["corrupt"] == 0
+    assert counters["direct"] > N // 2 and counters["corrupt"] == 0  # read by the Fetch thread itself
     assert any(name.startswith("actcache-decode") for name in threads) and len(threads) > 1
+
+
+def test_what_a_parked_reader_read_is_served_at_once_not_after_waiting_for_a_fuller_frame(store, tmp_path, monkeypatch):
+    """A warm group's next stream: its reader reads one run and parks for the Fetch to read on. Before, the
+    Fetch waited out _LINGER_S for a frame's worth that the parked reader would never add (5 ms a stream)."""
+    from actcache.daemon.prefetch import _frames
+
+    monkeypatch.setattr(_frames, "_LINGER_S", 60.0)  # a wait for a fuller frame would now outlast the test
+    # 2 MiB: the reader holds at most ~320 of the N positions, so however far it runs before the Fetch
+    # starts (a loaded machine), the rest of the stream is served by the Fetch's direct runs.
+    p = Prefetcher(store, PrefetchConfig(prefetch_bytes=2 << 20, decode_threads=1))
+    ring = ShmRing(4 << 20, 0, directory=tmp_path)
+    segment = ClientSegment(str(ring.path))
+    try:
+        for rep in range(2):  # the first stream leaves the group warm
+            order = np.random.default_rng(rep).permutation(N).astype(np.uint64)
+            p.push(Schedule(1, f"p{rep}", FP, 1, order, None))
+            reader = p.attach(1, f"p{rep}", 0)
+            ring.restart(0, 4 << 20)
+            served: list[int] = []
+
+            def fetch() -> None:
+                for frame in fetch_shm(reader, ring, 1 << 20, Context(), None):
+                    header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
+                    served.append(len(header.lengths))
+                    segment.release(header.start + len(header.lengths))
+
+            thread = threading.Thread(target=fetch, daemon=True)
+            thread.start()
+            thread.join(timeout=30)
+            assert not thread.is_alive(), f"stream {rep} waited for a fuller frame after {sum(served)} entries"
+            assert sum(served) == N
+        assert reader.schedule.counters.snapshot()["direct"] > 0
+    finally:
+        p.close()
+        ring.close()
