@@ -3,7 +3,8 @@
 Why: for values in the page cache, reading ahead buys nothing: the reader
 thread's copy, the slots, the budget and the wake-ups between two threads
 cost more than one thread that looks a frame's keys up in one LMDB call and
-copies each value once, straight into its ring slot.
+copies each value once, straight into its ring slot (measured in a training
+step and in warm serving: docs/design/serving.md).
 
 How: once the reader's ``PageCacheGuess`` says the stream is warm and its
 probes have paused (cold data keeps them hinting the kernel ahead, which a
