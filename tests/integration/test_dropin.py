@@ -39,6 +39,14 @@ class Images(Dataset):
         return x, self.targets[i]
 
 
+def _sgd_step(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = F.cross_entropy(net(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 def _connect(daemon) -> ac.Connection:
     return ac.connect(daemon.socket, namespace=f"dropin-{uuid.uuid4().hex[:8]}", strict=True)
 
@@ -70,11 +78,7 @@ def _train(daemon, *, epochs: int = 3, cached: bool = True, dataset: Dataset | N
                 sizes.append((x.shape[0], len(y)))
             if change_input:
                 x = x * 1.0 + 0.0 if epoch == 0 else x + 1.0
-            loss = F.cross_entropy(net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            losses.append(_sgd_step(net, opt, x, y))
     return losses, cache, loader
 
 
@@ -155,12 +159,8 @@ def test_resume_mid_epoch_gives_the_uninterrupted_run(daemon, reference):
         net.train()
         if epoch >= 1:
             cache.freeze(4)
-        for step, (x, y) in enumerate(loader):
-            loss = F.cross_entropy(net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        for x, y in loader:
+            losses.append(_sgd_step(net, opt, x, y))
             if epoch == 1:
                 break
     checkpoint = {"net": net.state_dict(), "opt": opt.state_dict(), "loader": loader.state_dict()}
@@ -178,11 +178,7 @@ def test_resume_mid_epoch_gives_the_uninterrupted_run(daemon, reference):
         net.train()
         cache.freeze(4)
         for x, y in loader:
-            loss = F.cross_entropy(net(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            losses.append(_sgd_step(net, opt, x, y))
     assert losses == reference
     cache.close()
 
@@ -253,11 +249,7 @@ def test_batches_taken_ahead_of_their_forward_are_served_in_order(daemon, refere
         for first in batches:
             taken = [first, *itertools.islice(batches, 1)]  # up to two batches before running them
             for x, y in taken:
-                loss = F.cross_entropy(net(x), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
+                losses.append(_sgd_step(net, opt, x, y))
     assert losses == reference
     assert cache.connection.stats.hits == 96
     cache.close()
