@@ -100,6 +100,7 @@ def test_the_cache_serves_the_prefix_and_changes_no_loss(daemon, reference):
 def test_evaluation_runs_the_network_and_never_touches_the_cache(daemon):
     _, cache, loader = _train(daemon, epochs=2)
     net = cache.net
+    cache.connection.flush()  # puts are sent by a writer thread: count them all before looking
     before = (cache.connection.stats.hits, cache.connection.stats.misses, cache.connection.stats.puts)
     net.eval()
     x = Images().images[:16]
