@@ -1,18 +1,22 @@
 """Time to accuracy: full training vs a freeze mode, with and without the activation cache, in one invocation.
 
-    python bench/bench_train.py --workload {cifar,digits,sst2,cola,mrpc} --mode {full,static,autofreeze,egeria}
-                                [--cache | --no-cache] [--quick] [--data-dir DIR] [--threads N] [--device cuda] [--loader-workers N]
+    python bench/bench_train.py --workload {cifar,digits,sst2,cola,mrpc} --mode {full,static,auto,autofreeze,egeria}
+                                [--cache | --no-cache] [--quick] [--seeds S [S ...]] [--data-dir DIR] [--threads N]
+                                [--device cuda] [--loader-workers N]
                                 [--epochs N] [--train-size N] [--eval-size N] [--variants K]
                                 [--freeze-depth K] [--freeze-at EPOCHS]     (static)
-                                [--eval-every STEPS]                        (autofreeze, egeria)
+                                [--eval-every STEPS]                        (auto, autofreeze, egeria)
 
 The full run (it sets the target: its best dev metric minus --tolerance
 points), the mode with the cache (a fresh daemon process, Unix socket, LMDB
 in a temp dir) and without it (--cache or --no-cache keeps one of the two)
 take turns every 5 steps, so drifts in the machine's load hit them alike;
 each run's clock counts only its own turns. Results go to bench/results/
-(JSON + CSV); the last two lines are the mode's figures against the full
-run. Sample output and what every column means:
+(JSON + CSV), one file per seed; each seed's figures are printed, and the
+last two lines are the mode's figures against the full run of the same
+seed, averaged over the seeds (``--seeds 0 1``: the runs of seed 0, then
+those of seed 1; a seed sets the model's initialisation, the data order
+and dropout). Sample output and what every column means:
 
     run                final    best   delta    TTA s  train s   wall s  speedup   TTA x   CPU s  CPU x   hits ...
     full               ...
@@ -22,12 +26,14 @@ run. Sample output and what every column means:
     figure: metric_delta = D
 
 Modes: ``static`` freezes the workload's fixed prefix at a fixed epoch;
+``auto`` runs the freeze controller with no policy, as a user gets it from
+the run's length (``FreezeController(model, opt, total_steps=N)``);
 ``autofreeze`` and ``egeria`` run the freeze controller
 (``actcache_client.freeze.FreezeController``) with AutoFreeze's or Egeria's
 policy at the papers' defaults, evaluating every --eval-every steps (default:
 an epoch's steps / 5 for AutoFreeze, from the run's length and stage count for
 Egeria; see workloads/freezers.py). Egeria's reference model runs in a
-spawned CPU process per run, never waited for. For these two modes a list of
+spawned CPU process per run, never waited for. For these modes a list of
 every freeze and unfreeze (step, epoch, stage, reason) is printed after the
 tables, and the JSON holds it with every policy observation under
 ``runs[i].freezer``. Their figures are in docs/guides/freeze-policies.md.
@@ -106,14 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", action=argparse.BooleanOptionalAction, default=None,
                         help="only with (--cache) or only without (--no-cache) the cache; default: both")
     parser.add_argument("--quick", action="store_true", help="small data and few epochs: a minute or two per run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one set of runs per seed (model "
+                        "initialisation, data order, dropout); the figures are means over the seeds (default: 0)")
     parser.add_argument("--data-dir", help="default: $ACTCACHE_DATA, else ../shared/data beside the repository")
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--train-size", type=int, help="training samples (fixed-seed subset)")
     parser.add_argument("--eval-size", type=int, help="dev/test samples (fixed-seed subset)")
     parser.add_argument("--freeze-depth", type=int, help="static mode: stages to freeze (default per workload)")
     parser.add_argument("--freeze-at", type=float, help="static mode: when, in (fractional) epochs")
-    parser.add_argument("--eval-every", type=int, help="autofreeze/egeria: steps between the policy's evaluations "
-                        "(default: an epoch's steps / 5 for autofreeze; from the run's length for egeria)")
+    parser.add_argument("--eval-every", type=int, help="auto/autofreeze/egeria: steps between the policy's "
+                        "evaluations (default: an epoch's steps / 5 for autofreeze; from the run's length for "
+                        "auto and egeria)")
     parser.add_argument("--planner", action=argparse.BooleanOptionalAction, default=True,
                         help="cached runs let the cost model (CachePlanner) decide whether and where caching pays, "
                              "as a user would (default); --no-planner caches every frozen prefix")
@@ -161,6 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode != "full":
         plan += [(args.mode, cache) for cache in ((True, False) if args.cache is None else (args.cache,))]
     print(f"runs: {', '.join(label_of(*p) for p in plan)}, taking turns every {SLICE_STEPS} steps", flush=True)
+    figures = []
+    for seed in args.seeds:
+        workload.seed = seed
+        print(f"\nseed {seed}", flush=True)
+        rows = run_seed(workload, plan, args, source)
+        primary = rows[1] if len(rows) > 1 else rows[0]
+        figures.append((primary["tta_speedup"], primary["metric_delta"]))
+        print(f"seed {seed}: {primary['run']} against full: tta_speedup {primary['tta_speedup']:.2f}, "
+              f"metric_delta {primary['metric_delta']:+.2f}", flush=True)
+    if len(plan) > 1:
+        print(f"\nfigures are for {label_of(*plan[1])} against full, means over seeds {args.seeds}")
+    print(f"figure: tta_speedup = {sum(f[0] for f in figures) / len(figures):.2f}")
+    print(f"figure: metric_delta = {sum(f[1] for f in figures) / len(figures):.2f}")
+    return 0
+
+
+def run_seed(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Namespace,
+             source: object) -> list[dict]:
+    """The planned runs of one seed: tables, decisions and plans printed, results written; the summary rows."""
     runs = run_all(workload, plan, args)
     target, rows = summarize(runs, args.tolerance)
     print(f"\ntarget {workload.metric} {target:.2f} (full run's best {runs[0].best_metric:.2f} - {args.tolerance})")
@@ -168,17 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     for section in (format_decisions(runs), format_plans(runs)):
         if section:
             print(f"\n{section}")
-    payload = {"command": " ".join(sys.argv), "args": vars(args), "data_dir": str(source), "target": target,
-               "threads": torch.get_num_threads(), "load_average_start": load_start, "summary": rows,
-               "runs": [r.to_dict() for r in runs]}
-    path = write_results(args.results_dir, f"train-{args.workload}-{args.mode}", payload, rows)
+    payload = {"command": " ".join(sys.argv), "args": vars(args), "seed": workload.seed, "data_dir": str(source),
+               "target": target, "threads": torch.get_num_threads(), "load_average_start": os.getloadavg(),
+               "summary": rows, "runs": [r.to_dict() for r in runs]}
+    path = write_results(args.results_dir, f"train-{args.workload}-{args.mode}-seed{workload.seed}", payload, rows)
     print(f"results: {path}")
-    primary = rows[1] if len(rows) > 1 else rows[0]
-    if len(rows) > 1:
-        print(f"figures are for {primary['run']} against full")
-    print(f"figure: tta_speedup = {primary['tta_speedup']:.2f}")
-    print(f"figure: metric_delta = {primary['metric_delta']:.2f}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -11,9 +11,10 @@ A freezer's life in one run (``workloads.trainer.TrainingRun``)::
                                                return what the results record about the freezer
 
 ``full`` never freezes; ``static`` freezes a fixed prefix at a fixed point of
-training; ``autofreeze`` and ``egeria`` wrap
-:class:`~actcache_client.freeze.FreezeController` with AutoFreeze's and
-Egeria's policies at the papers' defaults. The controller's step protocol
+training; ``auto`` is :class:`~actcache_client.freeze.FreezeController` as a
+user gets it with no policy, only the run's length; ``autofreeze`` and
+``egeria`` wrap it with AutoFreeze's and Egeria's policies at the papers'
+defaults. The controller's step protocol
 maps onto the hooks: ``after_backward`` is the controller's
 ``after_backward()`` (frozen gradients dropped, AutoFreeze's gradient sums),
 and the controller's ``step(loss, lr=, epoch=)`` for step k runs in
@@ -43,10 +44,13 @@ from actcache_client.freeze import (
     FreezeController,
     FreezePolicy,
     ReferenceConfig,
+    default_policy,
 )
+from actcache_client.freeze.defaults import autofreeze_eval_every, egeria_eval_every
 
 __all__ = [
     "AutoFreeze",
+    "AutoPolicy",
     "ControllerFreeze",
     "EgeriaFreeze",
     "Freezer",
@@ -59,7 +63,7 @@ __all__ = [
     "make_freezer",
 ]
 
-MODES = ("full", "static", "autofreeze", "egeria")
+MODES = ("full", "static", "auto", "autofreeze", "egeria")
 
 
 @dataclass(frozen=True)
@@ -129,28 +133,6 @@ class StaticFreeze(_FixedSchedule):
 
     def close(self) -> dict[str, Any]:
         return {"mode": self.name, "depth": self.depth, "at_epoch": self.at_epoch}
-
-
-def egeria_eval_every(total_steps: int, num_stages: int, window: int) -> int:
-    """Egeria's evaluation interval n for a run: ``total_steps / (2W) / num_stages / 1.75``, at least 1.
-
-    The controller's rule of thumb (README, Knobs; Egeria §4.2.2 uses ~300
-    iterations for ResNet-56): 2W evaluations for every stage (W/2 to have a
-    reference of constant age, 1 + 3 to calibrate its tolerance, then W low
-    ones to freeze it) fit in the first 1/1.75 of training. For our
-    workloads at default size: CIFAR ResNet-20, 1,570 steps, 6 stages -> 7;
-    digits, 690 steps, 6 stages -> 3 (``--quick``: 230 steps -> 1); SST-2
-    MiniLM, 500 steps, 8 stages -> 2; CoLA, 564 steps -> 2.
-    """
-    return max(1, round(total_steps / (2 * window) / num_stages / 1.75))
-
-
-def autofreeze_eval_every(steps_per_epoch: int, intervals_per_epoch: int) -> int:
-    """AutoFreeze's interval T: an epoch's steps / ``intervals_per_epoch`` (the paper: 5), at least 1.
-
-    CIFAR at default size: 157 steps per epoch -> 31; SST-2: 250 -> 50; CoLA: 188 -> 37.
-    """
-    return max(1, steps_per_epoch // intervals_per_epoch)
 
 
 class ControllerFreeze(abc.ABC):
@@ -338,12 +320,51 @@ class EgeriaFreeze(ControllerFreeze):
         return {**dataclasses.asdict(self.config), "reference": dataclasses.asdict(resolved or self.reference_config)}
 
 
+class AutoPolicy(ControllerFreeze):
+    """The controller's default for the run's length (``FreezeController(model, opt, total_steps=N)``).
+
+    ``default_policy`` picks the policy and interval when the run starts;
+    ``eval_every`` overrides the interval.
+    """
+
+    name = "auto"
+
+    def __init__(self, *, eval_every: int | None = None) -> None:
+        super().__init__(eval_every=eval_every)
+        self._policy: FreezePolicy | None = None
+
+    def start(self, model: CachedForward, optimizer: torch.optim.Optimizer, *, steps_per_epoch: int,
+              total_steps: int) -> None:
+        self._policy, every = default_policy(total_steps, model.model.num_stages)
+        self._every = every
+        super().start(model, optimizer, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+
+    def make_policy(self) -> FreezePolicy:
+        if self._policy is None:
+            raise RuntimeError("auto freezer: start() picks the policy")
+        return self._policy
+
+    def default_eval_every(self, *, steps_per_epoch: int, total_steps: int, num_stages: int) -> int:
+        return self._every
+
+    def settings(self) -> dict[str, Any]:
+        policy = self._policy
+        out: dict[str, Any] = {"policy": type(policy).__name__ if policy is not None else None}
+        if isinstance(policy, EgeriaPolicy):
+            out.update(dataclasses.asdict(policy.config))
+        elif policy is not None and hasattr(policy, "reason"):
+            out["reason"] = policy.reason
+        return out
+
+
 def make_freezer(mode: str, *, static_depth: int, static_at_epoch: float, eval_every: int | None = None) -> Freezer:
     """A fresh freezer of a benchmark mode (see :data:`MODES`); ``eval_every`` applies to the controller modes."""
     if mode == "full":
         return NoFreeze()
     if mode == "static":
         return StaticFreeze(static_depth, static_at_epoch)
+    if mode == "auto":
+        return AutoPolicy(eval_every=eval_every)
     if mode == "autofreeze":
         return AutoFreeze(eval_every=eval_every)
     if mode == "egeria":

@@ -14,7 +14,8 @@ from actcache_client.freeze.reference import ReferenceWorker
 from tests.bench.fake_data import make_data_dir
 from tests.bench.test_workloads import check_real, run_bench_train
 from workloads.freezers import (
-    AutoFreeze, EgeriaFreeze, NoFreeze, StaticFreeze, autofreeze_eval_every, egeria_eval_every, make_freezer,
+    AutoFreeze, AutoPolicy, EgeriaFreeze, NoFreeze, StaticFreeze, autofreeze_eval_every, egeria_eval_every,
+    make_freezer,
 )
 from workloads.report import format_decisions
 from actcache_client.models import CifarResNet
@@ -169,6 +170,18 @@ def test_a_controller_freezer_drives_one_run_and_needs_start(data_dir):
         TrainingRun(w, freezer, None)
     collections.deque(run.slices(), maxlen=0)  # run every slice
     assert run.result.freezer["evaluations"] == 0 and run.result.freezer["decisions"] == []
+
+
+def test_auto_mode_is_the_controllers_default_for_the_runs_length():
+    for total, policy in ((30, "NoFreezePolicy"), (980, "EgeriaPolicy")):  # 5 stages: 613 steps at least
+        staged = ac.from_resnet(CifarResNet(1, 10))
+        freezer = make_freezer("auto", static_depth=1, static_at_epoch=0)
+        assert isinstance(freezer, AutoPolicy)
+        freezer.start(ac.CachedForward(staged), torch.optim.SGD(staged.parameters(), lr=0.1), steps_per_epoch=10,
+                      total_steps=total)
+        record = freezer.close()
+        assert record["policy"] == policy == record["settings"]["policy"]
+        assert record["eval_every"] == (total if total == 30 else egeria_eval_every(total, staged.num_stages, 10))
 
 
 def test_autofreeze_judges_bert_embeddings_with_the_first_block():

@@ -16,11 +16,14 @@ from actcache_client.freeze import (
     AutoFreezePolicy,
     Decision,
     FreezeController,
+    EgeriaPolicy,
     ManualPolicy,
+    NoFreezePolicy,
     ReferenceConfig,
     StaticPolicy,
     read_timeline,
 )
+from actcache_client.freeze.defaults import egeria_eval_every
 from actcache_client.freeze.gradnorm import GradNormAccumulator
 
 
@@ -78,6 +81,54 @@ def test_config_is_validated():
                       ({"max_samples": 1}, "max_samples"), ({"threads": 0}, "threads")]:
         with pytest.raises(ConfigError, match=text):
             ReferenceConfig(**bad)
+
+
+def bare(seed: int = 0):
+    staged = staged_cnn(seed)
+    cached = ac.CachedForward(staged)
+    return staged, cached, torch.optim.SGD(staged.parameters(), lr=0.1)
+
+
+def not_freezing(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "not freezing" in r.getMessage()]
+
+
+@pytest.mark.parametrize("length", [{"total_steps": 980}, {"steps_per_epoch": 98, "epochs": 10}])
+def test_without_a_policy_the_runs_length_gives_the_policy_and_interval(length, caplog):
+    staged, cached, opt = bare()
+    with FreezeController(cached, opt, **length) as ctl:  # 4 stages
+        assert isinstance(ctl.policy, EgeriaPolicy) and ctl.policy.config.freeze_lr_fraction == 0.5
+        assert ctl.eval_every == egeria_eval_every(980, 4, 10) == 7 and ctl.total_steps == 980
+    assert not_freezing(caplog) == []
+    with FreezeController(cached, opt, eval_every=3, total_steps=980) as ctl:
+        assert isinstance(ctl.policy, EgeriaPolicy) and ctl.eval_every == 3
+
+
+def test_a_named_policy_without_eval_every_gets_it_from_the_runs_length():
+    staged, cached, opt = bare()
+    with FreezeController(cached, opt, EgeriaPolicy(), total_steps=1570) as ctl:
+        assert ctl.eval_every == egeria_eval_every(1570, 4, 10)
+    with FreezeController(cached, opt, AutoFreezePolicy(), steps_per_epoch=157, epochs=3) as ctl:
+        assert ctl.eval_every == 31
+    with pytest.raises(ConfigError, match="ManualPolicy needs eval_every"):
+        FreezeController(cached, opt, ManualPolicy(), total_steps=100)
+    with pytest.raises(ConfigError, match="pass both"):
+        FreezeController(cached, opt, epochs=3)
+
+
+@pytest.mark.parametrize(("length", "why"), [({"total_steps": 40}, "40 steps is too short"),
+                                             ({}, "length is unknown")])
+def test_a_run_the_default_cannot_judge_says_so_once_and_never_freezes(length, why, caplog):
+    staged, cached, opt = bare()
+    with caplog.at_level("WARNING", logger="actcache_client.freeze"):
+        with FreezeController(cached, opt, **length) as ctl:
+            assert isinstance(ctl.policy, NoFreezePolicy)
+            train(cached, opt, ctl, 40)
+            assert ctl.frozen == 0 and ctl.changes == [] and ctl.evaluations <= 1
+            assert all(p.requires_grad for p in staged.parameters())
+    messages = not_freezing(caplog)
+    assert len(messages) == 1 and why in messages[0]
+    assert ("pass a policy and eval_every" if length else "total_steps=N") in messages[0]
 
 
 def test_a_schedule_freezes_at_its_step_in_one_go_and_writes_the_timeline(tmp_path):

@@ -21,11 +21,14 @@ from actcache_client.freeze import (
     EgeriaPolicy,
     FreezeMilestone,
     ManualPolicy,
+    NoFreezePolicy,
     Signals,
     StaticPolicy,
     check_freeze_policy_contract,
+    default_policy,
     sp_loss,
 )
+from actcache_client.freeze.defaults import MIN_INTERVAL, egeria_eval_every, run_length
 
 FREEZE, NONE, UNFREEZE = DecisionKind.FREEZE_NEXT, DecisionKind.NONE, DecisionKind.UNFREEZE_ALL
 
@@ -168,6 +171,8 @@ def manual_pokes(policy: ManualPolicy, index: int) -> None:
     ("static", lambda: StaticPolicy([FreezeMilestone(stages=1, at_step=5), FreezeMilestone(stages=3, at_epoch=2)]),
      [sig(i, epoch=i // 10) for i in range(40)], None),
     ("manual", ManualPolicy, [sig(i) for i in range(40)], manual_pokes),
+    ("egeria-lr-wait", lambda: EgeriaPolicy(EgeriaConfig(bootstrap_threshold=None, window=4, freeze_lr_fraction=0.5)),
+     [sig(i, lr=0.1 if i < 20 else 0.04, plasticity=math.exp(-i / 3) + 1e-3) for i in range(40)], None),
 ])
 def test_policy_contract(name, factory, stream, poke):
     decisions = check_freeze_policy_contract(factory, stream, before_observe=poke, snapshot_at=range(len(stream)))
@@ -177,16 +182,62 @@ def test_policy_contract(name, factory, stream, poke):
         assert UNFREEZE in kinds and FREEZE in kinds[kinds.index(UNFREEZE):]
 
 
+# ---------------------------------------------------------------- the default for a run's length
+
+@pytest.mark.parametrize(("steps", "stages", "every"), [
+    (1570, 6, 7),    # CIFAR ResNet-20, 10 epochs
+    (920, 6, 4),     # digits, 40 epochs
+    (1500, 8, 5),    # MiniLM, 16,000 sentences x 3 epochs
+    (20_000, 8, 71),
+])
+def test_the_default_is_egeria_waiting_for_the_lr_at_egerias_interval(steps, stages, every):
+    policy, eval_every = default_policy(steps, stages)
+    assert isinstance(policy, EgeriaPolicy) and eval_every == every == egeria_eval_every(steps, stages, 10)
+    assert policy.config.freeze_lr_fraction == 0.5 and policy.config.window == 10
+
+
+@pytest.mark.parametrize(("steps", "stages"), [(230, 6), (690, 6), (500, 8), (564, 8), (189, 8), (5, 4)])
+def test_runs_too_short_for_the_window_never_freeze_and_say_what_they_need(steps, stages):
+    policy, _ = default_policy(steps, stages)
+    assert isinstance(policy, NoFreezePolicy)
+    assert f"{steps} steps is too short" in policy.reason and "pass a policy and eval_every" in policy.reason
+    need = int(policy.reason.split("at least ")[1].split(" steps")[0])
+    assert isinstance(default_policy(need, stages)[0], EgeriaPolicy)  # the number it names is the boundary
+    assert isinstance(default_policy(need - 1, stages)[0], NoFreezePolicy)
+    assert egeria_eval_every(need - 1, stages, 10) < MIN_INTERVAL <= egeria_eval_every(need, stages, 10)
+    decisions = check_freeze_policy_contract(lambda: policy, [sig(i, num_stages=stages) for i in range(10)])
+    assert all(d.kind is NONE and d.reason == policy.reason for d in decisions)
+
+
+def test_an_unknown_length_or_a_single_stage_is_not_guessed():
+    policy, _ = default_policy(None, 6)
+    assert isinstance(policy, NoFreezePolicy) and "total_steps=N" in policy.reason
+    policy, _ = default_policy(10_000, 1)
+    assert isinstance(policy, NoFreezePolicy) and "1 stage" in policy.reason
+
+
+def test_run_length_from_total_steps_or_epochs():
+    assert run_length() is None and run_length(total_steps=100) == 100
+    assert run_length(steps_per_epoch=23, epochs=10) == 230 == run_length(230, 23, 10)
+    for kw, text in [({"steps_per_epoch": 23}, "pass both"), ({"epochs": 3}, "pass both"),
+                     ({"total_steps": 0}, "total_steps=0"), ({"total_steps": 100, "steps_per_epoch": 23, "epochs": 10},
+                                                             "disagrees"), ({"epochs": 2.5, "steps_per_epoch": 3}, "epochs=2.5")]:
+        with pytest.raises(ConfigError, match=text):
+            run_length(**kw)
+
+
 # ---------------------------------------------------------------- Egeria
 
 def test_egeria_config_defaults_and_validation():
     c = EgeriaConfig()
     assert (c.window, c.tolerance_fraction, c.tolerance_readings) == (10, 0.2, 3)
     assert (c.bootstrap_threshold, c.bootstrap_steps, c.unfreeze_lr_factor, c.min_window) == (0.1, 32, 10.0, 2)
+    assert c.freeze_lr_fraction is None
     for bad, text in [({"window": 1}, "window=1"), ({"min_window": 1}, "min_window=1"),
                       ({"tolerance_fraction": 0}, "tolerance_fraction"), ({"bootstrap_threshold": 1.5}, "None"),
                       ({"unfreeze_lr_factor": 1.0}, "must be > 1"), ({"tolerance_readings": 0}, "uses 3"),
-                      ({"bootstrap_steps": 0}, "bootstrap_steps=0")]:
+                      ({"bootstrap_steps": 0}, "bootstrap_steps=0"), ({"freeze_lr_fraction": 0}, "peak lr"),
+                      ({"freeze_lr_fraction": 1.5}, "peak lr")]:
         with pytest.raises(ConfigError, match=text):
             EgeriaConfig(**bad)
     with pytest.raises(TypeError):
@@ -248,6 +299,31 @@ def test_egeria_freezes_a_converging_stage_within_w_of_its_drift_falling_below_t
         assert at == crossing + window - 1
     else:
         assert crossing <= at + 2 <= crossing + 2 * window  # the noisy threshold may cross a little early
+
+
+def test_egeria_waits_for_the_lr_to_fall_before_freezing_a_ready_stage():
+    # With freeze_lr_fraction=0.5 a stage that passed the test stays ready while the lr is above half its peak
+    # (a warm-up's peak counts) and freezes at the first evaluation at or below it; without it, at once.
+    window, n = 10, 120
+    ready = expected_freeze_index([decay(i) for i in range(n)], window)
+
+    def lr(i: int) -> float:
+        return min(0.1, 0.01 * (i + 1)) if i < ready + 15 else 0.05
+
+    def run(fraction):
+        policy = EgeriaPolicy(EgeriaConfig(window=window, bootstrap_threshold=None, freeze_lr_fraction=fraction))
+        return feed(policy, lambda i, f: sig(i, frozen=f, lr=lr(i), plasticity=decay(i)), n)
+
+    assert [i for i, d, _ in run(None) if d.kind is FREEZE][0] == ready
+    waited = run(0.5)
+    assert [i for i, d, _ in waited if d.kind is FREEZE][0] == ready + 15
+    assert "waiting for the lr" in waited[ready][1].reason and waited[ready + 14][1].numbers["consecutive"] == window
+    # A high reading while it waits sends the stage back to counting.
+    spike = EgeriaPolicy(EgeriaConfig(window=window, bootstrap_threshold=None, freeze_lr_fraction=0.5))
+    bumped = feed(spike, lambda i, f: sig(i, frozen=f, lr=lr(i), plasticity=decay(i) + (5.0 if i == ready + 5 else 0)),
+                  n)
+    assert bumped[ready + 5][1].numbers["consecutive"] == 0
+    assert [i for i, d, _ in bumped if d.kind is FREEZE][0] > ready + 15
 
 
 def test_egeria_judges_a_stage_against_its_peak_drift():

@@ -4,12 +4,15 @@
 decisions (``controller.py``); Egeria's reference model runs in a separate
 process (``reference.py``). Policies:
 ``EgeriaPolicy`` (plasticity: SP loss against a reference model),
-``AutoFreezePolicy`` (gradient-norm change), ``StaticPolicy`` (a schedule) and
-``ManualPolicy`` (requests). Every one passes ``check_freeze_policy_contract``.
+``AutoFreezePolicy`` (gradient-norm change), ``StaticPolicy`` (a schedule),
+``ManualPolicy`` (requests) and ``NoFreezePolicy`` (never). Every one passes
+``check_freeze_policy_contract``. Without a policy the controller takes
+``default_policy`` for the run's length (``defaults.py``).
 """
 
 from actcache_client.freeze.autofreeze import AutoFreezeConfig, AutoFreezePolicy
 from actcache_client.freeze.controller import FreezeController
+from actcache_client.freeze.defaults import default_policy
 from actcache_client.freeze.egeria import EgeriaConfig, EgeriaPolicy
 from actcache_client.freeze.plasticity import sp_loss
 from actcache_client.freeze.policy import (
@@ -21,7 +24,7 @@ from actcache_client.freeze.policy import (
     check_freeze_policy_contract,
 )
 from actcache_client.freeze.reference import ReferenceConfig, ReferenceState, ReferenceStats, ReferenceWorker
-from actcache_client.freeze.static import FreezeMilestone, ManualPolicy, StaticPolicy
+from actcache_client.freeze.static import FreezeMilestone, ManualPolicy, NoFreezePolicy, StaticPolicy
 from actcache_client.freeze.timeline import Timeline, read_timeline
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "FreezeMilestone",
     "FreezePolicy",
     "ManualPolicy",
+    "NoFreezePolicy",
     "ReferenceConfig",
     "ReferenceState",
     "ReferenceStats",
@@ -44,6 +48,7 @@ __all__ = [
     "StaticPolicy",
     "Timeline",
     "check_freeze_policy_contract",
+    "default_policy",
     "read_timeline",
     "sp_loss",
 ]

@@ -40,11 +40,13 @@ from actcache.errors import ConfigError, LifecycleError, PolicyError
 from actcache_client._cached_forward import CachedForward
 from actcache_client.cost_model import Plan
 from actcache_client.freeze import _refproc
+from actcache_client.freeze.defaults import default_policy, eval_every_for, run_length
 from actcache_client.freeze.distributed import DdpWrapper, broadcast_depth, mean_across_ranks, rank_and_world
 from actcache_client.freeze.gradnorm import GradNormAccumulator
 from actcache_client.freeze.policy import Decision, DecisionKind, FreezePolicy, Signals
 from actcache_client.freeze.probe import PlasticityProbe
 from actcache_client.freeze.reference import ReferenceConfig, ReferenceStats
+from actcache_client.freeze.static import NoFreezePolicy
 from actcache_client.freeze.timeline import Timeline
 
 __all__ = ["FreezeController"]
@@ -61,6 +63,13 @@ class FreezeController:
     rank 0 decided, on every rank at the same step; frozen parameters have
     ``grad is None`` when the optimizer steps; at most one probe per interval.
 
+    Without ``policy``, the run's length picks the policy and its interval
+    (``defaults.default_policy``): pass ``total_steps``, or ``steps_per_epoch``
+    and ``epochs``. A run too short for it, or of unknown length, never
+    freezes, and a warning says so once, here. A named policy without
+    ``eval_every`` gets its interval from the run's length too
+    (``defaults.eval_every_for``).
+
     Arguments: ``eval_every`` steps between evaluations (Egeria's n, AutoFreeze's
     interval T); ``reference`` configures the reference process (plasticity
     policies); ``timeline`` is a JSON-lines file (rank 0 writes it);
@@ -75,9 +84,12 @@ class FreezeController:
         self,
         cached: CachedForward,
         optimizer: torch.optim.Optimizer,
-        policy: FreezePolicy,
+        policy: FreezePolicy | None = None,
         *,
-        eval_every: int,
+        eval_every: int | None = None,
+        total_steps: int | None = None,
+        steps_per_epoch: int | None = None,
+        epochs: int | None = None,
         reference: ReferenceConfig | None = None,
         timeline: str | None = None,
         hook_optimizer: bool = True,
@@ -85,9 +97,19 @@ class FreezeController:
         ddp: bool | None = None,
         ddp_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(eval_every, int) or eval_every < 1:
+        if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
             raise ConfigError(f"eval_every={eval_every!r} must be a positive number of steps (Egeria uses "
                               "~300 for ResNet-56; AutoFreeze: an epoch's steps / 5)")
+        length = run_length(total_steps, steps_per_epoch, epochs)
+        num_stages = cached.model.num_stages
+        if policy is None:
+            policy, default_every = default_policy(length, num_stages)
+            eval_every = eval_every or default_every
+        elif eval_every is None:
+            eval_every = eval_every_for(policy, total_steps=length, steps_per_epoch=steps_per_epoch,
+                                        num_stages=num_stages)
+        #: The run's length in optimizer steps, when given.
+        self.total_steps = length
         self.cached = cached
         self.optimizer = optimizer
         self.policy = policy
@@ -118,6 +140,8 @@ class FreezeController:
         if cached.planner is not None:
             cached.planner.listeners.append(self._record_plan)
         self._track_frozen()
+        if isinstance(policy, NoFreezePolicy) and self.rank == 0:
+            log.warning("actcache: not freezing: %s", policy.reason)
 
     # ---- the step protocol ---------------------------------------------
 

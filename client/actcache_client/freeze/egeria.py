@@ -112,6 +112,12 @@ learning rate scheduler does not trigger the unfreezing mechanism" for BERT
 fine-tuning); a schedule stepped per epoch (exponential or cosine decay per
 epoch) drops discretely and unfreezes where it reaches 10x. Cyclic
 schedules: ``on_schedule_restart`` re-anchors the lr.
+
+With ``freeze_lr_fraction`` (ours, after FreezeOut's freezing of layers
+late in an annealed schedule) a stage that passed the test waits, ready,
+until the lr is at most that fraction of its peak so far; a high reading
+while it waits sends it back to counting. It keeps a stage training while
+the lr is still large, where an early freeze costs accuracy (Egeria §2.3).
 """
 
 from __future__ import annotations
@@ -128,7 +134,7 @@ from actcache_client.freeze.policy import Decision, Signals
 
 __all__ = ["EgeriaConfig", "EgeriaPolicy"]
 
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 _SAME = 1e-9  # relative tolerance for "the lr did not change"
 
 
@@ -156,6 +162,9 @@ class EgeriaConfig:
     unfreeze_lr_factor: float = 10.0
     #: W halves at every unfreeze but never below this. Ours.
     min_window: int = 2
+    #: Ours, after FreezeOut: a stage that passed the test freezes only once the lr is at most this
+    #: fraction of the largest lr seen so far (it waits, ready, until then). None: no such wait.
+    freeze_lr_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.min_window < 2:
@@ -174,6 +183,9 @@ class EgeriaConfig:
                               "of the loss (the paper uses 0.1), or None to skip bootstrapping")
         if self.bootstrap_steps < 1:
             raise ConfigError(f"bootstrap_steps={self.bootstrap_steps} must be >= 1 step (default 32)")
+        if self.freeze_lr_fraction is not None and not 0 < self.freeze_lr_fraction <= 1:
+            raise ConfigError(f"freeze_lr_fraction={self.freeze_lr_fraction} must be in (0, 1] as a fraction of the "
+                              "peak lr (0.5: freeze once the lr has halved), or None")
         if not (math.isfinite(self.unfreeze_lr_factor) and self.unfreeze_lr_factor > 1):
             raise ConfigError(f"unfreeze_lr_factor={self.unfreeze_lr_factor} must be > 1 (the paper uses 10)")
 
@@ -209,6 +221,7 @@ class EgeriaPolicy:
         self._tolerance: dict[int, float] = {}
         self._lr_at_freeze: float | None = None
         self._lrs: list[float] = []
+        self._peak_lr = 0.0
         self._last_step: int | None = None
         self._span = [0.0, 0]  # loss x steps, steps of the span being summed
         self._prev_span: tuple[float, int] | None = None  # mean, steps
@@ -244,6 +257,7 @@ class EgeriaPolicy:
             dropped = (len(prev) == 2 and abs(prev[1] - prev[0]) <= _SAME * prev[0]
                        and signals.lr < prev[1] * (1 - _SAME))
             self._lrs = [*prev[-1:], signals.lr]
+            self._peak_lr = max(self._peak_lr, signals.lr)
         if signals.frozen != self._stage:
             self._reset_stage(signals.frozen)
         if signals.frozen == 0:
@@ -321,6 +335,12 @@ class EgeriaPolicy:
         if self._consecutive < window:
             return Decision.none(f"stage {stage}: smoothed plasticity {smoothed:.3g} vs tolerance {threshold:.3g}, "
                                  f"{self._consecutive}/{window} low", numbers)
+        fraction = self.config.freeze_lr_fraction
+        if fraction is not None and lr > fraction * self._peak_lr * (1 + _SAME):
+            self._consecutive = window  # stays ready while it waits; one high reading resets it
+            numbers["consecutive"] = float(window)
+            return Decision.none(f"stage {stage}: ready, waiting for the lr ({lr:g}) to fall to {fraction:g} x its "
+                                 f"peak {self._peak_lr:g}", numbers)
         if stage == 0:
             self._lr_at_freeze = lr
         self._reset_stage(stage + 1)
@@ -335,6 +355,7 @@ class EgeriaPolicy:
             "prev_span": None if self._prev_span is None else list(self._prev_span),
             "last_step": self._last_step,
             "lrs": list(self._lrs),
+            "peak_lr": self._peak_lr,
             "window": self._window,
             "tolerance": [[stage, t] for stage, t in sorted(self._tolerance.items())],
             "lr_at_freeze": self._lr_at_freeze,
@@ -354,6 +375,7 @@ class EgeriaPolicy:
         self._prev_span = None if prev is None else (float(prev[0]), int(prev[1]))
         self._last_step = state["last_step"]
         self._lrs = [float(v) for v in state["lrs"]]
+        self._peak_lr = float(state["peak_lr"])
         self._window = int(state["window"])
         self._tolerance = {int(stage): float(t) for stage, t in state["tolerance"]}
         self._lr_at_freeze = state["lr_at_freeze"]

@@ -1,4 +1,4 @@
-"""Policies that need no signal: a fixed schedule, and manual requests."""
+"""Policies that need no signal: a fixed schedule, manual requests, and never."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from actcache.errors import ConfigError
 
 from actcache_client.freeze.policy import Decision, Signals
 
-__all__ = ["FreezeMilestone", "ManualPolicy", "StaticPolicy"]
+__all__ = ["FreezeMilestone", "ManualPolicy", "NoFreezePolicy", "StaticPolicy"]
 
 _STATE_VERSION = 1
 
@@ -136,3 +136,25 @@ class ManualPolicy:
         with self._lock:
             self._pending_freezes = int(state["pending_freezes"])
             self._pending_unfreeze = bool(state["pending_unfreeze"])
+
+
+class NoFreezePolicy:
+    """Never freeze: what a run gets that no policy can judge; ``reason`` says why, and what to pass.
+
+    The controller logs ``reason`` once, when it starts, as a warning.
+    """
+
+    needs: frozenset[str] = frozenset()
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def observe(self, signals: Signals) -> Decision:
+        return Decision.none(self.reason)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"NoFreezePolicy state version {state.get('version')!r} is not {_STATE_VERSION}")
