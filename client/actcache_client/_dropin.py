@@ -128,7 +128,7 @@ class ActCache:
         self.connection = connection if connection is not None else connect()
         self.model = CachedForward(layout.stages, self.connection, **options)
         self.layout = layout
-        self.prefix = InPlacePrefix(self.model, self.net, inputs_of=layout.inputs_of, output_of=layout.output_of)
+        self.prefix = InPlacePrefix(self.model, self.net, output_of=layout.output_of)
 
     @property
     def frozen(self) -> int:

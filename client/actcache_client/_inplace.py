@@ -35,7 +35,7 @@ from actcache_client._batch import Batch
 from actcache_client._cached_forward import CachedForward
 from actcache_client._stages import State
 
-__all__ = ["InPlacePrefix", "ChangedInputWarning", "call_sites"]
+__all__ = ["ChangedInputWarning", "InPlacePrefix", "call_sites"]
 
 
 class ChangedInputWarning(UserWarning):
@@ -79,13 +79,12 @@ class _Patched:
         return self.role(self.module, self.original, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        return types.MethodType(type(self.module).forward, memo.get(id(self.module), copy.deepcopy(self.module, memo)))
+        return types.MethodType(type(self.module).forward, copy.deepcopy(self.module, memo))
 
 
 class InPlacePrefix:
     """Patches the modules of ``net``'s frozen stages so that they serve ``cached``'s prefix.
 
-    ``inputs_of(data)`` maps a batch as the loader yields it to the stages' input state;
     ``output_of(state, given)`` maps the prefix's state to what the network's next module expects
     (``given`` is the head's first tensor argument). Invariant: the patched modules are exactly
     the call sites of ``cached.model.stages[:patched_depth]``; ``sync`` brings ``patched_depth``
@@ -93,11 +92,10 @@ class InPlacePrefix:
     """
 
     def __init__(self, cached: CachedForward, net: nn.Module, *,
-                 inputs_of: Callable[[Any], State], output_of: Callable[[State, Tensor], Any]) -> None:
+                 output_of: Callable[[State, Tensor], Any]) -> None:
         self.cached = cached
         self.net = net
         self.sites = call_sites(net, list(cached.model.stages))
-        self.inputs_of = inputs_of
         self.output_of = output_of
         self.patched_depth = 0
         # Batches yielded and not yet run, oldest first, with their first input tensor as yielded: a loop

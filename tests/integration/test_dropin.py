@@ -293,3 +293,21 @@ def test_changing_an_input_with_placeholder_rows_is_an_error_naming_the_fix(daem
         for x, y in cache.wrap(DataLoader(Images(), batch_size=32), skip_loads=False):
             net(x + 1.0)
     cache.close()
+
+
+def test_a_deep_copy_of_the_network_runs_its_own_forward(daemon):
+    """An EMA copy or a reference model made while stages are frozen and served computes them itself."""
+    import copy
+
+    net = resnet20()
+    cache = ac.ActCache(net, _connect(daemon))
+    cache.freeze(4)
+    for x, y in cache.wrap(DataLoader(Images(), batch_size=32)):
+        net(x)
+    twin = copy.deepcopy(net).eval()
+    assert "forward" in net.conv1.__dict__
+    x = Images().images[:8]
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), net.eval()(x))
+    assert twin.conv1.forward.__self__ is twin.conv1
+    cache.close()
