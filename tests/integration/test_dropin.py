@@ -47,6 +47,16 @@ def _sgd_step(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: to
     return loss.item()
 
 
+def _cached_run(daemon):
+    """The reference run's network, optimizer, ActCache and wrapped loader (seeded as ``_train``)."""
+    torch.manual_seed(0)
+    net = resnet20()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    cache = ac.ActCache(net, _connect(daemon))
+    loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    return net, opt, cache, loader
+
+
 def _connect(daemon) -> ac.Connection:
     return ac.connect(daemon.socket, namespace=f"dropin-{uuid.uuid4().hex[:8]}", strict=True)
 
@@ -150,11 +160,7 @@ def test_an_unknown_layout_names_the_fix(daemon):
 
 
 def test_resume_mid_epoch_gives_the_uninterrupted_run(daemon, reference):
-    torch.manual_seed(0)
-    net = resnet20()
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    cache = ac.ActCache(net, _connect(daemon))
-    loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    net, opt, cache, loader = _cached_run(daemon)
     losses = []
     for epoch in range(2):  # stop after epoch 1's first batch, as a crash would
         net.train()
@@ -236,11 +242,7 @@ def test_a_dict_batch_stays_a_dict_and_inputs_names_its_field(daemon):
 
 def test_batches_taken_ahead_of_their_forward_are_served_in_order(daemon, reference):
     """Gradient accumulation as transformers.Trainer does it: two batches drawn, then two forwards."""
-    torch.manual_seed(0)
-    net = resnet20()
-    opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    cache = ac.ActCache(net, _connect(daemon))
-    loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    net, opt, cache, loader = _cached_run(daemon)
     losses = []
     for epoch in range(3):
         net.train()
