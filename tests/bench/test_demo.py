@@ -31,3 +31,12 @@ def test_demo_runs_report_real_numbers(monkeypatch):
     assert cached.final_metric == frozen.final_metric  # the cache changes the time, not the computation
     text = demo.table(results)
     assert "freeze+cache" in text and "50%" in text and "48/96" in text
+
+
+def test_the_demo_says_why_it_freezes_by_hand():
+    import demo
+    from workloads.tasks import digits
+
+    short = demo.why_hand_set(digits(epochs=10))  # the demo's default length
+    assert "would not freeze here: a run of 230 steps is too short" in short
+    assert "did not pay on digits" in demo.why_hand_set(digits(epochs=80))  # long enough to freeze, and measured
