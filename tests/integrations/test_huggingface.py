@@ -1,4 +1,5 @@
-"""transformers.Trainer with actcache attached: same losses as without the cache, evaluate, resume, errors."""
+"""transformers.Trainer with actcache attached: same losses as without the cache, evaluate, resume, errors,
+a FreezeController deciding."""
 
 from __future__ import annotations
 
@@ -176,3 +177,47 @@ def test_the_examples_run_and_differ_by_the_lines_that_add_actcache(tmp_path, mo
     added = set((EXAMPLES / "huggingface_finetune_actcache.py").read_text().splitlines()) - \
         set((EXAMPLES / "huggingface_finetune.py").read_text().splitlines())
     assert len(added) <= 3
+
+
+def not_freezing(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("actcache: not freezing")]
+
+
+def test_without_depth_a_short_run_says_once_that_it_is_too_short_and_trains_as_without_actcache(
+        tmp_path, connection, caplog):
+    plain = trainer(model("bert"), tmp_path / "plain", fixed=True)
+    plain.train()
+    auto = trainer(model("bert"), tmp_path / "auto", fixed=True)
+    hooked = attach(auto, connection=connection)
+    auto.train()
+    (message,) = not_freezing(caplog)
+    assert "a run of 18 steps is too short" in message
+    assert hooked.controller.total_steps == auto.state.max_steps == 18  # the Trainer's length
+    assert hooked.controller.step_count == 18 and hooked.controller.changes == [] and not hooked.frozen
+    assert losses(auto) == losses(plain)
+
+
+def test_a_policy_drives_the_freeze_and_the_cache_keeps_the_run_of_the_same_freeze_without_it(tmp_path, connection):
+    runs = {}
+    for name, options in [("by_hand", dict(depth=3, freeze_at=4, cache=False)),
+                          ("uncached", dict(policy=ac.StaticPolicy(stages=3, at_step=4), eval_every=1, cache=False)),
+                          ("cached", dict(policy=ac.StaticPolicy(stages=3, at_step=4), eval_every=1,
+                                          connection=connection))]:
+        t = trainer(model("bert"), tmp_path / name, fixed=True)
+        hooked = attach(t, **options)
+        t.train()
+        runs[name] = (losses(t), hooked)
+    (cached, hooked), (uncached, _), (by_hand, _) = runs["cached"], runs["uncached"], runs["by_hand"]
+    assert cached == uncached == by_hand  # frozen after step 4 of 18, every way
+    assert hooked.controller.changes == [(4, 0, 3)] and hooked.controller.step_count == 18
+    served = [c.times.cached_samples for c in hooked.cache.model.epoch_counters()]
+    assert served[0] == 0 and served[-1] == 48  # the last epoch is served whole
+    assert not any(p.requires_grad for p in runs["uncached"][1].trainer.model.base_model.embeddings.parameters())
+
+
+def test_depth_and_a_controller_setting_together_are_refused(tmp_path, connection):
+    t = trainer(model("bert"), tmp_path)
+    with pytest.raises(ConfigError, match="pass depth= .* or policy= .*not both"):
+        attach(t, depth=2, policy=ac.StaticPolicy(stages=2, at_step=1), connection=connection)
+    with pytest.raises(ConfigError, match=r"freeze_at=0\.5\) needs depth="):
+        attach(t, freeze_at=0.5, connection=connection)

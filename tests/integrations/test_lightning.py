@@ -1,5 +1,6 @@
 """ActCacheCallback on a real Lightning Trainer (CPU): the examples' losses with and without the cache,
-resume from a checkpoint, validation, the served rows, and a two-process DDP run (gloo)."""
+resume from a checkpoint, validation, the served rows, a FreezeController deciding, and a two-process DDP run
+(gloo)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from actcache.errors import ConfigError  # noqa: E402
 from actcache.testing import run_daemon  # noqa: E402
+from actcache_client.freeze import StaticPolicy  # noqa: E402
 from actcache_client.integrations.lightning import ActCacheCallback  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -149,6 +151,70 @@ def test_a_run_resumed_mid_epoch_goes_on_with_the_loaders_position_and_the_freez
     for other in (tmp_path / "run").iterdir():  # Lightning warns of a checkpoint dir not empty
         other.unlink()
     assert fit(tmp_path / "run", str(checkpoint)) == whole[6:]
+
+
+class _FreezeAfterStep(L.Callback):
+    """Stem and layer1 stop training after optimizer step ``at``: what StaticPolicy(stages=4, at_step=at) decides."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step >= self.at:
+            for m in (pl_module.net.conv1, pl_module.net.bn1, pl_module.net.layer1):
+                m.requires_grad_(False).eval()
+
+
+def _fit(root: Path, callbacks: list[L.Callback], *, epochs: int = EPOCHS,
+         ckpt_path: str | None = None) -> tuple[L.Trainer, list[float]]:
+    L.seed_everything(0, verbose=False)
+    model = _example("lightning_train").DigitsModule(SIZE)
+    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=root, callbacks=callbacks)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer, model.losses
+
+
+def test_without_depth_a_short_run_says_once_that_it_is_too_short_and_trains_as_without_actcache(
+        node, tmp_path, caplog):
+    _, plain = _fit(tmp_path / "plain", [])
+    callback = ActCacheCallback()
+    trainer, losses = _fit(tmp_path / "auto", [callback])
+    (message,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("actcache: not freezing")]
+    assert "a run of 12 steps is too short" in message
+    assert callback.controller.total_steps == trainer.estimated_stepping_batches == EPOCHS * SIZE // 64
+    assert callback.controller.step_count == 12 and callback.controller.changes == [] and callback.cache.frozen == 0
+    assert losses == plain
+
+
+def test_a_policy_drives_the_freeze_and_the_cache_keeps_the_run_of_the_same_freeze_by_hand(node, tmp_path):
+    _, by_hand = _fit(tmp_path / "plain", [_FreezeAfterStep(2)])
+    callback = ActCacheCallback(policy=StaticPolicy(stages=4, at_step=2), eval_every=1)
+    _, losses = _fit(tmp_path / "auto", [callback])
+    assert losses == by_hand  # bit-equal, step by step
+    assert callback.controller.changes == [(2, 0, 4)] and callback.controller.step_count == 12
+    assert callback.cache.model.epoch_counters()[-1].times.cached_samples == SIZE  # the last epoch is served
+
+
+def test_a_resumed_run_goes_on_with_the_controllers_state(node, tmp_path):
+    def callback() -> ActCacheCallback:
+        return ActCacheCallback(policy=StaticPolicy(stages=4, at_step=5), eval_every=1)
+
+    _, whole = _fit(tmp_path / "whole", [callback()])
+    _, first = _fit(tmp_path / "run", [callback()], epochs=2)
+    (saved,) = (tmp_path / "run" / "checkpoints").glob("*.ckpt")
+    checkpoint = saved.rename(tmp_path / "stopped.ckpt")  # Lightning warns of a checkpoint dir not empty
+    resumed = callback()
+    _, second = _fit(tmp_path / "run", [resumed], ckpt_path=str(checkpoint))
+    assert first + second == whole  # frozen from the resumed run's first step: a fresh controller freezes later
+    assert resumed.controller.changes == [(5, 0, 4)] and resumed.controller.step_count == 12
+
+
+def test_depth_and_a_controller_setting_together_are_refused():
+    with pytest.raises(ConfigError, match="pass depth= .* or policy= .*not both"):
+        ActCacheCallback(depth=4, policy=StaticPolicy(stages=4, at_step=5))
+    with pytest.raises(ConfigError, match=r"freeze_at_epoch=1\) needs depth="):
+        ActCacheCallback(freeze_at_epoch=1)
 
 
 class _TwoNets(L.LightningModule):

@@ -1,19 +1,25 @@
 """Hugging Face ``transformers.Trainer``: freeze an encoder's bottom and serve it from the cache.
 
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=dev, data_collator=collator)
-    attach(trainer, depth=4, freeze_at=0.25)   # embeddings + 3 layers, frozen after a quarter of the run
+    attach(trainer)                            # a FreezeController decides, paced by the run's length
+    attach(trainer, depth=4, freeze_at=0.25)   # or by hand: embeddings + 3 layers, after a quarter of the run
     trainer.train()
 
 The script, its batches (a collator's dicts) and its model stay as they are:
 ``attach`` wraps the loader the Trainer builds for training (the same batches,
-with the sample ids kept on the side) and adds a callback that freezes the
-first ``depth`` stages at ``freeze_at``. From then on the frozen stages run in
-eval mode (no dropout) and their output is served from the cache.
+with the sample ids kept on the side) and adds a callback that freezes. Without
+``depth`` it builds a ``FreezeController`` when training begins (the Trainer's
+optimizer, ``total_steps`` = the Trainer's max steps; its default policy, or
+``policy`` and ``eval_every``) and gives it every optimizer step with the
+step's training loss; with ``depth`` it freezes the first ``depth`` stages at
+``freeze_at``. From then on the frozen stages run in eval mode (no dropout) and
+their output is served from the cache.
 ``Trainer.evaluate`` runs the model as usual and never reads or writes the
 cache; checkpoints hold the model as it is, and a resumed run freezes again
 at the same step (the part of an epoch left after a mid-epoch resume is
-computed, the epochs after it are served). ``cache=False`` freezes on the
-same schedule without the cache: the run to compare against.
+computed, the epochs after it are served); a controller starts afresh on a
+resumed run (its state is not in the Trainer's checkpoint). ``cache=False``
+freezes the same way without the cache: the run to compare against.
 
 Text is stored per sample at its own length (VarLen). A row's frozen output
 does not depend on the other rows of its batch, but attention kernels may
@@ -28,6 +34,7 @@ a recomputation in the last bits of float32.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -36,81 +43,124 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from actcache.errors import ConfigError
+from actcache_client._cached_forward import CachedForward
 from actcache_client._connection import Connection
 from actcache_client._dropin import ActCache, WrappedLoader
 from actcache_client._hf_stages import from_transformers
-from actcache_client._inplace import call_sites
 from actcache_client.bert import minilm_dir
+from actcache_client.freeze.controller import FreezeController
+from actcache_client.freeze.policy import FreezePolicy
 
 __all__ = ["TrainerCache", "attach", "load_minilm"]
 
 
-def attach(trainer: Trainer, *, depth: int, freeze_at: int | float = 0, cache: bool = True,
+def attach(trainer: Trainer, *, depth: int | None = None, freeze_at: int | float | None = None,
+           policy: FreezePolicy | None = None, eval_every: int | None = None, cache: bool = True,
            connection: Connection | None = None, **options: Any) -> "TrainerCache":
-    """Freeze ``trainer.model``'s first ``depth`` stages at ``freeze_at`` and serve them from the cache.
+    """Serve ``trainer.model``'s frozen stages from the cache; a FreezeController decides, or ``depth`` does.
 
-    ``depth``: stages, embeddings first (4 = embeddings + 3 layers). ``freeze_at``: an optimizer step
-    (int), or a fraction of the run's steps (float in [0, 1)). ``connection`` defaults to this node's
-    daemon; ``options`` are ActCache's. ``cache=False``: the same freeze, computed every step.
+    Without ``depth``: a FreezeController with ``policy`` and ``eval_every`` (default: both from the
+    run's length, the Trainer's max steps). ``depth``: stages frozen by hand, embeddings first (4 =
+    embeddings + 3 layers), at ``freeze_at``: an optimizer step (int), or a fraction of the run's steps
+    (float in [0, 1)); default 0. ``connection`` defaults to this node's daemon; ``options`` are
+    ActCache's. ``cache=False``: the same freezing, computed every step.
     """
-    return TrainerCache(trainer, depth=depth, freeze_at=freeze_at, cache=cache, connection=connection, **options)
+    return TrainerCache(trainer, depth=depth, freeze_at=freeze_at, policy=policy, eval_every=eval_every,
+                        cache=cache, connection=connection, **options)
 
 
 class TrainerCache:
-    """What ``attach`` added to a Trainer: ``cache`` (the ActCache, None with ``cache=False``) and its freeze."""
+    """What ``attach`` added to a Trainer: ``cache`` (the ActCache, None with ``cache=False``), the
+    stages it freezes (``staged``) and, without ``depth``, the ``controller`` once training has begun."""
 
-    def __init__(self, trainer: Trainer, *, depth: int, freeze_at: int | float, cache: bool,
+    def __init__(self, trainer: Trainer, *, depth: int | None, freeze_at: int | float | None,
+                 policy: FreezePolicy | None, eval_every: int | None, cache: bool,
                  connection: Connection | None, **options: Any) -> None:
         stages = from_transformers(trainer.model)
-        if not isinstance(depth, int) or not 1 <= depth < stages.num_stages:
+        if depth is None and freeze_at is not None:
+            raise ConfigError(f"attach(freeze_at={freeze_at!r}) needs depth=: the stages to freeze by hand "
+                              "(without depth a FreezeController decides when and what to freeze)")
+        if depth is not None and (policy is not None or eval_every is not None):
+            raise ConfigError("attach(depth=...) freezes by hand, policy= and eval_every= set the FreezeController "
+                              "that decides instead: pass depth= (and freeze_at=) or policy= (and eval_every=), "
+                              "not both")
+        if depth is not None and (not isinstance(depth, int) or not 1 <= depth < stages.num_stages):
             raise ConfigError(f"attach(depth=...) freezes 1..{stages.num_stages - 1} stages of this model "
                               f"({', '.join(stages.stage_names[:3])}, ...), got {depth!r}")
+        freeze_at = 0 if freeze_at is None else freeze_at
         if isinstance(freeze_at, bool) or not (isinstance(freeze_at, int) and freeze_at >= 0
                                                or isinstance(freeze_at, float) and 0 <= freeze_at < 1):
             raise ConfigError(f"attach(freeze_at=...) is an optimizer step (int >= 0) or a fraction of the run "
                               f"(float in [0, 1)), got {freeze_at!r}")
         self.trainer, self.depth, self.freeze_at = trainer, depth, freeze_at
+        self.policy, self.eval_every = policy, eval_every
         self.cache = ActCache(trainer.model, connection, **options) if cache else None
-        self._modules = [m for site in call_sites(trainer.model, list(stages.stages)[:depth]) for m in site]
-        self._hook = None
+        #: The stages that freeze: the cache's, or with ``cache=False`` the same stages without a cache.
+        self.staged = self.cache.model if self.cache is not None else CachedForward(stages, None)
+        self.controller: FreezeController | None = None
+        self._loss: torch.Tensor | None = None  # the training loss of the optimizer step in progress
+        if self.cache is None:
+            trainer.model.register_forward_pre_hook(self._keep_eval)
         self._build_loader = trainer.get_train_dataloader
         trainer.get_train_dataloader = self._train_dataloader  # the Trainer's own loader, wrapped
+        if depth is None:
+            self._training_step = trainer.training_step
+            trainer.training_step = self._step_loss  # the Trainer's own step, its loss noted
         trainer.add_callback(_Freeze(self))
 
     @property
     def frozen(self) -> bool:
-        return self._hook is not None or (self.cache is not None and self.cache.frozen > 0)
+        return self.staged.frozen > 0
 
     def freeze_step(self, max_steps: int) -> int:
         return self.freeze_at if isinstance(self.freeze_at, int) else round(self.freeze_at * max_steps)
 
     def freeze(self) -> None:
-        """Freeze the stages now (the next training step serves them)."""
+        """Freeze ``depth`` stages now (the next training step serves them)."""
         if self.cache is not None:
             self.cache.freeze(self.depth)
-            return
-        for module in self._modules:
-            module.requires_grad_(False)
-        model, modules = self.trainer.model, self._modules
+        else:
+            self.staged.set_frozen(self.depth)
 
-        def eval_frozen(net: nn.Module, args: Any) -> None:  # the Trainer calls model.train() every step
-            if net.training:
-                for module in modules:
-                    module.train(False)
+    def start_controller(self, optimizer: torch.optim.Optimizer, max_steps: int) -> None:
+        """A FreezeController for this run, over the optimizer that accelerate wraps (its step hook fires)."""
+        if self.controller is not None:
+            self.controller.close()
+        self._loss = None
+        self.controller = FreezeController(self.staged, getattr(optimizer, "optimizer", optimizer), self.policy,
+                                           eval_every=self.eval_every, total_steps=max_steps,
+                                           ddp=False)  # the Trainer wraps the whole model itself
 
-        self._hook = model.register_forward_pre_hook(eval_frozen)
+    def step_controller(self, epoch: int) -> None:
+        """An optimizer step ended: the controller counts it with its loss, and may freeze or unfreeze."""
+        assert self.controller is not None  # started at on_train_begin
+        self.controller.step(self._loss, epoch=epoch)
+        self._loss = None
+
+    def _step_loss(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        loss = self._training_step(*args, **kwargs)  # already divided by gradient accumulation's steps
+        self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
+        return loss
+
+    def _keep_eval(self, net: nn.Module, args: Any) -> None:
+        """The Trainer calls model.train() every step; frozen stages stay in eval mode (no dropout)."""
+        if net.training:
+            for stage in self.staged.model.stages[: self.staged.frozen]:
+                stage.train(False)
 
     def _train_dataloader(self) -> Any:
         prepared = self._build_loader()
         return prepared if self.cache is None else _TrainLoader(self.cache, prepared)
 
     def close(self) -> None:
+        if self.controller is not None:
+            self.controller.close()
         if self.cache is not None:
             self.cache.close()
 
 
 class _Freeze(TrainerCallback):
-    """Freezes at the scheduled step, and again when a run resumes past it."""
+    """Runs the controller, or freezes at the scheduled step (and again when a run resumes past it)."""
 
     def __init__(self, owner: TrainerCache) -> None:
         self.owner = owner
@@ -120,11 +170,18 @@ class _Freeze(TrainerCallback):
         if state.global_step > 0 and isinstance(loader, _TrainLoader):  # resumed: the rest of the epoch is
             per_epoch = max(-(-len(loader) // args.gradient_accumulation_steps), 1)  # drawn by the Trainer
             loader.set_epoch(state.global_step // per_epoch)
+        if self.owner.depth is None:
+            self.owner.start_controller(kwargs["optimizer"], state.max_steps)
         self.on_step_begin(args, state, control)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.owner.frozen and state.global_step >= self.owner.freeze_step(state.max_steps):
+        if self.owner.depth is not None and not self.owner.frozen and \
+                state.global_step >= self.owner.freeze_step(state.max_steps):
             self.owner.freeze()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.owner.depth is None:
+            self.owner.step_controller(epoch=math.ceil(state.epoch) - 1)  # state.epoch: epochs done, with this step
 
 
 _LOADER_FIELDS = ("dataset", "sampler", "batch_sampler", "batch_size", "drop_last", "collate_fn", "num_workers",

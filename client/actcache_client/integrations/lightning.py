@@ -1,7 +1,8 @@
 """Lightning: a callback that freezes a LightningModule's first stages and serves them from actcache.
 
     from actcache_client.integrations.lightning import ActCacheCallback
-    trainer = L.Trainer(max_epochs=10, callbacks=[ActCacheCallback(freeze_at_epoch=2, depth=4)])
+    trainer = L.Trainer(max_epochs=10, callbacks=[ActCacheCallback()])   # a FreezeController decides
+    trainer = L.Trainer(max_epochs=10, callbacks=[ActCacheCallback(freeze_at_epoch=2, depth=4)])  # by hand
 
 The LightningModule, its ``training_step`` and its batches stay as they are.
 The callback finds the network among the module's children (or takes
@@ -12,8 +13,12 @@ DistributedSampler, before it iterates or restores the loader), so each rank
 caches the samples it consumes and a checkpoint carries the loader's state.
 At the start of every training epoch it tells the loader the epoch (a
 resumed run goes on where it stopped) and, from ``freeze_at_epoch`` on,
-freezes ``depth`` stages. Validation runs in eval mode and never touches the
-cache.
+freezes ``depth`` stages. Without ``depth``, a ``FreezeController`` built at
+``on_train_start`` (the module's optimizer, ``total_steps`` =
+``trainer.estimated_stepping_batches``; its default policy, or ``policy`` and
+``eval_every``) is given every optimizer step with the step's training loss,
+and decides; its state goes into Lightning's checkpoints. Validation runs in
+eval mode and never touches the cache.
 
 Under ``strategy="ddp"`` PyTorch's DistributedDataParallel cannot follow
 parameters that stop receiving gradients mid-run, with or without actcache;
@@ -23,7 +28,9 @@ says so before the first step.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -34,6 +41,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError("actcache_client.integrations.lightning needs Lightning: "
                       "pip install 'actcache[lightning]'") from exc
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -41,29 +49,43 @@ from torch.utils.data import DataLoader
 from actcache.errors import ConfigError
 from actcache_client._connection import Connection
 from actcache_client._dropin import ActCache, WrappedLoader, _layout
+from actcache_client.freeze.controller import FreezeController
+from actcache_client.freeze.policy import FreezePolicy
 
 __all__ = ["ActCacheCallback"]
 
 
 class ActCacheCallback(pl.Callback):
-    """Freezes ``depth`` stages of the module's network from epoch ``freeze_at_epoch`` on and serves them.
+    """Serves the frozen stages of the module's network; a FreezeController decides, or ``depth`` does.
 
-    ``module``: the LightningModule attribute holding the network (dotted paths work), found
-    among its children when not given. ``connection`` defaults to this node's daemon
+    Without ``depth``: a FreezeController with ``policy`` and ``eval_every`` (default: both from the
+    run's length); ``controller`` once training has started. ``depth``: stages frozen from epoch
+    ``freeze_at_epoch`` (default 0) on. ``module``: the LightningModule attribute holding the network
+    (dotted paths work), found among its children when not given. ``connection`` defaults to this node's daemon
     (``connect()``), shared by the ranks of a node. ``variants`` and ``targets`` are
     ``ActCache.wrap``'s; ``options`` are ``ActCache``'s (``stages=``, ``store_dtype=``, ...).
     ``cache`` is the ActCache once ``fit`` has set it up (its ``model`` has the counters).
     """
 
-    def __init__(self, *, depth: int, freeze_at_epoch: int = 0, module: str | None = None,
+    def __init__(self, *, depth: int | None = None, freeze_at_epoch: int | None = None,
+                 policy: FreezePolicy | None = None, eval_every: int | None = None, module: str | None = None,
                  connection: Connection | None = None, variants: int | None = None,
                  targets: Sequence[Any] | Callable[[int], Any] | None = None, **options: Any) -> None:
-        if depth < 1:
+        if depth is None and freeze_at_epoch is not None:
+            raise ConfigError(f"ActCacheCallback(freeze_at_epoch={freeze_at_epoch}) needs depth=: the stages to "
+                              "freeze by hand (without depth a FreezeController decides when and what to freeze)")
+        if depth is not None and (policy is not None or eval_every is not None):
+            raise ConfigError("ActCacheCallback(depth=...) freezes by hand, policy= and eval_every= set the "
+                              "FreezeController that decides instead: pass depth= (and freeze_at_epoch=) or "
+                              "policy= (and eval_every=), not both")
+        if depth is not None and depth < 1:
             raise ConfigError(f"ActCacheCallback depth must be >= 1 (stages to freeze), got {depth}")
-        if freeze_at_epoch < 0:
+        if freeze_at_epoch is not None and freeze_at_epoch < 0:
             raise ConfigError(f"ActCacheCallback freeze_at_epoch must be >= 0, got {freeze_at_epoch}")
         self.depth = depth
-        self.freeze_at_epoch = freeze_at_epoch
+        self.freeze_at_epoch = freeze_at_epoch or 0
+        self.policy = policy
+        self.eval_every = eval_every
         self.module = module
         self.connection = connection
         self.variants = variants
@@ -75,6 +97,10 @@ class ActCacheCallback(pl.Callback):
         self._previous: Callable[[object], object] | None = None  # its instance's own one, if it had one
         self._closed = False  # teardown closed the cache's connection (opened by setup)
         self._frozen_once = False  # this fit reached freeze_at_epoch (a FreezeController may change it after)
+        self.controller: FreezeController | None = None
+        self._loss: torch.Tensor | None = None  # the training loss of the optimizer step in progress
+        self._global_step = 0  # trainer.global_step when the controller last stepped
+        self._saved: dict[str, Any] | None = None  # the controller's state from a checkpoint being resumed
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != TrainerFn.FITTING:
@@ -103,14 +129,52 @@ class ActCacheCallback(pl.Callback):
         model = trainer.strategy.model
         if isinstance(model, DistributedDataParallel) and not model.find_unused_parameters:
             raise ConfigError(
-                f"ActCacheCallback freezes {self.depth} stages at epoch {self.freeze_at_epoch}, and "
+                "ActCacheCallback freezes stages during the run, and "
                 "DistributedDataParallel fails at the next step when parameters stop receiving gradients unless "
                 "it finds unused parameters; use Trainer(strategy=\"ddp_find_unused_parameters_true\") "
                 "(or DDPStrategy(find_unused_parameters=True))"
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.depth is None:
+            self._start_controller(trainer)
         self._follow(trainer)  # a run resumed mid-epoch gets no on_train_epoch_start for that epoch
+
+    def _start_controller(self, trainer: pl.Trainer) -> None:
+        """A FreezeController over the module's optimizer, paced by the run's length (resumed from a checkpoint)."""
+        assert self.cache is not None  # set in setup, which Lightning calls first
+        if len(trainer.optimizers) != 1:
+            raise ConfigError(f"ActCacheCallback's FreezeController drives one optimizer; configure_optimizers "
+                              f"gave {len(trainer.optimizers)}: pass depth= to freeze by hand")
+        if self.controller is not None:
+            self.controller.close()
+        length = trainer.estimated_stepping_batches
+        self.controller = FreezeController(self.cache.model, trainer.optimizers[0], self.policy,
+                                           eval_every=self.eval_every,
+                                           total_steps=int(length) if math.isfinite(length) else None,
+                                           ddp=False)  # the strategy wraps the whole module itself
+        if self._saved is not None:
+            self.controller.load_state_dict(self._saved)
+            self._saved = None
+        self._loss, self._global_step = None, trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.controller is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs  # divided by accumulation's steps
+        if isinstance(loss, torch.Tensor):
+            self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
+        if trainer.global_step != self._global_step:  # the optimizer stepped after this batch
+            self._global_step = trainer.global_step
+            self.controller.step(self._loss, epoch=trainer.current_epoch)
+            self._loss = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"controller": self.controller.state_dict()} if self.controller is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved = state_dict.get("controller")
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._follow(trainer)
@@ -120,7 +184,7 @@ class ActCacheCallback(pl.Callback):
         assert self.cache is not None  # set in setup, which Lightning calls first
         if self.loader is not None:
             self.loader.set_epoch(trainer.current_epoch)
-        if trainer.current_epoch >= self.freeze_at_epoch and not self._frozen_once:
+        if self.depth is not None and trainer.current_epoch >= self.freeze_at_epoch and not self._frozen_once:
             self.cache.freeze(self.depth)
             self._frozen_once = True
 
@@ -130,6 +194,8 @@ class ActCacheCallback(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == TrainerFn.FITTING:
             self._restore()
+            if self.controller is not None:
+                self.controller.close()  # its hook off the optimizer; it keeps its state and the frozen depth
 
     def _restore(self) -> None:
         """The strategy's own process_dataloader back, and the node daemon's connection (opened in setup) closed."""
