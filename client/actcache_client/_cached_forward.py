@@ -125,6 +125,7 @@ class CachedForward:
         self._connection_seen = (0, 0.0, 0, 0.0)
         self._suffix_wrapper: Callable[[Suffix], nn.Module] | None = None
         self._suffix: nn.Module | None = None
+        self._input_tap: Callable[[State], None] | None = None
 
     # ---- freezing and planning ---------------------------------------------
 
@@ -279,11 +280,24 @@ class CachedForward:
         the rows the loader loaded); ``model(ids, inputs, variant=v)`` takes every row's input.
         """
         state = self.prefix(batch, inputs, variant=variant)
+        if self.model.training and torch.is_grad_enabled():
+            self.training_input(state)
         t1 = time.perf_counter()
         out = self.model.run(state, self._frozen.depth) if self._suffix is None else self._suffix(state)
         self.times.suffix_forward += time.perf_counter() - t1
         self.times.steps += 1
         return out
+
+    def tap_training_input(self, tap: Callable[[State], None] | None) -> None:
+        """Give ``tap`` the input of the frontmost active stage in the next training forward, once (None: cancel)."""
+        self._input_tap = tap
+
+    def training_input(self, state: State) -> None:
+        """A training forward's input to the frontmost active stage: from ``__call__``, or from a network that
+        serves the prefix in place (InPlacePrefix), whose own modules never call the stage adapters."""
+        tap, self._input_tap = self._input_tap, None
+        if tap is not None:
+            tap(state)
 
     def prefix(self, batch: "Batch | Tensor | Sequence[int]", inputs: State | None = None, *, variant: int = 0) -> State:
         """The state after the frozen stages for this batch (no grad); arguments as for calling the model."""

@@ -109,6 +109,8 @@ class InPlacePrefix:
     def begin(self, batch: Batch, given: Tensor | None) -> None:
         """The loader yielded ``batch`` (``given``: its first input tensor as the user received it)."""
         self.sync()
+        if self.patched_depth == 0 and batch.loaded is None:  # stage 0's input: the batch as yielded
+            self.cached.training_input(batch.data[0])
         self._pending.append((batch, given))
         self._tails = deque()
 
@@ -156,6 +158,8 @@ class InPlacePrefix:
                 state = self.cached.prefix(batch)
             finally:
                 self._computing = False
+            if training:
+                self.cached.training_input(state)
             self._tails = deque(m for stage in self.sites[: self.patched_depth] for m in stage)
             self._tails.popleft()  # the head itself
             return self.output_of(state, given_now)

@@ -19,14 +19,17 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 
 def small_cnn() -> ac.StagedModel:
+    return ac.from_sequential(small_net(), groups=[3, 3, 3, 3])
+
+
+def small_net() -> nn.Sequential:
     torch.manual_seed(0)
-    net = nn.Sequential(
+    return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
         nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
     )
-    return ac.from_sequential(net, groups=[3, 3, 3, 3])
 
 
 def loader_for(dataset, model) -> ac.CachedLoader:
@@ -87,6 +90,35 @@ def test_egeria_freezes_a_stage_of_a_cnn_on_real_images_without_waiting_for_the_
                 loss.backward()
                 opt.step()
         assert conn.stats.hits - hits == len(dataset)
+
+
+def test_egeria_gets_its_readings_from_a_network_that_serves_its_prefix_in_place(daemon, tmp_path):
+    """The user's loop calls its own network: the stage adapters the probe compares never run there."""
+    dataset, source = cifar_subset(per_class=32)
+    net = small_net()
+    with ac.connect(daemon.socket, namespace=f"inplace-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+        cache = ac.ActCache(net, conn, stages=ac.from_sequential(net, groups=[3, 3, 3, 3]))
+        loader = cache.wrap(DataLoader(dataset, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        with FreezeController(cache.model, opt, EgeriaPolicy(EgeriaConfig(window=3)), eval_every=4,
+                              reference=ReferenceConfig(max_cpu_percent=None)) as ctl:
+            steps, probed_at_1 = 0, None
+            while (probed_at_1 is None or ctl.reference_stats.submitted == probed_at_1) and steps < MAX_STEPS:
+                for x, y in loader:
+                    loss = nn.functional.cross_entropy(net(x), y)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    ctl.step(loss, epoch=loader.epoch)
+                    steps += 1
+                    if ctl.frozen == 1 and probed_at_1 is None:
+                        probed_at_1 = ctl.reference_stats.submitted
+            stats = ctl.reference_stats
+            assert ctl.frozen >= 1, f"no freeze in {steps} steps on {source} data: {stats}"
+            freeze = next(r for r in ctl.timeline.records if r.get("decision") == "freeze_next")
+            assert freeze["stage"] == 0 and freeze["signal"] == "plasticity" and stats.readings >= 3 + 3
+            # Stage 1's probe came from the prefix served inside the network.
+            assert stats.submitted > probed_at_1, f"no probe of stage 1 in {steps} steps: {stats}"
 
 
 def test_a_resumed_run_keeps_its_frozen_prefix_and_its_cache(daemon, tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 pytest.importorskip("transformers", reason="the huggingface extra (actcache[huggingface]) is not installed")
 
@@ -221,3 +222,26 @@ def test_depth_and_a_controller_setting_together_are_refused(tmp_path, connectio
         attach(t, depth=2, policy=ac.StaticPolicy(stages=2, at_step=1), connection=connection)
     with pytest.raises(ConfigError, match=r"freeze_at=0\.5\) needs depth="):
         attach(t, freeze_at=0.5, connection=connection)
+
+
+def test_egeria_gets_plasticity_readings_from_a_transformers_model_serving_its_prefix_in_place(connection):
+    net = model("bert")
+    cache = ac.ActCache(net, connection)
+    loader = cache.wrap(DataLoader(sentences(48, 1), batch_size=8, collate_fn=DataCollatorWithPadding(tokenizer())))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    policy = ac.EgeriaPolicy(ac.EgeriaConfig(window=3, bootstrap_threshold=None))
+    with ac.FreezeController(cache.model, opt, policy, eval_every=1,
+                             reference=ac.ReferenceConfig(max_cpu_percent=None)) as ctl:
+        for epoch in range(40):
+            for batch in loader:
+                loss = net(**batch).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                ctl.step(loss, epoch=epoch)
+            if ctl.frozen >= 2 and ctl.reference_stats.readings:
+                break
+        stats = ctl.reference_stats
+    # Readings of stage 0 (the embeddings, from the batch's own inputs) and of stage 1 (from the served prefix).
+    assert ctl.frozen >= 2, f"froze {ctl.frozen} stages in {ctl.step_count} steps: {stats}"
+    assert [r["stage"] for r in ctl.timeline.records if r.get("decision") == "freeze_next"][:2] == [0, 1]

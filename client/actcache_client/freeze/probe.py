@@ -5,7 +5,7 @@ Timeline of one evaluation interval (n = eval_every steps)::
     evaluation k  ->  interval_done(): start the reference process once the policy has left
                       bootstrapping (snapshot 0 of the frontmost stage), else send snapshot k
                       of the frontmost stage (its weights now, after step k*n)
-    step k*n + 1  ->  a forward pre-hook on the frontmost active stage copies its input
+    step k*n + 1  ->  the training forward gives the frontmost active stage's input to a tap, which copies it
                       (armed by arm() at the end of the previous step, once snapshot k - age
                       exists, if the queue has room and the CPU is not busy: otherwise the
                       interval's probe is skipped, counted)
@@ -24,7 +24,6 @@ import logging
 from typing import Any
 
 import torch
-from torch import nn
 
 from actcache_client._cached_forward import CachedForward
 from actcache_client.freeze import _refproc
@@ -38,27 +37,25 @@ log = logging.getLogger("actcache_client.freeze")
 
 
 class _Capture:
-    """A forward pre-hook copying a stage's input in one training forward to shared memory."""
+    """One training forward's input to the frontmost active stage, copied to shared memory."""
 
-    def __init__(self, stage: nn.Module, rows: int | None, index: int) -> None:
+    def __init__(self, cached: CachedForward, rows: int | None, index: int) -> None:
+        self.cached = cached
         self.rows = rows
         self.index = index  # the snapshot taken just before this forward
         self.inputs: Any = None
-        self._handle: Any = stage.register_forward_pre_hook(self._pre)
+        cached.tap_training_input(self._take)
 
-    def _pre(self, module: nn.Module, args: tuple) -> None:
-        if module.training:  # eval-mode (validation) passes are not probed
-            self.inputs = to_shared(args[0], self.rows)
-            self.remove()
+    def _take(self, state: Any) -> None:
+        self.inputs = to_shared(state, self.rows)
 
     @property
     def done(self) -> bool:
         return self.inputs is not None
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if not self.done:
+            self.cached.tap_training_input(None)
 
 
 class PlasticityProbe:
@@ -105,8 +102,7 @@ class PlasticityProbe:
             return
         self._probed = True
         if self.worker.ready_for_probe():
-            self._capture = _Capture(self.cached.model.stages[self.cached.frozen], self.worker.config.max_samples,
-                                     self._index)
+            self._capture = _Capture(self.cached, self.worker.config.max_samples, self._index)
 
     # ---- per evaluation ---------------------------------------------------
 
@@ -141,7 +137,7 @@ class PlasticityProbe:
             self._snapped = True
 
     def _snapshot(self) -> None:
-        self._drop_capture()  # no hooks on the module while it is copied
+        self._drop_capture()
         if self._index < 0:  # a new generation: the policy's W may have changed (unfreezing halves it)
             self._age = self.worker.config.age_for(int(getattr(self.policy, "window", 10)))
         self._index += 1
