@@ -25,7 +25,7 @@ import grpc
 
 from actcache.errors import InvalidRequest
 
-__all__ = ["RequestGuard", "Unparsable"]
+__all__ = ["RequestGuard", "Unparsable", "rewrap"]
 
 
 class Unparsable:
@@ -69,21 +69,12 @@ class _Messages:
 
 
 def _guard_unary_request(behavior: Callable, streaming_response: bool) -> Callable:
-    if streaming_response:
-
-        def stream(request, context):
-            if isinstance(request, Unparsable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-            yield from behavior(request, context)
-
-        return stream
-
-    def unary(request, context):
+    def guarded(request, context):  # a response stream is returned: gRPC handles an abort here alike
         if isinstance(request, Unparsable):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return behavior(request, context)
 
-    return unary
+    return guarded
 
 
 def _guard_stream_request(behavior: Callable, streaming_response: bool) -> Callable:
@@ -112,12 +103,13 @@ def _guard_stream_request(behavior: Callable, streaming_response: bool) -> Calla
     return unary
 
 
-_FACTORIES = {
-    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
-}
+def rewrap(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable], Callable],
+           request_deserializer: Callable | None = None) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind whose behaviour is ``wrap(its behaviour)`` (for interceptors)."""
+    kind = f"{'stream' if handler.request_streaming else 'unary'}_{'stream' if handler.response_streaming else 'unary'}"
+    factory = getattr(grpc, f"{kind}_rpc_method_handler")
+    return factory(wrap(getattr(handler, kind)), request_deserializer or handler.request_deserializer,
+                   handler.response_serializer)
 
 
 class RequestGuard(grpc.ServerInterceptor):
@@ -130,9 +122,7 @@ class RequestGuard(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or not details.method.startswith(self._prefix):
             return handler
-        kind = (handler.request_streaming, handler.response_streaming)
-        attribute, factory = _FACTORIES[kind]
         guard = _guard_stream_request if handler.request_streaming else _guard_unary_request
-        behavior = guard(getattr(handler, attribute), handler.response_streaming)
         method = details.method[len(self._prefix) :]
-        return factory(behavior, _lenient(handler.request_deserializer, method), handler.response_serializer)
+        return rewrap(handler, lambda behavior: guard(behavior, handler.response_streaming),
+                      _lenient(handler.request_deserializer, method))
