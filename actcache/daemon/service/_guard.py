@@ -1,20 +1,11 @@
 """Requests that do not parse are INVALID_ARGUMENT, for every method of the service.
 
-gRPC Python answers a request its deserializer rejects with INTERNAL
-("Exception deserializing request!"), before the handler runs. RequestGuard,
-a server interceptor, replaces each ActCache method's deserializer with one
-that returns an ``Unparsable`` marker instead of raising, and wraps the
-method's behaviour:
-
-- unary requests: an unparsable request is answered INVALID_ARGUMENT
-  without calling the handler;
-- streamed requests: the handler sees the messages that parsed; at the first
-  one that does not, the iterator raises InvalidRequest (which the handler's
-  error wrapper turns into INVALID_ARGUMENT), and if the handler answers
-  anything else after that, the guard still makes the status
-  INVALID_ARGUMENT.
-
-It applies to methods added later without changes to their handlers.
+gRPC Python answers a request its deserializer rejects with INTERNAL before
+the handler runs. RequestGuard, a server interceptor, makes each ActCache
+method's deserializer return an ``Unparsable`` marker instead: an unparsable
+unary request is answered INVALID_ARGUMENT without calling the handler; in a
+request stream the handler sees the messages that parsed, then InvalidRequest,
+and the status is INVALID_ARGUMENT whatever the handler answers after that.
 """
 
 from __future__ import annotations
