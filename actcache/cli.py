@@ -20,6 +20,7 @@ import sys
 from typing import Callable
 
 from actcache.errors import ActCacheError, DaemonUnavailable
+from actcache.node import default_socket_path
 
 __all__ = ["main"]
 
@@ -60,7 +61,6 @@ def _connection_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace):
-    from actcache.node import default_socket_path
     from actcache.rpc_client import RpcClient, target_for
 
     token = os.environ.get("ACTCACHE_TOKEN")
@@ -316,9 +316,7 @@ def _add_clean(p: argparse.ArgumentParser) -> None:
 
 @command("clean", "reclaim leftovers of crashes: stale socket, stale LMDB reader slots, bench temp files")(_add_clean)
 def _run_clean(args: argparse.Namespace) -> int:
-
     from actcache.ops.clean import Action, clean
-    from actcache.node import default_socket_path
 
     directory = args.dir or os.environ.get("ACTCACHE_DIR")
     findings = clean(
@@ -341,8 +339,7 @@ def _add_stop(p: argparse.ArgumentParser) -> None:
 
 @command("stop", "stop a daemon: SIGTERM to the process on its socket, then wait until it has exited")(_add_stop)
 def _run_stop(args: argparse.Namespace) -> int:
-
-    from actcache.node import default_socket_path, stop_daemon
+    from actcache.node import stop_daemon
 
     socket = Path(args.socket) if args.socket else default_socket_path()
     pid = stop_daemon(socket, args.timeout)
@@ -362,8 +359,6 @@ def _add_bench_disk(p: argparse.ArgumentParser) -> None:
 
 @command("bench disk", "sequential and random 1 MiB read/write MB/s (O_DIRECT, cold, warm) and LMDB get throughput of a directory's filesystem")(_add_bench_disk)
 def _run_bench_disk(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from actcache.ops.diskbench import run_disk_bench
 
     report = run_disk_bench(Path(args.dir), args.size, drop_caches=args.drop_caches, progress=sys.stderr.isatty())
@@ -392,17 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _unreachable(args: argparse.Namespace, exc: ActCacheError) -> bool:
     """A command given no --address found no daemon on its socket."""
     return isinstance(exc, DaemonUnavailable) and hasattr(args, "socket") and not getattr(args, "address", None) \
-        and not Path(args.socket or _default_socket()).exists()
-
-
-def _default_socket() -> Path:
-    from actcache.node import default_socket_path
-
-    return default_socket_path()
+        and not Path(args.socket or default_socket_path()).exists()
 
 
 def _no_daemon(args: argparse.Namespace) -> str:
-    socket = args.socket or _default_socket()
+    socket = args.socket or default_socket_path()
     whose = "given by --socket" if args.socket else "from ACTCACHE_SOCKET" if os.environ.get("ACTCACHE_SOCKET") \
         else f"the node daemon's, of ACTCACHE_DIR={os.environ['ACTCACHE_DIR']}" if os.environ.get("ACTCACHE_DIR") \
         else "the node daemon's, of ~/.cache/actcache"

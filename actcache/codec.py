@@ -20,11 +20,7 @@ Version 1 entries (bytes 6-7: n as uint16, checksum always crc32) are still
 read. The raw payload holds the tensors in order, each C-contiguous and
 starting at a multiple of 16 bytes, so decoded tensors can be viewed
 without copies. The daemon checks the header and checksum of every entry it
-accepts or serves. ``bench/bench_codec.py`` measured the choices on the
-benchmarks' activations: xxh3 checksums 3.5x faster than zlib's CRC32, lz4
-decodes 2.8x faster than zstd-1 at a lower ratio (docs/benchmarks.md).
-
-One job: the entry's byte layout. Encoding, parsing and verifying it, its codecs and checksums.
+accepts or serves (xxh3 and lz4 were the fastest measured: docs/benchmarks.md).
 The served form Fetch builds from entries, a batch at a time, is ``actcache.served``.
 """
 

@@ -182,6 +182,7 @@ _BY_STATUS: dict[grpc.StatusCode, type[ActCacheError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: BudgetExceeded,
     grpc.StatusCode.INTERNAL: StoreError,
     grpc.StatusCode.FAILED_PRECONDITION: VersionMismatch,
+    grpc.StatusCode.ABORTED: FetchAborted,
 }
 
 
@@ -199,7 +200,6 @@ _BY_NAME: dict[str, type[ActCacheError]] = {
         ScheduleNotFound, FetchAborted, InvalidRequest, EntryCorrupt, BudgetExceeded, StoreError,
     )
 }
-_BY_STATUS[grpc.StatusCode.ABORTED] = FetchAborted
 
 
 def error_from_status(code: grpc.StatusCode, details: str, name: str | None = None) -> ActCacheError:

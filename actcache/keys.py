@@ -11,7 +11,6 @@ This module is the one place that knows these offsets.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -19,7 +18,6 @@ import numpy as np
 from actcache.errors import InvalidRequest
 
 __all__ = [
-    "EntryKey",
     "FINGERPRINT_BYTES",
     "GENERATION_PREFIX_BYTES",
     "GROUP_PREFIX_BYTES",
@@ -55,24 +53,6 @@ _SAMPLE_AT = _GROUP.size
 _NAMESPACE_PREFIX_BYTES = _NAMESPACE.size  # 4
 GENERATION_PREFIX_BYTES = _NAMESPACE.size + FINGERPRINT_BYTES  # 20
 GROUP_PREFIX_BYTES = _GROUP.size  # 22
-
-
-@dataclass(frozen=True, slots=True)
-class EntryKey:
-    """The address of one cached entry."""
-
-    namespace_id: int
-    fingerprint: bytes
-    depth: int
-    sample_id: int
-    variant: int = 0
-
-    def encode(self) -> bytes:
-        return encode_key(self.namespace_id, self.fingerprint, self.depth, self.sample_id, self.variant)
-
-    @classmethod
-    def decode(cls, key: bytes) -> "EntryKey":
-        return cls(*_KEY.unpack(key))
 
 
 def check_fingerprint(fingerprint: bytes) -> bytes:

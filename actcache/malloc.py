@@ -3,15 +3,10 @@
 Why it stays: warm Fetch over gRPC served faster with it in every paired run
 (docs/design/serving.md).
 
-glibc serves allocations above ``M_MMAP_THRESHOLD`` with a fresh ``mmap``
-and returns them to the system on free, so every multi-MiB message (a Fetch
-frame joined by the daemon, the bytes object gRPC hands the client) pays
-the page faults of fresh memory again. Raising the thresholds keeps those
-buffers in the heap to be reused.
-
-The daemon calls ``tune_malloc()`` at start; a training process receiving
-Fetch streams may call it too. The ``MALLOC_MMAP_THRESHOLD_`` and
-``MALLOC_TRIM_THRESHOLD_`` environment variables do the same from outside.
+glibc serves allocations above ``M_MMAP_THRESHOLD`` with a fresh ``mmap``,
+so every multi-MiB message pays the page faults of fresh memory again;
+raising the thresholds keeps those buffers in the heap. The daemon calls
+``tune_malloc()`` at start (``MALLOC_MMAP_THRESHOLD_`` does it from outside).
 """
 
 from __future__ import annotations

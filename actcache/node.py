@@ -5,24 +5,9 @@ lands here, the way build caches start their server on first use: every
 local rank of a ``torchrun`` reaches the same daemon, and what it stored is
 there for the next run.
 
-- **Directory** (NodeDaemon.dir): ``$ACTCACHE_DIR``, else
-  ``$XDG_CACHE_HOME/actcache``, else ``~/.cache/actcache``; created 0700. It is
-  the daemon's ``--dir`` (``data.mdb``, ``lock.mdb``, ``daemon.lock`` holding
-  the daemon's pid while it runs), with ``daemon.log`` (the daemon's output,
-  rotated to ``daemon.log.1`` past 8 MiB) and ``start.lock`` beside them.
-- **Socket**: ``DIR/daemon.sock`` when that path fits a Unix socket (100
-  characters), else ``node-<hash of DIR>.sock`` in ``$XDG_RUNTIME_DIR/actcache``
-  or ``/tmp/actcache-<uid>`` (a directory that must be the user's own, mode
-  0700).
-- **Command**: ``python -m actcache serve --dir DIR --socket SOCKET
-  --idle-timeout T [--budget B]`` with this interpreter, in a new session (a
-  terminal's Ctrl-C or hang-up never reaches it), cwd DIR, stdin closed,
-  output appended to ``DIR/daemon.log``, the environment inherited: every
-  ``ACTCACHE_*`` variable of ``actcache serve`` applies to it.
-- **Idle timeout**: ``$ACTCACHE_IDLE_TIMEOUT`` seconds, default 900 (0 = never).
-- **Budget**: ``$ACTCACHE_BUDGET``, else min(20 GiB, half of what the file
-  system holding DIR could give the cache at start: its free space plus what
-  ``data.mdb`` already occupies), worked out at every start.
+Where it lives (``NodeDaemon.from_env``), the command it runs (``_spawn``), its
+idle timeout and its budget (``default_budget``) are described for operators in
+docs/operating/node-daemon.md.
 
 Starting (:func:`ensure_running`): a health check on the socket; if it does
 not answer SERVING, take ``flock(LOCK_EX)`` on ``DIR/start.lock``, check again
@@ -371,11 +356,16 @@ def wait_exit(pid: int, timeout_s: float) -> bool:
     except ProcessLookupError:
         return True
     try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(max(0, int(timeout_s * 1000))))
+        return _exits(fd, timeout_s)
     finally:
         os.close(fd)
+
+
+def _exits(pidfd: int, timeout_s: float) -> bool:
+    """Whether the process of ``pidfd`` exits within ``timeout_s``."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout_s * 1000))))
 
 
 def stop_daemon(socket: Path, timeout_s: float = 30.0) -> int | None:
@@ -392,9 +382,7 @@ def stop_daemon(socket: Path, timeout_s: float = 30.0) -> int | None:
         return pid
     try:
         signal.pidfd_send_signal(fd, signal.SIGTERM)
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(int(timeout_s * 1000)):
+        if not _exits(fd, timeout_s):
             raise DaemonUnavailable(
                 f"the daemon (pid {pid}) on {socket} is still running {timeout_s:.0f} s after SIGTERM "
                 f"(it lets calls in flight finish first); wait, or `kill -9 {pid}`"

@@ -7,6 +7,7 @@ worker processes.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
@@ -57,7 +58,11 @@ class EntryBatch:
     def from_frame(cls, frame: bytes | memoryview) -> "EntryBatch":
         """Parse one Fetch reply frame (payload views, no copies)."""
         header_bytes, payload = decode_frame(frame)
-        header = pb.EntriesHeader.FromString(header_bytes)
+        return cls.from_bytes(pb.EntriesHeader.FromString(header_bytes), payload)
+
+    @classmethod
+    def from_bytes(cls, header: pb.EntriesHeader, payload: memoryview) -> "EntryBatch":
+        """The entries of a frame that carries them in its payload."""
         values = [view if len(view) else None for view in split_payload(payload, header.lengths)]
         return cls(header.start, header.sample_ids, header.variants, values)
 
@@ -107,22 +112,17 @@ class JobInfo:
         return pb.JobInfo(pid=self.pid, host=self.host, start_time=self.start_time, data_id=self.data_id)
 
 
+@functools.cache
 def _process_start_time() -> float:
     """This process's start (wall clock), from /proc on Linux; elsewhere the first time this is asked."""
-    global _START_TIME
-    if _START_TIME is None:
-        try:
-            with open("/proc/self/stat") as f:  # field 22 (after the parenthesised name): start in clock ticks
-                ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-            with open("/proc/stat") as f:
-                boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-            _START_TIME = boot + ticks / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError, StopIteration):
-            _START_TIME = time.time()
-    return _START_TIME
-
-
-_START_TIME: float | None = None
+    try:
+        with open("/proc/self/stat") as f:  # field 22 (after the parenthesised name): start in clock ticks
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 
 def _error_of(exc: grpc.RpcError) -> ActCacheError:
@@ -140,10 +140,6 @@ def target_for(socket: str | os.PathLike | None = None, address: str | None = No
     if socket is None:
         socket = default_socket_path()
     return f"unix:{os.fspath(socket)}"
-
-
-def _identity(x: bytes) -> bytes:
-    return x
 
 
 class RpcClient:
@@ -196,20 +192,21 @@ class RpcClient:
             channel = grpc.secure_channel(self.target, creds, options)
         else:
             channel = grpc.insecure_channel(self.target, options)
-        unary = lambda n, req, rep: channel.unary_unary(  # noqa: E731
-            method(n), request_serializer=req.SerializeToString, response_deserializer=rep.FromString
-        )
+        # (kind, request type, reply type); None: bulk frames, passed as bytes and parsed by hand
+        kinds = {
+            "Open": ("unary_unary", pb.OpenRequest, pb.OpenReply),
+            "Contains": ("unary_unary", pb.ContainsRequest, pb.ContainsReply),
+            "Drop": ("unary_unary", pb.DropRequest, pb.DropReply),
+            "Stats": ("unary_unary", pb.StatsRequest, pb.StatsReply),
+            "Put": ("stream_unary", None, pb.PutReply),
+            "Get": ("unary_stream", pb.GetRequest, None),
+            "Schedule": ("stream_unary", pb.ScheduleChunk, pb.ScheduleReply),
+            "Fetch": ("unary_stream", pb.FetchRequest, None),
+        }
         self._calls = {
-            "Open": unary("Open", pb.OpenRequest, pb.OpenReply),
-            "Contains": unary("Contains", pb.ContainsRequest, pb.ContainsReply),
-            "Drop": unary("Drop", pb.DropRequest, pb.DropReply),
-            "Stats": unary("Stats", pb.StatsRequest, pb.StatsReply),
-            "Put": channel.stream_unary(method("Put"), request_serializer=_identity, response_deserializer=pb.PutReply.FromString),
-            "Get": channel.unary_stream(method("Get"), request_serializer=pb.GetRequest.SerializeToString, response_deserializer=_identity),
-            "Schedule": channel.stream_unary(
-                method("Schedule"), request_serializer=pb.ScheduleChunk.SerializeToString, response_deserializer=pb.ScheduleReply.FromString
-            ),
-            "Fetch": channel.unary_stream(method("Fetch"), request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=_identity),
+            name: getattr(channel, kind)(method(name), request_serializer=req and req.SerializeToString,
+                                         response_deserializer=rep and rep.FromString)
+            for name, (kind, req, rep) in kinds.items()
         }
         self._channel = channel
         self._pid = os.getpid()
@@ -243,6 +240,10 @@ class RpcClient:
 
     def _metadata(self) -> list[tuple[str, str]] | None:
         return [("authorization", f"Bearer {self._token}")] if self._token else None
+
+    def _unary(self, name: str, request):
+        """Call the unary method ``name`` with ``_invoke``'s deadline and retries."""
+        return self._invoke(lambda t: self._call(name)(request, timeout=t, metadata=self._metadata()))
 
     def _invoke(self, fn: Callable[[float], T]) -> T:
         """Run ``fn(timeout)`` with the deadline, retrying UNAVAILABLE with jittered backoff."""
@@ -283,7 +284,7 @@ class RpcClient:
         request = pb.OpenRequest(name=name, create=create, secret=secret or b"",
                                  job=job.to_message() if job is not None else None,
                                  client_version=__version__, protocol_version=rpc.PROTOCOL_VERSION)
-        reply = self._invoke(lambda t: self._call("Open")(request, timeout=t, metadata=self._metadata()))
+        reply = self._unary("Open", request)
         if reply.protocol_version != rpc.PROTOCOL_VERSION:
             raise rpc.version_mismatch(__version__, rpc.PROTOCOL_VERSION, reply.server_version, reply.protocol_version)
         return reply
@@ -340,10 +341,8 @@ class RpcClient:
         )
 
         def call(timeout: float) -> list[memoryview | None]:
-            out: list[memoryview | None] = []
-            for frame in self._call("Get")(request, timeout=timeout, metadata=self._metadata()):
-                out.extend(_entries_of(frame))
-            return out
+            frames = self._call("Get")(request, timeout=timeout, metadata=self._metadata())
+            return [value for frame in frames for value in EntryBatch.from_frame(frame).values]
 
         result = self._invoke(call)
         if len(result) != len(sample_ids):
@@ -372,10 +371,7 @@ class RpcClient:
         about 80 MB on the wire and no per-id Python work.
         """
         fingerprint = check_fingerprint(fingerprint)
-        ids = _as_array(sample_ids, np.uint64, "sample id", 2**64 - 1)
-        vars_ = None if variants is None else _as_array(variants, np.uint16, "variant", MAX_VARIANT)
-        if vars_ is not None and len(vars_) != len(ids):
-            raise InvalidRequest(f"{len(vars_)} variants for {len(ids)} sample ids; pass one per id or none")
+        ids, vars_ = _ids_and_variants(sample_ids, variants)
         if chunk_ids < 1:
             raise InvalidRequest(f"chunk_ids must be >= 1, got {chunk_ids}")
 
@@ -447,8 +443,7 @@ class RpcClient:
                     if segment is not None:
                         batch = EntryBatch.from_slots(header, segment, payload)
                     else:
-                        values = [v if len(v) else None for v in split_payload(payload, header.lengths)]
-                        batch = EntryBatch(header.start, header.sample_ids, header.variants, values)
+                        batch = EntryBatch.from_bytes(header, payload)
                     if batch.start != position:
                         raise ActCacheError(f"Fetch frame starts at position {batch.start}, expected {position}")
                     position += len(batch)
@@ -486,24 +481,32 @@ class RpcClient:
     ) -> np.ndarray:
         """Which entries are stored (a bool array parallel to ``sample_ids``), without reading their values."""
         fingerprint = check_fingerprint(fingerprint)
-        ids = _as_array(sample_ids, np.uint64, "sample id", 2**64 - 1)
+        ids, vars_ = _ids_and_variants(sample_ids, variants)
         request = pb.ContainsRequest(namespace_id=namespace_id, fingerprint=fingerprint, depth=depth,
                                      packed_sample_ids=ids.astype("<u8", copy=False).tobytes())
-        if variants is not None:
-            vars_ = _as_array(variants, np.uint16, "variant", MAX_VARIANT)
-            if len(vars_) != len(ids):
-                raise InvalidRequest(f"{len(vars_)} variants for {len(ids)} sample ids; pass one per id or none")
+        if vars_ is not None:
             request.packed_variants = vars_.astype("<u2", copy=False).tobytes()
-        reply = self._invoke(lambda t: self._call("Contains")(request, timeout=t, metadata=self._metadata()))
+        reply = self._unary("Contains", request)
         return np.frombuffer(reply.present, np.uint8).astype(bool)
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> pb.DropReply:
         """Delete a namespace's entries, optionally only one fingerprint (and depth)."""
         request = pb.DropRequest(namespace_id=namespace_id, fingerprint=fingerprint or b"", depth=depth)
-        return self._invoke(lambda t: self._call("Drop")(request, timeout=t, metadata=self._metadata()))
+        return self._unary("Drop", request)
 
     def stats(self) -> pb.StatsReply:
-        return self._invoke(lambda t: self._call("Stats")(pb.StatsRequest(), timeout=t, metadata=self._metadata()))
+        return self._unary("Stats", pb.StatsRequest())
+
+
+def _ids_and_variants(sample_ids, variants) -> tuple[np.ndarray, np.ndarray | None]:
+    """Sample ids as uint64 and variants as uint16 (None: all 0), checked to be one per id."""
+    ids = _as_array(sample_ids, np.uint64, "sample id", 2**64 - 1)
+    if variants is None:
+        return ids, None
+    vars_ = _as_array(variants, np.uint16, "variant", MAX_VARIANT)
+    if len(vars_) != len(ids):
+        raise InvalidRequest(f"{len(vars_)} variants for {len(ids)} sample ids; pass one per id or none")
+    return ids, vars_
 
 
 def _as_array(values, dtype, what: str, limit: int) -> np.ndarray:
@@ -518,8 +521,3 @@ def _as_array(values, dtype, what: str, limit: int) -> np.ndarray:
         raise InvalidRequest(f"{what} {int(array.max())} is out of range 0..{limit}")
     return array.astype(dtype, copy=False)
 
-
-def _entries_of(frame: bytes) -> list[memoryview | None]:
-    header_bytes, payload = decode_frame(frame)
-    header = pb.EntriesHeader.FromString(header_bytes)
-    return [view if len(view) else None for view in split_payload(payload, header.lengths)]

@@ -3,11 +3,10 @@
 A client on the daemon's host (Unix socket) asks for it in the FetchRequest
 (``shared_memory``, ``ring_bytes``). The daemon creates a segment
 ``<shm dir>/actcache-<daemon pid>-<random>`` (``/dev/shm``, or
-``$ACTCACHE_SHM_DIR``; mode 0600), copies each served entry (decompressed by the
-decode pool) into the ring, and the Fetch frames
-carry only descriptors: the segment's path in the first frame, then per
-entry its offset (and length; 0 = a miss). The client maps the segment
-once; its values are memoryviews into it.
+``$ACTCACHE_SHM_DIR``; mode 0600) and copies each served entry, decoded, into
+the ring; the Fetch frames carry only descriptors: the segment's path in the
+first frame, then per entry its offset (and length; 0 = a miss). The client
+maps the segment once; its values are memoryviews into it.
 
 Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
 
@@ -17,55 +16,36 @@ Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
                          released by the client         (client writes)
     24 mapped            1 once the client has mapped   (client writes)
 
-Slot lifecycle. The daemon allocates each hit a contiguous slot of exactly
-its length at the ring's write position (monotonic bytes; an entry that
-would cross the end of the ring starts at its beginning, the gap counted
-with it), copies the entry in, then lists it in a frame. The client
-consumes frames in order; when it moves on from a batch it writes the
-batch's end position to ``released``. The daemon frees, in order, every
-slot whose position is below ``released`` before it allocates.
+Slots: the daemon allocates each hit a contiguous slot of its length at the
+ring's monotonic write position (an entry that would cross the end starts at
+the beginning, the gap counted with it). When the client moves on from a
+batch it writes the batch's end position to ``released``; the daemon frees,
+in order, every slot below it before it allocates.
 
 Invariants:
 
-- a slot is reused only after the client released it: the daemon writes at
-  monotonic bytes ``[p, p + n)`` only if ``p + n - freed <= ring_bytes``,
-  and ``freed`` only grows to the end of slots whose position is below the
-  client's ``released``;
-- ``released`` only grows, and only the client writes it; the daemon only
-  reads it (one aligned 8-byte word, so a read never sees a torn value);
-- a frame waits a while for room for all of its entries while the client
-  holds earlier frames (``wait_frame_room``: frames stay one batch each);
-  when the ring is full of the frame's own entries, or the client keeps
-  holding, the daemon first sends the frame of the entries it has already
-  written, then polls ``released`` (backing off to 2 ms) while the call is
-  alive, so the client always holds what it needs to move on: no deadlock;
-  an entry larger than the whole ring is never allocated a slot, it
-  travels in its frame's payload instead;
-- the ring is outside the prefetch budget: an entry's budget bytes are
-  released once it is copied into the ring.
+- a slot is reused only after the client released it: the daemon writes
+  ``[p, p + n)`` only if ``p + n - freed <= ring_bytes``;
+- ``released`` only grows and only the client writes it (one aligned 8-byte
+  word: never torn);
+- no deadlock: when the ring is full of a frame's own entries, or the client
+  keeps holding earlier frames, the daemon first sends what it has written,
+  then polls ``released`` while the call is alive; an entry larger than the
+  whole ring travels in its frame's payload instead;
+- the ring is outside the prefetch budget.
 
-Reuse. When a stream ends after its client mapped the ring, the daemon
-keeps the ring for a while (``actcache.daemon.service._shm_fetch.ParkedRings``)
-and the client keeps its mapping (``SegmentPool``). The client's next Fetch
-names it (``FetchRequest.reuse_segment``); if the daemon still holds it at
-a size that serves the request (``reusable``), it ``restart``s it
-(``released`` = the new start; the stream uses the first ``ring_bytes`` of
-the data area) and names it in the first frame again, else it makes a new
-one and the client drops the old mapping. A ring is parked only once its stream's handler has returned,
-and offered only once the client's stream has ended, so no two streams
-ever share one.
+Reuse: a ring whose stream ended after its client mapped it is parked by the
+daemon (``ParkedRings``) and kept mapped by the client (``SegmentPool``); the
+client's next Fetch names it (``reuse_segment``) and the daemon ``restart``s
+it if it still holds it at a size that serves (``reusable``), else makes a
+new one. A ring is parked only once its handler returned and offered only
+once the client's stream ended, so no two streams share one.
 
-Crash safety: names are unique (pid + 64 random bits). The daemon unlinks
-the segment as soon as it sees ``mapped`` (the client's mapping keeps the
-memory alive), and at the latest when the stream ends, including a client
-that went away (call cancelled) before mapping. A stream that sent the
-segment's name does not end (last frame or error) before the client has
-mapped it or gone away: a short stream would otherwise remove the name under
-a client about to open it. A client killed holding
-slots only leaves its mapping, which the kernel drops with the process. A
-daemon killed between creating a segment and the client mapping it leaves
-a file: the next daemon start removes segments of dead daemon pids, and so
-does ``actcache clean``.
+Crash safety: names are unique (pid + 64 random bits). The daemon unlinks the
+segment once it sees ``mapped`` and at the latest when the stream ends; a
+stream that sent the name does not end before the client mapped it or went
+away. Segments a killed daemon left are removed at the next daemon start and
+by ``actcache clean``.
 """
 
 from __future__ import annotations
@@ -100,9 +80,8 @@ __all__ = [
 
 PREFIX = "actcache-"
 HEADER_BYTES = 4096
-DEFAULT_RING_BYTES = 8 << 20  # small rings stay in cache: 64 MiB measured ~0.7x the speed of 8 MiB
-# An idle ring serves a Fetch asking for up to this many times less (creating one costs about 0.6 ms
-# per MiB here, in the daemon, plus the client's page faults; a somewhat larger ring costs nothing).
+DEFAULT_RING_BYTES = 8 << 20  # small rings stay in the CPU cache
+# An idle ring serves a Fetch asking for up to this many times less (a larger ring costs nothing).
 REUSE_SLACK = 2
 MIN_RING_BYTES = 64 << 10
 MAX_RING_BYTES = 4 << 30
@@ -225,11 +204,13 @@ class ShmRing:
         self._check_size(size)
         at = self._write % self.ring_bytes
         need = size + (self.ring_bytes - at if at + size > self.ring_bytes else 0)
+        return need if self._room(need) else 0
+
+    def _room(self, need: int) -> bool:
+        """Whether ``need`` more bytes fit now (after taking the client's releases, if they did not)."""
         if self._write + need - self._freed > self.ring_bytes:
             self.poll()
-            if self._write + need - self._freed > self.ring_bytes:
-                return 0
-        return need
+        return self._write + need - self._freed <= self.ring_bytes
 
     def alloc(self, position: int, size: int) -> int | None:
         """Segment offset of a new slot of ``size`` bytes for the entry at ``position``; None while full."""
@@ -247,10 +228,8 @@ class ShmRing:
         self._check_size(size)
         at = self._write % self.ring_bytes
         need, before_end = self._run_need(count, size)
-        if self._write + need - self._freed > self.ring_bytes:
-            self.poll()
-            if self._write + need - self._freed > self.ring_bytes:
-                return None
+        if not self._room(need):
+            return None
         gap = need - count * size
         ends = [self._write + (i + 1) * size + (gap if i >= before_end else 0) for i in range(count)]
         self._write += need
@@ -281,11 +260,8 @@ class ShmRing:
         ``patience_s`` with what fits (a client may hold several frames on purpose).
 
         ``uniform``: the frame's slots are all ``slot_bytes`` (``nbytes`` a multiple of it), so the room
-        it needs is exact; else it allows one slot more for a gap at the ring's end. In a ring of whole
-        frames that slot would cost a whole frame of lead.
-
-        Why: a frame cut short by a full ring ends mid-batch, and the client then takes that batch
-        from two frames, copying the first part out of the ring before it may ask for the second.
+        it needs is exact; else it allows one slot more for a gap at the ring's end. Why wait: a frame
+        cut short ends mid-batch, which the client then copies out of the ring in two parts.
         """
         exact = uniform and 0 < nbytes <= self.ring_bytes and nbytes % slot_bytes == 0
         deadline = time.monotonic() + patience_s
@@ -385,12 +361,9 @@ class SlotRun:
 
 
 class SegmentPool:
-    """The client's segments whose streams have ended, offered for reuse by its next Fetch (thread-safe).
-
-    Why: a new ring costs a mapping on both sides, faulting its pages in as the first stream writes
-    and reads them, and unmapping them at its end (8 MiB: about 2 ms each way here, once per epoch).
-    At most ``keep`` segments wait; the oldest goes first. A segment is offered only to a Fetch whose
-    ring it can be (``reusable``): the daemon would refuse another, and the offered one be lost.
+    """The client's segments whose streams have ended, offered for reuse by its next Fetch (thread-safe):
+    a new ring costs a mapping and its page faults on both sides. At most ``keep`` segments wait; the
+    oldest goes first. A segment is offered only to a Fetch whose ring it can be (``reusable``).
     """
 
     def __init__(self, keep: int = 2) -> None:

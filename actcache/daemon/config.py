@@ -23,6 +23,7 @@ __all__ = [
     "format_size",
     "is_loopback",
     "parse_size",
+    "socket_gid",
 ]
 
 _UNITS = {
@@ -85,8 +86,6 @@ class StoreConfig:
     sync_interval_s: float = 5.0
     #: Largest single encoded entry accepted.
     max_entry_bytes: int = 64 << 20
-    #: Puts committed together in one write transaction, at most.
-    max_batch_bytes: int = 64 << 20
     #: What to do with LMDB files that are damaged or not an actcache store:
     #: "refuse" to start, or "move-aside" (rename to *.corrupt-<time>) and start empty.
     on_corrupt: str = "refuse"
@@ -191,14 +190,15 @@ class ServerConfig:
         if self.workers < 2:
             raise ConfigError(f"workers must be >= 2, got {self.workers}; pass --workers 2 or more")
         if self.socket_group is not None:
-            _check_group(self.socket_group)
+            socket_gid(self.socket_group)
 
 
-def _check_group(group: str) -> None:
+def socket_gid(group: str) -> int:
+    """The gid of ``--socket-group`` (a name or a gid); ConfigError if there is no such group."""
     import grp
 
     try:
-        grp.getgrgid(int(group)) if group.isdigit() else grp.getgrnam(group)
+        return grp.getgrgid(int(group)).gr_gid if group.isdigit() else grp.getgrnam(group).gr_gid
     except KeyError:
         raise ConfigError(
             f"--socket-group {group!r} is not a group on this machine; pass a group name or gid (see /etc/group)"

@@ -1,9 +1,8 @@
 """``actcache clean``: reclaim what a crashed daemon (or tool) left behind.
 
 Cleaning is a list of small reclaimers, each ``(CleanTarget) -> Iterable[Finding]``
-and registered with ``@reclaimer``; a new kind of leftover (e.g. the
-shared-memory data plane's segments) adds one function. Every reclaimer
-must leave anything a live process still uses alone, and say so.
+registered with ``@reclaimer``. Every reclaimer must leave anything a live
+process still uses alone, and say so.
 
 While the reclaimers run, ``clean`` holds the cache directory's lock
 (actcache.daemon.store._dirlock) when no daemon does, so a daemon cannot start

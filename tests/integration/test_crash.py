@@ -23,7 +23,7 @@ import numpy as np
 
 from actcache.codec import DType, TensorSpec, decode_entry, encode_entry, verify_entry
 from actcache.errors import ActCacheError
-from actcache.keys import EntryKey
+from actcache.keys import sample_id_of
 from actcache.rpc_client import RpcClient
 from actcache.testing import DaemonProcess
 
@@ -107,7 +107,7 @@ def scan_offline(cache_dir: Path) -> int:
         with env.begin() as txn:
             for key, value in txn.cursor(db=entries):
                 verify_entry(value)
-                sample_id = EntryKey.decode(key).sample_id
+                sample_id = sample_id_of(key)
                 assert same_tensors(value, sample_id), f"stored entry {sample_id} has wrong content"
                 group = usage.setdefault(key[:22], [0, 0])
                 group[0] += 1

@@ -1,16 +1,13 @@
 """Direct runs: positions of a warm stream that the consumer reads from the store itself, one pass per frame.
 
-Why: for values in the page cache, reading ahead buys nothing: the reader
-thread's copy, the slots, the budget and the wake-ups between two threads
-cost more than one thread that looks a frame's keys up in one LMDB call and
-copies each value once, straight into its ring slot (measured in a training
-step and in warm serving: docs/design/serving.md).
+Why: for values in the page cache, one thread that looks a frame's keys up
+in one LMDB call and copies each value straight into its ring slot beats
+reading ahead (docs/design/serving.md).
 
 How: once the reader's ``PageCacheGuess`` says the stream is warm and its
 probes have paused (cold data keeps them hinting the kernel ahead, which a
 parked reader would not), ``ScheduleReader.batches(direct_entries=...)``
-parks the reader thread after
-its current run (no transaction open, nothing read); what it read ahead is
+parks the reader thread after its current run (no transaction open, nothing read); what it read ahead is
 served first, then the consumer gets ``DirectRun``s. It opens a short
 read transaction (``values``), copies what fits its ring, closes it before
 it sends or waits, and reports what it served (``done``). A run that finds

@@ -1,44 +1,21 @@
 """The prefetcher: pushed schedules, their readers, the shared memory budget and the thread pools.
 
-The trainer knows its future: it pushes each epoch's order (Schedule) and
-then consumes it (Fetch). Per schedule a reader (actcache.daemon.prefetch._reader)
-walks the order ahead of the consumer, inside a share of ``prefetch_bytes``,
-and drops each entry once served. No LRU anywhere.
+The trainer pushes each epoch's order (Schedule) and then consumes it
+(Fetch); per schedule a reader (``_reader``) walks the order ahead of the
+consumer inside a share of ``prefetch_bytes`` and drops each entry once
+served. No LRU anywhere (docs/design/prefetch.md).
 
-Turns: a reader starts when its schedule is pushed. A reader with a
-consumer (attached) always may read; a reader without one (e.g. the next
-epoch, pushed early) may read only while no attached reader of its
-namespace is still reading, so the current epoch keeps the disk and the
-budget, and the next epoch's head is ready the moment the current one has
-been read: no dip at the boundary. Read-ahead without a consumer never
-starves one: an attached reader that cannot get its bytes makes readers
-without a consumer give theirs back (they are cancelled and read again,
-from where the Fetch starts, once fetched), so schedules pushed and never
-fetched cannot hold the budget.
-
-Cold reads: lookups run ahead of each reader (on ``probe_threads`` threads
-for entries of MIN_PROBED_ENTRY_BYTES and more, in the reader's thread for
-smaller ones; one lookup per B-tree leaf page, see ExtentHints) and hint the
-kernel (POSIX_FADV_WILLNEED) about the values it has not cached yet; the reader then
-``pread``s each
-value (actcache.daemon.store._extents, which holds the measurements).
-Entries are buffered as stored (compressed); the Fetch thread verifies
-and decompresses each frame's entries as it serves them (a batch per zstd
-call, which releases the GIL) into the frame or the shared-memory slots,
-with one of ``decode_threads - 1`` pool threads taking half of each large
-frame. Fetch serves entries uncompressed (codec raw_verified), so the
-client's decode is a zero-copy view.
+Turns: a reader with a consumer (attached) always may read; one without
+(e.g. the next epoch, pushed early) only while no attached reader of its
+namespace is still reading, so the next epoch's head is ready at the
+boundary without taking the disk from the current one. An attached reader
+that cannot get its bytes makes readers without a consumer give theirs back
+(cancelled, read again once fetched), so unfetched schedules never hold the
+budget.
 
 Live schedules protect their generation: a push pins its (namespace,
-fingerprint) in ``store.generations`` and retiring the schedule (served to
-its end, replaced or released) unpins it, so a put over a budget never
-reclaims what a schedule is about to read.
-
-Invariants (asserted in tests through ``stats()``): per reader ``start <=
-served <= ready <= read <= length``; the bytes of every buffered entry are
-held in the budget, and ``budget.used <= budget.limit`` at all times (one
-Fetch frame being sent, at most ``max_frame_bytes`` decoded, lives outside
-it).
+fingerprint) in ``store.generations`` and retiring the schedule unpins it,
+so a put over a budget never reclaims what a schedule is about to read.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """One schedule reader: reads a pushed order ahead of its consumer and serves it as Fetch frames.
 
-Threads: the reader's own thread walks the order (``ReadLoop``: lookups,
-budget, ``pread``) and buffers entries as stored; the probe pool runs lookups
-ahead (see actcache.daemon.store._extents); the consumer, the gRPC thread
-running ``frames()`` or ``batches()`` (``FrameTaker``), verifies and
-decompresses each frame's entries as it serves them, into the frame or
-shared-memory slots, with the decode pool taking part of a large frame
-(decoding there costs no hand-off per entry). A warm stream over shared
-memory skips the reader thread: it parks, and the consumer reads each frame
-from the store itself (``Handover``, ``DirectRun``). A schedule of a group
-already warm (the next epoch's, pushed ahead) reads at most one run before
-its consumer attaches, and the consumer may claim it while it still waits
-for its budget turn: it is read by its Fetch from its first entry.
-
-The reader is the parts' shared ``ReadAhead`` (positions, slots, lifecycle) and its condition.
+Threads: the reader's own thread walks the order (``ReadLoop``) and buffers
+entries as stored; the probe pool runs lookups ahead (``_lookahead``); the
+consumer, the gRPC thread running ``frames()`` or ``batches()``
+(``FrameTaker``), decodes each frame's entries as it serves them, with the
+decode pool's help. A warm stream over shared memory is read by the consumer
+itself (``Handover``, ``DirectRun``).
 """
 
 from __future__ import annotations

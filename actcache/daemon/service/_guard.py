@@ -1,20 +1,11 @@
 """Requests that do not parse are INVALID_ARGUMENT, for every method of the service.
 
-gRPC Python answers a request its deserializer rejects with INTERNAL
-("Exception deserializing request!"), before the handler runs. RequestGuard,
-a server interceptor, replaces each ActCache method's deserializer with one
-that returns an ``Unparsable`` marker instead of raising, and wraps the
-method's behaviour:
-
-- unary requests: an unparsable request is answered INVALID_ARGUMENT
-  without calling the handler;
-- streamed requests: the handler sees the messages that parsed; at the first
-  one that does not, the iterator raises InvalidRequest (which the handler's
-  error wrapper turns into INVALID_ARGUMENT), and if the handler answers
-  anything else after that, the guard still makes the status
-  INVALID_ARGUMENT.
-
-It applies to methods added later without changes to their handlers.
+gRPC Python answers a request its deserializer rejects with INTERNAL before
+the handler runs. RequestGuard, a server interceptor, makes each ActCache
+method's deserializer return an ``Unparsable`` marker instead: an unparsable
+unary request is answered INVALID_ARGUMENT without calling the handler; in a
+request stream the handler sees the messages that parsed, then InvalidRequest,
+and the status is INVALID_ARGUMENT whatever the handler answers after that.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ import grpc
 
 from actcache.errors import InvalidRequest
 
-__all__ = ["RequestGuard", "Unparsable"]
+__all__ = ["RequestGuard", "Unparsable", "rewrap"]
 
 
 class Unparsable:
@@ -69,21 +60,12 @@ class _Messages:
 
 
 def _guard_unary_request(behavior: Callable, streaming_response: bool) -> Callable:
-    if streaming_response:
-
-        def stream(request, context):
-            if isinstance(request, Unparsable):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-            yield from behavior(request, context)
-
-        return stream
-
-    def unary(request, context):
+    def guarded(request, context):  # a response stream is returned: gRPC handles an abort here alike
         if isinstance(request, Unparsable):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return behavior(request, context)
 
-    return unary
+    return guarded
 
 
 def _guard_stream_request(behavior: Callable, streaming_response: bool) -> Callable:
@@ -112,12 +94,13 @@ def _guard_stream_request(behavior: Callable, streaming_response: bool) -> Calla
     return unary
 
 
-_FACTORIES = {
-    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
-}
+def rewrap(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable], Callable],
+           request_deserializer: Callable | None = None) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind whose behaviour is ``wrap(its behaviour)`` (for interceptors)."""
+    kind = f"{'stream' if handler.request_streaming else 'unary'}_{'stream' if handler.response_streaming else 'unary'}"
+    factory = getattr(grpc, f"{kind}_rpc_method_handler")
+    return factory(wrap(getattr(handler, kind)), request_deserializer or handler.request_deserializer,
+                   handler.response_serializer)
 
 
 class RequestGuard(grpc.ServerInterceptor):
@@ -130,9 +113,7 @@ class RequestGuard(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or not details.method.startswith(self._prefix):
             return handler
-        kind = (handler.request_streaming, handler.response_streaming)
-        attribute, factory = _FACTORIES[kind]
         guard = _guard_stream_request if handler.request_streaming else _guard_unary_request
-        behavior = guard(getattr(handler, attribute), handler.response_streaming)
         method = details.method[len(self._prefix) :]
-        return factory(behavior, _lenient(handler.request_deserializer, method), handler.response_serializer)
+        return rewrap(handler, lambda behavior: guard(behavior, handler.response_streaming),
+                      _lenient(handler.request_deserializer, method))

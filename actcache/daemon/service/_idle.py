@@ -30,6 +30,7 @@ from typing import Callable
 
 import grpc
 
+from actcache.daemon.service._guard import rewrap
 from actcache.errors import ConfigError
 
 __all__ = ["IdleMonitor"]
@@ -109,10 +110,7 @@ class IdleMonitor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        kind = ("stream" if handler.request_streaming else "unary") + "_" + (
-            "stream" if handler.response_streaming else "unary")
-        factory = getattr(grpc, f"{kind}_rpc_method_handler")
-        return factory(self._counted(getattr(handler, kind)), handler.request_deserializer, handler.response_serializer)
+        return rewrap(handler, self._counted)
 
     def _counted(self, behavior: Callable) -> Callable:
         def counted(request, context):

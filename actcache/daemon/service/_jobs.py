@@ -6,11 +6,8 @@ time, data id). The daemon keeps, per namespace, the last
 id) with their first and last Open, in memory only: a restart forgets them,
 and jobs open their namespace again when they reconnect.
 
-Jobs are recorded at Open, not per read or write. Requests name a namespace
-by its handle, which is one per namespace (protected namespaces get one
-random handle per daemon run, unprotected ones their id), so several jobs
-share it and nothing in a Put or Fetch tells them apart; attributing those
-would need a per-job field in every hot-path request.
+Jobs are recorded at Open only: later requests name the namespace by a
+handle its jobs share, so nothing in a Put or Fetch tells jobs apart.
 
 Thread-safe: one lock, held for a dictionary update.
 """

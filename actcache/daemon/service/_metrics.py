@@ -3,26 +3,16 @@
 Nothing is counted twice: a scrape reads the Store's usage and the service's
 ``Counters`` as they are, so the figures always equal ``actcache stats``.
 Names are in base units (bytes, seconds); counters get ``_total`` from the
-exposition; labels never carry per-sample values (only ``namespace``, and
-later ``schedule``).
-
-A metric family is one ``Family`` row; adding one is one line in
-``daemon_families`` (or ``collector.add(Family(...))``), e.g.::
-
-    Family("actcache_prefetch_stall_seconds", "Seconds consumers waited for the prefetcher", "counter",
-           prefetcher.stall_seconds_by_schedule, labels=("namespace", "schedule")),
-
-where the reader returns a number, or a mapping from label values to numbers.
-Every ``Counters`` field is exported on its own: ``*_total`` fields as
-counters named ``actcache_<field>``, others as gauges.
+exposition; labels never carry per-sample values (only ``namespace``).
+A metric family is one ``Family`` row in ``daemon_families``; every
+``Counters`` field is exported on its own (``*_total`` fields as counters).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal, Mapping, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Literal, Mapping
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -32,11 +22,10 @@ from actcache.daemon.config import MetricsConfig
 from actcache.errors import ConfigError
 
 if TYPE_CHECKING:
-    from actcache.daemon.prefetch import Prefetcher
-    from actcache.daemon.service._service import Counters
+    from actcache.daemon.service._service import ActCacheService
     from actcache.daemon.store import Store
 
-__all__ = ["DaemonCollector", "Family", "MetricsEndpoint", "ServiceState", "daemon_families"]
+__all__ = ["DaemonCollector", "Family", "MetricsEndpoint", "daemon_families"]
 
 Value = float | int
 Reading = Value | Mapping[tuple[str, ...], Value]
@@ -70,20 +59,17 @@ class DaemonCollector:
 
     def __init__(self, families: Iterable[Family] = ()) -> None:
         self._families: list[Family] = []
-        self._lock = threading.Lock()
         for family in families:
             self.add(family)
 
     def add(self, family: Family) -> None:
-        with self._lock:
-            if any(f.name == family.name for f in self._families):
-                raise ConfigError(f"metric family {family.name} is already registered")
-            self._families.append(family)
+        """Register ``family`` (before the collector is scraped)."""
+        if any(f.name == family.name for f in self._families):
+            raise ConfigError(f"metric family {family.name} is already registered")
+        self._families.append(family)
 
     def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            families = list(self._families)
-        for family in families:
+        for family in self._families:
             kind = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
             reading = family.read()
             if not family.labels:
@@ -95,22 +81,7 @@ class DaemonCollector:
             yield metric
 
 
-class ServiceState(Protocol):
-    """What the metrics read from the running service (ActCacheService has it)."""
-
-    @property
-    def counters(self) -> "Counters": ...
-
-    @property
-    def started(self) -> float:
-        """``time.monotonic()`` when the service started."""
-        ...
-
-    @property
-    def prefetcher(self) -> "Prefetcher": ...
-
-
-def daemon_families(store: "Store", service: ServiceState) -> list[Family]:
+def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
     """Every family the daemon exports: usage per namespace, sizes, the service's counters, uptime."""
     counters = service.counters
 
@@ -143,11 +114,9 @@ def daemon_families(store: "Store", service: ServiceState) -> list[Family]:
     ]
     families += _prefetch_families(store, service)
     for f in fields(counters):
-        help_text = _COUNTER_HELP.get(f.name, f.name.replace("_", " "))
-        if f.name.endswith("_total"):
-            families.append(Family(f"actcache_{f.name.removesuffix('_total')}", help_text, "counter", counter_field(f.name)))
-        else:
-            families.append(Family(f"actcache_{f.name}", help_text, "gauge", counter_field(f.name)))
+        kind = "counter" if f.name.endswith("_total") else "gauge"
+        families.append(Family(f"actcache_{f.name.removesuffix('_total')}", _COUNTER_HELP.get(f.name, f.name.replace("_", " ")),
+                               kind, counter_field(f.name)))
     return families
 
 
@@ -165,9 +134,6 @@ class MetricsEndpoint:
     """``/metrics`` over HTTP on a daemon thread (prometheus_client's server), until :meth:`stop`."""
 
     def __init__(self, config: MetricsConfig, collector: DaemonCollector) -> None:
-        if config.port is None:
-            raise ConfigError("metrics are off: pass --metrics-port PORT (0 = any free port) to serve them")
-        self.collector = collector
         registry = CollectorRegistry()
         registry.register(collector)
         ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory, open fds
@@ -204,7 +170,7 @@ _PREFETCH = {
 }
 
 
-def _prefetch_families(store: "Store", service: ServiceState) -> list[Family]:
+def _prefetch_families(store: "Store", service: "ActCacheService") -> list[Family]:
     """Prefetch counters per namespace (no per-schedule or per-sample labels) and the read-ahead budget."""
     prefetcher = service.prefetcher
 

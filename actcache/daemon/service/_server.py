@@ -27,8 +27,8 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from actcache.daemon.config import DaemonConfig, ServerConfig, is_loopback
-from actcache.daemon.service._guard import RequestGuard
+from actcache.daemon.config import DaemonConfig, ServerConfig, is_loopback, socket_gid
+from actcache.daemon.service._guard import RequestGuard, rewrap
 from actcache.daemon.service._idle import IdleMonitor
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service._service import ActCacheService
@@ -64,29 +64,11 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         given = dict(details.invocation_metadata or ()).get("authorization", "")
         if hmac.compare_digest(str(given).encode(), self._expected):
             return handler
-        return _denying_handler(handler)
+        return rewrap(handler, lambda _: _deny)
 
 
-def _denying_handler(like: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    def deny(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token; pass the daemon's token (ACTCACHE_TOKEN)")
-
-    factory = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(like.request_streaming, like.response_streaming)]
-    return factory(deny, like.request_deserializer, like.response_serializer)
-
-
-def _socket_gid(group: str) -> int:
-    import grp
-
-    try:
-        return grp.getgrgid(int(group)).gr_gid if group.isdigit() else grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise ConfigError(f"--socket-group {group!r} is not a group on this machine") from None
+def _deny(request, context):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token; pass the daemon's token (ACTCACHE_TOKEN)")
 
 
 def _claim_socket(path: Path, gid: int | None) -> None:
@@ -184,7 +166,7 @@ class Daemon:
             maximum_concurrent_rpcs=cfg.workers * 8,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        gid = _socket_gid(cfg.socket_group) if cfg.socket_group else None
+        gid = socket_gid(cfg.socket_group) if cfg.socket_group else None
         if cfg.socket is not None:
             _claim_socket(cfg.socket, gid)
             self._bind(f"unix:{cfg.socket}")

@@ -138,7 +138,7 @@ class ActCacheService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler registering every method with its (de)serializers."""
-        raw = lambda x: x  # noqa: E731  bulk methods: frames are parsed by hand
+        raw = None  # bulk methods: frames are parsed by hand
         unary = grpc.unary_unary_rpc_method_handler
         return grpc.method_handlers_generic_handler(
             SERVICE,
@@ -205,14 +205,11 @@ class ActCacheService:
         count = len(request.sample_ids)
         if count > _MAX_IDS_PER_GET:
             raise InvalidRequest(f"Get asks for {count} entries; at most {_MAX_IDS_PER_GET} per call")
-        variants = request.variants
-        if variants and len(variants) != count:
-            raise InvalidRequest(f"{len(variants)} variants for {count} sample ids; send one per id or none")
+        variants = _variants(request.variants, count)
         self.counters.add(gets_total=1)
         start = 0
         while True:
-            ids = request.sample_ids[start : start + _IDS_PER_READ]
-            keys = list(zip(ids, variants[start : start + _IDS_PER_READ] if variants else [0] * len(ids)))
+            keys = list(zip(request.sample_ids[start : start + _IDS_PER_READ], variants[start : start + _IDS_PER_READ]))
             try:
                 values = self.store.get(
                     request.namespace_id, request.fingerprint, request.depth, keys, max_bytes=_REPLY_FRAME_BYTES
@@ -226,7 +223,7 @@ class ActCacheService:
             header = pb.EntriesHeader(
                 start=start,
                 sample_ids=request.sample_ids[start:stop],
-                variants=variants[start:stop] if variants else [],
+                variants=request.variants[start:stop],
                 lengths=[len(v or b"") for v in values],
             )
             self.counters.add(hits_total=hits, misses_total=len(values) - hits, served_bytes_total=size)

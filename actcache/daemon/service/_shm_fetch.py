@@ -116,16 +116,11 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
               whole_frames: bool = False) -> Iterator[bytes]:
     """Frames of slot descriptors: each entry is decoded into its slot once the slot is free.
 
-    Each frame waits a while for room for all of it while earlier frames are still held (the
-    client releases a frame when it asks for the next), so frames stay whole; when the ring is
-    full of the frame's own entries, or the client keeps holding, what fits goes out (so the
-    client can release it) before waiting. ``whole_frames`` (FetchRequest.whole_frames): a
-    frame waits for room for all of it as long as the client holds (a stream opened ahead of
-    its use fills its ring and waits, rather than cutting its next frame short). An entry larger than the whole ring travels alone in
-    a frame of its own, in the payload (offset 0), so no entry size ends the stream. A warm
-    stream is read here, a frame's worth per LMDB call, straight into the slots (``DirectRun``),
-    in runs that end where a frame of ``frame_bytes`` would: the client sizes frames to one
-    batch of uniform entries, so each frame is one batch.
+    Each frame waits a while (with ``whole_frames``: as long as the client holds) for room for
+    all of it, so frames stay whole; otherwise what fits goes out before waiting (see
+    actcache.shm, Invariants). An entry larger than the whole ring travels alone in its frame's
+    payload (offset 0). A warm stream is read here, a frame's worth per LMDB call, straight into
+    the slots (``DirectRun``), in runs that end where a frame of ``frame_bytes`` would.
     """
     first = True
 

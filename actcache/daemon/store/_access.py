@@ -1,6 +1,6 @@
 """Namespace secrets and handles: who may read and write a namespace.
 
-Design (the simplest one we found sound for a shared node):
+Design:
 
 - A namespace may be created with a secret. The daemon stores only a salted
   scrypt hash of it (``hash_secret``) in LMDB, so the protection survives
@@ -14,8 +14,8 @@ Design (the simplest one we found sound for a shared node):
   guessing ~64 random bits per try, and the namespace's small id (visible
   in Stats) is refused. After a restart old handles are unknown (NOT_FOUND)
   and the client opens again with its secret.
-- Namespaces without a secret keep their small, stable id as the handle, as
-  before: anyone who can reach the socket can use them.
+- Namespaces without a secret keep their small, stable id as the handle:
+  anyone who can reach the socket can use them.
 
 Per-request cost is one dictionary lookup; the scrypt cost (~50 ms) is paid
 once per Open, which also slows down guessing secrets through Open.

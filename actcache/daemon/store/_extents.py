@@ -1,34 +1,21 @@
 """Explicit reads of LMDB values: find each value's bytes in ``data.mdb`` and ``pread`` them.
 
-Why: cold reads through LMDB's memory map are the slowest layer of the
-daemon. A value larger than about 2 KB lives in a run of contiguous
-"overflow" pages; copying it out of the map faults those pages in one at a
-time (``readahead=False``) or drags in an 8 MiB window around every fault
-(``readahead=True``, this disk's read_ahead_kb), while the same disk answers
-one large explicit read per value near its full speed.
+Why: a value larger than about 2 KB lives in a run of contiguous overflow
+pages; copying it out of LMDB's memory map faults them in a page (or a
+readahead window) at a time, while the disk answers one explicit read per
+value near its full speed (docs/design/store.md has the figures).
 
-How: a B-tree leaf node holds, right after its key, the number of the value's
-first overflow page and the value's size (read from its leaf page: ``_pages``). Every explicit read
-checks the page header it reads (page number and overflow flag) and the
-caller verifies the entry checksum on the bytes it serves; whatever does not
-match is read again the plain way (a copy from the map), so a layout this
-module does not recognize costs speed, never correctness.
+How: a B-tree leaf node holds the number of the value's first overflow page
+and the value's size (read from its leaf page: ``_pages``). Every explicit
+read checks the page header it reads, and the caller verifies the entry
+checksum; whatever does not match is copied from the map instead, so a layout
+this module does not recognize costs speed, never correctness. Lookups run
+ahead of the reader and hint the kernel (``POSIX_FADV_WILLNEED``); they learn
+whole leaf pages at a time (``ExtentHints``).
 
-Positioning a cursor still touches the value's first page (LMDB reads the
-overflow page header), so a cold lookup costs one random 4 KiB read; the
-prefetcher runs lookups ahead of the reader and tells the kernel
-(``POSIX_FADV_WILLNEED``) which extents come next, so the disk sees many
-requests at once instead of one page fault at a time. Its lookups read the
-whole leaf page they land on (``ExtentHints``), so a group costs one cold
-lookup per leaf page rather than one per value.
-
-Why it stays: cold serving of a store larger than the map's readahead
-windows cover was faster with it in every paired run (docs/design/serving.md).
-
-Writes are unaffected: LMDB writes with ``pwrite`` (no ``writemap``), so an
-explicit read of a committed value sees the same bytes as the map. Bytes are
-read while the read transaction that located them is open, so the writer
-cannot reuse those pages underneath.
+LMDB writes with ``pwrite`` (no ``writemap``), so an explicit read of a
+committed value sees the bytes the map would. Bytes are read while the read
+transaction that located them is open, so the writer cannot reuse those pages.
 """
 
 from __future__ import annotations
@@ -147,12 +134,9 @@ class PageCacheGuess:
     """Whether a reader's recent explicit reads all came from the page cache.
 
     After ``WARM_AFTER`` such reads in a row, values are copied out of the map
-    instead, a run of them per LMDB call (``ReadSession.copy_run``: no syscall,
-    no GIL hand-off, no page header to parse). One lookup in
-    ``CHECK_EVERY`` is checked again (an explicit read, or for a run the
-    kernel's answer for its first value), and one that was not cached ends
-    the streak. A wrong guess costs speed (page faults instead of one pread),
-    never bytes. One per reader, kept across its read transactions.
+    instead, a run of them per LMDB call (``ReadSession.copy_run``). One lookup
+    in ``CHECK_EVERY`` is checked again, and one that was not cached ends the
+    streak. A wrong guess costs speed, never bytes. One per reader.
     """
 
     WARM_AFTER = 32
@@ -191,20 +175,13 @@ class ExtentHints:
     """Where the values of one schedule are, learned from whole leaf pages, for read hints only
     (thread-safe).
 
-    Why: locating a value reads its first overflow page (LMDB checks its
-    header), so a lookup of a cold value waits for one random read, and
-    probes that look values up one by one give the disk one request at a
-    time. Positioning on one key also reveals the extents of the other values
-    on its leaf page (about 80 of 32-byte keys on 4 KiB pages): a group's
-    values are all known after one lookup per leaf page, and the kernel can
-    be told about many of them at once. A hint may be stale (the value was
-    replaced since): that costs a useless read-ahead, never bytes, because
-    the reader locates each value again in its own transaction.
-
+    A cold lookup waits for one random read; positioning on one key also
+    reveals the extents of the other values on its leaf page (about 80), so a
+    group's values are known after one lookup per leaf page. A stale hint costs
+    a useless read-ahead, never bytes: the reader locates each value again.
     Only the schedule's own keys are kept (``prefix``: its group's key prefix;
-    ``sample_ids``, ``variants``: its order), one extent per position in
-    arrays of 28 bytes a position: a leaf page also holds other ranks'
-    samples, and a group can hold millions. Each hint is used once.
+    ``sample_ids``, ``variants``: its order), one extent per position. Each
+    hint is used once.
     """
 
     def __init__(self, prefix: bytes, sample_ids: np.ndarray, variants: np.ndarray | None = None) -> None:

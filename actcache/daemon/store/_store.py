@@ -9,31 +9,18 @@ Named databases:
     generations (namespace, fingerprint) key prefix -> last write, f64 seconds (actcache.daemon.store._generations)
 
 Concurrency: every write (put, drop, namespace creation, deleting a corrupt
-entry) runs on the single writer thread, which batches queued operations
-into one transaction; readers run in any thread. Reads locate each value in
-``data.mdb`` and ``pread`` it (actcache.daemon.store._extents) unless
-``explicit_reads`` is off, in which case they copy from the memory map. A drop runs as a series of
-transactions of at most ``_DROP_CHUNK_BYTES`` each, so that a huge drop
-needs little disk for its own bookkeeping (LMDB's free-page list) and works
-on a full disk.
+entry) runs on the single writer thread (``_writer``), which batches queued
+operations (``_ops``) into one transaction; readers run in any thread. A drop
+runs as transactions of at most ``_DROP_CHUNK_BYTES`` each, so that it works
+on a full disk. Usage counters live in the ``groups`` table, updated in the
+same transaction as the entries. Invariant: for every group, the in-memory
+usage (``StoreState``) equals the committed ``groups`` row.
 
-Disk space: a put is refused with BudgetExceeded when it would leave less
-than ``disk_reserve_bytes`` free on the file system (counting pages LMDB can
-reuse inside ``data.mdb``), so that drops always find room to commit. Usage counters live in the
-``groups`` table, updated in the same transaction as the entries, so they are
-exact across restarts. Invariant: for every group, the in-memory usage equals
-the committed ``groups`` row.
-
-Dead generations: a put that would exceed a budget first reclaims whole
-generations (namespace, fingerprint) that no live schedule reads and that
-were not used for ``reclaim_after_s`` (actcache.daemon.store._generations chooses
-them). The put's transaction only plans: it raises before writing, the
-caller's thread submits a drop of each chosen generation (in chunks, each
-checking in its own transaction that the generation is still dead and
-unwritten since the plan) and then submits the put again.
-
-The write operations themselves are in ``_ops.py``; what they and ``Store``
-share (the tables and their in-memory maps) is one ``StoreState`` (``_state.py``).
+Budgets: a put is refused with BudgetExceeded past a budget, or when it would
+leave less than ``disk_reserve_bytes`` free so that drops can always commit.
+Over a budget it first reclaims dead generations (``_generations`` chooses
+them): the put's transaction only plans and raises, the caller's thread drops
+each chosen generation (each chunk checks it is still dead) and puts again.
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ import logging
 import os
 import re
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import lmdb
 import numpy as np
@@ -381,9 +368,8 @@ class Store:
                 yield session
             finally:
                 with self._state.lock:
-                    self._read_counts["explicit_reads"] += session.explicit_reads
-                    self._read_counts["fallback_reads"] += session.fallback_reads
-                    self._read_counts["cached_copies"] += session.cached_copies
+                    for name in self._read_counts:
+                        self._read_counts[name] += getattr(session, name)
 
     def contains(self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: "np.ndarray",
                  variants: "np.ndarray | None" = None) -> list[bool]:
@@ -430,25 +416,24 @@ class Store:
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> tuple[int, int]:
         """Delete a namespace's entries (narrowed by fingerprint and depth); returns (entries, bytes)."""
-        namespace_id = self.resolve(namespace_id)
-        prefix = group_prefix(namespace_id, fingerprint, depth)
+        prefix = group_prefix(self.resolve(namespace_id), fingerprint, depth)
+        entries, nbytes, _ = self._drop_chunks(lambda: _DropOp(self._state, prefix))
+        return entries, nbytes
+
+    def _drop_chunks(self, chunk: Callable[[], _DropOp]) -> tuple[int, int, _DropOp]:
+        """Submit ``chunk()`` ops until one says it is done; (entries, bytes) deleted and the last op."""
         entries = nbytes = 0
         while True:
-            removed, freed, done = self._writer.submit(_DropOp(self._state, prefix))
+            op = chunk()
+            removed, freed, done = self._writer.submit(op)
             entries, nbytes = entries + removed, nbytes + freed
             if done:
-                return entries, nbytes
+                return entries, nbytes, op
 
     def _reclaim(self, plan: ReclaimPlan) -> None:
         """Drop the generations of ``plan`` (caller's thread; each chunk runs on the writer thread)."""
         for gen in plan.victims:
-            entries = nbytes = 0
-            while True:
-                op = _ReclaimOp(self._state, gen)
-                removed, freed, done = self._writer.submit(op)
-                entries, nbytes = entries + removed, nbytes + freed
-                if done or op.aborted:
-                    break
+            entries, nbytes, op = self._drop_chunks(lambda: _ReclaimOp(self._state, gen))
             with self._state.lock:
                 name = self._state.ns_by_id.get(gen.namespace_id, str(gen.namespace_id))
             self.generations.reclaimed(name, gen, entries, nbytes, complete=not op.aborted)
@@ -537,25 +522,17 @@ class Store:
         ns_limit, limit = self.config.namespace_budget_bytes, self.config.budget_bytes
         if delta <= 0 or not (ns_limit or limit):
             return
-        usage = self._state.usage
         ns = namespace_of(prefix)
-        ns_used = all_used = 0
-        for p, u in usage.items():
-            size = pending[p][1] if p in pending else u[1]
-            all_used += size
-            ns_used += size if namespace_of(p) == ns else 0
-        for p, u in pending.items():
-            if p not in usage:
-                all_used += u[1]
-                ns_used += u[1] if namespace_of(p) == ns else 0
+        group_bytes = {p: u[1] for p, u in self._state.usage.items()} | {p: u[1] for p, u in pending.items()}
+        all_used = sum(group_bytes.values())
+        ns_used = sum(b for p, b in group_bytes.items() if namespace_of(p) == ns)
         ns_need = ns_used + delta - ns_limit if ns_limit else 0
         all_need = all_used + delta - limit if limit else 0
         if ns_need <= 0 and all_need <= 0:
             return
         sizes: dict[bytes, int] = {}
-        for p in set(usage) | set(pending):
-            size = pending[p][1] if p in pending else usage[p][1]
-            sizes[generation_of(p)] = sizes.get(generation_of(p), 0) + size
+        for p, b in group_bytes.items():
+            sizes[generation_of(p)] = sizes.get(generation_of(p), 0) + b
         busy = {generation_of(p) for p in pending}  # touched in this transaction: not planned around
         dead = [g for g in self.generations.snapshot(sizes) if g.dead and g.prefix not in busy]
         plan = plan_reclaim(dead, own=generation_of(prefix), namespace=ns, namespace_need=ns_need,
