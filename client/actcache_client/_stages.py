@@ -13,7 +13,7 @@ bit-identical outputs for the supported shapes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
 import torch
@@ -22,6 +22,8 @@ from torch import Tensor, nn
 from actcache.errors import ConfigError
 
 __all__ = [
+    "ClassifierHead",
+    "EncoderLayer",
     "Stage",
     "StagedModel",
     "State",
@@ -238,39 +240,42 @@ class _BertEmbeddings(nn.Module):
         return hidden, mask
 
 
-class _BertLayer(nn.Module):
-    """``(hidden, mask) -> (hidden, mask)``; the layer gets HF's additive extended mask.
+def _additive_mask(hidden: Tensor, mask: Tensor) -> Tensor:
+    """HF's extended mask for eager attention, as ``BertModel.get_extended_attention_mask`` builds it:
+    ``(1 - mask[:, None, None, :]) * finfo(dtype).min``."""
+    return (1.0 - mask[:, None, None, :].to(dtype=hidden.dtype)) * torch.finfo(hidden.dtype).min
 
-    The extended mask is ``(1 - mask[:, None, None, :]) * finfo(dtype).min``, as
-    ``BertModel.get_extended_attention_mask`` builds it for eager attention.
-    """
 
-    def __init__(self, layer: nn.Module) -> None:
+class EncoderLayer(nn.Module):
+    """``(hidden, mask) -> (hidden, mask)``; the layer gets ``extend(hidden, mask)``, the mask its model
+    builds (a module-level callable: stages are pickled for the reference process)."""
+
+    def __init__(self, layer: nn.Module, extend: Callable[[Tensor, Tensor], Tensor] = _additive_mask) -> None:
         super().__init__()
         self.layer = layer
+        self.extend = extend
 
     def forward(self, state: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         hidden, mask = state
-        extended = mask[:, None, None, :].to(dtype=hidden.dtype)
-        extended = (1.0 - extended) * torch.finfo(hidden.dtype).min
-        out = self.layer(hidden, extended)
+        out = self.layer(hidden, self.extend(hidden, mask))
         return (out[0] if isinstance(out, tuple) else out), mask
 
 
-class _BertHead(nn.Module):
-    """``(hidden, mask) -> logits``: pooler (reads the [CLS] token), dropout if any, classifier."""
+class ClassifierHead(nn.Module):
+    """``(hidden, mask) -> logits``: pooler (reads the [CLS] token), dropout if any, classifier; without
+    a pooler (RoBERTa) the classifier reads the first token itself."""
 
-    def __init__(self, pooler: nn.Module, dropout: nn.Module | None, classifier: nn.Module) -> None:
+    def __init__(self, pooler: nn.Module | None, dropout: nn.Module | None, classifier: nn.Module) -> None:
         super().__init__()
         self.pooler = pooler
         self.dropout = dropout
         self.classifier = classifier
 
     def forward(self, state: tuple[Tensor, Tensor]) -> Tensor:
+        if self.pooler is None:
+            return self.classifier(state[0])
         pooled = self.pooler(state[0])
-        if self.dropout is not None:
-            pooled = self.dropout(pooled)
-        return self.classifier(pooled)
+        return self.classifier(pooled if self.dropout is None else self.dropout(pooled))
 
 
 def from_bert(model: nn.Module) -> StagedModel:
@@ -295,9 +300,9 @@ def from_bert(model: nn.Module) -> StagedModel:
     pooler = _require(body, "pooler", _BERT)
     classifier = _require(model, "classifier", _BERT)
     dropout = getattr(model, "dropout", None)
-    head = _BertHead(pooler, dropout if isinstance(dropout, nn.Module) else None, classifier)
+    head = ClassifierHead(pooler, dropout if isinstance(dropout, nn.Module) else None, classifier)
     stages = [Stage("embeddings", _BertEmbeddings(embeddings))]
-    stages += [Stage(f"encoder.layer.{i}", _BertLayer(layer)) for i, layer in enumerate(layers)]
+    stages += [Stage(f"encoder.layer.{i}", EncoderLayer(layer)) for i, layer in enumerate(layers)]
     stages.append(Stage("head", head))
     return StagedModel(stages)
 
