@@ -12,11 +12,8 @@ to recompute:
   running count, so the share is exact and the choice deterministic for a
   given order).
 
-Why groups: an audit recomputes the frozen prefix, and on a batch of one
-that costs most of what a batch of eight does (ResNet-20, 10 of 11 stages,
-one CPU thread: 1.9 ms for one sample, 6.4 ms for eight), and each audited
-sample makes its batch a partly loaded one. Eight hits every 8,000 cost the
-trainer about a third of one hit every 1,000, for the same share.
+Groups, because recomputing one sample costs most of what eight cost, and
+each audited sample makes its batch a partly loaded one.
 
 ``HitAudit`` recomputes the hits chosen and compares them: a mismatch drops
 the fingerprint's entries in the daemon, warns (CacheMismatchWarning) and
