@@ -43,7 +43,7 @@ from actcache_client._counters import StepTimes
 from actcache_client._generations import Generations
 from actcache_client._precision import StorePrecision
 from actcache_client._rows import RawInputs
-from actcache_client._stages import StagedModel
+from actcache_client._stages import StagedModel, tensors_of
 from actcache_client._tensors import VarLen, collate_entries, encode_samples
 
 __all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "HitAudit", "same_entry", "tolerances"]
@@ -117,7 +117,7 @@ def same_entry(served: bytes | memoryview, computed: bytes | memoryview,
                tolerance: Mapping[torch.dtype, float] = _RELATIVE_TOLERANCE) -> bool:
     """Whether two entries hold the same tensors, within the stored dtype's ``tolerance`` (see ``tolerances``)."""
     a, b = collate_entries([served]), collate_entries([computed])
-    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    a, b = tensors_of(a), tensors_of(b)
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):

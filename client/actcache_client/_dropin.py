@@ -32,7 +32,7 @@ from actcache_client._hf_stages import from_transformers, is_transformers_model
 from actcache_client._inplace import InPlacePrefix
 from actcache_client._loader import CachedLoader, IndexedDataset, seeded_item, worker_options
 from actcache_client._node_daemon import connect
-from actcache_client._stages import StagedModel, State, from_bert, from_resnet, from_sequential
+from actcache_client._stages import StagedModel, State, from_bert, from_resnet, from_sequential, tensors_of
 from actcache_client._tensors import VarLen
 
 __all__ = ["ActCache", "WrappedLoader"]
@@ -243,7 +243,7 @@ class WrappedLoader:
 
 def _splittable(state: Any, rows: int) -> State:
     """``state`` if the cache can split it into one entry per sample: tensors whose first dimension is the batch."""
-    tensors = state if isinstance(state, tuple) else (state,)
+    tensors = tensors_of(state)
     if all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows for t in tensors):
         return state
     found = ", ".join(f"{type(t).__name__}{list(t.shape) if isinstance(t, Tensor) else ''}" for t in tensors)

@@ -32,9 +32,21 @@ __all__ = [
     "from_bert",
     "from_resnet",
     "from_sequential",
+    "map_state",
+    "tensors_of",
 ]
 
 State = Union[Tensor, tuple[Tensor, ...]]
+
+
+def tensors_of(state: State) -> tuple[Tensor, ...]:
+    """The tensors of ``state``, as a tuple."""
+    return state if isinstance(state, tuple) else (state,)
+
+
+def map_state(state: State, fn: Callable[[Tensor], Tensor]) -> State:
+    """``fn`` applied to every tensor of ``state``, in the same form (a tensor or a tuple)."""
+    return tuple(fn(t) for t in state) if isinstance(state, tuple) else fn(state)
 
 _FALLBACK = "pass an nn.Sequential or build stages with StagedModel([...])"
 

@@ -53,7 +53,7 @@ from torch import nn
 
 from actcache.errors import ConfigError, LifecycleError, ReferenceModelFailed
 from actcache_client.freeze import _refproc
-from actcache_client._stages import State
+from actcache_client._stages import State, map_state
 
 __all__ = ["ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWorker", "to_shared"]
 
@@ -159,7 +159,7 @@ def to_shared(state: State, rows: int | None = None) -> State:
         out = torch.empty(t.shape, dtype=t.dtype).share_memory_()
         return out.copy_(t)
 
-    return tuple(copy(t) for t in state) if isinstance(state, tuple) else copy(state)
+    return map_state(state, copy)
 
 
 class ReferenceWorker:
