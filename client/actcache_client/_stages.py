@@ -27,7 +27,6 @@ __all__ = [
     "Stage",
     "StagedModel",
     "State",
-    "Suffix",
     "auto_partition",
     "from_bert",
     "from_resnet",
@@ -118,30 +117,17 @@ class StagedModel(nn.Module):
     def forward(self, x: State) -> State:
         return self.run(x)
 
-    def suffix(self, start: int) -> "Suffix":
-        """A module running ``stages[start:]`` (the same Stage objects, no copies)."""
+    def suffix(self, start: int) -> StagedModel:
+        """The active stages ``stages[start:]`` as a model of their own, e.g. to wrap in DistributedDataParallel.
+
+        It holds this model's own Stage objects, so its parameters are this model's and wrapping it
+        leaves the frozen prefix out.
+        """
         if not 0 <= start < self.num_stages:
             raise ConfigError(
                 f"StagedModel.suffix(start) needs start in 0..{self.num_stages - 1} (num_stages - 1), got {start}"
             )
-        return Suffix(list(self.stages[start:]))
-
-
-class Suffix(nn.Module):
-    """The active stages of a StagedModel as one module, e.g. to wrap in DistributedDataParallel.
-
-    It holds the StagedModel's own Stage objects, so its parameters are the
-    model's parameters and wrapping it leaves the frozen prefix out.
-    """
-
-    def __init__(self, stages: Sequence[Stage]) -> None:
-        super().__init__()
-        self.stages = nn.ModuleList(stages)
-
-    def forward(self, state: State) -> State:
-        for stage in self.stages:
-            state = stage(state)
-        return state
+        return StagedModel(self.stages[start:])
 
 
 def _merge(stages: Sequence[Stage]) -> Stage:
