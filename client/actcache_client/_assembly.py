@@ -34,7 +34,7 @@ from actcache_client._generations import Generations
 from actcache_client._planner import CachePlanner
 from actcache_client._precision import StorePrecision
 from actcache_client._rows import RawInputs, merge
-from actcache_client._stages import State
+from actcache_client._stages import State, tensors_of
 from actcache_client._staging import Stager
 from actcache_client._tensors import VarLen, collate_entries, run_layout, split_rows
 from actcache_client._writer import EntryWriter
@@ -162,7 +162,7 @@ class PrefixAssembly:
                 t = time.perf_counter()
                 state = self._frozen.model.stages[index](state)
                 if self._planner is not None:
-                    tensors = state if isinstance(state, tuple) else (state,)
+                    tensors = tensors_of(state)
                     batch = max(len(tensors[0]), 1)
                     nbytes = sum(x.element_size() * x.numel() for x in tensors) / batch
                     self._planner.record_stage(index, time.perf_counter() - t, batch, nbytes)

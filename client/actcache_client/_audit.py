@@ -12,11 +12,8 @@ to recompute:
   running count, so the share is exact and the choice deterministic for a
   given order).
 
-Why groups: an audit recomputes the frozen prefix, and on a batch of one
-that costs most of what a batch of eight does (ResNet-20, 10 of 11 stages,
-one CPU thread: 1.9 ms for one sample, 6.4 ms for eight), and each audited
-sample makes its batch a partly loaded one. Eight hits every 8,000 cost the
-trainer about a third of one hit every 1,000, for the same share.
+Groups, because recomputing one sample costs most of what eight cost, and
+each audited sample makes its batch a partly loaded one.
 
 ``HitAudit`` recomputes the hits chosen and compares them: a mismatch drops
 the fingerprint's entries in the daemon, warns (CacheMismatchWarning) and
@@ -46,7 +43,7 @@ from actcache_client._counters import StepTimes
 from actcache_client._generations import Generations
 from actcache_client._precision import StorePrecision
 from actcache_client._rows import RawInputs
-from actcache_client._stages import StagedModel
+from actcache_client._stages import StagedModel, tensors_of
 from actcache_client._tensors import VarLen, collate_entries, encode_samples
 
 __all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "HitAudit", "same_entry", "tolerances"]
@@ -120,7 +117,7 @@ def same_entry(served: bytes | memoryview, computed: bytes | memoryview,
                tolerance: Mapping[torch.dtype, float] = _RELATIVE_TOLERANCE) -> bool:
     """Whether two entries hold the same tensors, within the stored dtype's ``tolerance`` (see ``tolerances``)."""
     a, b = collate_entries([served]), collate_entries([computed])
-    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    a, b = tensors_of(a), tensors_of(b)
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):

@@ -39,7 +39,7 @@ from actcache_client._generations import Generations
 from actcache_client._planner import CachePlanner
 from actcache_client._precision import StorePrecision
 from actcache_client._rows import RawInputs
-from actcache_client._stages import StagedModel, State, Suffix
+from actcache_client._stages import StagedModel, State
 from actcache_client._staging import Stager
 from actcache_client._stream import EpochStream
 from actcache_client._tensors import VarLen
@@ -75,7 +75,7 @@ class CachedForward:
     how) and records it in the plan; ``"daemon"`` leaves it to the daemon's
     ``--encoding``; ``"raw"``, ``"lz4"``, ``"zstd"``, ``"zstd:LEVEL"`` fix it.
 
-    ``set_suffix_wrapper(fn)`` runs the active stages through ``fn(Suffix)``
+    ``set_suffix_wrapper(fn)`` runs the active stages through ``fn(model.suffix(frozen))``
     (e.g. a DistributedDataParallel wrapper), rebuilt at every ``set_frozen``
     so the wrapper always covers exactly the active stages.
     """
@@ -123,7 +123,7 @@ class CachedForward:
         self._epoch_log = EpochLog()
         self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
         self._connection_seen = (0, 0.0, 0, 0.0)
-        self._suffix_wrapper: Callable[[Suffix], nn.Module] | None = None
+        self._suffix_wrapper: Callable[[StagedModel], nn.Module] | None = None
         self._suffix: nn.Module | None = None
         self._input_tap: Callable[[State], None] | None = None
 
@@ -189,7 +189,7 @@ class CachedForward:
         """The wrapped active stages, or None when they run unwrapped."""
         return self._suffix
 
-    def set_suffix_wrapper(self, wrapper: Callable[[Suffix], nn.Module] | None) -> None:
+    def set_suffix_wrapper(self, wrapper: Callable[[StagedModel], nn.Module] | None) -> None:
         """Run the active stages as ``wrapper(model.suffix(frozen))``; None runs them directly."""
         self._suffix_wrapper = wrapper
         self._rewrap()

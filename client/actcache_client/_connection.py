@@ -171,55 +171,52 @@ class Connection:
 
     def lookup(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int]) -> list | None:
         """Entries for ``ids`` (None per miss), or None when the cache is unusable right now."""
-        self.surface()
-        if self._paused():
-            return None
         t0 = time.perf_counter()
-        try:
-            values = self._call(lambda ns: self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None))
-        except ActCacheError as exc:
-            self.fallback(exc)
+        values = self._guarded(lambda ns: self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None))
+        if values is None:
             return None
-        hits = sum(v is not None for v in values)
-        seconds, nbytes = time.perf_counter() - t0, sum(len(v) for v in values if v is not None)
-        with self._lock:
-            self.stats.fetch_seconds += seconds
-            self.stats.timed_seconds += seconds
-            self.stats.gets += 1
-            self.stats.hits += hits
-            self.stats.misses += len(values) - hits
-            self.stats.bytes_read += nbytes
-            self.stats.timed_bytes += nbytes
+        self._count_get(values, time.perf_counter() - t0, hits=True)
         self._backoff_s = self.config.backoff_s
         return values
 
     def contains(self, fingerprint: bytes, depth: int, ids: Sequence[int], variant: int) -> list[bool] | None:
         """Which entries are stored (values not read), or None when the cache is unusable right now."""
-        self.surface()
-        if self._paused():
-            return None
         variants = [variant] * len(ids) if variant else None
-        try:
-            present = self._call(lambda ns: self._rpc.contains(ns, fingerprint, depth, ids, variants))
-        except ActCacheError as exc:
-            self.fallback(exc)
-            return None
-        return present.tolist()
+        present = self._guarded(lambda ns: self._rpc.contains(ns, fingerprint, depth, ids, variants))
+        return None if present is None else present.tolist()
 
     def push(self, fingerprint: bytes, depth: int, schedule_id: str, ids: Sequence[int],
              variants: Sequence[int] | None) -> list[bool] | None:
         """Push an order (Schedule) the daemon reads ahead; which of its entries are stored (values not
         read), or None if the cache is unusable right now."""
+        reply = self._guarded(lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids, variants,
+                                                            report_present=True))
+        return None if reply is None else list(map(bool, reply.present))
+
+    def _guarded(self, fn: Callable[[int], T]) -> T | None:
+        """``_call(fn)``, or None when the cache is paused or the call failed (handed to ``fallback``)."""
         self.surface()
         if self._paused():
             return None
         try:
-            reply = self._call(lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids, variants,
-                                                             report_present=True))
+            return self._call(fn)
         except ActCacheError as exc:
             self.fallback(exc)
             return None
-        return list(map(bool, reply.present))
+
+    def _count_get(self, values: list, seconds: float, *, hits: bool) -> None:
+        """Count a timed Get: its seconds and bytes (a read-speed sample), and with ``hits`` its hits and misses."""
+        nbytes = sum(len(v) for v in values if v is not None)
+        with self._lock:
+            self.stats.fetch_seconds += seconds
+            self.stats.timed_seconds += seconds
+            self.stats.bytes_read += nbytes
+            self.stats.timed_bytes += nbytes
+            if hits:
+                found = sum(v is not None for v in values)
+                self.stats.gets += 1
+                self.stats.hits += found
+                self.stats.misses += len(values) - found
 
     def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0, max_frame_bytes: int = 0,
                ahead: bool = False) -> Iterator[EntryBatch]:
@@ -227,12 +224,11 @@ class Connection:
 
         Counts hits, misses, bytes and the seconds spent waiting for frames in ``stats``; errors are
         raised to the caller (who hands them to ``fallback``). ``ahead``: the stream is opened before
-        it is used, and its first frame is counted when it is (``count_streamed``). Frames are whole (``whole_frames``): frames of one batch stay
-        one batch each even in a stream opened ahead, which fills its ring long before it is read.
+        it is used, and its first frame is counted when it is (``count_streamed``). Frames are whole
+        (``whole_frames``): one batch each, even in a stream opened ahead, which fills its ring long before it is read.
         """
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
-                                         max_frame_bytes=max_frame_bytes,
-                                         whole_frames=True)
+                                         max_frame_bytes=max_frame_bytes, whole_frames=True)
         counted, last, behind = not ahead, None, False  # last: when the previous frame arrived
         while True:
             t0 = time.perf_counter()
@@ -370,12 +366,7 @@ class Connection:
             values = self._call(lambda ns: self._rpc.get(ns, put.fingerprint, put.depth, ids, variants if any(variants) else None))
         except ActCacheError:
             return  # a failed probe only means no measurement; lookups will report the cause
-        seconds, nbytes = time.perf_counter() - t0, sum(len(v) for v in values if v is not None)
-        with self._lock:
-            self.stats.fetch_seconds += seconds
-            self.stats.timed_seconds += seconds
-            self.stats.bytes_read += nbytes
-            self.stats.timed_bytes += nbytes
+        self._count_get(values, time.perf_counter() - t0, hits=False)
 
     def _count_dropped(self) -> None:
         with self._lock:

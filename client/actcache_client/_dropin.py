@@ -30,9 +30,9 @@ from actcache_client._cached_forward import CachedForward
 from actcache_client._connection import Connection
 from actcache_client._hf_stages import from_transformers, is_transformers_model
 from actcache_client._inplace import InPlacePrefix
-from actcache_client._loader import CachedLoader, IndexedDataset, seeded_item
+from actcache_client._loader import CachedLoader, IndexedDataset, seeded_item, worker_options
 from actcache_client._node_daemon import connect
-from actcache_client._stages import StagedModel, State, from_bert, from_resnet, from_sequential
+from actcache_client._stages import StagedModel, State, from_bert, from_resnet, from_sequential, tensors_of
 from actcache_client._tensors import VarLen
 
 __all__ = ["ActCache", "WrappedLoader"]
@@ -181,11 +181,7 @@ class WrappedLoader:
                           "__getitem__); pass variants=K to ActCache.wrap to cache K augmented versions of each "
                           "sample", stacklevel=3)
         inner = DataLoader(indexed, batch_sampler=loader.batch_sampler, collate_fn=loader.collate_fn,
-                           num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
-                           worker_init_fn=loader.worker_init_fn, generator=loader.generator,
-                           multiprocessing_context=loader.multiprocessing_context,
-                           persistent_workers=loader.persistent_workers,
-                           **({"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}))
+                           generator=loader.generator, **worker_options(loader))
         self.cache = cache
         self.loader = loader
         with warnings.catch_warnings():  # said above, in the user's terms
@@ -247,7 +243,7 @@ class WrappedLoader:
 
 def _splittable(state: Any, rows: int) -> State:
     """``state`` if the cache can split it into one entry per sample: tensors whose first dimension is the batch."""
-    tensors = state if isinstance(state, tuple) else (state,)
+    tensors = tensors_of(state)
     if all(isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows for t in tensors):
         return state
     found = ", ".join(f"{type(t).__name__}{list(t.shape) if isinstance(t, Tensor) else ''}" for t in tensors)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
-from actcache_client._stages import Stage, StagedModel, State
+from actcache_client._stages import ClassifierHead, EncoderLayer, Stage, StagedModel, State
 
 __all__ = ["from_transformers", "is_transformers_model"]
 
@@ -45,35 +45,16 @@ class _Embeddings(nn.Module):
         return self.embeddings(input_ids=input_ids, token_type_ids=token_types), mask
 
 
-class _Layer(nn.Module):
-    """``(hidden, mask) -> (hidden, mask)``: the layer with the mask its model builds for ``config``."""
+class _BidirectionalMask:
+    """The attention mask a transformers encoder builds for ``config`` (its attention implementation)."""
 
-    def __init__(self, layer: nn.Module, config: object) -> None:
-        super().__init__()
-        self.layer = layer
+    def __init__(self, config: object) -> None:
         self.config = config
 
-    def forward(self, state: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    def __call__(self, hidden: Tensor, mask: Tensor) -> Tensor:
         from transformers.masking_utils import create_bidirectional_mask
 
-        hidden, mask = state
-        extended = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask)
-        out = self.layer(hidden, extended)
-        return (out[0] if isinstance(out, tuple) else out), mask
-
-
-class _Head(nn.Module):
-    """``(hidden, mask) -> logits``: the pooler if the body has one, the dropout if any, the classifier."""
-
-    def __init__(self, pooler: nn.Module | None, dropout: nn.Module | None, classifier: nn.Module) -> None:
-        super().__init__()
-        self.pooler, self.dropout, self.classifier = pooler, dropout, classifier
-
-    def forward(self, state: tuple[Tensor, Tensor]) -> Tensor:
-        if self.pooler is None:  # RoBERTa's head reads the first token itself
-            return self.classifier(state[0])
-        pooled = self.pooler(state[0])
-        return self.classifier(pooled if self.dropout is None else self.dropout(pooled))
+        return create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask)
 
 
 def from_transformers(model: nn.Module) -> StagedModel:
@@ -94,9 +75,10 @@ def from_transformers(model: nn.Module) -> StagedModel:
                           "encoders: set is_decoder=False or pass stages=StagedModel([...])")
     dropout = getattr(model, "dropout", None)
     pooler = getattr(body, "pooler", None)
-    head = _Head(pooler if isinstance(pooler, nn.Module) else None,
-                 dropout if isinstance(dropout, nn.Module) else None, classifier)
+    head = ClassifierHead(pooler if isinstance(pooler, nn.Module) else None,
+                     dropout if isinstance(dropout, nn.Module) else None, classifier)
     stages = [Stage("embeddings", _Embeddings(body.embeddings))]
-    stages += [Stage(f"encoder.layer.{i}", _Layer(layer, body.config)) for i, layer in enumerate(layers)]
+    extend = _BidirectionalMask(body.config)
+    stages += [Stage(f"encoder.layer.{i}", EncoderLayer(layer, extend)) for i, layer in enumerate(layers)]
     stages.append(Stage("head", head))
     return StagedModel(stages)

@@ -42,7 +42,10 @@ from actcache_client._batch import Batch, Skipped
 from actcache_client._cached_forward import CachedForward
 from actcache_client._identity import data_fingerprint
 
-__all__ = ["Batch", "CachedLoader", "IndexedDataset", "Skipped", "UncacheableDataWarning", "sample_seed", "seeded_item"]
+__all__ = [
+    "Batch", "CachedLoader", "IndexedDataset", "Skipped", "UncacheableDataWarning", "sample_seed", "seeded_item",
+    "worker_options",
+]
 
 
 class UncacheableDataWarning(UserWarning):
@@ -262,6 +265,16 @@ class _Models:
         return frozenset.intersection(*(m.skipped(position) for m in self.models))
 
 
+def worker_options(loader: DataLoader) -> dict[str, Any]:
+    """``loader``'s worker settings, for a DataLoader built in its place."""
+    options = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                   worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+                   persistent_workers=loader.persistent_workers)
+    if loader.num_workers > 0:
+        options["prefetch_factor"] = loader.prefetch_factor
+    return options
+
+
 class CachedLoader:
     """Wraps a DataLoader over an IndexedDataset; yields Batch objects and feeds the cache its order.
 
@@ -314,20 +327,11 @@ class CachedLoader:
         self._inner = self._build_inner(loader)
 
     def _build_inner(self, loader: DataLoader) -> DataLoader:
-        options = dict(
-            num_workers=loader.num_workers,
-            collate_fn=_Collate(loader.collate_fn if loader.collate_fn is not None else default_collate),
-            pin_memory=loader.pin_memory,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            # Its own generator: the wrapped loader's one draws exactly what the wrapped loader would (_draw).
-            generator=torch.Generator().manual_seed(loader.generator.initial_seed() if loader.generator else 0),
-            persistent_workers=loader.persistent_workers,
-        )
-        if loader.num_workers > 0:
-            options["prefetch_factor"] = loader.prefetch_factor
-        return DataLoader(loader.dataset, batch_sampler=self._replay, **options)
+        collate = _Collate(loader.collate_fn if loader.collate_fn is not None else default_collate)
+        # Its own generator: the wrapped loader's one draws exactly what the wrapped loader would (_draw).
+        generator = torch.Generator().manual_seed(loader.generator.initial_seed() if loader.generator else 0)
+        return DataLoader(loader.dataset, batch_sampler=self._replay, collate_fn=collate, generator=generator,
+                          **worker_options(loader))
 
     @property
     def variant(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from actcache.errors import ConfigError
-from actcache_client._stages import State
+from actcache_client._stages import State, map_state
 
 __all__ = ["StorePrecision"]
 
@@ -38,6 +38,4 @@ class StorePrecision:
 
 def _cast(state: State, source: torch.dtype, target: torch.dtype) -> State:
     """``state`` with its ``source``-dtype tensors cast to ``target`` (masks and ids stay as they are)."""
-    if isinstance(state, tuple):
-        return tuple(t.to(target) if t.dtype == source else t for t in state)
-    return state.to(target) if state.dtype == source else state
+    return map_state(state, lambda t: t.to(target) if t.dtype == source else t)

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from actcache.errors import ConfigError
-from actcache_client._stages import State
+from actcache_client._stages import State, map_state, tensors_of
 from actcache_client._tensors import VarLen
 
 __all__ = ["RawInputs", "merge", "select"]
@@ -59,21 +59,17 @@ class RawInputs:
     def _on_device(self, state: State) -> State:
         if self.device is None:
             return state
-        if isinstance(state, tuple):
-            return tuple(t.to(self.device, non_blocking=True) for t in state)
-        return state.to(self.device, non_blocking=True)
+        return map_state(state, lambda t: t.to(self.device, non_blocking=True))
 
 
 def select(state: State, rows: list[int]) -> State:
     index = torch.tensor(rows)
-    if isinstance(state, tuple):
-        return tuple(t.index_select(0, index.to(t.device)) for t in state)
-    return state.index_select(0, index.to(state.device))
+    return map_state(state, lambda t: t.index_select(0, index.to(t.device)))
 
 
 def merge(batch: int, parts: list[tuple[list[int], State]], varlen: VarLen | None) -> State:
     """Put part states back in batch order; with VarLen, pad to the longest part and rebuild the mask."""
-    tuples = [(rows, s if isinstance(s, tuple) else (s,)) for rows, s in parts]
+    tuples = [(rows, tensors_of(s)) for rows, s in parts]
     count = len(tuples[0][1])
     merged = []
     for j in range(count):

@@ -13,7 +13,7 @@ bit-identical outputs for the supported shapes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
 import torch
@@ -22,17 +22,30 @@ from torch import Tensor, nn
 from actcache.errors import ConfigError
 
 __all__ = [
+    "ClassifierHead",
+    "EncoderLayer",
     "Stage",
     "StagedModel",
     "State",
-    "Suffix",
     "auto_partition",
     "from_bert",
     "from_resnet",
     "from_sequential",
+    "map_state",
+    "tensors_of",
 ]
 
 State = Union[Tensor, tuple[Tensor, ...]]
+
+
+def tensors_of(state: State) -> tuple[Tensor, ...]:
+    """The tensors of ``state``, as a tuple."""
+    return state if isinstance(state, tuple) else (state,)
+
+
+def map_state(state: State, fn: Callable[[Tensor], Tensor]) -> State:
+    """``fn`` applied to every tensor of ``state``, in the same form (a tensor or a tuple)."""
+    return tuple(fn(t) for t in state) if isinstance(state, tuple) else fn(state)
 
 _FALLBACK = "pass an nn.Sequential or build stages with StagedModel([...])"
 
@@ -104,30 +117,17 @@ class StagedModel(nn.Module):
     def forward(self, x: State) -> State:
         return self.run(x)
 
-    def suffix(self, start: int) -> "Suffix":
-        """A module running ``stages[start:]`` (the same Stage objects, no copies)."""
+    def suffix(self, start: int) -> StagedModel:
+        """The active stages ``stages[start:]`` as a model of their own, e.g. to wrap in DistributedDataParallel.
+
+        It holds this model's own Stage objects, so its parameters are this model's and wrapping it
+        leaves the frozen prefix out.
+        """
         if not 0 <= start < self.num_stages:
             raise ConfigError(
                 f"StagedModel.suffix(start) needs start in 0..{self.num_stages - 1} (num_stages - 1), got {start}"
             )
-        return Suffix(list(self.stages[start:]))
-
-
-class Suffix(nn.Module):
-    """The active stages of a StagedModel as one module, e.g. to wrap in DistributedDataParallel.
-
-    It holds the StagedModel's own Stage objects, so its parameters are the
-    model's parameters and wrapping it leaves the frozen prefix out.
-    """
-
-    def __init__(self, stages: Sequence[Stage]) -> None:
-        super().__init__()
-        self.stages = nn.ModuleList(stages)
-
-    def forward(self, state: State) -> State:
-        for stage in self.stages:
-            state = stage(state)
-        return state
+        return StagedModel(self.stages[start:])
 
 
 def _merge(stages: Sequence[Stage]) -> Stage:
@@ -238,39 +238,42 @@ class _BertEmbeddings(nn.Module):
         return hidden, mask
 
 
-class _BertLayer(nn.Module):
-    """``(hidden, mask) -> (hidden, mask)``; the layer gets HF's additive extended mask.
+def _additive_mask(hidden: Tensor, mask: Tensor) -> Tensor:
+    """HF's extended mask for eager attention, as ``BertModel.get_extended_attention_mask`` builds it:
+    ``(1 - mask[:, None, None, :]) * finfo(dtype).min``."""
+    return (1.0 - mask[:, None, None, :].to(dtype=hidden.dtype)) * torch.finfo(hidden.dtype).min
 
-    The extended mask is ``(1 - mask[:, None, None, :]) * finfo(dtype).min``, as
-    ``BertModel.get_extended_attention_mask`` builds it for eager attention.
-    """
 
-    def __init__(self, layer: nn.Module) -> None:
+class EncoderLayer(nn.Module):
+    """``(hidden, mask) -> (hidden, mask)``; the layer gets ``extend(hidden, mask)``, the mask its model
+    builds (a module-level callable: stages are pickled for the reference process)."""
+
+    def __init__(self, layer: nn.Module, extend: Callable[[Tensor, Tensor], Tensor] = _additive_mask) -> None:
         super().__init__()
         self.layer = layer
+        self.extend = extend
 
     def forward(self, state: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         hidden, mask = state
-        extended = mask[:, None, None, :].to(dtype=hidden.dtype)
-        extended = (1.0 - extended) * torch.finfo(hidden.dtype).min
-        out = self.layer(hidden, extended)
+        out = self.layer(hidden, self.extend(hidden, mask))
         return (out[0] if isinstance(out, tuple) else out), mask
 
 
-class _BertHead(nn.Module):
-    """``(hidden, mask) -> logits``: pooler (reads the [CLS] token), dropout if any, classifier."""
+class ClassifierHead(nn.Module):
+    """``(hidden, mask) -> logits``: pooler (reads the [CLS] token), dropout if any, classifier; without
+    a pooler (RoBERTa) the classifier reads the first token itself."""
 
-    def __init__(self, pooler: nn.Module, dropout: nn.Module | None, classifier: nn.Module) -> None:
+    def __init__(self, pooler: nn.Module | None, dropout: nn.Module | None, classifier: nn.Module) -> None:
         super().__init__()
         self.pooler = pooler
         self.dropout = dropout
         self.classifier = classifier
 
     def forward(self, state: tuple[Tensor, Tensor]) -> Tensor:
+        if self.pooler is None:
+            return self.classifier(state[0])
         pooled = self.pooler(state[0])
-        if self.dropout is not None:
-            pooled = self.dropout(pooled)
-        return self.classifier(pooled)
+        return self.classifier(pooled if self.dropout is None else self.dropout(pooled))
 
 
 def from_bert(model: nn.Module) -> StagedModel:
@@ -295,9 +298,9 @@ def from_bert(model: nn.Module) -> StagedModel:
     pooler = _require(body, "pooler", _BERT)
     classifier = _require(model, "classifier", _BERT)
     dropout = getattr(model, "dropout", None)
-    head = _BertHead(pooler, dropout if isinstance(dropout, nn.Module) else None, classifier)
+    head = ClassifierHead(pooler, dropout if isinstance(dropout, nn.Module) else None, classifier)
     stages = [Stage("embeddings", _BertEmbeddings(embeddings))]
-    stages += [Stage(f"encoder.layer.{i}", _BertLayer(layer)) for i, layer in enumerate(layers)]
+    stages += [Stage(f"encoder.layer.{i}", EncoderLayer(layer)) for i, layer in enumerate(layers)]
     stages.append(Stage("head", head))
     return StagedModel(stages)
 

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from actcache.errors import ConfigError, LifecycleError
 from actcache.shm import SlotRun
-from actcache_client._stages import State
+from actcache_client._stages import State, map_state, tensors_of
 
 __all__ = ["CopyTimer", "HostRing", "Stager"]
 
@@ -149,16 +149,16 @@ class Stager:
     def to_device(self, state: State) -> State:
         """Copy a host state to the device, ordered before later work on the current stream."""
         if not self.cuda:
-            return state if self.device.type == "cpu" else _map(state, lambda t: t.to(self.device))
+            return state if self.device.type == "cpu" else map_state(state, lambda t: t.to(self.device))
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             started = self._timer.start()
-            moved = _map(state, lambda t: t.to(self.device, non_blocking=True))
-            self._timer.stop(started, sum(t.element_size() * t.numel() for t in _tensors(moved)))
+            moved = map_state(state, lambda t: t.to(self.device, non_blocking=True))
+            self._timer.stop(started, sum(t.element_size() * t.numel() for t in tensors_of(moved)))
             done = torch.cuda.Event()
             done.record(self._stream)
         compute.wait_stream(self._stream)
-        for t in _tensors(moved):
+        for t in tensors_of(moved):
             t.record_stream(compute)  # the caching allocator must not reuse it before compute is done
         self._ring.release(done)
         return moved
@@ -185,11 +185,3 @@ class Stager:
     def copy_readings(self) -> list[tuple[int, float]]:
         """``(bytes, seconds)`` of host-to-device copies completed since the last call (none on CPU)."""
         return self._timer.readings() if self._timer is not None else []
-
-
-def _tensors(state: State) -> tuple[Tensor, ...]:
-    return state if isinstance(state, tuple) else (state,)
-
-
-def _map(state: State, fn: Callable[[Tensor], Tensor]) -> State:
-    return tuple(fn(t) for t in state) if isinstance(state, tuple) else fn(state)

@@ -181,19 +181,12 @@ class EpochStream:
         self._frames: Iterator[EntryBatch] | None = None
         self._pending: deque = deque()  # entries of the last frame not taken yet
         self._shared = False  # the last frame's values are views into the shared-memory ring
-        #: Seconds the step waited for frames, and entries served by the stream (hits and misses).
-        self.wait_seconds = 0.0
-        self.entries = 0
         #: Where the entries the last ``take`` returned lie, when they are hits of one size in
         #: consecutive ring slots (see EntryBatch.run); else None.
         self.run: SlotRun | None = None
         self._frame_run: tuple[int, SlotRun | None] = (0, None)  # (first position, run) of the last frame
         self._frames_read = 0
         self._held: object | None = None  # an event: the last batch's slots are read until it completes
-
-    @property
-    def state(self) -> StreamState:
-        return self._state
 
     @property
     def schedule_id(self) -> str:
@@ -302,7 +295,6 @@ class EpochStream:
             self._break()
             self._connection.fallback(exc)
             return None
-        self.entries += len(out)
         frame_start, run = self._frame_run
         if run is not None and first_frame == self._frames_read:  # all from one frame whose entries are one run
             self.run = run.skip(lo - frame_start)
@@ -324,9 +316,9 @@ class EpochStream:
         if self._shared:
             out[:] = [None if v is None else bytes(v) for v in out]
         opened = self._frames is None
-        t0 = time.perf_counter()
         if opened and self._opened is not None:  # opened ahead (from position 0)
             opening, self._opened = self._opened, None
+            t0 = time.perf_counter()
             self._frames, batch = opening.result()
             if batch is not None:
                 self._connection.count_streamed(batch, time.perf_counter() - t0)
@@ -335,7 +327,6 @@ class EpochStream:
                 self._frames = self._connection.stream(self.schedule_id, lo, ring_bytes=self._ring_bytes,
                                                        max_frame_bytes=self._frame_bytes)
             batch = next(self._frames, None)
-        self.wait_seconds += time.perf_counter() - t0
         if batch is None:
             raise ActCacheError(f"schedule {self.schedule_id} ended before position {lo + len(out)}")
         self._shared = batch.data_plane == "shared_memory"

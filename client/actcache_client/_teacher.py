@@ -1,55 +1,26 @@
 """Knowledge distillation with the teacher's outputs served from the cache.
 
-A fixed teacher (classic knowledge distillation) only ever runs forward, and
-its output for an input never changes: it is a frozen prefix that happens to
-be a whole network (TSPipe, ICML '22). After the first epoch its forward
-pass is pure waste. ``CachedTeacher`` is a CachedForward over a two-stage
-StagedModel, frozen at depth 1: stage 0 runs the whole teacher (eval mode,
-``no_grad``) and returns the tensors to store, stage 1 is an identity. So
-the teacher gets everything a frozen prefix gets: keys covering its weights
-and the data (never served for another teacher or other data), the epoch's
-prefetch stream (shared memory on a local daemon), fallback to recomputing,
-audits, and loaders that skip the inputs the cache serves.
+A fixed teacher only ever runs forward and its output for an input never
+changes: it is a frozen prefix that is a whole network (TSPipe, ICML '22).
+``CachedTeacher`` is a CachedForward over a two-stage StagedModel, frozen at
+depth 1: stage 0 runs the whole teacher (eval mode, ``no_grad``) and returns
+the tensors to store, stage 1 is an identity. So the teacher gets everything
+a frozen prefix gets: keys over its weights and the data, the epoch's
+stream, fallback, audits, and loaders that skip the inputs the cache serves.
 
-What is stored per sample (the layout is fixed by the
-arguments, which are part of the key):
+Stored per sample, in a layout fixed by the arguments (part of the key):
+``"logits"`` (the teacher's return value, or with ``top_k=k`` the k largest
+logits and their class indices, int32 stored, int64 served) and the output
+of every other submodule named in ``outputs``. With ``varlen=VarLen()``
+submodule outputs (and logits with ``token_logits=True``) are per token and
+stored without their padding; served or computed, padded positions are zeros. ``topk_soft_targets`` and
+``distillation_loss`` read top-k or full logits (docs/guides/distillation.md).
 
-- ``"logits"`` in ``outputs``: the teacher's return value (a tensor, the
-  ``logits`` attribute of an HF-style output, or a tuple's first element);
-  with ``top_k=k`` only the k largest logits and their class indices
-  (int32 in the cache, int64 when served);
-- every other name in ``outputs``: the output of that submodule of the
-  teacher (``teacher.get_submodule(name)``; a tuple's first element), e.g.
-  ``"bert.encoder.layer.3"`` for intermediate-layer distillation.
-
-Text: with ``varlen=VarLen()`` the teacher's input is a tuple whose element
-``varlen.mask_index`` is the right-padded 0/1 attention mask; submodule
-outputs (and the logits with ``token_logits=True``) are per token, ``(B, L,
-...)``, and are stored without their padding; served or computed, their
-padded positions are zeros and ``L`` is the batch's longest sample.
-
-Top-k: a teacher over a 30k vocabulary stores 120 KB of float32 logits per
-token, its top 20 take 160 bytes. What it changes: the soft target
-``softmax(logits / T)`` becomes ``softmax(top_values / T)`` over the k
-classes, zero elsewhere — the distribution is renormalised over the top k
-and the tail's mass (the small "dark knowledge" probabilities) is dropped,
-which matters more at high temperatures. ``topk_soft_targets`` rebuilds
-that target; ``distillation_loss`` computes the KD loss from either form.
-``store_dtype=torch.float16`` (CachedForward's) halves the stored floats
-again; served values are then rounded to 16 bits (the epoch that computes
-them uses them unrounded), class indices are kept exact.
-
-Moving teachers (an EMA of the student, a teacher trained alongside) are not
-cacheable: at every epoch start (CachedLoader) and at ``check_weights()``,
-the teacher's weights fingerprint is compared with the one its keys carry.
-If the weights changed after the teacher was used, it warns once
-(``MovingTeacherWarning``), drops what it stored under the old fingerprint
-and recomputes the teacher every step from then on. A change before any use
-(weights loaded after wrapping) just re-keys. Changes within an epoch are
-seen at the next epoch start.
-
-The module holds ``CachedTeacher`` and the helpers that read its outputs:
-``topk_soft_targets`` and ``distillation_loss``.
+A moving teacher is not cacheable: at every epoch start and at
+``check_weights()`` its weights fingerprint is compared with its keys'. A
+change after use warns once (``MovingTeacherWarning``), drops what was stored
+under the old fingerprint and recomputes the teacher every step; a change
+before any use just re-keys.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from actcache.served import uniform_layout, uniform_rows
 from actcache.errors import ConfigError, InvalidRequest
 from actcache.shm import SlotRun
 
-from actcache_client._stages import State
+from actcache_client._stages import State, tensors_of
 
 __all__ = [
     "VarLen",
@@ -66,17 +66,13 @@ class VarLen:
     mask_dtype: torch.dtype = torch.int64
 
 
-def _as_tuple(state: State) -> tuple[Tensor, ...]:
-    return state if isinstance(state, tuple) else (state,)
-
-
 def _sample_bytes(t: Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None = None) -> list[bytes]:
     """Encode each sample of a batch state as one entry (on CPU; a copy is made off-device)."""
-    tensors = [t.detach().to("cpu") for t in _as_tuple(state)]
+    tensors = [t.detach().to("cpu") for t in tensors_of(state)]
     batch = tensors[0].shape[0]
     if any(t.dim() == 0 or t.shape[0] != batch for t in tensors):
         raise InvalidRequest(f"every tensor of a state needs the batch dimension {batch}; shapes {[tuple(t.shape) for t in tensors]}")
@@ -97,7 +93,7 @@ def check_fixed_length(state: State, seen: dict[int, list[tuple[int, ...]]], dep
     Caught at the first put: a 0/1 integer ``(B, L)`` tensor with zeros beside a ``(B, L, ...)`` one (a padded
     text state), or per-sample shapes other than those of depth ``depth``'s first put (kept in ``seen``).
     """
-    tensors = _as_tuple(state)
+    tensors = tensors_of(state)
     shapes = [tuple(t.shape[1:]) for t in tensors]
     first = seen.setdefault(depth, shapes)
     masks = [t for t in tensors if t.dim() == 2 and not t.is_floating_point() and bool(((t == 0) | (t == 1)).all())]

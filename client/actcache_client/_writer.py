@@ -1,11 +1,8 @@
 """Puts what the frozen prefix computed into the daemon, in the codec chosen for its entries.
 
-``encoding`` says how the daemon stores the entries: an AutoEncoding picks
-raw, lz4 or zstd per (fingerprint, depth) from the first entries written
-(actcache_client._codec_choice), on the connection's writer thread, and
-tells the planner (it records it in the plan); ``"daemon"`` leaves it to the
-daemon's ``--encoding``; ``"raw"``, ``"lz4"``, ``"zstd"``, ``"zstd:LEVEL"``
-fix it.
+An AutoEncoding picks the codec per (fingerprint, depth) from the first
+entries written (actcache_client._codec_choice), on the connection's writer
+thread, and tells the planner; ``CachedForward`` documents the other values.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from actcache_client._frozen import FrozenPrefix
 from actcache_client._generations import Generations
 from actcache_client._planner import CachePlanner
 from actcache_client._precision import StorePrecision
-from actcache_client._stages import State
+from actcache_client._stages import State, map_state
 from actcache_client._tensors import VarLen, check_fixed_length, encode_samples
 
 __all__ = ["EntryWriter", "check_encoding"]
@@ -58,7 +55,7 @@ class EntryWriter:
     def store(self, depth: int, ids: list[int], variant: int, state: State) -> None:
         """Put ``state`` (the batch rows of ``ids`` at ``depth``) under the current fingerprint of ``depth``."""
         # A private copy: the suffix may modify its input in place (e.g. ReLU(inplace=True)).
-        snapshot = tuple(t.detach().clone() for t in state) if isinstance(state, tuple) else state.detach().clone()
+        snapshot = map_state(state, lambda t: t.detach().clone())
         snapshot = self._precision.to_stored(snapshot)
         varlen, fingerprint = self._varlen, self._frozen.fingerprints[depth]
         if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated

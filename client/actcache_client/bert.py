@@ -259,14 +259,10 @@ def load_minilm(num_labels: int = 2, *, seed: int = 0, max_length: int = 64) -> 
     """all-MiniLM-L6-v2 with a new ``num_labels`` head, and its tokenizer (no padding, truncation at ``max_length``).
 
     Every encoder weight must load: a missing or unexpected key raises. The
-    head is initialised from ``seed``, the same for every call.
-
-    The tokenizer is a raw ``tokenizers.Tokenizer``: ``encode(a)``, ``encode(a, b)`` for a pair,
-    ``encode_batch([...])``; wrap it in :class:`TokenBatcher` for padded batches. It cuts every text,
-    or pair, at ``max_length`` tokens ([CLS] and [SEP] included; a pair loses tokens from its longer
-    sentence first): 64 suits single sentences such as SST-2, sentence pairs usually need 128 or more
-    (the position table holds 512). The cut is part of the data, so the cache keys see it when the
-    dataset tokenizes its items.
+    head is initialised from ``seed``, the same for every call. The tokenizer
+    is a raw ``tokenizers.Tokenizer`` cutting every text, or pair, at
+    ``max_length`` tokens ([CLS] and [SEP] included); wrap it in
+    :class:`TokenBatcher` for padded batches (docs/guides/text.md).
     """
     try:
         from safetensors.torch import load_file
@@ -320,16 +316,13 @@ def collate_tokens(
 class TokenBatcher:
     """Texts or sentence pairs to a padded BERT batch ``(input_ids, attention_mask, token_type_ids)``.
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer`` such as the one :func:`load_minilm` returns (it truncates
-    at its ``max_length``: a pair is cut from its longer sentence first).
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` such as the one :func:`load_minilm` returns. For
+    training, tokenize in the dataset (``encode(a, b)``: the data fingerprint then sees the tokenization)
+    and pad in the loader (``collate_fn=collate_tokens``).
 
         batch = TokenBatcher(tokenizer)
         ids, mask, types = batch(["A man is eating.", "A dog runs."], ["Someone eats.", "A cat sleeps."])
         logits = model(ids, mask, types)            # or ac.from_bert(model)((ids, mask, types))
-
-    For training, tokenize in the dataset (``batch.encode(a, b)``: the item's ids and segments; the data
-    fingerprint then sees the tokenization, max length included) and pad in the loader
-    (``collate_fn=collate_tokens``).
     """
 
     def __init__(self, tokenizer: Any, pad_id: int = 0) -> None:

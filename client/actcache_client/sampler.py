@@ -196,13 +196,6 @@ class NodeStableSampler(Sampler[int]):
 
     # ---- placement ---------------------------------------------------------
 
-    @property
-    def node_of(self) -> np.ndarray:
-        """The node of every dataset index (read-only view)."""
-        view = self._node_of.view()
-        view.flags.writeable = False
-        return view
-
     def node_shard(self, node: int | None = None) -> np.ndarray:
         """The dataset indices of ``node``'s shard (default: this rank's node), ascending."""
         return self._shards[self.node_rank if node is None else node]

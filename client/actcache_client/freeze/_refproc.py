@@ -8,16 +8,11 @@ exactly one ``Reading`` or ``Dropped`` for every probe, ``Built`` when a
 stage's first reference is built, ``Failed`` (then the process exits)
 on any error.
 
-A reading runs the probe's input through two snapshots of the stage, both
-in eval mode and in fp32, as Egeria's reference: the one of the probe's own
-evaluation and the one ``age`` evaluations older::
-
-    plasticity = sp_loss(ref[index](x), ref[index - age](x))
-
-It is exactly 0 for identical weights. A snapshot's reference is loaded
-once, lazily, on its first use and kept until no later probe can need it
-(indices below ``index - age`` of the latest probe or snapshot). A stage's
-first reference is timed on its first probe (``Built``).
+A reading compares snapshots ``index`` and ``index - age`` on the probe's
+input (reference.py). A snapshot's reference is loaded once, lazily, on its
+first use and kept until no later probe can need it (indices below ``index -
+age`` of the latest probe or snapshot). A stage's first reference is timed
+on its first probe (``Built``).
 """
 
 from __future__ import annotations

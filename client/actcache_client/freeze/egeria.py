@@ -17,107 +17,16 @@ Per evaluation, for the frontmost active stage ``s == signals.frozen``::
       -> UNFREEZE_ALL; W = max(W // 2, min_window); every T[s] is calibrated again;
          stage 0 starts with fresh readings
 
-Why readings of constant age, and a test on their level
---------------------------------------------------------
-Egeria compares the stage with a snapshot refreshed every W evaluations and
-fits a slope to the smoothed SP loss. The reading then measures how far the
-stage moved since the snapshot, so it grows with the snapshot's age and
-falls back at every refresh: a sawtooth of period W whatever the stage does.
-The moving average over W flattens any such sawtooth once it spans a period,
-and T, calibrated on the first slopes (the ramp of the cumulative mean),
-is then far above what follows, so every stage froze 1 + 3 + W + ~W
-evaluations in, on a timer. ``bench/bench_policy.py`` reproduces it and
-tries the alternatives on synthetic stages (a 64->32 linear layer with
-dropout 0.1 in the training forward, rotated in weight space at a constant
-rate, converging, or still, with 1% jitter per step; real ``sp_loss``
-against int8-rounded references; W=10, 5 seeds, 200 evaluations; a stage
-that freezes is judged afresh; "minus age 0" takes a same-batch floor off,
-"eval vs eval" compares two references, the reading now used). First
-freeze per seed (all freezes):
-
-    reference                    test    drifting            converging          still
-    refreshed every W (before)   slope   16 22 13 16 26 (32) 18 32 13 18 26 (39) 15 17 13 15 15 (30)
-    refreshed, reading / age     slope   24 26 23 20 24 (45) 24 26 23 20 24 (45) 24 26 23 21 24 (45)
-    constant age 5               slope   18 20 18 18 32 (49) 18 20 18 18 18 (36) 19 20 21 18 18 (32)
-    constant age 5, minus age 0  slope   19 22 38 24 24 (36) 42 24 44 37 38 (37) 19 21 21 34 31 (41)
-    refreshed every W            level   never               never               never
-    refreshed, reading / age     level   never               100 once            81 once
-    refreshed, (p - p0) / age    level   never               48 38 40 48 40 (36) 138 12 91 18 12 (27)
-    constant age 5               level   never               never               never
-    constant age 5, minus age 0  level   never               42 34 40 45 41 (21) 38 17 25 17 49 (21)
-    constant age 5, eval vs eval level   never               41 38 41 40 40 (6)  never
-
-Any slope test freezes a stage that keeps moving at a constant rate: against
-a reference of constant age such a stage gives a flat reading (the distance
-it covers per span does not change), which is exactly what the slope test
-calls converged. What separates the cases is the level of that reading: the
-plasticity gained over a fixed span is the slope of Egeria's plasticity curve
-against a fixed reference (the quantity its §4.2.2 test looks at), measured
-directly and comparable across readings. Dividing by the snapshot's age does
-not make readings comparable: the SP loss grows with the square of a small
-weight change and linearly with the spread of SGD noise, so no single
-divisor fits both, and within each snapshot's life the divided reading
-still ramps; it froze converging stages a few evaluations later than a
-constant age did and still ones anywhere from 12 to 138 evaluations in,
-depending on where in the sawtooth calibration fell. A constant age needs
-no model of how the SP loss scales. A level test needs readings without a
-floor: the training forward's output (train mode: BatchNorm's batch
-statistics, dropout) differs from any eval-mode snapshot even for
-identical weights, by 1e-8 to 1e-6 per batch on ResNet-20's stem (as large
-as the signal late in training), so both sides of a reading are eval-mode
-snapshots (reference.py has the measurement).
-
-T is 20% of the stage's early readings (§4.2.2), now of the plasticity
-gained per span rather than of a fitted slope, and it follows the largest
-smoothed reading after them too: a stage that speeds up after its first
-readings (an lr warm-up, a stage that starts slowly) is judged against its
-peak, while for a stage whose drift only falls it is the paper's rule. The
-age defaults to W / 2, the mean age of Egeria's reference (refreshed every
-W). A reading is late
-by one evaluation (the probe runs on the step after an evaluation) and the
-first comes ``age`` evaluations into a stage, so a stage needs at least
-age + 1 + tolerance_readings + W evaluations (19 at the defaults). The
-moving average delays the test by about W / 2 evaluations of the underlying
-drift; once the smoothed reading is below T the stage freezes W - 1
-evaluations later unless noise resets the count.
-
-Bootstrapping (§4.2.2: "the changing rate of the training loss", 10%) is
-judged on the loss averaged over spans of at least ``bootstrap_steps``
-steps (or one interval if longer), the change between two spans scaled to
-one evaluation interval: ``1 - exp(-|ln(prev / cur)| * n / gap)`` (n: steps
-per interval; gap: steps between the spans' centres). With intervals of >= 32
-steps this is Egeria's rule as is; with shorter ones single-batch losses no
-longer end it by chance (batch losses spread by ~50% of the loss on
-ResNet-20/digits; over 32 steps the noise of the scaled change is
-0.5 * sqrt(2/32) * n/gap, a tenth of the threshold or less for n <= 4).
-
-T is calibrated again after an unfreeze. The unfreeze comes with a 10x
-smaller lr, which moves every stage about 10x less, so readings after it sit
-far below a T calibrated on the readings before it: a kept T refroze each
-stage as soon as W readings arrived, and unfreezing bought only those few
-evaluations of training. Measured on CIFAR-10 (ResNet-20, 20,000 images, 10
-epochs, docs/guides/freeze-policies.md): stage 0 refroze 7 evaluations after the first
-drop, everything was frozen 0.8 epoch after the second, while the full run
-gained most of its last points after that drop, and the run ended 4.45
-points below it. Calibrated again, a stage refreezes when its drift falls
-to 20% of its peak at the new lr, the same criterion as at its first
-freeze.
-
-Unfreezing follows the paper's step decays: everything unfreezes when the lr
-*drops* at an evaluation after being flat for the interval before it, and
-has fallen 10x since stage 0 froze. A smooth schedule that changes the lr at
-every step (warm-up + linear decay, cosine, one-cycle) never makes such a
-drop, so frozen stages stay frozen to the end of those runs (the paper: "the
-learning rate scheduler does not trigger the unfreezing mechanism" for BERT
-fine-tuning); a schedule stepped per epoch (exponential or cosine decay per
-epoch) drops discretely and unfreezes where it reaches 10x. Cyclic
-schedules: ``on_schedule_restart`` re-anchors the lr.
-
-With ``freeze_lr_fraction`` (ours, after FreezeOut's freezing of layers
-late in an annealed schedule) a stage that passed the test waits, ready,
-until the lr is at most that fraction of its peak so far; a high reading
-while it waits sends it back to counting. It keeps a stage training while
-the lr is still large, where an early freeze costs accuracy (Egeria §2.3).
+A reading compares two eval-mode snapshots of the stage ``age`` evaluations
+apart (default W / 2), so readings are comparable and T tests their level,
+not a slope; T follows the stage's peak and is calibrated again after an
+unfreeze. Bootstrapping compares the loss averaged over spans of at least
+``bootstrap_steps`` steps, scaled to one interval. Unfreezing needs a
+discrete lr drop after a flat interval: a schedule that changes the lr every
+step never unfreezes; cyclic schedules call ``on_schedule_restart``. With
+``freeze_lr_fraction`` a stage that passed the test waits, ready, until the
+lr falls to that fraction of its peak. docs/design/egeria.md says why, with
+the measurements.
 """
 
 from __future__ import annotations
@@ -155,7 +64,7 @@ class EgeriaConfig:
     #: evaluation interval. Paper: 10% (§4.2.2). None skips bootstrapping.
     bootstrap_threshold: float | None = 0.1
     #: Ours: the loss is averaged over spans of at least this many steps before two spans are
-    #: compared (the module docstring says why 32).
+    #: compared (docs/design/egeria.md says why 32).
     bootstrap_steps: int = 32
     #: Unfreeze all once a discrete lr drop brings it this factor below its value when stage 0
     #: froze. Paper: 10 (§4.2.2).

@@ -14,32 +14,12 @@ training stage's weights) and the one taken ``age`` evaluations earlier
 
     plasticity = sp_loss(ref_s[now](x), ref_s[now - age](x))
 
-This is what the stage changed over a constant span of training, so
-readings are comparable with each other (a reference refreshed every W
-evaluations made them grow with the snapshot's age in a sawtooth: see
-egeria.py), and it is exactly 0 for identical weights. Egeria compares the
-training forward's own output with the reference instead; that output is
-in train mode (BatchNorm's batch statistics, dropout), so the SP loss has a
-floor that changes from batch to batch even for identical weights. Taking
-off a same-batch floor (``sp_loss(A_T, ref[now - age](x)) - sp_loss(A_T,
-ref[now](x))``, the reading before this one) cancels its mean, not its
-spread. Measured on ResNet-20's stage 0 training on the digits (SGD 0.05,
-LR x0.1 at steps 115 and 172, age 5 steps, fp32; 8 batches at each step,
-mean +- spread over the batches)::
-
-    step   lr      train-mode output, floor taken off    two eval-mode snapshots
-      50   0.05    3.2e-06 +- 7.6e-07                     5.5e-06 +- 4.6e-07
-     100   0.05    3.1e-06 +- 7.2e-07                     2.2e-06 +- 1.6e-07
-     140   0.005   2.3e-08 +- 3.8e-08                     2.1e-08 +- 2.0e-09
-     200   0.0005  2.3e-09 +- 2.2e-08                     5.1e-09 +- 3.9e-10
-
-After the first LR drop the old reading was noise around 0 (a stage froze
-when the noise averaged out, not when its drift fell); the eval-mode
-reading keeps a spread of about 10% at every step. Feeding both snapshots the
-same x isolates stage s: the frozen stages before it are identical in both
-models, and the reference never recomputes them. A snapshot is sent at
-every evaluation (a state_dict in shared memory; the pickled module once
-per frontmost stage).
+This is what the stage changed over a constant span of training, exactly 0
+for identical weights; unlike the train-mode output Egeria compares, it has
+no floor that changes from batch to batch (docs/design/egeria.md has the
+measurement). Feeding both snapshots the same x isolates stage s. A snapshot
+is sent at every evaluation (a state_dict in shared memory; the pickled
+module once per frontmost stage).
 
 Lifecycle (``state``)::
 
@@ -73,7 +53,7 @@ from torch import nn
 
 from actcache.errors import ConfigError, LifecycleError, ReferenceModelFailed
 from actcache_client.freeze import _refproc
-from actcache_client._stages import State
+from actcache_client._stages import State, map_state
 
 __all__ = ["ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWorker", "to_shared"]
 
@@ -179,7 +159,7 @@ def to_shared(state: State, rows: int | None = None) -> State:
         out = torch.empty(t.shape, dtype=t.dtype).share_memory_()
         return out.copy_(t)
 
-    return tuple(copy(t) for t in state) if isinstance(state, tuple) else copy(state)
+    return map_state(state, copy)
 
 
 class ReferenceWorker:
