@@ -50,6 +50,7 @@ from actcache_client._hf_stages import from_transformers
 from actcache_client.bert import minilm_dir
 from actcache_client.freeze.controller import FreezeController
 from actcache_client.freeze.policy import FreezePolicy
+from actcache_client.integrations._choice import check_freeze_choice
 
 __all__ = ["TrainerCache", "attach", "load_minilm"]
 
@@ -77,13 +78,8 @@ class TrainerCache:
                  policy: FreezePolicy | None, eval_every: int | None, cache: bool,
                  connection: Connection | None, **options: Any) -> None:
         stages = from_transformers(trainer.model)
-        if depth is None and freeze_at is not None:
-            raise ConfigError(f"attach(freeze_at={freeze_at!r}) needs depth=: the stages to freeze by hand "
-                              "(without depth a FreezeController decides when and what to freeze)")
-        if depth is not None and (policy is not None or eval_every is not None):
-            raise ConfigError("attach(depth=...) freezes by hand, policy= and eval_every= set the FreezeController "
-                              "that decides instead: pass depth= (and freeze_at=) or policy= (and eval_every=), "
-                              "not both")
+        check_freeze_choice("attach", depth=depth, at_name="freeze_at", at=freeze_at, policy=policy,
+                            eval_every=eval_every)
         if depth is not None and (not isinstance(depth, int) or not 1 <= depth < stages.num_stages):
             raise ConfigError(f"attach(depth=...) freezes 1..{stages.num_stages - 1} stages of this model "
                               f"({', '.join(stages.stage_names[:3])}, ...), got {depth!r}")

@@ -51,6 +51,7 @@ from actcache_client._connection import Connection
 from actcache_client._dropin import ActCache, WrappedLoader, _layout
 from actcache_client.freeze.controller import FreezeController
 from actcache_client.freeze.policy import FreezePolicy
+from actcache_client.integrations._choice import check_freeze_choice
 
 __all__ = ["ActCacheCallback"]
 
@@ -71,13 +72,8 @@ class ActCacheCallback(pl.Callback):
                  policy: FreezePolicy | None = None, eval_every: int | None = None, module: str | None = None,
                  connection: Connection | None = None, variants: int | None = None,
                  targets: Sequence[Any] | Callable[[int], Any] | None = None, **options: Any) -> None:
-        if depth is None and freeze_at_epoch is not None:
-            raise ConfigError(f"ActCacheCallback(freeze_at_epoch={freeze_at_epoch}) needs depth=: the stages to "
-                              "freeze by hand (without depth a FreezeController decides when and what to freeze)")
-        if depth is not None and (policy is not None or eval_every is not None):
-            raise ConfigError("ActCacheCallback(depth=...) freezes by hand, policy= and eval_every= set the "
-                              "FreezeController that decides instead: pass depth= (and freeze_at_epoch=) or "
-                              "policy= (and eval_every=), not both")
+        check_freeze_choice("ActCacheCallback", depth=depth, at_name="freeze_at_epoch", at=freeze_at_epoch,
+                            policy=policy, eval_every=eval_every)
         if depth is not None and depth < 1:
             raise ConfigError(f"ActCacheCallback depth must be >= 1 (stages to freeze), got {depth}")
         if freeze_at_epoch is not None and freeze_at_epoch < 0:
