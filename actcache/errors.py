@@ -171,21 +171,6 @@ class LifecycleError(ActCacheError, RuntimeError):
     a worker started twice. The message names the call that should have come first."""
 
 
-_BY_STATUS: dict[grpc.StatusCode, type[ActCacheError]] = {
-    grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DaemonUnavailable,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.NOT_FOUND: NamespaceNotFound,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.DATA_LOSS: EntryCorrupt,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: BudgetExceeded,
-    grpc.StatusCode.INTERNAL: StoreError,
-    grpc.StatusCode.FAILED_PRECONDITION: VersionMismatch,
-    grpc.StatusCode.ABORTED: FetchAborted,
-}
-
-
 def status_of(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status code the daemon answers with for ``exc``."""
     if isinstance(exc, ActCacheError):
@@ -193,13 +178,15 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-_BY_NAME: dict[str, type[ActCacheError]] = {
-    cls.__name__: cls
-    for cls in (
-        ActCacheError, ConfigError, DaemonUnavailable, VersionMismatch, Unauthenticated, NamespaceNotFound,
-        ScheduleNotFound, FetchAborted, InvalidRequest, EntryCorrupt, BudgetExceeded, StoreError,
-    )
+# What the daemon raises; a status alone maps to the first class listed with it.
+_DAEMON_ERRORS = (
+    DaemonUnavailable, VersionMismatch, Unauthenticated, PermissionDenied, NamespaceNotFound, ScheduleNotFound,
+    FetchAborted, InvalidRequest, EntryCorrupt, BudgetExceeded, StoreError,
+)
+_BY_STATUS = {cls.status: cls for cls in reversed(_DAEMON_ERRORS)} | {
+    grpc.StatusCode.DEADLINE_EXCEEDED: DaemonUnavailable
 }
+_BY_NAME = {cls.__name__: cls for cls in (ActCacheError, ConfigError, *_DAEMON_ERRORS)}
 
 
 def error_from_status(code: grpc.StatusCode, details: str, name: str | None = None) -> ActCacheError:
