@@ -37,25 +37,9 @@ import xxhash
 
 from actcache.errors import InvalidRequest
 
-__all__ = [
-    "ALIGN",
-    "AUTO_MIN_SAVING",
-    "CHECKSUMS",
-    "Checksum",
-    "Codec",
-    "DEFAULT_CHECKSUM",
-    "DType",
-    "Encoding",
-    "EntryHeader",
-    "TensorSpec",
-    "compress_entry",
-    "compress_payload",
-    "decode_entry",
-    "decompress_payload",
-    "encode_entry",
-    "parse_header",
-    "verify_entry",
-]
+__all__ = ["ALIGN", "AUTO_MIN_SAVING", "CHECKSUMS", "Checksum", "Codec", "DEFAULT_CHECKSUM", "DType", "Encoding",
+           "EntryHeader", "TensorSpec", "compress_entry", "compress_payload", "decode_entry", "decompress_payload",
+           "encode_entry", "parse_header", "verify_entry"]
 
 MAGIC = b"ACE1"
 VERSION = 2

@@ -17,28 +17,10 @@ import numpy as np
 
 from actcache.errors import InvalidRequest
 
-__all__ = [
-    "FINGERPRINT_BYTES",
-    "GENERATION_PREFIX_BYTES",
-    "GROUP_PREFIX_BYTES",
-    "KEY_BYTES",
-    "MAX_DEPTH",
-    "MAX_NAMESPACE_ID",
-    "MAX_SAMPLE_ID",
-    "MAX_VARIANT",
-    "check_fingerprint",
-    "encode_key",
-    "encode_keys",
-    "fingerprint_of",
-    "generation_of",
-    "group_of",
-    "group_prefix",
-    "namespace_id_of",
-    "namespace_of",
-    "sample_id_of",
-    "sample_ids_of",
-    "split_group",
-]
+__all__ = ["FINGERPRINT_BYTES", "GENERATION_PREFIX_BYTES", "GROUP_PREFIX_BYTES", "KEY_BYTES", "MAX_DEPTH",
+           "MAX_NAMESPACE_ID", "MAX_SAMPLE_ID", "MAX_VARIANT", "check_fingerprint", "encode_key", "encode_keys",
+           "fingerprint_of", "generation_of", "group_of", "group_prefix", "namespace_id_of", "namespace_of",
+           "sample_id_of", "sample_ids_of", "split_group"]
 
 FINGERPRINT_BYTES = 16
 _KEY = struct.Struct(">I16sHQH")

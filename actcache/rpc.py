@@ -13,15 +13,7 @@ from typing import Iterable, Sequence
 
 from actcache.errors import InvalidRequest, VersionMismatch
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "SERVICE",
-    "decode_frame",
-    "encode_frame",
-    "method",
-    "split_payload",
-    "version_mismatch",
-]
+__all__ = ["PROTOCOL_VERSION", "SERVICE", "decode_frame", "encode_frame", "method", "split_payload", "version_mismatch"]
 
 SERVICE = "actcache.v1.ActCache"
 

@@ -6,13 +6,13 @@ DataLoader workers fork), so one RpcClient may be handed to worker processes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import grpc
@@ -34,7 +34,7 @@ _FRAME_BYTES = 8 << 20
 _SCHEDULE_CHUNK_IDS = 1 << 16
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class EntryBatch:
     """The entries of one Fetch frame: positions ``start .. start + len - 1`` of the schedule.
 
@@ -89,7 +89,7 @@ class EntryBatch:
         return zip(range(self.start, self.start + len(self.values)), self.sample_ids, variants, self.values)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class JobInfo:
     """A job as it describes itself to the daemon when it opens a namespace (``actcache ls``/``stats`` list
     the jobs of each namespace). ``JobInfo.current(data_id=...)`` describes this process."""
@@ -104,9 +104,6 @@ class JobInfo:
     @classmethod
     def current(cls, data_id: str = "") -> "JobInfo":
         return cls(os.getpid(), socket.gethostname(), _process_start_time(), data_id)
-
-    def to_message(self) -> pb.JobInfo:
-        return pb.JobInfo(pid=self.pid, host=self.host, start_time=self.start_time, data_id=self.data_id)
 
 
 @functools.cache
@@ -132,11 +129,7 @@ def _error_of(exc: grpc.RpcError) -> ActCacheError:
 
 def target_for(socket: str | os.PathLike | None = None, address: str | None = None) -> str:
     """gRPC target for a Unix socket path or a ``HOST:PORT`` address."""
-    if address:
-        return address
-    if socket is None:
-        socket = default_socket_path()
-    return f"unix:{os.fspath(socket)}"
+    return address or f"unix:{os.fspath(default_socket_path() if socket is None else socket)}"
 
 
 class RpcClient:
@@ -262,7 +255,7 @@ class RpcClient:
         if isinstance(secret, str):
             secret = secret.encode()
         request = pb.OpenRequest(name=name, create=create, secret=secret or b"",
-                                 job=job.to_message() if job is not None else None,
+                                 job=pb.JobInfo(**dataclasses.asdict(job)) if job is not None else None,
                                  client_version=__version__, protocol_version=rpc.PROTOCOL_VERSION)
         reply = self._rpc("Open", request)
         if reply.protocol_version != rpc.PROTOCOL_VERSION:

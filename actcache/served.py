@@ -22,17 +22,8 @@ from actcache.codec import (
 )
 from actcache.errors import InvalidRequest
 
-__all__ = [
-    "copy_raw_run",
-    "decoded_size",
-    "served_size",
-    "stored_raw",
-    "to_raw_entries",
-    "to_raw_entries_into",
-    "to_raw_entry",
-    "uniform_layout",
-    "uniform_rows",
-]
+__all__ = ["copy_raw_run", "decoded_size", "served_size", "stored_raw", "to_raw_entries", "to_raw_entries_into",
+           "to_raw_entry", "uniform_layout", "uniform_rows"]
 
 
 def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:

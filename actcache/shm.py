@@ -19,14 +19,12 @@ writes the batch's end position to ``released``; the daemon frees every slot bel
 
 Invariants:
 
-- a slot is reused only after the client released it: the daemon writes
-  ``[p, p + n)`` only if ``p + n - freed <= ring_bytes``;
-- ``released`` only grows and only the client writes it (one aligned 8-byte
-  word: never torn);
-- no deadlock: when the ring is full of a frame's own entries, or the client
-  keeps holding earlier frames, the daemon first sends what it has written,
-  then polls ``released`` while the call is alive; an entry larger than the
-  whole ring travels in its frame's payload instead;
+- a slot is reused only after the client released it: the daemon writes ``[p, p + n)`` only if
+  ``p + n - freed <= ring_bytes``;
+- ``released`` only grows and only the client writes it (one aligned 8-byte word: never torn);
+- no deadlock: when the ring is full of a frame's own entries, or the client holds earlier frames,
+  the daemon first sends what it has written, then polls ``released`` while the call is alive; an
+  entry larger than the whole ring travels in its frame's payload instead;
 - the ring is outside the prefetch budget.
 
 Reuse: a ring whose stream ended after its client mapped it is parked by the daemon
@@ -56,19 +54,8 @@ from typing import Callable, Iterable
 
 from actcache.errors import InvalidRequest
 
-__all__ = [
-    "ClientSegment",
-    "DEFAULT_RING_BYTES",
-    "HEADER_BYTES",
-    "PREFIX",
-    "SegmentPool",
-    "ShmRing",
-    "SlotRun",
-    "pid_alive",
-    "remove_stale",
-    "shm_dir",
-    "stale_segments",
-]
+__all__ = ["ClientSegment", "DEFAULT_RING_BYTES", "HEADER_BYTES", "PREFIX", "SegmentPool", "ShmRing", "SlotRun",
+           "pid_alive", "remove_stale", "shm_dir", "stale_segments"]
 
 PREFIX = "actcache-"
 HEADER_BYTES = 4096

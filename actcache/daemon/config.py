@@ -14,17 +14,8 @@ from actcache.codec import Encoding
 from actcache.errors import ConfigError, InvalidRequest
 from actcache.node import default_dir, default_socket_path
 
-__all__ = [
-    "DaemonConfig",
-    "MetricsConfig",
-    "PrefetchConfig",
-    "ServerConfig",
-    "StoreConfig",
-    "format_size",
-    "is_loopback",
-    "parse_size",
-    "socket_gid",
-]
+__all__ = ["DaemonConfig", "MetricsConfig", "PrefetchConfig", "ServerConfig", "StoreConfig", "format_size",
+           "is_loopback", "parse_size", "socket_gid"]
 
 _UNITS = {
     "": 1, "b": 1,
