@@ -1,10 +1,8 @@
 """Fixed-width, big-endian LMDB keys: (namespace, fingerprint, depth, sample id, variant).
 
-Big-endian fields keep keys of one (namespace, fingerprint, depth) group
-contiguous and ordered by sample id, so a group is one range scan or drop.
-Layout (bytes): namespace id 0-4, fingerprint 4-20, depth 20-22, sample id
-22-30, variant 30-32. Its heads are prefixes: a namespace (4 bytes), a
-generation (namespace, fingerprint: 20) and a group (with the depth: 22).
+Big-endian fields keep a (namespace, fingerprint, depth) group contiguous and ordered by sample id,
+so a group is one range scan or drop. Layout (bytes): namespace id 0-4, fingerprint 4-20, depth 20-22,
+sample id 22-30, variant 30-32; its prefixes are a namespace (4), a generation (20) and a group (22).
 This module is the one place that knows these offsets.
 """
 

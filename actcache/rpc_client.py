@@ -91,8 +91,8 @@ class EntryBatch:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class JobInfo:
-    """A job as it describes itself to the daemon when it opens a namespace (``actcache ls``/``stats`` list
-    the jobs of each namespace). ``JobInfo.current(data_id=...)`` describes this process."""
+    """A job as it describes itself to the daemon when it opens a namespace (``actcache ls`` lists them);
+    ``JobInfo.current(data_id=...)`` describes this process."""
 
     pid: int
     host: str
@@ -222,9 +222,8 @@ class RpcClient:
         return [("authorization", f"Bearer {self._token}")] if self._token else None
 
     def _rpc(self, name: str, request, then: Callable | None = None):
-        """Call method ``name`` with ``request`` (a message, or a function that makes the request stream
-        anew for each try) and ``then`` of its reply, within the deadline, retrying UNAVAILABLE with
-        jittered backoff."""
+        """``then`` of the reply of method ``name`` to ``request`` (a message, or a function making the request
+        stream anew per try), within the deadline, retrying UNAVAILABLE with jittered backoff."""
         deadline = time.monotonic() + self.timeout_s
         delay = 0.05
         for attempt in range(self.retries + 1):

@@ -30,12 +30,10 @@ def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
     """The header of ``bufs[0]`` when every entry has its layout and an uncompressed payload (they differ
     at most in the checksum), else None: their payloads sit at the same offsets. Checksums are not checked.
     """
-    if not bufs:
+    header = _uncompressed_header(bufs[0]) if len(bufs) else None
+    if header is None:
         return None
     first = memoryview(bufs[0])
-    header = parse_header(first)
-    if header.codec in _COMPRESSED:
-        return None
     head, tail = _unchecked_header(header)
     size, first_head, first_tail = first.nbytes, first[head], first[tail]
     for buf in bufs:
@@ -48,15 +46,18 @@ def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
 def uniform_rows(rows: np.ndarray) -> EntryHeader | None:
     """``uniform_layout`` for entries laid out as the rows of a 2-D uint8 array (as consecutive ring
     slots are), in one vectorised comparison."""
-    if not len(rows):
-        return None
-    header = parse_header(rows[0])
-    if header.codec in _COMPRESSED:
+    header = _uncompressed_header(rows[0]) if len(rows) else None
+    if header is None:
         return None
     head, tail = _unchecked_header(header)
     if not ((rows[1:, head] == rows[0, head]).all() and (rows[1:, tail] == rows[0, tail]).all()):
         return None
     return header
+
+
+def _uncompressed_header(buf: bytes | memoryview | np.ndarray) -> EntryHeader | None:
+    header = parse_header(buf)
+    return None if header.codec in _COMPRESSED else header
 
 
 def _unchecked_header(header: EntryHeader) -> tuple[slice, slice]:

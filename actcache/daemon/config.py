@@ -145,10 +145,9 @@ class ServerConfig:
             raise ConfigError(f"refusing to listen on TCP {self.listen} without a token (none given, or an empty one); "
                               "pass --token-file FILE or set ACTCACHE_TOKEN")
         if self.listen and not self.allow_remote and not is_loopback(self.listen.rsplit(":", 1)[0]):
-            raise ConfigError(
-                f"--listen {self.listen} is not a loopback address; the daemon listens on 127.0.0.1, ::1 or "
-                "localhost only, unless --allow-remote is given (then use --tls-cert/--tls-key too)"
-            )
+            raise ConfigError(f"--listen {self.listen} is not a loopback address; the daemon listens on 127.0.0.1, "
+                              "::1 or localhost only, unless --allow-remote is given "
+                              "(then use --tls-cert/--tls-key too)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert FILE and --tls-key FILE")
         if self.tls_cert is not None and not self.listen:
@@ -159,10 +158,8 @@ class ServerConfig:
             raise ConfigError(f"--socket-mode {self.socket_mode:#o} would let every local user connect; "
                               "share the socket with a group instead (--socket-mode 0660 --socket-group GROUP)")
         if self.socket is not None and len(str(self.socket)) > 100:
-            raise ConfigError(
-                f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow about 100: "
-                "pass a shorter --socket"
-            )
+            raise ConfigError(f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow "
+                              "about 100: pass a shorter --socket")
         if not 0 <= self.throttle_read_mbps < float("inf"):
             raise ConfigError(f"--throttle-read-mbps must be a number of MB/s >= 0 (0 = off), got {self.throttle_read_mbps}")
         if not 0 <= self.idle_timeout_s < float("inf"):
@@ -197,10 +194,8 @@ class MetricsConfig:
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535 (0 = any free port), got {self.port}")
         if not _is_host(self.host):
-            raise ConfigError(
-                f"--metrics-host must be an address or host name such as 127.0.0.1 or 0.0.0.0 (the port is "
-                f"--metrics-port), got {self.host!r}"
-            )
+            raise ConfigError(f"--metrics-host must be an address or host name such as 127.0.0.1 or 0.0.0.0 "
+                              f"(the port is --metrics-port), got {self.host!r}")
 
 
 def _is_host(host: str) -> bool:
@@ -252,11 +247,9 @@ class DaemonConfig:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.prefetch.prefetch_bytes < self.store.max_entry_bytes:
-            raise ConfigError(
-                f"--prefetch-bytes {format_size(self.prefetch.prefetch_bytes)} is below --max-entry-bytes "
-                f"{format_size(self.store.max_entry_bytes)}: one entry would not fit; raise --prefetch-bytes "
-                "or lower --max-entry-bytes"
-            )
+            raise ConfigError(f"--prefetch-bytes {format_size(self.prefetch.prefetch_bytes)} is below "
+                              f"--max-entry-bytes {format_size(self.store.max_entry_bytes)}: one entry would not fit; "
+                              "raise --prefetch-bytes or lower --max-entry-bytes")
 
     def non_defaults(self) -> dict[str, Any]:
         """Fields that differ from their defaults, for the start-up log line."""
@@ -299,10 +292,8 @@ class DaemonConfig:
             return cls._build(pick)
         except ConfigError as exc:
             message = str(exc)
-            blamed = [
-                source for flag, source in from_env.items()
-                if re.search(rf"{re.escape(flag)}(?![\w-])", message) and source.split("=")[0] not in message
-            ]
+            blamed = [source for flag, source in from_env.items()
+                      if re.search(rf"{re.escape(flag)}(?![\w-])", message) and source.split("=")[0] not in message]
             if not blamed:
                 raise
             raise ConfigError(f"{message} (from {', '.join(blamed)})") from None
@@ -310,9 +301,7 @@ class DaemonConfig:
     @classmethod
     def _build(cls, pick: Callable[..., Any]) -> "DaemonConfig":
         size, count = _SIZE, "a whole number"
-        directory = pick("dir", _path, "a directory path")
-        if directory is None:
-            directory = default_dir()
+        directory = pick("dir", _path, "a directory path") or default_dir()
         token = pick("token")
         token_file = pick("token_file", _path, "a file path")
         if token_file:  # the file wins over ACTCACHE_TOKEN: it was asked for by name
