@@ -16,12 +16,10 @@ Layout of one encoded entry, format version 2 (all header integers little-endian
     ...           zero padding to a multiple of 16 bytes (header_len)
     header_len    stored payload
 
-Version 1 entries (bytes 6-7: n as uint16, checksum always crc32) are still
-read. The raw payload holds the tensors in order, each C-contiguous and
-starting at a multiple of 16 bytes, so decoded tensors can be viewed
-without copies. The daemon checks the header and checksum of every entry it
-accepts or serves (xxh3 and lz4 were the fastest measured: docs/benchmarks.md).
-The served form Fetch builds from entries, a batch at a time, is ``actcache.served``.
+Version 1 entries (bytes 6-7: n as uint16, checksum always crc32) are still read. The raw payload
+holds the tensors in order, each C-contiguous and 16-byte aligned, so they can be viewed without
+copies. The daemon checks the header and checksum of every entry it accepts or serves; the served
+form is ``actcache.served``'s.
 """
 
 from __future__ import annotations
@@ -39,25 +37,9 @@ import xxhash
 
 from actcache.errors import InvalidRequest
 
-__all__ = [
-    "ALIGN",
-    "AUTO_MIN_SAVING",
-    "CHECKSUMS",
-    "Checksum",
-    "Codec",
-    "DEFAULT_CHECKSUM",
-    "DType",
-    "Encoding",
-    "EntryHeader",
-    "TensorSpec",
-    "compress_entry",
-    "compress_payload",
-    "decode_entry",
-    "decompress_payload",
-    "encode_entry",
-    "parse_header",
-    "verify_entry",
-]
+__all__ = ["ALIGN", "AUTO_MIN_SAVING", "CHECKSUMS", "Checksum", "Codec", "DEFAULT_CHECKSUM", "DType", "Encoding",
+           "EntryHeader", "TensorSpec", "compress_entry", "compress_payload", "decode_entry", "decompress_payload",
+           "encode_entry", "parse_header", "verify_entry"]
 
 MAGIC = b"ACE1"
 VERSION = 2
@@ -87,24 +69,12 @@ class DType(enum.IntEnum):
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self]
-
-
-_ITEMSIZE = {
-    DType.float32: 4,
-    DType.float16: 2,
-    DType.bfloat16: 2,
-    DType.int64: 8,
-    DType.int32: 4,
-    DType.uint8: 1,
-    DType.bool: 1,
-}
+        return (0, 4, 2, 2, 8, 4, 1, 1)[self]
 
 
 class Codec(enum.IntEnum):
-    """How the payload is stored. ``raw_verified`` exists only on the serving path: a compressed entry
-    the daemon verified and decompressed, whose checksum covers the header alone (a fresh checksum of
-    the decompressed bytes would cost a fifth of the serving CPU). Put refuses it."""
+    """How the payload is stored. ``raw_verified``, only on the serving path, is a compressed entry the
+    daemon verified and decompressed, its checksum covering the header alone (cheaper). Put refuses it."""
 
     raw = 0
     zstd = 1
@@ -146,10 +116,8 @@ def _checksum(kind: Checksum, *parts) -> int:
 class Encoding:
     """How entries are written: a codec (``raw``, ``zstd`` at ``level``, ``lz4``) and a checksum.
 
-    ``auto`` (``parse("auto")``) is lz4, kept per entry only when it makes the entry faster to
-    serve cold: with lz4 decoding at ~0.3 CPU-s/GB and a disk reading ~1 GB/s (measured here,
-    docs/benchmarks.md), ``stored/disk + raw x 0.3 s/GB < raw/disk`` needs a saving of 30%. Sparse
-    ReLU maps get it, transformer states (ratio ~1.0) stay raw.
+    ``auto`` is lz4, kept per entry only when it saves 30%: with lz4 decoding at ~0.3 CPU-s/GB and a
+    disk reading ~1 GB/s (docs/benchmarks.md), only then is the entry faster to serve cold.
     """
 
     codec: Codec = Codec.raw
@@ -254,11 +222,7 @@ def _offsets(specs: Sequence[TensorSpec]) -> tuple[tuple[int, ...], int]:
 def _pack_header(codec: Codec, specs: Sequence[TensorSpec], raw_len: int, payload: bytes | memoryview,
                  checksum: Checksum = DEFAULT_CHECKSUM) -> bytes:
     """The header of an entry; its checksum covers ``payload`` too unless ``codec`` is raw_verified."""
-    parts = [b""]
-    for spec in specs:
-        parts.append(_DIMS_HEAD.pack(int(spec.dtype), len(spec.shape)))
-        parts.append(struct.pack(f"<{len(spec.shape)}Q", *spec.shape))
-    dims = b"".join(parts)
+    dims = b"".join(_DIMS_HEAD.pack(s.dtype, len(s.shape)) + struct.pack(f"<{len(s.shape)}Q", *s.shape) for s in specs)
     header_len = _align(_FIXED.size + len(dims))
     tail = dims + bytes(header_len - _FIXED.size - len(dims))
     head = _FIXED.pack(MAGIC, VERSION, int(codec), int(checksum), len(specs), raw_len, len(payload), 0)
@@ -272,9 +236,7 @@ _local = threading.local()
 def _compressor(level: int):
     import zstandard
 
-    cache = getattr(_local, "compressors", None)
-    if cache is None:
-        cache = _local.compressors = {}
+    cache = _local.__dict__.setdefault("compressors", {})
     if level not in cache:
         cache[level] = zstandard.ZstdCompressor(level=level)
     return cache[level]
@@ -283,18 +245,14 @@ def _compressor(level: int):
 def _decompressor():
     import zstandard
 
-    dctx = getattr(_local, "decompressor", None)
-    if dctx is None:
-        dctx = _local.decompressor = zstandard.ZstdDecompressor()
-    return dctx
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstandard.ZstdDecompressor()
+    return _local.decompressor
 
 
-def _check_specs(specs: Sequence[TensorSpec]) -> None:
-    if not 1 <= len(specs) <= MAX_TENSORS:
-        raise InvalidRequest(f"an entry holds 1..{MAX_TENSORS} tensors, got {len(specs)}")
-    for i, spec in enumerate(specs):
-        if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
-            raise InvalidRequest(f"tensor {i}: shape {spec.shape} is invalid (ndim <= {MAX_NDIM}, dims >= 0)")
+def _check_count(n: int) -> None:
+    if not 1 <= n <= MAX_TENSORS:
+        raise InvalidRequest(f"an entry holds 1..{MAX_TENSORS} tensors, got {n}")
 
 
 def encode_entry(
@@ -303,11 +261,13 @@ def encode_entry(
 ) -> bytes:
     """Encode tensors (one C-contiguous buffer each) into one entry.
 
-    ``encoding`` says the codec and checksum; without it, ``zstd_level`` 0
-    stores raw bytes and any other level zstd. A compressed payload falls
-    back to raw when compression saves less than 5%.
+    ``encoding`` says the codec and checksum; without it, ``zstd_level`` 0 stores raw bytes and any
+    other level zstd. A compressed payload falls back to raw when it saves less than 5%.
     """
-    _check_specs(specs)
+    _check_count(len(specs))
+    for i, spec in enumerate(specs):
+        if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
+            raise InvalidRequest(f"tensor {i}: shape {spec.shape} is invalid (ndim <= {MAX_NDIM}, dims >= 0)")
     if len(buffers) != len(specs):
         raise InvalidRequest(f"{len(specs)} tensor specs but {len(buffers)} buffers")
     offsets, raw_len = _offsets(specs)
@@ -315,9 +275,8 @@ def encode_entry(
     for i, (spec, buf, start) in enumerate(zip(specs, buffers, offsets)):
         view = memoryview(buf).cast("B")
         if view.nbytes != spec.nbytes:
-            raise InvalidRequest(
-                f"tensor {i}: {spec.dtype.name}{list(spec.shape)} needs {spec.nbytes} bytes, got {view.nbytes}"
-            )
+            raise InvalidRequest(f"tensor {i}: {spec.dtype.name}{list(spec.shape)} needs {spec.nbytes} bytes, "
+                                 f"got {view.nbytes}")
         raw[start : start + spec.nbytes] = view
     if encoding is None:
         encoding = Encoding(Codec.zstd, zstd_level) if zstd_level else Encoding()
@@ -331,11 +290,6 @@ def _finish(specs: Sequence[TensorSpec], raw: bytes | bytearray | memoryview, en
         if len(packed) <= len(raw) * (1 - encoding.min_saving):
             codec, payload = encoding.codec, packed
     return _pack_header(codec, specs, len(raw), payload, encoding.checksum) + payload
-
-
-def parse_header(buf: bytes | memoryview) -> EntryHeader:
-    """Parse and sanity-check the header of ``buf``; raises InvalidRequest if malformed."""
-    return _known_header(memoryview(buf))
 
 
 def _fixed_fields(view: memoryview) -> tuple[int, int, int, int, int, int]:
@@ -358,8 +312,7 @@ def _parse_header(view: memoryview) -> EntryHeader:
         raise InvalidRequest(f"entry has unknown codec {codec}; known: {[c.name for c in Codec]}")
     if checksum not in Checksum._value2member_map_:
         raise InvalidRequest(f"entry has unknown checksum {checksum}; known: {[c.name for c in Checksum]}")
-    if not 1 <= n <= MAX_TENSORS:
-        raise InvalidRequest(f"an entry holds 1..{MAX_TENSORS} tensors, got {n}")
+    _check_count(n)
     specs, pos = [], _FIXED.size
     for i in range(n):
         if pos + _DIMS_HEAD.size > view.nbytes:
@@ -383,22 +336,20 @@ def _parse_header(view: memoryview) -> EntryHeader:
     if codec not in _COMPRESSED and stored_len != raw_len:
         raise InvalidRequest(f"raw entry stores {stored_len} bytes but declares {raw_len}")
     if header_len + stored_len != view.nbytes:
-        raise InvalidRequest(
-            f"entry is {view.nbytes} bytes but its header says {header_len} + {stored_len} payload bytes"
-        )
+        raise InvalidRequest(f"entry is {view.nbytes} bytes but its header says {header_len} + {stored_len} payload bytes")
     return EntryHeader(Codec(codec), tuple(specs), raw_len, stored_len, crc, header_len, Checksum(checksum))
 
 
-# Headers seen lately, to parse entries of a known layout with a dict lookup: (magic, version, codec,
-# checksum, n, raw_len) -> (header_len, the header's tensor part, a header of that layout). The entries
-# of one cache group share their layout; one not in here (or not matching) is parsed in full.
+# Headers seen lately (the entries of one cache group share one): (magic, version, codec, checksum, n,
+# raw_len) -> (header_len, the header's tensor part, a header of that layout); others are parsed in full.
 _KNOWN_HEADERS: dict[bytes, tuple[int, bytes, EntryHeader]] = {}
 _STORED_AND_CRC = struct.Struct("<QI")
 _MAX_KNOWN_HEADERS = 256
 
 
-def _known_header(view: memoryview) -> EntryHeader:
-    """``_parse_header`` of ``view``, with the same result and errors, mostly from ``_KNOWN_HEADERS``."""
+def parse_header(buf: bytes | memoryview) -> EntryHeader:
+    """Parse and sanity-check the header of ``buf``; raises InvalidRequest if malformed."""
+    view = memoryview(buf)
     layout = bytes(view[:16]) if view.nbytes >= _FIXED.size else b""
     known = _KNOWN_HEADERS.get(layout)
     if known is not None and view[_FIXED.size : known[0]] == known[1]:
@@ -423,8 +374,12 @@ def verify_entry(buf: bytes | memoryview) -> EntryHeader:
         covered.append(view[header.header_len :])
     crc = _checksum(header.checksum, *covered)
     if crc != header.crc:
-        raise InvalidRequest(f"entry checksum ({header.checksum.name}) mismatch: stored {header.crc:#010x}, computed {crc:#010x}")
+        raise _checksum_mismatch(header.checksum, header.crc, crc)
     return header
+
+
+def _checksum_mismatch(kind: Checksum, stored: int, computed: int) -> InvalidRequest:
+    return InvalidRequest(f"entry checksum ({kind.name}) mismatch: stored {stored:#010x}, computed {computed:#010x}")
 
 
 def decode_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[EntryHeader, memoryview]:

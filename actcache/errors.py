@@ -39,29 +39,10 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = [
-    "ActCacheError",
-    "BudgetExceeded",
-    "CacheMismatchError",
-    "ConfigError",
-    "ConfigTypeError",
-    "DaemonUnavailable",
-    "ERROR_METADATA_KEY",
-    "EntryCorrupt",
-    "FetchAborted",
-    "InvalidRequest",
-    "LifecycleError",
-    "NamespaceNotFound",
-    "PermissionDenied",
-    "PolicyError",
-    "ReferenceModelFailed",
-    "ScheduleNotFound",
-    "StoreError",
-    "Unauthenticated",
-    "VersionMismatch",
-    "error_from_status",
-    "status_of",
-]
+__all__ = ["ActCacheError", "BudgetExceeded", "CacheMismatchError", "ConfigError", "ConfigTypeError",
+           "DaemonUnavailable", "ERROR_METADATA_KEY", "EntryCorrupt", "FetchAborted", "InvalidRequest",
+           "LifecycleError", "NamespaceNotFound", "PermissionDenied", "PolicyError", "ReferenceModelFailed",
+           "ScheduleNotFound", "StoreError", "Unauthenticated", "VersionMismatch", "error_from_status", "status_of"]
 
 ERROR_METADATA_KEY = "actcache-error"
 
@@ -71,81 +52,62 @@ class ActCacheError(Exception):
 
     status = grpc.StatusCode.UNKNOWN
 
+    def __init_subclass__(cls, status: grpc.StatusCode | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if status is not None:
+            cls.status = status
 
-class ConfigError(ActCacheError, ValueError):
+
+class ConfigError(ActCacheError, ValueError, status=grpc.StatusCode.INVALID_ARGUMENT):
     """A configuration value (flag, environment variable, argument) is invalid."""
 
-    status = grpc.StatusCode.INVALID_ARGUMENT
 
-
-class DaemonUnavailable(ActCacheError):
+class DaemonUnavailable(ActCacheError, status=grpc.StatusCode.UNAVAILABLE):
     """The daemon is not running, not reachable, or did not answer in time."""
 
-    status = grpc.StatusCode.UNAVAILABLE
 
-
-class VersionMismatch(ActCacheError):
+class VersionMismatch(ActCacheError, status=grpc.StatusCode.FAILED_PRECONDITION):
     """At ``Open``: the client and the node daemon speak different wire protocols (a daemon that
     outlived a client upgrade, or the reverse). The message names both versions and says to restart
     the node daemon."""
 
-    status = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class Unauthenticated(ActCacheError):
+class Unauthenticated(ActCacheError, status=grpc.StatusCode.UNAUTHENTICATED):
     """The request carried no token or a wrong one (TCP listeners only)."""
 
-    status = grpc.StatusCode.UNAUTHENTICATED
 
-
-class PermissionDenied(ActCacheError):
+class PermissionDenied(ActCacheError, status=grpc.StatusCode.PERMISSION_DENIED):
     """The namespace is protected: Open without its secret, a wrong secret, or a request
     naming it by its small id instead of the handle Open returned."""
 
-    status = grpc.StatusCode.PERMISSION_DENIED
 
-
-class NamespaceNotFound(ActCacheError):
+class NamespaceNotFound(ActCacheError, status=grpc.StatusCode.NOT_FOUND):
     """The namespace name or handle is not known to the daemon."""
 
-    status = grpc.StatusCode.NOT_FOUND
 
-
-class ScheduleNotFound(ActCacheError):
+class ScheduleNotFound(ActCacheError, status=grpc.StatusCode.NOT_FOUND):
     """Fetch named a schedule that was never pushed or was served to its end (a push that fails or is
     cancelled changes nothing: the schedule it would have replaced stays as it was)."""
 
-    status = grpc.StatusCode.NOT_FOUND
 
-
-class FetchAborted(ActCacheError):
+class FetchAborted(ActCacheError, status=grpc.StatusCode.ABORTED):
     """A Fetch stream ended early: its schedule was pushed again, or a newer Fetch of it took over."""
 
-    status = grpc.StatusCode.ABORTED
 
-
-class InvalidRequest(ActCacheError):
+class InvalidRequest(ActCacheError, status=grpc.StatusCode.INVALID_ARGUMENT):
     """A request or an entry is malformed: wrong dtype, shape, length or key field."""
 
-    status = grpc.StatusCode.INVALID_ARGUMENT
 
-
-class EntryCorrupt(ActCacheError):
+class EntryCorrupt(ActCacheError, status=grpc.StatusCode.DATA_LOSS):
     """A stored entry failed its checksum on read; the daemon deleted it."""
 
-    status = grpc.StatusCode.DATA_LOSS
 
-
-class BudgetExceeded(ActCacheError):
+class BudgetExceeded(ActCacheError, status=grpc.StatusCode.RESOURCE_EXHAUSTED):
     """A namespace or daemon byte budget, or the disk, is full. Reads still work."""
 
-    status = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-
-class StoreError(ActCacheError):
+class StoreError(ActCacheError, status=grpc.StatusCode.INTERNAL):
     """The storage engine failed in a way the daemon did not expect."""
-
-    status = grpc.StatusCode.INTERNAL
 
 
 class ReferenceModelFailed(ActCacheError):
@@ -171,21 +133,6 @@ class LifecycleError(ActCacheError, RuntimeError):
     a worker started twice. The message names the call that should have come first."""
 
 
-_BY_STATUS: dict[grpc.StatusCode, type[ActCacheError]] = {
-    grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DaemonUnavailable,
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.NOT_FOUND: NamespaceNotFound,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.DATA_LOSS: EntryCorrupt,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: BudgetExceeded,
-    grpc.StatusCode.INTERNAL: StoreError,
-    grpc.StatusCode.FAILED_PRECONDITION: VersionMismatch,
-    grpc.StatusCode.ABORTED: FetchAborted,
-}
-
-
 def status_of(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status code the daemon answers with for ``exc``."""
     if isinstance(exc, ActCacheError):
@@ -193,13 +140,15 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-_BY_NAME: dict[str, type[ActCacheError]] = {
-    cls.__name__: cls
-    for cls in (
-        ActCacheError, ConfigError, DaemonUnavailable, VersionMismatch, Unauthenticated, NamespaceNotFound,
-        ScheduleNotFound, FetchAborted, InvalidRequest, EntryCorrupt, BudgetExceeded, StoreError,
-    )
+# What the daemon raises; a status alone maps to the first class listed with it.
+_DAEMON_ERRORS = (
+    DaemonUnavailable, VersionMismatch, Unauthenticated, PermissionDenied, NamespaceNotFound, ScheduleNotFound,
+    FetchAborted, InvalidRequest, EntryCorrupt, BudgetExceeded, StoreError,
+)
+_BY_STATUS = {cls.status: cls for cls in reversed(_DAEMON_ERRORS)} | {
+    grpc.StatusCode.DEADLINE_EXCEEDED: DaemonUnavailable
 }
+_BY_NAME = {cls.__name__: cls for cls in (ActCacheError, ConfigError, *_DAEMON_ERRORS)}
 
 
 def error_from_status(code: grpc.StatusCode, details: str, name: str | None = None) -> ActCacheError:

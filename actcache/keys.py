@@ -1,10 +1,8 @@
 """Fixed-width, big-endian LMDB keys: (namespace, fingerprint, depth, sample id, variant).
 
-Big-endian fields keep keys of one (namespace, fingerprint, depth) group
-contiguous and ordered by sample id, so a group is one range scan or drop.
-Layout (bytes): namespace id 0-4, fingerprint 4-20, depth 20-22, sample id
-22-30, variant 30-32. Its heads are prefixes: a namespace (4 bytes), a
-generation (namespace, fingerprint: 20) and a group (with the depth: 22).
+Big-endian fields keep a (namespace, fingerprint, depth) group contiguous and ordered by sample id,
+so a group is one range scan or drop. Layout (bytes): namespace id 0-4, fingerprint 4-20, depth 20-22,
+sample id 22-30, variant 30-32; its prefixes are a namespace (4), a generation (20) and a group (22).
 This module is the one place that knows these offsets.
 """
 
@@ -17,28 +15,10 @@ import numpy as np
 
 from actcache.errors import InvalidRequest
 
-__all__ = [
-    "FINGERPRINT_BYTES",
-    "GENERATION_PREFIX_BYTES",
-    "GROUP_PREFIX_BYTES",
-    "KEY_BYTES",
-    "MAX_DEPTH",
-    "MAX_NAMESPACE_ID",
-    "MAX_SAMPLE_ID",
-    "MAX_VARIANT",
-    "check_fingerprint",
-    "encode_key",
-    "encode_keys",
-    "fingerprint_of",
-    "generation_of",
-    "group_of",
-    "group_prefix",
-    "namespace_id_of",
-    "namespace_of",
-    "sample_id_of",
-    "sample_ids_of",
-    "split_group",
-]
+__all__ = ["FINGERPRINT_BYTES", "GENERATION_PREFIX_BYTES", "GROUP_PREFIX_BYTES", "KEY_BYTES", "MAX_DEPTH",
+           "MAX_NAMESPACE_ID", "MAX_SAMPLE_ID", "MAX_VARIANT", "check_fingerprint", "encode_key", "encode_keys",
+           "fingerprint_of", "generation_of", "group_of", "group_prefix", "namespace_id_of", "namespace_of",
+           "sample_id_of", "sample_ids_of", "split_group"]
 
 FINGERPRINT_BYTES = 16
 _KEY = struct.Struct(">I16sHQH")
@@ -53,28 +33,27 @@ _SAMPLE_AT = _GROUP.size
 _NAMESPACE_PREFIX_BYTES = _NAMESPACE.size  # 4
 GENERATION_PREFIX_BYTES = _NAMESPACE.size + FINGERPRINT_BYTES  # 20
 GROUP_PREFIX_BYTES = _GROUP.size  # 22
+_LIMITS = {"namespace_id": MAX_NAMESPACE_ID, "depth": MAX_DEPTH, "sample_id": MAX_SAMPLE_ID, "variant": MAX_VARIANT}
 
 
 def check_fingerprint(fingerprint: bytes) -> bytes:
     """Return ``fingerprint`` as bytes, or raise InvalidRequest if it is not 16 bytes."""
     if len(fingerprint) != FINGERPRINT_BYTES:
-        raise InvalidRequest(
-            f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)} bytes"
-        )
+        raise InvalidRequest(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)} bytes")
     return bytes(fingerprint)
 
 
-def _check_range(name: str, value: int, limit: int) -> None:
-    if not 0 <= value <= limit:
-        raise InvalidRequest(f"{name} {value} is out of range 0..{limit}")
+def _check_range(**fields: int) -> None:
+    """Raise InvalidRequest naming the first of ``fields`` outside its range."""
+    for name, value in fields.items():
+        limit = _LIMITS[name]
+        if not 0 <= value <= limit:
+            raise InvalidRequest(f"{name} {value} is out of range 0..{limit}")
 
 
 def encode_key(namespace_id: int, fingerprint: bytes, depth: int, sample_id: int, variant: int = 0) -> bytes:
     """Pack a key; raises InvalidRequest naming the field that is out of range."""
-    _check_range("namespace_id", namespace_id, MAX_NAMESPACE_ID)
-    _check_range("depth", depth, MAX_DEPTH)
-    _check_range("sample_id", sample_id, MAX_SAMPLE_ID)
-    _check_range("variant", variant, MAX_VARIANT)
+    _check_range(namespace_id=namespace_id, depth=depth, sample_id=sample_id, variant=variant)
     return _KEY.pack(namespace_id, check_fingerprint(fingerprint), depth, sample_id, variant)
 
 
@@ -84,23 +63,16 @@ _KEY_DTYPE = np.dtype([("ns", ">u4"), ("fp", "S16"), ("depth", ">u2"), ("sid", "
 def encode_keys(
     namespace_id: int, fingerprint: bytes, depth: int, sample_ids: np.ndarray, variants: np.ndarray | None = None
 ) -> list[bytes]:
-    """Pack the keys of many sample ids of one group at once (vectorized ``encode_key``).
-
-    ``sample_ids`` is a uint64 array; ``variants`` a uint16 array of the same
-    length, or None for all 0.
-    """
-    _check_range("namespace_id", namespace_id, MAX_NAMESPACE_ID)
-    _check_range("depth", depth, MAX_DEPTH)
+    """Pack the keys of many sample ids (uint64) of one group at once (vectorized ``encode_key``);
+    ``variants`` is a uint16 array of the same length, or None for all 0."""
+    _check_range(namespace_id=namespace_id, depth=depth)
     fingerprint = check_fingerprint(fingerprint)
     count = len(sample_ids)
     if variants is not None and len(variants) != count:
         raise InvalidRequest(f"{len(variants)} variants for {count} sample ids; send one per id or none")
     packed = np.empty(count, _KEY_DTYPE)
-    packed["ns"] = namespace_id
-    packed["fp"] = fingerprint
-    packed["depth"] = depth
-    packed["sid"] = sample_ids
-    packed["var"] = 0 if variants is None else variants
+    packed["ns"], packed["fp"], packed["depth"] = namespace_id, fingerprint, depth
+    packed["sid"], packed["var"] = sample_ids, 0 if variants is None else variants
     raw = packed.tobytes()
     return [raw[i : i + KEY_BYTES] for i in range(0, count * KEY_BYTES, KEY_BYTES)]
 
@@ -114,7 +86,7 @@ def sample_ids_of(keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
 
 def group_prefix(namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> bytes:
     """Key prefix of a namespace, a (namespace, fingerprint) or a (namespace, fingerprint, depth) group."""
-    _check_range("namespace_id", namespace_id, MAX_NAMESPACE_ID)
+    _check_range(namespace_id=namespace_id)
     prefix = struct.pack(">I", namespace_id)
     if fingerprint is None:
         if depth is not None:
@@ -122,7 +94,7 @@ def group_prefix(namespace_id: int, fingerprint: bytes | None = None, depth: int
         return prefix
     prefix += check_fingerprint(fingerprint)
     if depth is not None:
-        _check_range("depth", depth, MAX_DEPTH)
+        _check_range(depth=depth)
         prefix += struct.pack(">H", depth)
     return prefix
 

@@ -1,12 +1,8 @@
 """Keep large buffers in the heap: fewer page faults per message (glibc only).
 
-Why it stays: warm Fetch over gRPC served faster with it in every paired run
-(docs/design/serving.md).
-
-glibc serves allocations above ``M_MMAP_THRESHOLD`` with a fresh ``mmap``,
-so every multi-MiB message pays the page faults of fresh memory again;
-raising the thresholds keeps those buffers in the heap. The daemon calls
-``tune_malloc()`` at start (``MALLOC_MMAP_THRESHOLD_`` does it from outside).
+glibc serves allocations above ``M_MMAP_THRESHOLD`` with a fresh ``mmap``, so every multi-MiB message
+pays the page faults of fresh memory again (warm Fetch is faster without: docs/design/serving.md).
+The daemon calls ``tune_malloc()`` at start (``MALLOC_MMAP_THRESHOLD_`` does it from outside).
 """
 
 from __future__ import annotations

@@ -8,21 +8,12 @@ copied) on receipt. The result is byte-compatible with the generated stubs.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import itertools
 from typing import Iterable, Sequence
 
 from actcache.errors import InvalidRequest, VersionMismatch
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "SERVICE",
-    "decode_frame",
-    "encode_frame",
-    "method",
-    "split_payload",
-    "version_mismatch",
-]
+__all__ = ["PROTOCOL_VERSION", "SERVICE", "decode_frame", "encode_frame", "method", "split_payload", "version_mismatch"]
 
 SERVICE = "actcache.v1.ActCache"
 
@@ -52,14 +43,11 @@ def method(name: str) -> str:
 
 def _varint(n: int) -> bytes:
     out = bytearray()
-    while True:
-        byte = n & 0x7F
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
         n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+    out.append(n)
+    return bytes(out)
 
 
 def encode_frame(header: bytes, payload_parts: Iterable[bytes | memoryview]) -> bytes:
@@ -107,8 +95,4 @@ def split_payload(payload: memoryview, lengths: Sequence[int]) -> list[memoryvie
     total = sum(lengths)
     if total != len(payload):
         raise InvalidRequest(f"frame header lists {total} payload bytes but the payload has {len(payload)}")
-    out, pos = [], 0
-    for n in lengths:
-        out.append(payload[pos : pos + n])
-        pos += n
-    return out
+    return [payload[end - n : end] for n, end in zip(lengths, itertools.accumulate(lengths))]

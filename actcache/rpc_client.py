@@ -1,20 +1,19 @@
 """A torch-free client of the daemon: one method per RPC, typed errors, deadlines, retries.
 
-The channel is created lazily in each process (gRPC channels do not survive
-``fork``, and DataLoader workers fork), so one RpcClient may be handed to
-worker processes.
+The channel is opened lazily in each process (gRPC channels do not survive ``fork``, and
+DataLoader workers fork), so one RpcClient may be handed to worker processes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -30,19 +29,17 @@ from actcache.shm import ClientSegment, SegmentPool, ShmRing, SlotRun
 
 __all__ = ["EntryBatch", "JobInfo", "RpcClient", "target_for"]
 
-T = TypeVar("T")
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 _FRAME_BYTES = 8 << 20
 _SCHEDULE_CHUNK_IDS = 1 << 16
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class EntryBatch:
     """The entries of one Fetch frame: positions ``start .. start + len - 1`` of the schedule.
 
-    ``values[i]`` is an uncompressed entry (``actcache.codec.decode_entry`` gives a
-    zero-copy view of its tensors), or None for a miss. Views stay valid as
-    long as the batch is referenced.
+    ``values[i]`` is an uncompressed entry (``actcache.codec.decode_entry`` views its tensors without
+    copies), or None for a miss. Views stay valid as long as the batch is referenced.
     """
 
     start: int
@@ -92,10 +89,10 @@ class EntryBatch:
         return zip(range(self.start, self.start + len(self.values)), self.sample_ids, variants, self.values)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class JobInfo:
-    """A job as it describes itself to the daemon when it opens a namespace (``actcache ls``/``stats`` list
-    the jobs of each namespace). ``JobInfo.current(data_id=...)`` describes this process."""
+    """A job as it describes itself to the daemon when it opens a namespace (``actcache ls`` lists them);
+    ``JobInfo.current(data_id=...)`` describes this process."""
 
     pid: int
     host: str
@@ -107,9 +104,6 @@ class JobInfo:
     @classmethod
     def current(cls, data_id: str = "") -> "JobInfo":
         return cls(os.getpid(), socket.gethostname(), _process_start_time(), data_id)
-
-    def to_message(self) -> pb.JobInfo:
-        return pb.JobInfo(pid=self.pid, host=self.host, start_time=self.start_time, data_id=self.data_id)
 
 
 @functools.cache
@@ -135,25 +129,15 @@ def _error_of(exc: grpc.RpcError) -> ActCacheError:
 
 def target_for(socket: str | os.PathLike | None = None, address: str | None = None) -> str:
     """gRPC target for a Unix socket path or a ``HOST:PORT`` address."""
-    if address:
-        return address
-    if socket is None:
-        socket = default_socket_path()
-    return f"unix:{os.fspath(socket)}"
+    return address or f"unix:{os.fspath(default_socket_path() if socket is None else socket)}"
 
 
 class RpcClient:
     """Calls the ActCache service. Every call has a deadline; UNAVAILABLE is retried with backoff."""
 
     def __init__(
-        self,
-        target: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 30.0,
-        retries: int = 3,
-        max_message_bytes: int = 128 << 20,
-        root_certificates: bytes | None = None,
+        self, target: str, *, token: str | None = None, timeout_s: float = 30.0, retries: int = 3,
+        max_message_bytes: int = 128 << 20, root_certificates: bytes | None = None,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
@@ -168,56 +152,52 @@ class RpcClient:
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, Callable] = {}
 
-    # ---- channel ---------------------------------------------------------
+    def _channel_and_calls(self) -> tuple[grpc.Channel, dict[str, Callable]]:
+        """This process's channel and its methods, opened on first use in each process."""
+        with self._lock:
+            if self._pid == os.getpid():
+                return self._channel, self._calls
+            options = [
+                ("grpc.max_send_message_length", self._max_message_bytes),
+                ("grpc.max_receive_message_length", self._max_message_bytes),
+                ("grpc.enable_retries", 0),
+                # Reconnect soon after the daemon comes back: gRPC's default backoff grows to 120 s,
+                # and the Connection already backs off on its own.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ]
+            if self._root_certificates is not None:
+                creds = grpc.ssl_channel_credentials(self._root_certificates)
+                channel = grpc.secure_channel(self.target, creds, options)
+            else:
+                channel = grpc.insecure_channel(self.target, options)
+            # (kind, request type, reply type); None: bulk frames, passed as bytes and parsed by hand
+            kinds = {
+                "Open": ("unary_unary", pb.OpenRequest, pb.OpenReply),
+                "Contains": ("unary_unary", pb.ContainsRequest, pb.ContainsReply),
+                "Drop": ("unary_unary", pb.DropRequest, pb.DropReply),
+                "Stats": ("unary_unary", pb.StatsRequest, pb.StatsReply),
+                "Put": ("stream_unary", None, pb.PutReply),
+                "Get": ("unary_stream", pb.GetRequest, None),
+                "Schedule": ("stream_unary", pb.ScheduleChunk, pb.ScheduleReply),
+                "Fetch": ("unary_stream", pb.FetchRequest, None),
+            }
+            self._calls = {
+                name: getattr(channel, kind)(method(name), request_serializer=req and req.SerializeToString,
+                                             response_deserializer=rep and rep.FromString)
+                for name, (kind, req, rep) in kinds.items()
+            }
+            self._channel, self._pid = channel, os.getpid()
+            return channel, self._calls
 
     def _call(self, name: str) -> Callable:
-        with self._lock:
-            if self._pid != os.getpid():
-                self._open_channel()
-            return self._calls[name]
-
-    def _open_channel(self) -> None:
-        options = [
-            ("grpc.max_send_message_length", self._max_message_bytes),
-            ("grpc.max_receive_message_length", self._max_message_bytes),
-            ("grpc.enable_retries", 0),
-            # Reconnect soon after the daemon comes back: gRPC's default backoff grows to 120 s,
-            # and the Connection already backs off on its own.
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
-        if self._root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(self._root_certificates)
-            channel = grpc.secure_channel(self.target, creds, options)
-        else:
-            channel = grpc.insecure_channel(self.target, options)
-        # (kind, request type, reply type); None: bulk frames, passed as bytes and parsed by hand
-        kinds = {
-            "Open": ("unary_unary", pb.OpenRequest, pb.OpenReply),
-            "Contains": ("unary_unary", pb.ContainsRequest, pb.ContainsReply),
-            "Drop": ("unary_unary", pb.DropRequest, pb.DropReply),
-            "Stats": ("unary_unary", pb.StatsRequest, pb.StatsReply),
-            "Put": ("stream_unary", None, pb.PutReply),
-            "Get": ("unary_stream", pb.GetRequest, None),
-            "Schedule": ("stream_unary", pb.ScheduleChunk, pb.ScheduleReply),
-            "Fetch": ("unary_stream", pb.FetchRequest, None),
-        }
-        self._calls = {
-            name: getattr(channel, kind)(method(name), request_serializer=req and req.SerializeToString,
-                                         response_deserializer=rep and rep.FromString)
-            for name, (kind, req, rep) in kinds.items()
-        }
-        self._channel = channel
-        self._pid = os.getpid()
+        return self._channel_and_calls()[1][name]
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Wait until the channel is connected, reconnecting with its backoff (0.1 s growing to 1 s);
         False if it is not within ``timeout_s``."""
-        with self._lock:
-            if self._pid != os.getpid():
-                self._open_channel()
-            ready = grpc.channel_ready_future(self._channel)
+        ready = grpc.channel_ready_future(self._channel_and_calls()[0])
         try:
             ready.result(timeout=timeout_s)
             return True
@@ -241,12 +221,9 @@ class RpcClient:
     def _metadata(self) -> list[tuple[str, str]] | None:
         return [("authorization", f"Bearer {self._token}")] if self._token else None
 
-    def _unary(self, name: str, request):
-        """Call the unary method ``name`` with ``_invoke``'s deadline and retries."""
-        return self._invoke(lambda t: self._call(name)(request, timeout=t, metadata=self._metadata()))
-
-    def _invoke(self, fn: Callable[[float], T]) -> T:
-        """Run ``fn(timeout)`` with the deadline, retrying UNAVAILABLE with jittered backoff."""
+    def _rpc(self, name: str, request, then: Callable | None = None):
+        """``then`` of the reply of method ``name`` to ``request`` (a message, or a function making the request
+        stream anew per try), within the deadline, retrying UNAVAILABLE with jittered backoff."""
         deadline = time.monotonic() + self.timeout_s
         delay = 0.05
         for attempt in range(self.retries + 1):
@@ -254,50 +231,39 @@ class RpcClient:
             if remaining <= 0:
                 break
             try:
-                return fn(remaining)
+                reply = self._call(name)(request() if callable(request) else request, timeout=remaining,
+                                         metadata=self._metadata())
+                return then(reply) if then else reply
             except grpc.RpcError as exc:
-                code = exc.code()
-                if code not in _RETRYABLE or attempt == self.retries:
+                if exc.code() not in _RETRYABLE or attempt == self.retries:
                     raise _error_of(exc) from None
             time.sleep(min(delay * (1 + random.random()), max(0.0, deadline - time.monotonic())))
             delay *= 2
         raise DaemonUnavailable(f"daemon at {self.target} did not answer within {self.timeout_s:.1f} s; is `actcache serve` running?")
-
-    # ---- RPCs ------------------------------------------------------------
 
     def open(
         self, name: str, *, create: bool = True, secret: bytes | str | None = None, job: JobInfo | None = None
     ) -> pb.OpenReply:
         """Open (or create) a namespace; returns its handle and limits.
 
-        With a ``secret`` the namespace is protected: only Opens presenting it
-        get the handle (a random 64-bit value valid until the daemon restarts;
-        on NamespaceNotFound for it, open again). ``job`` (e.g.
-        ``JobInfo.current(data_id)``) tells the daemon who opens it; it lists
-        the last jobs of each namespace in Stats.
-
-        Client and daemon exchange versions here: raises VersionMismatch when
-        the daemon speaks another wire protocol (or predates the exchange).
+        With a ``secret`` the namespace is protected: only Opens presenting it get the handle (a random
+        64-bit value valid until the daemon restarts; on NamespaceNotFound for it, open again). ``job``
+        (e.g. ``JobInfo.current(data_id)``) tells the daemon who opens it (Stats lists the last jobs).
+        Raises VersionMismatch when the daemon speaks another wire protocol (or predates the exchange).
         """
         if isinstance(secret, str):
             secret = secret.encode()
         request = pb.OpenRequest(name=name, create=create, secret=secret or b"",
-                                 job=job.to_message() if job is not None else None,
+                                 job=pb.JobInfo(**dataclasses.asdict(job)) if job is not None else None,
                                  client_version=__version__, protocol_version=rpc.PROTOCOL_VERSION)
-        reply = self._unary("Open", request)
+        reply = self._rpc("Open", request)
         if reply.protocol_version != rpc.PROTOCOL_VERSION:
             raise rpc.version_mismatch(__version__, rpc.PROTOCOL_VERSION, reply.server_version, reply.protocol_version)
         return reply
 
     def put(
-        self,
-        namespace_id: int,
-        fingerprint: bytes,
-        depth: int,
-        items: Sequence[tuple[int, int, bytes | memoryview]],
-        *,
-        encoding: str = "",
-        frame_bytes: int = _FRAME_BYTES,
+        self, namespace_id: int, fingerprint: bytes, depth: int, items: Sequence[tuple[int, int, bytes | memoryview]],
+        *, encoding: str = "", frame_bytes: int = _FRAME_BYTES,
     ) -> pb.PutReply:
         """Store ``(sample_id, variant, encoded entry)`` items; returns once they are committed.
         ``encoding`` ("" = the daemon's own): how the daemon stores the raw ones (PutHeader.encoding)."""
@@ -310,65 +276,37 @@ class RpcClient:
                 if size >= frame_bytes or i == len(items) - 1:
                     chunk = items[start : i + 1]
                     header = pb.PutHeader(
-                        namespace_id=namespace_id,
-                        fingerprint=fingerprint,
-                        depth=depth,
-                        sample_ids=[s for s, _, _ in chunk],
+                        namespace_id=namespace_id, fingerprint=fingerprint, depth=depth, encoding=encoding,
+                        sample_ids=[s for s, _, _ in chunk], lengths=[len(v) for _, _, v in chunk],
                         variants=[v for _, v, _ in chunk] if any(v for _, v, _ in chunk) else [],
-                        lengths=[len(v) for _, _, v in chunk],
-                        encoding=encoding,
                     )
                     yield encode_frame(header.SerializeToString(), [v for _, _, v in chunk])
                     start, size = i + 1, 0
 
-        return self._invoke(lambda t: self._call("Put")(frames(), timeout=t, metadata=self._metadata()))
+        return self._rpc("Put", frames)
 
     def get(
-        self,
-        namespace_id: int,
-        fingerprint: bytes,
-        depth: int,
-        sample_ids: Sequence[int],
+        self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: Sequence[int],
         variants: Sequence[int] | None = None,
     ) -> list[memoryview | None]:
         """Look up entries in order; a miss is None."""
-        request = pb.GetRequest(
-            namespace_id=namespace_id,
-            fingerprint=check_fingerprint(fingerprint),
-            depth=depth,
-            sample_ids=list(sample_ids),
-            variants=list(variants or []),
-        )
-
-        def call(timeout: float) -> list[memoryview | None]:
-            frames = self._call("Get")(request, timeout=timeout, metadata=self._metadata())
-            return [value for frame in frames for value in EntryBatch.from_frame(frame).values]
-
-        result = self._invoke(call)
+        request = pb.GetRequest(namespace_id=namespace_id, fingerprint=check_fingerprint(fingerprint), depth=depth,
+                                sample_ids=list(sample_ids), variants=list(variants or []))
+        result = self._rpc("Get", request, lambda frames: [v for f in frames for v in EntryBatch.from_frame(f).values])
         if len(result) != len(sample_ids):
             raise ActCacheError(f"daemon answered {len(result)} entries for {len(sample_ids)} requested")
         return result
 
     def schedule(
-        self,
-        namespace_id: int,
-        fingerprint: bytes,
-        depth: int,
-        schedule_id: str,
-        sample_ids: Sequence[int] | np.ndarray,
-        variants: Sequence[int] | np.ndarray | None = None,
-        *,
-        chunk_ids: int = _SCHEDULE_CHUNK_IDS,
-        report_present: bool = False,
+        self, namespace_id: int, fingerprint: bytes, depth: int, schedule_id: str,
+        sample_ids: Sequence[int] | np.ndarray, variants: Sequence[int] | np.ndarray | None = None,
+        *, chunk_ids: int = _SCHEDULE_CHUNK_IDS, report_present: bool = False,
     ) -> pb.ScheduleReply:
         """Push an order of sample ids (e.g. an epoch's sampler order) as schedule ``schedule_id``.
 
-        The daemon starts reading it ahead at once; ``fetch`` streams it.
-        Pushing an existing ``schedule_id`` again replaces it. With
-        ``report_present`` the reply's ``present`` says which entries are
-        stored (one byte each; values are not read). Ids travel as
-        packed uint64 arrays in chunks of ``chunk_ids``, so 10 M ids cost
-        about 80 MB on the wire and no per-id Python work.
+        The daemon starts reading it ahead at once; ``fetch`` streams it. Pushing an existing
+        ``schedule_id`` again replaces it. With ``report_present`` the reply's ``present`` says which
+        entries are stored (one byte each). Ids travel packed, ``chunk_ids`` per message.
         """
         fingerprint = check_fingerprint(fingerprint)
         ids, vars_ = _ids_and_variants(sample_ids, variants)
@@ -377,19 +315,16 @@ class RpcClient:
 
         def chunks() -> Iterator[pb.ScheduleChunk]:
             for start in range(0, max(1, len(ids)), chunk_ids):
-                chunk = pb.ScheduleChunk(packed_sample_ids=ids[start : start + chunk_ids].astype("<u8", copy=False).tobytes())
+                chunk = pb.ScheduleChunk(packed_sample_ids=ids[start : start + chunk_ids].tobytes())
                 if vars_ is not None:
-                    chunk.packed_variants = vars_[start : start + chunk_ids].astype("<u2", copy=False).tobytes()
+                    chunk.packed_variants = vars_[start : start + chunk_ids].tobytes()
                 if start == 0:
                     chunk.namespace_id, chunk.fingerprint = namespace_id, fingerprint
                     chunk.depth, chunk.schedule_id = depth, schedule_id
                     chunk.report_present = report_present
                 yield chunk
 
-        def push(timeout: float) -> pb.ScheduleReply:
-            return self._call("Schedule")(chunks(), timeout=timeout, metadata=self._metadata())
-
-        return self._invoke(push)
+        return self._rpc("Schedule", chunks)
 
     def fetch_batches(
         self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0,
@@ -397,23 +332,15 @@ class RpcClient:
     ) -> Iterator[EntryBatch]:
         """Stream a pushed schedule from position ``start``, one EntryBatch per frame, in schedule order.
 
-        The stream has no overall deadline (an epoch takes as long as it
-        takes); if the daemon becomes unreachable mid-stream the fetch resumes
-        from the next position, up to ``retries`` times. Closing the iterator
-        (or breaking out of the loop) cancels the call and frees the daemon's
-        read-ahead memory for it at once.
+        No overall deadline (an epoch takes as long as it takes); if the daemon becomes unreachable
+        mid-stream the fetch resumes from the next position, up to ``retries`` times. Closing the
+        iterator cancels the call and frees the daemon's read-ahead memory for it at once.
 
-        ``shared_memory=True`` asks for the same-host data plane (Unix socket
-        only; see actcache.shm): values are views into a ring of
-        ``ring_bytes`` (0 = 8 MiB; an entry larger than the ring comes in the frame) that the daemon reuses, so a batch's
-        views are valid only until the next batch is asked for or the stream
-        ends (copy what you keep): an ended stream's ring serves this client's
-        next Fetch (``segments``). ``batch.data_plane`` says which path the
-        daemon took.
-
-        ``whole_frames=True``: the daemon never cuts a frame short while this
-        loop holds earlier ones (``FetchRequest.whole_frames``): safe because
-        the loop releases a batch's slots when it asks for the next.
+        ``shared_memory=True`` asks for the same-host data plane (Unix socket only; see actcache.shm):
+        values are views into a ring of ``ring_bytes`` (0 = 8 MiB; a larger entry comes in the frame)
+        that the daemon reuses, valid only until the next batch is asked for or the stream ends (copy
+        what you keep); ``batch.data_plane`` says which path the daemon took. ``whole_frames=True``:
+        the daemon never cuts a frame short while this loop holds earlier ones.
         """
         position, attempt = start, 0
         use_shm = shared_memory and self.target.startswith("unix:")
@@ -440,10 +367,8 @@ class RpcClient:
                             except OSError:  # e.g. another mount namespace: ask again for bytes
                                 use_shm = False
                                 break
-                    if segment is not None:
-                        batch = EntryBatch.from_slots(header, segment, payload)
-                    else:
-                        batch = EntryBatch.from_bytes(header, payload)
+                    batch = (EntryBatch.from_slots(header, segment, payload) if segment is not None
+                             else EntryBatch.from_bytes(header, payload))
                     if batch.start != position:
                         raise ActCacheError(f"Fetch frame starts at position {batch.start}, expected {position}")
                     position += len(batch)
@@ -483,27 +408,27 @@ class RpcClient:
         fingerprint = check_fingerprint(fingerprint)
         ids, vars_ = _ids_and_variants(sample_ids, variants)
         request = pb.ContainsRequest(namespace_id=namespace_id, fingerprint=fingerprint, depth=depth,
-                                     packed_sample_ids=ids.astype("<u8", copy=False).tobytes())
+                                     packed_sample_ids=ids.tobytes())
         if vars_ is not None:
-            request.packed_variants = vars_.astype("<u2", copy=False).tobytes()
-        reply = self._unary("Contains", request)
+            request.packed_variants = vars_.tobytes()
+        reply = self._rpc("Contains", request)
         return np.frombuffer(reply.present, np.uint8).astype(bool)
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> pb.DropReply:
         """Delete a namespace's entries, optionally only one fingerprint (and depth)."""
         request = pb.DropRequest(namespace_id=namespace_id, fingerprint=fingerprint or b"", depth=depth)
-        return self._unary("Drop", request)
+        return self._rpc("Drop", request)
 
     def stats(self) -> pb.StatsReply:
-        return self._unary("Stats", pb.StatsRequest())
+        return self._rpc("Stats", pb.StatsRequest())
 
 
 def _ids_and_variants(sample_ids, variants) -> tuple[np.ndarray, np.ndarray | None]:
-    """Sample ids as uint64 and variants as uint16 (None: all 0), checked to be one per id."""
-    ids = _as_array(sample_ids, np.uint64, "sample id", 2**64 - 1)
+    """Sample ids as little-endian uint64 and variants as uint16 (None: all 0), checked to be one per id."""
+    ids = _as_array(sample_ids, "<u8", "sample id", 2**64 - 1)
     if variants is None:
         return ids, None
-    vars_ = _as_array(variants, np.uint16, "variant", MAX_VARIANT)
+    vars_ = _as_array(variants, "<u2", "variant", MAX_VARIANT)
     if len(vars_) != len(ids):
         raise InvalidRequest(f"{len(vars_)} variants for {len(ids)} sample ids; pass one per id or none")
     return ids, vars_
@@ -515,9 +440,9 @@ def _as_array(values, dtype, what: str, limit: int) -> np.ndarray:
         raise InvalidRequest(f"{what}s must be one-dimensional, got shape {array.shape}")
     if array.size and array.dtype.kind not in "ui":
         raise InvalidRequest(f"{what}s must be integers, got dtype {array.dtype}")
-    if array.size and array.dtype.kind == "i" and array.min() < 0:
+    if array.size and array.min() < 0:
         raise InvalidRequest(f"{what} {int(array.min())} is negative; the range is 0..{limit}")
-    if array.size and array.dtype.kind in "ui" and int(array.max()) > limit:
+    if array.size and int(array.max()) > limit:
         raise InvalidRequest(f"{what} {int(array.max())} is out of range 0..{limit}")
     return array.astype(dtype, copy=False)
 

@@ -1,15 +1,10 @@
 """Entries as Fetch serves them, and batches of them: verified, uncompressed, copied into place.
 
-A raw entry is served as stored; a compressed one is verified, decompressed
-and given a ``raw_verified`` header (``to_raw_entry``). The daemon serves a
-frame's entries a batch at a time (``to_raw_entries_into``; ``copy_raw_run``
-for raw entries of one size into consecutive ring slots), and the client
-collates a batch of one layout without parsing each header
-(``uniform_layout``, ``uniform_rows``). Why batches: per entry, the Python
-around one checksum call and one copy costs more than both.
-
-The entry's byte layout itself is ``actcache.codec``'s; this module reads its
-fixed offsets (its format version covers both).
+A raw entry is served as stored; a compressed one is verified, decompressed and given a
+``raw_verified`` header (``to_raw_entry``). The daemon serves a frame's entries a batch at a time
+(``to_raw_entries_into``, ``copy_raw_run``), and the client collates a batch of one layout without
+parsing each header (``uniform_layout``, ``uniform_rows``). Why batches: per entry, the Python around
+one checksum call and one copy costs more than both. The byte layout is ``actcache.codec``'s.
 """
 
 from __future__ import annotations
@@ -22,35 +17,23 @@ import numpy as np
 import xxhash
 
 from actcache.codec import (
-    _CHECKSUM_FNS, _COMPRESSED, _CRC_OFFSET, _FIXED, Checksum, Codec, EntryHeader, _decompressor, _fixed_fields,
-    _pack_header, decode_entry, decompress_payload, parse_header, verify_entry,
+    _CHECKSUM_FNS, _COMPRESSED, _CRC_OFFSET, _FIXED, Checksum, Codec, EntryHeader, _checksum_mismatch, _decompressor,
+    _fixed_fields, _pack_header, decode_entry, decompress_payload, parse_header, verify_entry,
 )
 from actcache.errors import InvalidRequest
 
-__all__ = [
-    "copy_raw_run",
-    "decoded_size",
-    "served_size",
-    "stored_raw",
-    "to_raw_entries",
-    "to_raw_entries_into",
-    "to_raw_entry",
-    "uniform_layout",
-    "uniform_rows",
-]
+__all__ = ["copy_raw_run", "decoded_size", "served_size", "stored_raw", "to_raw_entries", "to_raw_entries_into",
+           "to_raw_entry", "uniform_layout", "uniform_rows"]
 
 
 def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
-    """The header of ``bufs[0]`` when every entry has its layout and an uncompressed payload (they
-    differ at most in the checksum), else None. Such entries' payloads sit at the same offsets, so a
-    batch of them is copied without parsing each header; their checksums are not checked.
+    """The header of ``bufs[0]`` when every entry has its layout and an uncompressed payload (they differ
+    at most in the checksum), else None: their payloads sit at the same offsets. Checksums are not checked.
     """
-    if not bufs:
+    header = _uncompressed_header(bufs[0]) if len(bufs) else None
+    if header is None:
         return None
     first = memoryview(bufs[0])
-    header = parse_header(first)
-    if header.codec in _COMPRESSED:
-        return None
     head, tail = _unchecked_header(header)
     size, first_head, first_tail = first.nbytes, first[head], first[tail]
     for buf in bufs:
@@ -61,18 +44,20 @@ def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
 
 
 def uniform_rows(rows: np.ndarray) -> EntryHeader | None:
-    """``uniform_layout`` for entries laid out as the rows of a 2-D uint8 array (one entry per row,
-    as consecutive ring slots are): the first row's header when every row has its layout and an
-    uncompressed payload, else None. One vectorised comparison instead of one per entry."""
-    if not len(rows):
-        return None
-    header = parse_header(rows[0])
-    if header.codec in _COMPRESSED:
+    """``uniform_layout`` for entries laid out as the rows of a 2-D uint8 array (as consecutive ring
+    slots are), in one vectorised comparison."""
+    header = _uncompressed_header(rows[0]) if len(rows) else None
+    if header is None:
         return None
     head, tail = _unchecked_header(header)
     if not ((rows[1:, head] == rows[0, head]).all() and (rows[1:, tail] == rows[0, tail]).all()):
         return None
     return header
+
+
+def _uncompressed_header(buf: bytes | memoryview | np.ndarray) -> EntryHeader | None:
+    header = parse_header(buf)
+    return None if header.codec in _COMPRESSED else header
 
 
 def _unchecked_header(header: EntryHeader) -> tuple[slice, slice]:
@@ -83,10 +68,9 @@ def _unchecked_header(header: EntryHeader) -> tuple[slice, slice]:
 def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes | memoryview, ...]:
     """The entry with an uncompressed payload, as parts to concatenate (what Fetch serves).
 
-    A raw entry comes back as itself (one part, no copy); a zstd entry is
-    verified, decompressed and gets a ``raw_verified`` header (two parts:
-    header, payload). Decoding the result is a zero-copy view of its payload.
-    Raises InvalidRequest when ``buf`` is malformed or fails its checksum.
+    A raw entry comes back as itself (one part, no copy); a compressed one is verified, decompressed
+    and gets a ``raw_verified`` header (two parts: header, payload). Raises InvalidRequest when
+    ``buf`` is malformed or fails its checksum.
     """
     return _served_parts(buf, *decode_entry(buf, verify=verify))
 
@@ -99,10 +83,8 @@ def _served_parts(buf: bytes | memoryview, header: EntryHeader, raw: bytes | mem
 
 
 def decoded_size(buf: bytes | memoryview) -> int:
-    """Bytes of ``buf`` with its payload uncompressed (header + raw payload), from the fixed header alone.
-
-    Cheap (no checksum, no per-tensor parsing): for sizing buffers before decoding.
-    """
+    """Bytes of ``buf`` with its payload uncompressed (header + raw payload), from the fixed header alone
+    (cheap: for sizing buffers before decoding)."""
     view = memoryview(buf)
     _, _, _, raw_len, stored_len, _ = _fixed_fields(view)
     if stored_len > view.nbytes - _FIXED.size:
@@ -133,46 +115,39 @@ def served_size(buf: bytes | memoryview) -> int:
 def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, bytes | memoryview] | InvalidRequest]:
     """Per entry, verified: (header, raw payload) or the InvalidRequest it raised.
 
-    The zstd payloads are decompressed in one call that holds no lock: a
-    batch of small entries gives up and takes back the interpreter lock once
-    instead of once per entry, which is what bounds a multi-threaded server
-    on small entries. lz4 payloads are decompressed one by one.
+    The zstd payloads are decompressed in one call that releases the interpreter lock once, not once
+    per entry (what bounds a multi-threaded server on small entries).
     """
-    out: list = [None] * len(bufs)
-    frames, sizes, pending = [], [], []
-    for i, buf in enumerate(bufs):
+    headers = [_or_error(verify_entry, buf) for buf in bufs]
+    zstd = [i for i, h in enumerate(headers) if isinstance(h, EntryHeader) and h.codec == Codec.zstd]
+    raws = {}
+    if zstd:
+        sizes = struct.pack(f"={len(zstd)}Q", *(headers[i].raw_len for i in zstd))
         try:
-            header = verify_entry(buf)
-        except InvalidRequest as exc:
-            out[i] = exc
-            continue
-        payload = memoryview(buf)[header.header_len :]
-        if header.codec != Codec.zstd:
-            try:
-                out[i] = header, decompress_payload(header.codec, payload, header.raw_len)
-            except InvalidRequest as exc:
-                out[i] = exc
-            continue
-        frames.append(payload)
-        sizes.append(header.raw_len)
-        pending.append((i, header))
-    if frames:
-        try:
-            raws = _decompressor().multi_decompress_to_buffer(
-                frames, decompressed_sizes=struct.pack(f"={len(sizes)}Q", *sizes), threads=1
+            many = _decompressor().multi_decompress_to_buffer(
+                [memoryview(bufs[i])[headers[i].header_len :] for i in zstd], decompressed_sizes=sizes, threads=1
             )
+            raws = {i: many[n] for n, i in enumerate(zstd)}
         except Exception:  # zstandard.ZstdError: a bad frame; decompressed one by one below, to find it
-            raws = None
-        for n, (i, header) in enumerate(pending):
-            raw = raws[n] if raws is not None else None
-            if raw is None or len(raw) != header.raw_len:
-                try:
-                    raw = decompress_payload(Codec.zstd, frames[n], header.raw_len)
-                except InvalidRequest as exc:
-                    out[i] = exc
-                    continue
-            out[i] = header, raw
+            pass
+    out: list = []
+    for i, (buf, header) in enumerate(zip(bufs, headers)):
+        if isinstance(header, InvalidRequest):
+            out.append(header)
+            continue
+        raw = raws.get(i)
+        if raw is None or len(raw) != header.raw_len:
+            raw = _or_error(decompress_payload, header.codec, memoryview(buf)[header.header_len :], header.raw_len)
+        out.append(raw if isinstance(raw, InvalidRequest) else (header, raw))
     return out
+
+
+def _or_error(fn: Callable, *args):
+    """``fn(*args)``, or the InvalidRequest it raised."""
+    try:
+        return fn(*args)
+    except InvalidRequest as exc:
+        return exc
 
 
 def to_raw_entries(bufs: Sequence[bytes | memoryview]) -> list[tuple[bytes | memoryview, ...] | InvalidRequest]:
@@ -183,11 +158,7 @@ def to_raw_entries(bufs: Sequence[bytes | memoryview]) -> list[tuple[bytes | mem
 
 def to_raw_entries_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memoryview]) -> list[InvalidRequest | None]:
     """Write ``to_raw_entries(bufs)`` into ``outs`` (``decoded_size`` bytes each): per entry None or the
-    InvalidRequest it raised (that entry's buffer then holds garbage).
-
-    Raw entries of one layout (a frame of one cache group, mostly) are verified against the first
-    one's parsed header: one checksum call per entry part and one copy, no header parsing each.
-    """
+    InvalidRequest it raised (that entry's buffer then holds garbage)."""
     fast = _raw_run_into(bufs, outs)
     if fast is not None:
         return fast
@@ -212,10 +183,8 @@ def copy_raw_run(bufs: Sequence[bytes | memoryview], dest: memoryview) -> list[I
     """Copy raw entries of one size into consecutive rows of ``dest`` (``len(bufs)`` times their size)
     and verify each copy: per entry None, or the InvalidRequest its row failed with (garbage then).
 
-    The batch form of ``to_raw_entries_into`` for the usual frame (stored raw entries of one layout):
-    one copy and one checksum call per entry, the copy hashed while it is in the CPU cache, and the
-    header checks and checksum comparisons one vectorised operation each. Rows of mixed layouts
-    are verified one by one. The caller checks that every entry is raw and of one size.
+    One copy and one checksum call per entry (hashed while in the CPU cache); header checks and
+    checksum comparisons are one vectorised operation each. The caller checks every entry is raw.
     """
     count = len(bufs)
     size = dest.nbytes // count if count else 0
@@ -238,8 +207,7 @@ def copy_raw_run(bufs: Sequence[bytes | memoryview], dest: memoryview) -> list[I
     computed = np.array(hashes, dtype=np.uint64) & 0xFFFFFFFF
     errors: list[InvalidRequest | None] = [None] * count
     for i in np.flatnonzero(computed != stored).tolist():
-        errors[i] = InvalidRequest(f"entry checksum ({header.checksum.name}) mismatch: stored {int(stored[i]):#010x}, "
-                                   f"computed {int(computed[i]):#010x}")
+        errors[i] = _checksum_mismatch(header.checksum, int(stored[i]), int(computed[i]))
     return errors
 
 
@@ -249,12 +217,10 @@ def _verify_rows(bufs: Sequence[bytes | memoryview], dest: memoryview, size: int
     for lo, buf in zip(range(0, len(bufs) * size, size), bufs):
         row = dest[lo : lo + size]
         row[:] = buf
-        try:
-            header = verify_entry(row)
-            errors.append(None if header.codec == Codec.raw else
-                          InvalidRequest(f"entry has codec {header.codec.name} where a raw entry was expected"))
-        except InvalidRequest as exc:
-            errors.append(exc)
+        header = _or_error(verify_entry, row)
+        if isinstance(header, EntryHeader) and header.codec != Codec.raw:
+            header = InvalidRequest(f"entry has codec {header.codec.name} where a raw entry was expected")
+        errors.append(header if isinstance(header, InvalidRequest) else None)
     return errors
 
 
@@ -270,12 +236,9 @@ def _raw_run_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memoryview]
         view = memoryview(buf)
         crc = last(view[hlen:], seed) & 0xFFFFFFFF
         stored = int.from_bytes(view[_CRC_OFFSET : _CRC_OFFSET + 4], "little")
-        if crc != stored:
-            errors.append(InvalidRequest(f"entry checksum ({header.checksum.name}) mismatch: stored {stored:#010x}, "
-                                         f"computed {crc:#010x}"))
-            continue
-        out[:] = view
-        errors.append(None)
+        if crc == stored:
+            out[:] = view
+        errors.append(None if crc == stored else _checksum_mismatch(header.checksum, stored, crc))
     return errors
 
 
@@ -284,8 +247,7 @@ _LAST_LINK_FNS = {Checksum.crc32: zlib.crc32, Checksum.xxh3: xxhash.xxh3_64_intd
 
 
 def _payload_checksum(header: EntryHeader, first: bytes | memoryview) -> tuple[Callable, int]:
-    """``(last, seed)`` for raw entries of ``header``'s layout: an entry's checksum is
-    ``last(payload, seed) & 0xFFFFFFFF``, the seed being the header's part, the same for all of them
-    (``first`` is one of them)."""
+    """``(last, seed)`` for raw entries of ``header``'s layout (``first`` is one): an entry's checksum is
+    ``last(payload, seed) & 0xFFFFFFFF``, the seed being the header's part, the same for all."""
     chain, view = _CHECKSUM_FNS[header.checksum], memoryview(first)
     return _LAST_LINK_FNS[header.checksum], chain(view[_CRC_OFFSET + 4 : header.header_len], chain(view[:_CRC_OFFSET], 0))

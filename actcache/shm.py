@@ -1,12 +1,9 @@
 """The same-host shared-memory data plane of Fetch: one ring per stream in a POSIX shared memory file.
 
-A client on the daemon's host (Unix socket) asks for it in the FetchRequest
-(``shared_memory``, ``ring_bytes``). The daemon creates a segment
-``<shm dir>/actcache-<daemon pid>-<random>`` (``/dev/shm``, or
-``$ACTCACHE_SHM_DIR``; mode 0600) and copies each served entry, decoded, into
-the ring; the Fetch frames carry only descriptors: the segment's path in the
-first frame, then per entry its offset (and length; 0 = a miss). The client
-maps the segment once; its values are memoryviews into it.
+A client on the daemon's host (Unix socket) asks for it in the FetchRequest (``shared_memory``,
+``ring_bytes``). The daemon creates ``<shm dir>/actcache-<daemon pid>-<random>`` (mode 0600) and
+copies each served entry, decoded, into the ring; Fetch frames carry only the segment's path (first
+frame) and per entry its offset and length (0 = a miss). The client's values are views into it.
 
 Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
 
@@ -16,36 +13,29 @@ Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
                          released by the client         (client writes)
     24 mapped            1 once the client has mapped   (client writes)
 
-Slots: the daemon allocates each hit a contiguous slot of its length at the
-ring's monotonic write position (an entry that would cross the end starts at
-the beginning, the gap counted with it). When the client moves on from a
-batch it writes the batch's end position to ``released``; the daemon frees,
-in order, every slot below it before it allocates.
+Slots: each hit gets a contiguous slot at the ring's monotonic write position (one that would cross
+the end starts at the beginning, the gap counted with it). When the client moves on from a batch it
+writes the batch's end position to ``released``; the daemon frees every slot below it, in order.
 
 Invariants:
 
-- a slot is reused only after the client released it: the daemon writes
-  ``[p, p + n)`` only if ``p + n - freed <= ring_bytes``;
-- ``released`` only grows and only the client writes it (one aligned 8-byte
-  word: never torn);
-- no deadlock: when the ring is full of a frame's own entries, or the client
-  keeps holding earlier frames, the daemon first sends what it has written,
-  then polls ``released`` while the call is alive; an entry larger than the
-  whole ring travels in its frame's payload instead;
+- a slot is reused only after the client released it: the daemon writes ``[p, p + n)`` only if
+  ``p + n - freed <= ring_bytes``;
+- ``released`` only grows and only the client writes it (one aligned 8-byte word: never torn);
+- no deadlock: when the ring is full of a frame's own entries, or the client holds earlier frames,
+  the daemon first sends what it has written, then polls ``released`` while the call is alive; an
+  entry larger than the whole ring travels in its frame's payload instead;
 - the ring is outside the prefetch budget.
 
-Reuse: a ring whose stream ended after its client mapped it is parked by the
-daemon (``ParkedRings``) and kept mapped by the client (``SegmentPool``); the
-client's next Fetch names it (``reuse_segment``) and the daemon ``restart``s
-it if it still holds it at a size that serves (``reusable``), else makes a
-new one. A ring is parked only once its handler returned and offered only
-once the client's stream ended, so no two streams share one.
+Reuse: a ring whose stream ended after its client mapped it is parked by the daemon
+(``ParkedRings``) and kept by the client (``SegmentPool``); the client's next Fetch names it
+(``reuse_segment``) and the daemon ``restart``s it if it still holds it at a size that serves
+(``reusable``). A ring is parked only once its handler returned and offered only once the client's
+stream ended, so no two streams share one.
 
-Crash safety: names are unique (pid + 64 random bits). The daemon unlinks the
-segment once it sees ``mapped`` and at the latest when the stream ends; a
-stream that sent the name does not end before the client mapped it or went
-away. Segments a killed daemon left are removed at the next daemon start and
-by ``actcache clean``.
+Crash safety: names are unique (pid + 64 random bits); the daemon unlinks the segment once it sees
+``mapped``, at the latest when the stream ends. Segments a killed daemon left are removed at the next
+daemon start and by ``actcache clean``.
 """
 
 from __future__ import annotations
@@ -64,19 +54,8 @@ from typing import Callable, Iterable
 
 from actcache.errors import InvalidRequest
 
-__all__ = [
-    "ClientSegment",
-    "DEFAULT_RING_BYTES",
-    "HEADER_BYTES",
-    "PREFIX",
-    "SegmentPool",
-    "ShmRing",
-    "SlotRun",
-    "pid_alive",
-    "remove_stale",
-    "shm_dir",
-    "stale_segments",
-]
+__all__ = ["ClientSegment", "DEFAULT_RING_BYTES", "HEADER_BYTES", "PREFIX", "SegmentPool", "ShmRing", "SlotRun",
+           "pid_alive", "remove_stale", "shm_dir", "stale_segments"]
 
 PREFIX = "actcache-"
 HEADER_BYTES = 4096
@@ -146,8 +125,7 @@ class ShmRing:
     """The daemon's side of one stream's ring (used by one thread: the Fetch handler)."""
 
     def __init__(self, ring_bytes: int, start: int, directory: Path | None = None) -> None:
-        #: The ring the stream uses: exactly the size asked, so frames of a batch that tile it never
-        #: straddle its end (a straddling batch is not one run of slots: see actcache.shm.SlotRun).
+        #: Exactly the size asked, so frames of a batch that tile it never straddle its end (see SlotRun).
         self.ring_bytes = self.size_for(ring_bytes)
         #: The data area, whole pages (a later stream may use less of it: ``restart``).
         self.capacity = -(-self.ring_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -179,9 +157,8 @@ class ShmRing:
         return bool(struct.unpack_from("<Q", self._mm, _MAPPED)[0])
 
     def restart(self, start: int, ring_bytes: int = 0) -> None:
-        """Serve a new stream from schedule position ``start`` in this ring (its last stream has ended:
-        nothing writes to it, and the client reads none of its slots any more), in its first
-        ``ring_bytes`` (0, or more than the data area: all of it)."""
+        """Serve a new stream from schedule position ``start`` (the last one has ended) in the first
+        ``ring_bytes`` of the data area (0, or more than it: all of it)."""
         self.ring_bytes = min(ring_bytes or self.capacity, self.capacity)
         self._write = self._freed = 0
         self._slots.clear()
@@ -199,13 +176,6 @@ class ShmRing:
         if size > self.ring_bytes:
             raise InvalidRequest(f"an entry of {size} bytes does not fit the shared-memory ring of {self.ring_bytes} bytes")
 
-    def _fits(self, size: int) -> int:
-        """Bytes a slot of ``size`` takes now (with the gap to the ring's end); 0 while the ring is full."""
-        self._check_size(size)
-        at = self._write % self.ring_bytes
-        need = size + (self.ring_bytes - at if at + size > self.ring_bytes else 0)
-        return need if self._room(need) else 0
-
     def _room(self, need: int) -> bool:
         """Whether ``need`` more bytes fit now (after taking the client's releases, if they did not)."""
         if self._write + need - self._freed > self.ring_bytes:
@@ -214,17 +184,12 @@ class ShmRing:
 
     def alloc(self, position: int, size: int) -> int | None:
         """Segment offset of a new slot of ``size`` bytes for the entry at ``position``; None while full."""
-        need = self._fits(size)
-        if not need:
-            return None
-        self._write += need
-        self._slots.append((position, self._write))
-        return HEADER_BYTES + (self._write - size) % self.ring_bytes
+        blocks = self.alloc_run(position, 1, size)
+        return blocks[0][0] if blocks else None
 
     def alloc_run(self, position: int, count: int, size: int) -> list[tuple[int, int]] | None:
-        """Consecutive slots of ``size`` bytes for the ``count`` entries at ``position`` on: one block,
-        or two when the run reaches the ring's end (the rest starts over at its beginning, after the
-        gap no slot fits in). ``(segment offset, entries)`` per block; None while they do not fit."""
+        """Consecutive slots of ``size`` bytes for the ``count`` entries at ``position`` on: one block, or
+        two when the run wraps. ``(segment offset, entries)`` per block; None while they do not fit."""
         self._check_size(size)
         at = self._write % self.ring_bytes
         need, before_end = self._run_need(count, size)
@@ -239,7 +204,7 @@ class ShmRing:
 
     def _run_need(self, count: int, size: int) -> tuple[int, int]:
         """``(bytes, slots before the end)`` of a run of ``count`` slots of ``size`` from the write
-        position: with the gap at the ring's end that no slot fits in, if the run wraps."""
+        position, with the gap at the ring's end if it wraps."""
         left = self.ring_bytes - self._write % self.ring_bytes
         before_end = min(count, left // size)
         return count * size + (left - before_end * size if before_end < count else 0), before_end
@@ -255,32 +220,30 @@ class ShmRing:
     def wait_frame_room(self, nbytes: int, slot_bytes: int, alive: Callable[[], bool], patience_s: float, *,
                         uniform: bool = False) -> bool:
         """Wait up to ``patience_s`` for a frame of ``nbytes`` in slots of up to ``slot_bytes`` to fit
-        whole, polling while ``alive()``; False if the call ended first. It returns at once when the
-        client has released every slot (a frame larger than the ring takes what fits), and after
-        ``patience_s`` with what fits (a client may hold several frames on purpose).
+        whole, polling while ``alive()``; False if the call ended first. Returns at once when the client
+        has released every slot, and after ``patience_s`` with what fits (a client may hold frames on
+        purpose). Why wait: a frame cut short ends mid-batch, which the client copies in two parts.
 
-        ``uniform``: the frame's slots are all ``slot_bytes`` (``nbytes`` a multiple of it), so the room
-        it needs is exact; else it allows one slot more for a gap at the ring's end. Why wait: a frame
-        cut short ends mid-batch, which the client then copies out of the ring in two parts.
+        ``uniform``: the frame's slots are all ``slot_bytes``, so the room it needs is exact; else it
+        allows one slot more for a gap at the ring's end.
         """
-        exact = uniform and 0 < nbytes <= self.ring_bytes and nbytes % slot_bytes == 0
+        if uniform and 0 < nbytes <= self.ring_bytes and nbytes % slot_bytes == 0:
+            need = self._run_need(nbytes // slot_bytes, slot_bytes)[0]
+        else:  # a slot never wraps: allow one slot of gap at the end
+            need = min(nbytes + slot_bytes, self.ring_bytes)
         deadline = time.monotonic() + patience_s
-
-        def need() -> int:
-            if exact:
-                return self._run_need(nbytes // slot_bytes, slot_bytes)[0]
-            return min(nbytes + slot_bytes, self.ring_bytes)  # a slot never wraps: allow one slot of gap at the end
 
         def fits() -> bool:
             self.poll()
-            return not self._slots or self._write - self._freed + need() <= self.ring_bytes or time.monotonic() > deadline
+            return not self._slots or self._write - self._freed + need <= self.ring_bytes or time.monotonic() > deadline
 
         return _poll_until(fits, alive)
 
     def wait_room(self, size: int, alive: Callable[[], bool]) -> bool:
         """Wait until a slot of ``size`` bytes fits, polling the client's releases while ``alive()``;
         False if the call ended first."""
-        return _poll_until(lambda: bool(self._fits(size)), alive)
+        self._check_size(size)
+        return _poll_until(lambda: self._room(self._run_need(1, size)[0]), alive)
 
     def wait_mapped(self, alive: Callable[[], bool]) -> None:
         """Return once the client has mapped the segment (its name is then removed), or once ``alive()`` is false."""
@@ -315,8 +278,6 @@ class ClientSegment:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        #: Called by ``close`` before the mapping goes (e.g. to unregister it from a GPU driver).
-        self.on_close: list[Callable[[], None]] = []
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
@@ -338,9 +299,6 @@ class ClientSegment:
 
     def close(self) -> None:
         """Drop the mapping (views still exported keep it until they go)."""
-        callbacks, self.on_close = self.on_close, []
-        for callback in callbacks:
-            callback()
         with contextlib.suppress(BufferError, ValueError):
             self.view.release()
             self._mm.close()
@@ -362,9 +320,7 @@ class SlotRun:
 
 class SegmentPool:
     """The client's segments whose streams have ended, offered for reuse by its next Fetch (thread-safe):
-    a new ring costs a mapping and its page faults on both sides. At most ``keep`` segments wait; the
-    oldest goes first. A segment is offered only to a Fetch whose ring it can be (``reusable``).
-    """
+    a new ring costs a mapping and its page faults. At most ``keep`` wait; the oldest goes first."""
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep

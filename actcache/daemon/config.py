@@ -14,17 +14,8 @@ from actcache.codec import Encoding
 from actcache.errors import ConfigError, InvalidRequest
 from actcache.node import default_dir, default_socket_path
 
-__all__ = [
-    "DaemonConfig",
-    "MetricsConfig",
-    "PrefetchConfig",
-    "ServerConfig",
-    "StoreConfig",
-    "format_size",
-    "is_loopback",
-    "parse_size",
-    "socket_gid",
-]
+__all__ = ["DaemonConfig", "MetricsConfig", "PrefetchConfig", "ServerConfig", "StoreConfig", "format_size",
+           "is_loopback", "parse_size", "socket_gid"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -46,11 +37,12 @@ def parse_size(text: str | int) -> int:
 
 def format_size(n: float) -> str:
     """Format a byte count for humans: ``1.5 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    raise AssertionError("unreachable")
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
 
 
 def is_loopback(host: str) -> bool:
@@ -78,35 +70,29 @@ class StoreConfig:
     map_size_bytes: int = 1 << 30
     #: How entries sent raw are stored: auto (lz4 when it saves 30%), raw, lz4, zstd or zstd:LEVEL.
     encoding: str = "auto"
-    #: fsync every commit (acknowledged puts survive an OS crash). Off: they
-    #: survive a crash of the daemon (kill -9 included); an OS crash may lose the
-    #: writes since the last flush (every ``sync_interval_s``) or leave the file
-    #: inconsistent (entry checksums and --on-corrupt handle that).
+    #: fsync every commit (acknowledged puts survive an OS crash). Off: they survive a daemon crash; an
+    #: OS crash may lose the writes since the last flush (every ``sync_interval_s``) or damage the file.
     sync: bool = False
     sync_interval_s: float = 5.0
     #: Largest single encoded entry accepted.
     max_entry_bytes: int = 64 << 20
-    #: What to do with LMDB files that are damaged or not an actcache store:
-    #: "refuse" to start, or "move-aside" (rename to *.corrupt-<time>) and start empty.
+    #: LMDB files damaged or not an actcache store: "refuse" to start, or "move-aside" (rename to
+    #: *.corrupt-<time>) and start empty.
     on_corrupt: str = "refuse"
-    #: Free disk space puts never eat into, so that drops can always commit;
-    #: 0 = no check (a put then fails only when a commit finds the disk full).
+    #: Free disk space puts never eat into, so that drops can always commit; 0 = no check.
     disk_reserve_bytes: int = 64 << 20
-    #: Read values with one ``pread`` each at their offset in data.mdb (fast when
-    #: cold); off: copy them out of LMDB's memory map (readahead on).
+    #: Read values with one ``pread`` each at their offset in data.mdb (fast when cold); off: copy them
+    #: out of LMDB's memory map.
     explicit_reads: bool = True
-    #: A generation (namespace, fingerprint) that no live schedule reads and that was neither
-    #: read nor written for this many seconds is dead: a put over a budget reclaims dead
-    #: generations (oldest write first) before it is refused. 0: only live schedules protect
-    #: a generation (actcache.daemon.store._generations).
+    #: A generation (namespace, fingerprint) no live schedule reads, unused for this many seconds, is
+    #: dead: a put over a budget reclaims those first. 0: only live schedules protect a generation.
     reclaim_after_s: float = 600.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", Path(self.dir))
         if not 0 <= self.reclaim_after_s < float("inf"):
-            raise ConfigError(
-                f"--reclaim-after must be a number of seconds >= 0 (0 = no recency check), got {self.reclaim_after_s}"
-            )
+            raise ConfigError("--reclaim-after must be a number of seconds >= 0 (0 = no recency check), "
+                              f"got {self.reclaim_after_s}")
         for name, flag in (("budget_bytes", "--budget"), ("namespace_budget_bytes", "--namespace-budget"),
                            ("disk_reserve_bytes", "--disk-reserve")):
             if getattr(self, name) < 0:
@@ -119,13 +105,11 @@ class StoreConfig:
             raise ConfigError(f"encoding {self.encoding!r} is not valid ({exc}); "
                               "pass --encoding auto|raw|lz4|zstd|zstd:LEVEL") from None
         if self.on_corrupt not in ("refuse", "move-aside"):
-            raise ConfigError(
-                f"on_corrupt must be 'refuse' or 'move-aside', got {self.on_corrupt!r}; pass --on-corrupt refuse|move-aside"
-            )
+            raise ConfigError(f"on_corrupt must be 'refuse' or 'move-aside', got {self.on_corrupt!r}; "
+                              "pass --on-corrupt refuse|move-aside")
         if self.max_entry_bytes < 1024:
-            raise ConfigError(
-                f"max_entry_bytes must be at least 1 KiB, got {self.max_entry_bytes} bytes; raise --max-entry-bytes"
-            )
+            raise ConfigError(f"max_entry_bytes must be at least 1 KiB, got {self.max_entry_bytes} bytes; "
+                              "raise --max-entry-bytes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,15 +142,12 @@ class ServerConfig:
         if self.listen and (port is None or int(port.group(1)) > 65535):
             raise ConfigError(f"--listen must be HOST:PORT with a port 0..65535, got {self.listen!r}")
         if self.listen and not self.token:
-            raise ConfigError(
-                f"refusing to listen on TCP {self.listen} without a token (none given, or an empty one); "
-                "pass --token-file FILE or set ACTCACHE_TOKEN"
-            )
+            raise ConfigError(f"refusing to listen on TCP {self.listen} without a token (none given, or an empty one); "
+                              "pass --token-file FILE or set ACTCACHE_TOKEN")
         if self.listen and not self.allow_remote and not is_loopback(self.listen.rsplit(":", 1)[0]):
-            raise ConfigError(
-                f"--listen {self.listen} is not a loopback address; the daemon listens on 127.0.0.1, ::1 or "
-                "localhost only, unless --allow-remote is given (then use --tls-cert/--tls-key too)"
-            )
+            raise ConfigError(f"--listen {self.listen} is not a loopback address; the daemon listens on 127.0.0.1, "
+                              "::1 or localhost only, unless --allow-remote is given "
+                              "(then use --tls-cert/--tls-key too)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both --tls-cert FILE and --tls-key FILE")
         if self.tls_cert is not None and not self.listen:
@@ -174,15 +155,11 @@ class ServerConfig:
         if not 0 <= self.socket_mode <= 0o777 or self.socket_mode & 0o600 != 0o600:
             raise ConfigError(f"--socket-mode {self.socket_mode:#o} must give the owner read and write (0600 or 0660)")
         if self.socket_mode & 0o007:
-            raise ConfigError(
-                f"--socket-mode {self.socket_mode:#o} would let every local user connect; "
-                "share the socket with a group instead (--socket-mode 0660 --socket-group GROUP)"
-            )
+            raise ConfigError(f"--socket-mode {self.socket_mode:#o} would let every local user connect; "
+                              "share the socket with a group instead (--socket-mode 0660 --socket-group GROUP)")
         if self.socket is not None and len(str(self.socket)) > 100:
-            raise ConfigError(
-                f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow about 100: "
-                "pass a shorter --socket"
-            )
+            raise ConfigError(f"socket path {self.socket} is {len(str(self.socket))} characters; Unix sockets allow "
+                              "about 100: pass a shorter --socket")
         if not 0 <= self.throttle_read_mbps < float("inf"):
             raise ConfigError(f"--throttle-read-mbps must be a number of MB/s >= 0 (0 = off), got {self.throttle_read_mbps}")
         if not 0 <= self.idle_timeout_s < float("inf"):
@@ -200,9 +177,8 @@ def socket_gid(group: str) -> int:
     try:
         return grp.getgrgid(int(group)).gr_gid if group.isdigit() else grp.getgrnam(group).gr_gid
     except KeyError:
-        raise ConfigError(
-            f"--socket-group {group!r} is not a group on this machine; pass a group name or gid (see /etc/group)"
-        ) from None
+        raise ConfigError(f"--socket-group {group!r} is not a group on this machine; "
+                          "pass a group name or gid (see /etc/group)") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,10 +194,8 @@ class MetricsConfig:
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ConfigError(f"--metrics-port must be 0..65535 (0 = any free port), got {self.port}")
         if not _is_host(self.host):
-            raise ConfigError(
-                f"--metrics-host must be an address or host name such as 127.0.0.1 or 0.0.0.0 (the port is "
-                f"--metrics-port), got {self.host!r}"
-            )
+            raise ConfigError(f"--metrics-host must be an address or host name such as 127.0.0.1 or 0.0.0.0 "
+                              f"(the port is --metrics-port), got {self.host!r}")
 
 
 def _is_host(host: str) -> bool:
@@ -242,11 +216,10 @@ class PrefetchConfig:
 
     #: Memory for read-ahead entries, shared fairly by every schedule being read.
     prefetch_bytes: int = 512 << 20
-    #: Threads that verify and decompress Fetch frames (zstd releases the GIL), the Fetch's own thread
-    #: included: it splits a large frame with one of the other ``decode_threads - 1``. Default one per core.
+    #: Threads that verify and decompress Fetch frames, the Fetch's own included (it splits a large frame
+    #: with one of the others). Default one per core.
     decode_threads: int = field(default_factory=_cpu_count)
-    #: Threads that look entries up ahead of the readers and hint the kernel to
-    #: read them (cold reads); 0 turns this off.
+    #: Threads that look entries up ahead of the readers and hint the kernel to read them; 0 = off.
     probe_threads: int = 8
     #: How far ahead of each reader (in value bytes) those lookups run.
     probe_bytes: int = 64 << 20
@@ -274,11 +247,9 @@ class DaemonConfig:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.prefetch.prefetch_bytes < self.store.max_entry_bytes:
-            raise ConfigError(
-                f"--prefetch-bytes {format_size(self.prefetch.prefetch_bytes)} is below --max-entry-bytes "
-                f"{format_size(self.store.max_entry_bytes)}: one entry would not fit; raise --prefetch-bytes "
-                "or lower --max-entry-bytes"
-            )
+            raise ConfigError(f"--prefetch-bytes {format_size(self.prefetch.prefetch_bytes)} is below "
+                              f"--max-entry-bytes {format_size(self.store.max_entry_bytes)}: one entry would not fit; "
+                              "raise --prefetch-bytes or lower --max-entry-bytes")
 
     def non_defaults(self) -> dict[str, Any]:
         """Fields that differ from their defaults, for the start-up log line."""
@@ -288,12 +259,7 @@ class DaemonConfig:
                 value = getattr(part, f.name)
                 if f.name == "token":
                     value = "***" if value else None
-                if f.default is not dataclasses.MISSING:
-                    default = f.default
-                elif f.default_factory is not dataclasses.MISSING:
-                    default = f.default_factory()
-                else:
-                    default = None
+                default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
                 if value != default:
                     out[f.name] = value
         return out
@@ -326,10 +292,8 @@ class DaemonConfig:
             return cls._build(pick)
         except ConfigError as exc:
             message = str(exc)
-            blamed = [
-                source for flag, source in from_env.items()
-                if re.search(rf"{re.escape(flag)}(?![\w-])", message) and source.split("=")[0] not in message
-            ]
+            blamed = [source for flag, source in from_env.items()
+                      if re.search(rf"{re.escape(flag)}(?![\w-])", message) and source.split("=")[0] not in message]
             if not blamed:
                 raise
             raise ConfigError(f"{message} (from {', '.join(blamed)})") from None
@@ -337,18 +301,15 @@ class DaemonConfig:
     @classmethod
     def _build(cls, pick: Callable[..., Any]) -> "DaemonConfig":
         size, count = _SIZE, "a whole number"
-        directory = pick("dir", _path, "a directory path")
-        if directory is None:
-            directory = default_dir()
+        directory = pick("dir", _path, "a directory path") or default_dir()
         token = pick("token")
         token_file = pick("token_file", _path, "a file path")
         if token_file:  # the file wins over ACTCACHE_TOKEN: it was asked for by name
             try:
                 token = token_file.read_text().strip()
             except OSError as exc:
-                raise ConfigError(
-                    f"cannot read --token-file {token_file}: {exc.strerror}; pass a readable file holding the token"
-                ) from exc
+                raise ConfigError(f"cannot read --token-file {token_file}: {exc.strerror}; "
+                                  "pass a readable file holding the token") from exc
         store = StoreConfig(
             dir=directory,
             **_given(
