@@ -1,9 +1,7 @@
 """The store's write operations, applied by its writer thread inside one shared LMDB transaction.
 
-Each operation (put, drop, reclaim, delete, create a namespace) changes
-entries and the per-group usage records together, in the writer's
-transaction, and publishes its effect on the store's in-memory maps only
-after the transaction committed (``publish``).
+Each changes entries and the per-group usage rows together, and publishes its effect on the
+in-memory maps only after the transaction committed (``publish``).
 """
 
 from __future__ import annotations
@@ -22,12 +20,6 @@ from actcache.keys import GENERATION_PREFIX_BYTES, generation_of, group_of
 __all__: list[str] = []  # internal to the store
 
 log = logging.getLogger("actcache.daemon.store")
-
-#: ``check_room(txn, prefix, delta, nbytes, pending)``: raises when a put of ``nbytes`` adding ``delta``
-#: bytes to group ``prefix`` does not fit its budgets or the disk reserve.
-RoomCheck = Callable[[object, bytes, int, int, dict], None]
-#: ``stored_length(cursor, key)``: the size of ``key``'s stored value, or None.
-StoredLength = Callable[[object, bytes], "int | None"]
 
 _DROP_CHUNK_BYTES = 256 << 20
 _DROP_CHUNK_ENTRIES = 100_000
@@ -60,8 +52,11 @@ class _StoreOp(WriteOp):
 
 
 class _PutOp(_StoreOp):
+    """Writes ``records`` into group ``prefix``. ``stored_length(cursor, key)``: the size of a stored value
+    or None; ``check_room(txn, prefix, delta, nbytes, pending)`` raises when the put does not fit."""
+
     def __init__(self, state: StoreState, prefix: bytes, records: list[tuple[bytes, bytes | memoryview]], *,
-                 stored_length: StoredLength, check_room: RoomCheck) -> None:
+                 stored_length: Callable, check_room: Callable) -> None:
         super().__init__(state)
         self.prefix = prefix
         self.records = records
@@ -90,7 +85,7 @@ class _PutOp(_StoreOp):
         self._adjust(txn, pending, self.prefix, added, delta)
         self.written = self.state.generations.now()
         txn.put(generation_of(self.prefix), write_time(self.written), db=self.state.generation_times)
-        return PutResult(len(self.records), sum(len(v) for _, v in self.records), replaced)
+        return PutResult(len(self.records), self.nbytes, replaced)
 
     def publish(self, pending):
         super().publish(pending)
@@ -113,20 +108,18 @@ class _DropOp(_StoreOp):
         entries = nbytes = 0
         cursor = txn.cursor(db=self.state.entries)
         done = not cursor.set_range(self.prefix)
-        while not done:
-            key = cursor.key()
-            if bytes(key[: len(self.prefix)]) != self.prefix:
-                done = True
-                break
+        while not done and bytes(cursor.key()[: len(self.prefix)]) == self.prefix:
             if entries >= _DROP_CHUNK_ENTRIES or nbytes >= _DROP_CHUNK_BYTES:
                 break
             size = len(cursor.value())
-            group = removed.setdefault(bytes(group_of(key)), [0, 0])
+            group = removed.setdefault(bytes(group_of(cursor.key())), [0, 0])
             group[0] += 1
             group[1] += size
             entries += 1
             nbytes += size
             done = not cursor.delete()
+        else:  # no key of the prefix left
+            done = True
         for group, (n, b) in removed.items():
             self._adjust(txn, pending, group, -n, -b)
         if done:
@@ -180,22 +173,25 @@ class _ReclaimOp(_DropOp):
 
 
 class _DeleteOp(_StoreOp):
-    """Deletes keys; with ``only_corrupt``, only those whose entry fails verification now
-    (a fresh entry put since the corrupt read survives)."""
+    """Deletes those of ``keys`` whose entry fails verification now (one put since the corrupt read survives)."""
 
     frees_pages = True
 
-    def __init__(self, state: StoreState, keys: Iterable[bytes], *, only_corrupt: bool = False) -> None:
+    def __init__(self, state: StoreState, keys: Iterable[bytes]) -> None:
         super().__init__(state)
         self.keys = list(keys)
-        self.only_corrupt = only_corrupt
 
     def apply(self, txn, pending):
         deleted = 0
         for key in self.keys:
             old = txn.get(key, db=self.state.entries)
-            if old is None or (self.only_corrupt and _verifies(old)):
+            if old is None:
                 continue
+            try:
+                verify_entry(old)
+                continue
+            except InvalidRequest:
+                pass
             txn.delete(key, db=self.state.entries)
             self._adjust(txn, pending, group_of(key), -1, -len(old))
             deleted += 1
@@ -234,10 +230,3 @@ class _CreateNamespace(_StoreOp):
             if self.secret_record:
                 self.state.secret_of[info.id] = self.secret_record
 
-
-def _verifies(value) -> bool:
-    try:
-        verify_entry(value)
-    except InvalidRequest:
-        return False
-    return True

@@ -5,22 +5,16 @@ Named databases:
     namespaces  name (utf-8) -> namespace id (u32, big-endian)
     groups      (namespace, fingerprint, depth) key prefix -> entries u64, bytes u64
     meta        format marker and the next namespace id
-    secrets     namespace id (u32) -> salted scrypt hash of its secret (actcache.daemon.store._access)
-    generations (namespace, fingerprint) key prefix -> last write, f64 seconds (actcache.daemon.store._generations)
+    secrets     namespace id (u32) -> salted scrypt hash of its secret (``_access``)
+    generations (namespace, fingerprint) key prefix -> last write, f64 seconds (``_generations``)
 
-Concurrency: every write (put, drop, namespace creation, deleting a corrupt
-entry) runs on the single writer thread (``_writer``), which batches queued
-operations (``_ops``) into one transaction; readers run in any thread. A drop
-runs as transactions of at most ``_DROP_CHUNK_BYTES`` each, so that it works
-on a full disk. Usage counters live in the ``groups`` table, updated in the
-same transaction as the entries. Invariant: for every group, the in-memory
-usage (``StoreState``) equals the committed ``groups`` row.
+Concurrency: every write runs on the single writer thread (``_writer``), which batches queued
+operations (``_ops``) into one transaction; readers run in any thread. Invariant: for every group,
+the in-memory usage (``StoreState``) equals the committed ``groups`` row.
 
-Budgets: a put is refused with BudgetExceeded past a budget, or when it would
-leave less than ``disk_reserve_bytes`` free so that drops can always commit.
-Over a budget it first reclaims dead generations (``_generations`` chooses
-them): the put's transaction only plans and raises, the caller's thread drops
-each chosen generation (each chunk checks it is still dead) and puts again.
+Budgets: a put is refused with BudgetExceeded past a budget, or when it would leave less than
+``disk_reserve_bytes`` free so that drops can always commit. Over a budget the put's transaction
+only plans a reclaim of dead generations and raises; the caller's thread drops them and puts again.
 """
 
 from __future__ import annotations
@@ -42,36 +36,13 @@ from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSess
 from actcache.daemon.store._pages import check_layout
 from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
 from actcache.daemon.store._generations import Generation, Generations, ReclaimPlan, plan_reclaim
-from actcache.daemon.store._ops import (
-    _CreateNamespace,
-    _DeleteOp,
-    _DropOp,
-    _PutOp,
-    _ReclaimNeeded,
-    _ReclaimOp,
-)
+from actcache.daemon.store._ops import _CreateNamespace, _DeleteOp, _DropOp, _PutOp, _ReclaimNeeded, _ReclaimOp
 from actcache.daemon.store._records import GroupUsage, NamespaceInfo, PutResult
 from actcache.daemon.store._state import StoreState
 from actcache.daemon.store._writer import ReadGate, Writer
-from actcache.errors import (
-    BudgetExceeded,
-    EntryCorrupt,
-    InvalidRequest,
-    NamespaceNotFound,
-    PermissionDenied,
-    StoreError,
-)
-from actcache.keys import (
-    MAX_NAMESPACE_ID,
-    encode_key,
-    encode_keys,
-    generation_of,
-    group_prefix,
-    namespace_id_of,
-    namespace_of,
-    sample_id_of,
-    split_group,
-)
+from actcache.errors import BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, PermissionDenied, StoreError
+from actcache.keys import (MAX_NAMESPACE_ID, encode_key, encode_keys, generation_of, group_prefix, namespace_id_of,
+                           namespace_of, sample_id_of, split_group)
 
 __all__ = ["GroupUsage", "NamespaceInfo", "PutResult", "Store"]
 
@@ -111,48 +82,53 @@ class Store:
         self._file = ValueFile(config.dir / "data.mdb", self._env.stat()["psize"])
         self._read_counts = {"explicit_reads": 0, "fallback_reads": 0, "cached_copies": 0}
         #: 1 when the leaf-page reader did not read this LMDB's layout at open (its hints are then off).
-        self.page_layout_unrecognized = 0
-        self._check_page_layout()
+        self.page_layout_unrecognized = self._check_page_layout()
         stale = self._env.reader_check()
         if stale:
             log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
-        self._writer = Writer(
-            self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s, meta_db=self._state.meta,
-            on_damage=lambda reason: mark_damaged(config.dir, reason), on_remap=self._file.pages.remapped,
-        )
+        self._writer = Writer(self._env, self._gate, config, meta_db=self._state.meta,
+                              on_remap=self._file.pages.remapped)
         self._writer.start()
 
-    def _check_page_layout(self) -> None:
-        """Turn the leaf-page reader off unless it finds a known value written into the meta table."""
+    def _check_page_layout(self) -> int:
+        """Turn the leaf-page reader off (and return 1) unless it finds a known value written into meta."""
         try:
             problem = check_layout(self._env, self._state.meta, self._file.pages)
         except (lmdb.Error, OSError) as exc:
             problem = f"the check could not run: {exc}"
         if problem is None:
-            return
+            return 0
         self._file.pages.enabled = False
-        self.page_layout_unrecognized = 1
         log.warning("LMDB %s: its on-disk page layout is not the one this daemon reads (%s); leaf-page hints "
                     "and explicit reads are off, values are copied from LMDB's map", lmdb.version(), problem)
+        return 1
 
     def _open(self) -> None:
         """Open and check the environment and load the in-memory maps; raises UnusableStore."""
-        # Explicit reads do their own I/O; the map then only serves B-tree pages,
-        # which must not drag in 8 MiB of readahead each.
-        self._env = open_env(
-            self.config.dir, map_size=self.config.map_size_bytes, sync=self.config.sync,
-            readahead=not self.config.explicit_reads,
-        )
+        # Explicit reads do their own I/O; the map then only serves B-tree pages, which must not
+        # drag in 8 MiB of readahead each.
+        self._env = open_env(self.config.dir, map_size=self.config.map_size_bytes, sync=self.config.sync,
+                             readahead=not self.config.explicit_reads)
         self._handles = Handles()
         try:
             tables = [self._env.open_db(n) for n in DB_NAMES]
-            self._state = StoreState(self._env, *tables, generations=Generations(self.config.reclaim_after_s))
-            self._load()
-        except DAMAGE_ERRORS as exc:
+            self._state = state = StoreState(self._env, *tables, generations=Generations(self.config.reclaim_after_s))
+            with self._env.begin(write=True) as txn:
+                marker = txn.get(b"format", db=state.meta)
+                if marker is None:
+                    if any(txn.stat(db)["entries"] for db in (state.entries, state.namespaces, state.groups)):
+                        raise UnusableStore(
+                            f"{self.config.dir / 'data.mdb'} holds actcache tables but no format marker; "
+                            "it was damaged or written by another program"
+                        )
+                    txn.put(b"format", FORMAT, db=state.meta)
+                elif marker != FORMAT:
+                    raise UnusableStore(f"{self.config.dir} holds store format {marker!r}, this daemon reads {FORMAT!r}")
+                state.load(txn)
+        except BaseException as exc:
             self._env.close()
-            raise UnusableStore(f"{self.config.dir / 'data.mdb'} is damaged: {exc}") from None
-        except BaseException:
-            self._env.close()
+            if isinstance(exc, DAMAGE_ERRORS):
+                raise UnusableStore(f"{self.config.dir / 'data.mdb'} is damaged: {exc}") from None
             raise
 
     # ---- lifecycle -------------------------------------------------------
@@ -169,21 +145,6 @@ class Store:
     def generations(self) -> Generations:
         """Last write, last read and live schedules of each (namespace, fingerprint)."""
         return self._state.generations
-
-    def _load(self) -> None:
-        state = self._state
-        with self._env.begin(write=True) as txn:
-            marker = txn.get(b"format", db=state.meta)
-            if marker is None:
-                if any(txn.stat(db)["entries"] for db in (state.entries, state.namespaces, state.groups)):
-                    raise UnusableStore(
-                        f"{self.config.dir / 'data.mdb'} holds actcache tables but no format marker; "
-                        "it was damaged or written by another program"
-                    )
-                txn.put(b"format", FORMAT, db=state.meta)
-            elif marker != FORMAT:
-                raise UnusableStore(f"{self.config.dir} holds store format {marker!r}, this daemon reads {FORMAT!r}")
-            state.load(txn)
 
     # ---- namespaces ------------------------------------------------------
 
@@ -290,15 +251,8 @@ class Store:
                 self._reclaim(need.plan)
         raise AssertionError("unreachable")
 
-    def get(
-        self,
-        namespace_id: int,
-        fingerprint: bytes,
-        depth: int,
-        keys: Sequence[tuple[int, int]],
-        *,
-        max_bytes: int | None = None,
-    ) -> list[bytes | memoryview | None]:
+    def get(self, namespace_id: int, fingerprint: bytes, depth: int, keys: Sequence[tuple[int, int]], *,
+            max_bytes: int | None = None) -> list[bytes | memoryview | None]:
         """Return the entry of each ``(sample_id, variant)``, or None for a miss.
 
         With ``max_bytes``, stops once the values read reach that many bytes
@@ -315,8 +269,7 @@ class Store:
         try:
             self._read(encoded, out, corrupt, max_bytes)
         except DAMAGE_ERRORS as exc:
-            reason = f"a read failed: {exc}"
-            mark_damaged(self.config.dir, reason)
+            mark_damaged(self.config.dir, f"a read failed: {exc}")
             raise StoreError(
                 f"the LMDB file in {self.config.dir} is damaged ({exc}); restart the daemon with "
                 "--on-corrupt move-aside to start with an empty cache"
@@ -330,9 +283,7 @@ class Store:
             )
         return out
 
-    def _read(
-        self, keys: list[bytes], out: list, corrupt: list[tuple[bytes, str]], max_bytes: int | None
-    ) -> None:
+    def _read(self, keys: list[bytes], out: list, corrupt: list[tuple[bytes, str]], max_bytes: int | None) -> None:
         nbytes = 0
         with self.read_session() as session:
             extents = []
@@ -346,16 +297,13 @@ class Store:
                 if extent is not None:
                     self._file.advise(extent)
             for key, extent in zip(keys, extents):
-                if extent is None:
-                    out.append(None)
-                    continue
-                value = session.read(key, extent)
-                try:
-                    verify_entry(value)
-                except InvalidRequest as exc:
-                    corrupt.append((key, str(exc)))
-                    out.append(None)
-                    continue
+                value = None if extent is None else session.read(key, extent)
+                if value is not None:
+                    try:
+                        verify_entry(value)
+                    except InvalidRequest as exc:
+                        corrupt.append((key, str(exc)))
+                        value = None
                 out.append(value)
 
     @contextmanager
@@ -396,18 +344,14 @@ class Store:
                 extents = [extent or session.locate_hinted(key, hints) for key, extent in zip(keys, known)]
         out: list[bool | None] = []
         for extent in extents:
-            if extent is None:
-                out.append(None)
-                continue
-            resident = bool(self._file.resident(extent))
-            if not resident:
+            out.append(None if extent is None else bool(self._file.resident(extent)))
+            if out[-1] is False:
                 self._file.advise(extent)
-            out.append(resident)
         return out
 
     def discard_corrupt(self, keys: Sequence[bytes]) -> int:
         """Delete those of ``keys`` whose stored entry still fails verification; returns how many."""
-        return self._writer.submit(_DeleteOp(self._state, keys, only_corrupt=True))
+        return self._writer.submit(_DeleteOp(self._state, keys))
 
     def read_counts(self) -> dict[str, int]:
         """Values read explicitly (pread) and by the fallback copy from the map, since start."""
@@ -537,20 +481,15 @@ class Store:
         dead = [g for g in self.generations.snapshot(sizes) if g.dead and g.prefix not in busy]
         plan = plan_reclaim(dead, own=generation_of(prefix), namespace=ns, namespace_need=ns_need,
                             daemon_need=all_need)
-        reclaimable = f"; {self.generations.describe(plan)}"
         if ns_need > 0:
             name = self._state.ns_by_id.get(namespace_id_of(ns), "?")
-            message = (
-                f"namespace {name!r} uses {ns_used} of its {ns_limit} byte budget "
-                f"({format_size(ns_used)} of {format_size(ns_limit)}) and this put needs {delta} more bytes"
-                f"{reclaimable}; raise --namespace-budget, lower --reclaim-after or run `actcache drop {name}`"
-            )
+            who, used, cap = f"namespace {name!r}", ns_used, ns_limit
+            fix = f"raise --namespace-budget, lower --reclaim-after or run `actcache drop {name}`"
         else:
-            message = (
-                f"the daemon uses {all_used} of its {limit} byte budget "
-                f"({format_size(all_used)} of {format_size(limit)}) and this put needs {delta} more bytes"
-                f"{reclaimable}; raise --budget, lower --reclaim-after or drop namespaces with `actcache drop`"
-            )
+            who, used, cap = "the daemon", all_used, limit
+            fix = "raise --budget, lower --reclaim-after or drop namespaces with `actcache drop`"
+        message = (f"{who} uses {used} of its {cap} byte budget ({format_size(used)} of {format_size(cap)}) and this "
+                   f"put needs {delta} more bytes; {self.generations.describe(plan)}; {fix}")
         if plan.fits:
             raise _ReclaimNeeded(message, plan)
         raise BudgetExceeded(message)

@@ -1,27 +1,16 @@
 """The store's single writer thread: batches queued write operations into one LMDB transaction.
 
-Invariants: exactly one thread writes; an operation's caller is woken with
-its result or its exception, never left waiting; the map grows (doubling)
-when LMDB reports it full, while no read transaction is open in the process.
+Invariants: exactly one thread writes; an operation's caller is woken with its result or its
+exception, never left waiting; the map grows (doubling) when LMDB reports it full, while no read
+transaction is open in the process.
 
-A full disk is an answer, not a crash. LMDB (without ``writemap``, as here)
-never needs disk space to grow the map: the map is virtual and the file is
-extended by the commit's ``pwrite``s. On a full file system that write comes
-up short and LMDB reports ``mdb_txn_commit: Input/output error`` (EIO, not
-ENOSPC); the transaction is aborted and the environment stays usable. The
-writer turns that into BudgetExceeded (RESOURCE_EXHAUSTED) quoting the free
-bytes, and retries the ops of a failed batch one by one so that a drop queued
-behind a put still frees space. Pages a transaction frees become reusable
-two commits later (LMDB keeps the previous snapshot), so after an op that
-frees pages the writer commits a one-key follow-up transaction: the next put
-reuses the freed pages instead of extending the file.
-
-Growing the map remaps it; if that mmap failed, py-lmdb would invalidate the
-environment. The writer therefore probes the address space first (an
-anonymous PROT_NONE mapping of the added size) and answers
-RESOURCE_EXHAUSTED when the map cannot grow. Should the remap fail anyway,
-the store is marked broken: every later read and write fails with
-StoreError instead of touching an unmapped environment.
+A full disk is an answer, not a crash: the commit's short ``pwrite`` surfaces as EIO (not ENOSPC),
+the transaction aborts and the environment stays usable. The writer answers BudgetExceeded quoting
+the free bytes, and retries a failed batch op by op so that a drop queued behind a put still frees
+space. Freed pages become reusable two commits later, so an op that frees pages is followed by a
+one-key commit. Before growing the map the writer probes the address space (a failed remap would
+invalidate the environment); should the remap fail anyway, the store is marked broken and every
+later read and write fails with StoreError.
 """
 
 from __future__ import annotations
@@ -39,7 +28,8 @@ from typing import Any, Callable, Iterator
 
 import lmdb
 
-from actcache.daemon.config import format_size
+from actcache.daemon.config import StoreConfig, format_size
+from actcache.daemon.store._envfile import mark_damaged
 from actcache.errors import ActCacheError, BudgetExceeded, StoreError
 
 __all__ = ["ReadGate", "WriteOp", "Writer"]
@@ -140,27 +130,14 @@ _STOP = object()
 class Writer:
     """Runs queued WriteOps in batches on one thread; ``submit`` blocks until committed."""
 
-    def __init__(
-        self,
-        env: lmdb.Environment,
-        gate: ReadGate,
-        *,
-        sync: bool,
-        sync_interval_s: float,
-        meta_db=None,
-        on_damage: Callable[[str], None] | None = None,
-        on_remap: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, env: lmdb.Environment, gate: ReadGate, config: StoreConfig, *, meta_db,
+                 on_remap: Callable[[], None]) -> None:
         """``on_remap``: called after the map moved (it grew), before any reader may start again."""
-        self._env = env
-        self._on_remap = on_remap
-        self._on_damage = on_damage
-        self._gate = gate
-        self._meta_db = meta_db
-        self._path = env.path()
+        self._env, self._gate, self._meta_db, self._on_remap = env, gate, meta_db, on_remap
+        self._dir = config.dir
         self._followups = 0
-        self._sync = sync
-        self._sync_interval_s = sync_interval_s
+        self._sync = config.sync
+        self._sync_interval_s = config.sync_interval_s
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="actcache-writer", daemon=True)
         self._stopping = False
@@ -251,14 +228,13 @@ class Writer:
                     return error
                 continue
             except _DAMAGE as exc:
-                if self._on_damage is not None:
-                    self._on_damage(f"a write failed: {exc}")
+                mark_damaged(self._dir, f"a write failed: {exc}")
                 return StoreError(
-                    f"the LMDB file in {self._path} is damaged ({exc}); restart the daemon with "
+                    f"the LMDB file in {self._dir} is damaged ({exc}); restart the daemon with "
                     "--on-corrupt move-aside to start with an empty cache"
                 )
             except lmdb.Error as exc:
-                return _storage_error(exc, self._path, needed)
+                return _storage_error(exc, self._dir, needed)
             except BaseException as exc:  # a bug: wake every caller rather than stall them
                 log.exception("write transaction failed")
                 return StoreError(f"write failed unexpectedly: {exc!r}")
@@ -293,9 +269,9 @@ class Writer:
         """Double the map (add 64 GiB above 64 GiB); return the error that prevents it, if any."""
         old = self._env.info()["map_size"]
         new = old * 2 if old < 64 << 30 else old + (64 << 30)
-        free = _free_bytes(self._path)
+        free = _free_bytes(self._dir)
         if free < needed:
-            return _disk_full(self._path, needed)
+            return _disk_full(self._dir, needed)
         try:
             probe = mmap.mmap(-1, new - old, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, prot=0)
         except (OSError, OverflowError, ValueError) as exc:
@@ -316,8 +292,7 @@ class Writer:
                 log.critical("%s", self._gate.broken)
                 return StoreError(self._gate.broken)
             finally:
-                if self._on_remap is not None:
-                    self._on_remap()
+                self._on_remap()
         log.info("LMDB map full at %d bytes; grew it to %d bytes", old, new)
         return None
 
