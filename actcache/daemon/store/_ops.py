@@ -15,7 +15,7 @@ from actcache.daemon.store._generations import Generation, ReclaimPlan, read_wri
 from actcache.daemon.store._state import NAMESPACE_ID, USAGE, StoreState
 from actcache.daemon.store._writer import WriteOp
 from actcache.errors import BudgetExceeded, InvalidRequest
-from actcache.keys import GENERATION_PREFIX_BYTES, generation_of, group_of
+from actcache.keys import GENERATION_PREFIX_BYTES, generation_of, group_of, group_prefix
 
 __all__: list[str] = []  # internal to the store
 
@@ -216,7 +216,7 @@ class _CreateNamespace(_StoreOp):
         txn.put(self.name.encode(), NAMESPACE_ID.pack(ns_id), db=state.namespaces)
         txn.put(b"next_namespace_id", NAMESPACE_ID.pack(ns_id + 1), db=state.meta)
         if self.secret_record:
-            txn.put(state.secret_key(ns_id), self.secret_record, db=state.secrets)
+            txn.put(group_prefix(ns_id), self.secret_record, db=state.secrets)
         return NamespaceInfo(ns_id, self.name), True
 
     def publish(self, pending):
