@@ -11,5 +11,5 @@ from actcache.daemon.store._dirlock import LOCK_NAME, DirLock, holder_pid
 from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
 from actcache.daemon.store._store import GroupUsage, NamespaceInfo, PutResult, Store
 
-__all__ = ["DirLock", "ExtentHints", "GroupUsage", "LOCK_NAME", "NamespaceInfo", "PageCacheGuess", "PutResult", "ReadSession", "Store",
-           "ValueFile", "holder_pid"]
+__all__ = ["DirLock", "ExtentHints", "GroupUsage", "LOCK_NAME", "NamespaceInfo", "PageCacheGuess", "PutResult",
+           "ReadSession", "Store", "ValueFile", "holder_pid"]

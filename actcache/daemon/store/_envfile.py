@@ -21,7 +21,7 @@ import lmdb
 
 from actcache.errors import StoreError
 
-__all__ = ["DAMAGE_ERRORS", "DB_NAMES", "UnusableStore", "mark_damaged", "move_aside", "open_env"]
+__all__ = ["DAMAGE_ERRORS", "DB_NAMES", "UnusableStore", "damaged", "move_aside", "open_env"]
 
 log = logging.getLogger(__name__)
 
@@ -104,16 +104,17 @@ def move_aside(directory: Path) -> list[Path]:
     return moved
 
 
-def mark_damaged(directory: Path, reason: str) -> None:
-    """Record that the LMDB file is damaged, so that the next start refuses or moves it aside."""
-    marker = directory / DAMAGED_MARKER
-    if marker.exists():
-        return
-    try:
-        tmp = marker.with_suffix(".tmp")
-        tmp.write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {reason}\n")
-        os.replace(tmp, marker)
-    except OSError as exc:
-        log.error("cannot write %s (%s); the store is damaged: %s", marker, exc, reason)
-        return
-    log.error("the store in %s is damaged (%s); marked it in %s", directory, reason, marker)
+def damaged(directory: Path, what: str, exc: Exception) -> StoreError:
+    """The error for ``what`` ("a read", "a write") meeting a damaged LMDB file, after recording the damage
+    so that the next start refuses or moves the file aside."""
+    marker, reason = directory / DAMAGED_MARKER, f"{what} failed: {exc}"
+    if not marker.exists():
+        try:
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {reason}\n")
+            os.replace(tmp, marker)
+            log.error("the store in %s is damaged (%s); marked it in %s", directory, reason, marker)
+        except OSError as error:
+            log.error("cannot write %s (%s); the store is damaged: %s", marker, error, reason)
+    return StoreError(f"the LMDB file in {directory} is damaged ({exc}); restart the daemon with "
+                      "--on-corrupt move-aside to start with an empty cache")

@@ -23,7 +23,7 @@ import logging
 import os
 import re
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import lmdb
 import numpy as np
@@ -34,13 +34,14 @@ from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.store._dirlock import DirLock
 from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
 from actcache.daemon.store._pages import check_layout
-from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
+from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, damaged, move_aside, open_env
 from actcache.daemon.store._generations import Generation, Generations, ReclaimPlan, plan_reclaim
 from actcache.daemon.store._ops import _CreateNamespace, _DeleteOp, _DropOp, _PutOp, _ReclaimNeeded, _ReclaimOp
 from actcache.daemon.store._records import GroupUsage, NamespaceInfo, PutResult
 from actcache.daemon.store._state import StoreState
 from actcache.daemon.store._writer import ReadGate, Writer
-from actcache.errors import BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, PermissionDenied, StoreError
+from actcache.errors import (BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, PermissionDenied,
+                             StoreError)
 from actcache.keys import (MAX_NAMESPACE_ID, encode_key, encode_keys, generation_of, group_prefix, namespace_id_of,
                            namespace_of, sample_id_of, split_group)
 
@@ -123,7 +124,8 @@ class Store:
                         )
                     txn.put(b"format", FORMAT, db=state.meta)
                 elif marker != FORMAT:
-                    raise UnusableStore(f"{self.config.dir} holds store format {marker!r}, this daemon reads {FORMAT!r}")
+                    raise UnusableStore(f"{self.config.dir} holds store format {marker!r}, "
+                                        f"this daemon reads {FORMAT!r}")
                 state.load(txn)
         except BaseException as exc:
             self._env.close()
@@ -243,8 +245,8 @@ class Store:
             return PutResult(0, 0, 0)
         for round_ in range(_RECLAIM_ROUNDS):
             try:
-                return self._writer.submit(_PutOp(self._state, prefix, records, stored_length=self._file.pages.stored_length,
-                                                  check_room=self._check_room))
+                return self._writer.submit(_PutOp(self._state, prefix, records, check_room=self._check_room,
+                                                  stored_length=self._file.pages.stored_length))
             except _ReclaimNeeded as need:
                 if round_ == _RECLAIM_ROUNDS - 1:
                     raise BudgetExceeded(str(need)) from None
@@ -266,14 +268,29 @@ class Store:
             self.generations.read(generation_of(encoded[0]))
         out: list[bytes | memoryview | None] = []
         corrupt: list[tuple[bytes, str]] = []
+        nbytes = 0
         try:
-            self._read(encoded, out, corrupt, max_bytes)
+            with self.read_session() as session:
+                extents = []
+                for key in encoded:  # locate up to max_bytes, then hint the kernel to read them all at once
+                    if max_bytes is not None and nbytes >= max_bytes:
+                        break
+                    extents.append(session.locate(key))
+                    nbytes += 0 if extents[-1] is None else extents[-1].length
+                for extent in extents:
+                    if extent is not None:
+                        self._file.advise(extent)
+                for key, extent in zip(encoded, extents):
+                    value = None if extent is None else session.read(key, extent)
+                    if value is not None:
+                        try:
+                            verify_entry(value)
+                        except InvalidRequest as exc:
+                            corrupt.append((key, str(exc)))
+                            value = None
+                    out.append(value)
         except DAMAGE_ERRORS as exc:
-            mark_damaged(self.config.dir, f"a read failed: {exc}")
-            raise StoreError(
-                f"the LMDB file in {self.config.dir} is damaged ({exc}); restart the daemon with "
-                "--on-corrupt move-aside to start with an empty cache"
-            ) from None
+            raise damaged(self.config.dir, "a read", exc) from None
         if corrupt:
             self.discard_corrupt([k for k, _ in corrupt])
             ids = [sample_id_of(k) for k, _ in corrupt]
@@ -282,29 +299,6 @@ class Store:
                 f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them"
             )
         return out
-
-    def _read(self, keys: list[bytes], out: list, corrupt: list[tuple[bytes, str]], max_bytes: int | None) -> None:
-        nbytes = 0
-        with self.read_session() as session:
-            extents = []
-            for key in keys:  # locate up to max_bytes, then hint the kernel to read them all at once
-                if max_bytes is not None and nbytes >= max_bytes:
-                    break
-                extent = session.locate(key)
-                extents.append(extent)
-                nbytes += 0 if extent is None else extent.length
-            for extent in extents:
-                if extent is not None:
-                    self._file.advise(extent)
-            for key, extent in zip(keys, extents):
-                value = None if extent is None else session.read(key, extent)
-                if value is not None:
-                    try:
-                        verify_entry(value)
-                    except InvalidRequest as exc:
-                        corrupt.append((key, str(exc)))
-                        value = None
-                out.append(value)
 
     @contextmanager
     def read_session(self, guess: PageCacheGuess | None = None) -> Iterator[ReadSession]:
@@ -386,12 +380,9 @@ class Store:
 
     def generation_stats(self) -> list[Generation]:
         """Every stored generation (namespace, fingerprint) with its bytes, activity and whether it is dead now."""
-        usage: dict[bytes, int] = {}
         with self._state.lock:
-            for p, (n, b) in self._state.usage.items():
-                if n:
-                    usage[generation_of(p)] = usage.get(generation_of(p), 0) + b
-        return self.generations.snapshot(usage)
+            rows = [(p, b) for p, (n, b) in self._state.usage.items() if n]
+        return self.generations.snapshot(_by_generation(rows))
 
     def groups(self) -> list[GroupUsage]:
         with self._state.lock:
@@ -411,7 +402,8 @@ class Store:
 
     def used_bytes(self, namespace_id: int | None = None) -> int:
         with self._state.lock:
-            return sum(u[1] for p, u in self._state.usage.items() if namespace_id is None or namespace_id_of(p) == namespace_id)
+            return sum(u[1] for p, u in self._state.usage.items()
+                       if namespace_id is None or namespace_id_of(p) == namespace_id)
 
     def map_size(self) -> int:
         return self._env.info()["map_size"]
@@ -474,11 +466,9 @@ class Store:
         all_need = all_used + delta - limit if limit else 0
         if ns_need <= 0 and all_need <= 0:
             return
-        sizes: dict[bytes, int] = {}
-        for p, b in group_bytes.items():
-            sizes[generation_of(p)] = sizes.get(generation_of(p), 0) + b
         busy = {generation_of(p) for p in pending}  # touched in this transaction: not planned around
-        dead = [g for g in self.generations.snapshot(sizes) if g.dead and g.prefix not in busy]
+        generations = self.generations.snapshot(_by_generation(group_bytes.items()))
+        dead = [g for g in generations if g.dead and g.prefix not in busy]
         plan = plan_reclaim(dead, own=generation_of(prefix), namespace=ns, namespace_need=ns_need,
                             daemon_need=all_need)
         if ns_need > 0:
@@ -493,3 +483,11 @@ class Store:
         if plan.fits:
             raise _ReclaimNeeded(message, plan)
         raise BudgetExceeded(message)
+
+
+def _by_generation(group_bytes: Iterable[tuple[bytes, int]]) -> dict[bytes, int]:
+    """Bytes per generation, from (group prefix, bytes) rows."""
+    sizes: dict[bytes, int] = {}
+    for prefix, nbytes in group_bytes:
+        sizes[generation_of(prefix)] = sizes.get(generation_of(prefix), 0) + nbytes
+    return sizes

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import lmdb
 
 from actcache.daemon.config import StoreConfig, format_size
-from actcache.daemon.store._envfile import mark_damaged
+from actcache.daemon.store._envfile import damaged
 from actcache.errors import ActCacheError, BudgetExceeded, StoreError
 
 __all__ = ["ReadGate", "WriteOp", "Writer"]
@@ -195,16 +195,12 @@ class Writer:
         error = self._attempt(batch)
         if error is None:
             return
-        if len(batch) > 1 and isinstance(error, BudgetExceeded):
-            # The disk is full: commit the ops one by one, so that drops and
-            # small writes still go through while the large puts are refused.
-            for op in batch:
-                single = self._attempt([op])
-                if single is not None:
-                    op.finish(error=single)
-            return
+        # A full disk: commit the ops one by one, so that drops and small writes still go through.
+        singly = len(batch) > 1 and isinstance(error, BudgetExceeded)
         for op in batch:
-            op.finish(error=error)
+            op_error = self._attempt([op]) if singly else error
+            if op_error is not None:
+                op.finish(error=op_error)
 
     def _attempt(self, batch: list[WriteOp]) -> ActCacheError | None:
         """Commit ``batch`` in one transaction and finish its ops; on failure return the error
@@ -228,11 +224,7 @@ class Writer:
                     return error
                 continue
             except _DAMAGE as exc:
-                mark_damaged(self._dir, f"a write failed: {exc}")
-                return StoreError(
-                    f"the LMDB file in {self._dir} is damaged ({exc}); restart the daemon with "
-                    "--on-corrupt move-aside to start with an empty cache"
-                )
+                return damaged(self._dir, "a write", exc)
             except lmdb.Error as exc:
                 return _storage_error(exc, self._dir, needed)
             except BaseException as exc:  # a bug: wake every caller rather than stall them
@@ -263,14 +255,14 @@ class Writer:
             with self._env.begin(write=True) as txn:
                 txn.put(b"followup_commits", struct.pack(">Q", self._followups), db=self._meta_db)
         except lmdb.Error as exc:
-            log.warning("follow-up commit after freeing pages failed (%s); freed pages are reused one commit later", exc)
+            log.warning("follow-up commit after freeing pages failed (%s); freed pages are reused one commit "
+                        "later", exc)
 
     def _grow(self, needed: int) -> ActCacheError | None:
         """Double the map (add 64 GiB above 64 GiB); return the error that prevents it, if any."""
         old = self._env.info()["map_size"]
         new = old * 2 if old < 64 << 30 else old + (64 << 30)
-        free = _free_bytes(self._dir)
-        if free < needed:
+        if _free_bytes(self._dir) < needed:
             return _disk_full(self._dir, needed)
         try:
             probe = mmap.mmap(-1, new - old, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, prot=0)
