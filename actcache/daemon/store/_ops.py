@@ -10,9 +10,8 @@ import logging
 from typing import Callable, Iterable
 
 from actcache.codec import verify_entry
-from actcache.daemon.store._records import NamespaceInfo, PutResult
 from actcache.daemon.store._generations import Generation, ReclaimPlan, read_write_time, write_time
-from actcache.daemon.store._state import NAMESPACE_ID, USAGE, StoreState
+from actcache.daemon.store._state import NAMESPACE_ID, USAGE, NamespaceInfo, PutResult, StoreState
 from actcache.daemon.store._writer import WriteOp
 from actcache.errors import BudgetExceeded, InvalidRequest
 from actcache.keys import GENERATION_PREFIX_BYTES, generation_of, group_of, group_prefix
@@ -66,19 +65,15 @@ class _PutOp(_StoreOp):
 
     def apply(self, txn, pending):
         db = self.state.entries
-        added = replaced = delta = 0
-        sizes: dict[bytes, int | None] = {}  # stored size of each key as this op leaves it
+        replaced = delta = 0
+        sizes: dict[bytes, int] = {}  # stored size of each key as this op leaves it
         cursor = txn.cursor(db=db)
         for key, value in self.records:
-            if key not in sizes:
-                sizes[key] = self._stored_length(cursor, key)
-            if sizes[key] is None:
-                added += 1
-                delta += len(value)
-            else:
-                replaced += 1
-                delta += len(value) - sizes[key]
+            old = sizes[key] if key in sizes else self._stored_length(cursor, key)
+            replaced += old is not None
+            delta += len(value) - (old or 0)
             sizes[key] = len(value)
+        added = len(self.records) - replaced
         self._check_room(txn, self.prefix, delta, self.nbytes, pending)
         for key, value in self.records:
             txn.put(key, value, db=db)

@@ -1,5 +1,5 @@
 """The state a store's reads and its write operations (``_ops``) share: the environment, its tables
-and the in-memory maps of namespaces, secrets and usage.
+and the in-memory maps of namespaces, secrets and usage; and what the store answers with.
 
 Invariant: the maps change only under ``lock``, and the writer changes them only after its
 transaction committed (an op's ``publish``), so they always equal the committed tables.
@@ -16,12 +16,37 @@ import lmdb
 from actcache.daemon.store._generations import Generations, read_write_time
 from actcache.keys import namespace_id_of
 
-__all__ = ["NAMESPACE_ID", "StoreState", "USAGE"]
+__all__ = ["GroupUsage", "NAMESPACE_ID", "NamespaceInfo", "PutResult", "StoreState", "USAGE"]
 
 #: A ``groups`` table value: entries u64, bytes u64.
 USAGE = struct.Struct(">QQ")
 #: A ``namespaces`` table value, and ``meta``'s next namespace id: u32.
 NAMESPACE_ID = struct.Struct(">I")
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceInfo:
+    id: int
+    name: str
+    #: What requests name the namespace by: ``id`` when it has no secret, else a
+    #: random 64-bit handle for this daemon run (set by ``open_namespace`` only).
+    handle: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupUsage:
+    namespace_id: int
+    fingerprint: bytes
+    depth: int
+    entries: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    entries: int
+    stored_bytes: int
+    replaced: int
 
 
 @dataclass(eq=False)

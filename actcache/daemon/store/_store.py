@@ -37,8 +37,7 @@ from actcache.daemon.store._pages import check_layout
 from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, damaged, move_aside, open_env
 from actcache.daemon.store._generations import Generation, Generations, ReclaimPlan, plan_reclaim
 from actcache.daemon.store._ops import _CreateNamespace, _DeleteOp, _DropOp, _PutOp, _ReclaimNeeded, _ReclaimOp
-from actcache.daemon.store._records import GroupUsage, NamespaceInfo, PutResult
-from actcache.daemon.store._state import StoreState
+from actcache.daemon.store._state import GroupUsage, NamespaceInfo, PutResult, StoreState
 from actcache.daemon.store._writer import ReadGate, Writer
 from actcache.errors import (BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, PermissionDenied,
                              StoreError)
