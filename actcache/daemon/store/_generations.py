@@ -144,11 +144,9 @@ class Generations:
         with self._lock:
             self._read[prefix] = when
             if pins:
-                left = self._pins.get(prefix, 0) + pins
-                if left > 0:
-                    self._pins[prefix] = left
-                else:
-                    self._pins.pop(prefix, None)
+                self._pins[prefix] = self._pins.get(prefix, 0) + pins
+                if self._pins[prefix] <= 0:
+                    del self._pins[prefix]
 
     def pin(self, prefix: bytes) -> None:
         """A live schedule reads the generation (a push); counts as a read too."""
@@ -198,10 +196,9 @@ class Generations:
         with self._lock:
             return list(self._written)
 
-    def is_dead(self, prefix: bytes, now: float | None = None) -> bool:
-        now = self._clock() if now is None else now
+    def is_dead(self, prefix: bytes) -> bool:
         with self._lock:
-            return self._dead(prefix, now)
+            return self._dead(prefix, self._clock())
 
     def _dead(self, prefix: bytes, now: float) -> bool:
         if self._pins.get(prefix):
@@ -211,15 +208,13 @@ class Generations:
         active = max(self._written.get(prefix, float("-inf")), self._read.get(prefix, self.started))
         return now - active >= self.reclaim_after_s
 
-    def snapshot(self, usage: Mapping[bytes, int], now: float | None = None) -> list[Generation]:
-        """Every generation in ``usage`` (prefix -> stored bytes) with its activity, at ``now``."""
-        now = self._clock() if now is None else now
+    def snapshot(self, usage: Mapping[bytes, int]) -> list[Generation]:
+        """Every generation in ``usage`` (prefix -> stored bytes) with its activity, now."""
+        now = self._clock()
         with self._lock:
-            return [
-                Generation(prefix, nbytes, self._written.get(prefix), self._read.get(prefix),
-                           self._pins.get(prefix, 0), self._dead(prefix, now))
-                for prefix, nbytes in sorted(usage.items())
-            ]
+            return [Generation(prefix, nbytes, self._written.get(prefix), self._read.get(prefix),
+                               self._pins.get(prefix, 0), self._dead(prefix, now))
+                    for prefix, nbytes in sorted(usage.items())]
 
 
 def _age(when: float | None, now: float, unknown: str) -> str:

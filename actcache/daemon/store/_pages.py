@@ -92,7 +92,7 @@ class LeafPages:
         A lookup of a cold value waits for a random read of its first page (LMDB reads it), so keys
         are looked up in order, and each lookup's whole leaf page answers for every key in its range:
         one random read per leaf page (about 80 entries) instead of one per key. A page not
-        recognized answers for its own key only.
+        recognized answers for the keys up to the cursor's only.
         """
         order = sorted(range(len(keys)), key=keys.__getitem__)
         out = [False] * len(keys)
@@ -103,11 +103,7 @@ class LeafPages:
                 break
             # set_range lands on the smallest stored key >= key, so every key from `key` to the page's
             # last one is stored exactly if it is on the page
-            page = [node[0] for node in self.leaf_nodes(cursor)]
-            if not page:
-                out[order[i]] = bytes(cursor.key()) == key
-                i += 1
-                continue
+            page = [node[0] for node in self.leaf_nodes(cursor)] or [bytes(cursor.key())]
             last, on_page = page[-1], set(page)
             while i < len(order) and keys[order[i]] <= last:
                 out[order[i]] = keys[order[i]] in on_page

@@ -162,26 +162,24 @@ class Writer:
     def _run(self) -> None:
         while True:
             try:
-                first = self._queue.get(timeout=self._sync_interval_s)
+                op = self._queue.get(timeout=self._sync_interval_s)
             except queue.Empty:
                 self._periodic_sync()
                 continue
-            if first is _STOP:
-                return
-            batch, nbytes, stop = [first], first.nbytes, False
-            while len(batch) < _MAX_OPS_PER_TXN and nbytes < _MAX_BYTES_PER_TXN:
+            batch, nbytes = [], 0
+            while op is not _STOP:
+                batch.append(op)
+                nbytes += op.nbytes
+                if len(batch) >= _MAX_OPS_PER_TXN or nbytes >= _MAX_BYTES_PER_TXN:
+                    break
                 try:
                     op = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if op is _STOP:
-                    stop = True
-                    break
-                batch.append(op)
-                nbytes += op.nbytes
-            self._commit(batch)
-            self._periodic_sync()
-            if stop:
+            if batch:
+                self._commit(batch)
+                self._periodic_sync()
+            if op is _STOP:
                 return
 
     def _periodic_sync(self) -> None:
