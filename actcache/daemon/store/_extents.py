@@ -113,12 +113,10 @@ class ValueFile:
 
 
 class PageCacheGuess:
-    """Whether a reader's recent explicit reads all came from the page cache; one per reader.
-
-    After ``WARM_AFTER`` such reads in a row, values are copied out of the map instead, a run per
-    LMDB call (``ReadSession.copy_run``). One lookup in ``CHECK_EVERY`` is checked again, and one
-    that was not cached ends the streak. A wrong guess costs speed, never bytes.
-    """
+    """Whether a reader's recent explicit reads all came from the page cache; one per reader. After
+    ``WARM_AFTER`` such reads in a row, values are copied out of the map instead, a run per LMDB call
+    (``ReadSession.copy_run``). One lookup in ``CHECK_EVERY`` is checked again; one that was not cached
+    ends the streak. A wrong guess costs speed, never bytes."""
 
     WARM_AFTER = 32
     CHECK_EVERY = 64

@@ -76,17 +76,14 @@ class ReclaimPlan:
     fits: bool
 
 
-def plan_reclaim(
-    dead: Sequence[Generation], *, own: bytes, namespace: bytes, namespace_need: int, daemon_need: int
-) -> ReclaimPlan:
+def plan_reclaim(dead: Sequence[Generation], *, own: bytes, namespace: bytes, namespace_need: int,
+                 daemon_need: int) -> ReclaimPlan:
     """Choose whole dead generations to drop so that a put fits its budgets.
 
-    ``dead``: the dead generations of every namespace; ``own``: the put's
-    generation (never chosen); ``namespace``: the put's namespace id (4
-    bytes); ``*_need``: bytes to free for each budget (<= 0: it fits). The
-    namespace's generations are taken first, oldest last write first (an
-    unknown one counts as oldest) until its need is met; freeing them helps
-    the daemon budget too, and any namespace's then make up the rest of it.
+    ``dead``: the dead generations of every namespace; ``own``: the put's generation (never chosen);
+    ``namespace``: the put's namespace id (4 bytes); ``*_need``: bytes to free for each budget (<= 0:
+    it fits). The namespace's own go first, oldest last write first (unknown counts as oldest), until
+    its need is met; any namespace's then make up the rest of the daemon budget's need.
     """
     order = sorted((g for g in dead if g.prefix != own and g.bytes > 0),
                    key=lambda g: (g.last_write is not None, g.last_write or 0.0, g.prefix))

@@ -53,12 +53,9 @@ def is_overflow_page(header: bytes | memoryview, offset: int, page_size: int) ->
 
 
 class LeafPages:
-    """Leaf pages of one ``data.mdb``, read by ``pread`` on ``fd``; thread-safe.
-
-    ``enabled`` False (the store's layout check failed) makes every answer "not recognized".
-    ``remapped()`` must be called after LMDB moved its map (``set_mapsize``), while no
-    transaction is open in the process.
-    """
+    """Leaf pages of one ``data.mdb``, read by ``pread`` on ``fd``; thread-safe. ``enabled`` False (the
+    layout check failed) makes every answer "not recognized". Call ``remapped()`` after LMDB moved its
+    map (``set_mapsize``), while no transaction is open in the process."""
 
     def __init__(self, fd: int, page_size: int) -> None:
         self._fd = fd
@@ -87,13 +84,9 @@ class LeafPages:
         return nodes
 
     def present_keys(self, cursor, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each of ``keys`` is stored, reading no value past its first page.
-
-        A lookup of a cold value waits for a random read of its first page (LMDB reads it), so keys
-        are looked up in order, and each lookup's whole leaf page answers for every key in its range:
-        one random read per leaf page (about 80 entries) instead of one per key. A page not
-        recognized answers for the keys up to the cursor's only.
-        """
+        """Whether each of ``keys`` is stored, reading no value past its first page: keys are looked up in
+        order, and each lookup's whole leaf page answers for every key in its range, one random read per
+        leaf page (about 80 entries) instead of one per key."""
         order = sorted(range(len(keys)), key=keys.__getitem__)
         out = [False] * len(keys)
         i = 0

@@ -38,7 +38,7 @@ from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStor
 from actcache.daemon.store._generations import Generation, Generations, ReclaimPlan, plan_reclaim
 from actcache.daemon.store._ops import _CreateNamespace, _DeleteOp, _DropOp, _PutOp, _ReclaimNeeded, _ReclaimOp
 from actcache.daemon.store._state import GroupUsage, NamespaceInfo, PutResult, StoreState
-from actcache.daemon.store._writer import ReadGate, Writer
+from actcache.daemon.store._writer import ReadGate, Writer, free_bytes
 from actcache.errors import (BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, PermissionDenied,
                              StoreError)
 from actcache.keys import (MAX_NAMESPACE_ID, encode_key, encode_keys, generation_of, group_prefix, namespace_id_of,
@@ -150,11 +150,8 @@ class Store:
     # ---- namespaces ------------------------------------------------------
 
     def open_namespace(self, name: str, *, create: bool = True, secret: bytes | None = None) -> NamespaceInfo:
-        """Return the namespace called ``name`` with its handle, creating it when ``create``.
-
-        A namespace created with a ``secret`` can only be opened with it
-        (PermissionDenied otherwise); see actcache.daemon.store._access.
-        """
+        """Return the namespace called ``name`` with its handle, creating it when ``create``. A namespace
+        created with a ``secret`` can only be opened with it (PermissionDenied otherwise); see ``_access``."""
         if not _NAME_RE.fullmatch(name or ""):
             raise InvalidRequest(f"namespace name {name!r} is invalid; use 1-128 characters of A-Z a-z 0-9 . _ -")
         secret = check_secret(secret)
@@ -185,11 +182,8 @@ class Store:
         return NamespaceInfo(ns_id, name, self._handles.issue(ns_id))
 
     def resolve(self, handle: int) -> int:
-        """The namespace id a request's ``namespace_id`` (a handle from Open) stands for.
-
-        Every method below that takes a ``namespace_id`` resolves it here first:
-        a protected namespace is reachable only through its random handle.
-        """
+        """The namespace id a request's ``namespace_id`` (a handle from Open) stands for; every method taking
+        a ``namespace_id`` resolves it here first. A protected namespace is reachable only by its handle."""
         if handle > MAX_NAMESPACE_ID:
             ns_id = self._handles.namespace_of(handle)
             if ns_id is None:
@@ -215,13 +209,9 @@ class Store:
         self, namespace_id: int, fingerprint: bytes, depth: int, items: Sequence[tuple[int, int, bytes | memoryview]],
         *, encoding: Encoding | None = None,
     ) -> PutResult:
-        """Validate, compress (when it pays) and commit ``(sample_id, variant, entry)`` items.
-
-        ``encoding`` (the client's choice for this group) replaces the daemon's ``--encoding``.
-
-        Returns once the items are committed. All items of one call share a
-        group and are committed atomically, or none is (budget, disk full).
-        """
+        """Validate, compress (when it pays) and commit ``(sample_id, variant, entry)`` items of one group,
+        all or none (budget, disk full); returns once committed. ``encoding`` (the client's choice for
+        this group) replaces the daemon's ``--encoding``."""
         namespace_id = self.resolve(namespace_id)
         prefix = group_prefix(namespace_id, fingerprint, depth)
         records = []
@@ -254,13 +244,9 @@ class Store:
 
     def get(self, namespace_id: int, fingerprint: bytes, depth: int, keys: Sequence[tuple[int, int]], *,
             max_bytes: int | None = None) -> list[bytes | memoryview | None]:
-        """Return the entry of each ``(sample_id, variant)``, or None for a miss.
-
-        With ``max_bytes``, stops once the values read reach that many bytes
-        (always after at least one key): the result may be shorter than
-        ``keys``, a prefix of it. A value that fails its checksum is deleted
-        and EntryCorrupt raised.
-        """
+        """Return the entry of each ``(sample_id, variant)``, or None for a miss. With ``max_bytes``, stops
+        once the values read reach that many bytes (after at least one key): the result is then a prefix
+        of ``keys``. A value that fails its checksum is deleted and EntryCorrupt raised."""
         namespace_id = self.resolve(namespace_id)
         encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
         if encoded:
@@ -411,26 +397,20 @@ class Store:
         """Bytes the data file occupies on disk (allocated blocks, not its apparent size)."""
         return os.stat(self.config.dir / "data.mdb").st_blocks * 512
 
-    def _reusable_bytes(self, txn) -> int:
-        """About how many bytes of ``data.mdb`` are free pages LMDB will reuse (file pages minus tree pages)."""
-        used = 2  # meta pages
-        main = self._env.stat()
-        s = self._state
-        tables = (s.entries, s.namespaces, s.groups, s.meta, s.secrets, s.generation_times)
-        for stat in [main, *(txn.stat(db) for db in tables)]:
-            used += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
-        return max(0, self._env.info()["last_pgno"] + 1 - used) * main["psize"]
-
     def _check_disk(self, txn, nbytes: int) -> None:
         """Refuse a put of ``nbytes`` that would eat into the disk reserve kept for drops (0: no check)."""
         reserve = self.config.disk_reserve_bytes
         if not reserve:
             return
-        st = os.statvfs(self.config.dir)
-        free = st.f_bavail * st.f_frsize
+        free = free_bytes(self.config.dir)
         if free - nbytes >= reserve:
             return
-        reusable = self._reusable_bytes(txn)
+        # About how many bytes of data.mdb are free pages LMDB will reuse: file pages minus tree and meta pages.
+        s, main = self._state, self._env.stat()
+        tables = (s.entries, s.namespaces, s.groups, s.meta, s.secrets, s.generation_times)
+        used = 2 + sum(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+                       for st in [main, *(txn.stat(db) for db in tables)])
+        reusable = max(0, self._env.info()["last_pgno"] + 1 - used) * main["psize"]
         if free + reusable - nbytes >= reserve:
             return
         raise BudgetExceeded(
@@ -448,12 +428,9 @@ class Store:
         self._check_disk(txn, nbytes)
 
     def _check_budget(self, prefix: bytes, delta: int, pending: dict[bytes, list[int]]) -> None:
-        """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op).
-
-        Raises _ReclaimNeeded when dropping dead generations would make the put
-        fit (the caller reclaims them and puts again), else BudgetExceeded
-        saying how many bytes were reclaimable.
-        """
+        """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op): raises
+        _ReclaimNeeded when dropping dead generations would make the put fit (the caller reclaims them and
+        puts again), else BudgetExceeded saying how many bytes were reclaimable."""
         ns_limit, limit = self.config.namespace_budget_bytes, self.config.budget_bytes
         if delta <= 0 or not (ns_limit or limit):
             return

@@ -32,7 +32,7 @@ from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.store._envfile import damaged
 from actcache.errors import ActCacheError, BudgetExceeded, StoreError
 
-__all__ = ["ReadGate", "WriteOp", "Writer"]
+__all__ = ["ReadGate", "WriteOp", "Writer", "free_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,8 @@ _DISK_FULL_SLACK = 1 << 20
 
 
 class ReadGate:
-    """Lets readers in concurrently and a map resize in alone.
-
-    LMDB allows ``set_mapsize`` only while the process has no open
-    transaction, so readers hold the gate while their transaction is open.
-    """
+    """Lets readers in concurrently and a map resize in alone: LMDB allows ``set_mapsize`` only while
+    the process has no open transaction, so readers hold the gate while theirs is open."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -92,12 +89,9 @@ class ReadGate:
 
 
 class WriteOp:
-    """One queued write. ``apply`` must raise before its first write or not at all
-    (LMDB errors excepted: they abort and retry or fail the whole transaction).
-
-    ``nbytes`` is what the op adds to the file at most; ``frees_pages`` asks
-    the writer for a follow-up commit so that the freed pages become reusable.
-    """
+    """One queued write. ``apply`` must raise before its first write or not at all (LMDB errors abort
+    the whole transaction). ``nbytes``: what it adds to the file at most; ``frees_pages`` asks for a
+    follow-up commit so that the freed pages become reusable."""
 
     nbytes: int = 0
     frees_pages: bool = False
@@ -260,7 +254,7 @@ class Writer:
         """Double the map (add 64 GiB above 64 GiB); return the error that prevents it, if any."""
         old = self._env.info()["map_size"]
         new = old * 2 if old < 64 << 30 else old + (64 << 30)
-        if _free_bytes(self._dir) < needed:
+        if free_bytes(self._dir) < needed:
             return _disk_full(self._dir, needed)
         try:
             probe = mmap.mmap(-1, new - old, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, prot=0)
@@ -287,7 +281,8 @@ class Writer:
         return None
 
 
-def _free_bytes(path: str) -> int:
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged process may still write on the file system holding ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 
@@ -305,6 +300,6 @@ def _disk_full(path: str, needed: int) -> BudgetExceeded:
 def _storage_error(exc: lmdb.Error, path: str, needed: int) -> ActCacheError:
     """Classify a failed commit. A short write on a full disk surfaces as EIO, so the free space decides."""
     nospace = getattr(exc, "errno", None) == errno.ENOSPC or "No space" in str(exc)
-    if nospace or isinstance(exc, lmdb.DiskError) or _free_bytes(path) < needed + _DISK_FULL_SLACK:
+    if nospace or isinstance(exc, lmdb.DiskError) or free_bytes(path) < needed + _DISK_FULL_SLACK:
         return _disk_full(path, needed)
     return StoreError(f"LMDB write failed in {path}: {exc}")
