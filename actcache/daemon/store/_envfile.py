@@ -53,32 +53,23 @@ def open_env(directory: Path, *, map_size: int, sync: bool, readahead: bool = Tr
     except lmdb.Error as exc:
         raise StoreError(f"cannot open the store in {directory}: {exc}") from exc
     try:
-        _check(env, data)
-    except BaseException:
-        env.close()
-        raise
-    return env
-
-
-def _check(env: lmdb.Environment, data: Path) -> None:
-    pages = env.info()["last_pgno"] + 1
-    needed = pages * env.stat()["psize"]
-    if _size(data) < needed:
-        raise UnusableStore(
-            f"{data} is {_size(data)} bytes but its meta page counts {pages} pages ({needed} bytes); "
-            "the file was truncated"
-        )
-    try:
+        pages = env.info()["last_pgno"] + 1
+        needed = pages * env.stat()["psize"]
+        if _size(data) < needed:
+            raise UnusableStore(f"{data} is {_size(data)} bytes but its meta page counts {pages} pages "
+                                f"({needed} bytes); the file was truncated")
         with env.begin() as txn:
             keys = map(bytes, txn.cursor().iternext(keys=True, values=False))
             foreign = list(islice((key for key in keys if key not in DB_NAMES), 5))
-    except DAMAGE_ERRORS as exc:
-        raise UnusableStore(f"{data} is damaged: {exc}") from None
-    if foreign:
-        raise UnusableStore(
-            f"{data} is an LMDB database of another program (its main database holds keys such as "
-            f"{foreign}, actcache keeps only {[n.decode() for n in DB_NAMES]})"
-        )
+        if foreign:
+            raise UnusableStore(f"{data} is an LMDB database of another program (its main database holds keys "
+                                f"such as {foreign}, actcache keeps only {[n.decode() for n in DB_NAMES]})")
+    except BaseException as exc:
+        env.close()
+        if isinstance(exc, DAMAGE_ERRORS):
+            raise UnusableStore(f"{data} is damaged: {exc}") from None
+        raise
+    return env
 
 
 def _size(path: Path) -> int:

@@ -56,9 +56,8 @@ class ValueFile:
     """``data.mdb`` opened for explicit reads (``POSIX_FADV_RANDOM``: no readahead around them); thread-safe."""
 
     def __init__(self, path: Path, page_size: int) -> None:
-        self.path = Path(path)
         self.page_size = page_size
-        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._nowait = bool(_NOWAIT)
