@@ -240,8 +240,7 @@ class ReadSession:
     def locate_hinted(self, key: bytes, hints: ExtentHints) -> Extent | None:
         """``locate`` for read hints: a learned extent if there is one, else a lookup that teaches
         ``hints`` every value on the key's leaf page. None if there is no such key (as far as known)."""
-        extent = hints.take(key)
-        if extent is not None:
+        if (extent := hints.take(key)) is not None:
             return extent
         if not self._cursor.set_key(key):
             return None

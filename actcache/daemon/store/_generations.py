@@ -121,8 +121,6 @@ class Generations:
     def now(self) -> float:
         return self._clock()
 
-    # ---- events ------------------------------------------------------------
-
     def load(self, rows: Iterable[tuple[bytes, float]]) -> None:
         """The persisted last writes, at start."""
         with self._lock:
@@ -181,8 +179,6 @@ class Generations:
         after = f", unused for {self.reclaim_after_s:g} s (--reclaim-after)" if self.reclaim_after_s else ""
         return (f"dead generations (no live schedule{after}) hold {plan.reclaimable_bytes} bytes "
                 f"({format_size(plan.reclaimable_bytes)}) that could be reclaimed{'' if plan.fits else ', not enough'}")
-
-    # ---- queries -----------------------------------------------------------
 
     def last_write(self, prefix: bytes) -> float | None:
         with self._lock:

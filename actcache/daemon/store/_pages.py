@@ -40,8 +40,7 @@ _PGNO = struct.Struct("<Q")
 _PAGE_HEAD = struct.Struct("<QHH")  # pgno, pad, flags
 _PAGE_BOUNDS = struct.Struct("<QHHHH")  # pgno, pad, flags, lower (end of the node offsets), upper
 
-# The keys check_layout writes into the store's meta table and deletes again: a value stored in
-# overflow pages, and a small one stored in its leaf.
+# Keys check_layout writes into the meta table and deletes again: a value in overflow pages, one in its leaf.
 _PROBE_BIG = b"\xffpage-layout-check:overflow".ljust(32, b"\0")
 _PROBE_SMALL = b"\xffpage-layout-check:inline".ljust(32, b"\0")
 
@@ -94,8 +93,7 @@ class LeafPages:
             key = keys[order[i]]
             if not cursor.set_range(key):  # nothing at or after it: the rest are absent
                 break
-            # set_range lands on the smallest stored key >= key, so every key from `key` to the page's
-            # last one is stored exactly if it is on the page
+            # set_range lands on the smallest stored key >= key: keys up to the page's last are stored iff on it
             page = [node[0] for node in self.leaf_nodes(cursor)] or [bytes(cursor.key())]
             last, on_page = page[-1], set(page)
             while i < len(order) and keys[order[i]] <= last:
@@ -194,9 +192,7 @@ def check_layout(env, db, pages: LeafPages) -> str | None:
     try:
         with env.begin(db=db, buffers=True) as txn:
             cursor = txn.cursor()
-            if not cursor.set_key(_PROBE_BIG):
-                return "the check value was not stored"
-            node = pages.overflow_node(cursor, _PROBE_BIG)
+            node = pages.overflow_node(cursor, _PROBE_BIG) if cursor.set_key(_PROBE_BIG) else None
             if node is None:
                 return "its leaf node was not found"
             pgno, length = node

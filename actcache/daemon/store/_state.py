@@ -28,8 +28,7 @@ NAMESPACE_ID = struct.Struct(">I")
 class NamespaceInfo:
     id: int
     name: str
-    #: What requests name the namespace by: ``id`` when it has no secret, else a
-    #: random 64-bit handle for this daemon run (set by ``open_namespace`` only).
+    #: What requests name it by: ``id`` without a secret, else a random handle (set by ``open_namespace``).
     handle: int | None = None
 
 

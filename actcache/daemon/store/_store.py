@@ -88,7 +88,6 @@ class Store:
             log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
         self._writer = Writer(self._env, self._gate, config, meta_db=self._state.meta,
                               on_remap=self._file.pages.remapped)
-        self._writer.start()
 
     def _check_page_layout(self) -> int:
         """Turn the leaf-page reader off (and return 1) unless it finds a known value written into meta."""

@@ -97,7 +97,7 @@ class WriteOp:
     frees_pages: bool = False
 
     def __init__(self) -> None:
-        self._done = threading.Event()
+        self.done = threading.Event()
         self.result_value: Any = None
         self.error: BaseException | None = None
 
@@ -109,13 +109,7 @@ class WriteOp:
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self.result_value, self.error = result, error
-        self._done.set()
-
-    def wait(self) -> Any:
-        self._done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.result_value
+        self.done.set()
 
 
 _STOP = object()
@@ -136,8 +130,6 @@ class Writer:
         self._thread = threading.Thread(target=self._run, name="actcache-writer", daemon=True)
         self._stopping = False
         self._dirty_since: float | None = None
-
-    def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
@@ -151,7 +143,10 @@ class Writer:
             raise StoreError("the daemon is shutting down; retry against the restarted daemon")
         self._gate.check()
         self._queue.put(op)
-        return op.wait()
+        op.done.wait()
+        if op.error is not None:
+            raise op.error
+        return op.result_value
 
     def _run(self) -> None:
         while True:
