@@ -50,8 +50,7 @@ class DirLock:
             who = f"pid {pid}" if pid else "a process whose pid is not recorded"
             raise ConfigError(
                 f"cache directory {directory} is in use by another actcache daemon ({who}, holding "
-                f"{Path(directory) / LOCK_NAME}); stop that daemon, or pass a different --dir"
-            )
+                f"{Path(directory) / LOCK_NAME}); stop that daemon, or pass a different --dir")
         return lock
 
     @property

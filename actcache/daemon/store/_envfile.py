@@ -48,8 +48,7 @@ def open_env(directory: Path, *, map_size: int, sync: bool, readahead: bool = Tr
                         sync=sync, metasync=sync, readahead=readahead, meminit=False)
     except DAMAGE_ERRORS as exc:
         raise UnusableStore(
-            f"{data} is not a valid LMDB file ({exc}); it was damaged or written by another program"
-        ) from None
+            f"{data} is not a valid LMDB file ({exc}); it was damaged or written by another program") from None
     except lmdb.Error as exc:
         raise StoreError(f"cannot open the store in {directory}: {exc}") from exc
     try:

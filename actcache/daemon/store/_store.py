@@ -71,8 +71,7 @@ class Store:
                 if config.on_corrupt != "move-aside":
                     raise StoreError(
                         f"{exc}. Restart with --on-corrupt move-aside to keep these files as *.corrupt-<time> and "
-                        "start with an empty cache, or point --dir at an empty directory"
-                    ) from None
+                        "start with an empty cache, or point --dir at an empty directory") from None
                 moved = move_aside(config.dir)
                 log.warning("%s; moved %s aside and started an empty cache", exc, ", ".join(str(p) for p in moved))
                 self._open()
@@ -118,8 +117,7 @@ class Store:
                     if any(txn.stat(db)["entries"] for db in (state.entries, state.namespaces, state.groups)):
                         raise UnusableStore(
                             f"{self.config.dir / 'data.mdb'} holds actcache tables but no format marker; "
-                            "it was damaged or written by another program"
-                        )
+                            "it was damaged or written by another program")
                     txn.put(b"format", FORMAT, db=state.meta)
                 elif marker != FORMAT:
                     raise UnusableStore(f"{self.config.dir} holds store format {marker!r}, "
@@ -171,8 +169,7 @@ class Store:
             if secret:
                 raise PermissionDenied(
                     f"namespace {name!r} was created without a secret and cannot get one; "
-                    "open it without a secret, or protect a new namespace under another name"
-                )
+                    "open it without a secret, or protect a new namespace under another name")
             return NamespaceInfo(ns_id, name, ns_id)
         if not secret:
             raise PermissionDenied(f"namespace {name!r} is protected by a secret; pass it to Open")
@@ -188,8 +185,7 @@ class Store:
             if ns_id is None:
                 raise NamespaceNotFound(
                     f"namespace handle {handle} is not known to this daemon; handles of protected namespaces "
-                    "last one daemon run, so call Open again with the namespace's secret"
-                )
+                    "last one daemon run, so call Open again with the namespace's secret")
             return ns_id
         with self._state.lock:
             name = self._state.ns_by_id.get(handle)
@@ -198,8 +194,7 @@ class Store:
             raise NamespaceNotFound(f"namespace id {handle} is not open on this daemon; call Open first")
         if protected:
             raise PermissionDenied(
-                f"namespace {name!r} is protected by a secret; address it by the handle Open returned, not its id"
-            )
+                f"namespace {name!r} is protected by a secret; address it by the handle Open returned, not its id")
         return handle
 
     # ---- entries ---------------------------------------------------------
@@ -220,8 +215,7 @@ class Store:
             if len(value) > self.config.max_entry_bytes:
                 raise InvalidRequest(
                     f"entry for sample {sample_id} is {format_size(len(value))}, above the "
-                    f"{format_size(self.config.max_entry_bytes)} limit; raise --max-entry-bytes"
-                )
+                    f"{format_size(self.config.max_entry_bytes)} limit; raise --max-entry-bytes")
             try:
                 if verify_entry(value).codec == Codec.raw_verified:
                     raise InvalidRequest("a raw_verified entry carries no payload checksum and is never "
@@ -280,8 +274,7 @@ class Store:
             ids = [sample_id_of(k) for k, _ in corrupt]
             raise EntryCorrupt(
                 f"{len(corrupt)} stored entries failed verification and were deleted "
-                f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them"
-            )
+                f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them")
         return out
 
     @contextmanager
@@ -416,8 +409,7 @@ class Store:
             f"the disk holding {self.config.dir} has {free} bytes free ({format_size(free)}) plus about {reusable} "
             f"reusable inside data.mdb, and this put needs {nbytes} bytes while {reserve} bytes "
             f"({format_size(reserve)}) stay reserved so that drops can commit; free space on that file system, "
-            "run `actcache drop`, or lower --disk-reserve. Reads keep working"
-        )
+            "run `actcache drop`, or lower --disk-reserve. Reads keep working")
 
     # ---- helpers for write operations (writer thread only) ---------------
 

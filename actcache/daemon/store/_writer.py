@@ -220,8 +220,7 @@ class Writer:
             break
         else:
             return StoreError(
-                f"the LMDB map was still full after {_MAX_GROWTHS_PER_BATCH} growths for a {needed}-byte batch"
-            )
+                f"the LMDB map was still full after {_MAX_GROWTHS_PER_BATCH} growths for a {needed}-byte batch")
         if self._dirty_since is None:
             self._dirty_since = time.monotonic()
         freed = False
@@ -257,8 +256,7 @@ class Writer:
             return BudgetExceeded(
                 f"the LMDB map is full at {old} bytes and cannot grow to {new} bytes: the process cannot map "
                 f"{new - old} more bytes ({exc}); raise the address-space limit (ulimit -v), drop entries with "
-                "`actcache drop`, or lower --budget. Reads keep working"
-            )
+                "`actcache drop`, or lower --budget. Reads keep working")
         probe.close()
         with self._gate.exclusive():
             try:
@@ -288,8 +286,7 @@ def _disk_full(path: str, needed: int) -> BudgetExceeded:
     return BudgetExceeded(
         f"the disk holding {path} is full: {free} bytes free of {total} "
         f"({format_size(free)} of {format_size(total)}) and this write needs about {needed} bytes; "
-        "free space on that file system or run `actcache drop`. Reads keep working"
-    )
+        "free space on that file system or run `actcache drop`. Reads keep working")
 
 
 def _storage_error(exc: lmdb.Error, path: str, needed: int) -> ActCacheError:
