@@ -301,12 +301,11 @@ class Store:
             return self._file.pages.present_keys(txn.cursor(), keys)
 
     def probe(self, keys: Sequence[bytes], hints: ExtentHints | None = None, start: int = 0) -> list[bool | None]:
-        """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask
-        the kernel to start reading it. Per key: None if absent, else whether it was already cached
-        (False also when the kernel cannot tell). Warms the cache ahead of a read, nothing more.
-        ``hints``: the schedule's extents learned by earlier probes, where this one's lookups teach
-        more; ``keys`` are then its positions ``start`` onwards.
-        """
+        """Look ``keys`` up (in a transaction of their own) and ask the kernel to start reading each value not
+        in the page cache: warms the cache ahead of a read, nothing more. Per key: None if absent, else whether
+        it was already cached (False also when the kernel cannot tell). ``hints``: the schedule's extents
+        learned by earlier probes, taught more by this one's lookups; ``keys`` are then its positions
+        ``start`` onwards."""
         with self.read_session() as session:
             if hints is None:
                 extents = [session.locate(key) for key in keys]

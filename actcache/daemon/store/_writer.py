@@ -122,10 +122,8 @@ class Writer:
                  on_remap: Callable[[], None]) -> None:
         """``on_remap``: called after the map moved (it grew), before any reader may start again."""
         self._env, self._gate, self._meta_db, self._on_remap = env, gate, meta_db, on_remap
-        self._dir = config.dir
+        self._dir, self._sync, self._sync_interval_s = config.dir, config.sync, config.sync_interval_s
         self._followups = 0
-        self._sync = config.sync
-        self._sync_interval_s = config.sync_interval_s
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="actcache-writer", daemon=True)
         self._stopping = False
