@@ -1,24 +1,12 @@
 """Namespace secrets and handles: who may read and write a namespace.
 
-Design:
-
-- A namespace may be created with a secret. The daemon stores only a salted
-  scrypt hash of it (``hash_secret``) in LMDB, so the protection survives
-  restarts; every later Open must present the same secret, compared in
-  constant time (``verify_secret``), else PERMISSION_DENIED.
-- A successful Open of a protected namespace returns a *handle*: a random
-  64-bit value (at least 2^32, so it never collides with the small ids of
-  unprotected namespaces) drawn from ``secrets`` once per daemon run
-  (``Handles``). Every request names its namespace by that handle; the
-  store resolves it before touching any key. Guessing a handle means
-  guessing ~64 random bits per try, and the namespace's small id (visible
-  in Stats) is refused. After a restart old handles are unknown (NOT_FOUND)
-  and the client opens again with its secret.
-- Namespaces without a secret keep their small, stable id as the handle:
-  anyone who can reach the socket can use them.
-
-Per-request cost is one dictionary lookup; the scrypt cost (~50 ms) is paid
-once per Open, which also slows down guessing secrets through Open.
+A namespace created with a secret keeps only a salted scrypt hash of it in LMDB (``hash_secret``);
+every later Open must present the same secret (``verify_secret``, constant time), else
+PERMISSION_DENIED. Such an Open returns a *handle*: a random 64-bit value above every namespace id,
+drawn once per daemon run (``Handles``); requests name the namespace by it, and its small id (shown
+in Stats) is refused. After a restart old handles are unknown (NOT_FOUND) and the client opens again.
+Namespaces without a secret keep their id as the handle. Per request this costs one dict lookup;
+scrypt (~50 ms) is paid once per Open, which also slows guessing secrets.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The advisory lock that makes a cache directory belong to one daemon at a time.
 
-A daemon holds ``flock(LOCK_EX)`` on ``DIR/daemon.lock`` for as long as its
-Store is open, and writes its pid into the file. The kernel releases the lock
-when the process exits, however it exits (``kill -9`` included), so a
-leftover file never blocks a restart: the file's presence means nothing, only
-the lock does. The file is never deleted (unlinking a lock file races with a
-process opening it). ``actcache clean`` takes the same lock to know that no
-daemon is live before it touches the directory.
+A daemon holds ``flock(LOCK_EX)`` on ``DIR/daemon.lock`` while its Store is open, with its pid in
+the file. The kernel releases the lock however the process exits (``kill -9`` included), so only
+the lock means anything, never the file, which is never deleted (unlinking races with an open).
+``actcache clean`` takes the same lock to know that no daemon is live.
 """
 
 from __future__ import annotations
@@ -35,11 +32,10 @@ class DirLock:
         fd = os.open(Path(directory) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except BaseException as exc:
             os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
+            if isinstance(exc, BlockingIOError):
+                return None
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -54,8 +50,7 @@ class DirLock:
             who = f"pid {pid}" if pid else "a process whose pid is not recorded"
             raise ConfigError(
                 f"cache directory {directory} is in use by another actcache daemon ({who}, holding "
-                f"{Path(directory) / LOCK_NAME}); stop that daemon, or pass a different --dir"
-            )
+                f"{Path(directory) / LOCK_NAME}); stop that daemon, or pass a different --dir")
         return lock
 
     @property

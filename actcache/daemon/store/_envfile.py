@@ -1,19 +1,12 @@
 """Opening the store's LMDB files safely, and what to do with files that are damaged or foreign.
 
-A cache directory holds ``data.mdb`` and ``lock.mdb``. Before the store
-touches the map, ``open_env`` checks what LMDB itself does not:
-
-- the file is at least as long as its meta page says (a truncated file
-  would make the first read past its end a SIGBUS, killing the daemon);
-- the main database holds nothing but actcache's named databases (a foreign
-  LMDB is refused before anything is written into it);
-- no earlier run marked the directory damaged (``actcache.damaged``, written
-  when a read or commit met a broken B-tree page).
-
-Problems of that kind raise UnusableStore; the store then refuses to start
-(``--on-corrupt refuse``, the default) or calls ``move_aside`` and starts
-empty (``--on-corrupt move-aside``). Other failures (permissions, a busy
-lock) are StoreError and never move anything.
+Before the store touches the map, ``open_env`` checks what LMDB itself does not: that ``data.mdb``
+is as long as its meta page says (reading past the end would SIGBUS the daemon), that the main
+database holds only actcache's named databases (a foreign LMDB is refused before any write), and
+that no earlier run marked the directory damaged (``actcache.damaged``, written when a read or
+commit met a broken page). These raise UnusableStore: the store then refuses to start
+(``--on-corrupt refuse``) or moves the files aside and starts empty (``--on-corrupt move-aside``).
+Other failures (permissions, a busy lock) are StoreError and never move anything.
 """
 
 from __future__ import annotations
@@ -21,21 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from itertools import islice
 from pathlib import Path
 
 import lmdb
 
 from actcache.errors import StoreError
 
-__all__ = [
-    "DAMAGED_MARKER",
-    "DAMAGE_ERRORS",
-    "DB_NAMES",
-    "UnusableStore",
-    "mark_damaged",
-    "move_aside",
-    "open_env",
-]
+__all__ = ["DAMAGE_ERRORS", "DB_NAMES", "UnusableStore", "damaged", "move_aside", "open_env"]
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +29,8 @@ DB_NAMES = (b"entries", b"namespaces", b"groups", b"meta", b"secrets", b"generat
 DAMAGED_MARKER = "actcache.damaged"
 _FILES = ("data.mdb", "lock.mdb", DAMAGED_MARKER)
 # LMDB errors that mean the file's contents are wrong, not that the machine is.
-DAMAGE_ERRORS = (
-    lmdb.InvalidError,
-    lmdb.CorruptedError,
-    lmdb.PageNotFoundError,
-    lmdb.VersionMismatchError,
-    lmdb.IncompatibleError,
-    lmdb.BadValsizeError,
-    lmdb.PanicError,
-)
+DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
+                 lmdb.IncompatibleError, lmdb.BadValsizeError, lmdb.PanicError)
 
 
 class UnusableStore(Exception):
@@ -65,54 +44,31 @@ def open_env(directory: Path, *, map_size: int, sync: bool, readahead: bool = Tr
         raise UnusableStore(f"{directory} was marked damaged by an earlier run: {marker.read_text().strip()}")
     data = directory / "data.mdb"
     try:
-        env = lmdb.open(
-            str(directory),
-            map_size=max(map_size, _size(data)),
-            max_dbs=8,
-            max_readers=1024,
-            sync=sync,
-            metasync=sync,
-            readahead=readahead,
-            meminit=False,
-        )
+        env = lmdb.open(str(directory), map_size=max(map_size, _size(data)), max_dbs=8, max_readers=1024,
+                        sync=sync, metasync=sync, readahead=readahead, meminit=False)
     except DAMAGE_ERRORS as exc:
         raise UnusableStore(
-            f"{data} is not a valid LMDB file ({exc}); it was damaged or written by another program"
-        ) from None
+            f"{data} is not a valid LMDB file ({exc}); it was damaged or written by another program") from None
     except lmdb.Error as exc:
         raise StoreError(f"cannot open the store in {directory}: {exc}") from exc
     try:
-        _check(env, data)
-    except BaseException:
+        pages = env.info()["last_pgno"] + 1
+        needed = pages * env.stat()["psize"]
+        if _size(data) < needed:
+            raise UnusableStore(f"{data} is {_size(data)} bytes but its meta page counts {pages} pages "
+                                f"({needed} bytes); the file was truncated")
+        with env.begin() as txn:
+            keys = map(bytes, txn.cursor().iternext(keys=True, values=False))
+            foreign = list(islice((key for key in keys if key not in DB_NAMES), 5))
+        if foreign:
+            raise UnusableStore(f"{data} is an LMDB database of another program (its main database holds keys "
+                                f"such as {foreign}, actcache keeps only {[n.decode() for n in DB_NAMES]})")
+    except BaseException as exc:
         env.close()
+        if isinstance(exc, DAMAGE_ERRORS):
+            raise UnusableStore(f"{data} is damaged: {exc}") from None
         raise
     return env
-
-
-def _check(env: lmdb.Environment, data: Path) -> None:
-    pages = env.info()["last_pgno"] + 1
-    needed = pages * env.stat()["psize"]
-    if _size(data) < needed:
-        raise UnusableStore(
-            f"{data} is {_size(data)} bytes but its meta page counts {pages} pages ({needed} bytes); "
-            "the file was truncated"
-        )
-    try:
-        with env.begin() as txn:
-            cursor = txn.cursor()
-            foreign = []
-            for key in cursor.iternext(keys=True, values=False):
-                if bytes(key) not in DB_NAMES:
-                    foreign.append(bytes(key))
-                    if len(foreign) == 5:
-                        break
-    except DAMAGE_ERRORS as exc:
-        raise UnusableStore(f"{data} is damaged: {exc}") from None
-    if foreign:
-        raise UnusableStore(
-            f"{data} is an LMDB database of another program (its main database holds keys such as "
-            f"{foreign}, actcache keeps only {[n.decode() for n in DB_NAMES]})"
-        )
 
 
 def _size(path: Path) -> int:
@@ -138,16 +94,17 @@ def move_aside(directory: Path) -> list[Path]:
     return moved
 
 
-def mark_damaged(directory: Path, reason: str) -> None:
-    """Record that the LMDB file is damaged, so that the next start refuses or moves it aside."""
-    marker = directory / DAMAGED_MARKER
-    if marker.exists():
-        return
-    try:
-        tmp = marker.with_suffix(".tmp")
-        tmp.write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {reason}\n")
-        os.replace(tmp, marker)
-    except OSError as exc:
-        log.error("cannot write %s (%s); the store is damaged: %s", marker, exc, reason)
-        return
-    log.error("the store in %s is damaged (%s); marked it in %s", directory, reason, marker)
+def damaged(directory: Path, what: str, exc: Exception) -> StoreError:
+    """The error for ``what`` ("a read", "a write") meeting a damaged LMDB file, after recording the damage
+    so that the next start refuses or moves the file aside."""
+    marker, reason = directory / DAMAGED_MARKER, f"{what} failed: {exc}"
+    if not marker.exists():
+        try:
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {reason}\n")
+            os.replace(tmp, marker)
+            log.error("the store in %s is damaged (%s); marked it in %s", directory, reason, marker)
+        except OSError as error:
+            log.error("cannot write %s (%s); the store is damaged: %s", marker, error, reason)
+    return StoreError(f"the LMDB file in {directory} is damaged ({exc}); restart the daemon with "
+                      "--on-corrupt move-aside to start with an empty cache")

@@ -1,21 +1,12 @@
 """Explicit reads of LMDB values: find each value's bytes in ``data.mdb`` and ``pread`` them.
 
-Why: a value larger than about 2 KB lives in a run of contiguous overflow
-pages; copying it out of LMDB's memory map faults them in a page (or a
-readahead window) at a time, while the disk answers one explicit read per
-value near its full speed (docs/design/store.md has the figures).
-
-How: a B-tree leaf node holds the number of the value's first overflow page
-and the value's size (read from its leaf page: ``_pages``). Every explicit
-read checks the page header it reads, and the caller verifies the entry
-checksum; whatever does not match is copied from the map instead, so a layout
-this module does not recognize costs speed, never correctness. Lookups run
-ahead of the reader and hint the kernel (``POSIX_FADV_WILLNEED``); they learn
-whole leaf pages at a time (``ExtentHints``).
-
-LMDB writes with ``pwrite`` (no ``writemap``), so an explicit read of a
-committed value sees the bytes the map would. Bytes are read while the read
-transaction that located them is open, so the writer cannot reuse those pages.
+Why: a value above about 2 KB lives in contiguous overflow pages, which the memory map faults in a
+page (or readahead window) at a time, while one ``pread`` per value runs near the disk's speed
+(docs/design/store.md, docs/design/serving.md). Its leaf node (``_pages``) gives the first overflow
+page and the size. Every explicit read checks the page header it reads and the caller verifies the
+checksum; whatever does not match is copied from the map instead: an unknown layout costs speed,
+never correctness. LMDB writes with ``pwrite`` (no ``writemap``) and values are read while the read
+transaction that located them is open, so the bytes are the ones the map would give.
 """
 
 from __future__ import annotations
@@ -38,11 +29,8 @@ _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 @dataclass(frozen=True, slots=True)
 class Extent:
-    """Where a stored value is: ``length`` bytes at file ``offset``, or its bytes already in ``inline``.
-
-    ``inline`` holds small values (stored inside their B-tree leaf) and
-    values that could not be located (copied from the map instead).
-    """
+    """Where a stored value is: ``length`` bytes at file ``offset``, or its bytes already in ``inline``
+    (small values stored in their leaf, and values that could not be located)."""
 
     offset: int
     length: int
@@ -65,16 +53,11 @@ class Extent:
 
 
 class ValueFile:
-    """``data.mdb`` opened for explicit reads; thread-safe (``pread`` only).
-
-    The descriptor is marked ``POSIX_FADV_RANDOM`` so a read transfers
-    exactly the requested bytes (no readahead around them).
-    """
+    """``data.mdb`` opened for explicit reads (``POSIX_FADV_RANDOM``: no readahead around them); thread-safe."""
 
     def __init__(self, path: Path, page_size: int) -> None:
-        self.path = Path(path)
         self.page_size = page_size
-        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._nowait = bool(_NOWAIT)
@@ -125,19 +108,14 @@ class ValueFile:
             if n == 0:
                 return None, resident
             got += n
-        if not is_overflow_page(view, start, self.page_size):
-            return None, resident
-        return view[PAGE_HEADER_BYTES:], resident
+        return (view[PAGE_HEADER_BYTES:] if is_overflow_page(view, start, self.page_size) else None), resident
 
 
 class PageCacheGuess:
-    """Whether a reader's recent explicit reads all came from the page cache.
-
-    After ``WARM_AFTER`` such reads in a row, values are copied out of the map
-    instead, a run of them per LMDB call (``ReadSession.copy_run``). One lookup
-    in ``CHECK_EVERY`` is checked again, and one that was not cached ends the
-    streak. A wrong guess costs speed, never bytes. One per reader.
-    """
+    """Whether a reader's recent explicit reads all came from the page cache; one per reader. After
+    ``WARM_AFTER`` such reads in a row, values are copied out of the map instead, a run per LMDB call
+    (``ReadSession.copy_run``). One lookup in ``CHECK_EVERY`` is checked again; one that was not cached
+    ends the streak. A wrong guess costs speed, never bytes."""
 
     WARM_AFTER = 32
     CHECK_EVERY = 64
@@ -165,24 +143,11 @@ class PageCacheGuess:
         self._streak = self._streak + 1 if resident else 0
 
 
-def _leaf_extents(cursor, pages: LeafPages) -> list[tuple[bytes, "Extent"]]:
-    """The overflow extents of every value on the leaf page the cursor sits on ([] if not recognized)."""
-    return [(key, Extent.at_page(pgno, size, pages.page_size)) for key, size, pgno in pages.leaf_nodes(cursor)
-            if pgno >= 0]
-
-
 class ExtentHints:
-    """Where the values of one schedule are, learned from whole leaf pages, for read hints only
-    (thread-safe).
-
-    A cold lookup waits for one random read; positioning on one key also
-    reveals the extents of the other values on its leaf page (about 80), so a
-    group's values are known after one lookup per leaf page. A stale hint costs
-    a useless read-ahead, never bytes: the reader locates each value again.
-    Only the schedule's own keys are kept (``prefix``: its group's key prefix;
-    ``sample_ids``, ``variants``: its order), one extent per position. Each
-    hint is used once.
-    """
+    """Where the values of one schedule are, learned a leaf page (about 80 values) per lookup, for read
+    hints only; thread-safe. A stale hint costs a useless read-ahead, never bytes: the reader locates
+    each value again. Keeps one extent per position of the schedule (``prefix``: its group's key
+    prefix; ``sample_ids``, ``variants``: its order); each hint is used once."""
 
     def __init__(self, prefix: bytes, sample_ids: np.ndarray, variants: np.ndarray | None = None) -> None:
         self._prefix = prefix
@@ -202,14 +167,8 @@ class ExtentHints:
         if len(key) != KEY_BYTES or not key.startswith(self._prefix):
             return None
         with self._lock:
-            if self._sorted is None:
-                return None
-            at = self._positions([key])[0]
-            if at < 0 or self._offsets[at] < 0:
-                return None
-            extent = Extent(int(self._offsets[at]), int(self._lengths[at]))
-            self._offsets[at] = -1
-            return extent
+            at = -1 if self._sorted is None else int(self._positions([key])[0])
+        return None if at < 0 else self.take_range(at, at + 1)[0]
 
     def take_range(self, start: int, stop: int) -> list[Extent | None]:
         """``take`` of the schedule's positions ``start..stop-1`` at once."""
@@ -247,10 +206,7 @@ class ExtentHints:
 
 class ReadSession:
     """Lookups and reads inside one read transaction (``buffers=True``); one thread at a time.
-
-    ``explicit=False`` copies every value out of the map (the plain path); with a ``guess``, so
-    does a reader whose values are in the page cache.
-    """
+    ``explicit=False`` copies every value out of the map; with a ``guess``, so does a warm reader."""
 
     def __init__(self, txn, file: ValueFile, *, explicit: bool = True, guess: PageCacheGuess | None = None) -> None:
         self._txn = txn
@@ -266,33 +222,36 @@ class ReadSession:
 
     def locate(self, key: bytes) -> Extent | None:
         """Where the value of ``key`` is, or None if there is no such key."""
-        cursor = self._cursor
-        if not cursor.set_key(key):
+        if not self._cursor.set_key(key):
             return None
         if self._explicit:
             if self._guess is not None and self._guess.use_map():
                 self.cached_copies += 1
-            else:
-                node = self._file.pages.overflow_node(cursor, key)
-                if node is not None:
-                    return Extent.at_page(*node, self._file.page_size)
-        value = cursor.value()
+            elif (extent := self._overflow(key)) is not None:
+                return extent
+        value = self._cursor.value()
         return Extent(-1, len(value), bytes(value))
+
+    def _overflow(self, key: bytes) -> Extent | None:
+        """The overflow extent of ``key``, on which the cursor sits; None if not recognized or inline."""
+        node = self._file.pages.overflow_node(self._cursor, key)
+        return None if node is None else Extent.at_page(*node, self._file.page_size)
 
     def locate_hinted(self, key: bytes, hints: ExtentHints) -> Extent | None:
         """``locate`` for read hints: a learned extent if there is one, else a lookup that teaches
         ``hints`` every value on the key's leaf page. None if there is no such key (as far as known)."""
-        extent = hints.take(key)
-        if extent is not None:
+        if (extent := hints.take(key)) is not None:
             return extent
         if not self._cursor.set_key(key):
             return None
-        hints.learn(_leaf_extents(self._cursor, self._file.pages))
-        node = self._file.pages.overflow_node(self._cursor, key)
-        if node is None:  # a small value inside its leaf, or a node not recognized
+        size = self._file.page_size
+        hints.learn([(k, Extent.at_page(pgno, n, size)) for k, n, pgno in self._file.pages.leaf_nodes(self._cursor)
+                     if pgno >= 0])
+        extent = self._overflow(key)
+        if extent is None:  # a small value inside its leaf, or a node not recognized
             return self.locate(key)
         hints.take(key)  # its own, learned with its page
-        return Extent.at_page(*node, self._file.page_size)
+        return extent
 
     def run_views(self, keys: list[bytes]) -> list[memoryview | None] | None:
         """The values of ``keys`` (None per missing key) as views into the map, valid while this session
@@ -316,9 +275,8 @@ class ReadSession:
         """Whether the first stored value of ``keys`` is in the page cache (told to the guess)."""
         for key in keys:
             if self._cursor.set_key(key):
-                node = self._file.pages.overflow_node(self._cursor, key)
-                resident = True if node is None else self._file.resident(
-                    Extent.at_page(*node, self._file.page_size))
+                extent = self._overflow(key)
+                resident = True if extent is None else self._file.resident(extent)
                 self._guess.saw(resident)
                 return bool(resident)
         return True

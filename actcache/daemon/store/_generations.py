@@ -1,30 +1,17 @@
 """Generations: the activity of each (namespace, fingerprint), and which dead ones a put may reclaim.
 
-A generation is every entry of one (namespace, fingerprint), at every depth.
-Unfreezing and refreezing a trained prefix starts a new one, and the old one
-can never be served again, yet it keeps its bytes until it is dropped. Per
-generation the daemon knows:
+A generation is every entry of one (namespace, fingerprint), at every depth. Refreezing a trained
+prefix starts a new one; the old one can never be served again, yet keeps its bytes until dropped.
+Per generation the daemon knows its last write (persisted in the ``generations`` table with the
+put; None: written before this was recorded), its last read (Get, Contains, Schedule, Fetch; in
+memory only, so after a restart the daemon's start time stands in for it) and its pins (live
+schedules reading it).
 
-- its last write (wall clock seconds): persisted by the store in its
-  ``generations`` table, in the same transaction as the put, so it survives
-  restarts (None: the store was written before this was recorded);
-- its last read: a Get or Contains of its entries, a pushed Schedule naming
-  it, a Fetch of such a schedule and the end of its serving. In memory only
-  (a write per read would cost too much); after a restart it is unknown,
-  and the daemon's start time stands in for it, so nothing is reclaimed as
-  "never read" before ``reclaim_after_s`` has passed since the start;
-- its pins: live schedules (pushed, not yet served to their end) reading it.
+A generation is *dead* when nothing pins it and, with ``reclaim_after_s`` > 0, neither a read nor
+a write touched it for ``reclaim_after_s`` seconds. ``plan_reclaim`` picks which dead generations
+a put over budget drops.
 
-A generation is *dead* when nothing pins it and, with ``reclaim_after_s`` >
-0, neither a read nor a write touched it for ``reclaim_after_s`` seconds.
-When a put would exceed a budget, the store asks ``plan_reclaim`` which dead
-generations to drop: whole generations, oldest last write first, never the
-put's own, first those of the namespace over its budget, then (for the
-daemon budget) of any namespace, and only as many as the put needs.
-
-Concurrency: the tracker's lock is a leaf (nothing else is locked while it
-is held); RPC threads (reads), the prefetcher (pins) and the store's writer
-thread (writes, reclaims) call it.
+Concurrency: the tracker's lock is a leaf (nothing else is locked while it is held).
 """
 
 from __future__ import annotations
@@ -39,8 +26,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from actcache.daemon.config import format_size
 from actcache.keys import fingerprint_of, namespace_id_of, namespace_of
 
-__all__ = ["Generation", "Generations", "ReclaimPlan", "plan_reclaim", "read_write_time",
-           "write_time"]
+__all__ = ["Generation", "Generations", "ReclaimPlan", "plan_reclaim", "read_write_time", "write_time"]
 
 log = logging.getLogger(__name__)
 
@@ -90,17 +76,14 @@ class ReclaimPlan:
     fits: bool
 
 
-def plan_reclaim(
-    dead: Sequence[Generation], *, own: bytes, namespace: bytes, namespace_need: int, daemon_need: int
-) -> ReclaimPlan:
+def plan_reclaim(dead: Sequence[Generation], *, own: bytes, namespace: bytes, namespace_need: int,
+                 daemon_need: int) -> ReclaimPlan:
     """Choose whole dead generations to drop so that a put fits its budgets.
 
-    ``dead``: the dead generations of every namespace; ``own``: the put's
-    generation (never chosen); ``namespace``: the put's namespace id (4
-    bytes); ``*_need``: bytes to free for each budget (<= 0: it fits). The
-    namespace's generations are taken first, oldest last write first (an
-    unknown one counts as oldest) until its need is met; freeing them helps
-    the daemon budget too, and any namespace's then make up the rest of it.
+    ``dead``: the dead generations of every namespace; ``own``: the put's generation (never chosen);
+    ``namespace``: the put's namespace id (4 bytes); ``*_need``: bytes to free for each budget (<= 0:
+    it fits). The namespace's own go first, oldest last write first (unknown counts as oldest), until
+    its need is met; any namespace's then make up the rest of the daemon budget's need.
     """
     order = sorted((g for g in dead if g.prefix != own and g.bytes > 0),
                    key=lambda g: (g.last_write is not None, g.last_write or 0.0, g.prefix))
@@ -138,8 +121,6 @@ class Generations:
     def now(self) -> float:
         return self._clock()
 
-    # ---- events ------------------------------------------------------------
-
     def load(self, rows: Iterable[tuple[bytes, float]]) -> None:
         """The persisted last writes, at start."""
         with self._lock:
@@ -151,29 +132,24 @@ class Generations:
             if when > self._written.get(prefix, float("-inf")):
                 self._written[prefix] = when
 
-    def read(self, prefix: bytes) -> None:
-        """Entries of the generation were read or asked for (hot path: one dict store)."""
+    def read(self, prefix: bytes, pins: int = 0) -> None:
+        """Entries of the generation were read or asked for (hot path: one dict store); ``pins``: live
+        schedules added (a push) or removed (one served to its end, replaced or released)."""
         when = self._clock()
         with self._lock:
             self._read[prefix] = when
+            if pins:
+                self._pins[prefix] = self._pins.get(prefix, 0) + pins
+                if self._pins[prefix] <= 0:
+                    del self._pins[prefix]
 
     def pin(self, prefix: bytes) -> None:
         """A live schedule reads the generation (a push); counts as a read too."""
-        when = self._clock()
-        with self._lock:
-            self._pins[prefix] = self._pins.get(prefix, 0) + 1
-            self._read[prefix] = when
+        self.read(prefix, 1)
 
     def unpin(self, prefix: bytes) -> None:
-        """A schedule of the generation is gone (served to its end, replaced or released); counts as a read."""
-        when = self._clock()
-        with self._lock:
-            left = self._pins.get(prefix, 0) - 1
-            if left > 0:
-                self._pins[prefix] = left
-            else:
-                self._pins.pop(prefix, None)
-            self._read[prefix] = when
+        """A schedule of the generation is gone; counts as a read."""
+        self.read(prefix, -1)
 
     def forget(self, prefix: bytes) -> None:
         """The generation's entries are all gone (a drop): its times go too; pins stay with their schedules."""
@@ -204,8 +180,6 @@ class Generations:
         return (f"dead generations (no live schedule{after}) hold {plan.reclaimable_bytes} bytes "
                 f"({format_size(plan.reclaimable_bytes)}) that could be reclaimed{'' if plan.fits else ', not enough'}")
 
-    # ---- queries -----------------------------------------------------------
-
     def last_write(self, prefix: bytes) -> float | None:
         with self._lock:
             return self._written.get(prefix)
@@ -215,10 +189,9 @@ class Generations:
         with self._lock:
             return list(self._written)
 
-    def is_dead(self, prefix: bytes, now: float | None = None) -> bool:
-        now = self._clock() if now is None else now
+    def is_dead(self, prefix: bytes) -> bool:
         with self._lock:
-            return self._dead(prefix, now)
+            return self._dead(prefix, self._clock())
 
     def _dead(self, prefix: bytes, now: float) -> bool:
         if self._pins.get(prefix):
@@ -228,15 +201,13 @@ class Generations:
         active = max(self._written.get(prefix, float("-inf")), self._read.get(prefix, self.started))
         return now - active >= self.reclaim_after_s
 
-    def snapshot(self, usage: Mapping[bytes, int], now: float | None = None) -> list[Generation]:
-        """Every generation in ``usage`` (prefix -> stored bytes) with its activity, at ``now``."""
-        now = self._clock() if now is None else now
+    def snapshot(self, usage: Mapping[bytes, int]) -> list[Generation]:
+        """Every generation in ``usage`` (prefix -> stored bytes) with its activity, now."""
+        now = self._clock()
         with self._lock:
-            return [
-                Generation(prefix, nbytes, self._written.get(prefix), self._read.get(prefix),
-                           self._pins.get(prefix, 0), self._dead(prefix, now))
-                for prefix, nbytes in sorted(usage.items())
-            ]
+            return [Generation(prefix, nbytes, self._written.get(prefix), self._read.get(prefix),
+                               self._pins.get(prefix, 0), self._dead(prefix, now))
+                    for prefix, nbytes in sorted(usage.items())]
 
 
 def _age(when: float | None, now: float, unknown: str) -> str:

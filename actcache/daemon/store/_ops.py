@@ -1,9 +1,7 @@
 """The store's write operations, applied by its writer thread inside one shared LMDB transaction.
 
-Each operation (put, drop, reclaim, delete, create a namespace) changes
-entries and the per-group usage records together, in the writer's
-transaction, and publishes its effect on the store's in-memory maps only
-after the transaction committed (``publish``).
+Each changes entries and the per-group usage rows together, and publishes its effect on the
+in-memory maps only after the transaction committed (``publish``).
 """
 
 from __future__ import annotations
@@ -12,22 +10,15 @@ import logging
 from typing import Callable, Iterable
 
 from actcache.codec import verify_entry
-from actcache.daemon.store._records import NamespaceInfo, PutResult
 from actcache.daemon.store._generations import Generation, ReclaimPlan, read_write_time, write_time
-from actcache.daemon.store._state import NAMESPACE_ID, USAGE, StoreState
+from actcache.daemon.store._state import NAMESPACE_ID, USAGE, NamespaceInfo, PutResult, StoreState
 from actcache.daemon.store._writer import WriteOp
 from actcache.errors import BudgetExceeded, InvalidRequest
-from actcache.keys import GENERATION_PREFIX_BYTES, generation_of, group_of
+from actcache.keys import GENERATION_PREFIX_BYTES, generation_of, group_of, group_prefix
 
 __all__: list[str] = []  # internal to the store
 
 log = logging.getLogger("actcache.daemon.store")
-
-#: ``check_room(txn, prefix, delta, nbytes, pending)``: raises when a put of ``nbytes`` adding ``delta``
-#: bytes to group ``prefix`` does not fit its budgets or the disk reserve.
-RoomCheck = Callable[[object, bytes, int, int, dict], None]
-#: ``stored_length(cursor, key)``: the size of ``key``'s stored value, or None.
-StoredLength = Callable[[object, bytes], "int | None"]
 
 _DROP_CHUNK_BYTES = 256 << 20
 _DROP_CHUNK_ENTRIES = 100_000
@@ -60,8 +51,11 @@ class _StoreOp(WriteOp):
 
 
 class _PutOp(_StoreOp):
+    """Writes ``records`` into group ``prefix``. ``stored_length(cursor, key)``: the size of a stored value
+    or None; ``check_room(txn, prefix, delta, nbytes, pending)`` raises when the put does not fit."""
+
     def __init__(self, state: StoreState, prefix: bytes, records: list[tuple[bytes, bytes | memoryview]], *,
-                 stored_length: StoredLength, check_room: RoomCheck) -> None:
+                 stored_length: Callable, check_room: Callable) -> None:
         super().__init__(state)
         self.prefix = prefix
         self.records = records
@@ -71,26 +65,22 @@ class _PutOp(_StoreOp):
 
     def apply(self, txn, pending):
         db = self.state.entries
-        added = replaced = delta = 0
-        sizes: dict[bytes, int | None] = {}  # stored size of each key as this op leaves it
+        replaced = delta = 0
+        sizes: dict[bytes, int] = {}  # stored size of each key as this op leaves it
         cursor = txn.cursor(db=db)
         for key, value in self.records:
-            if key not in sizes:
-                sizes[key] = self._stored_length(cursor, key)
-            if sizes[key] is None:
-                added += 1
-                delta += len(value)
-            else:
-                replaced += 1
-                delta += len(value) - sizes[key]
+            old = sizes[key] if key in sizes else self._stored_length(cursor, key)
+            replaced += old is not None
+            delta += len(value) - (old or 0)
             sizes[key] = len(value)
+        added = len(self.records) - replaced
         self._check_room(txn, self.prefix, delta, self.nbytes, pending)
         for key, value in self.records:
             txn.put(key, value, db=db)
         self._adjust(txn, pending, self.prefix, added, delta)
         self.written = self.state.generations.now()
         txn.put(generation_of(self.prefix), write_time(self.written), db=self.state.generation_times)
-        return PutResult(len(self.records), sum(len(v) for _, v in self.records), replaced)
+        return PutResult(len(self.records), self.nbytes, replaced)
 
     def publish(self, pending):
         super().publish(pending)
@@ -113,20 +103,18 @@ class _DropOp(_StoreOp):
         entries = nbytes = 0
         cursor = txn.cursor(db=self.state.entries)
         done = not cursor.set_range(self.prefix)
-        while not done:
-            key = cursor.key()
-            if bytes(key[: len(self.prefix)]) != self.prefix:
-                done = True
-                break
+        while not done and bytes(cursor.key()[: len(self.prefix)]) == self.prefix:
             if entries >= _DROP_CHUNK_ENTRIES or nbytes >= _DROP_CHUNK_BYTES:
                 break
             size = len(cursor.value())
-            group = removed.setdefault(bytes(group_of(key)), [0, 0])
+            group = removed.setdefault(bytes(group_of(cursor.key())), [0, 0])
             group[0] += 1
             group[1] += size
             entries += 1
             nbytes += size
             done = not cursor.delete()
+        else:  # no key of the prefix left
+            done = True
         for group, (n, b) in removed.items():
             self._adjust(txn, pending, group, -n, -b)
         if done:
@@ -180,22 +168,25 @@ class _ReclaimOp(_DropOp):
 
 
 class _DeleteOp(_StoreOp):
-    """Deletes keys; with ``only_corrupt``, only those whose entry fails verification now
-    (a fresh entry put since the corrupt read survives)."""
+    """Deletes those of ``keys`` whose entry fails verification now (one put since the corrupt read survives)."""
 
     frees_pages = True
 
-    def __init__(self, state: StoreState, keys: Iterable[bytes], *, only_corrupt: bool = False) -> None:
+    def __init__(self, state: StoreState, keys: Iterable[bytes]) -> None:
         super().__init__(state)
         self.keys = list(keys)
-        self.only_corrupt = only_corrupt
 
     def apply(self, txn, pending):
         deleted = 0
         for key in self.keys:
             old = txn.get(key, db=self.state.entries)
-            if old is None or (self.only_corrupt and _verifies(old)):
+            if old is None:
                 continue
+            try:
+                verify_entry(old)
+                continue
+            except InvalidRequest:
+                pass
             txn.delete(key, db=self.state.entries)
             self._adjust(txn, pending, group_of(key), -1, -len(old))
             deleted += 1
@@ -220,7 +211,7 @@ class _CreateNamespace(_StoreOp):
         txn.put(self.name.encode(), NAMESPACE_ID.pack(ns_id), db=state.namespaces)
         txn.put(b"next_namespace_id", NAMESPACE_ID.pack(ns_id + 1), db=state.meta)
         if self.secret_record:
-            txn.put(state.secret_key(ns_id), self.secret_record, db=state.secrets)
+            txn.put(group_prefix(ns_id), self.secret_record, db=state.secrets)
         return NamespaceInfo(ns_id, self.name), True
 
     def publish(self, pending):
@@ -234,10 +225,3 @@ class _CreateNamespace(_StoreOp):
             if self.secret_record:
                 self.state.secret_of[info.id] = self.secret_record
 
-
-def _verifies(value) -> bool:
-    try:
-        verify_entry(value)
-    except InvalidRequest:
-        return False
-    return True

@@ -1,25 +1,22 @@
 """LMDB's B-tree leaf pages, read from ``data.mdb`` by page number: where a value's overflow pages
 start, the nodes of a whole leaf page, and which keys are stored, a leaf page at a time.
 
+Why: positioning a cursor on a cold value reads that value's first page, one random read per
+lookup; a whole leaf page answers for about 80 keys.
+
 LMDB's on-disk format: a page starts with a 16-byte header (``pgno`` u64, ``pad``, ``flags``,
-``lower``, ``upper`` u16; ``P_LEAF`` = 2, ``P_OVERFLOW`` = 4), then on a leaf ``(lower - 16) / 2``
-u16 offsets of its nodes, in key order, each at or above ``upper``. A node is ``lo, hi, flags,
-ksize`` (four u16), its key, then its data: for a value too large for the leaf (flag ``F_BIGDATA``
-= 1), the number of its first overflow page; the value then is ``lo | hi << 16`` bytes at file
-offset ``pgno * page_size + 16``.
+``lower``, ``upper`` u16), then on a leaf ``(lower - 16) / 2`` u16 offsets of its nodes, in key
+order, each at or above ``upper``. A node is ``lo, hi, flags, ksize`` (four u16), its key, then its
+data: with ``F_BIGDATA``, the number of its first overflow page; the value then is ``lo | hi << 16``
+bytes at file offset ``pgno * page_size + 16``.
 
-Finding a cursor's page: a positioned cursor's ``key()`` is a view into its leaf page in LMDB's
-memory map (``buffers=True``). Its address minus the start of this process's mapping of
-``data.mdb`` (from ``/proc/self/maps``) gives the page number and the node's offset in the page.
-The page is then read with ``os.pread``, never through the address, and checked before use: its own
-page number, its type, its bounds, every node offset, and the node at that offset holding the
-cursor's key. Whatever does not match answers "not recognized" and callers take LMDB's own way, as
-for a key outside the map (a page the writer's open transaction changed): a layout this module does
-not know costs speed, never bytes. The store checks at open that this LMDB's layout is read
-(``check_layout``) and turns the reader off otherwise.
-
-Why read pages at all: positioning a cursor on a cold value reads that value's first page (LMDB
-checks its header), one random read per lookup; a whole leaf page answers for about 80 keys.
+A positioned cursor's ``key()`` is a view into its leaf page in the map (``buffers=True``): its
+address minus the start of the mapping (``/proc/self/maps``) gives the page number and the node's
+offset. The page is then read with ``pread``, never through the address, and checked (its page
+number, type, bounds, node offsets, the node holding the cursor's key). Whatever does not match is
+"not recognized" and callers take LMDB's own way: an unknown layout costs speed, never bytes. The
+store checks at open that this LMDB's layout is read (``check_layout``) and turns the reader off
+otherwise.
 """
 
 from __future__ import annotations
@@ -40,12 +37,10 @@ _P_LEAF = 0x02
 _P_OVERFLOW = 0x04
 _P_TYPES = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40  # branch, leaf, overflow, meta, leaf2, subpage
 _PGNO = struct.Struct("<Q")
-_U16 = struct.Struct("<H")
 _PAGE_HEAD = struct.Struct("<QHH")  # pgno, pad, flags
 _PAGE_BOUNDS = struct.Struct("<QHHHH")  # pgno, pad, flags, lower (end of the node offsets), upper
 
-# The keys check_layout writes into the store's meta table and deletes again: a value stored in
-# overflow pages, and a small one stored in its leaf.
+# Keys check_layout writes into the meta table and deletes again: a value in overflow pages, one in its leaf.
 _PROBE_BIG = b"\xffpage-layout-check:overflow".ljust(32, b"\0")
 _PROBE_SMALL = b"\xffpage-layout-check:inline".ljust(32, b"\0")
 
@@ -57,12 +52,9 @@ def is_overflow_page(header: bytes | memoryview, offset: int, page_size: int) ->
 
 
 class LeafPages:
-    """Leaf pages of one ``data.mdb``, read by ``pread`` on ``fd``; thread-safe.
-
-    ``enabled`` False (the store's layout check failed) makes every answer "not recognized".
-    ``remapped()`` must be called after LMDB moved its map (``set_mapsize``), while no
-    transaction is open in the process.
-    """
+    """Leaf pages of one ``data.mdb``, read by ``pread`` on ``fd``; thread-safe. ``enabled`` False (the
+    layout check failed) makes every answer "not recognized". Call ``remapped()`` after LMDB moved its
+    map (``set_mapsize``), while no transaction is open in the process."""
 
     def __init__(self, fd: int, page_size: int) -> None:
         self._fd = fd
@@ -77,41 +69,23 @@ class LeafPages:
         """(first overflow page, value size) of ``key``, on whose node the cursor sits, or None if not
         recognized (a small value inside its leaf included)."""
         found = self._cursor_page(cursor)
-        if found is None:
+        if found is None or found[1][0] != key or found[1][2] < 0:
             return None
-        page, at, _ = found
-        node = _node(page, at)
-        if node is None or node[0] != key or node[2] < 0:
-            return None
-        return node[2], node[1]
+        return found[1][2], found[1][1]
 
     def leaf_nodes(self, cursor) -> list[tuple[bytes, int, int]]:
         """``(key, data size, first overflow page or -1)`` of every node, in key order, on the leaf
         page the cursor sits on: [] if the page is not recognized."""
         found = self._cursor_page(cursor)
-        if found is None:
+        nodes = [] if found is None else [_node(found[0], at) for at in found[2]]
+        if None in nodes or any(a[0] >= b[0] for a, b in zip(nodes, nodes[1:])):
             return []
-        page, _, lower = found
-        offsets = _node_offsets(page, lower)
-        if offsets is None:
-            return []
-        out = []
-        for at in offsets:
-            node = _node(page, at)
-            if node is None:
-                return []
-            out.append(node)
-        keys = [key for key, _, _ in out]
-        return out if all(a < b for a, b in zip(keys, keys[1:])) else []
+        return nodes
 
     def present_keys(self, cursor, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each of ``keys`` is stored, reading no value past its first page.
-
-        A lookup of a cold value waits for a random read of its first page (LMDB reads it), so keys
-        are looked up in order, and each lookup's whole leaf page answers for every key in its range:
-        one random read per leaf page (about 80 entries) instead of one per key. A page not
-        recognized answers for its own key only.
-        """
+        """Whether each of ``keys`` is stored, reading no value past its first page: keys are looked up in
+        order, and each lookup's whole leaf page answers for every key in its range, one random read per
+        leaf page (about 80 entries) instead of one per key."""
         order = sorted(range(len(keys)), key=keys.__getitem__)
         out = [False] * len(keys)
         i = 0
@@ -119,13 +93,8 @@ class LeafPages:
             key = keys[order[i]]
             if not cursor.set_range(key):  # nothing at or after it: the rest are absent
                 break
-            # set_range lands on the smallest stored key >= key, so every key from `key` to the page's
-            # last one is stored exactly if it is on the page
-            page = [node[0] for node in self.leaf_nodes(cursor)]
-            if not page:
-                out[order[i]] = bytes(cursor.key()) == key
-                i += 1
-                continue
+            # set_range lands on the smallest stored key >= key: keys up to the page's last are stored iff on it
+            page = [node[0] for node in self.leaf_nodes(cursor)] or [bytes(cursor.key())]
             last, on_page = page[-1], set(page)
             while i < len(order) and keys[order[i]] <= last:
                 out[order[i]] = keys[order[i]] in on_page
@@ -139,14 +108,16 @@ class LeafPages:
         node = self.overflow_node(cursor, key)
         return node[1] if node is not None else len(cursor.value())
 
-    def _cursor_page(self, cursor) -> tuple[bytes, int, int] | None:
-        """``(page, node offset, lower)`` of the leaf the cursor sits on, read and checked (its header,
-        the node's offset listed in it and inside the page, the node holding the cursor's key); None
-        if anything is not recognized."""
+    def _cursor_page(self, cursor) -> tuple[bytes, tuple[bytes, int, int], tuple[int, ...]] | None:
+        """``(page, the cursor's node as _node reads it, every node offset)`` of the leaf the cursor sits on,
+        read and checked (its header, its node offsets, the node holding the cursor's key); None if anything
+        is not recognized."""
         if not self.enabled:
             return None
         key_view = cursor.key()
-        start, end = self._mapping()
+        if self._map is None:
+            self._map = _mapping_of(self._fd)
+        start, end = self._map
         node_address = _address(key_view) - _NODE.size
         if not start <= node_address < end:
             return None
@@ -156,19 +127,13 @@ class LeafPages:
         except OSError:
             return None
         bounds = _leaf_bounds(page, pgno, self.page_size)
-        if bounds is None or not bounds[1] <= at <= self.page_size - _NODE.size or not _lists(page, bounds[0], at):
+        if bounds is None:
             return None
-        lo, hi, flags, ksize = _NODE.unpack_from(page, at)
-        end_of_key = at + _NODE.size + ksize
-        if ksize != len(key_view) or end_of_key > len(page) or page[at + _NODE.size : end_of_key] != key_view:
+        offsets = struct.unpack_from(f"<{(bounds[0] - PAGE_HEADER_BYTES) // 2}H", page, PAGE_HEADER_BYTES)
+        if at not in offsets or min(offsets) < bounds[1] or max(offsets) > self.page_size - _NODE.size:
             return None
-        return page, at, bounds[0]
-
-    def _mapping(self) -> tuple[int, int]:
-        found = self._map
-        if found is None:
-            found = self._map = _mapping_of(self._fd)
-        return found
+        node = _node(page, at)
+        return None if node is None or node[0] != key_view else (page, node, offsets)
 
 
 def _leaf_bounds(page: bytes, pgno: int, page_size: int) -> tuple[int, int] | None:
@@ -182,37 +147,15 @@ def _leaf_bounds(page: bytes, pgno: int, page_size: int) -> tuple[int, int] | No
     return None if (lower - PAGE_HEADER_BYTES) % 2 else (lower, upper)
 
 
-def _lists(page: bytes, lower: int, at: int) -> bool:
-    """Whether the page's node offsets (16 to ``lower``) include ``at``."""
-    needle = _U16.pack(at)
-    i = page.find(needle, PAGE_HEADER_BYTES, lower)
-    while i >= 0 and i % 2:
-        i = page.find(needle, i + 1, lower)
-    return i >= 0
-
-
-def _node_offsets(page: bytes, lower: int) -> tuple[int, ...] | None:
-    """The node offsets of a page ``_leaf_bounds`` accepted; None unless each lies inside its node area."""
-    upper = _PAGE_BOUNDS.unpack_from(page)[4]
-    offsets = struct.unpack_from(f"<{(lower - PAGE_HEADER_BYTES) // 2}H", page, PAGE_HEADER_BYTES)
-    if offsets and (min(offsets) < upper or max(offsets) > len(page) - _NODE.size):
-        return None
-    return offsets
-
-
 def _node(page: bytes, at: int) -> tuple[bytes, int, int] | None:
     """``(key, data size, first overflow page or -1)`` of the node at ``at`` (an offset checked to lie
     inside the page's node area), or None if it runs past the page."""
     lo, hi, flags, ksize = _NODE.unpack_from(page, at)
     end = at + _NODE.size + ksize
-    if end > len(page):
+    big = flags & _F_BIGDATA and not flags & _F_SUBDATA_OR_DUP
+    if end + (_PGNO.size if big else 0) > len(page):
         return None
-    key = page[at + _NODE.size : end]
-    if not flags & _F_BIGDATA or flags & _F_SUBDATA_OR_DUP:
-        return key, lo | hi << 16, -1
-    if end + _PGNO.size > len(page):
-        return None
-    return key, lo | hi << 16, _PGNO.unpack_from(page, end)[0]
+    return page[at + _NODE.size : end], lo | hi << 16, _PGNO.unpack_from(page, end)[0] if big else -1
 
 
 def _mapping_of(fd: int) -> tuple[int, int]:
@@ -224,13 +167,10 @@ def _mapping_of(fd: int) -> tuple[int, int]:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
-                if len(fields) < 5 or fields[4] != str(st.st_ino):
+                if len(fields) < 5 or fields[4] != str(st.st_ino) or int(fields[2], 16) != 0:
                     continue
-                major, minor = (int(x, 16) for x in fields[3].split(":"))
-                if os.makedev(major, minor) != st.st_dev or int(fields[2], 16) != 0:
-                    continue
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                found.append((start, end))
+                if os.makedev(*(int(x, 16) for x in fields[3].split(":"))) == st.st_dev:
+                    found.append(tuple(int(x, 16) for x in fields[0].split("-")))
     except (OSError, ValueError):
         return 0, 0
     return found[0] if len(found) == 1 else (0, 0)
@@ -252,9 +192,7 @@ def check_layout(env, db, pages: LeafPages) -> str | None:
     try:
         with env.begin(db=db, buffers=True) as txn:
             cursor = txn.cursor()
-            if not cursor.set_key(_PROBE_BIG):
-                return "the check value was not stored"
-            node = pages.overflow_node(cursor, _PROBE_BIG)
+            node = pages.overflow_node(cursor, _PROBE_BIG) if cursor.set_key(_PROBE_BIG) else None
             if node is None:
                 return "its leaf node was not found"
             pgno, length = node

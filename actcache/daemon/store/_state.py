@@ -1,10 +1,8 @@
-"""The state a store's reads and its write operations share: the environment, its tables and the
-in-memory maps of namespaces, secrets and usage.
+"""The state a store's reads and its write operations (``_ops``) share: the environment, its tables
+and the in-memory maps of namespaces, secrets and usage; and what the store answers with.
 
-``Store`` (reads, namespaces, budgets) and the write operations (``_ops``, applied on the writer
-thread) both use one ``StoreState``; neither reaches into the other. Invariant: the maps change only
-under ``lock``, and the writer changes them only after its transaction committed (an op's
-``publish``), so they always equal the committed tables.
+Invariant: the maps change only under ``lock``, and the writer changes them only after its
+transaction committed (an op's ``publish``), so they always equal the committed tables.
 """
 
 from __future__ import annotations
@@ -16,14 +14,38 @@ from dataclasses import dataclass, field
 import lmdb
 
 from actcache.daemon.store._generations import Generations, read_write_time
-from actcache.keys import group_prefix, namespace_id_of
+from actcache.keys import namespace_id_of
 
-__all__ = ["NAMESPACE_ID", "StoreState", "USAGE"]
+__all__ = ["GroupUsage", "NAMESPACE_ID", "NamespaceInfo", "PutResult", "StoreState", "USAGE"]
 
 #: A ``groups`` table value: entries u64, bytes u64.
 USAGE = struct.Struct(">QQ")
 #: A ``namespaces`` table value, and ``meta``'s next namespace id: u32.
 NAMESPACE_ID = struct.Struct(">I")
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceInfo:
+    id: int
+    name: str
+    #: What requests name it by: ``id`` without a secret, else a random handle (set by ``open_namespace``).
+    handle: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupUsage:
+    namespace_id: int
+    fingerprint: bytes
+    depth: int
+    entries: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    entries: int
+    stored_bytes: int
+    replaced: int
 
 
 @dataclass(eq=False)
@@ -60,8 +82,3 @@ class StoreState:
         for ns_key, record in txn.cursor(db=self.secrets):
             self.secret_of[namespace_id_of(ns_key)] = bytes(record)
         self.generations.load((bytes(g), read_write_time(t)) for g, t in txn.cursor(db=self.generation_times))
-
-    @staticmethod
-    def secret_key(namespace_id: int) -> bytes:
-        """The ``secrets`` table key of a namespace."""
-        return group_prefix(namespace_id)

@@ -5,22 +5,16 @@ Named databases:
     namespaces  name (utf-8) -> namespace id (u32, big-endian)
     groups      (namespace, fingerprint, depth) key prefix -> entries u64, bytes u64
     meta        format marker and the next namespace id
-    secrets     namespace id (u32) -> salted scrypt hash of its secret (actcache.daemon.store._access)
-    generations (namespace, fingerprint) key prefix -> last write, f64 seconds (actcache.daemon.store._generations)
+    secrets     namespace id (u32) -> salted scrypt hash of its secret (``_access``)
+    generations (namespace, fingerprint) key prefix -> last write, f64 seconds (``_generations``)
 
-Concurrency: every write (put, drop, namespace creation, deleting a corrupt
-entry) runs on the single writer thread (``_writer``), which batches queued
-operations (``_ops``) into one transaction; readers run in any thread. A drop
-runs as transactions of at most ``_DROP_CHUNK_BYTES`` each, so that it works
-on a full disk. Usage counters live in the ``groups`` table, updated in the
-same transaction as the entries. Invariant: for every group, the in-memory
-usage (``StoreState``) equals the committed ``groups`` row.
+Concurrency: every write runs on the single writer thread (``_writer``), which batches queued
+operations (``_ops``) into one transaction; readers run in any thread. Invariant: for every group,
+the in-memory usage (``StoreState``) equals the committed ``groups`` row.
 
-Budgets: a put is refused with BudgetExceeded past a budget, or when it would
-leave less than ``disk_reserve_bytes`` free so that drops can always commit.
-Over a budget it first reclaims dead generations (``_generations`` chooses
-them): the put's transaction only plans and raises, the caller's thread drops
-each chosen generation (each chunk checks it is still dead) and puts again.
+Budgets: a put is refused with BudgetExceeded past a budget, or when it would leave less than
+``disk_reserve_bytes`` free so that drops can always commit. Over a budget the put's transaction
+only plans a reclaim of dead generations and raises; the caller's thread drops them and puts again.
 """
 
 from __future__ import annotations
@@ -29,7 +23,7 @@ import logging
 import os
 import re
 from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import lmdb
 import numpy as np
@@ -40,38 +34,15 @@ from actcache.daemon.config import StoreConfig, format_size
 from actcache.daemon.store._dirlock import DirLock
 from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
 from actcache.daemon.store._pages import check_layout
-from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, mark_damaged, move_aside, open_env
+from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, damaged, move_aside, open_env
 from actcache.daemon.store._generations import Generation, Generations, ReclaimPlan, plan_reclaim
-from actcache.daemon.store._ops import (
-    _CreateNamespace,
-    _DeleteOp,
-    _DropOp,
-    _PutOp,
-    _ReclaimNeeded,
-    _ReclaimOp,
-)
-from actcache.daemon.store._records import GroupUsage, NamespaceInfo, PutResult
-from actcache.daemon.store._state import StoreState
-from actcache.daemon.store._writer import ReadGate, Writer
-from actcache.errors import (
-    BudgetExceeded,
-    EntryCorrupt,
-    InvalidRequest,
-    NamespaceNotFound,
-    PermissionDenied,
-    StoreError,
-)
-from actcache.keys import (
-    MAX_NAMESPACE_ID,
-    encode_key,
-    encode_keys,
-    generation_of,
-    group_prefix,
-    namespace_id_of,
-    namespace_of,
-    sample_id_of,
-    split_group,
-)
+from actcache.daemon.store._ops import _CreateNamespace, _DeleteOp, _DropOp, _PutOp, _ReclaimNeeded, _ReclaimOp
+from actcache.daemon.store._state import GroupUsage, NamespaceInfo, PutResult, StoreState
+from actcache.daemon.store._writer import ReadGate, Writer, free_bytes
+from actcache.errors import (BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, PermissionDenied,
+                             StoreError)
+from actcache.keys import (MAX_NAMESPACE_ID, encode_key, encode_keys, generation_of, group_prefix, namespace_id_of,
+                           namespace_of, sample_id_of, split_group)
 
 __all__ = ["GroupUsage", "NamespaceInfo", "PutResult", "Store"]
 
@@ -100,8 +71,7 @@ class Store:
                 if config.on_corrupt != "move-aside":
                     raise StoreError(
                         f"{exc}. Restart with --on-corrupt move-aside to keep these files as *.corrupt-<time> and "
-                        "start with an empty cache, or point --dir at an empty directory"
-                    ) from None
+                        "start with an empty cache, or point --dir at an empty directory") from None
                 moved = move_aside(config.dir)
                 log.warning("%s; moved %s aside and started an empty cache", exc, ", ".join(str(p) for p in moved))
                 self._open()
@@ -111,48 +81,52 @@ class Store:
         self._file = ValueFile(config.dir / "data.mdb", self._env.stat()["psize"])
         self._read_counts = {"explicit_reads": 0, "fallback_reads": 0, "cached_copies": 0}
         #: 1 when the leaf-page reader did not read this LMDB's layout at open (its hints are then off).
-        self.page_layout_unrecognized = 0
-        self._check_page_layout()
+        self.page_layout_unrecognized = self._check_page_layout()
         stale = self._env.reader_check()
         if stale:
             log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
-        self._writer = Writer(
-            self._env, self._gate, sync=config.sync, sync_interval_s=config.sync_interval_s, meta_db=self._state.meta,
-            on_damage=lambda reason: mark_damaged(config.dir, reason), on_remap=self._file.pages.remapped,
-        )
-        self._writer.start()
+        self._writer = Writer(self._env, self._gate, config, meta_db=self._state.meta,
+                              on_remap=self._file.pages.remapped)
 
-    def _check_page_layout(self) -> None:
-        """Turn the leaf-page reader off unless it finds a known value written into the meta table."""
+    def _check_page_layout(self) -> int:
+        """Turn the leaf-page reader off (and return 1) unless it finds a known value written into meta."""
         try:
             problem = check_layout(self._env, self._state.meta, self._file.pages)
         except (lmdb.Error, OSError) as exc:
             problem = f"the check could not run: {exc}"
         if problem is None:
-            return
+            return 0
         self._file.pages.enabled = False
-        self.page_layout_unrecognized = 1
         log.warning("LMDB %s: its on-disk page layout is not the one this daemon reads (%s); leaf-page hints "
                     "and explicit reads are off, values are copied from LMDB's map", lmdb.version(), problem)
+        return 1
 
     def _open(self) -> None:
         """Open and check the environment and load the in-memory maps; raises UnusableStore."""
-        # Explicit reads do their own I/O; the map then only serves B-tree pages,
-        # which must not drag in 8 MiB of readahead each.
-        self._env = open_env(
-            self.config.dir, map_size=self.config.map_size_bytes, sync=self.config.sync,
-            readahead=not self.config.explicit_reads,
-        )
+        # Explicit reads do their own I/O; the map then only serves B-tree pages, which must not
+        # drag in 8 MiB of readahead each.
+        self._env = open_env(self.config.dir, map_size=self.config.map_size_bytes, sync=self.config.sync,
+                             readahead=not self.config.explicit_reads)
         self._handles = Handles()
         try:
             tables = [self._env.open_db(n) for n in DB_NAMES]
-            self._state = StoreState(self._env, *tables, generations=Generations(self.config.reclaim_after_s))
-            self._load()
-        except DAMAGE_ERRORS as exc:
+            self._state = state = StoreState(self._env, *tables, generations=Generations(self.config.reclaim_after_s))
+            with self._env.begin(write=True) as txn:
+                marker = txn.get(b"format", db=state.meta)
+                if marker is None:
+                    if any(txn.stat(db)["entries"] for db in (state.entries, state.namespaces, state.groups)):
+                        raise UnusableStore(
+                            f"{self.config.dir / 'data.mdb'} holds actcache tables but no format marker; "
+                            "it was damaged or written by another program")
+                    txn.put(b"format", FORMAT, db=state.meta)
+                elif marker != FORMAT:
+                    raise UnusableStore(f"{self.config.dir} holds store format {marker!r}, "
+                                        f"this daemon reads {FORMAT!r}")
+                state.load(txn)
+        except BaseException as exc:
             self._env.close()
-            raise UnusableStore(f"{self.config.dir / 'data.mdb'} is damaged: {exc}") from None
-        except BaseException:
-            self._env.close()
+            if isinstance(exc, DAMAGE_ERRORS):
+                raise UnusableStore(f"{self.config.dir / 'data.mdb'} is damaged: {exc}") from None
             raise
 
     # ---- lifecycle -------------------------------------------------------
@@ -170,29 +144,11 @@ class Store:
         """Last write, last read and live schedules of each (namespace, fingerprint)."""
         return self._state.generations
 
-    def _load(self) -> None:
-        state = self._state
-        with self._env.begin(write=True) as txn:
-            marker = txn.get(b"format", db=state.meta)
-            if marker is None:
-                if any(txn.stat(db)["entries"] for db in (state.entries, state.namespaces, state.groups)):
-                    raise UnusableStore(
-                        f"{self.config.dir / 'data.mdb'} holds actcache tables but no format marker; "
-                        "it was damaged or written by another program"
-                    )
-                txn.put(b"format", FORMAT, db=state.meta)
-            elif marker != FORMAT:
-                raise UnusableStore(f"{self.config.dir} holds store format {marker!r}, this daemon reads {FORMAT!r}")
-            state.load(txn)
-
     # ---- namespaces ------------------------------------------------------
 
     def open_namespace(self, name: str, *, create: bool = True, secret: bytes | None = None) -> NamespaceInfo:
-        """Return the namespace called ``name`` with its handle, creating it when ``create``.
-
-        A namespace created with a ``secret`` can only be opened with it
-        (PermissionDenied otherwise); see actcache.daemon.store._access.
-        """
+        """Return the namespace called ``name`` with its handle, creating it when ``create``. A namespace
+        created with a ``secret`` can only be opened with it (PermissionDenied otherwise); see ``_access``."""
         if not _NAME_RE.fullmatch(name or ""):
             raise InvalidRequest(f"namespace name {name!r} is invalid; use 1-128 characters of A-Z a-z 0-9 . _ -")
         secret = check_secret(secret)
@@ -213,8 +169,7 @@ class Store:
             if secret:
                 raise PermissionDenied(
                     f"namespace {name!r} was created without a secret and cannot get one; "
-                    "open it without a secret, or protect a new namespace under another name"
-                )
+                    "open it without a secret, or protect a new namespace under another name")
             return NamespaceInfo(ns_id, name, ns_id)
         if not secret:
             raise PermissionDenied(f"namespace {name!r} is protected by a secret; pass it to Open")
@@ -223,18 +178,14 @@ class Store:
         return NamespaceInfo(ns_id, name, self._handles.issue(ns_id))
 
     def resolve(self, handle: int) -> int:
-        """The namespace id a request's ``namespace_id`` (a handle from Open) stands for.
-
-        Every method below that takes a ``namespace_id`` resolves it here first:
-        a protected namespace is reachable only through its random handle.
-        """
+        """The namespace id a request's ``namespace_id`` (a handle from Open) stands for; every method taking
+        a ``namespace_id`` resolves it here first. A protected namespace is reachable only by its handle."""
         if handle > MAX_NAMESPACE_ID:
             ns_id = self._handles.namespace_of(handle)
             if ns_id is None:
                 raise NamespaceNotFound(
                     f"namespace handle {handle} is not known to this daemon; handles of protected namespaces "
-                    "last one daemon run, so call Open again with the namespace's secret"
-                )
+                    "last one daemon run, so call Open again with the namespace's secret")
             return ns_id
         with self._state.lock:
             name = self._state.ns_by_id.get(handle)
@@ -243,8 +194,7 @@ class Store:
             raise NamespaceNotFound(f"namespace id {handle} is not open on this daemon; call Open first")
         if protected:
             raise PermissionDenied(
-                f"namespace {name!r} is protected by a secret; address it by the handle Open returned, not its id"
-            )
+                f"namespace {name!r} is protected by a secret; address it by the handle Open returned, not its id")
         return handle
 
     # ---- entries ---------------------------------------------------------
@@ -253,13 +203,9 @@ class Store:
         self, namespace_id: int, fingerprint: bytes, depth: int, items: Sequence[tuple[int, int, bytes | memoryview]],
         *, encoding: Encoding | None = None,
     ) -> PutResult:
-        """Validate, compress (when it pays) and commit ``(sample_id, variant, entry)`` items.
-
-        ``encoding`` (the client's choice for this group) replaces the daemon's ``--encoding``.
-
-        Returns once the items are committed. All items of one call share a
-        group and are committed atomically, or none is (budget, disk full).
-        """
+        """Validate, compress (when it pays) and commit ``(sample_id, variant, entry)`` items of one group,
+        all or none (budget, disk full); returns once committed. ``encoding`` (the client's choice for
+        this group) replaces the daemon's ``--encoding``."""
         namespace_id = self.resolve(namespace_id)
         prefix = group_prefix(namespace_id, fingerprint, depth)
         records = []
@@ -269,8 +215,7 @@ class Store:
             if len(value) > self.config.max_entry_bytes:
                 raise InvalidRequest(
                     f"entry for sample {sample_id} is {format_size(len(value))}, above the "
-                    f"{format_size(self.config.max_entry_bytes)} limit; raise --max-entry-bytes"
-                )
+                    f"{format_size(self.config.max_entry_bytes)} limit; raise --max-entry-bytes")
             try:
                 if verify_entry(value).codec == Codec.raw_verified:
                     raise InvalidRequest("a raw_verified entry carries no payload checksum and is never "
@@ -282,81 +227,55 @@ class Store:
             return PutResult(0, 0, 0)
         for round_ in range(_RECLAIM_ROUNDS):
             try:
-                return self._writer.submit(_PutOp(self._state, prefix, records, stored_length=self._file.pages.stored_length,
-                                                  check_room=self._check_room))
+                return self._writer.submit(_PutOp(self._state, prefix, records, check_room=self._check_room,
+                                                  stored_length=self._file.pages.stored_length))
             except _ReclaimNeeded as need:
                 if round_ == _RECLAIM_ROUNDS - 1:
                     raise BudgetExceeded(str(need)) from None
                 self._reclaim(need.plan)
         raise AssertionError("unreachable")
 
-    def get(
-        self,
-        namespace_id: int,
-        fingerprint: bytes,
-        depth: int,
-        keys: Sequence[tuple[int, int]],
-        *,
-        max_bytes: int | None = None,
-    ) -> list[bytes | memoryview | None]:
-        """Return the entry of each ``(sample_id, variant)``, or None for a miss.
-
-        With ``max_bytes``, stops once the values read reach that many bytes
-        (always after at least one key): the result may be shorter than
-        ``keys``, a prefix of it. A value that fails its checksum is deleted
-        and EntryCorrupt raised.
-        """
+    def get(self, namespace_id: int, fingerprint: bytes, depth: int, keys: Sequence[tuple[int, int]], *,
+            max_bytes: int | None = None) -> list[bytes | memoryview | None]:
+        """Return the entry of each ``(sample_id, variant)``, or None for a miss. With ``max_bytes``, stops
+        once the values read reach that many bytes (after at least one key): the result is then a prefix
+        of ``keys``. A value that fails its checksum is deleted and EntryCorrupt raised."""
         namespace_id = self.resolve(namespace_id)
         encoded = [encode_key(namespace_id, fingerprint, depth, s, v) for s, v in keys]
         if encoded:
             self.generations.read(generation_of(encoded[0]))
         out: list[bytes | memoryview | None] = []
         corrupt: list[tuple[bytes, str]] = []
+        nbytes = 0
         try:
-            self._read(encoded, out, corrupt, max_bytes)
+            with self.read_session() as session:
+                extents = []
+                for key in encoded:  # locate up to max_bytes, then hint the kernel to read them all at once
+                    if max_bytes is not None and nbytes >= max_bytes:
+                        break
+                    extents.append(session.locate(key))
+                    nbytes += 0 if extents[-1] is None else extents[-1].length
+                for extent in extents:
+                    if extent is not None:
+                        self._file.advise(extent)
+                for key, extent in zip(encoded, extents):
+                    value = None if extent is None else session.read(key, extent)
+                    if value is not None:
+                        try:
+                            verify_entry(value)
+                        except InvalidRequest as exc:
+                            corrupt.append((key, str(exc)))
+                            value = None
+                    out.append(value)
         except DAMAGE_ERRORS as exc:
-            reason = f"a read failed: {exc}"
-            mark_damaged(self.config.dir, reason)
-            raise StoreError(
-                f"the LMDB file in {self.config.dir} is damaged ({exc}); restart the daemon with "
-                "--on-corrupt move-aside to start with an empty cache"
-            ) from None
+            raise damaged(self.config.dir, "a read", exc) from None
         if corrupt:
             self.discard_corrupt([k for k, _ in corrupt])
             ids = [sample_id_of(k) for k, _ in corrupt]
             raise EntryCorrupt(
                 f"{len(corrupt)} stored entries failed verification and were deleted "
-                f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them"
-            )
+                f"(sample ids {ids[:8]}): {corrupt[0][1]}; recompute them")
         return out
-
-    def _read(
-        self, keys: list[bytes], out: list, corrupt: list[tuple[bytes, str]], max_bytes: int | None
-    ) -> None:
-        nbytes = 0
-        with self.read_session() as session:
-            extents = []
-            for key in keys:  # locate up to max_bytes, then hint the kernel to read them all at once
-                if max_bytes is not None and nbytes >= max_bytes:
-                    break
-                extent = session.locate(key)
-                extents.append(extent)
-                nbytes += 0 if extent is None else extent.length
-            for extent in extents:
-                if extent is not None:
-                    self._file.advise(extent)
-            for key, extent in zip(keys, extents):
-                if extent is None:
-                    out.append(None)
-                    continue
-                value = session.read(key, extent)
-                try:
-                    verify_entry(value)
-                except InvalidRequest as exc:
-                    corrupt.append((key, str(exc)))
-                    out.append(None)
-                    continue
-                out.append(value)
 
     @contextmanager
     def read_session(self, guess: PageCacheGuess | None = None) -> Iterator[ReadSession]:
@@ -382,12 +301,11 @@ class Store:
             return self._file.pages.present_keys(txn.cursor(), keys)
 
     def probe(self, keys: Sequence[bytes], hints: ExtentHints | None = None, start: int = 0) -> list[bool | None]:
-        """Look ``keys`` up (in a transaction of their own); for each value not in the page cache, ask
-        the kernel to start reading it. Per key: None if absent, else whether it was already cached
-        (False also when the kernel cannot tell). Warms the cache ahead of a read, nothing more.
-        ``hints``: the schedule's extents learned by earlier probes, where this one's lookups teach
-        more; ``keys`` are then its positions ``start`` onwards.
-        """
+        """Look ``keys`` up (in a transaction of their own) and ask the kernel to start reading each value not
+        in the page cache: warms the cache ahead of a read, nothing more. Per key: None if absent, else whether
+        it was already cached (False also when the kernel cannot tell). ``hints``: the schedule's extents
+        learned by earlier probes, taught more by this one's lookups; ``keys`` are then its positions
+        ``start`` onwards."""
         with self.read_session() as session:
             if hints is None:
                 extents = [session.locate(key) for key in keys]
@@ -396,18 +314,14 @@ class Store:
                 extents = [extent or session.locate_hinted(key, hints) for key, extent in zip(keys, known)]
         out: list[bool | None] = []
         for extent in extents:
-            if extent is None:
-                out.append(None)
-                continue
-            resident = bool(self._file.resident(extent))
-            if not resident:
+            out.append(None if extent is None else bool(self._file.resident(extent)))
+            if out[-1] is False:
                 self._file.advise(extent)
-            out.append(resident)
         return out
 
     def discard_corrupt(self, keys: Sequence[bytes]) -> int:
         """Delete those of ``keys`` whose stored entry still fails verification; returns how many."""
-        return self._writer.submit(_DeleteOp(self._state, keys, only_corrupt=True))
+        return self._writer.submit(_DeleteOp(self._state, keys))
 
     def read_counts(self) -> dict[str, int]:
         """Values read explicitly (pread) and by the fallback copy from the map, since start."""
@@ -442,12 +356,9 @@ class Store:
 
     def generation_stats(self) -> list[Generation]:
         """Every stored generation (namespace, fingerprint) with its bytes, activity and whether it is dead now."""
-        usage: dict[bytes, int] = {}
         with self._state.lock:
-            for p, (n, b) in self._state.usage.items():
-                if n:
-                    usage[generation_of(p)] = usage.get(generation_of(p), 0) + b
-        return self.generations.snapshot(usage)
+            rows = [(p, b) for p, (n, b) in self._state.usage.items() if n]
+        return self.generations.snapshot(_by_generation(rows))
 
     def groups(self) -> list[GroupUsage]:
         with self._state.lock:
@@ -467,7 +378,8 @@ class Store:
 
     def used_bytes(self, namespace_id: int | None = None) -> int:
         with self._state.lock:
-            return sum(u[1] for p, u in self._state.usage.items() if namespace_id is None or namespace_id_of(p) == namespace_id)
+            return sum(u[1] for p, u in self._state.usage.items()
+                       if namespace_id is None or namespace_id_of(p) == namespace_id)
 
     def map_size(self) -> int:
         return self._env.info()["map_size"]
@@ -476,34 +388,27 @@ class Store:
         """Bytes the data file occupies on disk (allocated blocks, not its apparent size)."""
         return os.stat(self.config.dir / "data.mdb").st_blocks * 512
 
-    def _reusable_bytes(self, txn) -> int:
-        """About how many bytes of ``data.mdb`` are free pages LMDB will reuse (file pages minus tree pages)."""
-        used = 2  # meta pages
-        main = self._env.stat()
-        s = self._state
-        tables = (s.entries, s.namespaces, s.groups, s.meta, s.secrets, s.generation_times)
-        for stat in [main, *(txn.stat(db) for db in tables)]:
-            used += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
-        return max(0, self._env.info()["last_pgno"] + 1 - used) * main["psize"]
-
     def _check_disk(self, txn, nbytes: int) -> None:
         """Refuse a put of ``nbytes`` that would eat into the disk reserve kept for drops (0: no check)."""
         reserve = self.config.disk_reserve_bytes
         if not reserve:
             return
-        st = os.statvfs(self.config.dir)
-        free = st.f_bavail * st.f_frsize
+        free = free_bytes(self.config.dir)
         if free - nbytes >= reserve:
             return
-        reusable = self._reusable_bytes(txn)
+        # About how many bytes of data.mdb are free pages LMDB will reuse: file pages minus tree and meta pages.
+        s, main = self._state, self._env.stat()
+        tables = (s.entries, s.namespaces, s.groups, s.meta, s.secrets, s.generation_times)
+        used = 2 + sum(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
+                       for st in [main, *(txn.stat(db) for db in tables)])
+        reusable = max(0, self._env.info()["last_pgno"] + 1 - used) * main["psize"]
         if free + reusable - nbytes >= reserve:
             return
         raise BudgetExceeded(
             f"the disk holding {self.config.dir} has {free} bytes free ({format_size(free)}) plus about {reusable} "
             f"reusable inside data.mdb, and this put needs {nbytes} bytes while {reserve} bytes "
             f"({format_size(reserve)}) stay reserved so that drops can commit; free space on that file system, "
-            "run `actcache drop`, or lower --disk-reserve. Reads keep working"
-        )
+            "run `actcache drop`, or lower --disk-reserve. Reads keep working")
 
     # ---- helpers for write operations (writer thread only) ---------------
 
@@ -513,12 +418,9 @@ class Store:
         self._check_disk(txn, nbytes)
 
     def _check_budget(self, prefix: bytes, delta: int, pending: dict[bytes, list[int]]) -> None:
-        """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op).
-
-        Raises _ReclaimNeeded when dropping dead generations would make the put
-        fit (the caller reclaims them and puts again), else BudgetExceeded
-        saying how many bytes were reclaimable.
-        """
+        """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op): raises
+        _ReclaimNeeded when dropping dead generations would make the put fit (the caller reclaims them and
+        puts again), else BudgetExceeded saying how many bytes were reclaimable."""
         ns_limit, limit = self.config.namespace_budget_bytes, self.config.budget_bytes
         if delta <= 0 or not (ns_limit or limit):
             return
@@ -530,27 +432,28 @@ class Store:
         all_need = all_used + delta - limit if limit else 0
         if ns_need <= 0 and all_need <= 0:
             return
-        sizes: dict[bytes, int] = {}
-        for p, b in group_bytes.items():
-            sizes[generation_of(p)] = sizes.get(generation_of(p), 0) + b
         busy = {generation_of(p) for p in pending}  # touched in this transaction: not planned around
-        dead = [g for g in self.generations.snapshot(sizes) if g.dead and g.prefix not in busy]
+        generations = self.generations.snapshot(_by_generation(group_bytes.items()))
+        dead = [g for g in generations if g.dead and g.prefix not in busy]
         plan = plan_reclaim(dead, own=generation_of(prefix), namespace=ns, namespace_need=ns_need,
                             daemon_need=all_need)
-        reclaimable = f"; {self.generations.describe(plan)}"
         if ns_need > 0:
             name = self._state.ns_by_id.get(namespace_id_of(ns), "?")
-            message = (
-                f"namespace {name!r} uses {ns_used} of its {ns_limit} byte budget "
-                f"({format_size(ns_used)} of {format_size(ns_limit)}) and this put needs {delta} more bytes"
-                f"{reclaimable}; raise --namespace-budget, lower --reclaim-after or run `actcache drop {name}`"
-            )
+            who, used, cap = f"namespace {name!r}", ns_used, ns_limit
+            fix = f"raise --namespace-budget, lower --reclaim-after or run `actcache drop {name}`"
         else:
-            message = (
-                f"the daemon uses {all_used} of its {limit} byte budget "
-                f"({format_size(all_used)} of {format_size(limit)}) and this put needs {delta} more bytes"
-                f"{reclaimable}; raise --budget, lower --reclaim-after or drop namespaces with `actcache drop`"
-            )
+            who, used, cap = "the daemon", all_used, limit
+            fix = "raise --budget, lower --reclaim-after or drop namespaces with `actcache drop`"
+        message = (f"{who} uses {used} of its {cap} byte budget ({format_size(used)} of {format_size(cap)}) and this "
+                   f"put needs {delta} more bytes; {self.generations.describe(plan)}; {fix}")
         if plan.fits:
             raise _ReclaimNeeded(message, plan)
         raise BudgetExceeded(message)
+
+
+def _by_generation(group_bytes: Iterable[tuple[bytes, int]]) -> dict[bytes, int]:
+    """Bytes per generation, from (group prefix, bytes) rows."""
+    sizes: dict[bytes, int] = {}
+    for prefix, nbytes in group_bytes:
+        sizes[generation_of(prefix)] = sizes.get(generation_of(prefix), 0) + nbytes
+    return sizes

@@ -1,27 +1,16 @@
 """The store's single writer thread: batches queued write operations into one LMDB transaction.
 
-Invariants: exactly one thread writes; an operation's caller is woken with
-its result or its exception, never left waiting; the map grows (doubling)
-when LMDB reports it full, while no read transaction is open in the process.
+Invariants: exactly one thread writes; an operation's caller is woken with its result or its
+exception, never left waiting; the map grows (doubling) when LMDB reports it full, while no read
+transaction is open in the process.
 
-A full disk is an answer, not a crash. LMDB (without ``writemap``, as here)
-never needs disk space to grow the map: the map is virtual and the file is
-extended by the commit's ``pwrite``s. On a full file system that write comes
-up short and LMDB reports ``mdb_txn_commit: Input/output error`` (EIO, not
-ENOSPC); the transaction is aborted and the environment stays usable. The
-writer turns that into BudgetExceeded (RESOURCE_EXHAUSTED) quoting the free
-bytes, and retries the ops of a failed batch one by one so that a drop queued
-behind a put still frees space. Pages a transaction frees become reusable
-two commits later (LMDB keeps the previous snapshot), so after an op that
-frees pages the writer commits a one-key follow-up transaction: the next put
-reuses the freed pages instead of extending the file.
-
-Growing the map remaps it; if that mmap failed, py-lmdb would invalidate the
-environment. The writer therefore probes the address space first (an
-anonymous PROT_NONE mapping of the added size) and answers
-RESOURCE_EXHAUSTED when the map cannot grow. Should the remap fail anyway,
-the store is marked broken: every later read and write fails with
-StoreError instead of touching an unmapped environment.
+A full disk is an answer, not a crash: the commit's short ``pwrite`` surfaces as EIO (not ENOSPC),
+the transaction aborts and the environment stays usable. The writer answers BudgetExceeded quoting
+the free bytes, and retries a failed batch op by op so that a drop queued behind a put still frees
+space. Freed pages become reusable two commits later, so an op that frees pages is followed by a
+one-key commit. Before growing the map the writer probes the address space (a failed remap would
+invalidate the environment); should the remap fail anyway, the store is marked broken and every
+later read and write fails with StoreError.
 """
 
 from __future__ import annotations
@@ -39,10 +28,11 @@ from typing import Any, Callable, Iterator
 
 import lmdb
 
-from actcache.daemon.config import format_size
+from actcache.daemon.config import StoreConfig, format_size
+from actcache.daemon.store._envfile import damaged
 from actcache.errors import ActCacheError, BudgetExceeded, StoreError
 
-__all__ = ["ReadGate", "WriteOp", "Writer"]
+__all__ = ["ReadGate", "WriteOp", "Writer", "free_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +47,8 @@ _DISK_FULL_SLACK = 1 << 20
 
 
 class ReadGate:
-    """Lets readers in concurrently and a map resize in alone.
-
-    LMDB allows ``set_mapsize`` only while the process has no open
-    transaction, so readers hold the gate while their transaction is open.
-    """
+    """Lets readers in concurrently and a map resize in alone: LMDB allows ``set_mapsize`` only while
+    the process has no open transaction, so readers hold the gate while theirs is open."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -102,18 +89,15 @@ class ReadGate:
 
 
 class WriteOp:
-    """One queued write. ``apply`` must raise before its first write or not at all
-    (LMDB errors excepted: they abort and retry or fail the whole transaction).
-
-    ``nbytes`` is what the op adds to the file at most; ``frees_pages`` asks
-    the writer for a follow-up commit so that the freed pages become reusable.
-    """
+    """One queued write. ``apply`` must raise before its first write or not at all (LMDB errors abort
+    the whole transaction). ``nbytes``: what it adds to the file at most; ``frees_pages`` asks for a
+    follow-up commit so that the freed pages become reusable."""
 
     nbytes: int = 0
     frees_pages: bool = False
 
     def __init__(self) -> None:
-        self._done = threading.Event()
+        self.done = threading.Event()
         self.result_value: Any = None
         self.error: BaseException | None = None
 
@@ -125,13 +109,7 @@ class WriteOp:
 
     def finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self.result_value, self.error = result, error
-        self._done.set()
-
-    def wait(self) -> Any:
-        self._done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.result_value
+        self.done.set()
 
 
 _STOP = object()
@@ -140,33 +118,16 @@ _STOP = object()
 class Writer:
     """Runs queued WriteOps in batches on one thread; ``submit`` blocks until committed."""
 
-    def __init__(
-        self,
-        env: lmdb.Environment,
-        gate: ReadGate,
-        *,
-        sync: bool,
-        sync_interval_s: float,
-        meta_db=None,
-        on_damage: Callable[[str], None] | None = None,
-        on_remap: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, env: lmdb.Environment, gate: ReadGate, config: StoreConfig, *, meta_db,
+                 on_remap: Callable[[], None]) -> None:
         """``on_remap``: called after the map moved (it grew), before any reader may start again."""
-        self._env = env
-        self._on_remap = on_remap
-        self._on_damage = on_damage
-        self._gate = gate
-        self._meta_db = meta_db
-        self._path = env.path()
+        self._env, self._gate, self._meta_db, self._on_remap = env, gate, meta_db, on_remap
+        self._dir, self._sync, self._sync_interval_s = config.dir, config.sync, config.sync_interval_s
         self._followups = 0
-        self._sync = sync
-        self._sync_interval_s = sync_interval_s
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="actcache-writer", daemon=True)
         self._stopping = False
         self._dirty_since: float | None = None
-
-    def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
@@ -180,31 +141,32 @@ class Writer:
             raise StoreError("the daemon is shutting down; retry against the restarted daemon")
         self._gate.check()
         self._queue.put(op)
-        return op.wait()
+        op.done.wait()
+        if op.error is not None:
+            raise op.error
+        return op.result_value
 
     def _run(self) -> None:
         while True:
             try:
-                first = self._queue.get(timeout=self._sync_interval_s)
+                op = self._queue.get(timeout=self._sync_interval_s)
             except queue.Empty:
                 self._periodic_sync()
                 continue
-            if first is _STOP:
-                return
-            batch, nbytes, stop = [first], first.nbytes, False
-            while len(batch) < _MAX_OPS_PER_TXN and nbytes < _MAX_BYTES_PER_TXN:
+            batch, nbytes = [], 0
+            while op is not _STOP:
+                batch.append(op)
+                nbytes += op.nbytes
+                if len(batch) >= _MAX_OPS_PER_TXN or nbytes >= _MAX_BYTES_PER_TXN:
+                    break
                 try:
                     op = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if op is _STOP:
-                    stop = True
-                    break
-                batch.append(op)
-                nbytes += op.nbytes
-            self._commit(batch)
-            self._periodic_sync()
-            if stop:
+            if batch:
+                self._commit(batch)
+                self._periodic_sync()
+            if op is _STOP:
                 return
 
     def _periodic_sync(self) -> None:
@@ -218,16 +180,12 @@ class Writer:
         error = self._attempt(batch)
         if error is None:
             return
-        if len(batch) > 1 and isinstance(error, BudgetExceeded):
-            # The disk is full: commit the ops one by one, so that drops and
-            # small writes still go through while the large puts are refused.
-            for op in batch:
-                single = self._attempt([op])
-                if single is not None:
-                    op.finish(error=single)
-            return
+        # A full disk: commit the ops one by one, so that drops and small writes still go through.
+        singly = len(batch) > 1 and isinstance(error, BudgetExceeded)
         for op in batch:
-            op.finish(error=error)
+            op_error = self._attempt([op]) if singly else error
+            if op_error is not None:
+                op.finish(error=op_error)
 
     def _attempt(self, batch: list[WriteOp]) -> ActCacheError | None:
         """Commit ``batch`` in one transaction and finish its ops; on failure return the error
@@ -251,22 +209,16 @@ class Writer:
                     return error
                 continue
             except _DAMAGE as exc:
-                if self._on_damage is not None:
-                    self._on_damage(f"a write failed: {exc}")
-                return StoreError(
-                    f"the LMDB file in {self._path} is damaged ({exc}); restart the daemon with "
-                    "--on-corrupt move-aside to start with an empty cache"
-                )
+                return damaged(self._dir, "a write", exc)
             except lmdb.Error as exc:
-                return _storage_error(exc, self._path, needed)
+                return _storage_error(exc, self._dir, needed)
             except BaseException as exc:  # a bug: wake every caller rather than stall them
                 log.exception("write transaction failed")
                 return StoreError(f"write failed unexpectedly: {exc!r}")
             break
         else:
             return StoreError(
-                f"the LMDB map was still full after {_MAX_GROWTHS_PER_BATCH} growths for a {needed}-byte batch"
-            )
+                f"the LMDB map was still full after {_MAX_GROWTHS_PER_BATCH} growths for a {needed}-byte batch")
         if self._dirty_since is None:
             self._dirty_since = time.monotonic()
         freed = False
@@ -287,23 +239,22 @@ class Writer:
             with self._env.begin(write=True) as txn:
                 txn.put(b"followup_commits", struct.pack(">Q", self._followups), db=self._meta_db)
         except lmdb.Error as exc:
-            log.warning("follow-up commit after freeing pages failed (%s); freed pages are reused one commit later", exc)
+            log.warning("follow-up commit after freeing pages failed (%s); freed pages are reused one commit "
+                        "later", exc)
 
     def _grow(self, needed: int) -> ActCacheError | None:
         """Double the map (add 64 GiB above 64 GiB); return the error that prevents it, if any."""
         old = self._env.info()["map_size"]
         new = old * 2 if old < 64 << 30 else old + (64 << 30)
-        free = _free_bytes(self._path)
-        if free < needed:
-            return _disk_full(self._path, needed)
+        if free_bytes(self._dir) < needed:
+            return _disk_full(self._dir, needed)
         try:
             probe = mmap.mmap(-1, new - old, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, prot=0)
         except (OSError, OverflowError, ValueError) as exc:
             return BudgetExceeded(
                 f"the LMDB map is full at {old} bytes and cannot grow to {new} bytes: the process cannot map "
                 f"{new - old} more bytes ({exc}); raise the address-space limit (ulimit -v), drop entries with "
-                "`actcache drop`, or lower --budget. Reads keep working"
-            )
+                "`actcache drop`, or lower --budget. Reads keep working")
         probe.close()
         with self._gate.exclusive():
             try:
@@ -316,13 +267,13 @@ class Writer:
                 log.critical("%s", self._gate.broken)
                 return StoreError(self._gate.broken)
             finally:
-                if self._on_remap is not None:
-                    self._on_remap()
+                self._on_remap()
         log.info("LMDB map full at %d bytes; grew it to %d bytes", old, new)
         return None
 
 
-def _free_bytes(path: str) -> int:
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged process may still write on the file system holding ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 
@@ -333,13 +284,12 @@ def _disk_full(path: str, needed: int) -> BudgetExceeded:
     return BudgetExceeded(
         f"the disk holding {path} is full: {free} bytes free of {total} "
         f"({format_size(free)} of {format_size(total)}) and this write needs about {needed} bytes; "
-        "free space on that file system or run `actcache drop`. Reads keep working"
-    )
+        "free space on that file system or run `actcache drop`. Reads keep working")
 
 
 def _storage_error(exc: lmdb.Error, path: str, needed: int) -> ActCacheError:
     """Classify a failed commit. A short write on a full disk surfaces as EIO, so the free space decides."""
     nospace = getattr(exc, "errno", None) == errno.ENOSPC or "No space" in str(exc)
-    if nospace or isinstance(exc, lmdb.DiskError) or _free_bytes(path) < needed + _DISK_FULL_SLACK:
+    if nospace or isinstance(exc, lmdb.DiskError) or free_bytes(path) < needed + _DISK_FULL_SLACK:
         return _disk_full(path, needed)
     return StoreError(f"LMDB write failed in {path}: {exc}")
