@@ -4,22 +4,18 @@ Why: for values in the page cache, one thread that looks a frame's keys up
 in one LMDB call and copies each value straight into its ring slot beats
 reading ahead (docs/design/serving.md).
 
-How: once the reader's ``PageCacheGuess`` says the stream is warm and its
-probes have paused (cold data keeps them hinting the kernel ahead, which a
-parked reader would not), ``ScheduleReader.batches(direct_entries=...)``
-parks the reader thread after its current run (no transaction open, nothing read); what it read ahead is
-served first, then the consumer gets ``DirectRun``s. It opens a short
-read transaction (``values``), copies what fits its ring, closes it before
-it sends or waits, and reports what it served (``done``). A run that finds
-the values cold (the guess's periodic check) gives reading back to the
-reader thread (``give_back``), which reads ahead as before.
+How: once the stream is warm and its probes have paused, the reader thread
+parks after its current run (``Handover``); what it read ahead is served
+first, then the consumer gets ``DirectRun``s. It opens a short read
+transaction (``values``), copies what fits its ring, closes it before it
+sends or waits, and reports what it served (``done``). A run that finds the
+values cold gives reading back to the reader thread (``give_back``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.daemon.prefetch._served import split_with
@@ -27,8 +23,7 @@ from actcache.served import served_size, to_raw_entries_into
 from actcache.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from actcache.daemon.prefetch._schedule import Schedule
-    from actcache.daemon.store import PageCacheGuess, Store
+    from actcache.daemon.prefetch._frames import FrameTaker
 
 __all__ = ["DirectRun"]
 
@@ -40,24 +35,19 @@ class DirectRun:
     """Positions ``start`` to ``stop`` of a stream, to be read by the consumer from the store: it
     serves a prefix of them (``done``), the next run starts after it."""
 
-    __slots__ = ("start", "stop", "_schedule", "_key", "_store", "_guess", "_done", "_give_back", "_discard", "_pool")
+    __slots__ = ("start", "stop", "_taker")
 
-    def __init__(self, start: int, stop: int, *, schedule: "Schedule", key: Callable[[int], bytes], store: "Store",
-                 guess: "PageCacheGuess", done: Callable[["DirectRun", int, dict], None],
-                 give_back: Callable[[int], None], discard: Callable[[int, InvalidRequest], None],
-                 pool: Executor | None = None) -> None:
-        """``pool``: the decode pool, taking half of a large run of compressed entries (``decode_into``)."""
-        self.start, self.stop, self._schedule, self._key = start, stop, schedule, key
-        self._store, self._guess, self._done, self._give_back, self._discard = store, guess, done, give_back, discard
-        self._pool = pool
+    def __init__(self, start: int, stop: int, taker: FrameTaker) -> None:
+        self.start, self.stop, self._taker = start, stop, taker
 
     @contextlib.contextmanager
     def values(self, count: int) -> Iterator[list[memoryview | None] | None]:
         """The values of the run's first ``count`` positions as views into LMDB's map (None: absent),
         valid inside the block (a read transaction: no waiting inside it); None if they no longer seem
         to be in the page cache."""
-        keys = [self._key(p) for p in range(self.start, min(self.stop, self.start + count))]
-        with self._store.read_session(self._guess) as session:
+        taker = self._taker
+        keys = [taker.key(p) for p in range(self.start, min(self.stop, self.start + count))]
+        with taker.store.read_session(taker.guess) as session:
             yield session.run_views(keys)
 
     def decode_into(self, values: list, outs: list[memoryview]) -> list[InvalidRequest | None]:
@@ -69,7 +59,7 @@ class DirectRun:
             errors[part.start : part.stop] = to_raw_entries_into(values[part.start : part.stop],
                                                                  outs[part.start : part.stop])
 
-        split_with(self._pool, range(len(values)), [out.nbytes for out in outs], run)
+        split_with(self._taker.decode_pool, range(len(values)), [out.nbytes for out in outs], run)
         return errors
 
     def entry_size(self) -> int:
@@ -79,25 +69,20 @@ class DirectRun:
 
     def header(self, lengths: list[int]) -> pb.EntriesHeader:
         """The frame header of the run's first ``len(lengths)`` positions."""
-        stop, schedule = self.start + len(lengths), self._schedule
-        return pb.EntriesHeader(
-            start=self.start, sample_ids=schedule.sample_ids[self.start:stop].tolist(),
-            variants=schedule.variants[self.start:stop].tolist() if schedule.variants is not None else [],
-            lengths=lengths,
-        )
+        return self._taker.schedule.header(self.start, lengths)
 
     def done(self, lengths: list[int], corrupt: list[tuple[int, InvalidRequest]]) -> None:
         """The first ``len(lengths)`` positions were served with these sizes (0: a miss); ``corrupt``
         (run index, error): entries that failed verification, to delete (their lengths are 0). Once."""
         for i, exc in corrupt:
-            self._discard(self.start + i, exc)
+            self._taker.discard_corrupt(self.start + i, exc)
         hits = sum(1 for n in lengths if n)
         served = sum(lengths)
-        self._done(self, len(lengths), dict(hits=hits, misses=len(lengths) - hits, corrupt=len(corrupt),
-                                            ready_on_ask=len(lengths), read_bytes=served, served_bytes=served,
-                                            direct=len(lengths)))
+        self._taker.handover.done(self, len(lengths), dict(
+            hits=hits, misses=len(lengths) - hits, corrupt=len(corrupt), ready_on_ask=len(lengths),
+            read_bytes=served, served_bytes=served, direct=len(lengths)))
 
     def give_back(self) -> None:
         """Let the reader thread read ahead again, from this run's start (the values seem cold, or the
         entry there needs the regular path); no direct run is offered before it has read past it."""
-        self._give_back(self.start)
+        self._taker.handover.give_back(self.start)

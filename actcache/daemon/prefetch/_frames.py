@@ -7,7 +7,6 @@ import time
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from actcache._proto import actcache_pb2 as pb
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._handover import Handover
@@ -43,13 +42,12 @@ class FrameTaker:
                  budget: MemoryBudget, guess: PageCacheGuess, decode_pool: Executor | None,
                  key: Callable[[int], bytes], on_done: Callable[[], None]) -> None:
         """The budget counts the reader's bytes under ``shared``; ``on_done``: the stream is served."""
-        self._owner, self._schedule, self._shared, self._handover = shared, schedule, shared, handover
-        self._store, self._budget, self._guess, self._decode, self._key = store, budget, guess, decode_pool, key
-        self._on_done = on_done
+        self.schedule, self.handover, self.store, self.guess = schedule, handover, store, guess
+        self.decode_pool, self.key, self._shared, self._budget, self._on_done = decode_pool, key, shared, budget, on_done
 
     def batches(self, max_frame_bytes: int, direct_entries: int) -> Iterator[ServedBatch | DirectRun]:
         """See ``ScheduleReader.batches``."""
-        shared, handover, schedule = self._shared, self._handover, self._schedule
+        shared, handover = self._shared, self.handover
         # Over shared memory the client sizes frames to one batch (it needs all of it): fill them whole.
         shared.fill_bytes = max_frame_bytes if direct_entries else min(max_frame_bytes, FILL_BYTES)
         while True:
@@ -91,19 +89,11 @@ class FrameTaker:
                 if shared.reader_waits:
                     shared.cond.notify_all()
             if direct_at is not None:
-                yield DirectRun(direct_at, min(shared.end, direct_at + direct_entries), schedule=schedule, key=self._key,
-                                store=self._store, guess=self._guess, done=handover.done,
-                                give_back=handover.give_back, discard=self.discard_corrupt, pool=self._decode)
+                yield DirectRun(direct_at, min(shared.end, direct_at + direct_entries), self)
                 continue
-            stop = start + len(taken)
-            header = pb.EntriesHeader(
-                start=start,
-                sample_ids=schedule.sample_ids[start:stop].tolist(),
-                variants=schedule.variants[start:stop].tolist() if schedule.variants is not None else [],
-                lengths=[s.nbytes for s in taken],
-            )
             counts = dict(ready_on_ask=len(taken) - stalled, stalls=int(stalled), stall_seconds=waited)
-            batch = ServedBatch(header, [s.data for s in taken], pool=self._decode, discard=self.discard_corrupt,
+            batch = ServedBatch(self.schedule.header(start, [s.nbytes for s in taken]), [s.data for s in taken],
+                                pool=self.decode_pool, discard=self.discard_corrupt,
                                 done=self._served_done(sum(s.held for s in taken)), counts=counts)
             try:
                 yield batch
@@ -115,16 +105,16 @@ class FrameTaker:
         """What a served frame calls once: give back its ``held`` budget bytes and count it."""
 
         def done(counts: dict) -> None:
-            self._budget.release(self._owner, held)
-            self._schedule.counters.add(**counts)
+            self._budget.release(self._shared, held)
+            self.schedule.counters.add(**counts)
 
         return done
 
     def discard_corrupt(self, pos: int, exc: InvalidRequest) -> None:
         """Position ``pos`` failed verification: it is served as a miss; delete it from the store."""
         log.warning("schedule %r position %d: stored entry is corrupt (%s); serving a miss and deleting it",
-                    self._schedule.schedule_id, pos, exc)
+                    self.schedule.schedule_id, pos, exc)
         try:
-            self._store.discard_corrupt(self._schedule.keys(pos, pos + 1))
+            self.store.discard_corrupt(self.schedule.keys(pos, pos + 1))
         except ActCacheError as delete_error:
             log.warning("could not delete the corrupt entry: %s", delete_error)

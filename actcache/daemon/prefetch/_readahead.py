@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from actcache.errors import ActCacheError
 
@@ -59,15 +60,12 @@ class ReaderSnapshot:
         return self.read - self.served
 
 
-class Slot:
+class Slot(NamedTuple):
     """One read position: the entry as stored (None = a miss), its budget bytes, its size as served."""
 
-    __slots__ = ("held", "data", "nbytes")
-
-    def __init__(self, held: int = 0, data=None, nbytes: int = 0) -> None:
-        self.held = held
-        self.data = data
-        self.nbytes = nbytes
+    held: int = 0
+    data: object = None
+    nbytes: int = 0
 
 
 class Stop(Exception):
@@ -153,33 +151,18 @@ class ReadAhead:
         self.ready_bytes -= size
         return start, taken
 
-    def end_cancelled(self, error: ActCacheError | None) -> int | None:
-        """End as CANCELLED and drop every slot; the budget bytes they held (None: already over)."""
+    def end_reading(self, error: ActCacheError | None, at: int | None = None) -> int | None:
+        """End as CANCELLED (``at`` None: every slot is dropped) or FAILED (positions before ``at`` are
+        still served, then ``error``); the budget bytes of the slots dropped (None: already over)."""
         with self.cond:
-            if self.state in (ReaderState.DONE, ReaderState.CANCELLED):
+            if self.state in (ENDED if at is not None else (ReaderState.DONE, ReaderState.CANCELLED)):
                 return None
-            self.stopping = True
-            self.error = error
-            freed = sum(slot.held for slot in self.slots.values())
-            self.slots.clear()
-            self.ready = self.served
-            self.ready_bytes = 0
-            self.set_state(ReaderState.CANCELLED)
-        return freed
-
-    def end_failed(self, error: ActCacheError, at: int) -> int | None:
-        """End as FAILED: positions before ``at`` are still served, then ``error``; the budget bytes of
-        the slots dropped (None: already over)."""
-        freed = 0
-        with self.cond:
-            if self.state in ENDED:
-                return None
-            self.stopping = True
-            self.error = error
-            self.end = min(self.end, at)
-            for pos in [p for p in self.slots if p >= self.end]:
-                freed += self.slots.pop(pos).held
-            self.ready = min(self.ready, self.end)
+            self.stopping, self.error = True, error
+            if at is not None:
+                self.end = min(self.end, at)
+            cut = self.served if at is None else self.end  # slots lie in [served, read)
+            freed = sum(self.slots.pop(pos).held for pos in [p for p in self.slots if p >= cut])
+            self.ready = min(self.ready, cut)
             self.ready_bytes = sum(self.slots[p].nbytes for p in range(self.served, self.ready))
-            self.set_state(ReaderState.FAILED)
+            self.set_state(ReaderState.CANCELLED if at is None else ReaderState.FAILED)
         return freed

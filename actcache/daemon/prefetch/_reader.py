@@ -93,18 +93,16 @@ class ScheduleReader(ReadAhead):
 
         ``error`` goes to a consumer still listening; None ends its stream quietly.
         """
-        self._ended(self.end_cancelled(error))
+        self._ended(self.end_reading(error))
 
-    def _fail(self, exc: BaseException, at: int | None = None) -> None:
-        """End reading with ``exc``: the consumer still gets the entries before position ``at``
-        (default: everything read so far), then the error."""
-        at = self.read if at is None else at
+    def _fail(self, exc: BaseException) -> None:
+        """End reading with ``exc``: the consumer still gets the entries read so far, then the error."""
         error = exc if isinstance(exc, ActCacheError) else StoreError(
-            f"reading schedule {self.schedule.schedule_id!r} failed at position {at}: {exc!r}"
+            f"reading schedule {self.schedule.schedule_id!r} failed at position {self.read}: {exc!r}"
         )
         if not isinstance(exc, ActCacheError):
             log.error("schedule reader failed", exc_info=exc)
-        self._ended(self.end_failed(error, at))
+        self._ended(self.end_reading(error, self.read))
 
     def _ended(self, freed: int | None) -> None:
         """Give back the bytes an ending freed and tell the prefetcher (None: it had ended already)."""

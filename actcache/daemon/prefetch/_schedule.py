@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from actcache._proto import actcache_pb2 as pb
 from actcache.daemon.prefetch._stats import PrefetchCounters
 from actcache.errors import InvalidRequest
 from actcache.keys import MAX_DEPTH, check_fingerprint, encode_keys
@@ -41,34 +42,41 @@ class Schedule:
         variants = None if self.variants is None else self.variants[start:stop]
         return encode_keys(self.namespace_id, self.fingerprint, self.depth, self.sample_ids[start:stop], variants)
 
+    def header(self, start: int, lengths: list[int]) -> pb.EntriesHeader:
+        """The frame header of the ``len(lengths)`` positions from ``start``, of these served sizes."""
+        stop = start + len(lengths)
+        variants = [] if self.variants is None else self.variants[start:stop].tolist()
+        return pb.EntriesHeader(start=start, sample_ids=self.sample_ids[start:stop].tolist(), variants=variants,
+                                lengths=lengths)
+
+
+def _unpack_packed(repeated, packed: bytes, field: str, dtype: str, what: str) -> np.ndarray | None:
+    """A chunk's ``packed_<field>`` as little-endian ``dtype`` (None: not sent), checked against ``<field>``."""
+    if packed and len(repeated):
+        raise InvalidRequest(f"a ScheduleChunk carries both {field} and packed_{field}; send one of them")
+    if not packed:
+        return None
+    width = np.dtype(dtype).itemsize
+    if len(packed) % width:
+        raise InvalidRequest(f"packed_{field} holds {len(packed)} bytes, not a multiple of {width} ({what})")
+    return np.frombuffer(packed, dtype).astype(dtype.lstrip("<"), copy=False)
+
 
 def unpack_ids(repeated, packed: bytes) -> np.ndarray:
     """Sample ids of a chunk from its repeated field or its packed little-endian uint64 bytes."""
-    if packed and len(repeated):
-        raise InvalidRequest("a ScheduleChunk carries both sample_ids and packed_sample_ids; send one of them")
-    if packed:
-        if len(packed) % 8:
-            raise InvalidRequest(f"packed_sample_ids holds {len(packed)} bytes, not a multiple of 8 (uint64 ids)")
-        return np.frombuffer(packed, "<u8").astype(np.uint64, copy=False)
-    return np.array(repeated, dtype=np.uint64)
+    ids = _unpack_packed(repeated, packed, "sample_ids", "<u8", "uint64 ids")
+    return np.array(repeated, dtype=np.uint64) if ids is None else ids
 
 
 def unpack_variants(repeated, packed: bytes, count: int) -> np.ndarray | None:
     """Variants of a chunk (None = all 0), checked to be one per id and in 0..65535."""
-    if packed and len(repeated):
-        raise InvalidRequest("a ScheduleChunk carries both variants and packed_variants; send one of them")
-    if packed:
-        if len(packed) % 2:
-            raise InvalidRequest(f"packed_variants holds {len(packed)} bytes, not a multiple of 2 (uint16 variants)")
-        variants = np.frombuffer(packed, "<u2").astype(np.uint16, copy=False)
-    elif len(repeated):
+    variants = _unpack_packed(repeated, packed, "variants", "<u2", "uint16 variants")
+    if variants is None and len(repeated):
         wide = np.array(repeated, dtype=np.uint32)
         if wide.max() > 0xFFFF:
             raise InvalidRequest(f"variant {int(wide.max())} is out of range 0..65535")
         variants = wide.astype(np.uint16)
-    else:
-        return None
-    if len(variants) != count:
+    if variants is not None and len(variants) != count:
         raise InvalidRequest(f"a ScheduleChunk has {len(variants)} variants for {count} sample ids; send one per id or none")
     return variants
 
@@ -82,10 +90,8 @@ class ScheduleBuilder:
         self._variants: list[np.ndarray | None] = []
         self._length = 0
 
-    def add(
-        self, namespace_id: int, fingerprint: bytes, depth: int, schedule_id: str,
-        ids: np.ndarray, variants: np.ndarray | None,
-    ) -> None:
+    def add(self, namespace_id: int, fingerprint: bytes, depth: int, schedule_id: str, ids: np.ndarray,
+            variants: np.ndarray | None) -> None:
         if self._head is None:
             if not _ID_RE.fullmatch(schedule_id or ""):
                 raise InvalidRequest(

@@ -55,7 +55,7 @@ class ServedBatch:
                 else:
                     out[i] = parts
 
-        self._split(range(len(self.stored)), run)
+        split_with(self._pool, range(len(self.stored)), self.header.lengths, run)
         return out
 
     def decode_one(self, i: int) -> tuple:
@@ -79,9 +79,6 @@ class ServedBatch:
                 if exc is not None:
                     self._fail_entry(i, exc)
 
-        self._split(indices, run)
-
-    def _split(self, indices: range, run: Callable[[range], None]) -> None:
         split_with(self._pool, indices, self.header.lengths, run)
 
     def _fail_entry(self, i: int, exc: InvalidRequest) -> None:
