@@ -12,5 +12,5 @@ from actcache.daemon.prefetch._prefetcher import MAX_SCHEDULES_PER_NAMESPACE, Pr
 from actcache.daemon.prefetch._schedule import ScheduleBuilder, unpack_ids, unpack_variants
 from actcache.daemon.prefetch._stats import PrefetchCounters
 
-__all__ = ["DirectRun", "MAX_SCHEDULES_PER_NAMESPACE", "PrefetchCounters", "PrefetchStats", "Prefetcher", "ScheduleBuilder",
-           "ScheduleStatus", "unpack_ids", "unpack_variants"]
+__all__ = ["DirectRun", "MAX_SCHEDULES_PER_NAMESPACE", "PrefetchCounters", "PrefetchStats", "Prefetcher",
+           "ScheduleBuilder", "ScheduleStatus", "unpack_ids", "unpack_variants"]

@@ -42,8 +42,8 @@ class FrameTaker:
                  budget: MemoryBudget, guess: PageCacheGuess, decode_pool: Executor | None,
                  key: Callable[[int], bytes], on_done: Callable[[], None]) -> None:
         """The budget counts the reader's bytes under ``shared``; ``on_done``: the stream is served."""
-        self.schedule, self.handover, self.store, self.guess = schedule, handover, store, guess
-        self.decode_pool, self.key, self._shared, self._budget, self._on_done = decode_pool, key, shared, budget, on_done
+        self.schedule, self.handover, self.store, self.guess, self.key = schedule, handover, store, guess, key
+        self.decode_pool, self._shared, self._budget, self._on_done = decode_pool, shared, budget, on_done
 
     def batches(self, max_frame_bytes: int, direct_entries: int) -> Iterator[ServedBatch | DirectRun]:
         """See ``ScheduleReader.batches``."""

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.config import PrefetchConfig
 from actcache.daemon.prefetch._stats import PrefetchCounters
-from actcache.daemon.prefetch._reader import ReaderSnapshot, ReaderState, ScheduleReader
+from actcache.daemon.prefetch._readahead import ENDED, ReaderSnapshot, ReaderState
+from actcache.daemon.prefetch._reader import ScheduleReader
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.store import PageCacheGuess, Store
 from actcache.errors import DaemonUnavailable, FetchAborted, InvalidRequest, ScheduleNotFound
@@ -107,18 +108,14 @@ class Prefetcher:
         self.fetches_total = 0
         self._closed = False
 
-    # ---- requests --------------------------------------------------------
-
     def push(self, schedule: Schedule) -> bool:
         """Register ``schedule`` (replacing one of the same id) and start reading it; True if it replaced one."""
         key = (schedule.namespace_id, schedule.schedule_id)
-        evicted: list[Schedule] = []
         with self._cond:
             self._check_open()
             old = self._schedules.pop(key, None)
             old_reader = self._readers.pop(key, None)
             evicted = self._evict_for(schedule.namespace_id)
-            evicted_readers = [self._readers.pop((s.namespace_id, s.schedule_id), None) for s in evicted]
             self._schedules[key] = schedule
             self.store.generations.pin(_generation(schedule))  # unpinned by _retire
             reader = self._new_reader(schedule, 0, attached=False)
@@ -126,13 +123,13 @@ class Prefetcher:
             self._update_turns()
         if old_reader is not None:
             old_reader.cancel(FetchAborted(
-                f"schedule {schedule.schedule_id!r} was replaced by a new push; Fetch it again"
-            ))
-        for r in evicted_readers:
-            if r is not None:
-                r.cancel(None)
-        for s in ([old] if old is not None else []) + evicted:
-            self._retire(s)
+                f"schedule {schedule.schedule_id!r} was replaced by a new push; Fetch it again"))
+        if old is not None:
+            self._retire(old)
+        for evicted_schedule, evicted_reader in evicted:
+            if evicted_reader is not None:
+                evicted_reader.cancel(None)
+            self._retire(evicted_schedule)
         reader.begin()
         return old is not None
 
@@ -148,7 +145,8 @@ class Prefetcher:
                     "served to its end; push it (Schedule) before fetching it"
                 )
             if start > len(schedule):
-                raise InvalidRequest(f"Fetch start {start} is past the end of schedule {schedule_id!r} ({len(schedule)} entries)")
+                raise InvalidRequest(
+                    f"Fetch start {start} is past the end of schedule {schedule_id!r} ({len(schedule)} entries)")
             self.fetches_total += 1
             self.store.generations.read(_generation(schedule))
             reader = self._readers.get(key)
@@ -160,7 +158,8 @@ class Prefetcher:
                 old, reader = reader, self._new_reader(schedule, start, attached=True)
             self._update_turns()
         if taken:
-            reader.consumer_attached()
+            with reader.cond:  # wake it if it waits for a consumer
+                reader.cond.notify_all()
             return reader
         if old is not None:
             old.cancel(FetchAborted(
@@ -186,8 +185,6 @@ class Prefetcher:
         if self._probe is not None:
             self._probe.shutdown(wait=True, cancel_futures=True)
 
-    # ---- stats -----------------------------------------------------------
-
     def stats(self) -> PrefetchStats:
         with self._cond:
             live = [(s, self._readers.get((s.namespace_id, s.schedule_id))) for s in self._schedules.values()]
@@ -206,8 +203,6 @@ class Prefetcher:
             for name, value in counters.items():
                 total[name] += value
         return PrefetchStats(self.budget.limit, used, max_used, *totals, statuses, namespaces)
-
-    # ---- internals -------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
@@ -246,8 +241,9 @@ class Prefetcher:
                      "again when fetched", reader.schedule.schedule_id, starved.schedule.schedule_id)
             reader.cancel(None)
 
-    def _evict_for(self, namespace_id: int) -> list[Schedule]:
-        """Make room for one more schedule in the namespace: drop the oldest ones nobody is fetching."""
+    def _evict_for(self, namespace_id: int) -> list[tuple[Schedule, ScheduleReader | None]]:
+        """Make room for one more schedule in the namespace: unregister the oldest ones nobody is fetching
+        (with their readers, to cancel). Caller holds ``_cond``."""
         mine = [s for (ns, _), s in self._schedules.items() if ns == namespace_id]
         evicted = []
         for schedule in mine:  # dicts keep push order: oldest first
@@ -256,7 +252,8 @@ class Prefetcher:
             reader = self._readers.get((namespace_id, schedule.schedule_id))
             if reader is None or not reader.attached:
                 del self._schedules[(namespace_id, schedule.schedule_id)]
-                evicted.append(schedule)
+                self._readers.pop((namespace_id, schedule.schedule_id), None)
+                evicted.append((schedule, reader))
                 log.info("namespace %d holds %d schedules; released the oldest unfetched one, %r",
                          namespace_id, MAX_SCHEDULES_PER_NAMESPACE, schedule.schedule_id)
         return evicted
@@ -265,7 +262,7 @@ class Prefetcher:
         """Fold a schedule's counters into its namespace's totals once it is gone; unpin its generation."""
         self.store.generations.unpin(_generation(schedule))
         with self._cond:
-            self._finished.setdefault(schedule.namespace_id, PrefetchCounters()).merge(schedule.counters)
+            self._finished.setdefault(schedule.namespace_id, PrefetchCounters()).add(**schedule.counters.snapshot())
 
     def _update_turns(self) -> None:
         """Recompute which readers may read and which count for the fair share. Caller holds ``_cond``."""
@@ -285,7 +282,7 @@ class Prefetcher:
         cancel = False
         with self._cond:
             state = reader.state
-            if state in (ReaderState.DONE, ReaderState.CANCELLED, ReaderState.FAILED):
+            if state in ENDED:
                 self._all_readers.discard(reader)
                 self.budget.set_active(reader, False)
                 if self._readers.get(key) is reader:

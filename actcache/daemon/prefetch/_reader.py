@@ -1,11 +1,9 @@
 """One schedule reader: reads a pushed order ahead of its consumer and serves it as Fetch frames.
 
-Threads: the reader's own thread walks the order (``ReadLoop``) and buffers
-entries as stored; the probe pool runs lookups ahead (``_lookahead``); the
-consumer, the gRPC thread running ``frames()`` or ``batches()``
-(``FrameTaker``), decodes each frame's entries as it serves them, with the
-decode pool's help. A warm stream over shared memory is read by the consumer
-itself (``Handover``, ``DirectRun``).
+Threads: the reader's own thread walks the order (``ReadLoop``), the probe
+pool looks up ahead (``_lookahead``), and the consumer's gRPC thread
+(``FrameTaker``) decodes each frame with the decode pool's help. A warm
+stream over shared memory is read by the consumer itself (``Handover``).
 """
 
 from __future__ import annotations
@@ -48,26 +46,13 @@ class ScheduleReader(ReadAhead):
     slot at once.
     """
 
-    def __init__(
-        self,
-        schedule: Schedule,
-        start: int,
-        *,
-        store: Store,
-        budget: MemoryBudget,
-        decode_pool: Executor | None,
-        probe_pool: Executor | None,
-        probe_bytes: int,
-        attached: bool,
-        on_change: Callable[["ScheduleReader"], None],
-        on_starved: Callable[["ScheduleReader", int], None] | None = None,
-        guess: PageCacheGuess | None = None,
-    ) -> None:
+    def __init__(self, schedule: Schedule, start: int, *, store: Store, budget: MemoryBudget,
+                 decode_pool: Executor | None, probe_pool: Executor | None, probe_bytes: int, attached: bool,
+                 on_change: Callable[[ScheduleReader], None], on_starved: Callable[[ScheduleReader, int], None],
+                 guess: PageCacheGuess) -> None:
+        """``guess``: whether this stream's values are in the page cache (kept per group by the prefetcher)."""
         super().__init__(len(schedule), start, attached=attached)
-        self.schedule = schedule
-        self._budget = budget
-        self._on_change = on_change
-        guess = guess or PageCacheGuess()  # whether this stream's values are in the page cache
+        self.schedule, self._budget, self._on_change = schedule, budget, on_change
         self._handover = Handover(self, schedule, guess, explicit_reads=store.config.explicit_reads,
                                   on_read_all=lambda: on_change(self))
         self._loop = ReadLoop(schedule, self, self._handover, store=store, budget=budget, probe_pool=probe_pool,
@@ -75,8 +60,6 @@ class ScheduleReader(ReadAhead):
         self._frames = FrameTaker(schedule, self, self._handover, store=store, budget=budget, guess=guess,
                                   decode_pool=decode_pool, key=self._loop.key, on_done=lambda: on_change(self))
         self._thread: threading.Thread | None = None  # runs the reading loop (``begin``)
-
-    # ---- lifecycle -------------------------------------------------------
 
     def begin(self) -> None:
         """Start reading, on a thread of its own."""
@@ -89,10 +72,8 @@ class ScheduleReader(ReadAhead):
             self._thread.join(timeout)
 
     def cancel(self, error: ActCacheError | None = None) -> None:
-        """End the reader (a failed one too) and free its ready entries now.
-
-        ``error`` goes to a consumer still listening; None ends its stream quietly.
-        """
+        """End the reader (a failed one too) and free its ready entries now; ``error`` goes to a consumer
+        still listening, None ends its stream quietly."""
         self._ended(self.end_reading(error))
 
     def _fail(self, exc: BaseException) -> None:
@@ -117,13 +98,6 @@ class ScheduleReader(ReadAhead):
             return ReaderSnapshot(self.state, self.attached, self.start, self.served, self.ready, self.read,
                                   len(self.schedule), self._budget.held(self))
 
-    def consumer_attached(self) -> None:
-        """A Fetch took this reader over (``attached`` is set): wake it if it waits for one."""
-        with self.cond:
-            self.cond.notify_all()
-
-    # ---- the reader thread -----------------------------------------------
-
     def _run(self) -> None:
         try:
             with self._budget.cond:
@@ -143,8 +117,6 @@ class ScheduleReader(ReadAhead):
         except BaseException as exc:  # delivered to the consumer, never a silent stall
             self._fail(exc)
 
-    # ---- the consumer ----------------------------------------------------
-
     def frames(self, max_frame_bytes: int) -> Iterator[bytes]:
         """Fetch frames (entries in the payload) from ``start`` to the end; see ``batches``."""
         for batch in self.batches(max_frame_bytes):
@@ -162,13 +134,10 @@ class ScheduleReader(ReadAhead):
         the entries read before it failed; returns early, quietly, if
         cancelled without an error for the consumer.
 
-        ``direct_entries``: once this stream's values are in the page cache
-        (the reader's guess is warm and its probes have paused: the kernel
-        needs no hints), the reader thread stops after its current run; what it read ahead is
-        served first, then the consumer gets ``DirectRun``s of up to that many
-        positions to read from the store itself, in one pass per frame (see
-        _direct.py), until it gives reading back (``DirectRun.give_back``) or
-        the generator ends.
+        ``direct_entries``: once the stream is warm, after what was read
+        ahead the consumer gets ``DirectRun``s of up to that many positions
+        to read from the store itself (_direct.py), until it gives reading
+        back (``DirectRun.give_back``) or the generator ends.
         """
         try:
             yield from self._frames.batches(max_frame_bytes, direct_entries)

@@ -77,7 +77,8 @@ def unpack_variants(repeated, packed: bytes, count: int) -> np.ndarray | None:
             raise InvalidRequest(f"variant {int(wide.max())} is out of range 0..65535")
         variants = wide.astype(np.uint16)
     if variants is not None and len(variants) != count:
-        raise InvalidRequest(f"a ScheduleChunk has {len(variants)} variants for {count} sample ids; send one per id or none")
+        raise InvalidRequest(
+            f"a ScheduleChunk has {len(variants)} variants for {count} sample ids; send one per id or none")
     return variants
 
 
@@ -108,7 +109,8 @@ class ScheduleBuilder:
                     raise InvalidRequest(f"ScheduleChunk changes {name} from {first!r} to {given!r} within one push")
         self._length += len(ids)
         if self._length > MAX_SCHEDULE_LENGTH:
-            raise InvalidRequest(f"a schedule holds at most {MAX_SCHEDULE_LENGTH} ids; split the order into several schedules")
+            raise InvalidRequest(
+                f"a schedule holds at most {MAX_SCHEDULE_LENGTH} ids; split the order into several schedules")
         self._ids.append(ids)
         self._variants.append(variants)
 

@@ -41,10 +41,6 @@ class PrefetchCounters:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
 
-    def merge(self, other: "PrefetchCounters") -> None:
-        """Add every counter of ``other`` to this one."""
-        self.add(**other.snapshot())
-
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
