@@ -42,12 +42,12 @@ class FrameTaker:
                  budget: MemoryBudget, guess: PageCacheGuess, decode_pool: Executor | None,
                  key: Callable[[int], bytes], on_done: Callable[[], None]) -> None:
         """The budget counts the reader's bytes under ``shared``; ``on_done``: the stream is served."""
-        self.schedule, self.handover, self.store, self.guess, self.key = schedule, handover, store, guess, key
-        self.decode_pool, self._shared, self._budget, self._on_done = decode_pool, shared, budget, on_done
+        self._schedule, self._shared, self._handover, self._store = schedule, shared, handover, store
+        self._budget, self._decode, self._key, self._on_done = budget, decode_pool, key, on_done
 
     def batches(self, max_frame_bytes: int, direct_entries: int) -> Iterator[ServedBatch | DirectRun]:
         """See ``ScheduleReader.batches``."""
-        shared, handover = self._shared, self.handover
+        shared, handover = self._shared, self._handover
         # Over shared memory the client sizes frames to one batch (it needs all of it): fill them whole.
         shared.fill_bytes = max_frame_bytes if direct_entries else min(max_frame_bytes, FILL_BYTES)
         while True:
@@ -89,11 +89,12 @@ class FrameTaker:
                 if shared.reader_waits:
                     shared.cond.notify_all()
             if direct_at is not None:
-                yield DirectRun(direct_at, min(shared.end, direct_at + direct_entries), self)
+                yield DirectRun(direct_at, min(shared.end, direct_at + direct_entries), handover, key=self._key,
+                                store=self._store, discard=self.discard_corrupt, pool=self._decode)
                 continue
             counts = dict(ready_on_ask=len(taken) - stalled, stalls=int(stalled), stall_seconds=waited)
-            batch = ServedBatch(self.schedule.header(start, [s.nbytes for s in taken]), [s.data for s in taken],
-                                pool=self.decode_pool, discard=self.discard_corrupt,
+            batch = ServedBatch(self._schedule.header(start, [s.nbytes for s in taken]), [s.data for s in taken],
+                                pool=self._decode, discard=self.discard_corrupt,
                                 done=self._served_done(sum(s.held for s in taken)), counts=counts)
             try:
                 yield batch
@@ -106,15 +107,15 @@ class FrameTaker:
 
         def done(counts: dict) -> None:
             self._budget.release(self._shared, held)
-            self.schedule.counters.add(**counts)
+            self._schedule.counters.add(**counts)
 
         return done
 
     def discard_corrupt(self, pos: int, exc: InvalidRequest) -> None:
         """Position ``pos`` failed verification: it is served as a miss; delete it from the store."""
         log.warning("schedule %r position %d: stored entry is corrupt (%s); serving a miss and deleting it",
-                    self.schedule.schedule_id, pos, exc)
+                    self._schedule.schedule_id, pos, exc)
         try:
-            self.store.discard_corrupt(self.schedule.keys(pos, pos + 1))
+            self._store.discard_corrupt(self._schedule.keys(pos, pos + 1))
         except ActCacheError as delete_error:
             log.warning("could not delete the corrupt entry: %s", delete_error)

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Callable
 from actcache.daemon.prefetch._readahead import ReadAhead, ReaderState, Stop
 
 if TYPE_CHECKING:
-    from actcache.daemon.prefetch._direct import DirectRun
     from actcache.daemon.prefetch._schedule import Schedule
     from actcache.daemon.store import PageCacheGuess
 
@@ -36,7 +35,7 @@ class Handover:
 
     def __init__(self, shared: ReadAhead, schedule: Schedule, guess: PageCacheGuess, *, explicit_reads: bool,
                  on_read_all: Callable[[], None]) -> None:
-        self._shared, self._schedule, self._guess = shared, schedule, guess
+        self._shared, self.schedule, self.guess = shared, schedule, guess
         self._explicit_reads = explicit_reads
         self._on_read_all = on_read_all
         self.claimed = self.parked = False
@@ -50,7 +49,7 @@ class Handover:
         # WAITING: the reader thread waits for its budget turn; it parks as soon as it starts reading
         if (direct_entries > 0 and not self.claimed and shared.state in (ReaderState.WAITING, ReaderState.READING)
                 and not self.hinting
-                and shared.read >= self.claim_from and self._guess.warm and self._explicit_reads):
+                and shared.read >= self.claim_from and self.guess.warm and self._explicit_reads):
             self.claimed = True  # the reader thread parks once its current run is published
 
     def park(self) -> None:
@@ -77,14 +76,14 @@ class Handover:
             self.claim_from = position + 1
         self.release()
 
-    def done(self, run: DirectRun, served: int, counts: dict) -> None:
-        """The consumer served ``served`` positions of ``run`` from the store."""
+    def done(self, start: int, served: int, counts: dict) -> None:
+        """The consumer served ``served`` positions from ``start`` on from the store (a direct run)."""
         shared, ended = self._shared, False
         with shared.cond:
-            shared.served = shared.ready = shared.read = run.start + served
-            if shared.read >= len(self._schedule) and shared.state is ReaderState.READING:
+            shared.served = shared.ready = shared.read = start + served
+            if shared.read >= len(self.schedule) and shared.state is ReaderState.READING:
                 shared.set_state(ReaderState.READ_ALL)
                 ended = True
-        self._schedule.counters.add(**counts)
+        self.schedule.counters.add(**counts)
         if ended:
             self._on_read_all()
