@@ -24,8 +24,7 @@ from actcache.served import served_size, to_raw_entries_into
 from actcache.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from actcache.daemon.prefetch._handover import Handover
-    from actcache.daemon.store import Store
+        from actcache.daemon.store import Store
 
 __all__ = ["DirectRun"]
 

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._direct import DirectRun
-from actcache.daemon.prefetch._handover import Handover
-from actcache.daemon.prefetch._readahead import FILL_BYTES, ReadAhead, ReaderState
+from actcache.daemon.prefetch._readahead import FILL_BYTES, Handover, ReadAhead, ReaderState
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.prefetch._served import ServedBatch
 from actcache.errors import ActCacheError, InvalidRequest

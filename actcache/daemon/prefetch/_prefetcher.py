@@ -27,10 +27,9 @@ from dataclasses import dataclass
 
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.config import PrefetchConfig
-from actcache.daemon.prefetch._stats import PrefetchCounters
 from actcache.daemon.prefetch._readahead import ENDED, ReaderSnapshot, ReaderState
 from actcache.daemon.prefetch._reader import ScheduleReader
-from actcache.daemon.prefetch._schedule import Schedule
+from actcache.daemon.prefetch._schedule import PrefetchCounters, Schedule
 from actcache.daemon.store import PageCacheGuess, Store
 from actcache.errors import DaemonUnavailable, FetchAborted, InvalidRequest, ScheduleNotFound
 from actcache.keys import group_prefix

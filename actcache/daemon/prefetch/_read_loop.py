@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING, Callable
 
 from actcache.daemon.prefetch import _readahead
 from actcache.daemon.prefetch._budget import MemoryBudget
-from actcache.daemon.prefetch._handover import Handover
 from actcache.daemon.prefetch._lookahead import Prober, ShortTransaction
-from actcache.daemon.prefetch._readahead import ReadAhead, Slot, Stop
+from actcache.daemon.prefetch._readahead import Handover, ReadAhead, Slot, Stop
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.store import ExtentHints, PageCacheGuess
 from actcache.errors import BudgetExceeded

@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._frames import FrameTaker
-from actcache.daemon.prefetch._handover import Handover
 from actcache.daemon.prefetch._read_loop import ReadLoop
-from actcache.daemon.prefetch._readahead import ReadAhead, ReaderSnapshot, ReaderState, Stop
+from actcache.daemon.prefetch._readahead import Handover, ReadAhead, ReaderSnapshot, ReaderState, Stop
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.prefetch._served import ServedBatch
 from actcache.daemon.store import PageCacheGuess

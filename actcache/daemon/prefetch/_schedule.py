@@ -1,4 +1,4 @@
-"""A pushed sample order: numpy arrays of ids (and variants), assembled from chunks.
+"""A pushed sample order: numpy arrays of ids (and variants), assembled from chunks, and its counters.
 
 An order of 10 M ids is 80 MB as uint64 and arrives in chunks of packed
 little-endian arrays, so assembling it costs one copy and no Python ints.
@@ -7,19 +7,63 @@ little-endian arrays, so assembling it costs one copy and no Python ints.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.daemon.prefetch._stats import PrefetchCounters
 from actcache.errors import InvalidRequest
 from actcache.keys import MAX_DEPTH, check_fingerprint, encode_keys
 
-__all__ = ["MAX_SCHEDULE_LENGTH", "Schedule", "ScheduleBuilder", "unpack_ids", "unpack_variants"]
+__all__ = ["MAX_SCHEDULE_LENGTH", "PrefetchCounters", "Schedule", "ScheduleBuilder", "unpack_ids", "unpack_variants"]
 
 MAX_SCHEDULE_LENGTH = 1 << 31
 _ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass
+class PrefetchCounters:
+    """Counters of Fetch serving, per schedule and per namespace; exported by Stats (and metrics).
+
+    Totals since the schedule was pushed (a namespace's: since the daemon
+    started), in entries, bytes and seconds. ``add`` and ``snapshot`` (a
+    consistent copy) are thread-safe.
+    """
+
+    #: Entries served with their bytes.
+    hits: int = 0
+    #: Entries served as misses (absent, or corrupt and deleted).
+    misses: int = 0
+    #: Entries that failed verification when read (also counted in ``misses``).
+    corrupt: int = 0
+    #: Entries that were ready when the consumer asked for them.
+    ready_on_ask: int = 0
+    #: Times the consumer had to wait for the reader, and for how long in total.
+    stalls: int = 0
+    stall_seconds: float = 0.0
+    #: Value bytes read from the store (from disk when cold).
+    read_bytes: int = 0
+    #: Entry bytes sent to consumers.
+    served_bytes: int = 0
+    #: Entries the consumer read from the store itself (warm, over shared memory: _direct.py).
+    direct: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    @staticmethod
+    def hit_ratio(snapshot: dict[str, float]) -> float:
+        """hits / (hits + misses) of a snapshot; 0.0 before anything was served."""
+        total = snapshot["hits"] + snapshot["misses"]
+        return snapshot["hits"] / total if total else 0.0
 
 
 @dataclass(eq=False)
