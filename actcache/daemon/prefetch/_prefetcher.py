@@ -1,21 +1,13 @@
 """The prefetcher: pushed schedules, their readers, the shared memory budget and the thread pools.
 
-The trainer pushes each epoch's order (Schedule) and then consumes it
-(Fetch); per schedule a reader (``_reader``) walks the order ahead of the
-consumer inside a share of ``prefetch_bytes`` and drops each entry once
-served. No LRU anywhere (docs/design/prefetch.md).
-
-Turns: a reader with a consumer (attached) always may read; one without
-(e.g. the next epoch, pushed early) only while no attached reader of its
-namespace is still reading, so the next epoch's head is ready at the
-boundary without taking the disk from the current one. An attached reader
-that cannot get its bytes makes readers without a consumer give theirs back
-(cancelled, read again once fetched), so unfetched schedules never hold the
-budget.
-
-Live schedules protect their generation: a push pins its (namespace,
-fingerprint) in ``store.generations`` and retiring the schedule unpins it,
-so a put over a budget never reclaims what a schedule is about to read.
+Per pushed order a reader walks it ahead of its Fetch within a share of
+``prefetch_bytes``, dropping each entry once served; no LRU
+(docs/design/prefetch.md). Turns: a reader with a consumer (attached) may
+always read, one without (the next epoch, pushed early) only while no
+attached reader of its namespace reads, and it gives its bytes back to an
+attached reader that cannot get them. A live schedule pins its generation
+in ``store.generations``, so a put over a budget never reclaims what it is
+about to read.
 """
 
 from __future__ import annotations
@@ -36,12 +28,11 @@ from actcache.keys import group_prefix
 
 __all__ = ["MAX_SCHEDULES_PER_NAMESPACE", "PrefetchStats", "Prefetcher", "ScheduleStatus"]
 
-# Groups whose page-cache guess is kept for their next schedule (the most recently read).
-_GUESSES_KEPT = 64
-
 log = logging.getLogger(__name__)
 
 MAX_SCHEDULES_PER_NAMESPACE = 64
+# Groups whose page-cache guess is kept for their next schedule (the most recently read).
+_GUESSES_KEPT = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +65,11 @@ class Prefetcher:
 
     Invariants (under the budget's condition, asserted in tests through
     ``stats()``): every reader has ``start <= served <= ready <= read <=
-    len(order)``; ``budget.used`` is the sum of the bytes the readers hold
-    and ``budget.used <= budget.max_used <= budget.limit``; at most one
-    reader per schedule is registered, and a schedule pushed again cancels
-    its old reader before the new one starts. A reader may take budget only
-    while it is active: reading, and attached or its namespace has no
-    attached reader still reading.
+    len(order)``; ``budget.used`` is the sum of the readers' bytes and
+    ``used <= max_used <= limit``; at most one reader per schedule is
+    registered, a schedule pushed again cancels its old reader before the
+    new one starts; a reader takes budget only while reading, and attached
+    or its namespace has no attached reader still reading.
     """
 
     def __init__(self, store: Store, config: PrefetchConfig) -> None:

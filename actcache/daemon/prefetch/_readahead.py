@@ -27,8 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["ENDED", "FILL_BYTES", "MAX_AHEAD_ENTRIES", "Handover", "ReadAhead", "ReaderSnapshot", "ReaderState", "Slot",
            "Stop"]
 
-# Entries a reader keeps read ahead of its consumer at most (misses hold no
-# budget bytes, so the budget alone would not bound them).
+# Entries a reader keeps read ahead of its consumer at most (misses hold no budget bytes).
 MAX_AHEAD_ENTRIES = 1 << 16
 # A frame is filled when this many bytes (or FILL_ENTRIES entries) are ready: every frame costs a gRPC
 # message and wake-ups on both sides, whatever it holds.
@@ -82,18 +81,15 @@ class ReadAhead:
     """The state one stream's reader thread, its consumer and the prefetcher share, under ``cond``.
 
     Invariants (under ``cond``): ``start <= served <= ready <= read <=
-    len(schedule)`` and ``read - served <= MAX_AHEAD_ENTRIES``; positions in
-    ``[served, read)`` have a slot; an entry is ready as soon as it is read
-    (``ready == read`` while reading; a failure moves ``ready`` back to
-    ``end``, where serving ends); ``ready_bytes`` is the served size of the
-    slots in ``[served, ready)``. Once ``stopping`` (cancelled or failed)
-    nothing more is published. Wake-ups: ``publish`` wakes the consumer only
-    when what it waits for (``consumer_waits``) is there; the consumer wakes
-    the reader after taking a frame only when it waits (``reader_waits``);
-    every state change wakes both.
-
-    ``attached``, ``allowed`` and ``reclaimed`` are set by the prefetcher
-    under the budget's condition (see ``ScheduleReader``, which is one).
+    len(schedule)``, ``read - served <= MAX_AHEAD_ENTRIES``; positions in
+    ``[served, read)`` have a slot; ``ready == read`` while reading (a
+    failure moves ``ready`` back to ``end``, where serving ends);
+    ``ready_bytes`` is the served size of ``[served, ready)``; once
+    ``stopping`` nothing more is published. Wake-ups: ``publish`` wakes the
+    consumer only when what it waits for (``consumer_waits``) is there, the
+    consumer wakes the reader only when it waits (``reader_waits``), every
+    state change wakes both. ``attached``, ``allowed`` and ``reclaimed`` are
+    set by the prefetcher under the budget's condition.
     """
 
     def __init__(self, length: int, start: int, *, attached: bool) -> None:
@@ -138,7 +134,7 @@ class ReadAhead:
                 self.ready_bytes += slot.nbytes
             self.read = self.ready = start + len(slots)
             # Wake the consumer only when what it waits for is there (a wake-up per entry costs more
-            # CPU than the entry's decoding); state changes and the end of reading wake it in set_state.
+            # CPU than the entry's decoding).
             if self.consumer_waits == "any" or self.consumer_waits == "fill" and self.frame_filled():
                 self.cond.notify_all()
         return True
@@ -177,28 +173,24 @@ class ReadAhead:
 class Handover:
     """Who reads one stream: its reader thread, or, warm over shared memory, its consumer.
 
-    The consumer claims the positions from ``read`` on (``claim``: only
-    while the stream is warm, its probes have stopped hinting the kernel and
-    the reader has read past ``claim_from``). The reader thread sees the claim
-    between two runs, closes its transaction and parks (``park``): while
-    ``parked`` it holds no transaction and reads nothing, and the consumer
-    moves ``served == ready == read`` on by the positions it served itself
-    (``done``). The consumer gives reading back when its generator ends
-    (``release``) or when it cannot serve a position (``give_back``: no claim
-    again before the reader has read past it); the reader thread then reads on.
+    The consumer claims the positions from ``read`` on (``claim``: only while
+    the stream is warm, unhinted, and read past ``claim_from``); the reader
+    thread parks between two runs (``park``) and the consumer moves ``served
+    == ready == read`` on by what it served itself (``done``), until it gives
+    reading back (``release`` when its generator ends, ``give_back`` when it
+    cannot serve a position: no claim before the reader has read past it).
 
-    Invariants (under the shared ``ReadAhead.cond``): ``parked`` only while
-    the reader thread waits in ``park``, which it enters with ``claimed`` set,
-    no transaction open and no budget reserved, and leaves once ``claimed``
-    is cleared or the reader stops; a direct run starts only at ``served ==
-    ready`` while ``parked`` (everything read ahead is served first).
+    Invariants (under ``ReadAhead.cond``): ``parked`` only while the reader
+    thread waits in ``park``, entered with ``claimed`` set, no transaction
+    open and no budget reserved, left once ``claimed`` is cleared or the
+    reader stops; a direct run starts only at ``served == ready`` while
+    ``parked`` (everything read ahead is served first).
     """
 
     def __init__(self, shared: ReadAhead, schedule: Schedule, guess: PageCacheGuess, *, explicit_reads: bool,
                  on_read_all: Callable[[], None]) -> None:
         self._shared, self.schedule, self.guess = shared, schedule, guess
-        self._explicit_reads = explicit_reads
-        self._on_read_all = on_read_all
+        self._explicit_reads, self._on_read_all = explicit_reads, on_read_all
         self.claimed = self.parked = False
         self.claim_from = 0  # after a run was given back: not before the reader has read this far
         #: The reader's probes still tell the kernel what to read (cold data); a warm group's start paused.
