@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from concurrent.futures import Executor
@@ -10,12 +11,11 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._readahead import FILL_BYTES, Handover, ReadAhead, ReaderState
-from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.prefetch._served import ServedBatch
 from actcache.errors import ActCacheError, InvalidRequest
 
 if TYPE_CHECKING:
-    from actcache.daemon.store import PageCacheGuess, Store
+    from actcache.daemon.store import Store
 
 __all__ = ["FrameTaker"]
 
@@ -37,11 +37,10 @@ class FrameTaker:
     (``ServedBatch.finish``), not when it is taken.
     """
 
-    def __init__(self, schedule: Schedule, shared: ReadAhead, handover: Handover, *, store: Store,
-                 budget: MemoryBudget, guess: PageCacheGuess, decode_pool: Executor | None,
-                 key: Callable[[int], bytes], on_done: Callable[[], None]) -> None:
+    def __init__(self, shared: ReadAhead, handover: Handover, *, store: Store, budget: MemoryBudget,
+                 decode_pool: Executor | None, key: Callable[[int], bytes], on_done: Callable[[], None]) -> None:
         """The budget counts the reader's bytes under ``shared``; ``on_done``: the stream is served."""
-        self._schedule, self._shared, self._handover, self._store = schedule, shared, handover, store
+        self._schedule, self._shared, self._handover, self._store = handover.schedule, shared, handover, store
         self._budget, self._decode, self._key, self._on_done = budget, decode_pool, key, on_done
 
     def batches(self, max_frame_bytes: int, direct_entries: int) -> Iterator[ServedBatch | DirectRun]:
@@ -94,21 +93,17 @@ class FrameTaker:
             counts = dict(ready_on_ask=len(taken) - stalled, stalls=int(stalled), stall_seconds=waited)
             batch = ServedBatch(self._schedule.header(start, [s.nbytes for s in taken]), [s.data for s in taken],
                                 pool=self._decode, discard=self.discard_corrupt,
-                                done=self._served_done(sum(s.held for s in taken)), counts=counts)
+                                done=functools.partial(self._served_done, sum(s.held for s in taken)), counts=counts)
             try:
                 yield batch
             finally:
                 batch.finish()
         self._on_done()
 
-    def _served_done(self, held: int) -> Callable[[dict], None]:
+    def _served_done(self, held: int, counts: dict) -> None:
         """What a served frame calls once: give back its ``held`` budget bytes and count it."""
-
-        def done(counts: dict) -> None:
-            self._budget.release(self._shared, held)
-            self._schedule.counters.add(**counts)
-
-        return done
+        self._budget.release(self._shared, held)
+        self._schedule.counters.add(**counts)
 
     def discard_corrupt(self, pos: int, exc: InvalidRequest) -> None:
         """Position ``pos`` failed verification: it is served as a miss; delete it from the store."""

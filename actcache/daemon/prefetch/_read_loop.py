@@ -9,8 +9,7 @@ from actcache.daemon.prefetch import _readahead
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._lookahead import Prober, ShortTransaction
 from actcache.daemon.prefetch._readahead import Handover, ReadAhead, Slot, Stop
-from actcache.daemon.prefetch._schedule import Schedule
-from actcache.daemon.store import ExtentHints, PageCacheGuess
+from actcache.daemon.store import ExtentHints
 from actcache.errors import BudgetExceeded
 from actcache.keys import group_prefix
 from actcache.served import served_size
@@ -35,19 +34,17 @@ class ReadLoop:
     the ``ReadAhead``. Invariants: this thread is the only one that moves
     ``read`` forward while not parked; it holds at most one reservation
     (``_carry``) besides its slots' bytes, and closes its read transaction
-    before any wait (budget, consumer, attach, park), so a waiting reader
-    pins no pages. It stops (``Stop``) as soon as the reader is stopping.
+    before any wait, so a waiting reader pins no pages.
     """
 
-    def __init__(self, schedule: Schedule, shared: ReadAhead, handover: Handover, *, store: Store,
-                 budget: MemoryBudget, probe_pool: Executor | None, probe_bytes: int, guess: PageCacheGuess,
-                 on_starved: Callable[[ReadAhead, int], None]) -> None:
+    def __init__(self, shared: ReadAhead, handover: Handover, *, store: Store, budget: MemoryBudget,
+                 probe_pool: Executor | None, probe_bytes: int, on_starved: Callable[[ReadAhead, int], None]) -> None:
         """The budget counts this reader's bytes under ``shared`` (its ScheduleReader)."""
-        self._schedule, self._shared, self._handover, self._store = schedule, shared, handover, store
-        self._budget, self._probe, self._probe_bytes = budget, probe_pool, probe_bytes
-        self._guess, self._on_starved = guess, on_starved
+        self._schedule, self._guess, self._shared, self._handover = handover.schedule, handover.guess, shared, handover
+        self._store, self._budget, self._probe, self._probe_bytes = store, budget, probe_pool, probe_bytes
+        self._on_starved = on_starved
         self._keys: dict[int, list[bytes]] = {}
-        self._txn = ShortTransaction(store, guess)
+        self._txn = ShortTransaction(store, handover.guess)
         self._prober: Prober | None = None
         self._carry = 0  # budget bytes already held for the entry at ``read`` (taken while the txn was closed)
         self._entries = self._bytes = self._unflushed = self._flushed_at = 0  # entries read, their bytes

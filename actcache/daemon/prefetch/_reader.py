@@ -34,15 +34,12 @@ log = logging.getLogger(__name__)
 
 class ScheduleReader(ReadAhead):
     """Reads ``schedule`` from ``start`` ahead of the consumer within the shared budget: the stream's
-    ``ReadAhead`` (positions, slots, lifecycle), its reader thread, its consumer's frames and the
-    hand-over between them.
+    ``ReadAhead``, its reader thread, its consumer's frames and the hand-over between them.
 
-    Invariants (under ``cond``; see ``ReadAhead``): ``start <= served <=
-    ready <= read <= len(schedule)``. The budget bytes this reader holds
-    equal the bytes of its slots plus at most one reservation for the entry
-    being read, so the budget's ``used <= limit`` bounds its memory. A slot
-    is dropped as soon as its frame is built. A cancelled reader frees every
-    slot at once.
+    Invariants (see ``ReadAhead``): the budget bytes it holds are its slots'
+    plus at most one reservation for the entry being read, so the budget
+    bounds its memory; a slot is dropped once its frame is built, every slot
+    at once when cancelled.
     """
 
     def __init__(self, schedule: Schedule, start: int, *, store: Store, budget: MemoryBudget,
@@ -52,12 +49,12 @@ class ScheduleReader(ReadAhead):
         """``guess``: whether this stream's values are in the page cache (kept per group by the prefetcher)."""
         super().__init__(len(schedule), start, attached=attached)
         self.schedule, self._budget, self._on_change = schedule, budget, on_change
-        self._handover = Handover(self, schedule, guess, explicit_reads=store.config.explicit_reads,
-                                  on_read_all=lambda: on_change(self))
-        self._loop = ReadLoop(schedule, self, self._handover, store=store, budget=budget, probe_pool=probe_pool,
-                              probe_bytes=probe_bytes, guess=guess, on_starved=on_starved)
-        self._frames = FrameTaker(schedule, self, self._handover, store=store, budget=budget, guess=guess,
-                                  decode_pool=decode_pool, key=self._loop.key, on_done=lambda: on_change(self))
+        self._handover = handover = Handover(self, schedule, guess, explicit_reads=store.config.explicit_reads,
+                                             on_read_all=lambda: on_change(self))
+        self._loop = ReadLoop(self, handover, store=store, budget=budget, probe_pool=probe_pool,
+                              probe_bytes=probe_bytes, on_starved=on_starved)
+        self._frames = FrameTaker(self, handover, store=store, budget=budget, decode_pool=decode_pool,
+                                  key=self._loop.key, on_done=lambda: on_change(self))
         self._thread: threading.Thread | None = None  # runs the reading loop (``begin``)
 
     def begin(self) -> None:
