@@ -4,12 +4,10 @@ Why: for values in the page cache, one thread that looks a frame's keys up
 in one LMDB call and copies each value straight into its ring slot beats
 reading ahead (docs/design/serving.md).
 
-How: once the stream is warm and its probes have paused, the reader thread
-parks after its current run (``Handover``); what it read ahead is served
-first, then the consumer gets ``DirectRun``s. It opens a short read
-transaction (``values``), copies what fits its ring, closes it before it
-sends or waits, and reports what it served (``done``). A run that finds the
-values cold gives reading back to the reader thread (``give_back``).
+How: once the stream is warm and unhinted the reader thread parks
+(``Handover``); after what it read ahead, the consumer gets ``DirectRun``s:
+a short read transaction (``values``) closed before it sends or waits, then
+``done``, or ``give_back`` to the reader thread when the values seem cold.
 """
 
 from __future__ import annotations

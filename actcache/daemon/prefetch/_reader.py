@@ -124,11 +124,10 @@ class ScheduleReader(ReadAhead):
     def batches(self, max_frame_bytes: int, *, direct_entries: int = 0) -> Iterator[ServedBatch | DirectRun]:
         """The entries of one frame at a time, from ``start`` to the end.
 
-        The consumer decodes the entries (``decode`` or ``decode_into``), then
-        calls ``finish()`` (which releases their budget bytes and counts them;
-        closing the generator does it too). Raises the reader's error after
-        the entries read before it failed; returns early, quietly, if
-        cancelled without an error for the consumer.
+        The consumer decodes them (``decode`` or ``decode_into``), then calls
+        ``finish()`` (releases their budget bytes and counts them; closing the
+        generator does it too). Raises the reader's error after the entries
+        read before it; returns early if cancelled without an error.
 
         ``direct_entries``: once the stream is warm, after what was read
         ahead the consumer gets ``DirectRun``s of up to that many positions
