@@ -9,8 +9,7 @@ is used by ``service``.
 
 from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._prefetcher import MAX_SCHEDULES_PER_NAMESPACE, Prefetcher, PrefetchStats, ScheduleStatus
-from actcache.daemon.prefetch._schedule import ScheduleBuilder, unpack_ids, unpack_variants
-from actcache.daemon.prefetch._stats import PrefetchCounters
+from actcache.daemon.prefetch._schedule import PrefetchCounters, ScheduleBuilder, unpack_ids, unpack_variants
 
-__all__ = ["DirectRun", "MAX_SCHEDULES_PER_NAMESPACE", "PrefetchCounters", "PrefetchStats", "Prefetcher", "ScheduleBuilder",
-           "ScheduleStatus", "unpack_ids", "unpack_variants"]
+__all__ = ["DirectRun", "MAX_SCHEDULES_PER_NAMESPACE", "PrefetchCounters", "PrefetchStats", "Prefetcher",
+           "ScheduleBuilder", "ScheduleStatus", "unpack_ids", "unpack_variants"]

@@ -1,19 +1,12 @@
 """The prefetch memory budget: bytes of read-ahead entries, shared fairly among schedule readers.
 
-Invariants, under ``cond``:
-
-- ``0 <= used <= limit`` and ``used == sum of every holder's bytes``;
-- a holder is granted ``n`` bytes only while it is *active* and
-  ``used + n <= limit``, and either its bytes stay within the fair share
-  (``limit // number of active holders``) or it holds nothing yet (so an
-  entry larger than the share still makes progress, one at a time);
-- while any holder waits ``first`` (a reader whose consumer waits for it),
-  holders that do not are granted nothing: bytes given back for a starving
-  consumer go to it, not to read-ahead nobody asked for yet;
-- ``max_used`` is the highest ``used`` ever seen.
-
-Holders are schedule readers; the prefetcher decides which are active (a
-reader allowed to read now). The same condition guards the prefetcher's
+Invariants, under ``cond``: ``0 <= used <= limit == sum of the holders'
+bytes``; a holder (a schedule reader) is granted ``n`` bytes only while
+active (the prefetcher decides) and ``used + n <= limit``, and within its
+fair share (``limit // active holders``) unless it holds nothing (a large
+entry still makes progress); while any holder waits ``first`` (its consumer
+waits), others get nothing, so bytes given back go to it; ``max_used`` is
+the highest ``used`` seen. The same condition guards the prefetcher's
 registry, so one ``notify_all`` wakes everything that may proceed.
 """
 
@@ -88,10 +81,9 @@ class MemoryBudget:
             yield
         finally:
             with self.cond:
-                if self._first[holder] == 1:
+                self._first[holder] -= 1
+                if not self._first[holder]:
                     del self._first[holder]
-                else:
-                    self._first[holder] -= 1
                 self.cond.notify_all()
 
     def release(self, holder: Hashable, n: int) -> None:
@@ -102,10 +94,9 @@ class MemoryBudget:
             mine = self._held.get(holder, 0)
             if n > mine:
                 raise AssertionError(f"releasing {n} bytes but the holder has {mine}")
+            self._held[holder] = mine - n
             if mine == n:
                 del self._held[holder]
-            else:
-                self._held[holder] = mine - n
             self.used -= n
             self.cond.notify_all()
 

@@ -4,15 +4,10 @@ Why: for values in the page cache, one thread that looks a frame's keys up
 in one LMDB call and copies each value straight into its ring slot beats
 reading ahead (docs/design/serving.md).
 
-How: once the reader's ``PageCacheGuess`` says the stream is warm and its
-probes have paused (cold data keeps them hinting the kernel ahead, which a
-parked reader would not), ``ScheduleReader.batches(direct_entries=...)``
-parks the reader thread after its current run (no transaction open, nothing read); what it read ahead is
-served first, then the consumer gets ``DirectRun``s. It opens a short
-read transaction (``values``), copies what fits its ring, closes it before
-it sends or waits, and reports what it served (``done``). A run that finds
-the values cold (the guess's periodic check) gives reading back to the
-reader thread (``give_back``), which reads ahead as before.
+How: once the stream is warm and unhinted the reader thread parks
+(``Handover``); after what it read ahead, the consumer gets ``DirectRun``s:
+a short read transaction (``values``) closed before it sends or waits, then
+``done``, or ``give_back`` to the reader thread when the values seem cold.
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ from actcache.served import served_size, to_raw_entries_into
 from actcache.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from actcache.daemon.prefetch._schedule import Schedule
-    from actcache.daemon.store import PageCacheGuess, Store
+        from actcache.daemon.store import Store
 
 __all__ = ["DirectRun"]
 
@@ -40,16 +34,13 @@ class DirectRun:
     """Positions ``start`` to ``stop`` of a stream, to be read by the consumer from the store: it
     serves a prefix of them (``done``), the next run starts after it."""
 
-    __slots__ = ("start", "stop", "_schedule", "_key", "_store", "_guess", "_done", "_give_back", "_discard", "_pool")
+    __slots__ = ("start", "stop", "_handover", "_key", "_store", "_discard", "_pool")
 
-    def __init__(self, start: int, stop: int, *, schedule: "Schedule", key: Callable[[int], bytes], store: "Store",
-                 guess: "PageCacheGuess", done: Callable[["DirectRun", int, dict], None],
-                 give_back: Callable[[int], None], discard: Callable[[int, InvalidRequest], None],
-                 pool: Executor | None = None) -> None:
-        """``pool``: the decode pool, taking half of a large run of compressed entries (``decode_into``)."""
-        self.start, self.stop, self._schedule, self._key = start, stop, schedule, key
-        self._store, self._guess, self._done, self._give_back, self._discard = store, guess, done, give_back, discard
-        self._pool = pool
+    def __init__(self, start: int, stop: int, handover: Handover, *, key: Callable[[int], bytes], store: Store,
+                 discard: Callable[[int, InvalidRequest], None], pool: Executor | None) -> None:
+        """``discard(position, error)`` deletes a corrupt entry; ``pool``: the decode pool."""
+        self.start, self.stop, self._handover, self._key = start, stop, handover, key
+        self._store, self._discard, self._pool = store, discard, pool
 
     @contextlib.contextmanager
     def values(self, count: int) -> Iterator[list[memoryview | None] | None]:
@@ -57,7 +48,7 @@ class DirectRun:
         valid inside the block (a read transaction: no waiting inside it); None if they no longer seem
         to be in the page cache."""
         keys = [self._key(p) for p in range(self.start, min(self.stop, self.start + count))]
-        with self._store.read_session(self._guess) as session:
+        with self._store.read_session(self._handover.guess) as session:
             yield session.run_views(keys)
 
     def decode_into(self, values: list, outs: list[memoryview]) -> list[InvalidRequest | None]:
@@ -79,12 +70,7 @@ class DirectRun:
 
     def header(self, lengths: list[int]) -> pb.EntriesHeader:
         """The frame header of the run's first ``len(lengths)`` positions."""
-        stop, schedule = self.start + len(lengths), self._schedule
-        return pb.EntriesHeader(
-            start=self.start, sample_ids=schedule.sample_ids[self.start:stop].tolist(),
-            variants=schedule.variants[self.start:stop].tolist() if schedule.variants is not None else [],
-            lengths=lengths,
-        )
+        return self._handover.schedule.header(self.start, lengths)
 
     def done(self, lengths: list[int], corrupt: list[tuple[int, InvalidRequest]]) -> None:
         """The first ``len(lengths)`` positions were served with these sizes (0: a miss); ``corrupt``
@@ -93,11 +79,11 @@ class DirectRun:
             self._discard(self.start + i, exc)
         hits = sum(1 for n in lengths if n)
         served = sum(lengths)
-        self._done(self, len(lengths), dict(hits=hits, misses=len(lengths) - hits, corrupt=len(corrupt),
-                                            ready_on_ask=len(lengths), read_bytes=served, served_bytes=served,
-                                            direct=len(lengths)))
+        self._handover.done(self.start, len(lengths), dict(
+            hits=hits, misses=len(lengths) - hits, corrupt=len(corrupt), ready_on_ask=len(lengths),
+            read_bytes=served, served_bytes=served, direct=len(lengths)))
 
     def give_back(self) -> None:
         """Let the reader thread read ahead again, from this run's start (the values seem cold, or the
         entry there needs the regular path); no direct run is offered before it has read past it."""
-        self._give_back(self.start)
+        self._handover.give_back(self.start)

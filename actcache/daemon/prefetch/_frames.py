@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from actcache._proto import actcache_pb2 as pb
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._direct import DirectRun
-from actcache.daemon.prefetch._handover import Handover
-from actcache.daemon.prefetch._readahead import FILL_BYTES, ReadAhead, ReaderState
-from actcache.daemon.prefetch._schedule import Schedule
+from actcache.daemon.prefetch._readahead import FILL_BYTES, Handover, ReadAhead, ReaderState
 from actcache.daemon.prefetch._served import ServedBatch
 from actcache.errors import ActCacheError, InvalidRequest
 
 if TYPE_CHECKING:
-    from actcache.daemon.store import PageCacheGuess, Store
+    from actcache.daemon.store import Store
 
 __all__ = ["FrameTaker"]
 
@@ -39,17 +37,15 @@ class FrameTaker:
     (``ServedBatch.finish``), not when it is taken.
     """
 
-    def __init__(self, schedule: Schedule, shared: ReadAhead, handover: Handover, *, store: Store,
-                 budget: MemoryBudget, guess: PageCacheGuess, decode_pool: Executor | None,
-                 key: Callable[[int], bytes], on_done: Callable[[], None]) -> None:
+    def __init__(self, shared: ReadAhead, handover: Handover, *, store: Store, budget: MemoryBudget,
+                 decode_pool: Executor | None, key: Callable[[int], bytes], on_done: Callable[[], None]) -> None:
         """The budget counts the reader's bytes under ``shared``; ``on_done``: the stream is served."""
-        self._owner, self._schedule, self._shared, self._handover = shared, schedule, shared, handover
-        self._store, self._budget, self._guess, self._decode, self._key = store, budget, guess, decode_pool, key
-        self._on_done = on_done
+        self._schedule, self._shared, self._handover, self._store = handover.schedule, shared, handover, store
+        self._budget, self._decode, self._key, self._on_done = budget, decode_pool, key, on_done
 
     def batches(self, max_frame_bytes: int, direct_entries: int) -> Iterator[ServedBatch | DirectRun]:
         """See ``ScheduleReader.batches``."""
-        shared, handover, schedule = self._shared, self._handover, self._schedule
+        shared, handover = self._shared, self._handover
         # Over shared memory the client sizes frames to one batch (it needs all of it): fill them whole.
         shared.fill_bytes = max_frame_bytes if direct_entries else min(max_frame_bytes, FILL_BYTES)
         while True:
@@ -91,34 +87,23 @@ class FrameTaker:
                 if shared.reader_waits:
                     shared.cond.notify_all()
             if direct_at is not None:
-                yield DirectRun(direct_at, min(shared.end, direct_at + direct_entries), schedule=schedule, key=self._key,
-                                store=self._store, guess=self._guess, done=handover.done,
-                                give_back=handover.give_back, discard=self.discard_corrupt, pool=self._decode)
+                yield DirectRun(direct_at, min(shared.end, direct_at + direct_entries), handover, key=self._key,
+                                store=self._store, discard=self.discard_corrupt, pool=self._decode)
                 continue
-            stop = start + len(taken)
-            header = pb.EntriesHeader(
-                start=start,
-                sample_ids=schedule.sample_ids[start:stop].tolist(),
-                variants=schedule.variants[start:stop].tolist() if schedule.variants is not None else [],
-                lengths=[s.nbytes for s in taken],
-            )
             counts = dict(ready_on_ask=len(taken) - stalled, stalls=int(stalled), stall_seconds=waited)
-            batch = ServedBatch(header, [s.data for s in taken], pool=self._decode, discard=self.discard_corrupt,
-                                done=self._served_done(sum(s.held for s in taken)), counts=counts)
+            batch = ServedBatch(self._schedule.header(start, [s.nbytes for s in taken]), [s.data for s in taken],
+                                pool=self._decode, discard=self.discard_corrupt,
+                                done=functools.partial(self._served_done, sum(s.held for s in taken)), counts=counts)
             try:
                 yield batch
             finally:
                 batch.finish()
         self._on_done()
 
-    def _served_done(self, held: int) -> Callable[[dict], None]:
+    def _served_done(self, held: int, counts: dict) -> None:
         """What a served frame calls once: give back its ``held`` budget bytes and count it."""
-
-        def done(counts: dict) -> None:
-            self._budget.release(self._owner, held)
-            self._schedule.counters.add(**counts)
-
-        return done
+        self._budget.release(self._shared, held)
+        self._schedule.counters.add(**counts)
 
     def discard_corrupt(self, pos: int, exc: InvalidRequest) -> None:
         """Position ``pos`` failed verification: it is served as a miss; delete it from the store."""

@@ -35,27 +35,21 @@ class Prober:
     """Lookups ahead of one reader while its data is cold: on the probe pool, or for small entries
     from the reader's own thread (see MIN_PROBED_ENTRY_BYTES).
 
-    A probe looks entries up and hints the kernel to read the values not in
-    the page cache yet, so the disk sees many reads at once instead of the
-    reader's one at a time. A cold lookup waits for a random 4 KiB read, so
-    the lookups share an ``ExtentHints``: one lookup per B-tree leaf page
-    learns where every value on it is. Probing pauses
-    after ``_WARM_STREAK`` entries in a row needed no hint (their probe found
-    them cached, or the reader got there first and read them from the cache:
-    probes then only cost CPU) and resumes as soon as a read had to wait for
-    the disk.
+    A probe hints the kernel to read the values not in the page cache, so the
+    disk sees many reads at once instead of the reader's one at a time; the
+    probes share an ``ExtentHints`` (one lookup per B-tree leaf page). Probing
+    pauses after ``_WARM_STREAK`` entries in a row needed no hint (probes then
+    only cost CPU) and resumes as soon as a read had to wait for the disk.
     """
 
     def __init__(self, pool: Executor, probe: Callable[[list[bytes], ExtentHints | None, int], list[bool | None]],
                  key: Callable[[int], bytes], length: int, window_bytes: int, *, paused: bool = False,
                  hints: ExtentHints | None = None) -> None:
-        """``paused``: start as after a warm streak (the group's last schedule ended warm). ``hints``: the
-        schedule's, shared by its probes (one lookup per leaf page, not per value)."""
+        """``paused``: start as after a warm streak (the group's last schedule ended warm)."""
         self._pool, self._probe, self._key, self._hints = pool, probe, key, hints
         self._length, self._window_bytes = length, window_bytes
         self._pending: deque[tuple[int, int, Future]] = deque()  # (first, stop, future)
-        self._streak = 0
-        self.active = not paused
+        self._streak, self.active = 0, not paused
         self._inline_end = 0  # entries before this were probed from the reader's thread
 
     def advance(self, pos: int, avg_bytes: int) -> None:
@@ -120,12 +114,9 @@ class ShortTransaction:
     map resize, for long."""
 
     def __init__(self, store: Store, guess: PageCacheGuess) -> None:
-        self._store = store
-        self._cm = None
-        self._session = None
-        self._opened_at = 0.0
-        self._entries = 0
-        self._guess = guess  # outlives the transactions
+        self._store, self._guess = store, guess  # the guess outlives the transactions
+        self._cm = self._session = None
+        self._opened_at, self._entries = 0.0, 0
 
     def open(self) -> ReadSession:
         if self._session is None:

@@ -1,21 +1,13 @@
 """The prefetcher: pushed schedules, their readers, the shared memory budget and the thread pools.
 
-The trainer pushes each epoch's order (Schedule) and then consumes it
-(Fetch); per schedule a reader (``_reader``) walks the order ahead of the
-consumer inside a share of ``prefetch_bytes`` and drops each entry once
-served. No LRU anywhere (docs/design/prefetch.md).
-
-Turns: a reader with a consumer (attached) always may read; one without
-(e.g. the next epoch, pushed early) only while no attached reader of its
-namespace is still reading, so the next epoch's head is ready at the
-boundary without taking the disk from the current one. An attached reader
-that cannot get its bytes makes readers without a consumer give theirs back
-(cancelled, read again once fetched), so unfetched schedules never hold the
-budget.
-
-Live schedules protect their generation: a push pins its (namespace,
-fingerprint) in ``store.generations`` and retiring the schedule unpins it,
-so a put over a budget never reclaims what a schedule is about to read.
+Per pushed order a reader walks it ahead of its Fetch within a share of
+``prefetch_bytes``, dropping each entry once served; no LRU
+(docs/design/prefetch.md). Turns: a reader with a consumer (attached) may
+always read, one without (the next epoch, pushed early) only while no
+attached reader of its namespace reads, and it gives its bytes back to an
+attached reader that cannot get them. A live schedule pins its generation
+in ``store.generations``, so a put over a budget never reclaims what it is
+about to read.
 """
 
 from __future__ import annotations
@@ -27,21 +19,20 @@ from dataclasses import dataclass
 
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.config import PrefetchConfig
-from actcache.daemon.prefetch._stats import PrefetchCounters
-from actcache.daemon.prefetch._reader import ReaderSnapshot, ReaderState, ScheduleReader
-from actcache.daemon.prefetch._schedule import Schedule
+from actcache.daemon.prefetch._readahead import ENDED, ReaderSnapshot, ReaderState
+from actcache.daemon.prefetch._reader import ScheduleReader
+from actcache.daemon.prefetch._schedule import PrefetchCounters, Schedule
 from actcache.daemon.store import PageCacheGuess, Store
 from actcache.errors import DaemonUnavailable, FetchAborted, InvalidRequest, ScheduleNotFound
 from actcache.keys import group_prefix
 
 __all__ = ["MAX_SCHEDULES_PER_NAMESPACE", "PrefetchStats", "Prefetcher", "ScheduleStatus"]
 
-# Groups whose page-cache guess is kept for their next schedule (the most recently read).
-_GUESSES_KEPT = 64
-
 log = logging.getLogger(__name__)
 
 MAX_SCHEDULES_PER_NAMESPACE = 64
+# Groups whose page-cache guess is kept for their next schedule (the most recently read).
+_GUESSES_KEPT = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +65,11 @@ class Prefetcher:
 
     Invariants (under the budget's condition, asserted in tests through
     ``stats()``): every reader has ``start <= served <= ready <= read <=
-    len(order)``; ``budget.used`` is the sum of the bytes the readers hold
-    and ``budget.used <= budget.max_used <= budget.limit``; at most one
-    reader per schedule is registered, and a schedule pushed again cancels
-    its old reader before the new one starts. A reader may take budget only
-    while it is active: reading, and attached or its namespace has no
-    attached reader still reading.
+    len(order)``; ``budget.used`` is the sum of the readers' bytes and
+    ``used <= max_used <= limit``; at most one reader per schedule is
+    registered, a schedule pushed again cancels its old reader before the
+    new one starts; a reader takes budget only while reading, and attached
+    or its namespace has no attached reader still reading.
     """
 
     def __init__(self, store: Store, config: PrefetchConfig) -> None:
@@ -107,18 +97,14 @@ class Prefetcher:
         self.fetches_total = 0
         self._closed = False
 
-    # ---- requests --------------------------------------------------------
-
     def push(self, schedule: Schedule) -> bool:
         """Register ``schedule`` (replacing one of the same id) and start reading it; True if it replaced one."""
         key = (schedule.namespace_id, schedule.schedule_id)
-        evicted: list[Schedule] = []
         with self._cond:
             self._check_open()
             old = self._schedules.pop(key, None)
             old_reader = self._readers.pop(key, None)
             evicted = self._evict_for(schedule.namespace_id)
-            evicted_readers = [self._readers.pop((s.namespace_id, s.schedule_id), None) for s in evicted]
             self._schedules[key] = schedule
             self.store.generations.pin(_generation(schedule))  # unpinned by _retire
             reader = self._new_reader(schedule, 0, attached=False)
@@ -126,13 +112,13 @@ class Prefetcher:
             self._update_turns()
         if old_reader is not None:
             old_reader.cancel(FetchAborted(
-                f"schedule {schedule.schedule_id!r} was replaced by a new push; Fetch it again"
-            ))
-        for r in evicted_readers:
-            if r is not None:
-                r.cancel(None)
-        for s in ([old] if old is not None else []) + evicted:
-            self._retire(s)
+                f"schedule {schedule.schedule_id!r} was replaced by a new push; Fetch it again"))
+        if old is not None:
+            self._retire(old)
+        for evicted_schedule, evicted_reader in evicted:
+            if evicted_reader is not None:
+                evicted_reader.cancel(None)
+            self._retire(evicted_schedule)
         reader.begin()
         return old is not None
 
@@ -148,7 +134,8 @@ class Prefetcher:
                     "served to its end; push it (Schedule) before fetching it"
                 )
             if start > len(schedule):
-                raise InvalidRequest(f"Fetch start {start} is past the end of schedule {schedule_id!r} ({len(schedule)} entries)")
+                raise InvalidRequest(
+                    f"Fetch start {start} is past the end of schedule {schedule_id!r} ({len(schedule)} entries)")
             self.fetches_total += 1
             self.store.generations.read(_generation(schedule))
             reader = self._readers.get(key)
@@ -160,7 +147,8 @@ class Prefetcher:
                 old, reader = reader, self._new_reader(schedule, start, attached=True)
             self._update_turns()
         if taken:
-            reader.consumer_attached()
+            with reader.cond:  # wake it if it waits for a consumer
+                reader.cond.notify_all()
             return reader
         if old is not None:
             old.cancel(FetchAborted(
@@ -186,8 +174,6 @@ class Prefetcher:
         if self._probe is not None:
             self._probe.shutdown(wait=True, cancel_futures=True)
 
-    # ---- stats -----------------------------------------------------------
-
     def stats(self) -> PrefetchStats:
         with self._cond:
             live = [(s, self._readers.get((s.namespace_id, s.schedule_id))) for s in self._schedules.values()]
@@ -206,8 +192,6 @@ class Prefetcher:
             for name, value in counters.items():
                 total[name] += value
         return PrefetchStats(self.budget.limit, used, max_used, *totals, statuses, namespaces)
-
-    # ---- internals -------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
@@ -246,8 +230,9 @@ class Prefetcher:
                      "again when fetched", reader.schedule.schedule_id, starved.schedule.schedule_id)
             reader.cancel(None)
 
-    def _evict_for(self, namespace_id: int) -> list[Schedule]:
-        """Make room for one more schedule in the namespace: drop the oldest ones nobody is fetching."""
+    def _evict_for(self, namespace_id: int) -> list[tuple[Schedule, ScheduleReader | None]]:
+        """Make room for one more schedule in the namespace: unregister the oldest ones nobody is fetching
+        (with their readers, to cancel). Caller holds ``_cond``."""
         mine = [s for (ns, _), s in self._schedules.items() if ns == namespace_id]
         evicted = []
         for schedule in mine:  # dicts keep push order: oldest first
@@ -256,7 +241,8 @@ class Prefetcher:
             reader = self._readers.get((namespace_id, schedule.schedule_id))
             if reader is None or not reader.attached:
                 del self._schedules[(namespace_id, schedule.schedule_id)]
-                evicted.append(schedule)
+                self._readers.pop((namespace_id, schedule.schedule_id), None)
+                evicted.append((schedule, reader))
                 log.info("namespace %d holds %d schedules; released the oldest unfetched one, %r",
                          namespace_id, MAX_SCHEDULES_PER_NAMESPACE, schedule.schedule_id)
         return evicted
@@ -265,7 +251,7 @@ class Prefetcher:
         """Fold a schedule's counters into its namespace's totals once it is gone; unpin its generation."""
         self.store.generations.unpin(_generation(schedule))
         with self._cond:
-            self._finished.setdefault(schedule.namespace_id, PrefetchCounters()).merge(schedule.counters)
+            self._finished.setdefault(schedule.namespace_id, PrefetchCounters()).add(**schedule.counters.snapshot())
 
     def _update_turns(self) -> None:
         """Recompute which readers may read and which count for the fair share. Caller holds ``_cond``."""
@@ -285,7 +271,7 @@ class Prefetcher:
         cancel = False
         with self._cond:
             state = reader.state
-            if state in (ReaderState.DONE, ReaderState.CANCELLED, ReaderState.FAILED):
+            if state in ENDED:
                 self._all_readers.discard(reader)
                 self.budget.set_active(reader, False)
                 if self._readers.get(key) is reader:

@@ -1,11 +1,9 @@
 """One schedule reader: reads a pushed order ahead of its consumer and serves it as Fetch frames.
 
-Threads: the reader's own thread walks the order (``ReadLoop``) and buffers
-entries as stored; the probe pool runs lookups ahead (``_lookahead``); the
-consumer, the gRPC thread running ``frames()`` or ``batches()``
-(``FrameTaker``), decodes each frame's entries as it serves them, with the
-decode pool's help. A warm stream over shared memory is read by the consumer
-itself (``Handover``, ``DirectRun``).
+Threads: the reader's own thread walks the order (``ReadLoop``), the probe
+pool looks up ahead (``_lookahead``), and the consumer's gRPC thread
+(``FrameTaker``) decodes each frame with the decode pool's help. A warm
+stream over shared memory is read by the consumer itself (``Handover``).
 """
 
 from __future__ import annotations
@@ -18,9 +16,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._direct import DirectRun
 from actcache.daemon.prefetch._frames import FrameTaker
-from actcache.daemon.prefetch._handover import Handover
 from actcache.daemon.prefetch._read_loop import ReadLoop
-from actcache.daemon.prefetch._readahead import ReadAhead, ReaderSnapshot, ReaderState, Stop
+from actcache.daemon.prefetch._readahead import Handover, ReadAhead, ReaderSnapshot, ReaderState, Stop
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.prefetch._served import ServedBatch
 from actcache.daemon.store import PageCacheGuess
@@ -37,46 +34,28 @@ log = logging.getLogger(__name__)
 
 class ScheduleReader(ReadAhead):
     """Reads ``schedule`` from ``start`` ahead of the consumer within the shared budget: the stream's
-    ``ReadAhead`` (positions, slots, lifecycle), its reader thread, its consumer's frames and the
-    hand-over between them.
+    ``ReadAhead``, its reader thread, its consumer's frames and the hand-over between them.
 
-    Invariants (under ``cond``; see ``ReadAhead``): ``start <= served <=
-    ready <= read <= len(schedule)``. The budget bytes this reader holds
-    equal the bytes of its slots plus at most one reservation for the entry
-    being read, so the budget's ``used <= limit`` bounds its memory. A slot
-    is dropped as soon as its frame is built. A cancelled reader frees every
-    slot at once.
+    Invariants (see ``ReadAhead``): the budget bytes it holds are its slots'
+    plus at most one reservation for the entry being read, so the budget
+    bounds its memory; a slot is dropped once its frame is built, every slot
+    at once when cancelled.
     """
 
-    def __init__(
-        self,
-        schedule: Schedule,
-        start: int,
-        *,
-        store: Store,
-        budget: MemoryBudget,
-        decode_pool: Executor | None,
-        probe_pool: Executor | None,
-        probe_bytes: int,
-        attached: bool,
-        on_change: Callable[["ScheduleReader"], None],
-        on_starved: Callable[["ScheduleReader", int], None] | None = None,
-        guess: PageCacheGuess | None = None,
-    ) -> None:
+    def __init__(self, schedule: Schedule, start: int, *, store: Store, budget: MemoryBudget,
+                 decode_pool: Executor | None, probe_pool: Executor | None, probe_bytes: int, attached: bool,
+                 on_change: Callable[[ScheduleReader], None], on_starved: Callable[[ScheduleReader, int], None],
+                 guess: PageCacheGuess) -> None:
+        """``guess``: whether this stream's values are in the page cache (kept per group by the prefetcher)."""
         super().__init__(len(schedule), start, attached=attached)
-        self.schedule = schedule
-        self._budget = budget
-        self._on_change = on_change
-        guess = guess or PageCacheGuess()  # whether this stream's values are in the page cache
-        self._handover = Handover(self, schedule, guess, explicit_reads=store.config.explicit_reads,
-                                  on_read_all=lambda: on_change(self))
-        self._loop = ReadLoop(schedule, self, self._handover, store=store, budget=budget, probe_pool=probe_pool,
-                              probe_bytes=probe_bytes, guess=guess, on_starved=on_starved)
-        self._frames = FrameTaker(schedule, self, self._handover, store=store, budget=budget, guess=guess,
-                                  decode_pool=decode_pool, key=self._loop.key, on_done=lambda: on_change(self))
+        self.schedule, self._budget, self._on_change = schedule, budget, on_change
+        self._handover = handover = Handover(self, schedule, guess, explicit_reads=store.config.explicit_reads,
+                                             on_read_all=lambda: on_change(self))
+        self._loop = ReadLoop(self, handover, store=store, budget=budget, probe_pool=probe_pool,
+                              probe_bytes=probe_bytes, on_starved=on_starved)
+        self._frames = FrameTaker(self, handover, store=store, budget=budget, decode_pool=decode_pool,
+                                  key=self._loop.key, on_done=lambda: on_change(self))
         self._thread: threading.Thread | None = None  # runs the reading loop (``begin``)
-
-    # ---- lifecycle -------------------------------------------------------
 
     def begin(self) -> None:
         """Start reading, on a thread of its own."""
@@ -89,22 +68,18 @@ class ScheduleReader(ReadAhead):
             self._thread.join(timeout)
 
     def cancel(self, error: ActCacheError | None = None) -> None:
-        """End the reader (a failed one too) and free its ready entries now.
+        """End the reader (a failed one too) and free its ready entries now; ``error`` goes to a consumer
+        still listening, None ends its stream quietly."""
+        self._ended(self.end_reading(error))
 
-        ``error`` goes to a consumer still listening; None ends its stream quietly.
-        """
-        self._ended(self.end_cancelled(error))
-
-    def _fail(self, exc: BaseException, at: int | None = None) -> None:
-        """End reading with ``exc``: the consumer still gets the entries before position ``at``
-        (default: everything read so far), then the error."""
-        at = self.read if at is None else at
+    def _fail(self, exc: BaseException) -> None:
+        """End reading with ``exc``: the consumer still gets the entries read so far, then the error."""
         error = exc if isinstance(exc, ActCacheError) else StoreError(
-            f"reading schedule {self.schedule.schedule_id!r} failed at position {at}: {exc!r}"
+            f"reading schedule {self.schedule.schedule_id!r} failed at position {self.read}: {exc!r}"
         )
         if not isinstance(exc, ActCacheError):
             log.error("schedule reader failed", exc_info=exc)
-        self._ended(self.end_failed(error, at))
+        self._ended(self.end_reading(error, self.read))
 
     def _ended(self, freed: int | None) -> None:
         """Give back the bytes an ending freed and tell the prefetcher (None: it had ended already)."""
@@ -118,13 +93,6 @@ class ScheduleReader(ReadAhead):
         with self.cond:
             return ReaderSnapshot(self.state, self.attached, self.start, self.served, self.ready, self.read,
                                   len(self.schedule), self._budget.held(self))
-
-    def consumer_attached(self) -> None:
-        """A Fetch took this reader over (``attached`` is set): wake it if it waits for one."""
-        with self.cond:
-            self.cond.notify_all()
-
-    # ---- the reader thread -----------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -145,8 +113,6 @@ class ScheduleReader(ReadAhead):
         except BaseException as exc:  # delivered to the consumer, never a silent stall
             self._fail(exc)
 
-    # ---- the consumer ----------------------------------------------------
-
     def frames(self, max_frame_bytes: int) -> Iterator[bytes]:
         """Fetch frames (entries in the payload) from ``start`` to the end; see ``batches``."""
         for batch in self.batches(max_frame_bytes):
@@ -158,19 +124,15 @@ class ScheduleReader(ReadAhead):
     def batches(self, max_frame_bytes: int, *, direct_entries: int = 0) -> Iterator[ServedBatch | DirectRun]:
         """The entries of one frame at a time, from ``start`` to the end.
 
-        The consumer decodes the entries (``decode`` or ``decode_into``), then
-        calls ``finish()`` (which releases their budget bytes and counts them;
-        closing the generator does it too). Raises the reader's error after
-        the entries read before it failed; returns early, quietly, if
-        cancelled without an error for the consumer.
+        The consumer decodes them (``decode`` or ``decode_into``), then calls
+        ``finish()`` (releases their budget bytes and counts them; closing the
+        generator does it too). Raises the reader's error after the entries
+        read before it; returns early if cancelled without an error.
 
-        ``direct_entries``: once this stream's values are in the page cache
-        (the reader's guess is warm and its probes have paused: the kernel
-        needs no hints), the reader thread stops after its current run; what it read ahead is
-        served first, then the consumer gets ``DirectRun``s of up to that many
-        positions to read from the store itself, in one pass per frame (see
-        _direct.py), until it gives reading back (``DirectRun.give_back``) or
-        the generator ends.
+        ``direct_entries``: once the stream is warm, after what was read
+        ahead the consumer gets ``DirectRun``s of up to that many positions
+        to read from the store itself (_direct.py), until it gives reading
+        back (``DirectRun.give_back``) or the generator ends.
         """
         try:
             yield from self._frames.batches(max_frame_bytes, direct_entries)

@@ -1,4 +1,4 @@
-"""A pushed sample order: numpy arrays of ids (and variants), assembled from chunks.
+"""A pushed sample order: numpy arrays of ids (and variants), assembled from chunks, and its counters.
 
 An order of 10 M ids is 80 MB as uint64 and arrives in chunks of packed
 little-endian arrays, so assembling it costs one copy and no Python ints.
@@ -7,18 +7,63 @@ little-endian arrays, so assembling it costs one copy and no Python ints.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from actcache.daemon.prefetch._stats import PrefetchCounters
+from actcache._proto import actcache_pb2 as pb
 from actcache.errors import InvalidRequest
 from actcache.keys import MAX_DEPTH, check_fingerprint, encode_keys
 
-__all__ = ["MAX_SCHEDULE_LENGTH", "Schedule", "ScheduleBuilder", "unpack_ids", "unpack_variants"]
+__all__ = ["MAX_SCHEDULE_LENGTH", "PrefetchCounters", "Schedule", "ScheduleBuilder", "unpack_ids", "unpack_variants"]
 
 MAX_SCHEDULE_LENGTH = 1 << 31
 _ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass
+class PrefetchCounters:
+    """Counters of Fetch serving, per schedule and per namespace; exported by Stats (and metrics).
+
+    Totals since the schedule was pushed (a namespace's: since the daemon
+    started), in entries, bytes and seconds. ``add`` and ``snapshot`` (a
+    consistent copy) are thread-safe.
+    """
+
+    #: Entries served with their bytes.
+    hits: int = 0
+    #: Entries served as misses (absent, or corrupt and deleted).
+    misses: int = 0
+    #: Entries that failed verification when read (also counted in ``misses``).
+    corrupt: int = 0
+    #: Entries that were ready when the consumer asked for them.
+    ready_on_ask: int = 0
+    #: Times the consumer had to wait for the reader, and for how long in total.
+    stalls: int = 0
+    stall_seconds: float = 0.0
+    #: Value bytes read from the store (from disk when cold).
+    read_bytes: int = 0
+    #: Entry bytes sent to consumers.
+    served_bytes: int = 0
+    #: Entries the consumer read from the store itself (warm, over shared memory: _direct.py).
+    direct: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+    @staticmethod
+    def hit_ratio(snapshot: dict[str, float]) -> float:
+        """hits / (hits + misses) of a snapshot; 0.0 before anything was served."""
+        total = snapshot["hits"] + snapshot["misses"]
+        return snapshot["hits"] / total if total else 0.0
 
 
 @dataclass(eq=False)
@@ -41,35 +86,43 @@ class Schedule:
         variants = None if self.variants is None else self.variants[start:stop]
         return encode_keys(self.namespace_id, self.fingerprint, self.depth, self.sample_ids[start:stop], variants)
 
+    def header(self, start: int, lengths: list[int]) -> pb.EntriesHeader:
+        """The frame header of the ``len(lengths)`` positions from ``start``, of these served sizes."""
+        stop = start + len(lengths)
+        variants = [] if self.variants is None else self.variants[start:stop].tolist()
+        return pb.EntriesHeader(start=start, sample_ids=self.sample_ids[start:stop].tolist(), variants=variants,
+                                lengths=lengths)
+
+
+def _unpack_packed(repeated, packed: bytes, field: str, dtype: str, what: str) -> np.ndarray | None:
+    """A chunk's ``packed_<field>`` as little-endian ``dtype`` (None: not sent), checked against ``<field>``."""
+    if packed and len(repeated):
+        raise InvalidRequest(f"a ScheduleChunk carries both {field} and packed_{field}; send one of them")
+    if not packed:
+        return None
+    width = np.dtype(dtype).itemsize
+    if len(packed) % width:
+        raise InvalidRequest(f"packed_{field} holds {len(packed)} bytes, not a multiple of {width} ({what})")
+    return np.frombuffer(packed, dtype).astype(dtype.lstrip("<"), copy=False)
+
 
 def unpack_ids(repeated, packed: bytes) -> np.ndarray:
     """Sample ids of a chunk from its repeated field or its packed little-endian uint64 bytes."""
-    if packed and len(repeated):
-        raise InvalidRequest("a ScheduleChunk carries both sample_ids and packed_sample_ids; send one of them")
-    if packed:
-        if len(packed) % 8:
-            raise InvalidRequest(f"packed_sample_ids holds {len(packed)} bytes, not a multiple of 8 (uint64 ids)")
-        return np.frombuffer(packed, "<u8").astype(np.uint64, copy=False)
-    return np.array(repeated, dtype=np.uint64)
+    ids = _unpack_packed(repeated, packed, "sample_ids", "<u8", "uint64 ids")
+    return np.array(repeated, dtype=np.uint64) if ids is None else ids
 
 
 def unpack_variants(repeated, packed: bytes, count: int) -> np.ndarray | None:
     """Variants of a chunk (None = all 0), checked to be one per id and in 0..65535."""
-    if packed and len(repeated):
-        raise InvalidRequest("a ScheduleChunk carries both variants and packed_variants; send one of them")
-    if packed:
-        if len(packed) % 2:
-            raise InvalidRequest(f"packed_variants holds {len(packed)} bytes, not a multiple of 2 (uint16 variants)")
-        variants = np.frombuffer(packed, "<u2").astype(np.uint16, copy=False)
-    elif len(repeated):
+    variants = _unpack_packed(repeated, packed, "variants", "<u2", "uint16 variants")
+    if variants is None and len(repeated):
         wide = np.array(repeated, dtype=np.uint32)
         if wide.max() > 0xFFFF:
             raise InvalidRequest(f"variant {int(wide.max())} is out of range 0..65535")
         variants = wide.astype(np.uint16)
-    else:
-        return None
-    if len(variants) != count:
-        raise InvalidRequest(f"a ScheduleChunk has {len(variants)} variants for {count} sample ids; send one per id or none")
+    if variants is not None and len(variants) != count:
+        raise InvalidRequest(
+            f"a ScheduleChunk has {len(variants)} variants for {count} sample ids; send one per id or none")
     return variants
 
 
@@ -82,10 +135,8 @@ class ScheduleBuilder:
         self._variants: list[np.ndarray | None] = []
         self._length = 0
 
-    def add(
-        self, namespace_id: int, fingerprint: bytes, depth: int, schedule_id: str,
-        ids: np.ndarray, variants: np.ndarray | None,
-    ) -> None:
+    def add(self, namespace_id: int, fingerprint: bytes, depth: int, schedule_id: str, ids: np.ndarray,
+            variants: np.ndarray | None) -> None:
         if self._head is None:
             if not _ID_RE.fullmatch(schedule_id or ""):
                 raise InvalidRequest(
@@ -102,7 +153,8 @@ class ScheduleBuilder:
                     raise InvalidRequest(f"ScheduleChunk changes {name} from {first!r} to {given!r} within one push")
         self._length += len(ids)
         if self._length > MAX_SCHEDULE_LENGTH:
-            raise InvalidRequest(f"a schedule holds at most {MAX_SCHEDULE_LENGTH} ids; split the order into several schedules")
+            raise InvalidRequest(
+                f"a schedule holds at most {MAX_SCHEDULE_LENGTH} ids; split the order into several schedules")
         self._ids.append(ids)
         self._variants.append(variants)
 

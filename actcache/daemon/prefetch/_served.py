@@ -1,10 +1,8 @@
 """One Fetch frame's entries taken from a schedule reader, and their decoding as they are served.
 
-The reader buffers entries as stored (compressed); the consumer of a frame
-(the Fetch thread) verifies and decompresses them into the frame or the
-shared-memory slots, with the decode pool's threads taking part of a large
-frame. An entry that fails verification becomes a miss in its place and is
-deleted from the store.
+The Fetch thread verifies and decompresses the stored entries into the frame
+or the shared-memory slots, the decode pool taking part of a large frame; an
+entry that fails verification becomes a miss and is deleted from the store.
 """
 
 from __future__ import annotations
@@ -23,11 +21,8 @@ _SPLIT_BYTES = 256 << 10
 
 
 class ServedBatch:
-    """One frame's entries taken from a reader, as stored (None = a miss).
-
-    ``header.lengths[i]`` is entry i's size as served; decoding an entry that
-    fails verification sets it to 0 (a miss) and deletes the stored entry.
-    """
+    """One frame's entries taken from a reader, as stored (None = a miss); ``header.lengths[i]`` is
+    entry i's size as served, set to 0 (a miss) when it fails verification."""
 
     __slots__ = ("header", "stored", "_pool", "_discard", "_done", "_counts", "_failed")
 
@@ -55,7 +50,7 @@ class ServedBatch:
                 else:
                     out[i] = parts
 
-        self._split(range(len(self.stored)), run)
+        split_with(self._pool, range(len(self.stored)), self.header.lengths, run)
         return out
 
     def decode_one(self, i: int) -> tuple:
@@ -79,9 +74,6 @@ class ServedBatch:
                 if exc is not None:
                     self._fail_entry(i, exc)
 
-        self._split(indices, run)
-
-    def _split(self, indices: range, run: Callable[[range], None]) -> None:
         split_with(self._pool, indices, self.header.lengths, run)
 
     def _fail_entry(self, i: int, exc: InvalidRequest) -> None:
