@@ -3,29 +3,18 @@
 A key covers the weights and a fingerprint of the data (actcache_client._identity),
 but no key sees everything: an item outside the fingerprint's spread that
 changed, a dataset that returns other data under the same type and length, a
-peer that wrote wrong bytes under the right key. The auditor picks which hits
-to recompute:
+peer that wrote wrong bytes under the right key. The Auditor audits the first
+``first_samples`` hits after each (re)connection and each change of cache
+target, then one hit in every ``every``, ``group`` consecutive hits at a time
+(a running count: the share is exact and the choice deterministic). Groups,
+because recomputing one sample costs most of what eight cost.
 
-- the first ``first_samples`` hits after each (re)connection to the daemon
-  and each change of the cache target (fingerprint, depth);
-- then one hit in every ``every``, ``group`` consecutive hits at a time (a
-  running count, so the share is exact and the choice deterministic for a
-  given order).
-
-Groups, because recomputing one sample costs most of what eight cost, and
-each audited sample makes its batch a partly loaded one.
-
-``HitAudit`` recomputes the hits chosen and compares them: a mismatch drops
-the fingerprint's entries in the daemon, warns (CacheMismatchWarning) and
-has the step recompute, or raises CacheMismatchError in strict mode.
-
-``same_entry`` compares a served entry with the entry the prefix computes now,
-tensor by tensor: same dtypes and shapes, values within a tolerance for the
-stored dtype (kernels differ slightly between batch sizes, so bit equality is
-too strict; another sample's or another dataset's activations are far off).
-On CUDA with TF32 enabled (PyTorch's default for convolutions), float32
-outputs carry fp16's 10-bit mantissa and get fp16's tolerance
-(``tolerances``; bench/bench_audit_tolerance.py measures the deviations).
+A mismatch drops the fingerprint's entries in the daemon, warns
+(CacheMismatchWarning) and has the step recompute, or raises
+CacheMismatchError in strict mode. Entries match within a tolerance for the
+stored dtype (kernels differ slightly between batch sizes; another sample's
+activations are far off); with TF32 on CUDA, float32 gets fp16's tolerance
+(bench/bench_audit_tolerance.py measures the deviations).
 """
 
 from __future__ import annotations
@@ -55,14 +44,13 @@ _TF32_TOLERANCE = {**_RELATIVE_TOLERANCE, torch.float32: _RELATIVE_TOLERANCE[tor
 
 def tolerances(device: torch.device) -> Mapping[torch.dtype, float]:
     """Relative tolerance per stored dtype for outputs computed on ``device`` with its current precision settings."""
-    return _TF32_TOLERANCE if device.type == "cuda" and _tf32_enabled() else _RELATIVE_TOLERANCE
-
-
-def _tf32_enabled() -> bool:
+    if device.type != "cuda":
+        return _RELATIVE_TOLERANCE
     with warnings.catch_warnings():  # newer torch versions warn about the older flags; they still reflect the setting
         warnings.simplefilter("ignore")
-        return (torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+        tf32 = (torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
                 or torch.get_float32_matmul_precision() != "highest")
+    return _TF32_TOLERANCE if tf32 else _RELATIVE_TOLERANCE
 
 
 class CacheMismatchWarning(RuntimeWarning):
@@ -81,12 +69,10 @@ class AuditConfig:
     group: int = 8
 
     def __post_init__(self) -> None:
-        if self.first_samples < 0:
-            raise ConfigError(f"AuditConfig.first_samples must be >= 0, got {self.first_samples}")
-        if self.every < 0:
-            raise ConfigError(f"AuditConfig.every must be >= 0 (0: only the first samples), got {self.every}")
-        if self.group < 1:
-            raise ConfigError(f"AuditConfig.group must be >= 1, got {self.group}")
+        for name, low, hint in (("first_samples", 0, ""), ("every", 0, " (0: only the first samples)"),
+                                ("group", 1, "")):
+            if getattr(self, name) < low:
+                raise ConfigError(f"AuditConfig.{name} must be >= {low}{hint}, got {getattr(self, name)}")
 
 
 class Auditor:
@@ -116,36 +102,24 @@ class Auditor:
 def same_entry(served: bytes | memoryview, computed: bytes | memoryview,
                tolerance: Mapping[torch.dtype, float] = _RELATIVE_TOLERANCE) -> bool:
     """Whether two entries hold the same tensors, within the stored dtype's ``tolerance`` (see ``tolerances``)."""
-    a, b = collate_entries([served]), collate_entries([computed])
-    a, b = tensors_of(a), tensors_of(b)
-    if len(a) != len(b):
+    a, b = tensors_of(collate_entries([served])), tensors_of(collate_entries([computed]))
+    return len(a) == len(b) and all(_close(x, y, tolerance.get(y.dtype)) for x, y in zip(a, b))
+
+
+def _close(x: torch.Tensor, y: torch.Tensor, allowed: float | None) -> bool:
+    """Same dtype, shape and non-finite places; finite values within ``allowed`` of y's largest (None: equal)."""
+    if x.dtype != y.dtype or x.shape != y.shape:
         return False
-    for x, y in zip(a, b):
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        allowed = tolerance.get(y.dtype)
-        if allowed is None:
-            if not torch.equal(x, y):
-                return False
-            continue
-        x, y = x.float(), y.float()
-        if not torch.isfinite(x).equal(torch.isfinite(y)):
-            return False
-        finite = torch.isfinite(y)
-        scale = float(y[finite].abs().max()) if finite.any() else 0.0
-        if finite.any() and float((x[finite] - y[finite]).abs().max()) > allowed * max(scale, 1e-6):
-            return False
-    return True
-
-
-def warn_mismatch(namespace: str, fingerprint: bytes, depth: int, samples: int) -> None:
-    warnings.warn(
-        f"actcache: {samples} audited entries of namespace {namespace!r}, fingerprint {fingerprint.hex()}, "
-        f"depth {depth} differ from what the frozen prefix computes for them: they were not made from this "
-        "data or these weights. Dropped that fingerprint's entries and recomputing; if the data changed "
-        "without changing its spread, name the version with IndexedDataset(data_id=...)",
-        CacheMismatchWarning, stacklevel=4,
-    )
+    if allowed is None:
+        return torch.equal(x, y)
+    x, y = x.float(), y.float()
+    finite = torch.isfinite(y)
+    if not torch.isfinite(x).equal(finite):
+        return False
+    if not finite.any():
+        return True
+    scale = float(y[finite].abs().max())
+    return float((x[finite] - y[finite]).abs().max()) <= allowed * max(scale, 1e-6)
 
 
 class HitAudit:
@@ -221,14 +195,16 @@ class HitAudit:
         times.audited_samples += len(chosen)
         if not bad:
             return True
-        namespace = self._connection.config.namespace
         self._connection.drop(fingerprint)
         self._generations.forget(fingerprint)
         self.auditor.restart()
-        if self._connection.config.strict:
-            raise CacheMismatchError(
-                f"{bad} of {len(chosen)} audited entries of namespace {namespace!r}, fingerprint "
-                f"{fingerprint.hex()}, depth {depth} differ from what the frozen prefix computes for them; "
-                "their fingerprint's entries were dropped")
-        warn_mismatch(namespace, fingerprint, depth, bad)
+        strict = self._connection.config.strict
+        message = (f"{bad} of {len(chosen)} audited entries of namespace {self._connection.config.namespace!r}, "
+                   f"fingerprint {fingerprint.hex()}, depth {depth} differ from what the frozen prefix computes for "
+                   "them: they were not made from this data or these weights. Dropped that fingerprint's entries"
+                   f"{'' if strict else ' and recomputing'}; if the data changed without changing its spread, name "
+                   "the version with IndexedDataset(data_id=...)")
+        if strict:
+            raise CacheMismatchError(message)
+        warnings.warn(f"actcache: {message}", CacheMismatchWarning, stacklevel=3)
         return False
