@@ -1,21 +1,11 @@
 """A batch's frozen-prefix output, assembled from where each row's comes from: served, seeded or computed.
 
-For a batch, frozen depth k and cache target depth j <= k (j = k unless a
-cost-model plan chose a shallower, smaller entry):
-
-1. samples in the cached subset (all, unless the plan caches a fraction)
-   are served at depth j by the epoch's stream (``Get`` when no stream
-   serves the batch), collated into (pinned) host memory and staged to the
-   device, or copied to the GPU straight out of the shared-memory ring;
-2. hits are audited (actcache_client._audit); misses are seeded from a
-   shallower frozen depth when its entries exist, else stages[0:j] run on
-   the raw inputs; what was computed is stored (actcache_client._writer);
-   then stages[j:k] run on all of them;
-3. samples outside the subset run stages[0:k] directly;
-4. the parts are merged back in batch order.
-
-All of it runs under ``no_grad``. Without a target the prefix is computed,
-so a run with and without the cache is the same computation.
+For frozen depth k and cache target depth j <= k (j < k when a cost-model
+plan chose a smaller entry): samples in the cached subset are served at depth
+j (by the epoch's stream, else ``Get``), audited, or else seeded from a
+shallower frozen depth or computed from the raw input and stored; stages[j:k]
+then run on all of them. Samples outside the subset run stages[0:k]. The
+parts are merged back in batch order, all under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -63,8 +53,7 @@ class PrefixAssembly:
     def run(self, ids: list[int], raw: RawInputs, variant: int, position: int | None, target: Target | None,
             times: StepTimes) -> State:
         """The state after the frozen stages for the batch ``ids`` (epoch ``position``, if the stream's)."""
-        k = self._frozen.depth
-        every = list(range(len(ids)))
+        k, every = self._frozen.depth, list(range(len(ids)))
         if k == 0:
             return raw.rows(every)
         self._frozen.keep_eval()  # a user's net.train() must not train frozen stages
@@ -73,13 +62,12 @@ class PrefixAssembly:
             times.computed_samples += len(ids)
             return self._compute(raw.rows(every), 0, k, times)
         self._connection.surface()
-        j = target.depth
         rows = every if target.fraction >= 1.0 else [i for i, s in enumerate(ids) if cached_subset(s, target.fraction)]
         parts: list[tuple[list[int], State]] = []
         if rows:
             at_j = self._state_at(target, [ids[i] for i in rows], rows, raw, variant, position, times)
-            parts.append((rows, self._compute(at_j, j, k, times) if j < k else at_j))
-        direct = [i for i in range(len(ids)) if i not in set(rows)] if len(rows) < len(ids) else []
+            parts.append((rows, self._compute(at_j, target.depth, k, times) if target.depth < k else at_j))
+        direct = [i for i in every if i not in set(rows)] if len(rows) < len(ids) else []
         if direct:
             parts.append((direct, self._compute(raw.rows(direct), 0, k, times)))
             times.computed_samples += len(direct)
@@ -126,8 +114,7 @@ class PrefixAssembly:
 
     def _lookup(self, fingerprint: bytes, depth: int, ids: list[int], variant: int) -> list:
         """Entries by ``Get`` (None per miss): seeds, and batches no stream serves."""
-        values = self._connection.lookup(fingerprint, depth, ids, [variant] * len(ids))
-        return values if values is not None else [None] * len(ids)
+        return self._connection.lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
 
     def _collate(self, entries: list, *, verify: bool = True, run: SlotRun | None = None) -> State:
         t0 = time.perf_counter()
@@ -135,11 +122,11 @@ class PrefixAssembly:
         moved = self._ring_to_device(run, len(entries)) if on_gpu else None
         host = None if moved is not None else collate_entries(entries, varlen=self._varlen,
                                                               alloc=self._stager.allocator(), verify=verify, run=run)
-        if self._planner is not None:
-            self._planner.record_decode(sum(len(e) for e in entries), time.perf_counter() - t0)
+        decoded = time.perf_counter() - t0
         if moved is None:
             moved = self._stager.to_device(host)
         if self._planner is not None:
+            self._planner.record_decode(sum(len(e) for e in entries), decoded)
             for nbytes, seconds in self._stager.copy_readings():
                 self._planner.record_h2d(nbytes, seconds)
         # back to the precision the stages compute in (on the device: half the copy)
