@@ -71,7 +71,7 @@ class PrefixAssembly:
         if direct:
             parts.append((direct, self._compute(raw.rows(direct), 0, k, times)))
             times.computed_samples += len(direct)
-        return parts[0][1] if len(parts) == 1 else merge(len(ids), parts, self._varlen)
+        return merge(len(ids), parts, self._varlen)
 
     def _state_at(self, target: Target, ids: list[int], rows: list[int], raw: RawInputs, variant: int,
                   position: int | None, times: StepTimes) -> State:
@@ -110,7 +110,7 @@ class PrefixAssembly:
             self._writer.store(j, [ids[i] for i in missing], variant, computed)
             parts.append((missing, computed))
             times.computed_samples += len(missing)
-        return parts[0][1] if len(parts) == 1 else merge(len(ids), parts, self._varlen)
+        return merge(len(ids), parts, self._varlen)
 
     def _lookup(self, fingerprint: bytes, depth: int, ids: list[int], variant: int) -> list:
         """Entries by ``Get`` (None per miss): seeds, and batches no stream serves."""

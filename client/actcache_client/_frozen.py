@@ -1,12 +1,8 @@
 """The frozen prefix of a StagedModel: which stages are frozen, and the fingerprints cache keys carry.
 
-``freeze(k)`` turns off the gradients of stages[:k] and keeps them in eval
-mode; the stages behind them get their gradients and the model's train/eval
-mode back. The fingerprints (actcache_client._fingerprint) cover the frozen
-weights, the data fingerprint bound by the loader (``bind_data``) and the
-stored precision. Depths that stay frozen with unchanged weights across a
-``freeze`` keep their entries as seeds for deeper ones (``seed_depths``,
-deepest first).
+The fingerprints (actcache_client._fingerprint) cover the frozen weights, the
+data fingerprint bound by the loader and the stored precision. Depths that stay
+frozen with unchanged weights keep their entries as seeds for deeper ones.
 """
 
 from __future__ import annotations
@@ -21,12 +17,8 @@ __all__ = ["FrozenPrefix"]
 
 
 class FrozenPrefix:
-    """The frozen depth of ``model``, its modules, and the weight and cache-key fingerprints per depth.
-
-    ``fingerprints[d]`` is what cache keys carry for stages[:d]; ``weights[d]``
-    identifies the weights of stages[:d] alone. Both run from depth 0 to the
-    frozen depth.
-    """
+    """The frozen depth of ``model``, its modules, and the fingerprints per depth 0..frozen depth:
+    ``fingerprints[d]`` is what cache keys carry for stages[:d], ``weights[d]`` their weights' alone."""
 
     def __init__(self, model: StagedModel, key_tag: bytes) -> None:
         self.model = model
@@ -52,11 +44,8 @@ class FrozenPrefix:
         return True
 
     def freeze(self, depth: int, fingerprint_depth: int = 0) -> list[bytes]:
-        """Freeze stages[:depth] and unfreeze the rest (the last stage always trains).
-
-        Returns the weights' fingerprints of depths 0..max(depth, fingerprint_depth),
-        so that entries written at deeper depths can be checked against them.
-        """
+        """Freeze stages[:depth] (eval mode, no grad) and give the rest their grad and the model's mode back;
+        the weights' fingerprints of depths 0..max(depth, fingerprint_depth) (to check deeper entries)."""
         stages = list(self.model.stages)
         if not 0 <= depth < len(stages):
             raise ConfigError(f"set_frozen depth must be in 0..{len(stages) - 1} (the head always trains), got {depth}")
@@ -68,11 +57,8 @@ class FrozenPrefix:
         self.weights = weights[: depth + 1]
         self.fingerprints = self.keyed(self.weights, self.data)
         # Depths still frozen with unchanged weights keep their entries as seeds.
-        candidates = set(self.seed_depths) | ({old} if old else set())
-        self.seed_depths = sorted(
-            (d for d in candidates if 0 < d <= depth and d < len(old_fps) and old_fps[d] == self.fingerprints[d]),
-            reverse=True,
-        )
+        self.seed_depths = sorted((d for d in {*self.seed_depths, old} if 0 < d <= depth and d < len(old_fps)
+                                   and old_fps[d] == self.fingerprints[d]), reverse=True)
         self.depth = depth
         self._modules = [m for stage in stages[:depth] for m in stage.modules()]
         return weights

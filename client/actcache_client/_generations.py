@@ -1,10 +1,8 @@
 """What this process stored in the daemon: the fingerprints it wrote entries under, and their samples.
 
-A fingerprint this process wrote is superseded when its prefix was unfrozen
-and trained further: its entries can no longer be served. ``superseded``
-hands each such fingerprint back once, so its entries can be dropped in the
-daemon. The samples stored per depth are told to the cost model's planner
-(a plan weighs what is stored already).
+A fingerprint is superseded when its prefix was unfrozen and trained further:
+``superseded`` hands it back once, so that its entries can be dropped. The
+samples stored per depth are told to the planner (a plan weighs what is stored).
 """
 
 from __future__ import annotations

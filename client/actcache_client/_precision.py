@@ -1,10 +1,7 @@
-"""The precision a frozen prefix's outputs are stored in, and the casts to and from it.
+"""The precision a frozen prefix's outputs are stored in (``store_dtype``), and the casts to and from it.
 
-With ``store_dtype`` None the cache stores what the stages compute. With
-torch.float16 or torch.bfloat16 it stores their floating-point outputs in 16
-bits (half the bytes to store, read and decode) and casts them back to the
-stages' precision when served; masks and ids stay as they are. Such entries
-are another computation's: their keys carry ``key_tag``.
+Masks and ids stay as they are. Entries stored in 16 bits are another
+computation's: their keys carry ``key_tag``.
 """
 
 from __future__ import annotations
@@ -29,13 +26,13 @@ class StorePrecision:
 
     def to_stored(self, state: State) -> State:
         """``state`` as it is stored (computed outputs cast to ``store_dtype``)."""
-        return state if self.store_dtype is None else _cast(state, self.compute_dtype, self.store_dtype)
+        return self._cast(state, self.compute_dtype, self.store_dtype)
 
     def to_compute(self, state: State) -> State:
         """A served ``state`` back in the precision the stages compute in."""
-        return state if self.store_dtype is None else _cast(state, self.store_dtype, self.compute_dtype)
+        return self._cast(state, self.store_dtype, self.compute_dtype)
 
-
-def _cast(state: State, source: torch.dtype, target: torch.dtype) -> State:
-    """``state`` with its ``source``-dtype tensors cast to ``target`` (masks and ids stay as they are)."""
-    return map_state(state, lambda t: t.to(target) if t.dtype == source else t)
+    def _cast(self, state: State, source: torch.dtype, target: torch.dtype) -> State:
+        if self.store_dtype is None:
+            return state
+        return map_state(state, lambda t: t.to(target) if t.dtype == source else t)

@@ -97,18 +97,15 @@ class EntryWriter:
 
 def check_encoding(encoding: str | AutoEncoding) -> str | AutoEncoding:
     """``encoding`` as CachedForward keeps it: an AutoEncoding, "daemon" or a valid ``--encoding`` value."""
-    if isinstance(encoding, AutoEncoding):
-        return encoding
-    if not isinstance(encoding, str):
+    if not isinstance(encoding, (str, AutoEncoding)):
         raise ConfigTypeError(f"encoding must be a str or an AutoEncoding, got {type(encoding).__name__} "
                               f"{encoding!r}")
     if encoding == "auto":
         return AutoEncoding()
-    if encoding == "daemon":
-        return encoding
-    try:
-        Encoding.parse(encoding)
-    except InvalidRequest:
-        raise ConfigError(f"encoding={encoding!r}: use 'auto' (or an AutoEncoding), 'daemon', 'raw', 'lz4', "
-                          "'zstd' or 'zstd:LEVEL' (-7..22)") from None
+    if isinstance(encoding, str) and encoding != "daemon":
+        try:
+            Encoding.parse(encoding)
+        except InvalidRequest:
+            raise ConfigError(f"encoding={encoding!r}: use 'auto' (or an AutoEncoding), 'daemon', 'raw', 'lz4', "
+                              "'zstd' or 'zstd:LEVEL' (-7..22)") from None
     return encoding
