@@ -19,14 +19,12 @@ from actcache_client._audit import HitAudit
 from actcache_client._connection import Connection
 from actcache_client._counters import StepTimes
 from actcache_client._epoch_plan import EpochPlan, Target
-from actcache_client._frozen import FrozenPrefix
-from actcache_client._generations import Generations
+from actcache_client._frozen import FrozenPrefix, Generations
 from actcache_client._planner import CachePlanner
-from actcache_client._precision import StorePrecision
 from actcache_client._rows import RawInputs, merge
 from actcache_client._stages import State, tensors_of
 from actcache_client._staging import Stager
-from actcache_client._tensors import VarLen, collate_entries, run_layout, split_rows
+from actcache_client._tensors import StorePrecision, VarLen, collate_entries, run_layout, split_rows
 from actcache_client._writer import EntryWriter
 from actcache_client.cost_model import cached_subset
 

@@ -29,11 +29,10 @@ import torch
 from actcache.errors import CacheMismatchError, ConfigError
 from actcache_client._connection import Connection
 from actcache_client._counters import StepTimes
-from actcache_client._generations import Generations
-from actcache_client._precision import StorePrecision
+from actcache_client._frozen import Generations
 from actcache_client._rows import RawInputs
 from actcache_client._stages import StagedModel, tensors_of
-from actcache_client._tensors import VarLen, collate_entries, encode_samples
+from actcache_client._tensors import StorePrecision, VarLen, collate_entries, encode_samples
 
 __all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "HitAudit", "same_entry", "tolerances"]
 

@@ -2,8 +2,7 @@
 
 ``CachedForward`` decides the cache target (the frozen depth, or what a
 cost-model plan chose), hands it to its parts when it changes (_frozen,
-_generations, _epoch_plan, _assembly, _audit, _writer: one job each), and runs
-the active stages with grad on the prefix's output. Everything before them
+_epoch_plan, _assembly, _audit, _writer: one job each), and runs the active stages with grad on the prefix's output. Everything before them
 runs under ``no_grad`` with the frozen stages in eval mode. With no connection
 (or uncacheable data, or a RECOMPUTE plan) the prefix is computed every step,
 so a run with and without the cache is the same computation.
@@ -26,15 +25,13 @@ from actcache_client._codec_choice import AutoEncoding, EncodingChoice
 from actcache_client._connection import Connection
 from actcache_client._counters import EpochCounters, EpochLog, StepTimes
 from actcache_client._epoch_plan import EpochPlan, Target
-from actcache_client._frozen import FrozenPrefix
-from actcache_client._generations import Generations
+from actcache_client._frozen import FrozenPrefix, Generations
 from actcache_client._planner import CachePlanner
-from actcache_client._precision import StorePrecision
 from actcache_client._rows import RawInputs
 from actcache_client._stages import StagedModel, State
 from actcache_client._staging import Stager
 from actcache_client._stream import EpochStream
-from actcache_client._tensors import VarLen
+from actcache_client._tensors import StorePrecision, VarLen
 from actcache_client._writer import EntryWriter, check_encoding
 from actcache_client.cost_model import Plan, PlanMode
 

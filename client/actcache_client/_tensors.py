@@ -4,7 +4,8 @@ A batch state is a tensor ``(B, ...)`` or a tuple of them. Each sample's
 slice is stored as one entry (actcache.codec). With a ``VarLen`` layout the
 padding of text batches is not stored: only a sample's real tokens are, and
 the attention mask is rebuilt when batches are collated again (right padding
-to the longest sample of the batch).
+to the longest sample of the batch). A ``StorePrecision`` stores floating-point
+outputs in 16 bits; such entries are another computation's (their keys carry ``key_tag``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from actcache.served import uniform_layout, uniform_rows
 from actcache.errors import ConfigError, InvalidRequest
 from actcache.shm import SlotRun
 
-from actcache_client._stages import State, tensors_of
+from actcache_client._stages import State, map_state, tensors_of
 
-__all__ = ["VarLen", "check_fixed_length", "collate_entries", "encode_samples", "run_layout", "split_rows"]
+__all__ = ["StorePrecision", "VarLen", "check_fixed_length", "collate_entries", "encode_samples", "run_layout",
+           "split_rows"]
 
 _TO_CODEC = {getattr(torch, d.name): d for d in DType}  # DType names are torch dtype names
 _TO_TORCH = {v: k for k, v in _TO_CODEC.items()}
@@ -39,6 +41,30 @@ class VarLen:
 
     mask_index: int = 1
     mask_dtype: torch.dtype = torch.int64
+
+
+class StorePrecision:
+    """``store_dtype`` (None: as computed) and ``compute_dtype`` (the stages'), and casts between them."""
+
+    def __init__(self, store_dtype: torch.dtype | None, compute_dtype: torch.dtype) -> None:
+        if store_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ConfigError(f"store_dtype must be torch.float16, torch.bfloat16 or None, got {store_dtype}")
+        self.store_dtype = store_dtype
+        self.compute_dtype = compute_dtype
+        self.key_tag = b"" if store_dtype is None else f"store:{store_dtype}".encode()
+
+    def to_stored(self, state: State) -> State:
+        """``state`` as it is stored (computed outputs cast to ``store_dtype``)."""
+        return self._cast(state, self.compute_dtype, self.store_dtype)
+
+    def to_compute(self, state: State) -> State:
+        """A served ``state`` back in the precision the stages compute in."""
+        return self._cast(state, self.store_dtype, self.compute_dtype)
+
+    def _cast(self, state: State, source: torch.dtype, target: torch.dtype) -> State:
+        if self.store_dtype is None:
+            return state
+        return map_state(state, lambda t: t.to(target) if t.dtype == source else t)
 
 
 def _sample_bytes(t: Tensor) -> memoryview:

@@ -15,12 +15,10 @@ from actcache.errors import ConfigError, ConfigTypeError, InvalidRequest
 from actcache_client._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
 from actcache_client._connection import Connection
 from actcache_client._epoch_plan import EpochPlan
-from actcache_client._frozen import FrozenPrefix
-from actcache_client._generations import Generations
+from actcache_client._frozen import FrozenPrefix, Generations
 from actcache_client._planner import CachePlanner
-from actcache_client._precision import StorePrecision
 from actcache_client._stages import State, map_state
-from actcache_client._tensors import VarLen, check_fixed_length, encode_samples
+from actcache_client._tensors import StorePrecision, VarLen, check_fixed_length, encode_samples
 
 __all__ = ["EntryWriter", "check_encoding"]
 
