@@ -1,9 +1,7 @@
 """Audits: recompute a small, deterministic share of served samples and compare with the entries.
 
-A key covers the weights and a fingerprint of the data (actcache_client._identity),
-but no key sees everything: an item outside the fingerprint's spread that
-changed, a dataset that returns other data under the same type and length, a
-peer that wrote wrong bytes under the right key. The Auditor audits the first
+No key sees everything (an item outside the data fingerprint's spread that
+changed, a peer that wrote wrong bytes under the right key). The Auditor audits the first
 ``first_samples`` hits after each (re)connection and each change of cache
 target, then one hit in every ``every``, ``group`` consecutive hits at a time
 (a running count: the share is exact and the choice deterministic). Groups,
@@ -122,12 +120,8 @@ def _close(x: torch.Tensor, y: torch.Tensor, allowed: float | None) -> bool:
 
 
 class HitAudit:
-    """Recomputes the served hits an Auditor picks and compares them with the entries (``check``).
-
-    The auditor starts again (its first hits are audited again) after each
-    (re)connection to the daemon (``sync``) and each new cache target
-    (``retarget``). Without an AuditConfig (``audit=False``) nothing is audited.
-    """
+    """Recomputes the served hits an Auditor picks and compares them with the entries (``check``); the
+    auditor restarts after each (re)connection (``sync``) and each new cache target (``retarget``)."""
 
     def __init__(self, audit: AuditConfig | bool, *, model: StagedModel, connection: Connection | None,
                  device: torch.device, precision: StorePrecision, varlen: VarLen | None,
@@ -159,8 +153,7 @@ class HitAudit:
         self._target = key
 
     def sync(self) -> None:
-        """Restart the auditor after a (re)connection to the daemon, before it next chooses: its first
-        hits are audited again (checked at the epoch's start too, where skipped loads are chosen)."""
+        """Restart the auditor after a (re)connection to the daemon, before it next chooses."""
         if self.auditor is not None and self._connection.opens != self._opens:
             self._opens = self._connection.opens
             self.auditor.restart()
@@ -173,9 +166,8 @@ class HitAudit:
               found: list[int], times: StepTimes) -> bool:
         """Recompute the hits the auditor picks; False (after dropping the fingerprint) if one differs.
 
-        ``values[i]`` is the entry served for batch row ``rows[i]``; ``found`` the positions served.
-        When the loader skipped inputs, the auditor chose at the epoch's start (the skipped loads)
-        and the hits whose input was loaded anyway are the ones audited.
+        ``values[i]`` is the entry served for batch row ``rows[i]``; ``found`` the positions served. With
+        skipped loads the auditor chose at the epoch's start: the hits loaded anyway are audited.
         """
         self.sync()
         if raw.partial:

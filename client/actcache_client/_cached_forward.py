@@ -138,10 +138,8 @@ class CachedForward:
         return self._frozen.weights[self._frozen.depth if depth is None else depth]
 
     def bind_data(self, data: bytes, name: str = "") -> None:
-        """Key entries by this data fingerprint from now on (actcache_client._identity; CachedLoader calls it).
-
-        ``name`` (the dataset's ``data_id``, else the fingerprint) is how the daemon lists this job's data.
-        """
+        """Key entries by this data fingerprint from now on (CachedLoader calls it); ``name`` (the dataset's
+        ``data_id``, else the fingerprint) is how the daemon lists this job's data."""
         if self.connection is not None:
             self.connection.describe(data_id=name or data.hex()[:16])
         if self._frozen.bind_data(data):
@@ -209,10 +207,8 @@ class CachedForward:
         self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0, data: bytes | None = None,
         skip_loads: bool = False,
     ) -> None:
-        """Called by CachedLoader with this rank's batches for the epoch (from batch ``start`` on) and its data.
-
-        ``skip_loads``: the loader can leave out the inputs of samples the cache will serve (``skipped``).
-        """
+        """Called by CachedLoader with this rank's batches for the epoch (from batch ``start`` on) and its data;
+        ``skip_loads``: the loader can leave out the inputs of samples the cache will serve (``skipped``)."""
         self._epoch.reset(skip_loads)  # retargets below push nothing
         self._epoch_log.mark(epoch, self.times, self._connection_counts())
         if data is not None:
@@ -224,11 +220,8 @@ class CachedForward:
         self._epoch.begin(batches, variant, start, self._cache_target())
 
     def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
-        """Called by CachedLoader during an epoch with the next epoch's batches: push them ahead.
-
-        Only after an epoch served without misses so far, so the daemon does not read ahead
-        entries that are still being stored; a miss later in the epoch discards it.
-        """
+        """Called by CachedLoader during an epoch with the next epoch's batches: push them ahead, only while
+        the epoch has no misses (the daemon must not read ahead entries still being stored)."""
         self._epoch.prepare_next(batches, variant, self._cache_target())
 
     def skipped(self, position: int) -> frozenset[int]:
@@ -250,10 +243,7 @@ class CachedForward:
 
     def __call__(self, batch: "Batch | Tensor | Sequence[int]", inputs: State | None = None, *, variant: int = 0) -> State:
         """Full forward pass: the frozen prefix (cached or computed) then the active suffix with grad.
-
-        ``model(batch)`` takes a CachedLoader Batch (its input is ``batch.data[0]``, possibly only
-        the rows the loader loaded); ``model(ids, inputs, variant=v)`` takes every row's input.
-        """
+        ``model(batch)`` takes a CachedLoader Batch, ``model(ids, inputs, variant=v)`` every row's input."""
         state = self.prefix(batch, inputs, variant=variant)
         if self.model.training and torch.is_grad_enabled():
             self.training_input(state)

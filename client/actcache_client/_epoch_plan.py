@@ -29,11 +29,7 @@ class Target(NamedTuple):
 
 class EpochPlan:
     """This epoch's batches (sample ids) and variant, the step's position in them, and the stream.
-
-    Invariant: ``position`` is the epoch position of the next batch the step
-    runs; a batch the step runs out of order gets no position (it is not
-    served by the stream).
-    """
+    Invariant: ``position`` is that of the next batch the step runs; one run out of order gets none."""
 
     def __init__(self, connection: Connection | None, stream: EpochStream | None, audit: HitAudit) -> None:
         self._connection = connection

@@ -134,14 +134,9 @@ def _lengths(tensors: Sequence[Tensor], varlen: VarLen) -> list[int]:
 def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | None = None,
                     alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None, verify: bool = True,
                     run: SlotRun | None = None) -> State:
-    """Decode one entry per sample and stack them into a batch state.
-
-    Bytes are copied once, straight into the batch tensors that ``alloc``
-    returns (e.g. a pinned staging slot; default fresh host memory).
-    ``verify=False`` skips the checksums, for entries the daemon verified
-    as it served them (Fetch). ``run``: where the entries lie when they are
-    consecutive slots of one size in one buffer (``EpochStream.run``): then
-    one strided copy per tensor moves the whole batch.
+    """Decode one entry per sample and stack them into a batch state, copying the bytes once into the
+    tensors ``alloc`` returns (default fresh host memory). ``verify=False`` skips the checksums (entries
+    the daemon verified); ``run``: the entries' consecutive slots in one buffer (one copy per tensor).
     """
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
     count = len(entries)

@@ -235,11 +235,9 @@ def _splitmix64(x: int) -> int:
 def cached_subset(sample_id: int, fraction: float, salt: int = 0) -> bool:
     """Whether ``sample_id`` is in the cached subset of size ``fraction``.
 
-    u = top 53 bits of splitmix64((sample_id mod 2**64) XOR splitmix64(salt mod 2**64)) / 2**53,
-    uniform in [0, 1); member iff u < fraction. Pure integer arithmetic, so it is the same
-    in every process, run and platform (unlike ``hash()``), needs no shared state, and is
-    nested: the subset at a smaller fraction is contained in the one at a larger fraction,
-    so shrinking the budget keeps a subset of what was already written.
+    u = top 53 bits of splitmix64((sample_id mod 2**64) XOR splitmix64(salt mod 2**64)) / 2**53;
+    member iff u < fraction. The same in every process and platform (unlike ``hash()``), and
+    nested: a smaller fraction's subset is within a larger one's (shrinking keeps what was written).
     """
     fraction = _number("cached_subset: fraction", fraction, fix="pass a share in [0, 1]")
     if fraction > 1.0:
@@ -249,12 +247,9 @@ def cached_subset(sample_id: int, fraction: float, salt: int = 0) -> bool:
 
 
 def should_replan(old: Measurements, new: Measurements, drift: float = 0.25) -> bool:
-    """True if any measured number moved by more than ``drift`` relative to ``old``.
-
-    Compared: every field except ``remaining_epochs`` and ``written_fraction`` (they change
-    by design; replan at epoch boundaries for them); sequences element-wise (a length change counts);
-    a None/number change of ``h2d_bytes_per_s`` counts; an old value of 0 drifts on any change.
-    """
+    """True if any measured number moved by more than ``drift`` relative to ``old``: every field but
+    ``remaining_epochs`` and ``written_fraction``, sequences element-wise (a length change counts), a
+    None/number change counts, an old value of 0 drifts on any change."""
     drift = _number("should_replan: drift", drift, fix="pass a relative change such as 0.25")
 
     def moved(a: float | None, b: float | None) -> bool:
