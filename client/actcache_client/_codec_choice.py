@@ -45,15 +45,12 @@ class AutoEncoding:
     page_cache_bytes: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.disk_read_bytes_per_s > 0:
-            raise ConfigError(f"AutoEncoding.disk_read_bytes_per_s must be > 0, got {self.disk_read_bytes_per_s} "
-                              "(measure it with `actcache bench disk`)")
-        if not 0 <= self.min_gain < 1:
-            raise ConfigError(f"AutoEncoding.min_gain must be in [0, 1), got {self.min_gain}")
-        if self.sample_bytes < 1:
-            raise ConfigError(f"AutoEncoding.sample_bytes must be >= 1, got {self.sample_bytes}")
-        if self.page_cache_bytes is not None and self.page_cache_bytes < 0:
-            raise ConfigError(f"AutoEncoding.page_cache_bytes must be >= 0 or None, got {self.page_cache_bytes}")
+        for name, ok, need in (
+                ("disk_read_bytes_per_s", self.disk_read_bytes_per_s > 0, "> 0 (measure it with `actcache bench disk`)"),
+                ("min_gain", 0 <= self.min_gain < 1, "in [0, 1)"), ("sample_bytes", self.sample_bytes >= 1, ">= 1"),
+                ("page_cache_bytes", self.page_cache_bytes is None or self.page_cache_bytes >= 0, ">= 0 or None")):
+            if not ok:
+                raise ConfigError(f"AutoEncoding.{name} must be {need}, got {getattr(self, name)}")
         for name in self.candidates:
             try:
                 codec = Encoding.parse(name).codec
