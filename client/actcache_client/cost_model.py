@@ -58,6 +58,12 @@ def _number(name: str, value: object, *, positive: bool = False, allow_inf: bool
     return v
 
 
+def _integer(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
 _POSITIVE = ("fetch_bytes_per_s", "write_bytes_per_s", "decode_bytes_per_s", "h2d_bytes_per_s")
 _NON_NEGATIVE = ("fetch_latency_s", "suffix_step_s_per_sample", "remaining_epochs", "budget_bytes")
 
@@ -104,10 +110,7 @@ class Measurements:
                                 allow_inf=name == "budget_bytes")
                 object.__setattr__(self, name, value)
         for name in ("batch_size", "num_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ConfigError(f"Measurements.{name} must be an integer >= 1, got {value!r}")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, _integer(f"Measurements.{name}", getattr(self, name), 1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,9 +173,7 @@ def _evaluate(j: int, c: float, k: int, pre: list[float], m: Measurements) -> di
 
 def plan(frozen_depth: int, m: Measurements, *, min_gain: float = 0.02, fetch_margin: float = 0.25) -> Plan:
     """Choose RECOMPUTE or CACHE at depth j <= ``frozen_depth`` (see the module docstring)."""
-    if isinstance(frozen_depth, bool) or not isinstance(frozen_depth, numbers.Integral) or frozen_depth < 0:
-        raise ConfigError(f"plan: frozen_depth must be an integer >= 0, got {frozen_depth!r}")
-    k = int(frozen_depth)
+    k = _integer("plan: frozen_depth", frozen_depth, 0)
     if k > len(m.stage_forward_s_per_sample) or k >= len(m.entry_bytes_per_sample):
         raise ConfigError(f"frozen depth {k} needs {k} stage times and {k + 1} entry sizes, got "
                          f"{len(m.stage_forward_s_per_sample)} and {len(m.entry_bytes_per_sample)}; measure them")
