@@ -1,26 +1,17 @@
 """A batch's frozen-prefix output, assembled from where each row's comes from: served, seeded or computed.
 
-For a batch, frozen depth k and cache target depth j <= k (j = k unless a
-cost-model plan chose a shallower, smaller entry):
-
-1. samples in the cached subset (all, unless the plan caches a fraction)
-   are served at depth j by the epoch's stream (``Get`` when no stream
-   serves the batch), collated into (pinned) host memory and staged to the
-   device, or copied to the GPU straight out of the shared-memory ring;
-2. hits are audited (actcache_client._audit); misses are seeded from a
-   shallower frozen depth when its entries exist, else stages[0:j] run on
-   the raw inputs; what was computed is stored (actcache_client._writer);
-   then stages[j:k] run on all of them;
-3. samples outside the subset run stages[0:k] directly;
-4. the parts are merged back in batch order.
-
-All of it runs under ``no_grad``. Without a target the prefix is computed,
-so a run with and without the cache is the same computation.
+For frozen depth k and cache target depth j <= k (j < k when a cost-model
+plan chose a smaller entry): samples in the cached subset are served at depth
+j (by the epoch's stream, else ``Get``), audited, or else seeded from a
+shallower frozen depth or computed from the raw input and stored; stages[j:k]
+then run on all of them. Samples outside the subset run stages[0:k]. The
+parts are merged back in batch order, all under ``no_grad``.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -29,130 +20,123 @@ from actcache_client._audit import HitAudit
 from actcache_client._connection import Connection
 from actcache_client._counters import StepTimes
 from actcache_client._epoch_plan import EpochPlan, Target
-from actcache_client._frozen import FrozenPrefix
-from actcache_client._generations import Generations
+from actcache_client._frozen import FrozenPrefix, Generations
 from actcache_client._planner import CachePlanner
-from actcache_client._precision import StorePrecision
 from actcache_client._rows import RawInputs, merge
 from actcache_client._stages import State, tensors_of
 from actcache_client._staging import Stager
-from actcache_client._tensors import VarLen, collate_entries, run_layout, split_rows
+from actcache_client._tensors import StorePrecision, VarLen, collate_entries, run_layout, split_rows
 from actcache_client._writer import EntryWriter
 from actcache_client.cost_model import cached_subset
 
 __all__ = ["PrefixAssembly"]
 
 
+@dataclass(eq=False)
 class PrefixAssembly:
     """Runs the frozen prefix of one batch (``run``), counting its samples and seconds in a StepTimes."""
 
-    def __init__(self, frozen: FrozenPrefix, *, connection: Connection | None, stager: Stager,
-                 varlen: VarLen | None, planner: CachePlanner | None, precision: StorePrecision,
-                 generations: Generations, epoch: EpochPlan, audit: HitAudit, writer: EntryWriter) -> None:
-        self._frozen = frozen
-        self._connection = connection
-        self._stager = stager
-        self._varlen = varlen
-        self._planner = planner
-        self._precision = precision
-        self._generations = generations
-        self._epoch = epoch
-        self._audit = audit
-        self._writer = writer
+    frozen: FrozenPrefix
+    connection: Connection | None
+    stager: Stager
+    varlen: VarLen | None
+    planner: CachePlanner | None
+    precision: StorePrecision
+    generations: Generations
+    epoch: EpochPlan
+    audit: HitAudit
+    writer: EntryWriter
 
     def run(self, ids: list[int], raw: RawInputs, variant: int, position: int | None, target: Target | None,
             times: StepTimes) -> State:
         """The state after the frozen stages for the batch ``ids`` (epoch ``position``, if the stream's)."""
-        k = self._frozen.depth
-        every = list(range(len(ids)))
+        k, every = self.frozen.depth, list(range(len(ids)))
         if k == 0:
             return raw.rows(every)
-        self._frozen.keep_eval()  # a user's net.train() must not train frozen stages
+        self.frozen.keep_eval()  # a user's net.train() must not train frozen stages
         times.prefix_samples += len(ids)
         if target is None:
             times.computed_samples += len(ids)
             return self._compute(raw.rows(every), 0, k, times)
-        self._connection.surface()
-        j = target.depth
+        self.connection.surface()
         rows = every if target.fraction >= 1.0 else [i for i, s in enumerate(ids) if cached_subset(s, target.fraction)]
         parts: list[tuple[list[int], State]] = []
         if rows:
             at_j = self._state_at(target, [ids[i] for i in rows], rows, raw, variant, position, times)
-            parts.append((rows, self._compute(at_j, j, k, times) if j < k else at_j))
-        direct = [i for i in range(len(ids)) if i not in set(rows)] if len(rows) < len(ids) else []
+            parts.append((rows, self._compute(at_j, target.depth, k, times) if target.depth < k else at_j))
+        direct = [i for i in every if i not in set(rows)] if len(rows) < len(ids) else []
         if direct:
             parts.append((direct, self._compute(raw.rows(direct), 0, k, times)))
             times.computed_samples += len(direct)
-        return parts[0][1] if len(parts) == 1 else merge(len(ids), parts, self._varlen)
+        return merge(len(ids), parts, self.varlen)
 
     def _state_at(self, target: Target, ids: list[int], rows: list[int], raw: RawInputs, variant: int,
                   position: int | None, times: StepTimes) -> State:
         """States at the target depth of the batch rows ``rows`` (sample ids ``ids``): hits, seeded, computed."""
         j, fingerprint = target.depth, target.fingerprint
         t0 = time.perf_counter()
-        values = self._epoch.take(position, ids)
+        values = self.epoch.take(position, ids)
         streamed = values is not None  # Fetch verified every entry it served
         if values is None:
             values = self._lookup(fingerprint, j, ids, variant)
         times.fetch_wait += time.perf_counter() - t0
         found = [i for i, v in enumerate(values) if v is not None]
-        if found and self._audit.active and not self._audit.check(fingerprint, j, rows, raw, values, found, times):
+        if found and self.audit.active and not self.audit.check(fingerprint, j, rows, raw, values, found, times):
             values, found = [None] * len(ids), []
         parts: list[tuple[list[int], State]] = []
         if found:
-            run = self._epoch.stream.run if streamed and len(found) == len(ids) else None
+            run = self.epoch.stream.run if streamed and len(found) == len(ids) else None
             parts.append((found, self._collate([values[i] for i in found], verify=not streamed, run=run)))
             times.cached_samples += len(found)
-            self._generations.mark(fingerprint, j, [ids[i] for i in found])
+            self.generations.mark(fingerprint, j, [ids[i] for i in found])
         missing = [i for i, v in enumerate(values) if v is None]
-        for depth in (d for d in self._frozen.seed_depths if d < j):
+        for depth in (d for d in self.frozen.seed_depths if d < j):
             if not missing:
                 break
-            seeds = self._lookup(self._frozen.fingerprints[depth], depth, [ids[i] for i in missing], variant)
+            seeds = self._lookup(self.frozen.fingerprints[depth], depth, [ids[i] for i in missing], variant)
             hit = [i for i, v in zip(missing, seeds) if v is not None]
             if hit:
                 seeded = self._compute(self._collate([v for v in seeds if v is not None]), depth, j, times)
-                self._writer.store(j, [ids[i] for i in hit], variant, seeded)
+                self.writer.store(j, [ids[i] for i in hit], variant, seeded)
                 parts.append((hit, seeded))
                 times.seeded_samples += len(hit)
                 missing = [i for i in missing if i not in set(hit)]
-        self._epoch.missed(len(missing))
+        self.epoch.missed(len(missing))
         if missing:
             computed = self._compute(raw.rows([rows[i] for i in missing]), 0, j, times)
-            self._writer.store(j, [ids[i] for i in missing], variant, computed)
+            self.writer.store(j, [ids[i] for i in missing], variant, computed)
             parts.append((missing, computed))
             times.computed_samples += len(missing)
-        return parts[0][1] if len(parts) == 1 else merge(len(ids), parts, self._varlen)
+        return merge(len(ids), parts, self.varlen)
 
     def _lookup(self, fingerprint: bytes, depth: int, ids: list[int], variant: int) -> list:
         """Entries by ``Get`` (None per miss): seeds, and batches no stream serves."""
-        values = self._connection.lookup(fingerprint, depth, ids, [variant] * len(ids))
-        return values if values is not None else [None] * len(ids)
+        return self.connection.lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
 
     def _collate(self, entries: list, *, verify: bool = True, run: SlotRun | None = None) -> State:
         t0 = time.perf_counter()
-        on_gpu = run is not None and self._varlen is None and self._stager.cuda
+        on_gpu = run is not None and self.varlen is None and self.stager.cuda
         moved = self._ring_to_device(run, len(entries)) if on_gpu else None
-        host = None if moved is not None else collate_entries(entries, varlen=self._varlen,
-                                                              alloc=self._stager.allocator(), verify=verify, run=run)
-        if self._planner is not None:
-            self._planner.record_decode(sum(len(e) for e in entries), time.perf_counter() - t0)
+        host = None if moved is not None else collate_entries(entries, varlen=self.varlen,
+                                                              alloc=self.stager.allocator(), verify=verify, run=run)
+        decoded = time.perf_counter() - t0
         if moved is None:
-            moved = self._stager.to_device(host)
-        if self._planner is not None:
-            for nbytes, seconds in self._stager.copy_readings():
-                self._planner.record_h2d(nbytes, seconds)
+            moved = self.stager.to_device(host)
+        if self.planner is not None:
+            self.planner.record_decode(sum(len(e) for e in entries), decoded)
+            for nbytes, seconds in self.stager.copy_readings():
+                self.planner.record_h2d(nbytes, seconds)
         # back to the precision the stages compute in (on the device: half the copy)
-        return self._precision.to_compute(moved)
+        return self.precision.to_compute(moved)
 
     def _ring_to_device(self, run: SlotRun, count: int) -> State | None:
         """A streamed batch copied to the GPU straight out of the shared-memory ring (None: collate it)."""
         header = run_layout(run, count)
-        staged = self._stager.ring_to_device(run, count) if header is not None else None
+        staged = self.stager.ring_to_device(run, count) if header is not None else None
         if staged is None:
             return None
         rows, done = staged
-        self._epoch.stream.hold(done)
+        self.epoch.stream.hold(done)
         return split_rows(rows, header)
 
     def _compute(self, state: State, start: int, stop: int, times: StepTimes) -> State:
@@ -160,11 +144,11 @@ class PrefixAssembly:
         with torch.no_grad():
             for index in range(start, stop):
                 t = time.perf_counter()
-                state = self._frozen.model.stages[index](state)
-                if self._planner is not None:
+                state = self.frozen.model.stages[index](state)
+                if self.planner is not None:
                     tensors = tensors_of(state)
                     batch = max(len(tensors[0]), 1)
                     nbytes = sum(x.element_size() * x.numel() for x in tensors) / batch
-                    self._planner.record_stage(index, time.perf_counter() - t, batch, nbytes)
+                    self.planner.record_stage(index, time.perf_counter() - t, batch, nbytes)
         times.prefix += time.perf_counter() - t0
         return state

@@ -1,31 +1,18 @@
 """Audits: recompute a small, deterministic share of served samples and compare with the entries.
 
-A key covers the weights and a fingerprint of the data (actcache_client._identity),
-but no key sees everything: an item outside the fingerprint's spread that
-changed, a dataset that returns other data under the same type and length, a
-peer that wrote wrong bytes under the right key. The auditor picks which hits
-to recompute:
+No key sees everything (an item outside the data fingerprint's spread that
+changed, a peer that wrote wrong bytes under the right key). The Auditor audits the first
+``first_samples`` hits after each (re)connection and each change of cache
+target, then one hit in every ``every``, ``group`` consecutive hits at a time
+(a running count: the share is exact and the choice deterministic). Groups,
+because recomputing one sample costs most of what eight cost.
 
-- the first ``first_samples`` hits after each (re)connection to the daemon
-  and each change of the cache target (fingerprint, depth);
-- then one hit in every ``every``, ``group`` consecutive hits at a time (a
-  running count, so the share is exact and the choice deterministic for a
-  given order).
-
-Groups, because recomputing one sample costs most of what eight cost, and
-each audited sample makes its batch a partly loaded one.
-
-``HitAudit`` recomputes the hits chosen and compares them: a mismatch drops
-the fingerprint's entries in the daemon, warns (CacheMismatchWarning) and
-has the step recompute, or raises CacheMismatchError in strict mode.
-
-``same_entry`` compares a served entry with the entry the prefix computes now,
-tensor by tensor: same dtypes and shapes, values within a tolerance for the
-stored dtype (kernels differ slightly between batch sizes, so bit equality is
-too strict; another sample's or another dataset's activations are far off).
-On CUDA with TF32 enabled (PyTorch's default for convolutions), float32
-outputs carry fp16's 10-bit mantissa and get fp16's tolerance
-(``tolerances``; bench/bench_audit_tolerance.py measures the deviations).
+A mismatch drops the fingerprint's entries in the daemon, warns
+(CacheMismatchWarning) and has the step recompute, or raises
+CacheMismatchError in strict mode. Entries match within a tolerance for the
+stored dtype (kernels differ slightly between batch sizes; another sample's
+activations are far off); with TF32 on CUDA, float32 gets fp16's tolerance
+(bench/bench_audit_tolerance.py measures the deviations).
 """
 
 from __future__ import annotations
@@ -40,11 +27,10 @@ import torch
 from actcache.errors import CacheMismatchError, ConfigError
 from actcache_client._connection import Connection
 from actcache_client._counters import StepTimes
-from actcache_client._generations import Generations
-from actcache_client._precision import StorePrecision
+from actcache_client._frozen import Generations
 from actcache_client._rows import RawInputs
 from actcache_client._stages import StagedModel, tensors_of
-from actcache_client._tensors import VarLen, collate_entries, encode_samples
+from actcache_client._tensors import StorePrecision, VarLen, collate_entries, encode_samples
 
 __all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "HitAudit", "same_entry", "tolerances"]
 
@@ -55,14 +41,13 @@ _TF32_TOLERANCE = {**_RELATIVE_TOLERANCE, torch.float32: _RELATIVE_TOLERANCE[tor
 
 def tolerances(device: torch.device) -> Mapping[torch.dtype, float]:
     """Relative tolerance per stored dtype for outputs computed on ``device`` with its current precision settings."""
-    return _TF32_TOLERANCE if device.type == "cuda" and _tf32_enabled() else _RELATIVE_TOLERANCE
-
-
-def _tf32_enabled() -> bool:
+    if device.type != "cuda":
+        return _RELATIVE_TOLERANCE
     with warnings.catch_warnings():  # newer torch versions warn about the older flags; they still reflect the setting
         warnings.simplefilter("ignore")
-        return (torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
+        tf32 = (torch.backends.cudnn.allow_tf32 or torch.backends.cuda.matmul.allow_tf32
                 or torch.get_float32_matmul_precision() != "highest")
+    return _TF32_TOLERANCE if tf32 else _RELATIVE_TOLERANCE
 
 
 class CacheMismatchWarning(RuntimeWarning):
@@ -81,12 +66,10 @@ class AuditConfig:
     group: int = 8
 
     def __post_init__(self) -> None:
-        if self.first_samples < 0:
-            raise ConfigError(f"AuditConfig.first_samples must be >= 0, got {self.first_samples}")
-        if self.every < 0:
-            raise ConfigError(f"AuditConfig.every must be >= 0 (0: only the first samples), got {self.every}")
-        if self.group < 1:
-            raise ConfigError(f"AuditConfig.group must be >= 1, got {self.group}")
+        for name, low, hint in (("first_samples", 0, ""), ("every", 0, " (0: only the first samples)"),
+                                ("group", 1, "")):
+            if getattr(self, name) < low:
+                raise ConfigError(f"AuditConfig.{name} must be >= {low}{hint}, got {getattr(self, name)}")
 
 
 class Auditor:
@@ -116,45 +99,29 @@ class Auditor:
 def same_entry(served: bytes | memoryview, computed: bytes | memoryview,
                tolerance: Mapping[torch.dtype, float] = _RELATIVE_TOLERANCE) -> bool:
     """Whether two entries hold the same tensors, within the stored dtype's ``tolerance`` (see ``tolerances``)."""
-    a, b = collate_entries([served]), collate_entries([computed])
-    a, b = tensors_of(a), tensors_of(b)
-    if len(a) != len(b):
+    a, b = tensors_of(collate_entries([served])), tensors_of(collate_entries([computed]))
+    return len(a) == len(b) and all(_close(x, y, tolerance.get(y.dtype)) for x, y in zip(a, b))
+
+
+def _close(x: torch.Tensor, y: torch.Tensor, allowed: float | None) -> bool:
+    """Same dtype, shape and non-finite places; finite values within ``allowed`` of y's largest (None: equal)."""
+    if x.dtype != y.dtype or x.shape != y.shape:
         return False
-    for x, y in zip(a, b):
-        if x.dtype != y.dtype or x.shape != y.shape:
-            return False
-        allowed = tolerance.get(y.dtype)
-        if allowed is None:
-            if not torch.equal(x, y):
-                return False
-            continue
-        x, y = x.float(), y.float()
-        if not torch.isfinite(x).equal(torch.isfinite(y)):
-            return False
-        finite = torch.isfinite(y)
-        scale = float(y[finite].abs().max()) if finite.any() else 0.0
-        if finite.any() and float((x[finite] - y[finite]).abs().max()) > allowed * max(scale, 1e-6):
-            return False
-    return True
-
-
-def warn_mismatch(namespace: str, fingerprint: bytes, depth: int, samples: int) -> None:
-    warnings.warn(
-        f"actcache: {samples} audited entries of namespace {namespace!r}, fingerprint {fingerprint.hex()}, "
-        f"depth {depth} differ from what the frozen prefix computes for them: they were not made from this "
-        "data or these weights. Dropped that fingerprint's entries and recomputing; if the data changed "
-        "without changing its spread, name the version with IndexedDataset(data_id=...)",
-        CacheMismatchWarning, stacklevel=4,
-    )
+    if allowed is None:
+        return torch.equal(x, y)
+    x, y = x.float(), y.float()
+    finite = torch.isfinite(y)
+    if not torch.isfinite(x).equal(finite):
+        return False
+    if not finite.any():
+        return True
+    scale = float(y[finite].abs().max())
+    return float((x[finite] - y[finite]).abs().max()) <= allowed * max(scale, 1e-6)
 
 
 class HitAudit:
-    """Recomputes the served hits an Auditor picks and compares them with the entries (``check``).
-
-    The auditor starts again (its first hits are audited again) after each
-    (re)connection to the daemon (``sync``) and each new cache target
-    (``retarget``). Without an AuditConfig (``audit=False``) nothing is audited.
-    """
+    """Recomputes the served hits an Auditor picks and compares them with the entries (``check``); the
+    auditor restarts after each (re)connection (``sync``) and each new cache target (``retarget``)."""
 
     def __init__(self, audit: AuditConfig | bool, *, model: StagedModel, connection: Connection | None,
                  device: torch.device, precision: StorePrecision, varlen: VarLen | None,
@@ -186,8 +153,7 @@ class HitAudit:
         self._target = key
 
     def sync(self) -> None:
-        """Restart the auditor after a (re)connection to the daemon, before it next chooses: its first
-        hits are audited again (checked at the epoch's start too, where skipped loads are chosen)."""
+        """Restart the auditor after a (re)connection to the daemon, before it next chooses."""
         if self.auditor is not None and self._connection.opens != self._opens:
             self._opens = self._connection.opens
             self.auditor.restart()
@@ -200,9 +166,8 @@ class HitAudit:
               found: list[int], times: StepTimes) -> bool:
         """Recompute the hits the auditor picks; False (after dropping the fingerprint) if one differs.
 
-        ``values[i]`` is the entry served for batch row ``rows[i]``; ``found`` the positions served.
-        When the loader skipped inputs, the auditor chose at the epoch's start (the skipped loads)
-        and the hits whose input was loaded anyway are the ones audited.
+        ``values[i]`` is the entry served for batch row ``rows[i]``; ``found`` the positions served. With
+        skipped loads the auditor chose at the epoch's start: the hits loaded anyway are audited.
         """
         self.sync()
         if raw.partial:
@@ -221,14 +186,16 @@ class HitAudit:
         times.audited_samples += len(chosen)
         if not bad:
             return True
-        namespace = self._connection.config.namespace
         self._connection.drop(fingerprint)
         self._generations.forget(fingerprint)
         self.auditor.restart()
-        if self._connection.config.strict:
-            raise CacheMismatchError(
-                f"{bad} of {len(chosen)} audited entries of namespace {namespace!r}, fingerprint "
-                f"{fingerprint.hex()}, depth {depth} differ from what the frozen prefix computes for them; "
-                "their fingerprint's entries were dropped")
-        warn_mismatch(namespace, fingerprint, depth, bad)
+        strict = self._connection.config.strict
+        message = (f"{bad} of {len(chosen)} audited entries of namespace {self._connection.config.namespace!r}, "
+                   f"fingerprint {fingerprint.hex()}, depth {depth} differ from what the frozen prefix computes for "
+                   "them: they were not made from this data or these weights. Dropped that fingerprint's entries"
+                   f"{'' if strict else ' and recomputing'}; if the data changed without changing its spread, name "
+                   "the version with IndexedDataset(data_id=...)")
+        if strict:
+            raise CacheMismatchError(message)
+        warnings.warn(f"actcache: {message}", CacheMismatchWarning, stacklevel=3)
         return False

@@ -1,20 +1,11 @@
 """The training step's forward pass with the frozen prefix served from the cache.
 
-``CachedForward`` ties the parts together, each with one job:
-
-- the frozen prefix and the fingerprints its cache keys carry (actcache_client._frozen);
-- the fingerprints this process wrote, dropped in the daemon once superseded (actcache_client._generations);
-- the epoch's batches, their stream and the loads the loader may skip (actcache_client._epoch_plan);
-- the batch's prefix output, assembled from hits, seeds and computed rows (actcache_client._assembly);
-- the audit of served hits (actcache_client._audit);
-- the writes, in the codec chosen per fingerprint (actcache_client._writer).
-
-It decides the cache target (the frozen depth, or what a cost-model plan
-chose), hands it to the parts when it changes, and runs the active stages
-with grad on the prefix's output. Everything before them runs under
-``no_grad`` with the frozen stages in eval mode. With no connection (or
-uncacheable data, or a RECOMPUTE plan) the prefix is computed every step, so
-a run with and without the cache is the same computation.
+``CachedForward`` decides the cache target (the frozen depth, or what a
+cost-model plan chose), hands it to its parts when it changes (_frozen,
+_epoch_plan, _assembly, _audit, _writer: one job each), and runs the active stages with grad on the prefix's output. Everything before them
+runs under ``no_grad`` with the frozen stages in eval mode. With no connection
+(or uncacheable data, or a RECOMPUTE plan) the prefix is computed every step,
+so a run with and without the cache is the same computation.
 """
 
 from __future__ import annotations
@@ -34,19 +25,17 @@ from actcache_client._codec_choice import AutoEncoding, EncodingChoice
 from actcache_client._connection import Connection
 from actcache_client._counters import EpochCounters, EpochLog, StepTimes
 from actcache_client._epoch_plan import EpochPlan, Target
-from actcache_client._frozen import FrozenPrefix
-from actcache_client._generations import Generations
+from actcache_client._frozen import FrozenPrefix, Generations
 from actcache_client._planner import CachePlanner
-from actcache_client._precision import StorePrecision
 from actcache_client._rows import RawInputs
 from actcache_client._stages import StagedModel, State
 from actcache_client._staging import Stager
 from actcache_client._stream import EpochStream
-from actcache_client._tensors import VarLen
+from actcache_client._tensors import StorePrecision, VarLen
 from actcache_client._writer import EntryWriter, check_encoding
 from actcache_client.cost_model import Plan, PlanMode
 
-__all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # the counters are re-exported from actcache_client._counters
+__all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # re-exports the counters
 
 
 class CachedForward:
@@ -56,28 +45,22 @@ class CachedForward:
     and computes their fingerprints once; unfreezing restores gradients and
     the model's train/eval mode. Call it instead of the model with a
     CachedLoader batch, ``logits = cached(batch)``, or with every row's
-    inputs, ``cached(ids, inputs, variant=v)``. With a ``planner``, a cost
-    model decides whether and where to cache. ``stream=False`` reads entries
-    with ``Get`` instead of the daemon's stream of the pushed order.
+    inputs, ``cached(ids, inputs, variant=v)``.
 
-    The fingerprints in cache keys cover the frozen weights and the data
-    (``bind_data``, called by CachedLoader with the dataset's fingerprint).
-    ``audit`` (an AuditConfig, default on; False: off) recomputes a share of
-    hits to catch what no key can see. ``keep_generations=True`` keeps the
-    entries of superseded fingerprints in the daemon. ``store_dtype``
-    (torch.float16 or torch.bfloat16) stores the prefix's floating-point
-    outputs in 16 bits (half the bytes to store, read and decode) and casts
-    them back when served: not the default, since served activations are then
-    rounded (a run is no longer bit-identical to one without the cache).
-    ``encoding`` says how the daemon stores the entries: ``"auto"`` (an
-    AutoEncoding with its defaults) picks raw, lz4 or zstd per (fingerprint,
-    depth) from the first entries written (actcache_client._codec_choice says
-    how) and records it in the plan; ``"daemon"`` leaves it to the daemon's
-    ``--encoding``; ``"raw"``, ``"lz4"``, ``"zstd"``, ``"zstd:LEVEL"`` fix it.
+    Args:
+        planner: a cost model that decides whether and where to cache.
+        stream: False reads entries with ``Get`` instead of the daemon's stream of the pushed order.
+        audit: an AuditConfig (default on; False: off): recompute a share of hits to catch what no key
+            can see (cache keys cover the frozen weights and the data bound by ``bind_data``).
+        keep_generations: True keeps the entries of superseded fingerprints in the daemon.
+        store_dtype: torch.float16 or torch.bfloat16 stores floating-point outputs in 16 bits (half the
+            bytes to store, read and decode), cast back when served; served activations are then rounded.
+        encoding: ``"auto"`` (an AutoEncoding with its defaults) picks raw, lz4 or zstd per (fingerprint,
+            depth) from the first entries written and records it in the plan; ``"daemon"`` leaves it to
+            the daemon's ``--encoding``; ``"raw"``, ``"lz4"``, ``"zstd"``, ``"zstd:LEVEL"`` fix it.
 
-    ``set_suffix_wrapper(fn)`` runs the active stages through ``fn(model.suffix(frozen))``
-    (e.g. a DistributedDataParallel wrapper), rebuilt at every ``set_frozen``
-    so the wrapper always covers exactly the active stages.
+    ``set_suffix_wrapper(fn)`` runs the active stages through ``fn(model.suffix(frozen))`` (e.g. a
+    DistributedDataParallel wrapper), rebuilt at every ``set_frozen``.
     """
 
     def __init__(
@@ -112,8 +95,9 @@ class CachedForward:
         self._generations = Generations(planner)
         self._audit = HitAudit(audit, model=model, connection=connection, device=self.stager.device,
                                precision=precision, varlen=varlen, generations=self._generations)
-        epoch_stream = EpochStream(connection, rank=_rank()) \
-            if connection is not None and stream else None
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        epoch_stream = EpochStream(connection, rank=rank) if connection is not None and stream else None
         self._epoch = EpochPlan(connection, epoch_stream, self._audit)
         self._writer = EntryWriter(connection, encoding, frozen=self._frozen, generations=self._generations,
                                    epoch=self._epoch, planner=planner, precision=precision, varlen=varlen)
@@ -122,7 +106,6 @@ class CachedForward:
                                         epoch=self._epoch, audit=self._audit, writer=self._writer)
         self._epoch_log = EpochLog()
         self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
-        self._connection_seen = (0, 0.0, 0, 0.0)
         self._suffix_wrapper: Callable[[StagedModel], nn.Module] | None = None
         self._suffix: nn.Module | None = None
         self._input_tap: Callable[[State], None] | None = None
@@ -155,10 +138,8 @@ class CachedForward:
         return self._frozen.weights[self._frozen.depth if depth is None else depth]
 
     def bind_data(self, data: bytes, name: str = "") -> None:
-        """Key entries by this data fingerprint from now on (actcache_client._identity; CachedLoader calls it).
-
-        ``name`` (the dataset's ``data_id``, else the fingerprint) is how the daemon lists this job's data.
-        """
+        """Key entries by this data fingerprint from now on (CachedLoader calls it); ``name`` (the dataset's
+        ``data_id``, else the fingerprint) is how the daemon lists this job's data."""
         if self.connection is not None:
             self.connection.describe(data_id=name or data.hex()[:16])
         if self._frozen.bind_data(data):
@@ -203,16 +184,10 @@ class CachedForward:
 
     def _cache_target(self) -> Target | None:
         """Where entries are looked up and stored, or None when nothing is."""
-        k = self._frozen.depth
-        if k == 0 or not self.enabled:
+        plan, k = self.plan, self._frozen.depth  # no plan yet: this pass computes the prefix anyway, so keep it
+        if k == 0 or not self.enabled or (plan is not None and plan.mode is PlanMode.RECOMPUTE):
             return None
-        depth, fraction = k, 1.0
-        current = self.planner.current if self.planner is not None else None
-        # Not measured yet: this pass computes the prefix anyway, so keep what it computes.
-        if current is not None:
-            if current.mode is PlanMode.RECOMPUTE:
-                return None
-            depth, fraction = current.cache_depth, current.cached_fraction
+        depth, fraction = (k, 1.0) if plan is None else (plan.cache_depth, plan.cached_fraction)
         return Target(self._frozen.fingerprints[depth], depth, fraction)
 
     def _retarget(self) -> None:
@@ -232,10 +207,8 @@ class CachedForward:
         self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0, data: bytes | None = None,
         skip_loads: bool = False,
     ) -> None:
-        """Called by CachedLoader with this rank's batches for the epoch (from batch ``start`` on) and its data.
-
-        ``skip_loads``: the loader can leave out the inputs of samples the cache will serve (``skipped``).
-        """
+        """Called by CachedLoader with this rank's batches for the epoch (from batch ``start`` on) and its data;
+        ``skip_loads``: the loader can leave out the inputs of samples the cache will serve (``skipped``)."""
         self._epoch.reset(skip_loads)  # retargets below push nothing
         self._epoch_log.mark(epoch, self.times, self._connection_counts())
         if data is not None:
@@ -243,17 +216,12 @@ class CachedForward:
         if self.planner is not None and batches:
             self._writer.new_epoch()
             self.planner.begin_epoch(epoch, sum(len(b) for b in batches), len(batches[0]))
-            if self._frozen.depth:
-                self.planner.plan_for(self._frozen.depth)
-                self._retarget()
+            self._replan()
         self._epoch.begin(batches, variant, start, self._cache_target())
 
     def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
-        """Called by CachedLoader during an epoch with the next epoch's batches: push them ahead.
-
-        Only after an epoch served without misses so far, so the daemon does not read ahead
-        entries that are still being stored; a miss later in the epoch discards it.
-        """
+        """Called by CachedLoader during an epoch with the next epoch's batches: push them ahead, only while
+        the epoch has no misses (the daemon must not read ahead entries still being stored)."""
         self._epoch.prepare_next(batches, variant, self._cache_target())
 
     def skipped(self, position: int) -> frozenset[int]:
@@ -275,10 +243,7 @@ class CachedForward:
 
     def __call__(self, batch: "Batch | Tensor | Sequence[int]", inputs: State | None = None, *, variant: int = 0) -> State:
         """Full forward pass: the frozen prefix (cached or computed) then the active suffix with grad.
-
-        ``model(batch)`` takes a CachedLoader Batch (its input is ``batch.data[0]``, possibly only
-        the rows the loader loaded); ``model(ids, inputs, variant=v)`` takes every row's input.
-        """
+        ``model(batch)`` takes a CachedLoader Batch, ``model(ids, inputs, variant=v)`` every row's input."""
         state = self.prefix(batch, inputs, variant=variant)
         if self.model.training and torch.is_grad_enabled():
             self.training_input(state)
@@ -321,27 +286,13 @@ class CachedForward:
         self.times.raw_loaded += raw.count()
         self._prefix_done = time.perf_counter()
         if self.planner is not None:
-            self._observe_connection()
-            if self._frozen.depth and self.planner.needs_replan(self._frozen.depth):
-                self.planner.plan_for(self._frozen.depth)
-                self._retarget()
+            if self.connection is not None:
+                self.planner.observe(self.connection.stats)
+            if self.planner.needs_replan(self._frozen.depth):
+                self._replan()
         return state
 
-    def _observe_connection(self) -> None:
-        """Feed the planner the fetch and write throughput the connection measured since last time."""
-        if self.connection is None:
-            return
-        s = self.connection.stats
-        read, fetch_s, written, write_s = s.timed_bytes, s.timed_seconds, s.bytes_written, s.write_seconds
-        r0, f0, w0, ws0 = self._connection_seen
-        if fetch_s > f0:
-            self.planner.record_fetch(read - r0, fetch_s - f0)
-        if write_s > ws0:
-            self.planner.record_write(written - w0, write_s - ws0)
-        self._connection_seen = (read, fetch_s, written, write_s)
-
-
-def _rank() -> int:
-    """This process's rank when torch.distributed is initialized, else 0."""
-    distributed = torch.distributed
-    return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
+    def _replan(self) -> None:
+        if self._frozen.depth:
+            self.planner.plan_for(self._frozen.depth)
+            self._retarget()

@@ -1,21 +1,16 @@
 """How the daemon stores one (fingerprint, depth)'s entries: raw, lz4 or zstd, from measurements.
 
-Serving an entry means reading its stored bytes and verifying and decoding
-them (the daemon serves raw payloads). Per raw byte served::
+Serving an entry means reading its stored bytes, verifying and decoding them. Per raw byte served::
 
     serve_s(codec) = cold_share / (ratio(codec) x disk_bytes_per_s) + decode_s_per_byte(codec)
 
-``ratio`` and ``decode_s_per_byte`` (checksum included, so raw pays its
-verification too) are measured on the first entries written for the
-(fingerprint, depth): each entry compressed on its own, as the daemon stores
-it, the whole sample decoded three times and the fastest kept. The disk's
-speed is configured (``actcache bench disk`` measures it). ``cold_share`` is
-the share of reads the page cache does not answer: what of the whole
-dataset's entries at this depth does not fit in the memory available now.
-A compressed codec wins only by a clear margin (``min_gain``): a few MiB are
-timed, and raw costs nothing to decode when the guess is wrong. Sparse ReLU
-maps on a cold disk get a codec; transformer states (ratio ~1.0) and
-anything that fits in memory stay raw.
+``ratio`` and ``decode_s_per_byte`` (checksum included) are measured on the
+first entries written, each compressed on its own as the daemon stores it,
+decoded three times, the fastest kept. The disk's speed is configured
+(``actcache bench disk`` measures it); ``cold_share`` is the share of this
+depth's stored entries that does not fit in the memory available now. A codec
+must win by ``min_gain``: a few MiB are timed, and raw costs nothing to decode
+when the guess is wrong.
 """
 
 from __future__ import annotations
@@ -50,15 +45,12 @@ class AutoEncoding:
     page_cache_bytes: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.disk_read_bytes_per_s > 0:
-            raise ConfigError(f"AutoEncoding.disk_read_bytes_per_s must be > 0, got {self.disk_read_bytes_per_s} "
-                              "(measure it with `actcache bench disk`)")
-        if not 0 <= self.min_gain < 1:
-            raise ConfigError(f"AutoEncoding.min_gain must be in [0, 1), got {self.min_gain}")
-        if self.sample_bytes < 1:
-            raise ConfigError(f"AutoEncoding.sample_bytes must be >= 1, got {self.sample_bytes}")
-        if self.page_cache_bytes is not None and self.page_cache_bytes < 0:
-            raise ConfigError(f"AutoEncoding.page_cache_bytes must be >= 0 or None, got {self.page_cache_bytes}")
+        for name, ok, need in (
+                ("disk_read_bytes_per_s", self.disk_read_bytes_per_s > 0, "> 0 (measure it with `actcache bench disk`)"),
+                ("min_gain", 0 <= self.min_gain < 1, "in [0, 1)"), ("sample_bytes", self.sample_bytes >= 1, ">= 1"),
+                ("page_cache_bytes", self.page_cache_bytes is None or self.page_cache_bytes >= 0, ">= 0 or None")):
+            if not ok:
+                raise ConfigError(f"AutoEncoding.{name} must be {need}, got {getattr(self, name)}")
         for name in self.candidates:
             try:
                 codec = Encoding.parse(name).codec

@@ -1,12 +1,10 @@
 """The epoch as the loader planned it: this rank's batches, the stream of their entries, the skipped loads.
 
-CachedLoader hands over the epoch's batches (``begin``). The plan pushes
-them to the daemon's stream (actcache_client._stream) at the cache target,
-follows the step through them (``advance``), pushes the rest of the epoch
-again when the target changes, and asks the daemon which samples are stored,
-so that the loader can leave out their inputs (``skipped``), except those the
-audit will recompute. While an epoch is served without misses, the next
-epoch's batches are pushed ahead (``prepare_next``).
+The plan pushes the epoch's batches (``begin``) to the daemon's stream at the
+cache target, follows the step through them (``advance``), pushes the rest
+again when the target changes, and tells the loader which samples are stored
+(``skipped``: their inputs need not be loaded, except those the audit
+recomputes). While an epoch has no misses, the next one is pushed ahead.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ __all__ = ["EpochPlan", "Target"]
 
 class Target(NamedTuple):
     """Where the cache serves the frozen prefix from: entries under ``fingerprint`` at ``depth``, for the
-    ``fraction`` of samples in the cached subset (actcache_client.cost_model.cached_subset)."""
+    ``fraction`` of samples in the cached subset; fields in the order EpochStream takes them."""
 
     fingerprint: bytes
     depth: int
@@ -31,11 +29,7 @@ class Target(NamedTuple):
 
 class EpochPlan:
     """This epoch's batches (sample ids) and variant, the step's position in them, and the stream.
-
-    Invariant: ``position`` is the epoch position of the next batch the step
-    runs; a batch the step runs out of order gets no position (it is not
-    served by the stream).
-    """
+    Invariant: ``position`` is that of the next batch the step runs; one run out of order gets none."""
 
     def __init__(self, connection: Connection | None, stream: EpochStream | None, audit: HitAudit) -> None:
         self._connection = connection
@@ -57,11 +51,10 @@ class EpochPlan:
         self._epoch, self.position, self.misses = (batches, variant), start, 0
         if self.stream is None or target is None:
             return
-        if not (start == 0 and self.stream.adopt_next(target.fingerprint, target.depth, target.fraction, variant,
-                                                      batches)):
+        if not (start == 0 and self.stream.adopt_next(*target, variant, batches)):
             # Entries the last epoch stored must be in the daemon before it looks them up for this one.
             self._connection.flush(timeout_s=self._connection.config.timeout_s)
-            self.stream.push(target.fingerprint, target.depth, target.fraction, variant, batches[start:], start)
+            self.stream.push(*target, variant, batches[start:], start)
         self._plan_skips(target)
 
     def retarget(self, target: Target | None) -> None:
@@ -71,9 +64,8 @@ class EpochPlan:
         batches, variant = self._epoch
         if target is None:
             self.stream.close()
-        elif not self.stream.serves(target.fingerprint, target.depth, target.fraction, variant):
-            self.stream.push(target.fingerprint, target.depth, target.fraction, variant, batches[self.position:],
-                             self.position)
+        elif not self.stream.serves(*target, variant):
+            self.stream.push(*target, variant, batches[self.position:], self.position)
         else:
             return
         self._plan_skips(target)
@@ -104,11 +96,10 @@ class EpochPlan:
         return self._skips.get(position, frozenset())
 
     def prepare_next(self, batches: Sequence[Sequence[int]], variant: int, target: Target | None) -> None:
-        """Push the next epoch's batches ahead, only after an epoch served without misses so far, so the
-        daemon does not read ahead entries that are still being stored; a miss later discards it."""
+        """Push the next epoch's batches ahead (CachedForward.prepare_next_epoch says when)."""
         if self.stream is None or target is None or self.misses:
             return
-        self.stream.push_next(target.fingerprint, target.depth, target.fraction, variant, [list(b) for b in batches])
+        self.stream.push_next(*target, variant, [list(b) for b in batches])
 
     def _plan_skips(self, target: Target | None) -> None:
         """Ask the daemon which samples of the rest of the epoch are stored at the cache target: the
@@ -119,9 +110,8 @@ class EpochPlan:
         batches, variant = self._epoch
         subset = cached_batches(batches[self.position:], target.fraction)
         ids = [s for b in subset for s in b]
-        present = None  # the push answered which entries are stored; else ask
-        if self.stream.serves(target.fingerprint, target.depth, target.fraction, variant):
-            present = self.stream.stored_from(self.position)
+        # the push answered which entries are stored; else ask
+        present = self.stream.stored_from(self.position) if self.stream.serves(*target, variant) else None
         if present is None or len(present) != len(ids):
             present = self._connection.contains(target.fingerprint, target.depth, ids, variant)
         if present is None:

@@ -1,13 +1,9 @@
 """Fingerprints of frozen prefixes: a chain of per-stage digests of parameters and buffers.
 
-``fingerprints[d]`` identifies the weights of ``stages[:d]``: it changes when
-any of them changes, so an unfrozen-then-retrained prefix can never be served
-stale entries, and it stays the same for ``stages[:d]`` when more stages are
-frozen behind them, so entries at depth d remain valid to seed deeper ones.
-
-``cache_fingerprints`` folds the data's fingerprint (actcache_client._identity)
-into those: the fingerprint a cache key carries covers the weights *and* what
-produced the stage-0 input.
+``fingerprints[d]`` identifies the weights of ``stages[:d]``: it changes when any
+of them changes (a retrained prefix is never served stale entries) and not when
+more stages are frozen behind them (entries at depth d can seed deeper ones).
+``cache_fingerprints`` folds in the data's fingerprint (actcache_client._identity).
 """
 
 from __future__ import annotations
@@ -45,11 +41,8 @@ def prefix_fingerprints(stages: list[nn.Module], depth: int) -> list[bytes]:
 
 
 def cache_fingerprints(weights: list[bytes], data: bytes) -> list[bytes]:
-    """The fingerprints cache keys carry: each prefix fingerprint combined with the data fingerprint.
-
-    ``data`` empty (no data identity known, e.g. CachedForward used without a
-    CachedLoader) leaves the weights' fingerprints as they are.
-    """
+    """The fingerprints cache keys carry: each prefix fingerprint combined with the data fingerprint
+    (``data`` empty, no data identity known: the weights' fingerprints as they are)."""
     if not data:
         return list(weights)
     return [hashlib.blake2b(_KEY_ROOT + data + fp, digest_size=16).digest() for fp in weights]

@@ -1,20 +1,14 @@
 """Online measurements for the cost model, and the plan CachedForward follows.
 
-CachedForward reports what it observes — each stage's forward time per
-sample and output bytes per sample, fetch and write throughput, decode
-throughput, host-to-device copy throughput (CUDA), the step period — and the planner keeps a moving median of the
-last ``window`` readings of each. ``plan_for(k)`` turns them into
-``cost_model.Measurements`` and asks ``cost_model.plan``; CachedForward asks
-again on every freeze change, at every epoch start, and whenever a measured
-number drifted by more than ``replan_drift`` since the last plan. Within an
-epoch, a re-plan that keeps caching at the same depth keeps the cached
-fraction: a new one re-pushes the rest of the epoch's stream and discards
-what the daemon read ahead; the next epoch's plan takes it. Every
-decision is logged with its numbers and passed to ``on_plan`` listeners
-(e.g. the freeze controller's timeline).
-
-Until a throughput has been measured, the planner uses the configured
-priors; a wrong prior is corrected by the first re-plan after measuring.
+CachedForward reports what it observes (per-stage forward time and output
+bytes per sample, fetch, write, decode and host-to-device throughput, the step
+period); the planner keeps a moving median of the last ``window`` readings of
+each, and ``plan_for(k)`` asks ``cost_model.plan``. CachedForward asks again on
+every freeze change, at every epoch start, and when a measurement drifted by
+more than ``replan_drift``. Within an epoch, a re-plan that keeps caching at the
+same depth keeps the cached fraction (a new one would re-push the rest of the
+epoch's stream); the next epoch's plan takes it. Every decision is logged and
+passed to the ``listeners``. Until measured, throughputs are the configured priors.
 """
 
 from __future__ import annotations
@@ -32,6 +26,7 @@ from actcache_client.cost_model import Measurements, Plan, PlanMode, plan, shoul
 
 if TYPE_CHECKING:
     from actcache_client._codec_choice import EncodingChoice
+    from actcache_client._connection import ClientStats
 
 __all__ = ["CachePlanner", "PlannerConfig"]
 
@@ -75,6 +70,10 @@ class _Median:
         if math.isfinite(value) and value >= 0:
             self.values.append(value)
 
+    def rate(self, nbytes: float, seconds: float) -> None:
+        if seconds > 0 and nbytes > 0:
+            self.add(nbytes / seconds)
+
     def get(self, default: float | None = None) -> float | None:
         return statistics.median(self.values) if self.values else default
 
@@ -100,6 +99,7 @@ class CachePlanner:
         self._basis: Measurements | None = None
         self.listeners: list[Callable[[int, Plan], None]] = []
         self._encodings: dict[int, EncodingChoice] = {}  # depth -> codec chosen for its current entries
+        self._seen = (0, 0.0, 0, 0.0)  # the connection's timed reads and writes at the last ``observe``
 
     # ---- observations ----------------------------------------------------
 
@@ -110,27 +110,29 @@ class CachePlanner:
     def record_fetch(self, nbytes: int, seconds: float) -> None:
         """A lookup that returned ``nbytes``: with bytes, an effective rate (latency included);
         without (all misses), a latency reading."""
-        if seconds > 0 and nbytes > 0:
-            self._fetch_rate.add(nbytes / seconds)
-        elif nbytes == 0:
+        self._fetch_rate.rate(nbytes, seconds)
+        if nbytes == 0:
             self._fetch_latency.add(seconds)
 
     def has_fetch_rate(self) -> bool:
         """Whether the daemon's read speed has been measured (else the prior is used)."""
         return bool(self._fetch_rate.values)
 
-    def record_write(self, nbytes: int, seconds: float) -> None:
-        if seconds > 0 and nbytes > 0:
-            self._write_rate.add(nbytes / seconds)
+    def observe(self, stats: ClientStats) -> None:
+        """Record the fetch and write throughput the connection measured since the last call."""
+        now = (stats.timed_bytes, stats.timed_seconds, stats.bytes_written, stats.write_seconds)
+        (read, fetch_s, written, write_s), self._seen = self._seen, now
+        if now[1] > fetch_s:
+            self.record_fetch(now[0] - read, now[1] - fetch_s)
+        if now[3] > write_s:
+            self._write_rate.rate(now[2] - written, now[3] - write_s)
 
     def record_decode(self, nbytes: int, seconds: float) -> None:
-        if seconds > 0 and nbytes > 0:
-            self._decode_rate.add(nbytes / seconds)
+        self._decode_rate.rate(nbytes, seconds)
 
     def record_h2d(self, nbytes: int, seconds: float) -> None:
         """A host-to-device copy (CUDA only; without readings the cost model counts no copy time)."""
-        if seconds > 0 and nbytes > 0:
-            self._h2d_rate.add(nbytes / seconds)
+        self._h2d_rate.rate(nbytes, seconds)
 
     def record_suffix(self, seconds: float, samples: int) -> None:
         """Time of the rest of the step (suffix forward, backward, optimizer) for ``samples``."""
@@ -179,11 +181,8 @@ class CachePlanner:
 
     def needs_replan(self, k: int) -> bool:
         now = self.measurements(k)
-        if now is None:
-            return False
-        if self._basis is None or self.current is None:
-            return True
-        return should_replan(self._basis, now, self.config.replan_drift)
+        return now is not None and (self._basis is None or self.current is None
+                                    or should_replan(self._basis, now, self.config.replan_drift))
 
     def plan_for(self, k: int) -> Plan | None:
         """Plan for frozen depth k (None until the prefix was measured); logged and sent to listeners."""

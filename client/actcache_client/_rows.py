@@ -15,7 +15,7 @@ from actcache.errors import ConfigError
 from actcache_client._stages import State, map_state, tensors_of
 from actcache_client._tensors import VarLen
 
-__all__ = ["RawInputs", "merge", "select"]
+__all__ = ["RawInputs", "merge"]
 
 
 class RawInputs:
@@ -44,47 +44,38 @@ class RawInputs:
 
     def rows(self, rows: list[int]) -> State:
         """The inputs of ``rows``, in that order, on ``device``."""
-        return self._on_device(self._host_rows(rows))
-
-    def _host_rows(self, rows: list[int]) -> State:
         if self._at is None:
-            return self.inputs if rows == list(range(self.size)) else select(self.inputs, rows)
-        if all(r in self._at for r in rows):
-            return select(self.inputs, [self._at[r] for r in rows])
-        if self.load is None:
+            state = self.inputs if rows == list(range(self.size)) else _select(self.inputs, rows)
+        elif all(r in self._at for r in rows):
+            state = _select(self.inputs, [self._at[r] for r in rows])
+        elif self.load is None:
             raise ConfigError("this batch carries only some rows' inputs and no loader to load the others")
-        self.loaded_now += len(rows)  # an entry the loader expected was not served: load it now
-        return self.load(rows)
-
-    def _on_device(self, state: State) -> State:
-        if self.device is None:
-            return state
-        return map_state(state, lambda t: t.to(self.device, non_blocking=True))
+        else:
+            self.loaded_now += len(rows)  # an entry the loader expected was not served: load it now
+            state = self.load(rows)
+        return state if self.device is None else map_state(state, lambda t: t.to(self.device, non_blocking=True))
 
 
-def select(state: State, rows: list[int]) -> State:
+def _select(state: State, rows: list[int]) -> State:
     index = torch.tensor(rows)
     return map_state(state, lambda t: t.index_select(0, index.to(t.device)))
 
 
 def merge(batch: int, parts: list[tuple[list[int], State]], varlen: VarLen | None) -> State:
     """Put part states back in batch order; with VarLen, pad to the longest part and rebuild the mask."""
-    tuples = [(rows, tensors_of(s)) for rows, s in parts]
-    count = len(tuples[0][1])
+    if len(parts) == 1:
+        return parts[0][1]
     merged = []
-    for j in range(count):
-        pieces = [(rows, s[j]) for rows, s in tuples]
-        ref = pieces[0][1]
-        shape = list(ref.shape)
-        shape[0] = batch
+    for pieces in zip(*(tensors_of(state) for _, state in parts)):
+        shape = [batch, *pieces[0].shape[1:]]
         if varlen is not None:
-            shape[1] = max(p.shape[1] for _, p in pieces)
-        out = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
-        for rows, piece in pieces:
-            index = torch.tensor(rows, device=ref.device)
+            shape[1] = max(p.shape[1] for p in pieces)
+        out = pieces[0].new_zeros(shape)
+        for (rows, _), piece in zip(parts, pieces):
+            index = torch.tensor(rows, device=out.device)
             if varlen is not None:
                 out[index, : piece.shape[1]] = piece
             else:
                 out.index_copy_(0, index, piece)
         merged.append(out)
-    return merged[0] if count == 1 and not isinstance(parts[0][1], tuple) else tuple(merged)
+    return merged[0] if len(merged) == 1 and not isinstance(parts[0][1], tuple) else tuple(merged)

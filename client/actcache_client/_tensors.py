@@ -4,7 +4,8 @@ A batch state is a tensor ``(B, ...)`` or a tuple of them. Each sample's
 slice is stored as one entry (actcache.codec). With a ``VarLen`` layout the
 padding of text batches is not stored: only a sample's real tokens are, and
 the attention mask is rebuilt when batches are collated again (right padding
-to the longest sample of the batch).
+to the longest sample of the batch). A ``StorePrecision`` stores floating-point
+outputs in 16 bits; such entries are another computation's (their keys carry ``key_tag``).
 """
 
 from __future__ import annotations
@@ -21,37 +22,13 @@ from actcache.served import uniform_layout, uniform_rows
 from actcache.errors import ConfigError, InvalidRequest
 from actcache.shm import SlotRun
 
-from actcache_client._stages import State, tensors_of
+from actcache_client._stages import State, map_state, tensors_of
 
-__all__ = [
-    "VarLen",
-    "check_fixed_length",
-    "collate_entries",
-    "encode_samples",
-    "run_layout",
-    "split_rows",
-    "to_dtype",
-]
+__all__ = ["StorePrecision", "VarLen", "check_fixed_length", "collate_entries", "encode_samples", "run_layout",
+           "split_rows"]
 
-_TO_CODEC = {
-    torch.float32: DType.float32,
-    torch.float16: DType.float16,
-    torch.bfloat16: DType.bfloat16,
-    torch.int64: DType.int64,
-    torch.int32: DType.int32,
-    torch.uint8: DType.uint8,
-    torch.bool: DType.bool,
-}
+_TO_CODEC = {getattr(torch, d.name): d for d in DType}  # DType names are torch dtype names
 _TO_TORCH = {v: k for k, v in _TO_CODEC.items()}
-
-
-def to_dtype(dtype: torch.dtype) -> DType:
-    """The codec dtype of a torch dtype; raises InvalidRequest for unsupported ones."""
-    try:
-        return _TO_CODEC[dtype]
-    except KeyError:
-        supported = ", ".join(str(d) for d in _TO_CODEC)
-        raise InvalidRequest(f"cannot cache tensors of dtype {dtype}; supported: {supported}") from None
 
 
 @dataclass(frozen=True)
@@ -66,8 +43,36 @@ class VarLen:
     mask_dtype: torch.dtype = torch.int64
 
 
+class StorePrecision:
+    """``store_dtype`` (None: as computed) and ``compute_dtype`` (the stages'), and casts between them."""
+
+    def __init__(self, store_dtype: torch.dtype | None, compute_dtype: torch.dtype) -> None:
+        if store_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ConfigError(f"store_dtype must be torch.float16, torch.bfloat16 or None, got {store_dtype}")
+        self.store_dtype = store_dtype
+        self.compute_dtype = compute_dtype
+        self.key_tag = b"" if store_dtype is None else f"store:{store_dtype}".encode()
+
+    def to_stored(self, state: State) -> State:
+        """``state`` as it is stored (computed outputs cast to ``store_dtype``)."""
+        return self._cast(state, self.compute_dtype, self.store_dtype)
+
+    def to_compute(self, state: State) -> State:
+        """A served ``state`` back in the precision the stages compute in."""
+        return self._cast(state, self.store_dtype, self.compute_dtype)
+
+    def _cast(self, state: State, source: torch.dtype, target: torch.dtype) -> State:
+        if self.store_dtype is None:
+            return state
+        return map_state(state, lambda t: t.to(target) if t.dtype == source else t)
+
+
 def _sample_bytes(t: Tensor) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _state(tensors: list[Tensor]) -> State:
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
 
 def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None = None) -> list[bytes]:
@@ -75,14 +80,18 @@ def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None =
     tensors = [t.detach().to("cpu") for t in tensors_of(state)]
     batch = tensors[0].shape[0]
     if any(t.dim() == 0 or t.shape[0] != batch for t in tensors):
-        raise InvalidRequest(f"every tensor of a state needs the batch dimension {batch}; shapes {[tuple(t.shape) for t in tensors]}")
+        raise InvalidRequest(f"every tensor of a state needs the batch dimension {batch}; "
+                             f"shapes {[tuple(t.shape) for t in tensors]}")
     lengths = _lengths(tensors, varlen) if varlen else None
+    stored = [t for j, t in enumerate(tensors) if not (varlen and j == varlen.mask_index)]
+    unsupported = next((t.dtype for t in stored if t.dtype not in _TO_CODEC), None)
+    if unsupported is not None:
+        supported = ", ".join(str(d) for d in _TO_CODEC)
+        raise InvalidRequest(f"cannot cache tensors of dtype {unsupported}; supported: {supported}")
     out = []
     for i in range(batch):
-        parts = [t[i] for j, t in enumerate(tensors) if not (varlen and j == varlen.mask_index)]
-        if lengths is not None:
-            parts = [p[: lengths[i]] for p in parts]
-        specs = [TensorSpec(to_dtype(p.dtype), tuple(p.shape)) for p in parts]
+        parts = [t[i] if lengths is None else t[i, : lengths[i]] for t in stored]
+        specs = [TensorSpec(_TO_CODEC[p.dtype], tuple(p.shape)) for p in parts]
         out.append(encode_entry(specs, [_sample_bytes(p) for p in parts], zstd_level=zstd_level))
     return out
 
@@ -122,57 +131,44 @@ def _lengths(tensors: Sequence[Tensor], varlen: VarLen) -> list[int]:
     return lengths.tolist()
 
 
-def collate_entries(
-    entries: Sequence[bytes | memoryview],
-    *,
-    varlen: VarLen | None = None,
-    alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None,
-    verify: bool = True,
-    run: SlotRun | None = None,
-) -> State:
-    """Decode one entry per sample and stack them into a batch state.
-
-    Bytes are copied once, straight into the batch tensors that ``alloc``
-    returns (e.g. a pinned staging slot; default fresh host memory).
-    ``verify=False`` skips the checksums, for entries the daemon verified
-    as it served them (Fetch). ``run``: where the entries lie when they are
-    consecutive slots of one size in one buffer (``EpochStream.run``): then
-    one strided copy per tensor moves the whole batch.
+def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | None = None,
+                    alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None, verify: bool = True,
+                    run: SlotRun | None = None) -> State:
+    """Decode one entry per sample and stack them into a batch state, copying the bytes once into the
+    tensors ``alloc`` returns (default fresh host memory). ``verify=False`` skips the checksums (entries
+    the daemon verified); ``run``: the entries' consecutive slots in one buffer (one copy per tensor).
     """
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    count = len(entries)
     if run is not None and not verify and not varlen:
-        state = _collate_run(run, len(entries), alloc)
-        if state is not None:
-            return state
+        rows = _rows(run, count)
+        header = uniform_rows(rows)
+        if header is not None:
+            return _columns(header, rows, alloc)
     layout = None if verify or varlen else uniform_layout(entries)
     if layout is not None:
-        return _collate_uniform(entries, layout, alloc)
+        return _columns(layout, entries, alloc)
     decoded = [decode_entry(e, verify=verify) for e in entries]
     first = decoded[0][0]
-    count = len(first.specs)
     lengths = [h.specs[0].shape[0] for h, _ in decoded] if varlen else None
     out: list[Tensor] = []
-    for j in range(count):
-        spec = first.specs[j]
+    for j, spec in enumerate(first.specs):
         inner = spec.shape[1:] if varlen else spec.shape
-        rows = max(lengths) if lengths else None
-        shape = (len(entries), rows, *inner) if varlen else (len(entries), *inner)
-        batch = alloc(shape, _TO_TORCH[spec.dtype])
+        batch = alloc((count, max(lengths), *inner) if varlen else (count, *inner), _TO_TORCH[spec.dtype])
         if varlen:
             batch.zero_()
-        flat = batch.view(len(entries), -1).view(torch.uint8) if batch.numel() else batch.view(torch.uint8)
-        target = flat.numpy().reshape(len(entries), -1)
+        target = _bytes_view(batch, count)
         for i, (header, raw) in enumerate(decoded):
             s = header.specs[j]
             if s.dtype != spec.dtype or (s.shape[1:] if varlen else s.shape) != inner:
-                raise InvalidRequest(f"sample {i} tensor {j} is {s.dtype.name}{list(s.shape)}, batch expects {spec.dtype.name}{list(spec.shape)}")
-            offset = header.offsets[j]
-            target[i, : s.nbytes] = np.frombuffer(raw, np.uint8, s.nbytes, offset)
+                raise InvalidRequest(f"sample {i} tensor {j} is {s.dtype.name}{list(s.shape)}, "
+                                     f"batch expects {spec.dtype.name}{list(spec.shape)}")
+            target[i, : s.nbytes] = np.frombuffer(raw, np.uint8, s.nbytes, header.offsets[j])
         out.append(batch)
     if varlen:
         mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
         out.insert(varlen.mask_index, mask.to(varlen.mask_dtype))
-    return out[0] if len(out) == 1 else tuple(out)
+    return _state(out)
 
 
 def run_layout(run: SlotRun, count: int) -> EntryHeader | None:
@@ -182,10 +178,9 @@ def run_layout(run: SlotRun, count: int) -> EntryHeader | None:
 
 def split_rows(rows: Tensor, header: EntryHeader) -> State:
     """The batch state held by ``rows`` (uint8, one entry of ``header``'s layout per row), on rows' device."""
-    out = [rows[:, part].contiguous().view(_TO_TORCH[spec.dtype]).view(len(rows), *spec.shape) if spec.nbytes
-           else torch.empty((len(rows), *spec.shape), dtype=_TO_TORCH[spec.dtype], device=rows.device)
-           for spec, part in _tensor_columns(header)]
-    return out[0] if len(out) == 1 else tuple(out)
+    return _state([rows[:, part].contiguous().view(_TO_TORCH[spec.dtype]).view(len(rows), *spec.shape) if spec.nbytes
+                   else torch.empty((len(rows), *spec.shape), dtype=_TO_TORCH[spec.dtype], device=rows.device)
+                   for spec, part in _tensor_columns(header)])
 
 
 def _tensor_columns(header: EntryHeader) -> list[tuple[TensorSpec, slice]]:
@@ -198,31 +193,24 @@ def _rows(run: SlotRun, count: int) -> np.ndarray:
     return np.frombuffer(run.segment.view, np.uint8, count * run.size, run.offset).reshape(count, run.size)
 
 
-def _collate_run(run: SlotRun, count: int, alloc) -> State | None:
-    """collate_entries for ``count`` entries in consecutive slots of one size (None: not one layout)."""
-    rows = _rows(run, count)
-    header = uniform_rows(rows)
-    if header is None:
-        return None
+def _bytes_view(batch: Tensor, count: int) -> np.ndarray:
+    """``batch``'s bytes as a (count, bytes per sample) uint8 array."""
+    flat = batch.view(count, -1).view(torch.uint8) if batch.numel() else batch.view(torch.uint8)
+    return flat.numpy().reshape(count, -1)
+
+
+def _columns(header: EntryHeader, entries: np.ndarray | Sequence[bytes | memoryview], alloc: Callable) -> State:
+    """A batch of entries of ``header``'s layout (the rows of a uint8 array, or buffers): one copy per tensor
+    from the array, one per entry and tensor from buffers."""
+    count = len(entries)
     out: list[Tensor] = []
     for spec, part in _tensor_columns(header):
         batch = alloc((count, *spec.shape), _TO_TORCH[spec.dtype])
-        if spec.nbytes:
-            batch.view(count, -1).view(torch.uint8).numpy()[:] = rows[:, part]
-        out.append(batch)
-    return out[0] if len(out) == 1 else tuple(out)
-
-
-def _collate_uniform(entries: Sequence[bytes | memoryview], header, alloc) -> State:
-    """collate_entries for entries of one layout (``uniform_layout``): one slice copy per entry and tensor."""
-    out: list[Tensor] = []
-    for spec, offset in zip(header.specs, header.offsets):
-        batch = alloc((len(entries), *spec.shape), _TO_TORCH[spec.dtype])
-        n = spec.nbytes
-        if n:
-            target = memoryview(batch.view(len(entries), -1).view(torch.uint8).numpy()).cast("B")
-            start = header.header_len + offset
+        target = _bytes_view(batch, count) if spec.nbytes else None
+        if target is not None and isinstance(entries, np.ndarray):
+            target[:] = entries[:, part]
+        elif target is not None:
             for i, entry in enumerate(entries):
-                target[i * n : (i + 1) * n] = memoryview(entry)[start : start + n]
+                target[i] = np.frombuffer(entry, np.uint8, spec.nbytes, part.start)
         out.append(batch)
-    return out[0] if len(out) == 1 else tuple(out)
+    return _state(out)

@@ -8,6 +8,7 @@ thread, and tells the planner; ``CachedForward`` documents the other values.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Callable
 
 from actcache.codec import Encoding
@@ -15,35 +16,32 @@ from actcache.errors import ConfigError, ConfigTypeError, InvalidRequest
 from actcache_client._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
 from actcache_client._connection import Connection
 from actcache_client._epoch_plan import EpochPlan
-from actcache_client._frozen import FrozenPrefix
-from actcache_client._generations import Generations
+from actcache_client._frozen import FrozenPrefix, Generations
 from actcache_client._planner import CachePlanner
-from actcache_client._precision import StorePrecision
 from actcache_client._stages import State, map_state
-from actcache_client._tensors import VarLen, check_fixed_length, encode_samples
+from actcache_client._tensors import StorePrecision, VarLen, check_fixed_length, encode_samples
 
 __all__ = ["EntryWriter", "check_encoding"]
 
 log = logging.getLogger("actcache_client")
 
 
+@dataclass(eq=False)
 class EntryWriter:
     """Stores a depth's computed states for a batch's samples, asynchronously (``Connection.store``)."""
 
-    def __init__(self, connection: Connection | None, encoding: str | AutoEncoding, *, frozen: FrozenPrefix,
-                 generations: Generations, epoch: EpochPlan, planner: CachePlanner | None,
-                 precision: StorePrecision, varlen: VarLen | None) -> None:
-        self._connection = connection
-        self.encoding = encoding
-        self._frozen = frozen
-        self._generations = generations
-        self._epoch = epoch
-        self._planner = planner
-        self._precision = precision
-        self._varlen = varlen
-        self._encodings: dict[bytes, EncodingChoice] = {}  # fingerprint -> codec chosen (the writer thread's)
-        self._probed = False  # a read-speed probe was sent this epoch
-        self._entry_shapes: dict[int, list[tuple[int, ...]]] = {}  # depth -> per-sample shapes of its first put
+    connection: Connection | None
+    encoding: str | AutoEncoding
+    frozen: FrozenPrefix
+    generations: Generations
+    epoch: EpochPlan
+    planner: CachePlanner | None
+    precision: StorePrecision
+    varlen: VarLen | None
+    # fingerprint -> codec chosen; whether a read-speed probe was sent this epoch; depth -> shapes of its first put
+    _encodings: dict[bytes, EncodingChoice] = field(default_factory=dict, init=False)
+    _probed: bool = field(default=False, init=False)
+    _entry_shapes: dict[int, list[tuple[int, ...]]] = field(default_factory=dict, init=False)
 
     def new_epoch(self) -> None:
         self._probed = False
@@ -56,17 +54,17 @@ class EntryWriter:
         """Put ``state`` (the batch rows of ``ids`` at ``depth``) under the current fingerprint of ``depth``."""
         # A private copy: the suffix may modify its input in place (e.g. ReLU(inplace=True)).
         snapshot = map_state(state, lambda t: t.detach().clone())
-        snapshot = self._precision.to_stored(snapshot)
-        varlen, fingerprint = self._varlen, self._frozen.fingerprints[depth]
+        snapshot = self.precision.to_stored(snapshot)
+        varlen, fingerprint = self.varlen, self.frozen.fingerprints[depth]
         if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated
             check_fixed_length(snapshot, self._entry_shapes, depth)
-        self._generations.mark(fingerprint, depth, ids)
-        self._generations.wrote(fingerprint, depth, self._frozen.data)
+        self.generations.mark(fingerprint, depth, ids)
+        self.generations.wrote(fingerprint, depth, self.frozen.data)
         # Without a read-speed measurement yet, read one put back (once per epoch until it is
         # measured): a slow disk then shows during the write epoch, before the cache is relied upon.
-        probe = self._planner is not None and not self._planner.has_fetch_rate() and not self._probed
+        probe = self.planner is not None and not self.planner.has_fetch_rate() and not self._probed
         self._probed = self._probed or probe
-        self._connection.store(
+        self.connection.store(
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
         )
@@ -76,7 +74,7 @@ class EntryWriter:
         (on the connection's writer thread) and keeps its choice per fingerprint."""
         if not isinstance(self.encoding, AutoEncoding):
             return None if self.encoding == "daemon" else (lambda entries, fixed=self.encoding: fixed)
-        fingerprint, config, samples = self._frozen.fingerprints[depth], self.encoding, self._epoch.samples()
+        fingerprint, config, samples = self.frozen.fingerprints[depth], self.encoding, self.epoch.samples()
 
         def choose(entries: list[bytes]) -> str:
             choice = self._encodings.get(fingerprint)
@@ -86,8 +84,8 @@ class EntryWriter:
                 except Exception as exc:  # a failed measurement must not stop the writes
                     choice = EncodingChoice("", f"the daemon's --encoding: measuring the codecs failed ({exc!r})", {})
                 self._encodings[fingerprint] = choice
-                if self._planner is not None:
-                    self._planner.record_encoding(depth, choice)  # logs it with the plan
+                if self.planner is not None:
+                    self.planner.record_encoding(depth, choice)  # logs it with the plan
                 else:
                     log.info("actcache encoding for depth %d: %s", depth, choice.reason)
             return choice.encoding
@@ -97,18 +95,15 @@ class EntryWriter:
 
 def check_encoding(encoding: str | AutoEncoding) -> str | AutoEncoding:
     """``encoding`` as CachedForward keeps it: an AutoEncoding, "daemon" or a valid ``--encoding`` value."""
-    if isinstance(encoding, AutoEncoding):
-        return encoding
-    if not isinstance(encoding, str):
+    if not isinstance(encoding, (str, AutoEncoding)):
         raise ConfigTypeError(f"encoding must be a str or an AutoEncoding, got {type(encoding).__name__} "
                               f"{encoding!r}")
     if encoding == "auto":
         return AutoEncoding()
-    if encoding == "daemon":
-        return encoding
-    try:
-        Encoding.parse(encoding)
-    except InvalidRequest:
-        raise ConfigError(f"encoding={encoding!r}: use 'auto' (or an AutoEncoding), 'daemon', 'raw', 'lz4', "
-                          "'zstd' or 'zstd:LEVEL' (-7..22)") from None
+    if isinstance(encoding, str) and encoding != "daemon":
+        try:
+            Encoding.parse(encoding)
+        except InvalidRequest:
+            raise ConfigError(f"encoding={encoding!r}: use 'auto' (or an AutoEncoding), 'daemon', 'raw', 'lz4', "
+                              "'zstd' or 'zstd:LEVEL' (-7..22)") from None
     return encoding

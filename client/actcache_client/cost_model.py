@@ -14,26 +14,19 @@ fraction; B = batch size; R = remaining epochs; 1/h2d is 0 on CPU-only machines:
     write(j, c)    = (c - w)·e_j·(1/write + 1/h2d)           D2H copy + put of what is not stored yet
     amortized(j,c) = (steady(j, w) + write + (R - 1)·steady) / R    w = share already stored (steady(j, 0) = baseline)
 
-Overlap: the daemon reads ahead along the pushed epoch order and the client copies to
-the device on a side stream, so fetch + H2D run while the device computes the step (the
-recompute of stages j..k-1 *and* the suffix); the step waits for the slower. Decode runs
-on the client's thread and is charged serially (conservative). Raw-input loading is the
-same in every plan and left out. Entries written in epoch e are first read in epoch e+1:
-the write epoch runs the full prefix anyway (capturing depth j on the way), gains nothing
-and pays ``write``, so the benefit is (R - 1)·(baseline - steady); R <= 1 never caches.
+Fetch and H2D overlap the device's work (the daemon reads ahead along the pushed order, the
+client copies on a side stream), so the step waits for the slower; decode runs on the client's
+thread and is charged serially. Raw-input loading is the same in every plan and left out.
+Entries written in epoch e are first read in epoch e+1, so R <= 1 never caches new entries;
+entries already written (w = ``written_fraction[j]``) cost nothing more: a plan within them has
+no write epoch, a plan beyond them writes only the rest.
 
-Entries already written (w = ``written_fraction[j]`` of the samples at depth j) cost nothing
-more: a plan within them has no write epoch (amortized = steady), even in the last epoch; a
-plan beyond them reads them in its write epoch and writes only the rest (so a cache that is
-99% filled is completed, not left at 99% because a full write epoch looked too costly).
-
-Partial caching (AutoFreeze's I < D): c <= c_budget = budget / (num_samples·e_j), members
-chosen by :func:`cached_subset`. amortized is convex piecewise linear in c, so its minimum
-is at c_budget, at the balance point c* where transfer = device (caching more only makes
-the step wait for the disk), or at w (where the write term starts). c* is taken at a fetch
-``fetch_margin`` slower than measured: past c* every cached sample makes the step wait e_j/fetch,
-short of it each one only recomputes P(j, k), so an overrated fetch costs far more than an underrated one. All j in 1..k with both fractions are tried (deeper j wins
-ties); CACHE needs strictly faster and ``1 - amortized/baseline >= min_gain``.
+Partial caching: c <= c_budget = budget / (num_samples·e_j), members chosen by
+:func:`cached_subset`. amortized is convex piecewise linear in c, so its minimum is at c_budget,
+at w, or at the balance point c* where transfer = device, taken at a fetch ``fetch_margin``
+slower than measured (an overrated fetch makes the step wait; an underrated one only recomputes).
+All j in 1..k are tried (deeper j wins ties); CACHE needs strictly faster and
+``1 - amortized/baseline >= min_gain``.
 """
 
 from __future__ import annotations
@@ -54,10 +47,8 @@ __all__ = ["Measurements", "Plan", "PlanMode", "cached_subset", "plan", "should_
 _MASK64 = (1 << 64) - 1
 
 
-def _number(
-    name: str, value: object, *, positive: bool = False, allow_inf: bool = False,
-    fix: str = "fix the measurement that produced it",
-) -> float:
+def _number(name: str, value: object, *, positive: bool = False, allow_inf: bool = False,
+            fix: str = "fix the measurement that produced it") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{name} must be a real number, got {value!r}; {fix}")
     v = float(value)
@@ -65,6 +56,12 @@ def _number(
         need = ("> 0" if positive else ">= 0") + (" (inf allowed)" if allow_inf else ", finite")
         raise ConfigError(f"{name} must be {need}, got {value!r}; {fix}")
     return v
+
+
+def _integer(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
 
 
 _POSITIVE = ("fetch_bytes_per_s", "write_bytes_per_s", "decode_bytes_per_s", "h2d_bytes_per_s")
@@ -113,10 +110,7 @@ class Measurements:
                                 allow_inf=name == "budget_bytes")
                 object.__setattr__(self, name, value)
         for name in ("batch_size", "num_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ConfigError(f"Measurements.{name} must be an integer >= 1, got {value!r}")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, _integer(f"Measurements.{name}", getattr(self, name), 1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,9 +173,7 @@ def _evaluate(j: int, c: float, k: int, pre: list[float], m: Measurements) -> di
 
 def plan(frozen_depth: int, m: Measurements, *, min_gain: float = 0.02, fetch_margin: float = 0.25) -> Plan:
     """Choose RECOMPUTE or CACHE at depth j <= ``frozen_depth`` (see the module docstring)."""
-    if isinstance(frozen_depth, bool) or not isinstance(frozen_depth, numbers.Integral) or frozen_depth < 0:
-        raise ConfigError(f"plan: frozen_depth must be an integer >= 0, got {frozen_depth!r}")
-    k = int(frozen_depth)
+    k = _integer("plan: frozen_depth", frozen_depth, 0)
     if k > len(m.stage_forward_s_per_sample) or k >= len(m.entry_bytes_per_sample):
         raise ConfigError(f"frozen depth {k} needs {k} stage times and {k + 1} entry sizes, got "
                          f"{len(m.stage_forward_s_per_sample)} and {len(m.entry_bytes_per_sample)}; measure them")
@@ -244,11 +236,9 @@ def _splitmix64(x: int) -> int:
 def cached_subset(sample_id: int, fraction: float, salt: int = 0) -> bool:
     """Whether ``sample_id`` is in the cached subset of size ``fraction``.
 
-    u = top 53 bits of splitmix64((sample_id mod 2**64) XOR splitmix64(salt mod 2**64)) / 2**53,
-    uniform in [0, 1); member iff u < fraction. Pure integer arithmetic, so it is the same
-    in every process, run and platform (unlike ``hash()``), needs no shared state, and is
-    nested: the subset at a smaller fraction is contained in the one at a larger fraction,
-    so shrinking the budget keeps a subset of what was already written.
+    u = top 53 bits of splitmix64((sample_id mod 2**64) XOR splitmix64(salt mod 2**64)) / 2**53;
+    member iff u < fraction. The same in every process and platform (unlike ``hash()``), and
+    nested: a smaller fraction's subset is within a larger one's (shrinking keeps what was written).
     """
     fraction = _number("cached_subset: fraction", fraction, fix="pass a share in [0, 1]")
     if fraction > 1.0:
@@ -258,12 +248,9 @@ def cached_subset(sample_id: int, fraction: float, salt: int = 0) -> bool:
 
 
 def should_replan(old: Measurements, new: Measurements, drift: float = 0.25) -> bool:
-    """True if any measured number moved by more than ``drift`` relative to ``old``.
-
-    Compared: every field except ``remaining_epochs`` and ``written_fraction`` (they change
-    by design; replan at epoch boundaries for them); sequences element-wise (a length change counts);
-    a None/number change of ``h2d_bytes_per_s`` counts; an old value of 0 drifts on any change.
-    """
+    """True if any measured number moved by more than ``drift`` relative to ``old``: every field but
+    ``remaining_epochs`` and ``written_fraction``, sequences element-wise (a length change counts), a
+    None/number change counts, an old value of 0 drifts on any change."""
     drift = _number("should_replan: drift", drift, fix="pass a relative change such as 0.25")
 
     def moved(a: float | None, b: float | None) -> bool:
@@ -274,12 +261,9 @@ def should_replan(old: Measurements, new: Measurements, drift: float = 0.25) -> 
         return abs(b - a) / abs(a) > drift
 
     def flat(m: Measurements) -> list[float | None]:
-        out: list[float | None] = []
-        for f in fields(Measurements):
-            value = getattr(m, f.name)
-            if f.name not in ("remaining_epochs", "written_fraction"):
-                out.extend(value if isinstance(value, tuple) else [value])
-        return out
+        skip = ("remaining_epochs", "written_fraction")
+        values = [getattr(m, f.name) for f in fields(Measurements) if f.name not in skip]
+        return [x for v in values for x in (v if isinstance(v, tuple) else [v])]
 
     a, b = flat(old), flat(new)
     return len(a) != len(b) or any(moved(x, y) for x, y in zip(a, b))
