@@ -1,26 +1,9 @@
 """Knowledge distillation with the teacher's outputs served from the cache.
 
-A fixed teacher only ever runs forward and its output for an input never
-changes: it is a frozen prefix that is a whole network (TSPipe, ICML '22).
-``CachedTeacher`` is a CachedForward over a two-stage StagedModel, frozen at
-depth 1: stage 0 runs the whole teacher (eval mode, ``no_grad``) and returns
-the tensors to store, stage 1 is an identity. So the teacher gets everything
-a frozen prefix gets: keys over its weights and the data, the epoch's
-stream, fallback, audits, and loaders that skip the inputs the cache serves.
-
-Stored per sample, in a layout fixed by the arguments (part of the key):
-``"logits"`` (the teacher's return value, or with ``top_k=k`` the k largest
-logits and their class indices, int32 stored, int64 served) and the output
-of every other submodule named in ``outputs``. With ``varlen=VarLen()``
-submodule outputs (and logits with ``token_logits=True``) are per token and
-stored without their padding; served or computed, padded positions are zeros. ``topk_soft_targets`` and
-``distillation_loss`` read top-k or full logits (docs/guides/distillation.md).
-
-A moving teacher is not cacheable: at every epoch start and at
-``check_weights()`` its weights fingerprint is compared with its keys'. A
-change after use warns once (``MovingTeacherWarning``), drops what was stored
-under the old fingerprint and recomputes the teacher every step; a change
-before any use just re-keys.
+A fixed teacher is a frozen prefix that is a whole network (TSPipe, ICML '22). ``CachedTeacher`` is a
+CachedForward frozen at depth 1 over two stages: the whole teacher (eval mode, ``no_grad``) returning
+the tensors to store, then an identity. So the teacher gets what a frozen prefix gets: keys over its
+weights and the data, the epoch's stream, fallback, audits, and loaders skipping the inputs it serves.
 """
 
 from __future__ import annotations
@@ -28,6 +11,7 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -71,7 +55,7 @@ class TeacherOutput:
     mask: Tensor | None = None
 
     def soft_targets(self, temperature: float = 1.0, num_classes: int | None = None) -> Tensor:
-        """The distillation target ``softmax(logits / T)``; from top-k, renormalised over the k (``num_classes`` needed)."""
+        """The distillation target ``softmax(logits / T)``; from top-k renormalised over the k (needs num_classes)."""
         if self.logits is not None:
             return F.softmax(self.logits.float() / temperature, dim=-1)
         if self.top_values is None:
@@ -171,13 +155,11 @@ class _TeacherStage(nn.Module):
         if self.teacher.training:  # the user's teacher.train() must not turn dropout back on
             self.teacher.eval()
         captured: dict[str, Tensor] = {}
-        hidden = sorted({p.name for p in self.parts if p.kind == "hidden"})
-        handles = [self.teacher.get_submodule(name).register_forward_hook(_Capture(captured, name)) for name in hidden]
+        handles = [self.teacher.get_submodule(name).register_forward_hook(partial(_capture, captured, name))
+                   for name in sorted({p.name for p in self.parts if p.kind == "hidden"})]
         try:
-            if isinstance(state, tuple) and not isinstance(self.teacher, StagedModel):
-                result = self.teacher(*state)
-            else:
-                result = self.teacher(state)
+            spread = isinstance(state, tuple) and not isinstance(self.teacher, StagedModel)
+            result = self.teacher(*state) if spread else self.teacher(state)
         finally:
             for handle in handles:
                 handle.remove()
@@ -221,14 +203,9 @@ class _TeacherStage(nn.Module):
         return TeacherOutput(**fields)
 
 
-class _Capture:
+def _capture(into: dict[str, Tensor], name: str, module: nn.Module, args: Any, output: Any) -> None:
     """A forward hook keeping a submodule's output (a tuple's first element) under its name."""
-
-    def __init__(self, into: dict[str, Tensor], name: str) -> None:
-        self.into, self.name = into, name
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.into[self.name] = output[0] if isinstance(output, (tuple, list)) else output
+    into[name] = output[0] if isinstance(output, (tuple, list)) else output
 
 
 def _logits(result: Any) -> Tensor:
@@ -245,21 +222,22 @@ def _logits(result: Any) -> Tensor:
 class CachedTeacher:
     """A frozen teacher whose outputs are served from the cache: ``out = teacher(batch)``.
 
-    Call it with a CachedLoader Batch, ``cached_teacher(batch)``, or with
-    every row's inputs, ``cached_teacher(ids, inputs, variant=v)``; it
-    returns a TeacherOutput. The teacher is called as ``teacher(*inputs)``
-    for a tuple of inputs (``teacher(inputs)`` for a tensor or a
-    StagedModel); its parameters get ``requires_grad=False`` and it runs in
-    eval mode under ``no_grad``. Stored entries are keyed by the teacher's
-    weights, ``outputs``, ``top_k`` and the data (``bind_data``; CachedLoader
-    calls it). Feed it and its student from one loader,
-    ``CachedLoader(loader, model=[student, cached_teacher])``; a student that
-    is a plain module and reads ``batch.data`` needs every input: wrap it in
-    a CachedForward (nothing frozen, no connection needed) and list it, or
-    give the dataset no ``targets`` (then no input is ever skipped).
+    Call it with a CachedLoader Batch, ``cached_teacher(batch)``, or with every row's inputs,
+    ``cached_teacher(ids, inputs, variant=v)``; it returns a TeacherOutput. The teacher is called as
+    ``teacher(*inputs)`` for a tuple of inputs (``teacher(inputs)`` for a tensor or a StagedModel),
+    in eval mode under ``no_grad``. Feed it and its student from one loader,
+    ``CachedLoader(loader, model=[student, cached_teacher])``; a plain-module student reading
+    ``batch.data`` needs every input: wrap it in a CachedForward (nothing frozen) and list it, or give
+    the dataset no ``targets`` (then no input is ever skipped).
 
-    The other arguments are CachedForward's; ``cached_forward`` is the
-    CachedForward doing the work (``times``, ``enabled``, fingerprints).
+    Stored per sample, keyed by the teacher's weights, this layout and the data: ``"logits"`` in
+    ``outputs`` is the teacher's return value, or with ``top_k=k`` its k largest logits and their class
+    indices; every other name in ``outputs`` is a submodule whose output is kept. With
+    ``varlen=VarLen()`` submodule outputs (and logits with ``token_logits=True``) are per token, stored
+    without their padding; padded positions are zeros. A moving teacher is not cacheable: at every epoch
+    start and at ``check_weights()`` its weights are compared with its keys' (see there).
+
+    The other arguments are CachedForward's; ``cached_forward`` is the CachedForward doing the work.
     """
 
     def __init__(
@@ -297,7 +275,6 @@ class CachedTeacher:
         self.moved = False  # the weights changed while in use: not cached any more
         self._used = False  # called since the weights were last fingerprinted
 
-    # ---- identity and state --------------------------------------------------
 
     @property
     def connection(self) -> Connection | None:
@@ -351,7 +328,6 @@ class CachedTeacher:
             MovingTeacherWarning, stacklevel=2)
         return False
 
-    # ---- what CachedLoader calls -------------------------------------------
 
     def bind_data(self, data: bytes, name: str = "") -> None:
         """Key entries by this data fingerprint (CachedLoader calls it; ``name``: the dataset's data_id)."""
@@ -374,7 +350,6 @@ class CachedTeacher:
         """Sample ids of epoch batch ``position`` whose inputs the teacher does not need (served)."""
         return self.cached_forward.skipped(position)
 
-    # ---- the step ----------------------------------------------------------
 
     def __call__(self, batch: Batch | Tensor | Sequence[int], inputs: State | None = None, *,
                  variant: int = 0) -> TeacherOutput:
