@@ -1,15 +1,8 @@
 """``ActCache``: the cache added to a plain training loop without changing the loop.
 
-    cache = ActCache(net)                  # this node's daemon; stages from net's layout
-    loader = cache.wrap(loader)            # same batches, same structure and sizes
-    for x, y in loader:
-        loss = loss_fn(net(x), y)          # net's frozen prefix is served from the cache
-    cache.freeze(5)                        # or a FreezeController(cache.model, opt, ...)
-
-The loader yields what the user's DataLoader yields. Where the cache will
-serve a sample's prefix output and the dataset gives its target without
-loading it (``dataset.targets``), its input is not loaded: the row holds
-zeros of the input's shape (a placeholder) that the model never reads.
+The wrapped loader yields what the user's DataLoader yields. Where the cache will serve a sample's prefix
+and the dataset gives its target without loading it (``dataset.targets``), its input is not loaded: the
+row holds zeros of the input's shape (a placeholder) that the model never reads.
 """
 
 from __future__ import annotations
@@ -28,11 +21,11 @@ from actcache.errors import ConfigError
 from actcache_client._batch import Batch
 from actcache_client._cached_forward import CachedForward
 from actcache_client._connection import Connection
-from actcache_client._hf_stages import from_transformers, is_transformers_model
 from actcache_client._inplace import InPlacePrefix
 from actcache_client._loader import CachedLoader, IndexedDataset, seeded_item, worker_options
 from actcache_client._node_daemon import connect
-from actcache_client._stages import StagedModel, State, from_bert, from_resnet, from_sequential, tensors_of
+from actcache_client._stages import (StagedModel, State, from_bert, from_resnet, from_sequential, from_transformers,
+                                     is_transformers_model, tensors_of)
 from actcache_client._tensors import VarLen
 
 __all__ = ["ActCache", "WrappedLoader"]
@@ -103,17 +96,14 @@ def _layout(net: nn.Module) -> _Layout:
 class ActCache:
     """Serves ``net``'s frozen prefix from the cache inside ``net`` itself.
 
-    ``connection`` defaults to this node's daemon (``connect()``). ``stages``
-    (a StagedModel over ``net``'s own modules) overrides the layout found from
-    ``net`` (a ResNet, a BERT classifier, an nn.Sequential). ``inputs(batch)``
-    picks the network's input out of a batch as the loader yields it (default:
-    its first field; a BERT layout's ``input_ids``, ``attention_mask`` and
-    ``token_type_ids``). ``options`` are CachedForward's (``store_dtype``,
-    ``audit``, ``planner``, ...). ``model`` is that CachedForward: give it to
-    a FreezeController. A network wrapped in DistributedDataParallel works
-    either way round (``ActCache(ddp)`` or ``DistributedDataParallel(net)``
-    after ``ActCache(net)``); DDP itself needs ``find_unused_parameters=True``
-    to follow parameters that stop receiving gradients when stages freeze.
+    ``connection`` defaults to this node's daemon (``connect()``). ``stages`` (a StagedModel over
+    ``net``'s own modules) overrides the layout found from ``net`` (a ResNet, a BERT classifier, an
+    nn.Sequential). ``inputs(batch)`` picks the network's input out of a batch as the loader yields it
+    (default: its first field; for BERT ``input_ids``, ``attention_mask`` and ``token_type_ids``).
+    ``options`` are CachedForward's (``store_dtype``, ``audit``, ``planner``, ...). ``model`` is that
+    CachedForward: give it to a FreezeController. A network in DistributedDataParallel works either way
+    round (``ActCache(ddp)``, or ``DistributedDataParallel(net)`` after ``ActCache(net)``); DDP needs
+    ``find_unused_parameters=True`` to follow parameters that stop receiving gradients when stages freeze.
     """
 
     def __init__(self, net: nn.Module, connection: Connection | None = None, *,
@@ -144,11 +134,10 @@ class ActCache:
              targets: Sequence[Any] | Callable[[int], Any] | None = None, skip_loads: bool = True) -> "WrappedLoader":
         """``loader``'s batches, with the sample ids the cache needs kept on the side.
 
-        ``variants=K``: the dataset augments at random in ``__getitem__``; the cache keeps K
-        augmented versions of each sample (epoch e sees version e % K) and each version's
-        random draws are seeded by (sample, version), so the cache serves exactly what the model
-        would compute. Without it such a dataset is not cached (a warning says so).
-        ``targets`` (default: ``dataset.targets`` when present) lets the loader skip loading
+        ``variants=K``: the dataset augments at random in ``__getitem__``; the cache keeps K augmented
+        versions of each sample (epoch e sees version e % K), their random draws seeded by (sample,
+        version), so it serves exactly what the model would compute; without it such a dataset is not
+        cached (a warning says so). ``targets`` (default: ``dataset.targets``) lets the loader skip loading
         the inputs the cache serves (their rows hold zeros); ``skip_loads=False`` loads every input.
         """
         return WrappedLoader(self, loader, variants=variants, targets=targets if skip_loads else None,
@@ -255,10 +244,8 @@ def _splittable(state: Any, rows: int) -> State:
 
 
 def _draws_at_random(dataset: Any) -> bool:
-    """Whether loads of item 0 under different random seeds differ (random augmentation in ``__getitem__``).
-
-    Eight loads: a transform applied with probability p goes unnoticed with probability p^8 + (1-p)^8.
-    """
+    """Whether loads of item 0 under different random seeds differ (random augmentation in ``__getitem__``);
+    a transform applied with probability p goes unnoticed in eight loads with probability p^8 + (1-p)^8."""
     first = seeded_item(dataset, 0, 0)
     return any(not _equal(first, seeded_item(dataset, 0, seed)) for seed in range(1, 8))
 

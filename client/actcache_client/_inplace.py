@@ -1,22 +1,15 @@
 """The frozen prefix served inside the user's own network.
 
-While stages[:k] are frozen, the first module the network calls in stage 0
-(the *head*) returns the prefix's state for a batch the wrapped loader
-yielded, taken from a CachedForward (served from the cache, or computed and
-stored), and every other module of the frozen stages passes its input on
-unchanged. A training forward is matched to the batches yielded and not yet
-run by its input tensor (several are pending under gradient accumulation);
-the batch served last is served again for another forward on the same input
-(a metric under ``no_grad``, in either mode). Everything else runs the
-modules' own ``forward``: evaluation on other data, a forward with no batch
-from the loader, and a training forward on an input the loop changed (the
-cache cannot know how; if that batch holds placeholder rows for inputs the
-loader did not load, that is an error naming the fix).
+While stages[:k] are frozen, the first module the network calls in stage 0 (the *head*) returns the
+prefix's state, from a CachedForward, for a batch the wrapped loader yielded; every other module of the
+frozen stages passes its input on. A training forward is matched by its input tensor to the batches
+yielded and not yet run (several under gradient accumulation); the batch served last is served again
+for another forward on the same input (a metric under ``no_grad``). Anything else runs the modules' own
+``forward``: evaluation, a forward with no batch from the loader, and a training forward on an input
+the loop changed (an error if that batch holds placeholder rows for inputs the loader skipped).
 
-The modules are patched by setting ``forward`` on the instance (removed when
-the stage is unfrozen), so the network's own ``forward``, its parameters and
-its ``state_dict`` keys stay as they are; a wrapper around the whole network
-(DistributedDataParallel) calls the patched modules like any others.
+Modules are patched by setting ``forward`` on the instance (removed on unfreezing), so the network's
+``forward``, parameters and ``state_dict`` keys stay as they are, also under DistributedDataParallel.
 """
 
 from __future__ import annotations
@@ -43,21 +36,15 @@ class ChangedInputWarning(UserWarning):
 
 
 def call_sites(net: nn.Module, stages: list[nn.Module]) -> list[list[nn.Module]]:
-    """For each stage, the modules of ``net`` it is made of, in the order ``net`` calls them.
-
-    A stage adapter either is one of ``net``'s modules (a residual block, a BERT layer) or holds
-    some of them (a ResNet stem's ``conv1, bn1, relu``; a BERT embeddings wrapper): the topmost
-    modules of ``net`` inside it, in registration order, which the adapters keep in call order.
-    """
+    """For each stage, the topmost modules of ``net`` in it (a residual block; a ResNet stem's ``conv1, bn1,
+    relu``), in registration order, which the adapters keep in the order ``net`` calls them."""
     owned = {id(m) for m in net.modules()}
     sites: list[list[nn.Module]] = []
     for stage in stages:
         found: list[nn.Module] = []
         inside: set[int] = set()
         for module in stage.modules():
-            if id(module) in inside:
-                continue
-            if id(module) in owned:
+            if id(module) in owned and id(module) not in inside:
                 found.append(module)
                 inside.update(id(m) for m in module.modules())
         sites.append(found)
@@ -65,10 +52,8 @@ def call_sites(net: nn.Module, stages: list[nn.Module]) -> list[list[nn.Module]]
 
 
 class _Patched:
-    """A module's ``forward`` replaced by ``role(module, original, *args, **kwargs)``.
-
-    A deep copy of the module (an EMA copy, a reference model) gets its class's own forward back.
-    """
+    """A module's ``forward`` replaced by ``role(module, original, *args, **kwargs)``; a deep copy of the
+    module (an EMA copy, a reference model) gets its class's own forward back."""
 
     def __init__(self, module: nn.Module, role: Callable[..., Any]) -> None:
         self.module = module
@@ -85,10 +70,9 @@ class _Patched:
 class InPlacePrefix:
     """Patches the modules of ``net``'s frozen stages so that they serve ``cached``'s prefix.
 
-    ``output_of(state, given)`` maps the prefix's state to what the network's next module expects
-    (``given`` is the head's first tensor argument). Invariant: the patched modules are exactly
-    the call sites of ``cached.model.stages[:patched_depth]``; ``sync`` brings ``patched_depth``
-    to ``cached.frozen`` (a FreezeController may change it between steps).
+    ``output_of(state, given)`` maps the prefix's state to what the network's next module expects (``given``:
+    the head's first tensor argument). Invariant: the patched modules are exactly the call sites of
+    ``cached.model.stages[:patched_depth]``; ``sync`` brings ``patched_depth`` to ``cached.frozen``.
     """
 
     def __init__(self, cached: CachedForward, net: nn.Module, *,
@@ -164,24 +148,20 @@ class InPlacePrefix:
             self._tails.popleft()  # the head itself
             return self.output_of(state, given_now)
         if training and self._pending:
-            self._refuse_placeholders(given_now)
+            rows = given_now.shape[0] if isinstance(given_now, Tensor) and given_now.dim() else -1
+            placeholders = any(batch.loaded is not None and len(batch.ids) == rows for batch, _ in self._pending)
             self._pending.clear()
+            if placeholders:  # the rows the loader did not load cannot be computed
+                raise ConfigError(
+                    "the loop changed the model's input on a batch whose inputs the loader did not load (the cache "
+                    "serves their prefix, their rows are placeholders): move the input transform into the dataset, "
+                    "or wrap the loader with ActCache.wrap(loader, skip_loads=False)")
             if not self._warned:
                 self._warned = True
                 warnings.warn("actcache: the model's input is not the batch the loader yielded (the loop changed it); "
                               "the frozen prefix is computed for it, not served. Move input transforms into the "
                               "dataset to cache them.", ChangedInputWarning, stacklevel=3)
         return original(*args, **kwargs)
-
-    def _refuse_placeholders(self, given_now: Tensor | None) -> None:
-        """A changed input of a batch whose skipped rows hold placeholders cannot be computed: raise."""
-        rows = given_now.shape[0] if isinstance(given_now, Tensor) and given_now.dim() else -1
-        if any(batch.loaded is not None and len(batch.ids) == rows for batch, _ in self._pending):
-            self._pending.clear()
-            raise ConfigError(
-                "the loop changed the model's input on a batch whose inputs the loader did not load (the cache serves "
-                "their prefix, their rows are placeholders): move the input transform into the dataset, or wrap the "
-                "loader with ActCache.wrap(loader, skip_loads=False)")
 
     def _tail(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._tails and self._tails[0] is module and not self._computing:

@@ -1,18 +1,14 @@
 """Split a model into an ordered list of stages, each mapping a state to a state.
 
-A *state* is a tensor or a tuple of tensors (a BERT layer carries
-``(hidden, attention_mask)``). The frozen prefix ``stages[:k]`` is what the
-cache serves; ``run(state, k)`` finishes the forward pass from a cached state.
-
-Adapters never copy weights: every stage holds the original submodules, so
-``staged.parameters()`` are the model's own parameters and an optimizer step
-on either is seen by both. They assume the model's ``forward`` calls its
-submodules in the usual order (torchvision ResNet, HF BERT); the tests check
-bit-identical outputs for the supported shapes.
+A *state* is a tensor or a tuple of tensors (a BERT layer carries ``(hidden, attention_mask)``).
+The frozen prefix ``stages[:k]`` is what the cache serves; ``run(state, k)`` finishes the forward
+pass from a cached state. Adapters hold the model's own submodules, never copies, and call them in
+the order its ``forward`` does (torchvision ResNet, HF BERT); the tests check bit-identical outputs.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Union
 
@@ -22,15 +18,16 @@ from torch import Tensor, nn
 from actcache.errors import ConfigError
 
 __all__ = [
-    "ClassifierHead",
-    "EncoderLayer",
     "Stage",
     "StagedModel",
     "State",
+    "additive_mask",
     "auto_partition",
     "from_bert",
     "from_resnet",
     "from_sequential",
+    "from_transformers",
+    "is_transformers_model",
     "map_state",
     "tensors_of",
 ]
@@ -46,6 +43,7 @@ def tensors_of(state: State) -> tuple[Tensor, ...]:
 def map_state(state: State, fn: Callable[[Tensor], Tensor]) -> State:
     """``fn`` applied to every tensor of ``state``, in the same form (a tensor or a tuple)."""
     return tuple(fn(t) for t in state) if isinstance(state, tuple) else fn(state)
+
 
 _FALLBACK = "pass an nn.Sequential or build stages with StagedModel([...])"
 
@@ -70,10 +68,7 @@ class Stage(nn.Module):
 
 
 class StagedModel(nn.Module):
-    """An ordered list of stages; ``forward(x)`` runs them all.
-
-    Stage names are unique; a model is never empty.
-    """
+    """An ordered, non-empty list of uniquely named stages; ``forward(x)`` runs them all."""
 
     def __init__(self, stages: Iterable[Stage]) -> None:
         super().__init__()
@@ -120,8 +115,7 @@ class StagedModel(nn.Module):
     def suffix(self, start: int) -> StagedModel:
         """The active stages ``stages[start:]`` as a model of their own, e.g. to wrap in DistributedDataParallel.
 
-        It holds this model's own Stage objects, so its parameters are this model's and wrapping it
-        leaves the frozen prefix out.
+        It holds this model's own Stage objects: its parameters are this model's, without the frozen prefix.
         """
         if not 0 <= start < self.num_stages:
             raise ConfigError(
@@ -141,8 +135,8 @@ def _merge(stages: Sequence[Stage]) -> Stage:
 def from_sequential(seq: nn.Sequential, groups: Sequence[int] | None = None) -> StagedModel:
     """One stage per child of ``seq``, or per run of ``groups[i]`` consecutive children.
 
-    Stages are named after the children (``"0"``, ``"1"``, or the OrderedDict
-    keys); a group of several children is named ``"first..last"``.
+    Stages are named after the children (``"0"``, ``"1"``, or the OrderedDict keys); a group of several
+    children is named ``"first..last"``.
     """
     if not isinstance(seq, nn.Sequential):
         raise ConfigError(
@@ -152,9 +146,7 @@ def from_sequential(seq: nn.Sequential, groups: Sequence[int] | None = None) -> 
     children = [Stage(name, child) for name, child in seq.named_children()]
     if not children:
         raise ConfigError("from_sequential got an empty nn.Sequential; it has no stages to split")
-    if groups is None:
-        return StagedModel(children)
-    groups = list(groups)
+    groups = [1] * len(children) if groups is None else list(groups)
     if any(not isinstance(g, int) or g < 1 for g in groups) or sum(groups) != len(children):
         raise ConfigError(
             f"from_sequential: groups must be positive ints summing to {len(children)} (the number of children), "
@@ -184,9 +176,9 @@ _RESNET = "a torchvision-style ResNet (conv1, bn1, relu, layer1.., avgpool, fc)"
 def from_resnet(model: nn.Module) -> StagedModel:
     """Stages ``stem``, ``layer1.0`` .. ``layerN.M`` (one per residual block), ``head``.
 
-    The stem is ``conv1, bn1, relu`` plus ``maxpool`` if the model has one
-    (CIFAR-style ResNets have none); ``layer1``, ``layer2``, ... are taken
-    while they exist (up to ``layer4``). The head is ``avgpool, flatten(1), fc``.
+    The stem is ``conv1, bn1, relu`` plus ``maxpool`` if the model has one (CIFAR-style ResNets have none);
+    ``layer1``, ``layer2``, ... are taken while they exist (up to ``layer4``); the head is ``avgpool,
+    flatten(1), fc``.
     """
     stem = [_require(model, name, _RESNET) for name in ("conv1", "bn1", "relu")]
     maxpool = getattr(model, "maxpool", None)
@@ -212,20 +204,23 @@ def from_resnet(model: nn.Module) -> StagedModel:
 _BERT = "an HF-style BERT classifier (.bert or .embeddings/.encoder.layer/.pooler, and .classifier)"
 
 
-class _BertEmbeddings(nn.Module):
-    """``(input_ids, attention_mask[, token_type_ids]) -> (hidden, attention_mask)``.
+class _Embeddings(nn.Module):
+    """``(input_ids[, attention_mask[, token_type_ids]]) -> (hidden, attention_mask)``.
 
-    A bare tensor means an all-ones mask; no token type ids mean segment 0 everywhere (one sentence).
-    The layers after it need only the mask: the segments are in ``hidden``.
+    No mask means every token is attended (refused with ``needs_mask``), no token types mean segment 0
+    everywhere (one sentence). The layers after it need only the mask: the segments are in ``hidden``.
     """
 
-    def __init__(self, embeddings: nn.Module) -> None:
+    def __init__(self, embeddings: nn.Module, needs_mask: bool = False) -> None:
         super().__init__()
         self.embeddings = embeddings
+        self.needs_mask = needs_mask
 
     def forward(self, state: State) -> tuple[Tensor, Tensor]:
-        if isinstance(state, Tensor):
-            state = (state,)
+        state = tensors_of(state)
+        if self.needs_mask and not 2 <= len(state) <= 3:
+            raise ConfigError("a transformers encoder's state is (input_ids, attention_mask[, token_type_ids]); "
+                              "give the batch an attention_mask (DataCollatorWithPadding does)")
         if not 1 <= len(state) <= 3:
             raise ConfigError(
                 f"a BERT state is input_ids, (input_ids, attention_mask) or (input_ids, attention_mask, "
@@ -234,21 +229,31 @@ class _BertEmbeddings(nn.Module):
         input_ids = state[0]
         mask = state[1] if len(state) > 1 else torch.ones_like(input_ids)
         token_types = state[2] if len(state) > 2 else torch.zeros_like(input_ids)
-        hidden = self.embeddings(input_ids=input_ids, token_type_ids=token_types)
-        return hidden, mask
+        return self.embeddings(input_ids=input_ids, token_type_ids=token_types), mask
 
 
-def _additive_mask(hidden: Tensor, mask: Tensor) -> Tensor:
-    """HF's extended mask for eager attention, as ``BertModel.get_extended_attention_mask`` builds it:
-    ``(1 - mask[:, None, None, :]) * finfo(dtype).min``."""
+def additive_mask(hidden: Tensor, mask: Tensor) -> Tensor:
+    """HF's extended mask for eager attention: ``(1 - mask[:, None, None, :]) * finfo(dtype).min``."""
     return (1.0 - mask[:, None, None, :].to(dtype=hidden.dtype)) * torch.finfo(hidden.dtype).min
+
+
+class _BidirectionalMask:
+    """The attention mask a transformers encoder builds for ``config`` (its attention implementation)."""
+
+    def __init__(self, config: object) -> None:
+        self.config = config
+
+    def __call__(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        from transformers.masking_utils import create_bidirectional_mask
+
+        return create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask)
 
 
 class EncoderLayer(nn.Module):
     """``(hidden, mask) -> (hidden, mask)``; the layer gets ``extend(hidden, mask)``, the mask its model
     builds (a module-level callable: stages are pickled for the reference process)."""
 
-    def __init__(self, layer: nn.Module, extend: Callable[[Tensor, Tensor], Tensor] = _additive_mask) -> None:
+    def __init__(self, layer: nn.Module, extend: Callable[[Tensor, Tensor], Tensor] = additive_mask) -> None:
         super().__init__()
         self.layer = layer
         self.extend = extend
@@ -276,33 +281,65 @@ class ClassifierHead(nn.Module):
         return self.classifier(pooled if self.dropout is None else self.dropout(pooled))
 
 
-def from_bert(model: nn.Module) -> StagedModel:
-    """Stages ``embeddings``, ``encoder.layer.0`` .. ``encoder.layer.L-1``, ``head``.
+def _encoder_stages(model: nn.Module, body: nn.Module, layers: Iterable[nn.Module], extend: Callable[..., Tensor],
+                    needs_mask: bool) -> StagedModel:
+    """Stages ``embeddings``, ``encoder.layer.i``, ``head`` (``body.pooler``, ``model.dropout`` if modules)."""
+    pooler, dropout = getattr(body, "pooler", None), getattr(model, "dropout", None)
+    head = ClassifierHead(pooler if isinstance(pooler, nn.Module) else None,
+                          dropout if isinstance(dropout, nn.Module) else None, model.classifier)
+    stages = [Stage("embeddings", _Embeddings(body.embeddings, needs_mask))]
+    stages += [Stage(f"encoder.layer.{i}", EncoderLayer(layer, extend)) for i, layer in enumerate(layers)]
+    return StagedModel([*stages, Stage("head", head)])
 
-    Accepts ``model.bert.{embeddings,encoder,pooler}`` + ``model.classifier``
-    (HF ``BertForSequenceClassification``; ``model.dropout`` is applied before
-    the classifier if present) or the same attributes directly on ``model``.
-    The input state is ``(input_ids, attention_mask)``, or ``(input_ids, attention_mask,
-    token_type_ids)`` for sentence pairs (segment 0 for the first sentence, 1 for the second;
-    without them every token is segment 0). After the embeddings the state is
-    ``(hidden, attention_mask)``. The HF pooler takes the whole sequence and reads the [CLS] token itself.
+
+def from_bert(model: nn.Module) -> StagedModel:
+    """Stages ``embeddings``, ``encoder.layer.0`` .. ``encoder.layer.L-1``, ``head`` of an HF-style BERT classifier.
+
+    Accepts ``model.bert.{embeddings,encoder,pooler}`` (or the same on ``model``) and ``model.classifier``,
+    with ``model.dropout`` before it if present. The input state is ``(input_ids, attention_mask[,
+    token_type_ids])`` (token types: the segments of a sentence pair, else all 0); after the embeddings
+    it is ``(hidden, attention_mask)``.
     """
     body = getattr(model, "bert", model)
-    embeddings = _require(body, "embeddings", _BERT)
+    _require(body, "embeddings", _BERT)
     layers = _require(body, "encoder.layer", _BERT)
     if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or len(layers) == 0:
         raise ConfigError(
             f"model.encoder.layer is a {type(layers).__name__}; expected a non-empty nn.ModuleList "
             f"as in {_BERT}; {_FALLBACK}"
         )
-    pooler = _require(body, "pooler", _BERT)
-    classifier = _require(model, "classifier", _BERT)
-    dropout = getattr(model, "dropout", None)
-    head = ClassifierHead(pooler, dropout if isinstance(dropout, nn.Module) else None, classifier)
-    stages = [Stage("embeddings", _BertEmbeddings(embeddings))]
-    stages += [Stage(f"encoder.layer.{i}", EncoderLayer(layer)) for i, layer in enumerate(layers)]
-    stages.append(Stage("head", head))
-    return StagedModel(stages)
+    _require(body, "pooler", _BERT)
+    _require(model, "classifier", _BERT)
+    return _encoder_stages(model, body, layers, additive_mask, needs_mask=False)
+
+
+_BODIES = ("bert", "roberta")
+
+
+def is_transformers_model(net: nn.Module) -> bool:
+    return type(net).__module__.startswith("transformers.")
+
+
+def from_transformers(model: nn.Module) -> StagedModel:
+    """``from_bert`` for a transformers encoder classifier (body ``.bert`` or ``.roberta``, a ``.classifier``).
+
+    Each layer gets the mask the model itself builds for its attention implementation
+    (``create_bidirectional_mask``), so the prefix is the model's own computation, bit for bit.
+    """
+    body = next((getattr(model, name) for name in _BODIES if isinstance(getattr(model, name, None), nn.Module)), None)
+    layers = getattr(getattr(body, "encoder", None), "layer", None)
+    if body is None or not isinstance(getattr(body, "embeddings", None), nn.Module) \
+            or not isinstance(layers, nn.ModuleList) or not isinstance(getattr(model, "classifier", None), nn.Module):
+        raise ConfigError(
+            f"actcache cannot stage a {type(model).__name__}: it knows transformers classifiers whose body "
+            f"(.{' or .'.join(_BODIES)}) has .embeddings and .encoder.layer, with a .classifier "
+            "(BertForSequenceClassification, RobertaForSequenceClassification); pass "
+            "stages=StagedModel([...]) built from the model's own modules, in the order it calls them"
+        )
+    if getattr(body.config, "is_decoder", False):
+        raise ConfigError(f"{type(model).__name__} is configured as a decoder (causal attention); actcache stages "
+                          "encoders: set is_decoder=False or pass stages=StagedModel([...])")
+    return _encoder_stages(model, body, layers, _BidirectionalMask(body.config), needs_mask=True)
 
 
 def _greedy(counts: Sequence[int], capacity: int) -> list[list[int]]:
@@ -323,16 +360,14 @@ def auto_partition(
 ) -> StagedModel:
     """Merge consecutive stages into groups of similar parameter count (Egeria-style).
 
-    The rule: pick a capacity, then walk the stages in order; a stage starts
-    a new group only if it has parameters, the current group has parameters,
-    and adding it would push the group past the capacity. So a stage larger
-    than the capacity gets a group of its own, and parameter-free stages
-    (activations, pooling) join the group before them.
+    The rule: pick a capacity, then walk the stages in order; a stage starts a new group only if it has
+    parameters, the current group has parameters, and adding it would push the group past the capacity.
+    So a stage larger than the capacity gets a group of its own, and parameter-free stages (activations,
+    pooling) join the group before them.
 
-    The capacity is ``target_params`` if given, else ``ceil(total /
-    max_stages)``; with ``max_stages`` it is then raised to the smallest value
-    that yields at most ``max_stages`` groups. Stages are never reordered or
-    split; a merged stage is named ``"first..last"`` and shares parameters.
+    The capacity is ``target_params`` if given, else ``ceil(total / max_stages)``; with ``max_stages`` it
+    is then raised to the smallest value that yields at most ``max_stages`` groups. Stages are never
+    reordered or split; a merged stage is named ``"first..last"`` and shares parameters.
     """
     if max_stages is not None and max_stages < 1:
         raise ConfigError(f"auto_partition: max_stages must be >= 1, got {max_stages}")
@@ -346,14 +381,8 @@ def auto_partition(
         capacity = -(-total // max_stages)
     else:
         raise ConfigError("auto_partition needs max_stages or target_params (or both); got neither")
-    if max_stages is not None and len(_greedy(counts, capacity)) > max_stages:
-        lo, hi = capacity + 1, total  # capacity >= total makes one group
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(_greedy(counts, mid)) <= max_stages:
-                hi = mid
-            else:
-                lo = mid + 1
-        capacity = lo
+    if max_stages is not None:  # the smallest capacity giving at most max_stages groups (total gives one)
+        capacity += bisect.bisect_left(range(capacity, total + 1), True,
+                                       key=lambda c: len(_greedy(counts, c)) <= max_stages)
     stages = list(staged.stages)
     return StagedModel(_merge([stages[i] for i in group]) for group in _greedy(counts, capacity))

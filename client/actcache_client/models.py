@@ -53,7 +53,8 @@ class BasicBlock(nn.Module):
                     nn.Conv2d(in_planes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes)
                 )
             else:
-                raise ConfigError(f"shortcut must be 'A' (zero-pad) or 'B' (1x1 conv), got {shortcut!r}; pass shortcut='A' or 'B'")
+                raise ConfigError(f"shortcut must be 'A' (zero-pad) or 'B' (1x1 conv), got {shortcut!r}; "
+                                  "pass shortcut='A' or 'B'")
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.relu(self.bn1(self.conv1(x)))

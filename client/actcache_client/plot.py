@@ -2,11 +2,10 @@
 
     python -m actcache_client.plot timeline.jsonl freeze.png
 
-Top panel: each stage's signal at every evaluation (plasticity for Egeria,
-eta for AutoFreeze) with its smoothed curve, freezes and unfreezes marked.
-Bottom panel: the share of parameters still trained over steps. Needs
-matplotlib (``pip install 'actcache[plot]'``), imported only when plotting;
-the figure is drawn with the Agg canvas, so no display or global backend.
+Top panel: each stage's signal at every evaluation (plasticity for Egeria, eta for AutoFreeze) with its
+smoothed curve, freezes and unfreezes marked. Bottom panel: the share of parameters still trained over
+steps. Needs matplotlib (``pip install 'actcache[plot]'``), imported only when plotting, drawn with the
+Agg canvas (no display or global backend).
 """
 
 from __future__ import annotations
@@ -22,20 +21,15 @@ from actcache_client.freeze.timeline import read_timeline
 __all__ = ["main", "plot_timeline"]
 
 
-def _matplotlib() -> tuple[Any, Any]:
+def plot_timeline(timeline: str | os.PathLike | Sequence[dict[str, Any]], out: str | os.PathLike, *,
+                  title: str | None = None) -> Path:
+    """Draw ``timeline`` (a file or its records) to ``out`` (PNG, SVG, PDF by suffix); returns the path."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise ImportError("actcache_client.plot needs matplotlib: pip install 'actcache[plot]' "
                           "(or pip install matplotlib)") from exc
-    return Figure, FigureCanvasAgg
-
-
-def plot_timeline(timeline: str | os.PathLike | Sequence[dict[str, Any]], out: str | os.PathLike, *,
-                  title: str | None = None) -> Path:
-    """Draw ``timeline`` (a file or its records) to ``out`` (PNG, SVG, PDF by suffix); returns the path."""
-    Figure, FigureCanvasAgg = _matplotlib()
     records = read_timeline(timeline) if isinstance(timeline, (str, os.PathLike)) else list(timeline)
     evaluations = [r for r in records if r.get("event") == "evaluation"]
     fig = Figure(figsize=(8, 6), layout="constrained")

@@ -46,7 +46,7 @@ from actcache.errors import ConfigError
 from actcache_client._cached_forward import CachedForward
 from actcache_client._connection import Connection
 from actcache_client._dropin import ActCache, WrappedLoader
-from actcache_client._hf_stages import from_transformers
+from actcache_client._stages import from_transformers
 from actcache_client.bert import minilm_dir
 from actcache_client.freeze.controller import FreezeController
 from actcache_client.freeze.policy import FreezePolicy
