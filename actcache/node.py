@@ -1,33 +1,19 @@
 """The node daemon: one ``actcache serve`` per user and node, found or started on first use.
 
 ``actcache_client.connect()`` with no socket, address or ``$ACTCACHE_SOCKET``
-lands here, the way build caches start their server on first use: every
-local rank of a ``torchrun`` reaches the same daemon, and what it stored is
-there for the next run.
+lands here: every local rank reaches the same daemon, and what it stored is
+there for the next run (docs/operating/node-daemon.md).
 
-Where it lives (``NodeDaemon.from_env``), the command it runs (``_spawn``), its
-idle timeout and its budget (``default_budget``) are described for operators in
-docs/operating/node-daemon.md.
+Starting (:func:`ensure_running`): if the socket does not answer SERVING, take
+``flock`` on ``DIR/start.lock``, check again, wait for a daemon still holding
+DIR (stopping after its idle timeout) to exit, start one and wait until it
+answers. Concurrent starters thus start exactly one daemon. A start that failed
+while a process waited for the lock (``DIR/start.failed``) is raised, not
+retried, so N ranks do not each wait out the same failure.
 
-Starting (:func:`ensure_running`): a health check on the socket; if it does
-not answer SERVING, take ``flock(LOCK_EX)`` on ``DIR/start.lock``, check again
-(another process may just have started it), wait for a daemon that still holds
-DIR (one stopping after its idle timeout) to exit, start one, wait until it
-answers SERVING, release the lock. Concurrent starters (the local ranks) thus
-start exactly one daemon; the others find it healthy once they hold the lock.
-A start that failed while a process waited for the lock is not tried again by
-that process: the failure (``DIR/start.failed``) is raised instead, so N ranks
-do not each wait out the same failing start. A stale socket of a crashed
-daemon is removed by the new daemon (actcache.daemon.service._server); the kernel
-released the crashed one's ``daemon.lock``.
-
-Invariants: at most one process at a time, the holder of ``start.lock``,
-starts a daemon; it holds the lock at most ``start_timeout_s`` plus
-DRAIN_TIMEOUT_S. A daemon is started only after the previous one (if any) has
-released DIR.
-
-Stopping: :func:`stop_daemon` (``actcache stop``) finds the pid listening on a
-socket (``SO_PEERCRED``), sends SIGTERM and waits for it to exit.
+Invariants: only the holder of ``start.lock`` starts a daemon, holding it at most
+``start_timeout_s`` plus DRAIN_TIMEOUT_S; a daemon starts only after the previous
+one released DIR.
 """
 
 from __future__ import annotations
@@ -221,8 +207,8 @@ def _start_locked(node: NodeDaemon, waiting_since_ns: int, timeout_s: float) -> 
 
 
 def _wait_for_holder(node: NodeDaemon) -> None:
-    """Wait for a daemon that still holds ``node.dir`` to exit: the node daemon stopping (idle) exits soon;
-    a daemon that does not serve this socket, or a node daemon that hangs, is an error naming its pid."""
+    """Wait for the daemon still holding ``node.dir`` (stopping) to exit; DaemonUnavailable naming its pid
+    when it serves another socket or hangs."""
     pid = _dir_holder(node.dir)
     if pid is None:
         return
@@ -261,10 +247,6 @@ def _dir_holder(directory: Path) -> int | None:
         os.close(fd)
 
 
-def _package_root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
-
-
 def _spawn(node: NodeDaemon) -> tuple[subprocess.Popen, int]:
     """Start the daemon detached; returns it and the log offset where its output begins."""
     cmd = [sys.executable, "-m", "actcache", "serve", "--dir", str(node.dir), "--socket", str(node.socket),
@@ -273,7 +255,8 @@ def _spawn(node: NodeDaemon) -> tuple[subprocess.Popen, int]:
         cmd += ["--budget", str(default_budget(node.dir))]
     env = dict(os.environ)
     # The daemon imports the same actcache as this process, wherever it came from (appended: shadows nothing).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), _package_root()) if p)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
     with suppress(FileNotFoundError):
         if node.log_path.stat().st_size > _LOG_ROTATE_BYTES:
             os.replace(node.log_path, node.log_path.with_name("daemon.log.1"))
@@ -362,7 +345,6 @@ def wait_exit(pid: int, timeout_s: float) -> bool:
 
 
 def _exits(pidfd: int, timeout_s: float) -> bool:
-    """Whether the process of ``pidfd`` exits within ``timeout_s``."""
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     return bool(poller.poll(max(0, int(timeout_s * 1000))))

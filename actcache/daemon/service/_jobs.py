@@ -1,15 +1,8 @@
 """Which jobs opened each namespace: for operators asking "whose entries are these?".
 
-A job describes itself in ``OpenRequest.job`` (pid, host, process start
-time, data id). The daemon keeps, per namespace, the last
-``MAX_JOBS_PER_NAMESPACE`` distinct jobs (by host, pid, start time and data
-id) with their first and last Open, in memory only: a restart forgets them,
-and jobs open their namespace again when they reconnect.
-
-Jobs are recorded at Open only: later requests name the namespace by a
-handle its jobs share, so nothing in a Put or Fetch tells jobs apart.
-
-Thread-safe: one lock, held for a dictionary update.
+Per namespace, the last ``MAX_JOBS_PER_NAMESPACE`` distinct jobs (``OpenRequest.job``:
+host, pid, start time, data id) with their first and last Open, in memory only.
+Recorded at Open only: later requests carry a handle the jobs share. Thread-safe.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""A read throttle for experiments: caps the bytes/s the daemon serves (``--throttle-read-mbps``).
-
-It reproduces a slow disk on any machine, so that the client's cost model
-can be exercised: callers reserve bytes and sleep until the bucket allows
-them. Reservations are first come, first served across threads.
-"""
+"""A read throttle for experiments (``--throttle-read-mbps``): reproduces a slow disk on any machine,
+so that the client's cost model can be exercised."""
 
 from __future__ import annotations
 
