@@ -113,8 +113,8 @@ def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
 
     def prefetched(name: str) -> Callable[[], dict[tuple[str], float]]:
         def read() -> dict[tuple[str], float]:
-            named = names()
-            return {(named.get(ns, str(ns)),): totals.get(name, 0) for ns, totals in prefetcher.stats().namespaces.items()}
+            named, per_ns = names(), prefetcher.stats().namespaces
+            return {(named.get(ns, str(ns)),): totals.get(name, 0) for ns, totals in per_ns.items()}
 
         return read
 

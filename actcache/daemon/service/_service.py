@@ -8,6 +8,7 @@ sends can take the daemon down.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -79,25 +80,26 @@ def _abort(context, name: str, exc: Exception) -> None:
 
 
 def _status_on_error(handler: Callable) -> Callable:
+    """The handler (a generator for a response stream), with its errors turned into statuses by ``_abort``."""
+    if inspect.isgeneratorfunction(handler):
+
+        @functools.wraps(handler)
+        def stream(self, request, context):
+            try:
+                yield from handler(self, request, context)
+            except Exception as exc:
+                _abort(context, handler.__name__, exc)
+
+        return stream
+
     @functools.wraps(handler)
-    def wrapper(self, request, context):
+    def unary(self, request, context):
         try:
             return handler(self, request, context)
         except Exception as exc:
             _abort(context, handler.__name__, exc)
 
-    return wrapper
-
-
-def _stream_status_on_error(handler: Callable) -> Callable:
-    @functools.wraps(handler)
-    def wrapper(self, request, context):
-        try:
-            yield from handler(self, request, context)
-        except Exception as exc:
-            _abort(context, handler.__name__, exc)
-
-    return wrapper
+    return unary
 
 
 def _variants(variants, count: int) -> list[int]:
@@ -139,22 +141,17 @@ class ActCacheService:
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler registering every method with its (de)serializers."""
         raw = None  # bulk methods: frames are parsed by hand
-        unary = grpc.unary_unary_rpc_method_handler
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "Open": unary(self.Open, pb.OpenRequest.FromString, pb.OpenReply.SerializeToString),
-                "Contains": unary(self.Contains, pb.ContainsRequest.FromString, pb.ContainsReply.SerializeToString),
-                "Drop": unary(self.Drop, pb.DropRequest.FromString, pb.DropReply.SerializeToString),
-                "Stats": unary(self.Stats, pb.StatsRequest.FromString, pb.StatsReply.SerializeToString),
-                "Put": grpc.stream_unary_rpc_method_handler(self.Put, raw, pb.PutReply.SerializeToString),
-                "Get": grpc.unary_stream_rpc_method_handler(self.Get, pb.GetRequest.FromString, raw),
-                "Schedule": grpc.stream_unary_rpc_method_handler(
-                    self.Schedule, pb.ScheduleChunk.FromString, pb.ScheduleReply.SerializeToString
-                ),
-                "Fetch": grpc.unary_stream_rpc_method_handler(self.Fetch, pb.FetchRequest.FromString, raw),
-            },
-        )
+        unary, stream_unary = grpc.unary_unary_rpc_method_handler, grpc.stream_unary_rpc_method_handler
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Open": unary(self.Open, pb.OpenRequest.FromString, pb.OpenReply.SerializeToString),
+            "Contains": unary(self.Contains, pb.ContainsRequest.FromString, pb.ContainsReply.SerializeToString),
+            "Drop": unary(self.Drop, pb.DropRequest.FromString, pb.DropReply.SerializeToString),
+            "Stats": unary(self.Stats, pb.StatsRequest.FromString, pb.StatsReply.SerializeToString),
+            "Put": stream_unary(self.Put, raw, pb.PutReply.SerializeToString),
+            "Get": grpc.unary_stream_rpc_method_handler(self.Get, pb.GetRequest.FromString, raw),
+            "Schedule": stream_unary(self.Schedule, pb.ScheduleChunk.FromString, pb.ScheduleReply.SerializeToString),
+            "Fetch": grpc.unary_stream_rpc_method_handler(self.Fetch, pb.FetchRequest.FromString, raw),
+        })
 
     @_status_on_error
     def Open(self, request: pb.OpenRequest, context) -> pb.OpenReply:
@@ -166,13 +163,9 @@ class ActCacheService:
             self.jobs.record(info.id, pid=job.pid, host=job.host, start_time=job.start_time, data_id=job.data_id)
         cfg = self.store.config
         return pb.OpenReply(
-            namespace_id=info.handle,
-            namespace_budget_bytes=cfg.namespace_budget_bytes,
-            daemon_budget_bytes=cfg.budget_bytes,
-            max_message_bytes=self.max_message_bytes,
-            max_entry_bytes=cfg.max_entry_bytes,
-            server_version=__version__,
-            protocol_version=PROTOCOL_VERSION,
+            namespace_id=info.handle, namespace_budget_bytes=cfg.namespace_budget_bytes,
+            daemon_budget_bytes=cfg.budget_bytes, max_message_bytes=self.max_message_bytes,
+            max_entry_bytes=cfg.max_entry_bytes, server_version=__version__, protocol_version=PROTOCOL_VERSION,
         )
 
     @_status_on_error
@@ -198,7 +191,7 @@ class ActCacheService:
             self.counters.add(puts_total=result.entries, put_bytes_total=len(payload))
         return reply
 
-    @_stream_status_on_error
+    @_status_on_error
     def Get(self, request: pb.GetRequest, context) -> Iterator[bytes]:
         """Streams the entries in request order, reading one reply frame's worth at a time
         (memory stays near ``_REPLY_FRAME_BYTES`` per call, whatever the number of ids)."""
@@ -220,12 +213,8 @@ class ActCacheService:
             stop = start + len(values)
             hits = sum(v is not None for v in values)
             size = sum(len(v) for v in values if v is not None)
-            header = pb.EntriesHeader(
-                start=start,
-                sample_ids=request.sample_ids[start:stop],
-                variants=request.variants[start:stop],
-                lengths=[len(v or b"") for v in values],
-            )
+            header = pb.EntriesHeader(start=start, sample_ids=request.sample_ids[start:stop],
+                                      variants=request.variants[start:stop], lengths=[len(v or b"") for v in values])
             self.counters.add(hits_total=hits, misses_total=len(values) - hits, served_bytes_total=size)
             if self.throttle is not None:
                 self.throttle.consume(size)
@@ -268,7 +257,7 @@ class ActCacheService:
         return pb.ScheduleReply(schedule_id=schedule.schedule_id, length=len(schedule), replaced=replaced,
                                 present=present)
 
-    @_stream_status_on_error
+    @_status_on_error
     def Fetch(self, request: pb.FetchRequest, context) -> Iterator[bytes]:
         reader = self.prefetcher.attach(self.store.resolve(request.namespace_id), request.schedule_id, request.start)
         # Fires when the call ends for any reason; a consumer that went away frees its memory at once.

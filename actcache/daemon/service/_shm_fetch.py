@@ -20,18 +20,15 @@ __all__ = ["ParkedRings", "fetch_shm", "ring_for"]
 
 # Positions a direct run covers at most; a frame looks up a frame's worth of them.
 _DIRECT_ENTRIES = 1024
-# How long a frame waits for the client to release room for all of it (ShmRing.wait_frame_room):
-# longer than a training step usually takes between two frames; a client holding several frames
-# on purpose gets what fits after it.
+# How long a frame waits for room for all of it (ShmRing.wait_frame_room): longer than a training
+# step between two frames; a client holding several frames on purpose gets what fits after it.
 _WHOLE_FRAME_PATIENCE_S = 0.5
 
 
 class ParkedRings:
-    """Rings whose stream ended after its client mapped them, kept for that client's next Fetch
-    (``FetchRequest.reuse_segment``; see actcache.shm). Thread-safe.
+    """Rings whose client mapped them, kept for that client's next Fetch (``FetchRequest.reuse_segment``).
 
-    A ring waits at most ``idle_s`` (a thread closes it after that) and at most ``max_bytes`` of
-    rings wait (the oldest go first): a client that went away costs that memory for a while only.
+    Thread-safe. A ring waits at most ``idle_s``, and at most ``max_bytes`` of rings wait (oldest go first).
     """
 
     def __init__(self, *, idle_s: float = 30.0, max_bytes: int = 256 << 20) -> None:
@@ -55,8 +52,7 @@ class ParkedRings:
             old.close()
 
     def take(self, path: str, ring_bytes: int) -> ShmRing | None:
-        """The parked ring named ``path`` if it serves a ring of ``ring_bytes`` (``reusable``; it is no
-        longer parked), else None."""
+        """The parked ring named ``path``, unparked, if it serves a ring of ``ring_bytes``; else None."""
         with self._cond:
             ring, _ = self._rings.get(path, (None, 0.0))
             if ring is None or not reusable(ring.capacity, ring_bytes):
@@ -116,11 +112,9 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
               whole_frames: bool = False) -> Iterator[bytes]:
     """Frames of slot descriptors: each entry is decoded into its slot once the slot is free.
 
-    Each frame waits a while (with ``whole_frames``: as long as the client holds) for room for
-    all of it, so frames stay whole; otherwise what fits goes out before waiting (see
-    actcache.shm, Invariants). An entry larger than the whole ring travels alone in its frame's
-    payload (offset 0). A warm stream is read here, a frame's worth per LMDB call, straight into
-    the slots (``DirectRun``), in runs that end where a frame of ``frame_bytes`` would.
+    A frame waits a while (``whole_frames``: indefinitely) for room for all of it, then sends what
+    fits (actcache.shm, Invariants). An entry larger than the ring travels in its frame's payload.
+    A warm stream is read here straight into the slots (``DirectRun``), a frame's worth per LMDB call.
     """
     first = True
 
@@ -182,7 +176,7 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
 
 def _frame_entries(position: int, frame_bytes: int, entry_bytes: int) -> int:
     """Positions a direct run from ``position`` looks up for one frame: up to the next multiple of a
-    frame's entries, so that after a short frame (the stream's first runs) frames are aligned again."""
+    frame's entries, so frames align again after a short one."""
     if not entry_bytes:
         return _DIRECT_ENTRIES
     per_frame = max(1, frame_bytes // entry_bytes)
@@ -190,11 +184,10 @@ def _frame_entries(position: int, frame_bytes: int, entry_bytes: int) -> int:
 
 
 def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) -> tuple[list[int], list[int], int] | None:
-    """Copy up to ``count`` entries of ``run``, ``frame_bytes`` at most (one entry at least), into ring
-    slots in one read transaction (closed before anything waits): ``(lengths, offsets)`` of the
-    positions served (a prefix of the run; 0 for a miss) and the size of the first entry that did not
-    fit the ring now (0: none); None if the run was given back (the values seem cold, or an entry is
-    larger than the ring: the regular path takes them)."""
+    """Copy up to ``count`` entries of ``run`` (``frame_bytes`` at most, one at least) into ring slots in
+    one read transaction: ``(lengths, offsets)`` of the prefix served (0 for a miss) and the size of the
+    first entry that did not fit now (0: none); None if the run was given back to the regular path
+    (cold values, or an entry larger than the ring)."""
     ring.poll()
     with run.values(count) as views:
         if views is None:
@@ -215,9 +208,8 @@ def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) ->
 
 def _copy_each(position: int, views: list, ring: ShmRing, frame_bytes: int,
                decode_into: Callable[[list, list[memoryview]], list]) -> tuple[list[int], list[int], list, int]:
-    """``_copy_direct`` entry by entry, into what fits the ring now (``decode_into``: the run's, decoding
-    with the decode pool's help): ``(lengths, offsets, errors, blocked)``, one error (or None) per
-    position served."""
+    """``_copy_direct`` entry by entry, into what fits the ring now: ``(lengths, offsets, errors, blocked)``,
+    one error (or None) per position served."""
     lengths: list[int] = []
     offsets: list[int] = []
     blocked = total = 0
@@ -242,10 +234,8 @@ def _copy_each(position: int, views: list, ring: ShmRing, frame_bytes: int,
 
 def _copy_uniform(position: int, views: list, ring: ShmRing, frame_bytes: int
                   ) -> tuple[list[int], list[int], list, int] | None:
-    """``_copy_direct``'s usual case in one pass: when the values are stored raw entries of one size and
-    a frame's worth of them fits the ring now, copy and verify them in consecutive slots
-    (``copy_raw_run``; two blocks where the ring wraps): ``_copy_each``'s result; else None, and
-    nothing was allocated."""
+    """``_copy_direct``'s usual case in one pass: raw entries of one size, a frame's worth fitting the ring
+    now, copied and verified into consecutive slots: ``_copy_each``'s result; else None (nothing allocated)."""
     size = len(views[0]) if views and views[0] is not None else 0
     if not size:
         return None
@@ -265,9 +255,8 @@ def _copy_uniform(position: int, views: list, ring: ShmRing, frame_bytes: int
 
 
 def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, context) -> tuple[int | None, list[int]]:
-    """Ring slots for entries ``lo..hi`` (misses get offset 0): as many as fit now, waiting only for the
-    first. Returns ``(hi, offsets)``; ``hi == lo`` when entry ``lo`` is larger than the ring, None if
-    the call ended while waiting."""
+    """Slots for entries ``lo..hi`` (misses: offset 0), as many as fit now, waiting only for the first:
+    ``(hi, offsets)``; ``hi == lo`` when entry ``lo`` is larger than the ring, None if the call ended."""
     offsets: list[int] = []
     hi = lo
     while hi < count:

@@ -25,32 +25,20 @@ def stats_reply(
     names = {}
     prefetch = prefetcher.stats()
     for totals in prefetch.namespaces.values():
-        counters["hits_total"] += totals["hits"]
-        counters["misses_total"] += totals["misses"]
-        counters["corrupt_total"] += totals["corrupt"]
-        counters["served_bytes_total"] += totals["served_bytes"]
+        for name in ("hits", "misses", "corrupt", "served_bytes"):
+            counters[f"{name}_total"] += totals[name]
     reads = store.read_counts()
     reply = pb.StatsReply(
-        used_bytes=store.used_bytes(),
-        budget_bytes=store.config.budget_bytes,
-        map_size_bytes=store.map_size(),
-        file_bytes=store.file_bytes(),
-        uptime_seconds=uptime_s,
-        server_version=__version__,
-        prefetch_budget_bytes=prefetch.budget_bytes,
-        prefetch_buffered_bytes=prefetch.buffered_bytes,
-        prefetch_max_buffered_bytes=prefetch.max_buffered_bytes,
-        schedules_total=prefetch.schedules_total,
-        fetches_total=prefetch.fetches_total,
-        explicit_reads_total=reads["explicit_reads"],
-        fallback_reads_total=reads["fallback_reads"],
-        cached_copies_total=reads["cached_copies"],
+        used_bytes=store.used_bytes(), budget_bytes=store.config.budget_bytes, map_size_bytes=store.map_size(),
+        file_bytes=store.file_bytes(), uptime_seconds=uptime_s, server_version=__version__,
+        prefetch_budget_bytes=prefetch.budget_bytes, prefetch_buffered_bytes=prefetch.buffered_bytes,
+        prefetch_max_buffered_bytes=prefetch.max_buffered_bytes, schedules_total=prefetch.schedules_total,
+        fetches_total=prefetch.fetches_total, explicit_reads_total=reads["explicit_reads"],
+        fallback_reads_total=reads["fallback_reads"], cached_copies_total=reads["cached_copies"],
         page_layout_unrecognized_total=store.page_layout_unrecognized,
         reclaimed_generations_total=store.generations.reclaimed_generations,
-        reclaimed_bytes_total=store.generations.reclaimed_bytes,
-        reclaim_after_seconds=store.config.reclaim_after_s,
-        now=store.generations.now(),
-        **counters,
+        reclaimed_bytes_total=store.generations.reclaimed_bytes, reclaim_after_seconds=store.config.reclaim_after_s,
+        now=store.generations.now(), **counters,
     )
     generations = {g.prefix: g for g in store.generation_stats()}
     reclaimable: dict[int, int] = {}
@@ -72,25 +60,17 @@ def stats_reply(
     for group in store.groups():
         gen = generations.get(group_prefix(group.namespace_id, group.fingerprint))
         reply.groups.add(
-            namespace=names.get(group.namespace_id, str(group.namespace_id)),
-            fingerprint=group.fingerprint,
-            depth=group.depth,
-            entries=group.entries,
-            bytes=group.bytes,
-            last_write_time=(gen and gen.last_write) or 0.0,
-            last_read_time=(gen and gen.last_read) or 0.0,
-            reclaimable=bool(gen and gen.dead),
-            live_schedules=gen.pins if gen else 0,
+            namespace=names.get(group.namespace_id, str(group.namespace_id)), fingerprint=group.fingerprint,
+            depth=group.depth, entries=group.entries, bytes=group.bytes,
+            last_write_time=(gen and gen.last_write) or 0.0, last_read_time=(gen and gen.last_read) or 0.0,
+            reclaimable=bool(gen and gen.dead), live_schedules=gen.pins if gen else 0,
         )
     live: dict[int, list] = {}
     for status in prefetch.schedules:
         r = status.reader
-        row = reply.schedules.add(
-            namespace=names.get(status.namespace_id, str(status.namespace_id)),
-            schedule_id=status.schedule_id,
-            length=status.length,
-            counters=_counters_message(status.counters),
-        )
+        row = reply.schedules.add(namespace=names.get(status.namespace_id, str(status.namespace_id)),
+                                  schedule_id=status.schedule_id, length=status.length,
+                                  counters=_counters_message(status.counters))
         if r is not None:
             row.state, row.attached = r.state.value, r.attached
             row.start, row.served, row.ready, row.read = r.start, r.served, r.ready, r.read
