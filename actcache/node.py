@@ -334,20 +334,25 @@ def peer_pid(socket: Path) -> int | None:
 
 def wait_exit(pid: int, timeout_s: float) -> bool:
     """Wait until process ``pid`` exits (a pidfd, not polling); False if it still runs after ``timeout_s``."""
+    return _exits(pid, timeout_s)
+
+
+def _exits(pid: int, timeout_s: float, sig: int | None = None) -> bool:
+    """Whether ``pid`` exits within ``timeout_s``, sent ``sig`` first (through a pidfd: never a reused pid)."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return True
     try:
-        return _exits(fd, timeout_s)
+        if sig is not None:
+            signal.pidfd_send_signal(fd, sig)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout_s * 1000))))
+    except ProcessLookupError:
+        return True
     finally:
         os.close(fd)
-
-
-def _exits(pidfd: int, timeout_s: float) -> bool:
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(max(0, int(timeout_s * 1000))))
 
 
 def stop_daemon(socket: Path, timeout_s: float = 30.0) -> int | None:
@@ -356,21 +361,9 @@ def stop_daemon(socket: Path, timeout_s: float = 30.0) -> int | None:
     Raises DaemonUnavailable when it is still running after ``timeout_s``.
     """
     pid = peer_pid(socket)
-    if pid is None:
-        return None
-    try:
-        fd = os.pidfd_open(pid)  # signals through the pidfd cannot reach a reused pid
-    except ProcessLookupError:
-        return pid
-    try:
-        signal.pidfd_send_signal(fd, signal.SIGTERM)
-        if not _exits(fd, timeout_s):
-            raise DaemonUnavailable(
-                f"the daemon (pid {pid}) on {socket} is still running {timeout_s:.0f} s after SIGTERM "
-                f"(it lets calls in flight finish first); wait, or `kill -9 {pid}`"
-            )
-    except ProcessLookupError:
-        pass
-    finally:
-        os.close(fd)
+    if pid is not None and not _exits(pid, timeout_s, signal.SIGTERM):
+        raise DaemonUnavailable(
+            f"the daemon (pid {pid}) on {socket} is still running {timeout_s:.0f} s after SIGTERM "
+            f"(it lets calls in flight finish first); wait, or `kill -9 {pid}`"
+        )
     return pid

@@ -1,20 +1,11 @@
 """``actcache bench disk``: what the cache's filesystem and LMDB deliver, to size a node.
 
-    actcache bench disk --dir /var/cache/actcache --size 4GiB [--json]
-
-In a temp directory inside DIR (removed at the end, and by ``actcache
-clean`` if the run is killed), with 1 MiB blocks over a file of --size:
-
-    write  sequential, random        O_DIRECT (buffered + fsync where refused), fsync included
-    read   sequential, random        O_DIRECT: always from the disk
-    read   sequential, random        buffered, cold (page cache dropped first)
-    read   sequential, random        buffered, warm (right after a full read)
-    lmdb   put; random get cold, warm  1 MiB values, the daemon's LMDB settings
-
-"Cold" drops the page cache through /proc/sys/vm/drop_caches when it is
-writable (root; system-wide), and always evicts the bench's own files with
-posix_fadvise(DONTNEED). The verdict compares LMDB's cold get with the disk's
-O_DIRECT random read, both measured in this run. MB/s is 10^6 bytes per second.
+In a temp directory inside DIR (removed at the end, or by ``actcache clean``), 1 MiB
+blocks over a file of --size: writes (sequential, random; O_DIRECT, else buffered +
+fsync), reads with O_DIRECT, buffered cold and buffered warm, then LMDB put and random
+get, cold and warm. "Cold" drops the page cache where /proc/sys/vm/drop_caches is
+writable and always evicts the bench's files (posix_fadvise). The verdict compares
+LMDB's cold get with the disk's O_DIRECT random read. MB/s is 10^6 bytes per second.
 """
 
 from __future__ import annotations
@@ -98,11 +89,8 @@ class DiskReport:
 def run_disk_bench(
     directory: Path, size: int, *, drop_caches: bool = True, progress: bool = False, seed: int = 0
 ) -> DiskReport:
-    """Measure DIR's filesystem and LMDB as described in the module docstring; cleans up after itself.
-
-    ``drop_caches``: drop the whole page cache before cold phases when permitted;
-    off, only the bench's own files are evicted (posix_fadvise).
-    """
+    """Measure DIR's filesystem and LMDB (module docstring); cleans up after itself. ``drop_caches``: drop
+    the whole page cache before cold phases when permitted (off: only the bench's files are evicted)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(f"--dir {directory} is not a directory; pass a directory on the filesystem to measure")
@@ -163,9 +151,7 @@ class _Bench:
         return self.report
 
     def _disk_phases(self, path: Path) -> None:
-        r = self.report
-        direct = r.o_direct and self._direct_works(path)
-        r.o_direct = direct
+        direct = self.report.o_direct = self.report.o_direct and self._direct_works(path)
         access = "O_DIRECT" if direct else "buffered"
         flags = os.O_DIRECT if direct else 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600)
@@ -303,12 +289,10 @@ class _Bench:
         what = "O_DIRECT random read" if disk.access == "O_DIRECT" else "buffered cold random read"
         ratio = lmdb_cold.mb_per_s / disk.mb_per_s
         r.lmdb_cold_vs_disk = round(ratio, 3)
-        head = (f"LMDB cold get is {ratio:.2f}x the disk's {what} "
-                f"({lmdb_cold.mb_per_s:.0f} vs {disk.mb_per_s:.0f} MB/s)")
-        if ratio < 0.7:
-            r.verdict = f"{head}: the daemon's explicit-read prefetch matters here"
-        else:
-            r.verdict = f"{head}: LMDB's mmap read path nearly keeps up with this disk; explicit reads gain little here"
+        why = ("the daemon's explicit-read prefetch matters here" if ratio < 0.7
+               else "LMDB's mmap read path nearly keeps up with this disk; explicit reads gain little here")
+        r.verdict = (f"LMDB cold get is {ratio:.2f}x the disk's {what} "
+                     f"({lmdb_cold.mb_per_s:.0f} vs {disk.mb_per_s:.0f} MB/s): {why}")
 
 
 def _phase_name(label: str, access: str, cache: str) -> str:
