@@ -59,14 +59,8 @@ def _connection_flags(p: argparse.ArgumentParser) -> None:
 def _client(args: argparse.Namespace):
     from actcache.rpc_client import RpcClient, target_for
 
-    token = os.environ.get("ACTCACHE_TOKEN")
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
-    roots = None
-    if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            roots = f.read()
+    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("ACTCACHE_TOKEN")
+    roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     return RpcClient(target_for(args.socket or default_socket_path(), args.address), token=token, timeout_s=args.timeout, retries=1,
                      root_certificates=roots)
 
@@ -281,10 +275,7 @@ def _add_drop(p: argparse.ArgumentParser) -> None:
 def _run_drop(args: argparse.Namespace) -> int:
     fingerprint = bytes.fromhex(args.fingerprint) if args.fingerprint else None
     with _client(args) as client:
-        secret = None
-        if args.secret_file:
-            with open(args.secret_file, "rb") as f:
-                secret = f.read().strip()
+        secret = Path(args.secret_file).read_bytes().strip() if args.secret_file else None
         ns = client.open(args.namespace, create=False, secret=secret)
         reply = client.drop(ns.namespace_id, fingerprint, args.depth)
     if args.json:

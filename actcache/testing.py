@@ -70,15 +70,15 @@ class DaemonProcess:
         options = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
                    ("grpc.max_reconnect_backoff_ms", 100)]
         with grpc.insecure_channel(self.target, options=options) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
+                why = None if reply.status == health_pb2.HealthCheckResponse.SERVING else f"health is {reply.status}"
             except grpc.RpcError as exc:
-                self.kill()
-                raise DaemonUnavailable(f"daemon did not become healthy in {timeout_s:.0f} s: {exc.code().name}\n{self.log_tail()}") from None
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                why = f"did not become healthy in {timeout_s:.0f} s: {exc.code().name}"
+        if why is not None:
             self.kill()
-            raise DaemonUnavailable(f"daemon health is {reply.status}\n{self.log_tail()}")
+            raise DaemonUnavailable(f"daemon {why}\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
         try:
