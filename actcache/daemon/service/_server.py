@@ -29,8 +29,8 @@ from actcache.daemon.service._guard import RequestGuard, rewrap
 from actcache.daemon.service._idle import IdleMonitor
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service._service import ActCacheService
+from actcache.daemon.service._shm_fetch import Throttle
 from actcache.daemon.store import Store
-from actcache.daemon.service._throttle import Throttle
 from actcache.errors import ConfigError
 from actcache.malloc import tune_malloc
 from actcache.rpc import SERVICE

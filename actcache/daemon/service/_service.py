@@ -21,10 +21,8 @@ from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import Encoding
 from actcache.daemon.prefetch import Prefetcher, ScheduleBuilder, unpack_ids, unpack_variants
-from actcache.daemon.service._jobs import NamespaceJobs
-from actcache.daemon.service._shm_fetch import ParkedRings, fetch_shm, ring_for
-from actcache.daemon.service._stats import stats_reply
-from actcache.daemon.service._throttle import Throttle
+from actcache.daemon.service._shm_fetch import ParkedRings, Throttle, serve_fetch
+from actcache.daemon.service._stats import NamespaceJobs, stats_reply
 from actcache.daemon.store import Store
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
 from actcache.rpc import PROTOCOL_VERSION, SERVICE, decode_frame, encode_frame, split_payload, version_mismatch
@@ -264,23 +262,9 @@ class ActCacheService:
         context.add_callback(reader.cancel)
         frame_bytes = min(request.max_frame_bytes or _REPLY_FRAME_BYTES, self.max_message_bytes // 2)
         try:
-            ring, detail, reused = ring_for(request, context, self.rings)
-            if ring is not None:
-                self.counters.add(**{"rings_reused_total" if reused else "rings_created_total": 1})
-                context.add_callback(ring.unlink)  # a client gone before mapping leaves no name behind
-                named = False
-                try:
-                    for frame in fetch_shm(reader, ring, frame_bytes, context, self.throttle,
-                                           whole_frames=request.whole_frames):
-                        named = True
-                        yield frame
-                finally:
-                    if named:  # the client has the segment's name: the stream ends (and the name goes) once it mapped
-                        ring.wait_mapped(context.is_active)
-                    if ring.client_mapped:  # nothing writes to it any more: its client's next Fetch may reuse it
-                        self.rings.park(ring)
-                    else:
-                        ring.close()
+            detail = yield from serve_fetch(request, context, self.rings, reader, frame_bytes, self.throttle,
+                                            self.counters.add)
+            if detail is None:
                 return
             first = True
             for frame in reader.frames(frame_bytes):
