@@ -1,19 +1,12 @@
 """The node daemon: one ``actcache serve`` per user and node, found or started on first use.
 
-``actcache_client.connect()`` with no socket, address or ``$ACTCACHE_SOCKET``
-lands here: every local rank reaches the same daemon, and what it stored is
-there for the next run (docs/operating/node-daemon.md).
+``actcache_client.connect()`` with no socket, address or ``$ACTCACHE_SOCKET`` lands here: every
+local rank reaches the same daemon (docs/operating/node-daemon.md).
 
-Starting (:func:`ensure_running`): if the socket does not answer SERVING, take
-``flock`` on ``DIR/start.lock``, check again, wait for a daemon still holding
-DIR (stopping after its idle timeout) to exit, start one and wait until it
-answers. Concurrent starters thus start exactly one daemon. A start that failed
-while a process waited for the lock (``DIR/start.failed``) is raised, not
-retried, so N ranks do not each wait out the same failure.
-
-Invariants: only the holder of ``start.lock`` starts a daemon, holding it at most
-``start_timeout_s`` plus DRAIN_TIMEOUT_S; a daemon starts only after the previous
-one released DIR.
+Invariants: only the holder of ``flock`` on ``DIR/start.lock`` starts a daemon, after checking again
+that none answers, and holds it at most ``start_timeout_s`` plus DRAIN_TIMEOUT_S; a daemon starts only
+after the previous one released DIR. A start that failed while a process waited for the lock
+(``DIR/start.failed``) is raised, not retried, so N ranks do not each wait out the same failure.
 """
 
 from __future__ import annotations
@@ -50,6 +43,7 @@ __all__ = [
     "peer_pid",
     "stop_daemon",
     "wait_exit",
+    "wait_serving",
 ]
 
 DEFAULT_IDLE_TIMEOUT_S = 900.0
@@ -199,7 +193,14 @@ def _start_locked(node: NodeDaemon, waiting_since_ns: int, timeout_s: float) -> 
     _wait_for_holder(node)
     try:
         proc, log_from = _spawn(node)
-        _wait_healthy(proc, node, log_from, timeout_s)
+        why = wait_serving(proc, node.target, timeout_s)
+        if why is not None:
+            raise DaemonUnavailable(
+                f"the node daemon (pid {proc.pid}, {node.dir}) {why}; its log {node.log_path} says:\n"
+                f"{_log_tail(node.log_path, log_from)}\n"
+                "Fix what it says, set ACTCACHE_DIR to another directory, or run a daemon yourself "
+                "(`actcache serve`) and set ACTCACHE_SOCKET"
+            )
     except DaemonUnavailable as exc:
         failed.write_text(str(exc))
         raise
@@ -269,8 +270,9 @@ def _spawn(node: NodeDaemon) -> tuple[subprocess.Popen, int]:
     return proc, log_from
 
 
-def _wait_healthy(proc: subprocess.Popen, node: NodeDaemon, log_from: int, timeout_s: float) -> None:
-    """Wait until the daemon answers SERVING, exits, or ``timeout_s`` passes, on an event (not polling)."""
+def wait_serving(proc: subprocess.Popen, target: str, timeout_s: float) -> str | None:
+    """Wait, on an event (not polling), until the daemon ``proc`` answers SERVING at ``target`` (returns None),
+    exits or ``timeout_s`` passes (returns why, having killed it)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -280,17 +282,18 @@ def _wait_healthy(proc: subprocess.Popen, node: NodeDaemon, log_from: int, timeo
         proc.wait()
         settled.set()
 
-    threading.Thread(target=reap, name="actcache-node-reaper", daemon=True).start()
-    options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
-               ("grpc.max_reconnect_backoff_ms", 500)]
-    with grpc.insecure_channel(node.target, options=options) as channel:
+    threading.Thread(target=reap, name="actcache-daemon-reaper", daemon=True).start()
+    # Retry every 20-100 ms (gRPC's first backoff, 1 s, could outlast a short --idle-timeout).
+    options = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
+               ("grpc.max_reconnect_backoff_ms", 100)]
+    with grpc.insecure_channel(target, options=options) as channel:
         future = health_pb2_grpc.HealthStub(channel).Check.future(
             health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
         future.add_done_callback(lambda _: settled.set())
         settled.wait(timeout_s + 5)
         try:
             if future.done() and future.result().status == health_pb2.HealthCheckResponse.SERVING:
-                return
+                return None
             why = "did not answer SERVING"
         except grpc.RpcError as exc:
             why = f"did not answer its health check within {timeout_s:.0f} s ({exc.code().name})"
@@ -299,14 +302,8 @@ def _wait_healthy(proc: subprocess.Popen, node: NodeDaemon, log_from: int, timeo
     code = proc.poll()
     if code is None:
         proc.kill()
-    else:
-        why = f"exited with code {code}"
-    raise DaemonUnavailable(
-        f"the node daemon (pid {proc.pid}, {node.dir}) {why}; its log {node.log_path} says:\n"
-        f"{_log_tail(node.log_path, log_from)}\n"
-        "Fix what it says, set ACTCACHE_DIR to another directory, or run a daemon yourself "
-        "(`actcache serve`) and set ACTCACHE_SOCKET"
-    )
+        return why
+    return f"exited with code {code}"
 
 
 def _log_tail(path: Path, start: int, lines: int = 20) -> str:
@@ -332,13 +329,9 @@ def peer_pid(socket: Path) -> int | None:
     return pid
 
 
-def wait_exit(pid: int, timeout_s: float) -> bool:
-    """Wait until process ``pid`` exits (a pidfd, not polling); False if it still runs after ``timeout_s``."""
-    return _exits(pid, timeout_s)
-
-
-def _exits(pid: int, timeout_s: float, sig: int | None = None) -> bool:
-    """Whether ``pid`` exits within ``timeout_s``, sent ``sig`` first (through a pidfd: never a reused pid)."""
+def wait_exit(pid: int, timeout_s: float, sig: int | None = None) -> bool:
+    """Whether process ``pid`` exits within ``timeout_s``, sent ``sig`` first (a pidfd: never a reused pid,
+    and no polling)."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -361,7 +354,7 @@ def stop_daemon(socket: Path, timeout_s: float = 30.0) -> int | None:
     Raises DaemonUnavailable when it is still running after ``timeout_s``.
     """
     pid = peer_pid(socket)
-    if pid is not None and not _exits(pid, timeout_s, signal.SIGTERM):
+    if pid is not None and not wait_exit(pid, timeout_s, signal.SIGTERM):
         raise DaemonUnavailable(
             f"the daemon (pid {pid}) on {socket} is still running {timeout_s:.0f} s after SIGTERM "
             f"(it lets calls in flight finish first); wait, or `kill -9 {pid}`"

@@ -25,9 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-import grpc
-
 from actcache.errors import DaemonUnavailable, LifecycleError
+from actcache.node import wait_serving
 from actcache.rpc_client import RpcClient
 
 __all__ = ["DaemonProcess", "run_daemon", "wait_until"]
@@ -61,21 +60,7 @@ class DaemonProcess:
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy(timeout_s)
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        # Retry every 20-100 ms (gRPC's first backoff, 1 s, could outlast a short --idle-timeout).
-        options = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
-                   ("grpc.max_reconnect_backoff_ms", 100)]
-        with grpc.insecure_channel(self.target, options=options) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
-                why = None if reply.status == health_pb2.HealthCheckResponse.SERVING else f"health is {reply.status}"
-            except grpc.RpcError as exc:
-                why = f"did not become healthy in {timeout_s:.0f} s: {exc.code().name}"
+        why = wait_serving(self.proc, self.target, timeout_s)
         if why is not None:
             self.kill()
             raise DaemonUnavailable(f"daemon {why}\n{self.log_tail()}")
