@@ -1,11 +1,8 @@
 """Prometheus metrics of the daemon, read from its live state at each scrape.
 
-Nothing is counted twice: a scrape reads the Store's usage and the service's
-``Counters`` as they are, so the figures always equal ``actcache stats``.
-Names are in base units (bytes, seconds); counters get ``_total`` from the
-exposition; labels never carry per-sample values (only ``namespace``).
-A metric family is one ``Family`` row in ``daemon_families``; every
-``Counters`` field is exported on its own (``*_total`` fields as counters).
+Nothing is counted twice: a scrape reads the Store's usage and the service's ``Counters``
+as they are, so the figures always equal ``actcache stats``. Names are in base units
+(bytes, seconds); labels never carry per-sample values (only ``namespace``).
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def stats_reply(
             last_write_time=(gen and gen.last_write) or 0.0, last_read_time=(gen and gen.last_read) or 0.0,
             reclaimable=bool(gen and gen.dead), live_schedules=gen.pins if gen else 0,
         )
-    live: dict[int, list] = {}
+    live: dict[int, list] = {}  # namespace id -> its schedules' rows
     for status in prefetch.schedules:
         r = status.reader
         row = reply.schedules.add(namespace=names.get(status.namespace_id, str(status.namespace_id)),
@@ -136,15 +136,13 @@ def stats_reply(
             row.read_ahead_entries, row.buffered_bytes = r.read_ahead_entries, r.buffered_bytes
         else:
             row.state = "idle"
-        agg = live.setdefault(status.namespace_id, [0, 0, 0])
-        agg[0] += 1
-        agg[1] += row.read_ahead_entries
-        agg[2] += row.buffered_bytes
+        live.setdefault(status.namespace_id, []).append(row)
     for ns_id in sorted(prefetch.namespaces):
-        schedules, ahead, buffered = live.get(ns_id, (0, 0, 0))
+        rows = live.get(ns_id, [])
         reply.prefetch.add(
-            namespace=names.get(ns_id, str(ns_id)), schedules=schedules, read_ahead_entries=ahead,
-            buffered_bytes=buffered, counters=_counters_message(prefetch.namespaces[ns_id]),
+            namespace=names.get(ns_id, str(ns_id)), schedules=len(rows),
+            read_ahead_entries=sum(r.read_ahead_entries for r in rows),
+            buffered_bytes=sum(r.buffered_bytes for r in rows), counters=_counters_message(prefetch.namespaces[ns_id]),
         )
     return reply
 
