@@ -19,7 +19,8 @@ from pathlib import Path
 import sys
 from typing import Callable
 
-from actcache.errors import ActCacheError, DaemonUnavailable
+from actcache.daemon.config import format_size as _fmt, parse_size
+from actcache.errors import ActCacheError, ConfigError, DaemonUnavailable
 from actcache.node import default_socket_path
 
 __all__ = ["main"]
@@ -30,20 +31,15 @@ COMMANDS: dict[str, tuple[str, Command]] = {}
 GROUPS: dict[str, str] = {"bench": "measure this node: what the cache's disk and LMDB deliver"}
 
 
-def command(name: str, help: str):
-    def register(add_arguments):
-        def with_run(run):
-            COMMANDS[name] = (help, (add_arguments, run))
-            return run
-
-        return with_run
+def command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None]):
+    def register(run):
+        COMMANDS[name] = (help, (add_arguments, run))
+        return run
 
     return register
 
 
 def _size(text: str) -> int:
-    from actcache.daemon.config import parse_size
-
     try:
         return parse_size(text)
     except ActCacheError as exc:
@@ -63,14 +59,8 @@ def _connection_flags(p: argparse.ArgumentParser) -> None:
 def _client(args: argparse.Namespace):
     from actcache.rpc_client import RpcClient, target_for
 
-    token = os.environ.get("ACTCACHE_TOKEN")
-    if args.token_file:
-        with open(args.token_file) as f:
-            token = f.read().strip()
-    roots = None
-    if args.tls_ca:
-        with open(args.tls_ca, "rb") as f:
-            roots = f.read()
+    token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("ACTCACHE_TOKEN")
+    roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     return RpcClient(target_for(args.socket or default_socket_path(), args.address), token=token, timeout_s=args.timeout, retries=1,
                      root_certificates=roots)
 
@@ -120,7 +110,7 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
 
 
-@command("serve", "run the cache daemon")(_add_serve)
+@command("serve", "run the cache daemon", _add_serve)
 def _run_serve(args: argparse.Namespace) -> int:
     from actcache.daemon.config import DaemonConfig
     from actcache.daemon.service import serve
@@ -135,9 +125,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _make_dirs(config) -> None:
-    """Create the cache directory and the socket's, as the daemon would, before it starts: a path that
-    cannot be made is one line naming its flag instead of a start that fails half-way. A socket shared
-    with a group gets its directory from the daemon (mode 2710, the group's)."""
+    """Create the cache and socket directories before the daemon starts, so a bad path is one line naming
+    its flag. A socket shared with a group gets its directory from the daemon (mode 2710)."""
     config.store.dir.mkdir(parents=True, exist_ok=True)
     if not os.access(config.store.dir, os.W_OK | os.X_OK):
         raise PermissionError(13, "not writable", str(config.store.dir))
@@ -146,10 +135,7 @@ def _make_dirs(config) -> None:
 
 
 def _path_error(exc: OSError, config, flags: dict) -> ActCacheError | None:
-    """A one-line error naming --dir or --socket when ``exc`` is about one of their paths
-    (``--dir /proc/actcache``: the directory cannot be created); None for any other OSError."""
-    from actcache.errors import ConfigError
-
+    """A one-line error naming --dir or --socket when ``exc`` is about one of their paths, else None."""
     if exc.filename is None:
         return None
     failed = Path(os.fsdecode(exc.filename))
@@ -174,13 +160,7 @@ def _path_error(exc: OSError, config, flags: dict) -> ActCacheError | None:
     )
 
 
-def _fmt(n: float) -> str:
-    from actcache.daemon.config import format_size
-
-    return format_size(n)
-
-
-@command("stats", "show the daemon's usage and counters")(_connection_flags)
+@command("stats", "show the daemon's usage and counters", _connection_flags)
 def _run_stats(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
@@ -254,7 +234,7 @@ def _counters_line(c) -> str:
             f"({c.direct} entries read directly)")
 
 
-@command("ls", "list namespaces, fingerprints and depths with their entries and bytes")(_connection_flags)
+@command("ls", "list namespaces, fingerprints and depths with their entries and bytes", _connection_flags)
 def _run_ls(args: argparse.Namespace) -> int:
     with _client(args) as client:
         reply = client.stats()
@@ -291,14 +271,11 @@ def _add_drop(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", help="file holding the namespace's secret, if it was created with one")
 
 
-@command("drop", "delete a namespace's entries, or one fingerprint's, or one depth's")(_add_drop)
+@command("drop", "delete a namespace's entries, or one fingerprint's, or one depth's", _add_drop)
 def _run_drop(args: argparse.Namespace) -> int:
     fingerprint = bytes.fromhex(args.fingerprint) if args.fingerprint else None
     with _client(args) as client:
-        secret = None
-        if args.secret_file:
-            with open(args.secret_file, "rb") as f:
-                secret = f.read().strip()
+        secret = Path(args.secret_file).read_bytes().strip() if args.secret_file else None
         ns = client.open(args.namespace, create=False, secret=secret)
         reply = client.drop(ns.namespace_id, fingerprint, args.depth)
     if args.json:
@@ -314,7 +291,7 @@ def _add_clean(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-@command("clean", "reclaim leftovers of crashes: stale socket, stale LMDB reader slots, bench temp files")(_add_clean)
+@command("clean", "reclaim leftovers of crashes: stale socket, stale LMDB reader slots, bench temp files", _add_clean)
 def _run_clean(args: argparse.Namespace) -> int:
     from actcache.ops.clean import Action, clean
 
@@ -337,7 +314,7 @@ def _add_stop(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to exit (default 30)")
 
 
-@command("stop", "stop a daemon: SIGTERM to the process on its socket, then wait until it has exited")(_add_stop)
+@command("stop", "stop a daemon: SIGTERM to the process on its socket, then wait until it has exited", _add_stop)
 def _run_stop(args: argparse.Namespace) -> int:
     from actcache.node import stop_daemon
 
@@ -357,7 +334,7 @@ def _add_bench_disk(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-@command("bench disk", "sequential and random 1 MiB read/write MB/s (O_DIRECT, cold, warm) and LMDB get throughput of a directory's filesystem")(_add_bench_disk)
+@command("bench disk", "sequential and random 1 MiB read/write MB/s (O_DIRECT, cold, warm) and LMDB get throughput of a directory's filesystem", _add_bench_disk)
 def _run_bench_disk(args: argparse.Namespace) -> int:
     from actcache.ops.diskbench import run_disk_bench
 
@@ -384,14 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _unreachable(args: argparse.Namespace, exc: ActCacheError) -> bool:
-    """A command given no --address found no daemon on its socket."""
-    return isinstance(exc, DaemonUnavailable) and hasattr(args, "socket") and not getattr(args, "address", None) \
-        and not Path(args.socket or default_socket_path()).exists()
-
-
-def _no_daemon(args: argparse.Namespace) -> str:
-    socket = args.socket or default_socket_path()
+def _message(args: argparse.Namespace, exc: ActCacheError) -> str:
+    """``exc``, or how to start a daemon when a command given no --address found none on its socket."""
+    socket = getattr(args, "socket", None) or default_socket_path()
+    if not isinstance(exc, DaemonUnavailable) or not hasattr(args, "socket") or getattr(args, "address", None) \
+            or Path(socket).exists():
+        return str(exc)
     whose = "given by --socket" if args.socket else "from ACTCACHE_SOCKET" if os.environ.get("ACTCACHE_SOCKET") \
         else f"the node daemon's, of ACTCACHE_DIR={os.environ['ACTCACHE_DIR']}" if os.environ.get("ACTCACHE_DIR") \
         else "the node daemon's, of ~/.cache/actcache"
@@ -404,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ActCacheError as exc:
-        print(f"actcache {args.command_name}: {_no_daemon(args) if _unreachable(args, exc) else exc}", file=sys.stderr)
+        print(f"actcache {args.command_name}: {_message(args, exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -1,33 +1,12 @@
 """The node daemon: one ``actcache serve`` per user and node, found or started on first use.
 
-``actcache_client.connect()`` with no socket, address or ``$ACTCACHE_SOCKET``
-lands here, the way build caches start their server on first use: every
-local rank of a ``torchrun`` reaches the same daemon, and what it stored is
-there for the next run.
+``actcache_client.connect()`` with no socket, address or ``$ACTCACHE_SOCKET`` lands here: every
+local rank reaches the same daemon (docs/operating/node-daemon.md).
 
-Where it lives (``NodeDaemon.from_env``), the command it runs (``_spawn``), its
-idle timeout and its budget (``default_budget``) are described for operators in
-docs/operating/node-daemon.md.
-
-Starting (:func:`ensure_running`): a health check on the socket; if it does
-not answer SERVING, take ``flock(LOCK_EX)`` on ``DIR/start.lock``, check again
-(another process may just have started it), wait for a daemon that still holds
-DIR (one stopping after its idle timeout) to exit, start one, wait until it
-answers SERVING, release the lock. Concurrent starters (the local ranks) thus
-start exactly one daemon; the others find it healthy once they hold the lock.
-A start that failed while a process waited for the lock is not tried again by
-that process: the failure (``DIR/start.failed``) is raised instead, so N ranks
-do not each wait out the same failing start. A stale socket of a crashed
-daemon is removed by the new daemon (actcache.daemon.service._server); the kernel
-released the crashed one's ``daemon.lock``.
-
-Invariants: at most one process at a time, the holder of ``start.lock``,
-starts a daemon; it holds the lock at most ``start_timeout_s`` plus
-DRAIN_TIMEOUT_S. A daemon is started only after the previous one (if any) has
-released DIR.
-
-Stopping: :func:`stop_daemon` (``actcache stop``) finds the pid listening on a
-socket (``SO_PEERCRED``), sends SIGTERM and waits for it to exit.
+Invariants: only the holder of ``flock`` on ``DIR/start.lock`` starts a daemon, after checking again
+that none answers, and holds it at most ``start_timeout_s`` plus DRAIN_TIMEOUT_S; a daemon starts only
+after the previous one released DIR. A start that failed while a process waited for the lock
+(``DIR/start.failed``) is raised, not retried, so N ranks do not each wait out the same failure.
 """
 
 from __future__ import annotations
@@ -64,6 +43,7 @@ __all__ = [
     "peer_pid",
     "stop_daemon",
     "wait_exit",
+    "wait_serving",
 ]
 
 DEFAULT_IDLE_TIMEOUT_S = 900.0
@@ -213,7 +193,14 @@ def _start_locked(node: NodeDaemon, waiting_since_ns: int, timeout_s: float) -> 
     _wait_for_holder(node)
     try:
         proc, log_from = _spawn(node)
-        _wait_healthy(proc, node, log_from, timeout_s)
+        why = wait_serving(proc, node.target, timeout_s)
+        if why is not None:
+            raise DaemonUnavailable(
+                f"the node daemon (pid {proc.pid}, {node.dir}) {why}; its log {node.log_path} says:\n"
+                f"{_log_tail(node.log_path, log_from)}\n"
+                "Fix what it says, set ACTCACHE_DIR to another directory, or run a daemon yourself "
+                "(`actcache serve`) and set ACTCACHE_SOCKET"
+            )
     except DaemonUnavailable as exc:
         failed.write_text(str(exc))
         raise
@@ -221,8 +208,8 @@ def _start_locked(node: NodeDaemon, waiting_since_ns: int, timeout_s: float) -> 
 
 
 def _wait_for_holder(node: NodeDaemon) -> None:
-    """Wait for a daemon that still holds ``node.dir`` to exit: the node daemon stopping (idle) exits soon;
-    a daemon that does not serve this socket, or a node daemon that hangs, is an error naming its pid."""
+    """Wait for the daemon still holding ``node.dir`` (stopping) to exit; DaemonUnavailable naming its pid
+    when it serves another socket or hangs."""
     pid = _dir_holder(node.dir)
     if pid is None:
         return
@@ -261,10 +248,6 @@ def _dir_holder(directory: Path) -> int | None:
         os.close(fd)
 
 
-def _package_root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
-
-
 def _spawn(node: NodeDaemon) -> tuple[subprocess.Popen, int]:
     """Start the daemon detached; returns it and the log offset where its output begins."""
     cmd = [sys.executable, "-m", "actcache", "serve", "--dir", str(node.dir), "--socket", str(node.socket),
@@ -273,7 +256,8 @@ def _spawn(node: NodeDaemon) -> tuple[subprocess.Popen, int]:
         cmd += ["--budget", str(default_budget(node.dir))]
     env = dict(os.environ)
     # The daemon imports the same actcache as this process, wherever it came from (appended: shadows nothing).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), _package_root()) if p)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
     with suppress(FileNotFoundError):
         if node.log_path.stat().st_size > _LOG_ROTATE_BYTES:
             os.replace(node.log_path, node.log_path.with_name("daemon.log.1"))
@@ -286,8 +270,9 @@ def _spawn(node: NodeDaemon) -> tuple[subprocess.Popen, int]:
     return proc, log_from
 
 
-def _wait_healthy(proc: subprocess.Popen, node: NodeDaemon, log_from: int, timeout_s: float) -> None:
-    """Wait until the daemon answers SERVING, exits, or ``timeout_s`` passes, on an event (not polling)."""
+def wait_serving(proc: subprocess.Popen, target: str, timeout_s: float) -> str | None:
+    """Wait, on an event (not polling), until the daemon ``proc`` answers SERVING at ``target`` (returns None),
+    exits or ``timeout_s`` passes (returns why, having killed it)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -297,17 +282,18 @@ def _wait_healthy(proc: subprocess.Popen, node: NodeDaemon, log_from: int, timeo
         proc.wait()
         settled.set()
 
-    threading.Thread(target=reap, name="actcache-node-reaper", daemon=True).start()
-    options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
-               ("grpc.max_reconnect_backoff_ms", 500)]
-    with grpc.insecure_channel(node.target, options=options) as channel:
+    threading.Thread(target=reap, name="actcache-daemon-reaper", daemon=True).start()
+    # Retry every 20-100 ms (gRPC's first backoff, 1 s, could outlast a short --idle-timeout).
+    options = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
+               ("grpc.max_reconnect_backoff_ms", 100)]
+    with grpc.insecure_channel(target, options=options) as channel:
         future = health_pb2_grpc.HealthStub(channel).Check.future(
             health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
         future.add_done_callback(lambda _: settled.set())
         settled.wait(timeout_s + 5)
         try:
             if future.done() and future.result().status == health_pb2.HealthCheckResponse.SERVING:
-                return
+                return None
             why = "did not answer SERVING"
         except grpc.RpcError as exc:
             why = f"did not answer its health check within {timeout_s:.0f} s ({exc.code().name})"
@@ -316,14 +302,8 @@ def _wait_healthy(proc: subprocess.Popen, node: NodeDaemon, log_from: int, timeo
     code = proc.poll()
     if code is None:
         proc.kill()
-    else:
-        why = f"exited with code {code}"
-    raise DaemonUnavailable(
-        f"the node daemon (pid {proc.pid}, {node.dir}) {why}; its log {node.log_path} says:\n"
-        f"{_log_tail(node.log_path, log_from)}\n"
-        "Fix what it says, set ACTCACHE_DIR to another directory, or run a daemon yourself "
-        "(`actcache serve`) and set ACTCACHE_SOCKET"
-    )
+        return why
+    return f"exited with code {code}"
 
 
 def _log_tail(path: Path, start: int, lines: int = 20) -> str:
@@ -349,23 +329,23 @@ def peer_pid(socket: Path) -> int | None:
     return pid
 
 
-def wait_exit(pid: int, timeout_s: float) -> bool:
-    """Wait until process ``pid`` exits (a pidfd, not polling); False if it still runs after ``timeout_s``."""
+def wait_exit(pid: int, timeout_s: float, sig: int | None = None) -> bool:
+    """Whether process ``pid`` exits within ``timeout_s``, sent ``sig`` first (a pidfd: never a reused pid,
+    and no polling)."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return True
     try:
-        return _exits(fd, timeout_s)
+        if sig is not None:
+            signal.pidfd_send_signal(fd, sig)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout_s * 1000))))
+    except ProcessLookupError:
+        return True
     finally:
         os.close(fd)
-
-
-def _exits(pidfd: int, timeout_s: float) -> bool:
-    """Whether the process of ``pidfd`` exits within ``timeout_s``."""
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(max(0, int(timeout_s * 1000))))
 
 
 def stop_daemon(socket: Path, timeout_s: float = 30.0) -> int | None:
@@ -374,21 +354,9 @@ def stop_daemon(socket: Path, timeout_s: float = 30.0) -> int | None:
     Raises DaemonUnavailable when it is still running after ``timeout_s``.
     """
     pid = peer_pid(socket)
-    if pid is None:
-        return None
-    try:
-        fd = os.pidfd_open(pid)  # signals through the pidfd cannot reach a reused pid
-    except ProcessLookupError:
-        return pid
-    try:
-        signal.pidfd_send_signal(fd, signal.SIGTERM)
-        if not _exits(fd, timeout_s):
-            raise DaemonUnavailable(
-                f"the daemon (pid {pid}) on {socket} is still running {timeout_s:.0f} s after SIGTERM "
-                f"(it lets calls in flight finish first); wait, or `kill -9 {pid}`"
-            )
-    except ProcessLookupError:
-        pass
-    finally:
-        os.close(fd)
+    if pid is not None and not wait_exit(pid, timeout_s, signal.SIGTERM):
+        raise DaemonUnavailable(
+            f"the daemon (pid {pid}) on {socket} is still running {timeout_s:.0f} s after SIGTERM "
+            f"(it lets calls in flight finish first); wait, or `kill -9 {pid}`"
+        )
     return pid

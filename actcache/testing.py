@@ -25,9 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-import grpc
-
 from actcache.errors import DaemonUnavailable, LifecycleError
+from actcache.node import wait_serving
 from actcache.rpc_client import RpcClient
 
 __all__ = ["DaemonProcess", "run_daemon", "wait_until"]
@@ -61,25 +60,10 @@ class DaemonProcess:
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy(timeout_s)
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        # Retry connecting every 20-100 ms (gRPC's default first backoff is 1 s: a daemon with a short
-        # --idle-timeout could stop before the check reached it).
-        options = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
-                   ("grpc.max_reconnect_backoff_ms", 100)]
-        with grpc.insecure_channel(self.target, options=options) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True)
-            except grpc.RpcError as exc:
-                self.kill()
-                raise DaemonUnavailable(f"daemon did not become healthy in {timeout_s:.0f} s: {exc.code().name}\n{self.log_tail()}") from None
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        why = wait_serving(self.proc, self.target, timeout_s)
+        if why is not None:
             self.kill()
-            raise DaemonUnavailable(f"daemon health is {reply.status}\n{self.log_tail()}")
+            raise DaemonUnavailable(f"daemon {why}\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -123,38 +107,12 @@ def _stop_live_daemons_then_die(signum, frame) -> None:
         _LIVE.clear()
     for daemon, tmp in live:
         try:
-            _stop_and_remove(daemon, tmp)
+            daemon.stop()
         except Exception:  # dying anyway: a daemon that would not stop is killed
             daemon.kill()
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _stop_and_remove(daemon: DaemonProcess, tmp: Path) -> tuple[int, str]:
-    """Stop ``daemon`` (SIGTERM, wait) and remove its temp dir; its exit code and the end of its log."""
-    code = daemon.stop()
-    log = daemon.log_tail()
-    shutil.rmtree(tmp, ignore_errors=True)
-    return code, log
-
-
-def _track(daemon: DaemonProcess, tmp: Path) -> None:
-    """Register a running daemon; the first one installs the SIGTERM handler (from the main thread,
-    where SIGTERM still has its default action: a handler someone else installed is left alone)."""
-    with _LIVE_LOCK:
-        _LIVE[daemon] = tmp
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _stop_live_daemons_then_die)
-
-
-def _untrack(daemon: DaemonProcess) -> None:
-    with _LIVE_LOCK:
-        _LIVE.pop(daemon, None)
-        last = not _LIVE
-    if (last and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is _stop_live_daemons_then_die):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextmanager
@@ -170,14 +128,25 @@ def run_daemon(
     """
     tmp = Path(tempfile.mkdtemp(prefix="actcache-"))
     daemon = DaemonProcess(cache_dir or tmp / "cache", tmp / "daemon.sock", args, env)
-    _track(daemon, tmp)
+    with _LIVE_LOCK:
+        _LIVE[daemon] = tmp
+    # Only from the main thread, and only over SIGTERM's default action: another handler is left alone.
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stop_live_daemons_then_die)
     try:
         daemon.start()
         yield daemon
     finally:
-        _untrack(daemon)
+        with _LIVE_LOCK:
+            _LIVE.pop(daemon, None)
+            last = not _LIVE
+        if (last and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is _stop_live_daemons_then_die):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         running = daemon.proc is not None
-        code, log = _stop_and_remove(daemon, tmp)
+        code = daemon.stop()
+        log = daemon.log_tail()
+        shutil.rmtree(tmp, ignore_errors=True)
         if check_exit and running and code != 0:
             raise LifecycleError(f"daemon exited with code {code}\n{log}")
 

@@ -1,20 +1,17 @@
 """``actcache clean``: reclaim what a crashed daemon (or tool) left behind.
 
-Cleaning is a list of small reclaimers, each ``(CleanTarget) -> Iterable[Finding]``
-registered with ``@reclaimer``. Every reclaimer must leave anything a live
-process still uses alone, and say so.
-
-While the reclaimers run, ``clean`` holds the cache directory's lock
-(actcache.daemon.store._dirlock) when no daemon does, so a daemon cannot start
-under its feet (it would refuse, naming this pid, and can simply be
-restarted); when a daemon holds it, ``CleanTarget.daemon_pid`` says which.
-A reclaimer that raises becomes a FAILED finding; the others still run.
+Reclaimers, each ``(CleanTarget) -> Iterable[Finding]`` registered with ``@reclaimer``,
+leave anything a live process uses alone, and say so. While they run, ``clean`` holds
+the cache directory's lock when no daemon does, so none starts under their feet; when
+a daemon holds it, ``CleanTarget.daemon_pid`` says which. A reclaimer that raises
+becomes a FAILED finding; the others still run.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
+import functools
 import shutil
 import socket
 import stat
@@ -107,48 +104,43 @@ def stale_socket(target: CleanTarget) -> Iterable[Finding]:
     path = target.socket
     if path is None:
         return
-    found = lambda action, detail: Finding(reclaimer="socket", action=action, path=str(path), detail=detail)  # noqa: E731
+    found = functools.partial(Finding, reclaimer="socket", path=str(path))
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
-        yield found(Action.OK, "no socket file")
+        yield found(action=Action.OK, detail="no socket file")
         return
     if not stat.S_ISSOCK(mode):
-        yield found(Action.KEPT, "not a socket; left alone (remove it yourself if it is not needed)")
+        yield found(action=Action.KEPT, detail="not a socket; left alone (remove it yourself if it is not needed)")
         return
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
     except OSError as exc:
         if exc.errno != errno.ECONNREFUSED:
-            yield found(Action.KEPT, f"cannot probe it ({exc.strerror}); left alone")
+            yield found(action=Action.KEPT, detail=f"cannot probe it ({exc.strerror}); left alone")
             return
         path.unlink(missing_ok=True)
-        yield found(Action.REMOVED, "stale: nothing is listening on it")
+        yield found(action=Action.REMOVED, detail="stale: nothing is listening on it")
         return
     finally:
         probe.close()
-    yield found(Action.KEPT, "live: a daemon is accepting connections on it")
+    yield found(action=Action.KEPT, detail="live: a daemon is accepting connections on it")
 
 
 @reclaimer
 def stale_lmdb_readers(target: CleanTarget) -> Iterable[Finding]:
-    """Clear LMDB reader slots of dead processes (``reader_check``) when no daemon holds the directory.
-
-    Stale slots pile up only while some process keeps the environment open
-    (the first process to open it resets the reader table); each one pins
-    old pages and so grows the file, and enough of them exhaust ``max_readers``.
-    """
+    """Clear LMDB reader slots of dead processes (``reader_check``) when no daemon holds the directory:
+    each pins old pages (the file grows), and enough of them exhaust ``max_readers``."""
     if target.dir is None:
         return
-    path = str(target.dir / "data.mdb")
-    found = lambda action, detail: Finding(reclaimer="lmdb readers", action=action, path=path, detail=detail)  # noqa: E731
+    found = functools.partial(Finding, reclaimer="lmdb readers", path=str(target.dir / "data.mdb"))
     if not (target.dir / "data.mdb").exists():
-        yield found(Action.OK, "no store in this directory")
+        yield found(action=Action.OK, detail="no store in this directory")
         return
     if target.daemon_live:
         who = f"pid {target.daemon_pid}" if target.daemon_pid else "a daemon"
-        yield found(Action.KEPT, f"{who} holds the directory; its reader slots are left alone")
+        yield found(action=Action.KEPT, detail=f"{who} holds the directory; its reader slots are left alone")
         return
     import lmdb
 
@@ -158,9 +150,10 @@ def stale_lmdb_readers(target: CleanTarget) -> Iterable[Finding]:
     finally:
         env.close()
     if cleared:
-        yield found(Action.CLEARED, f"{cleared} stale reader slot{'s' if cleared != 1 else ''} of dead processes")
+        plural = "s" if cleared != 1 else ""
+        yield found(action=Action.CLEARED, detail=f"{cleared} stale reader slot{plural} of dead processes")
     else:
-        yield found(Action.OK, "no stale reader slots")
+        yield found(action=Action.OK, detail="no stale reader slots")
 
 
 @reclaimer
@@ -169,21 +162,20 @@ def bench_leftovers(target: CleanTarget) -> Iterable[Finding]:
     if target.dir is None:
         return
     for leftover in sorted(target.dir.glob(f"{BENCH_PREFIX}*")):
+        found = functools.partial(Finding, reclaimer="bench", path=str(leftover))
         pid = leftover.name[len(BENCH_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and pid_alive(int(pid)):
-            yield Finding(reclaimer="bench", action=Action.KEPT, path=str(leftover), detail=f"bench pid {pid} is running")
+            yield found(action=Action.KEPT, detail=f"bench pid {pid} is running")
             continue
         shutil.rmtree(leftover)
-        yield Finding(reclaimer="bench", action=Action.REMOVED, path=str(leftover), detail="left by a bench run that died")
+        yield found(action=Action.REMOVED, detail="left by a bench run that died")
 
 
 @reclaimer
 def stale_shm_segments(target: CleanTarget) -> Iterable[Finding]:
-    """Remove shared-memory segments (``/dev/shm/actcache-<pid>-*``) whose daemon pid is dead.
-
-    Segments are host-wide: those of a live daemon are kept and reported only
-    for the daemon holding ``--dir``; with no ``--dir`` and nothing stale it says nothing.
-    """
+    """Remove shared-memory segments (``/dev/shm/actcache-<pid>-*``) whose daemon pid is dead. Segments
+    are host-wide: live ones are reported only for the daemon holding ``--dir``; with no ``--dir`` and
+    nothing stale it says nothing."""
     from actcache.shm import shm_dir, stale_segments
 
     found = False
@@ -197,4 +189,3 @@ def stale_shm_segments(target: CleanTarget) -> Iterable[Finding]:
             yield Finding(reclaimer="shm", action=Action.KEPT, path=str(path), detail=f"daemon pid {pid} is running")
     if not found and target.dir is not None:
         yield Finding(reclaimer="shm", action=Action.OK, path=str(shm_dir()), detail="no stale shared-memory segments")
-    return True

@@ -1,20 +1,11 @@
 """``actcache bench disk``: what the cache's filesystem and LMDB deliver, to size a node.
 
-    actcache bench disk --dir /var/cache/actcache --size 4GiB [--json]
-
-In a temp directory inside DIR (removed at the end, and by ``actcache
-clean`` if the run is killed), with 1 MiB blocks over a file of --size:
-
-    write  sequential, random        O_DIRECT (buffered + fsync where refused), fsync included
-    read   sequential, random        O_DIRECT: always from the disk
-    read   sequential, random        buffered, cold (page cache dropped first)
-    read   sequential, random        buffered, warm (right after a full read)
-    lmdb   put; random get cold, warm  1 MiB values, the daemon's LMDB settings
-
-"Cold" drops the page cache through /proc/sys/vm/drop_caches when it is
-writable (root; system-wide), and always evicts the bench's own files with
-posix_fadvise(DONTNEED). The verdict compares LMDB's cold get with the disk's
-O_DIRECT random read, both measured in this run. MB/s is 10^6 bytes per second.
+In a temp directory inside DIR (removed at the end, or by ``actcache clean``), 1 MiB
+blocks over a file of --size: writes (sequential, random; O_DIRECT, else buffered +
+fsync), reads with O_DIRECT, buffered cold and buffered warm, then LMDB put and random
+get, cold and warm. "Cold" drops the page cache where /proc/sys/vm/drop_caches is
+writable and always evicts the bench's files (posix_fadvise). The verdict compares
+LMDB's cold get with the disk's O_DIRECT random read. MB/s is 10^6 bytes per second.
 """
 
 from __future__ import annotations
@@ -95,53 +86,34 @@ class DiskReport:
         return "\n".join(lines)
 
 
-class _Progress:
-    """A carriage-return progress line on stderr (only on a terminal)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._last = 0.0
-
-    def update(self, label: str, done: int, total: int, started: float) -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self._last < 0.2 and done < total):
-            return
-        self._last = now
-        rate = done * BLOCK_BYTES / max(now - started, 1e-9) / 1e6
-        sys.stderr.write(f"\r  {label:<32} {done:>6}/{total} MiB {rate:>8.0f} MB/s ")
-        sys.stderr.flush()
-
-    def clear(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r" + " " * 70 + "\r")
-            sys.stderr.flush()
-
-
 def run_disk_bench(
     directory: Path, size: int, *, drop_caches: bool = True, progress: bool = False, seed: int = 0
 ) -> DiskReport:
-    """Measure DIR's filesystem and LMDB as described in the module docstring; cleans up after itself.
-
-    ``drop_caches``: drop the whole page cache before cold phases when permitted;
-    off, only the bench's own files are evicted (posix_fadvise).
-    """
+    """Measure DIR's filesystem and LMDB (module docstring); cleans up after itself. ``drop_caches``: drop
+    the whole page cache before cold phases when permitted (off: only the bench's files are evicted)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(f"--dir {directory} is not a directory; pass a directory on the filesystem to measure")
     blocks = size // BLOCK_BYTES
     if blocks < 4:
         raise ConfigError(f"--size must be at least 4 MiB, got {size} bytes")
-    _check_free_space(directory, blocks * BLOCK_BYTES)
+    st = os.statvfs(directory)
+    free, needed = st.f_bavail * st.f_frsize, int(blocks * BLOCK_BYTES * 1.05) + (64 << 20)
+    if free < needed:
+        raise ConfigError(
+            f"{directory} has {free / 2**30:.1f} GiB free and the bench needs about {needed / 2**30:.1f} GiB "
+            "(one file of --size, then an LMDB of --size); pass a smaller --size"
+        )
     work = Path(tempfile.mkdtemp(prefix=f"{BENCH_PREFIX}{os.getpid()}-", dir=directory))
     try:
-        return _Bench(directory, work, blocks, _Progress(progress), random.Random(seed), drop_caches).run()
+        return _Bench(directory, work, blocks, progress, random.Random(seed), drop_caches).run()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 class _Bench:
     def __init__(
-        self, directory: Path, work: Path, blocks: int, progress: _Progress, rng: random.Random, drop_caches: bool
+        self, directory: Path, work: Path, blocks: int, progress: bool, rng: random.Random, drop_caches: bool
     ) -> None:
         self.work = work
         self.blocks = blocks
@@ -178,12 +150,8 @@ class _Bench:
         self._verdict()
         return self.report
 
-    # ---- plain file --------------------------------------------------------
-
     def _disk_phases(self, path: Path) -> None:
-        r = self.report
-        direct = r.o_direct and self._direct_works(path)
-        r.o_direct = direct
+        direct = self.report.o_direct = self.report.o_direct and self._direct_works(path)
         access = "O_DIRECT" if direct else "buffered"
         flags = os.O_DIRECT if direct else 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600)
@@ -226,8 +194,6 @@ class _Bench:
     def _stamp(self, offset: int) -> mmap.mmap:
         self.buf[:8] = offset.to_bytes(8, "little")  # distinct blocks: no filesystem dedups them
         return self.buf
-
-    # ---- LMDB --------------------------------------------------------------
 
     def _lmdb_phases(self, path: Path) -> None:
         import lmdb
@@ -275,19 +241,22 @@ class _Bench:
         finally:
             env.close()
 
-    # ---- helpers -----------------------------------------------------------
-
     def _phase(self, label: str, access: str, cache: str, order: Sequence[int], op: Callable[[int], object],
                finish: Callable[[], object] | None = None) -> None:
         title = f"{label} {access} {cache}".replace(" -", "")
-        started = time.perf_counter()
+        started, shown = time.perf_counter(), 0.0
         for done, block in enumerate(order, 1):
             op(block * BLOCK_BYTES)
-            self.progress.update(title, done, len(order), started)
+            now = time.perf_counter()
+            if self.progress and (now - shown >= 0.2 or done == len(order)):  # a progress line on a terminal
+                shown, rate = now, done * BLOCK_BYTES / max(now - started, 1e-9) / 1e6
+                line = f"\r  {title:<32} {done:>6}/{len(order)} MiB {rate:>8.0f} MB/s "
+                print(line, end="", file=sys.stderr, flush=True)
         if finish is not None:
             finish()
         seconds = time.perf_counter() - started
-        self.progress.clear()
+        if self.progress:
+            print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
         self.report.phases.append(Phase(_phase_name(label, access, cache), label, access, cache, len(order) * BLOCK_BYTES, seconds))
 
     def _evict(self, path: Path) -> None:
@@ -320,16 +289,14 @@ class _Bench:
         what = "O_DIRECT random read" if disk.access == "O_DIRECT" else "buffered cold random read"
         ratio = lmdb_cold.mb_per_s / disk.mb_per_s
         r.lmdb_cold_vs_disk = round(ratio, 3)
-        head = (f"LMDB cold get is {ratio:.2f}x the disk's {what} "
-                f"({lmdb_cold.mb_per_s:.0f} vs {disk.mb_per_s:.0f} MB/s)")
-        if ratio < 0.7:
-            r.verdict = f"{head}: the daemon's explicit-read prefetch matters here"
-        else:
-            r.verdict = f"{head}: LMDB's mmap read path nearly keeps up with this disk; explicit reads gain little here"
+        why = ("the daemon's explicit-read prefetch matters here" if ratio < 0.7
+               else "LMDB's mmap read path nearly keeps up with this disk; explicit reads gain little here")
+        r.verdict = (f"LMDB cold get is {ratio:.2f}x the disk's {what} "
+                     f"({lmdb_cold.mb_per_s:.0f} vs {disk.mb_per_s:.0f} MB/s): {why}")
 
 
 def _phase_name(label: str, access: str, cache: str) -> str:
-    """``read random``, ``O_DIRECT``, ``disk`` -> ``read_random_direct``; ``lmdb get random``, cold -> ``lmdb_get_random_cold``."""
+    """``read random``, ``O_DIRECT``, ``disk`` -> ``read_random_direct``."""
     parts = [label]
     if access != "lmdb":
         parts.append("direct" if access == "O_DIRECT" else "buffered")
@@ -364,14 +331,3 @@ def _filesystem_of(directory: Path) -> dict[str, str]:
         if inside and len(mount) >= len(best["mount"]):
             best = {"type": fstype, "device": device, "mount": mount}
     return best
-
-
-def _check_free_space(directory: Path, nbytes: int) -> None:
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    needed = int(nbytes * 1.05) + (64 << 20)
-    if free < needed:
-        raise ConfigError(
-            f"{directory} has {free / 2**30:.1f} GiB free and the bench needs about {needed / 2**30:.1f} GiB "
-            "(one file of --size, then an LMDB of --size); pass a smaller --size"
-        )

@@ -1,8 +1,8 @@
-"""actcache.daemon.service._jobs: the jobs that opened each namespace, bounded, in memory."""
+"""actcache.daemon.service._stats: the jobs that opened each namespace, bounded, in memory."""
 
 import pytest
 
-from actcache.daemon.service._jobs import NamespaceJobs
+from actcache.daemon.service._stats import NamespaceJobs
 from actcache.errors import InvalidRequest
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from actcache.daemon.service._throttle import Throttle
+from actcache.daemon.service._shm_fetch import Throttle
 
 
 def test_an_isolated_read_waits_its_transfer_time_minus_the_burst():

@@ -42,10 +42,11 @@ def _lenient(deserializer: Callable[[bytes], Any] | None, method: str) -> Callab
 
 
 class _Messages:
-    """Iterates a request stream, raising InvalidRequest at the first unparsable message."""
+    """Iterates a request stream, raising InvalidRequest at the first unparsable message; as a context
+    manager, turns any error after that into INVALID_ARGUMENT, whatever the handler made of it."""
 
-    def __init__(self, inner: Iterator[Any]) -> None:
-        self._inner = inner
+    def __init__(self, inner: Iterator[Any], context) -> None:
+        self._inner, self._context = inner, context
         self.error: str | None = None
 
     def __iter__(self) -> "_Messages":
@@ -58,40 +59,33 @@ class _Messages:
             raise InvalidRequest(message.message)
         return message
 
+    def __enter__(self) -> "_Messages":
+        return self
 
-def _guard_unary_request(behavior: Callable, streaming_response: bool) -> Callable:
-    def guarded(request, context):  # a response stream is returned: gRPC handles an abort here alike
-        if isinstance(request, Unparsable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        return behavior(request, context)
-
-    return guarded
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, Exception) and self.error is not None:
+            self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.error)
 
 
-def _guard_stream_request(behavior: Callable, streaming_response: bool) -> Callable:
-    if streaming_response:
+def _guard(behavior: Callable, handler: grpc.RpcMethodHandler) -> Callable:
+    if not handler.request_streaming:
 
-        def stream(requests, context):
-            messages = _Messages(requests)
-            try:
-                yield from behavior(messages, context)
-            except Exception:
-                if messages.error is not None:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, messages.error)
-                raise
+        def unary_request(request, context):  # a response stream is returned: gRPC handles an abort here alike
+            if isinstance(request, Unparsable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            return behavior(request, context)
 
-        return stream
+        return unary_request
 
-    def unary(requests, context):
-        messages = _Messages(requests)
-        try:
+    def stream_stream(requests, context):
+        with _Messages(requests, context) as messages:
+            yield from behavior(messages, context)
+
+    def stream_unary(requests, context):
+        with _Messages(requests, context) as messages:
             return behavior(messages, context)
-        except Exception:
-            if messages.error is not None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, messages.error)
-            raise
 
-    return unary
+    return stream_stream if handler.response_streaming else stream_unary
 
 
 def rewrap(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable], Callable],
@@ -113,7 +107,6 @@ class RequestGuard(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or not details.method.startswith(self._prefix):
             return handler
-        guard = _guard_stream_request if handler.request_streaming else _guard_unary_request
         method = details.method[len(self._prefix) :]
-        return rewrap(handler, lambda behavior: guard(behavior, handler.response_streaming),
+        return rewrap(handler, lambda behavior: _guard(behavior, handler),
                       _lenient(handler.request_deserializer, method))

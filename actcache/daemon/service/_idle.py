@@ -1,24 +1,13 @@
 """Idle timeout (``--idle-timeout``): the daemon stops once no call has been in flight for a while.
 
-IdleMonitor is a gRPC server interceptor: a call enters when its handler
-starts and leaves from its termination callback, which gRPC runs however the
-call ends (reply sent, error, cancelled, client gone). A Fetch stream is in
-flight for as long as it streams; so are Put and Schedule uploads. A health
-check is a call like any other, so a client keeps the daemon up by calling it
-more often than the timeout (the client's node-daemon lease does). Schedules
-pushed and never fetched do not keep it up: a trainer that pushed one and died
-would otherwise pin the daemon forever.
+IdleMonitor, a server interceptor, counts a call from its handler's start to its
+termination callback (however it ends); a Fetch stream, Put or Schedule upload is
+in flight while it streams. Health checks count, so a client's lease keeps the daemon
+up; pushed schedules do not (a trainer that died would pin the daemon forever).
+One thread waits on a condition, never polling, then calls ``on_idle`` once.
 
-One thread waits on a condition, never polling: while calls are in flight it
-sleeps until the last one leaves (woken by it); otherwise until ``timeout_s``
-after the last call left, and then checks again, as a call may have come and
-gone meanwhile. When the time is up it calls ``on_idle`` once; the daemon then
-stops on the same path as SIGTERM.
-
-Invariants: ``in_flight >= 0``; ``on_idle`` runs at most once; once it is
-decided (``idle``), no call enters: each is answered UNAVAILABLE, so nothing
-starts between the decision and the drain, and a client's health check sees a
-daemon that is going away rather than one about to vanish under it.
+Invariants: ``in_flight >= 0``; ``on_idle`` runs at most once; once ``idle`` is
+decided, every new call is refused UNAVAILABLE, so nothing starts before the drain.
 """
 
 from __future__ import annotations
@@ -64,7 +53,7 @@ class IdleMonitor(grpc.ServerInterceptor):
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the thread; ``on_idle`` is not called after this returns (it may be running now: waited for)."""
+        """Stop the thread; ``on_idle`` is not called after this returns (a running one is waited for)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -103,8 +92,6 @@ class IdleMonitor(grpc.ServerInterceptor):
         if self.idle:
             log.info("no call for %g s (--idle-timeout): stopping", self.timeout_s)
             self._on_idle()
-
-    # ---- grpc.ServerInterceptor -------------------------------------------
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)

@@ -1,11 +1,8 @@
 """Prometheus metrics of the daemon, read from its live state at each scrape.
 
-Nothing is counted twice: a scrape reads the Store's usage and the service's
-``Counters`` as they are, so the figures always equal ``actcache stats``.
-Names are in base units (bytes, seconds); counters get ``_total`` from the
-exposition; labels never carry per-sample values (only ``namespace``).
-A metric family is one ``Family`` row in ``daemon_families``; every
-``Counters`` field is exported on its own (``*_total`` fields as counters).
+Nothing is counted twice: a scrape reads the Store's usage and the service's ``Counters``
+as they are, so the figures always equal ``actcache stats``. Names are in base units
+(bytes, seconds); labels never carry per-sample values (only ``namespace``).
 """
 
 from __future__ import annotations
@@ -80,13 +77,43 @@ class DaemonCollector:
                 metric.add_metric(list(label_values), value)
             yield metric
 
+_PREFETCH = {
+    "hits": ("counter", "Entries served by Fetch with their bytes"),
+    "misses": ("counter", "Entries served by Fetch as misses"),
+    "stalls": ("counter", "Times a Fetch consumer waited for its reader"),
+    "stall_seconds": ("counter", "Seconds Fetch consumers waited for their readers"),
+    "read_bytes": ("counter", "Value bytes prefetch readers read from the store"),
+    "served_bytes": ("counter", "Entry bytes Fetch sent to consumers"),
+    "direct": ("counter", "Entries Fetch read from the store in one pass per frame (warm, shared memory)"),
+}
+
 
 def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
-    """Every family the daemon exports: usage per namespace, sizes, the service's counters, uptime."""
-    counters = service.counters
+    """Every family the daemon exports: usage per namespace, sizes, prefetch per namespace (no per-schedule
+    or per-sample labels), the service's counters, uptime."""
+    counters, prefetcher = service.counters, service.prefetcher
 
-    def per_namespace(index: int) -> Callable[[], dict[tuple[str], int]]:
+    def names() -> dict[int, str]:
+        return {info.id: info.name for info, *_ in store.namespaces()}
+
+    def stored(index: int) -> Callable[[], dict[tuple[str], int]]:
         return lambda: {(info.name,): row[index] for info, *row in store.namespaces()}
+
+    def reclaimable() -> dict[tuple[str], int]:
+        named = names()
+        out = {(name,): 0 for name in named.values()}
+        for gen in store.generation_stats():
+            if gen.dead:
+                key = (named.get(gen.namespace_id, str(gen.namespace_id)),)
+                out[key] = out.get(key, 0) + gen.bytes
+        return out
+
+    def prefetched(name: str) -> Callable[[], dict[tuple[str], float]]:
+        def read() -> dict[tuple[str], float]:
+            named, per_ns = names(), prefetcher.stats().namespaces
+            return {(named.get(ns, str(ns)),): totals.get(name, 0) for ns, totals in per_ns.items()}
+
+        return read
 
     def counter_field(name: str) -> Callable[[], int]:
         return lambda: counters.snapshot()[name]
@@ -94,8 +121,8 @@ def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
     families = [
         Family("actcache_info", "actcache daemon version", "gauge", lambda: {(__version__,): 1}, labels=("version",)),
         Family("actcache_stored_bytes", "Bytes stored (after compression) per namespace", "gauge",
-               per_namespace(1), labels=("namespace",)),
-        Family("actcache_stored_entries", "Entries stored per namespace", "gauge", per_namespace(0), labels=("namespace",)),
+               stored(1), labels=("namespace",)),
+        Family("actcache_stored_entries", "Entries stored per namespace", "gauge", stored(0), labels=("namespace",)),
         Family("actcache_budget_bytes", "Byte budget of the whole cache (0 = unlimited)", "gauge",
                lambda: store.config.budget_bytes),
         Family("actcache_namespace_budget_bytes", "Byte budget of each namespace (0 = unlimited)", "gauge",
@@ -106,28 +133,25 @@ def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
         Family("actcache_uptime_seconds", "Seconds since the daemon started", "gauge",
                lambda: time.monotonic() - service.started),
         Family("actcache_reclaimable_bytes", "Bytes of dead generations (reclaimed when a put needs room) per namespace",
-               "gauge", lambda: _reclaimable(store), labels=("namespace",)),
+               "gauge", reclaimable, labels=("namespace",)),
         Family("actcache_reclaimed_generations", "Dead generations reclaimed to make room for puts", "counter",
                lambda: store.generations.reclaimed_generations),
         Family("actcache_reclaimed_bytes", "Bytes of dead generations reclaimed to make room for puts", "counter",
                lambda: store.generations.reclaimed_bytes),
     ]
-    families += _prefetch_families(store, service)
+    families += [Family(f"actcache_prefetch_{name}", help_text, kind, prefetched(name), labels=("namespace",))
+                 for name, (kind, help_text) in _PREFETCH.items()]
+    families += [
+        Family("actcache_prefetch_budget_bytes", "Memory for read-ahead entries (--prefetch-bytes)", "gauge",
+               lambda: prefetcher.stats().budget_bytes),
+        Family("actcache_prefetch_buffered_bytes", "Read-ahead bytes held now", "gauge",
+               lambda: prefetcher.stats().buffered_bytes),
+    ]
     for f in fields(counters):
         kind = "counter" if f.name.endswith("_total") else "gauge"
         families.append(Family(f"actcache_{f.name.removesuffix('_total')}", _COUNTER_HELP.get(f.name, f.name.replace("_", " ")),
                                kind, counter_field(f.name)))
     return families
-
-
-def _reclaimable(store: "Store") -> dict[tuple[str], int]:
-    names = {info.id: info.name for info, *_ in store.namespaces()}
-    out = {(name,): 0 for name in names.values()}
-    for gen in store.generation_stats():
-        if gen.dead:
-            key = (names.get(gen.namespace_id, str(gen.namespace_id)),)
-            out[key] = out.get(key, 0) + gen.bytes
-    return out
 
 
 class MetricsEndpoint:
@@ -157,36 +181,3 @@ class MetricsEndpoint:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
-
-
-_PREFETCH = {
-    "hits": ("counter", "Entries served by Fetch with their bytes"),
-    "misses": ("counter", "Entries served by Fetch as misses"),
-    "stalls": ("counter", "Times a Fetch consumer waited for its reader"),
-    "stall_seconds": ("counter", "Seconds Fetch consumers waited for their readers"),
-    "read_bytes": ("counter", "Value bytes prefetch readers read from the store"),
-    "served_bytes": ("counter", "Entry bytes Fetch sent to consumers"),
-    "direct": ("counter", "Entries Fetch read from the store in one pass per frame (warm, shared memory)"),
-}
-
-
-def _prefetch_families(store: "Store", service: "ActCacheService") -> list[Family]:
-    """Prefetch counters per namespace (no per-schedule or per-sample labels) and the read-ahead budget."""
-    prefetcher = service.prefetcher
-
-    def per_namespace(name: str) -> Callable[[], dict[tuple[str], float]]:
-        def read() -> dict[tuple[str], float]:
-            names = {info.id: info.name for info, *_ in store.namespaces()}
-            return {(names.get(ns, str(ns)),): totals.get(name, 0) for ns, totals in prefetcher.stats().namespaces.items()}
-
-        return read
-
-    out = [
-        Family(f"actcache_prefetch_{name}", help_text, kind, per_namespace(name), labels=("namespace",))
-        for name, (kind, help_text) in _PREFETCH.items()
-    ]
-    out.append(Family("actcache_prefetch_budget_bytes", "Memory for read-ahead entries (--prefetch-bytes)", "gauge",
-                      lambda: prefetcher.stats().budget_bytes))
-    out.append(Family("actcache_prefetch_buffered_bytes", "Read-ahead bytes held now", "gauge",
-                      lambda: prefetcher.stats().buffered_bytes))
-    return out

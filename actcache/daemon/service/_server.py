@@ -1,14 +1,11 @@
 """The daemon process: binds the socket, serves the ActCache and health services, drains on SIGTERM.
 
 Lifecycle (DaemonState): STARTING -> SERVING -> DRAINING -> STOPPED.
-SERVING starts once the socket is bound, restricted to its owner (0600, or
-the ``--socket-mode`` given to ``--socket-group``) and the health service
-reports SERVING. TCP listens on loopback only unless ``--allow-remote``,
-requires the token on every call and speaks TLS with ``--tls-cert/--tls-key``.
-DRAINING refuses new calls, lets in-flight ones finish (``grace_s``; Fetch
-streams end at once with UNAVAILABLE), commits queued writes and closes LMDB.
-SIGTERM, SIGINT and, with ``--idle-timeout``, a time without calls
-(actcache.daemon.service._idle) all lead there on the same path.
+SERVING once the socket is bound (mode 0600, or ``--socket-mode`` for ``--socket-group``)
+and health reports SERVING; TCP is loopback only unless ``--allow-remote``, token-checked,
+TLS with ``--tls-cert/--tls-key``. DRAINING refuses new calls, lets in-flight ones finish
+(``grace_s``; Fetch streams end at once), commits queued writes and closes LMDB.
+SIGTERM, SIGINT and ``--idle-timeout`` all lead there on the same path.
 """
 
 from __future__ import annotations
@@ -32,8 +29,8 @@ from actcache.daemon.service._guard import RequestGuard, rewrap
 from actcache.daemon.service._idle import IdleMonitor
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service._service import ActCacheService
+from actcache.daemon.service._shm_fetch import Throttle
 from actcache.daemon.store import Store
-from actcache.daemon.service._throttle import Throttle
 from actcache.errors import ConfigError
 from actcache.malloc import tune_malloc
 from actcache.rpc import SERVICE
@@ -72,11 +69,8 @@ def _deny(request, context):
 
 
 def _claim_socket(path: Path, gid: int | None) -> None:
-    """Create the socket's directory and remove a stale socket; refuse if a daemon answers.
-
-    A directory the daemon creates is 0700, or 2710 owned by the socket's group
-    when it is shared (the group may reach the socket, not list or add files).
-    """
+    """Create the socket's directory (0700, or 2710 of the group sharing the socket: it may reach the
+    socket, not list or add files) and remove a stale socket; refuse if a daemon answers."""
     if not path.parent.exists():
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if gid is not None:
@@ -196,10 +190,8 @@ class Daemon:
 
     def _bind(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
         try:
-            if credentials is not None:
-                port = self._server.add_secure_port(address, credentials)
-            else:
-                port = self._server.add_insecure_port(address)
+            port = (self._server.add_secure_port(address, credentials) if credentials is not None
+                    else self._server.add_insecure_port(address))
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {address}: {exc}") from exc
         if port == 0:
@@ -236,11 +228,9 @@ _IDLE = 0
 def serve(config: DaemonConfig) -> int:
     """Run a daemon until SIGTERM, SIGINT or ``--idle-timeout``; returns the process exit code."""
     tune_malloc()
-    # The kernel may hand SIGTERM to any of the daemon's threads, and Python runs a handler only
-    # when the main thread next executes bytecode: a main thread asleep in Event.wait() could sleep
-    # through the signal for good. The C-level handler writes the signal's number to the wakeup fd
-    # from whichever thread took it, so the main thread waits on the other end of that pipe; the
-    # idle monitor writes _IDLE to it.
+    # A Python handler runs only when the main thread next executes bytecode, and could be slept through
+    # in Event.wait(); the C-level handler writes the signal's number to the wakeup fd from any thread,
+    # so the main thread waits on that pipe (the idle monitor writes _IDLE to it).
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     daemon = Daemon(config, on_idle=lambda: os.write(wake_w, bytes([_IDLE])))

@@ -8,6 +8,7 @@ sends can take the daemon down.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -20,10 +21,8 @@ from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import Encoding
 from actcache.daemon.prefetch import Prefetcher, ScheduleBuilder, unpack_ids, unpack_variants
-from actcache.daemon.service._jobs import NamespaceJobs
-from actcache.daemon.service._shm_fetch import ParkedRings, fetch_shm, ring_for
-from actcache.daemon.service._stats import stats_reply
-from actcache.daemon.service._throttle import Throttle
+from actcache.daemon.service._shm_fetch import ParkedRings, Throttle, serve_fetch
+from actcache.daemon.service._stats import NamespaceJobs, stats_reply
 from actcache.daemon.store import Store
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
 from actcache.rpc import PROTOCOL_VERSION, SERVICE, decode_frame, encode_frame, split_payload, version_mismatch
@@ -79,25 +78,26 @@ def _abort(context, name: str, exc: Exception) -> None:
 
 
 def _status_on_error(handler: Callable) -> Callable:
+    """The handler (a generator for a response stream), with its errors turned into statuses by ``_abort``."""
+    if inspect.isgeneratorfunction(handler):
+
+        @functools.wraps(handler)
+        def stream(self, request, context):
+            try:
+                yield from handler(self, request, context)
+            except Exception as exc:
+                _abort(context, handler.__name__, exc)
+
+        return stream
+
     @functools.wraps(handler)
-    def wrapper(self, request, context):
+    def unary(self, request, context):
         try:
             return handler(self, request, context)
         except Exception as exc:
             _abort(context, handler.__name__, exc)
 
-    return wrapper
-
-
-def _stream_status_on_error(handler: Callable) -> Callable:
-    @functools.wraps(handler)
-    def wrapper(self, request, context):
-        try:
-            yield from handler(self, request, context)
-        except Exception as exc:
-            _abort(context, handler.__name__, exc)
-
-    return wrapper
+    return unary
 
 
 def _variants(variants, count: int) -> list[int]:
@@ -139,22 +139,17 @@ class ActCacheService:
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler registering every method with its (de)serializers."""
         raw = None  # bulk methods: frames are parsed by hand
-        unary = grpc.unary_unary_rpc_method_handler
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "Open": unary(self.Open, pb.OpenRequest.FromString, pb.OpenReply.SerializeToString),
-                "Contains": unary(self.Contains, pb.ContainsRequest.FromString, pb.ContainsReply.SerializeToString),
-                "Drop": unary(self.Drop, pb.DropRequest.FromString, pb.DropReply.SerializeToString),
-                "Stats": unary(self.Stats, pb.StatsRequest.FromString, pb.StatsReply.SerializeToString),
-                "Put": grpc.stream_unary_rpc_method_handler(self.Put, raw, pb.PutReply.SerializeToString),
-                "Get": grpc.unary_stream_rpc_method_handler(self.Get, pb.GetRequest.FromString, raw),
-                "Schedule": grpc.stream_unary_rpc_method_handler(
-                    self.Schedule, pb.ScheduleChunk.FromString, pb.ScheduleReply.SerializeToString
-                ),
-                "Fetch": grpc.unary_stream_rpc_method_handler(self.Fetch, pb.FetchRequest.FromString, raw),
-            },
-        )
+        unary, stream_unary = grpc.unary_unary_rpc_method_handler, grpc.stream_unary_rpc_method_handler
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Open": unary(self.Open, pb.OpenRequest.FromString, pb.OpenReply.SerializeToString),
+            "Contains": unary(self.Contains, pb.ContainsRequest.FromString, pb.ContainsReply.SerializeToString),
+            "Drop": unary(self.Drop, pb.DropRequest.FromString, pb.DropReply.SerializeToString),
+            "Stats": unary(self.Stats, pb.StatsRequest.FromString, pb.StatsReply.SerializeToString),
+            "Put": stream_unary(self.Put, raw, pb.PutReply.SerializeToString),
+            "Get": grpc.unary_stream_rpc_method_handler(self.Get, pb.GetRequest.FromString, raw),
+            "Schedule": stream_unary(self.Schedule, pb.ScheduleChunk.FromString, pb.ScheduleReply.SerializeToString),
+            "Fetch": grpc.unary_stream_rpc_method_handler(self.Fetch, pb.FetchRequest.FromString, raw),
+        })
 
     @_status_on_error
     def Open(self, request: pb.OpenRequest, context) -> pb.OpenReply:
@@ -166,13 +161,9 @@ class ActCacheService:
             self.jobs.record(info.id, pid=job.pid, host=job.host, start_time=job.start_time, data_id=job.data_id)
         cfg = self.store.config
         return pb.OpenReply(
-            namespace_id=info.handle,
-            namespace_budget_bytes=cfg.namespace_budget_bytes,
-            daemon_budget_bytes=cfg.budget_bytes,
-            max_message_bytes=self.max_message_bytes,
-            max_entry_bytes=cfg.max_entry_bytes,
-            server_version=__version__,
-            protocol_version=PROTOCOL_VERSION,
+            namespace_id=info.handle, namespace_budget_bytes=cfg.namespace_budget_bytes,
+            daemon_budget_bytes=cfg.budget_bytes, max_message_bytes=self.max_message_bytes,
+            max_entry_bytes=cfg.max_entry_bytes, server_version=__version__, protocol_version=PROTOCOL_VERSION,
         )
 
     @_status_on_error
@@ -198,7 +189,7 @@ class ActCacheService:
             self.counters.add(puts_total=result.entries, put_bytes_total=len(payload))
         return reply
 
-    @_stream_status_on_error
+    @_status_on_error
     def Get(self, request: pb.GetRequest, context) -> Iterator[bytes]:
         """Streams the entries in request order, reading one reply frame's worth at a time
         (memory stays near ``_REPLY_FRAME_BYTES`` per call, whatever the number of ids)."""
@@ -220,12 +211,8 @@ class ActCacheService:
             stop = start + len(values)
             hits = sum(v is not None for v in values)
             size = sum(len(v) for v in values if v is not None)
-            header = pb.EntriesHeader(
-                start=start,
-                sample_ids=request.sample_ids[start:stop],
-                variants=request.variants[start:stop],
-                lengths=[len(v or b"") for v in values],
-            )
+            header = pb.EntriesHeader(start=start, sample_ids=request.sample_ids[start:stop],
+                                      variants=request.variants[start:stop], lengths=[len(v or b"") for v in values])
             self.counters.add(hits_total=hits, misses_total=len(values) - hits, served_bytes_total=size)
             if self.throttle is not None:
                 self.throttle.consume(size)
@@ -268,30 +255,16 @@ class ActCacheService:
         return pb.ScheduleReply(schedule_id=schedule.schedule_id, length=len(schedule), replaced=replaced,
                                 present=present)
 
-    @_stream_status_on_error
+    @_status_on_error
     def Fetch(self, request: pb.FetchRequest, context) -> Iterator[bytes]:
         reader = self.prefetcher.attach(self.store.resolve(request.namespace_id), request.schedule_id, request.start)
         # Fires when the call ends for any reason; a consumer that went away frees its memory at once.
         context.add_callback(reader.cancel)
         frame_bytes = min(request.max_frame_bytes or _REPLY_FRAME_BYTES, self.max_message_bytes // 2)
         try:
-            ring, detail, reused = ring_for(request, context, self.rings)
-            if ring is not None:
-                self.counters.add(**{"rings_reused_total" if reused else "rings_created_total": 1})
-                context.add_callback(ring.unlink)  # a client gone before mapping leaves no name behind
-                named = False
-                try:
-                    for frame in fetch_shm(reader, ring, frame_bytes, context, self.throttle,
-                                           whole_frames=request.whole_frames):
-                        named = True
-                        yield frame
-                finally:
-                    if named:  # the client has the segment's name: the stream ends (and the name goes) once it mapped
-                        ring.wait_mapped(context.is_active)
-                    if ring.client_mapped:  # nothing writes to it any more: its client's next Fetch may reuse it
-                        self.rings.park(ring)
-                    else:
-                        ring.close()
+            detail = yield from serve_fetch(request, context, self.rings, reader, frame_bytes, self.throttle,
+                                            self.counters.add)
+            if detail is None:
                 return
             first = True
             for frame in reader.frames(frame_bytes):

@@ -1,37 +1,63 @@
-"""Fetch over shared memory: the ring a stream's entries are decoded into, and its frames of slot descriptors."""
+"""Fetch over shared memory: the ring a stream's entries are decoded into, and its frames of slot descriptors;
+the read throttle of both data planes."""
 
 from __future__ import annotations
 
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.served import copy_raw_run, served_size, stored_raw
 from actcache.daemon.prefetch import DirectRun
+from actcache.errors import ConfigError
 from actcache.rpc import encode_frame
 from actcache.shm import ShmRing, reusable
 
-if TYPE_CHECKING:
-    from actcache.daemon.service._throttle import Throttle
-
-__all__ = ["ParkedRings", "fetch_shm", "ring_for"]
+__all__ = ["ParkedRings", "Throttle", "fetch_shm", "serve_fetch"]
 
 # Positions a direct run covers at most; a frame looks up a frame's worth of them.
 _DIRECT_ENTRIES = 1024
-# How long a frame waits for the client to release room for all of it (ShmRing.wait_frame_room):
-# longer than a training step usually takes between two frames; a client holding several frames
-# on purpose gets what fits after it.
+# How long a frame waits for room for all of it (ShmRing.wait_frame_room): longer than a training
+# step between two frames; a client holding several frames on purpose gets what fits after it.
 _WHOLE_FRAME_PATIENCE_S = 0.5
 
 
-class ParkedRings:
-    """Rings whose stream ended after its client mapped them, kept for that client's next Fetch
-    (``FetchRequest.reuse_segment``; see actcache.shm). Thread-safe.
+class Throttle:
+    """Read throttle (``--throttle-read-mbps``) reproducing a slow disk, so the client's cost model can be
+    exercised: a token bucket of ``rate`` bytes/s with a burst of ``burst_s`` seconds of traffic.
 
-    A ring waits at most ``idle_s`` (a thread closes it after that) and at most ``max_bytes`` of
-    rings wait (the oldest go first): a client that went away costs that memory for a while only.
+    After an idle spell a reservation of ``n`` bytes waits ``n / rate - burst_s``;
+    back to back, reservations are paced at exactly ``rate``.
+    """
+
+    def __init__(self, bytes_per_s: float, *, burst_s: float = 0.05) -> None:
+        if bytes_per_s <= 0:
+            raise ConfigError(f"throttle rate must be > 0 bytes/s, got {bytes_per_s}; pass --throttle-read-mbps > 0")
+        self.rate = float(bytes_per_s)
+        self._burst = self.rate * burst_s
+        self._lock = threading.Lock()
+        self._ready_at = time.monotonic()  # when the bucket has paid for all reservations so far
+
+    def consume(self, nbytes: int) -> float:
+        """Block until ``nbytes`` may be sent; returns the seconds waited."""
+        with self._lock:
+            now = time.monotonic()
+            # The bucket refills while idle but never holds more than the burst: the slack is
+            # granted once, below, not also by backdating the start.
+            self._ready_at = max(self._ready_at, now) + nbytes / self.rate
+            wait = self._ready_at - now - self._burst / self.rate
+        if wait > 0:
+            time.sleep(wait)  # rate limiting: the wait is the point
+            return wait
+        return 0.0
+
+
+class ParkedRings:
+    """Rings whose client mapped them, kept for that client's next Fetch (``FetchRequest.reuse_segment``).
+
+    Thread-safe. A ring waits at most ``idle_s``, and at most ``max_bytes`` of rings wait (oldest go first).
     """
 
     def __init__(self, *, idle_s: float = 30.0, max_bytes: int = 256 << 20) -> None:
@@ -55,8 +81,7 @@ class ParkedRings:
             old.close()
 
     def take(self, path: str, ring_bytes: int) -> ShmRing | None:
-        """The parked ring named ``path`` if it serves a ring of ``ring_bytes`` (``reusable``; it is no
-        longer parked), else None."""
+        """The parked ring named ``path``, unparked, if it serves a ring of ``ring_bytes``; else None."""
         with self._cond:
             ring, _ = self._rings.get(path, (None, 0.0))
             if ring is None or not reusable(ring.capacity, ring_bytes):
@@ -94,33 +119,48 @@ class ParkedRings:
                 ring.close()
 
 
-def ring_for(request: pb.FetchRequest, context, parked: ParkedRings) -> tuple["ShmRing | None", str, bool]:
-    """A shared-memory ring for this Fetch and whether it is the parked one the request names; or None
-    and why the bytes path is taken."""
+def serve_fetch(request: pb.FetchRequest, context, parked: ParkedRings, reader, frame_bytes: int,
+                throttle: Throttle | None, count: Callable[..., None]) -> Generator[bytes, None, str | None]:
+    """Serve a Fetch over a shared-memory ring (the parked one the request names, else a new one; counted
+    by ``count(rings_..._total=1)``), parked again for its client once mapped. Returns None, or, having
+    sent nothing, why the bytes path is taken."""
     if not request.shared_memory:
-        return None, "not asked for", False
+        return "not asked for"
     if not context.peer().startswith("unix:"):
-        return None, f"client is not on this host's Unix socket ({context.peer()})", False
+        return f"client is not on this host's Unix socket ({context.peer()})"
     ring_bytes = ShmRing.size_for(request.ring_bytes)
     ring = parked.take(request.reuse_segment, ring_bytes) if request.reuse_segment else None
     if ring is not None:
         ring.restart(request.start, ring_bytes)
-        return ring, "", True
+        count(rings_reused_total=1)
+    else:
+        try:
+            ring = ShmRing(request.ring_bytes, request.start)
+        except OSError as exc:
+            return f"shared memory unavailable: {exc}"
+        count(rings_created_total=1)
+    context.add_callback(ring.unlink)  # a client gone before mapping leaves no name behind
+    named = False
     try:
-        return ShmRing(request.ring_bytes, request.start), "", False
-    except OSError as exc:
-        return None, f"shared memory unavailable: {exc}", False
+        for frame in fetch_shm(reader, ring, frame_bytes, context, throttle, whole_frames=request.whole_frames):
+            named = True
+            yield frame
+    finally:
+        if named:  # the client has the segment's name: the stream ends (and the name goes) once it mapped
+            ring.wait_mapped(context.is_active)
+        if ring.client_mapped:  # nothing writes to it any more: its client's next Fetch may reuse it
+            parked.park(ring)
+        else:
+            ring.close()
 
 
-def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Throttle | None", *,
+def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: Throttle | None, *,
               whole_frames: bool = False) -> Iterator[bytes]:
     """Frames of slot descriptors: each entry is decoded into its slot once the slot is free.
 
-    Each frame waits a while (with ``whole_frames``: as long as the client holds) for room for
-    all of it, so frames stay whole; otherwise what fits goes out before waiting (see
-    actcache.shm, Invariants). An entry larger than the whole ring travels alone in its frame's
-    payload (offset 0). A warm stream is read here, a frame's worth per LMDB call, straight into
-    the slots (``DirectRun``), in runs that end where a frame of ``frame_bytes`` would.
+    A frame waits a while (``whole_frames``: indefinitely) for room for all of it, then sends what
+    fits (actcache.shm, Invariants). An entry larger than the ring travels in its frame's payload.
+    A warm stream is read here straight into the slots (``DirectRun``), a frame's worth per LMDB call.
     """
     first = True
 
@@ -182,7 +222,7 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: "Thr
 
 def _frame_entries(position: int, frame_bytes: int, entry_bytes: int) -> int:
     """Positions a direct run from ``position`` looks up for one frame: up to the next multiple of a
-    frame's entries, so that after a short frame (the stream's first runs) frames are aligned again."""
+    frame's entries, so frames align again after a short one."""
     if not entry_bytes:
         return _DIRECT_ENTRIES
     per_frame = max(1, frame_bytes // entry_bytes)
@@ -190,19 +230,16 @@ def _frame_entries(position: int, frame_bytes: int, entry_bytes: int) -> int:
 
 
 def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) -> tuple[list[int], list[int], int] | None:
-    """Copy up to ``count`` entries of ``run``, ``frame_bytes`` at most (one entry at least), into ring
-    slots in one read transaction (closed before anything waits): ``(lengths, offsets)`` of the
-    positions served (a prefix of the run; 0 for a miss) and the size of the first entry that did not
-    fit the ring now (0: none); None if the run was given back (the values seem cold, or an entry is
-    larger than the ring: the regular path takes them)."""
+    """Copy up to ``count`` entries of ``run`` (``frame_bytes`` at most, one at least) into ring slots in
+    one read transaction: ``(lengths, offsets)`` of the prefix served (0 for a miss) and the size of the
+    first entry that did not fit now (0: none); None if the run was given back to the regular path
+    (cold values, or an entry larger than the ring)."""
     ring.poll()
     with run.values(count) as views:
         if views is None:
             run.give_back()
             return None
-        served = (_copy_uniform(run.start, views, ring, frame_bytes)
-                  or _copy_each(run.start, views, ring, frame_bytes, run.decode_into))
-    lengths, offsets, errors, blocked = served
+        lengths, offsets, errors, blocked = _copy_views(run.start, views, ring, frame_bytes, run.decode_into)
     if not lengths and not blocked:  # the first entry is larger than the ring
         run.give_back()
         return None
@@ -213,13 +250,26 @@ def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) ->
     return lengths, offsets, blocked
 
 
-def _copy_each(position: int, views: list, ring: ShmRing, frame_bytes: int,
-               decode_into: Callable[[list, list[memoryview]], list]) -> tuple[list[int], list[int], list, int]:
-    """``_copy_direct`` entry by entry, into what fits the ring now (``decode_into``: the run's, decoding
-    with the decode pool's help): ``(lengths, offsets, errors, blocked)``, one error (or None) per
-    position served."""
+def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
+                decode_into: Callable[[list, list[memoryview]], list]) -> tuple[list[int], list[int], list, int]:
+    """``_copy_direct``'s copy into what fits the ring now: ``(lengths, offsets, errors, blocked)``, one error
+    (or None) per position served. The usual case in one pass: raw entries of one size, a frame's worth
+    fitting the ring now, copied and verified into consecutive slots; else entry by entry."""
+    size = len(views[0]) if views and views[0] is not None else 0
+    count = min(len(views), max(1, frame_bytes // size)) if size else 0
+    head = views[:count]
+    uniform = size and count * size <= ring.ring_bytes and all(
+        v is not None and len(v) == size and stored_raw(v) for v in head)
+    blocks = ring.alloc_run(position, count, size) if uniform else None
+    if blocks is not None:
+        offsets: list[int] = []
+        errors: list = []
+        for offset, n in blocks:
+            offsets += range(offset, offset + n * size, size)
+            errors += copy_raw_run(head[len(errors) : len(errors) + n], ring.view(offset, n * size))
+        return [size] * count, offsets, errors, 0
     lengths: list[int] = []
-    offsets: list[int] = []
+    offsets = []
     blocked = total = 0
     for i, view in enumerate(views):
         size = 0 if view is None else served_size(view)
@@ -234,40 +284,15 @@ def _copy_each(position: int, views: list, ring: ShmRing, frame_bytes: int,
         offsets.append(offset)
     todo = [i for i, n in enumerate(lengths) if n]
     decoded = decode_into([views[i] for i in todo], [ring.view(offsets[i], lengths[i]) for i in todo])
-    errors: list = [None] * len(lengths)
+    errors = [None] * len(lengths)
     for i, exc in zip(todo, decoded):
         errors[i] = exc
     return lengths, offsets, errors, blocked
 
 
-def _copy_uniform(position: int, views: list, ring: ShmRing, frame_bytes: int
-                  ) -> tuple[list[int], list[int], list, int] | None:
-    """``_copy_direct``'s usual case in one pass: when the values are stored raw entries of one size and
-    a frame's worth of them fits the ring now, copy and verify them in consecutive slots
-    (``copy_raw_run``; two blocks where the ring wraps): ``_copy_each``'s result; else None, and
-    nothing was allocated."""
-    size = len(views[0]) if views and views[0] is not None else 0
-    if not size:
-        return None
-    count = min(len(views), max(1, frame_bytes // size))
-    head = views[:count]
-    if count * size > ring.ring_bytes or any(v is None or len(v) != size or not stored_raw(v) for v in head):
-        return None
-    blocks = ring.alloc_run(position, count, size)
-    if blocks is None:
-        return None
-    offsets: list[int] = []
-    errors: list = []
-    for offset, n in blocks:
-        offsets += range(offset, offset + n * size, size)
-        errors += copy_raw_run(head[len(errors) : len(errors) + n], ring.view(offset, n * size))
-    return [size] * count, offsets, errors, 0
-
-
 def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, context) -> tuple[int | None, list[int]]:
-    """Ring slots for entries ``lo..hi`` (misses get offset 0): as many as fit now, waiting only for the
-    first. Returns ``(hi, offsets)``; ``hi == lo`` when entry ``lo`` is larger than the ring, None if
-    the call ended while waiting."""
+    """Slots for entries ``lo..hi`` (misses: offset 0), as many as fit now, waiting only for the first:
+    ``(hi, offsets)``; ``hi == lo`` when entry ``lo`` is larger than the ring, None if the call ended."""
     offsets: list[int] = []
     hi = lo
     while hi < count:
