@@ -9,18 +9,13 @@ every active stage l::
                 last stage, which always trains), not the embedding stages (linear
                 interpolation, numpy's default rule; a zero previous norm makes eta infinite)
 
-The frontmost active stage freezes while its eta < threshold. The paper
-judges BERT's encoder blocks: the classifier is never a candidate, so its
-eta (the new head's gradients change fastest) does not raise the
-percentile, and "when transformer blocks are frozen, we also freeze the
-Embedding layer" (§4): with ``embedding_stages=k`` the first k stages are
-not judged on their own but freeze together with stage k, in the same
-evaluation, when stage k passes the test. Algorithm 1
-loops over the active stages in one interval; here each observation answers
-for one stage, so after applying a FREEZE_NEXT the controller calls again with
-the same ``step`` and the next stage is judged against the same interval's
-eta and threshold. A stage is judged only when it has norms from two
-consecutive intervals in which it was active; non-finite norms count as missing.
+The frontmost active stage freezes while its eta < threshold. With
+``embedding_stages=k`` the first k stages are not judged on their own but
+freeze with stage k when it passes (AutoFreeze §4). After a FREEZE_NEXT the
+controller calls again with the same ``step`` (Algorithm 1's loop), and the
+next stage is judged against the same interval's eta and threshold. A stage is
+judged only with norms from two consecutive intervals in which it was active;
+non-finite norms count as missing. docs/guides/freeze-policies.md says why.
 """
 
 from __future__ import annotations
@@ -32,7 +27,7 @@ from typing import Any
 
 from actcache.errors import ConfigError
 
-from actcache_client.freeze.policy import Decision, Signals
+from actcache_client.freeze.policy import Decision, Signals, check_state_version
 
 __all__ = ["AutoFreezeConfig", "AutoFreezePolicy"]
 
@@ -43,11 +38,9 @@ _STATE_VERSION = 1
 class AutoFreezeConfig:
     """Knobs of the gradient-norm test; defaults are the paper's."""
 
-    #: N: freeze while eta is below this percentile of the active stages' eta. Paper: the
-    #: median, 50 (§3.1 Figure 6, §4); 75 lost accuracy, 25 froze less (§4.3).
+    #: N: freeze while eta is below this percentile of the active stages' eta. Paper: the median, 50 (§4).
     percentile: float = 50.0
-    #: Evaluation intervals per epoch, i.e. how often the controller calls observe. Paper:
-    #: 5 (§4 setup); 2 to 5 balance speed and accuracy, 10 loses accuracy (§4.3).
+    #: Evaluation intervals per epoch, i.e. how often the controller calls observe. Paper: 5 (§4).
     intervals_per_epoch: int = 5
     #: Stages before the first judged one (BERT staged by ``from_bert``: 1, the embeddings). They
     #: freeze together with the first judged stage (AutoFreeze §4); 0 judges every stage but the head.
@@ -139,9 +132,7 @@ class AutoFreezePolicy:
                 "eta": list(self._eta), "threshold": self._threshold}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"AutoFreezePolicy state version {state.get('version')!r} is not {_STATE_VERSION}; "
-                             "it was saved by an incompatible actcache version")
+        check_state_version("AutoFreezePolicy", state, _STATE_VERSION)
         self._step = state["step"]
         self._prev = [None if v is None else float(v) for v in state["prev"]]
         self._eta = [None if v is None else float(v) for v in state["eta"]]

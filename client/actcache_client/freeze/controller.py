@@ -8,23 +8,13 @@ A training step with the controller::
     opt.step()              # pre-hook: ctl.after_backward(): frozen grads -> None, grad sums if needed
     ctl.step(loss, epoch=batch.epoch)                 # every eval_every steps: an evaluation
 
-An evaluation (step % eval_every == 0): the loss is averaged over the
-interval (and across ranks when the policy needs it), the per-stage gradient
-norms are those of the interval's summed gradients, plasticity is the latest
-reading of the frontmost active stage from the reference process (None if
-none arrived: the step never waits; see probe.py for the snapshots it compares). Rank 0 calls ``policy.observe``, again
-at the same step after each FREEZE_NEXT (AutoFreeze's Algorithm 1 loop;
-schedules catch up), and broadcasts the resulting depth; every rank applies
-it at that step through ``CachedForward.set_frozen`` (requires_grad, eval
-mode, fingerprints, DDP re-wrap of the active stages). The optimizer is
-never rebuilt: active parameters keep their state, frozen ones get
-``grad = None`` so momentum and weight decay cannot move them.
-
-The reference process (plasticity policies, rank 0 only) starts once the
-policy leaves bootstrapping; from then on the frontmost stage is snapshot at
-every evaluation, and one probe per evaluation interval is captured on the
-step after an evaluation by a forward pre-hook on the frontmost stage. The
-reference's ``max_cpu_percent="auto"`` is resolved from the model's device.
+At an evaluation rank 0 builds the ``Signals`` (the interval's mean loss,
+across ranks when needed; its summed gradients' norms; the latest plasticity
+reading, never waited for: probe.py) and calls ``policy.observe``, again at
+the same step after each FREEZE_NEXT (AutoFreeze's Algorithm 1 loop). Every
+rank applies the broadcast depth at that step through
+``CachedForward.set_frozen``. The optimizer is never rebuilt: frozen
+parameters get ``grad = None``, so momentum and weight decay cannot move them.
 """
 
 from __future__ import annotations
@@ -36,14 +26,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from actcache.errors import ConfigError, LifecycleError, PolicyError
+from actcache.errors import ConfigError, LifecycleError
 from actcache_client._cached_forward import CachedForward
 from actcache_client.cost_model import Plan
 from actcache_client.freeze import _refproc
 from actcache_client.freeze.defaults import default_policy, eval_every_for, run_length
 from actcache_client.freeze.distributed import DdpWrapper, broadcast_depth, mean_across_ranks, rank_and_world
 from actcache_client.freeze.gradnorm import GradNormAccumulator
-from actcache_client.freeze.policy import Decision, DecisionKind, FreezePolicy, Signals
+from actcache_client.freeze.policy import (Decision, DecisionKind, FreezePolicy, Signals, check_state_version,
+                                            depth_after)
 from actcache_client.freeze.probe import PlasticityProbe
 from actcache_client.freeze.reference import ReferenceConfig, ReferenceStats
 from actcache_client.freeze.static import NoFreezePolicy
@@ -54,6 +45,8 @@ __all__ = ["FreezeController"]
 log = logging.getLogger("actcache_client.freeze")
 
 _STATE_VERSION = 1
+#: The reference process's counters copied into every evaluation record.
+_REFERENCE_COUNTERS = ("submitted", "readings", "skipped_full", "skipped_busy", "dropped", "snapshots_dropped")
 
 
 class FreezeController:
@@ -80,23 +73,12 @@ class FreezeController:
     needs the ``if __name__ == "__main__":`` guard (the reference process is spawned).
     """
 
-    def __init__(
-        self,
-        cached: CachedForward,
-        optimizer: torch.optim.Optimizer,
-        policy: FreezePolicy | None = None,
-        *,
-        eval_every: int | None = None,
-        total_steps: int | None = None,
-        steps_per_epoch: int | None = None,
-        epochs: int | None = None,
-        reference: ReferenceConfig | None = None,
-        timeline: str | None = None,
-        hook_optimizer: bool = True,
-        process_group: Any = None,
-        ddp: bool | None = None,
-        ddp_kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, cached: CachedForward, optimizer: torch.optim.Optimizer, policy: FreezePolicy | None = None,
+                 *, eval_every: int | None = None, total_steps: int | None = None,
+                 steps_per_epoch: int | None = None, epochs: int | None = None,
+                 reference: ReferenceConfig | None = None, timeline: str | None = None, hook_optimizer: bool = True,
+                 process_group: Any = None, ddp: bool | None = None,
+                 ddp_kwargs: Mapping[str, Any] | None = None) -> None:
         if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
             raise ConfigError(f"eval_every={eval_every!r} must be a positive number of steps (Egeria uses "
                               "~300 for ResNet-56; AutoFreeze: an epoch's steps / 5)")
@@ -123,7 +105,7 @@ class FreezeController:
         self.evaluations = 0
         #: (step, depth before, depth after) of every applied change, on every rank.
         self.changes: list[tuple[int, int, int]] = []
-        self._num_stages = cached.model.num_stages
+        self._num_stages = num_stages
         self._counts = cached.model.param_counts()
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
@@ -228,25 +210,12 @@ class FreezeController:
                               plasticity=plasticity if "plasticity" in needs else None,
                               grad_norms=grad_norms if "grad_norms" in needs else None)
             decision = self.policy.observe(signals)
-            after = self._check(decision, frozen)
+            after = depth_after(decision, frozen, self._num_stages, f"policy {type(self.policy).__name__}")
             records.append(self._record(signals, decision, after, reading))
             if decision.kind is not DecisionKind.FREEZE_NEXT:
                 return after, records
             frozen, plasticity, reading = after, None, None  # the reading was of the stage just frozen
         return frozen, records
-
-    def _check(self, decision: Decision, frozen: int) -> int:
-        if decision.kind is DecisionKind.FREEZE_NEXT:
-            if decision.stage != frozen or frozen >= self._num_stages - 1:
-                raise PolicyError(f"policy {type(self.policy).__name__} asked to freeze stage {decision.stage} with "
-                                   f"{frozen} of {self._num_stages} stages frozen; only stage {frozen} may freeze "
-                                   "and never the head (see check_freeze_policy_contract)")
-            return frozen + 1
-        if decision.kind is DecisionKind.UNFREEZE_ALL:
-            if frozen == 0:
-                raise PolicyError(f"policy {type(self.policy).__name__} asked to unfreeze with nothing frozen")
-            return 0
-        return frozen
 
     def _record(self, signals: Signals, decision: Decision, after: int,
                 reading: _refproc.Reading | None) -> dict[str, Any]:
@@ -268,10 +237,7 @@ class FreezeController:
             "smoothed": numbers.get("smoothed"), "threshold": numbers.get("threshold"),
             "decision": decision.kind.value, "reason": decision.reason, "lr": signals.lr, "frozen": after,
             "active_param_share": self.active_param_share(after), "rewrap_s": None, "numbers": dict(numbers),
-            "reference": None if stats is None else {
-                "submitted": stats.submitted, "readings": stats.readings, "skipped_full": stats.skipped_full,
-                "skipped_busy": stats.skipped_busy, "dropped": stats.dropped,
-                "snapshots_dropped": stats.snapshots_dropped},
+            "reference": None if stats is None else {k: getattr(stats, k) for k in _REFERENCE_COUNTERS},
         }
 
     def _record_plan(self, frozen: int, plan: Plan) -> None:
@@ -317,8 +283,9 @@ class FreezeController:
     def state_dict(self) -> dict[str, Any]:
         """Counters, the frozen depth and its fingerprint, the policy's state (save rank 0's)."""
         return {"version": _STATE_VERSION, "step": self.step_count, "epoch": self.epoch,
-                "evaluations": self.evaluations, "frozen": self.frozen, "fingerprint": self.cached.weights_fingerprint().hex(),
-                "policy": self.policy.state_dict(), "changes": [list(c) for c in self.changes]}
+                "evaluations": self.evaluations, "frozen": self.frozen,
+                "fingerprint": self.cached.weights_fingerprint().hex(), "policy": self.policy.state_dict(),
+                "changes": [list(c) for c in self.changes]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: load the model's weights first; the frozen prefix (and so its cache entries) is restored.
@@ -326,16 +293,15 @@ class FreezeController:
         An interval in progress at the checkpoint restarts (its loss and
         gradient sums are not saved).
         """
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"controller state version {state.get('version')!r} is not {_STATE_VERSION}; "
-                              "it was saved by an incompatible actcache version")
+        check_state_version("controller", state, _STATE_VERSION)
         depth = int(state["frozen"])
         if depth != self.frozen:
             self._apply(depth)
-        if self.cached.weights_fingerprint().hex() != state["fingerprint"]:
-            raise ConfigError(f"the model's first {depth} stages have fingerprint {self.cached.weights_fingerprint().hex()} "
-                              f"but the checkpoint recorded {state['fingerprint']}: load the model's state_dict "
-                              "(the same weights) before the controller's")
+        fingerprint = self.cached.weights_fingerprint().hex()
+        if fingerprint != state["fingerprint"]:
+            raise ConfigError(f"the model's first {depth} stages have fingerprint {fingerprint} but the checkpoint "
+                              f"recorded {state['fingerprint']}: load the model's state_dict (the same weights) "
+                              "before the controller's")
         self.policy.load_state_dict(state["policy"])
         self.step_count, self.epoch = int(state["step"]), int(state["epoch"])
         self.evaluations = int(state["evaluations"])

@@ -18,15 +18,9 @@ Per evaluation, for the frontmost active stage ``s == signals.frozen``::
          stage 0 starts with fresh readings
 
 A reading compares two eval-mode snapshots of the stage ``age`` evaluations
-apart (default W / 2), so readings are comparable and T tests their level,
-not a slope; T follows the stage's peak and is calibrated again after an
-unfreeze. Bootstrapping compares the loss averaged over spans of at least
-``bootstrap_steps`` steps, scaled to one interval. Unfreezing needs a
-discrete lr drop after a flat interval: a schedule that changes the lr every
-step never unfreezes; cyclic schedules call ``on_schedule_restart``. With
-``freeze_lr_fraction`` a stage that passed the test waits, ready, until the
-lr falls to that fraction of its peak. docs/design/egeria.md says why, with
-the measurements.
+apart (default W / 2), so T tests its level, not a slope. Unfreezing needs a
+discrete lr drop after a flat interval; cyclic schedules call
+``on_schedule_restart``. docs/design/egeria.md says why, with the measurements.
 """
 
 from __future__ import annotations
@@ -39,7 +33,7 @@ from typing import Any, cast
 
 from actcache.errors import ConfigError
 
-from actcache_client.freeze.policy import Decision, Signals
+from actcache_client.freeze.policy import Decision, Signals, check_state_version
 
 __all__ = ["EgeriaConfig", "EgeriaPolicy"]
 
@@ -51,20 +45,17 @@ _SAME = 1e-9  # relative tolerance for "the lr did not change"
 class EgeriaConfig:
     """Knobs of Egeria's freezing rule; defaults are the paper's (§4.2.2, §6.4) unless marked ours."""
 
-    #: W: moving-average span and consecutive low evaluations to freeze. Paper: W=10 (§4.2.2
-    #: guideline; §6.4: 5 freezes too eagerly, 20 too late).
+    #: W: moving-average span and consecutive low evaluations to freeze. Paper: 10 (§4.2.2, §6.4).
     window: int = 10
     #: T as a fraction of the largest |smoothed reading| of a stage (its first readings and any
-    #: larger one after). Paper: 20% of the early slopes (§4.2.2); §6.4: 40% freezes unconverged
-    #: stages, 10% practically never freezes.
+    #: larger one after). Paper: 20% of the early slopes (§4.2.2, §6.4).
     tolerance_fraction: float = 0.2
     #: How many initial smoothed readings calibrate T per stage. Paper: 3 (§4.2.2).
     tolerance_readings: int = 3
     #: Bootstrapping ends once the smoothed training loss changes by less than this fraction per
     #: evaluation interval. Paper: 10% (§4.2.2). None skips bootstrapping.
     bootstrap_threshold: float | None = 0.1
-    #: Ours: the loss is averaged over spans of at least this many steps before two spans are
-    #: compared (docs/design/egeria.md says why 32).
+    #: Ours: the loss is averaged over spans of at least this many steps before two spans are compared.
     bootstrap_steps: int = 32
     #: Unfreeze all once a discrete lr drop brings it this factor below its value when stage 0
     #: froze. Paper: 10 (§4.2.2).
@@ -100,12 +91,7 @@ class EgeriaConfig:
 
 
 def _per_interval_change(prev: float, cur: float, fraction: float) -> float:
-    """Relative change from ``prev`` to ``cur``, scaled to ``fraction`` of the span between them.
-
-    Geometric scaling (exact for a loss falling or rising exponentially): over a
-    span of 32 intervals a loss falling 15% per interval falls 99.5%, and the
-    scaled change is 15% again. Non-positive losses fall back to a linear scaling.
-    """
+    """Relative change from ``prev`` to ``cur`` scaled to ``fraction`` of their span: geometric, linear if <= 0."""
     if prev > 0 and cur > 0:
         return 1 - math.exp(-abs(math.log(prev / cur)) * fraction)
     if prev == 0:
@@ -258,26 +244,16 @@ class EgeriaPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": _STATE_VERSION,
-            "bootstrapping": self._bootstrapping,
-            "span": list(self._span),
+            "version": _STATE_VERSION, "bootstrapping": self._bootstrapping, "span": list(self._span),
             "prev_span": None if self._prev_span is None else list(self._prev_span),
-            "last_step": self._last_step,
-            "lrs": list(self._lrs),
-            "peak_lr": self._peak_lr,
-            "window": self._window,
+            "last_step": self._last_step, "lrs": list(self._lrs), "peak_lr": self._peak_lr, "window": self._window,
             "tolerance": [[stage, t] for stage, t in sorted(self._tolerance.items())],
-            "lr_at_freeze": self._lr_at_freeze,
-            "stage": self._stage,
-            "raw": list(self._raw),
-            "calibration": list(self._calibration),
-            "consecutive": self._consecutive,
+            "lr_at_freeze": self._lr_at_freeze, "stage": self._stage, "raw": list(self._raw),
+            "calibration": list(self._calibration), "consecutive": self._consecutive,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"EgeriaPolicy state version {state.get('version')!r} is not {_STATE_VERSION}; "
-                             "it was saved by an incompatible actcache version")
+        check_state_version("EgeriaPolicy", state, _STATE_VERSION)
         self._bootstrapping = bool(state["bootstrapping"])
         self._span = [float(state["span"][0]), int(state["span"][1])]
         prev = state["prev_span"]

@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from actcache.errors import ConfigError
+from actcache.errors import ConfigError, PolicyError
 
 __all__ = [
     "Decision",
@@ -141,33 +141,47 @@ def _same(a: Decision, b: Decision) -> bool:
                for k in a.numbers)
 
 
-def _fail(message: str) -> None:
-    raise AssertionError(message)
+def check_state_version(owner: str, state: Mapping[str, Any], version: int) -> None:
+    """Raise ConfigError unless ``state`` was saved in version ``version`` of ``owner``'s format."""
+    if state.get("version") != version:
+        raise ConfigError(f"{owner} state version {state.get('version')!r} is not {version}; "
+                          "it was saved by an incompatible actcache version")
+
+
+def depth_after(decision: Decision, frozen: int, num_stages: int, who: str) -> int:
+    """The frozen depth once ``decision`` is applied; PolicyError if the contract forbids it."""
+    if decision.kind is DecisionKind.FREEZE_NEXT:
+        if decision.stage != frozen:
+            raise PolicyError(f"{who} asked to freeze stage {decision.stage} with {frozen} of {num_stages} stages "
+                              f"frozen; only stage {frozen} may freeze (only the frontmost active stage "
+                              "may freeze; see check_freeze_policy_contract)")
+        if frozen >= num_stages - 1:
+            raise PolicyError(f"{who} asked to freeze stage {frozen}, the head of {num_stages} stages; "
+                              "the head always trains (see check_freeze_policy_contract)")
+        return frozen + 1
+    if decision.kind is DecisionKind.UNFREEZE_ALL:
+        if frozen == 0:
+            raise PolicyError(f"{who} asked to unfreeze all with nothing frozen")
+        return 0
+    return frozen
 
 
 def _run(policy: FreezePolicy, stream: Sequence[Signals], frozen: int, start: int,
          before_observe: Callable[[Any, int], None] | None) -> tuple[list[Decision], int]:
     """Feed ``stream`` with ``frozen`` overridden by the applied decisions; check each decision."""
     decisions = []
-    for offset, template in enumerate(stream):
-        index = start + offset
+    for index, template in enumerate(stream, start=start):
         if before_observe is not None:
             before_observe(policy, index)
         signals = dataclasses.replace(template, frozen=frozen)
         decision = policy.observe(signals)
         where = f"signal #{index} (step {signals.step}, frozen={frozen})"
         if not isinstance(decision, Decision):
-            _fail(f"{where}: observe returned {decision!r}, not a Decision")
-        if decision.kind is DecisionKind.FREEZE_NEXT:
-            if decision.stage != frozen:
-                _fail(f"{where}: froze stage {decision.stage}; only the frontmost active stage {frozen} may freeze")
-            if frozen >= signals.num_stages - 1:
-                _fail(f"{where}: froze stage {frozen}, the head of {signals.num_stages} stages; the head always trains")
-            frozen += 1
-        elif decision.kind is DecisionKind.UNFREEZE_ALL:
-            if frozen == 0:
-                _fail(f"{where}: UNFREEZE_ALL with nothing frozen")
-            frozen = 0
+            raise AssertionError(f"{where}: observe returned {decision!r}, not a Decision")
+        try:
+            frozen = depth_after(decision, frozen, signals.num_stages, "the policy")
+        except PolicyError as exc:
+            raise AssertionError(f"{where}: {exc}") from None
         decisions.append(decision)
     return decisions, frozen
 
@@ -194,9 +208,10 @@ def check_freeze_policy_contract(
     stream = list(signal_stream)
     policy = policy_factory()
     if not isinstance(policy, FreezePolicy):
-        _fail(f"{policy!r} does not implement FreezePolicy (observe, state_dict, load_state_dict, needs)")
+        raise AssertionError(f"{policy!r} does not implement FreezePolicy "
+                             "(observe, state_dict, load_state_dict, needs)")
     if not isinstance(policy.needs, frozenset) or not policy.needs <= SIGNAL_NAMES:
-        _fail(f"needs={policy.needs!r} must be a frozenset of {sorted(SIGNAL_NAMES)}")
+        raise AssertionError(f"needs={policy.needs!r} must be a frozenset of {sorted(SIGNAL_NAMES)}")
     splits = sorted(set(snapshot_at if snapshot_at is not None else [len(stream) // 2]))
     if splits and not 0 <= splits[0] <= splits[-1] <= len(stream):
         raise ConfigError(f"snapshot_at must lie in 0..{len(stream)} (the stream length), got {splits}")
@@ -215,6 +230,6 @@ def check_freeze_policy_contract(
         replay, _ = _run(restored, stream[split:], frozen, split, before_observe)
         for index, (want, got) in enumerate(zip(decisions[split:], replay, strict=True), start=split):
             if not _same(want, got):
-                _fail(f"signal #{index}: after a state_dict round trip at #{split} the policy decided "
-                      f"{got!r}, the uninterrupted one {want!r}")
+                raise AssertionError(f"signal #{index}: after a state_dict round trip at #{split} the policy "
+                                     f"decided {got!r}, the uninterrupted one {want!r}")
     return decisions

@@ -1,25 +1,13 @@
 """Egeria's reference model, run in a separate CPU process that training never waits for.
 
-What is compared (Egeria §4.1, Eq. 1, on actcache's stages): for the
-frontmost active stage s and one training batch, the training side sends
-
-    x   = the input state of stage s in the training forward pass
-          (the frozen prefix's output, served from the cache or computed;
-          the raw batch when s == 0)
-
-and the reference process runs x through two snapshots of stage s (eval
-mode, fp32): the one taken at the evaluation just before the probe (the
-training stage's weights) and the one taken ``age`` evaluations earlier
-(``reference_age``)::
+For the frontmost active stage s, a probe sends x, the input of stage s in
+one training forward, and the process runs it through two eval-mode fp32
+snapshots of s: the one taken at the evaluation just before the probe and
+the one ``reference_age`` evaluations earlier (Egeria §4.1, Eq. 1)::
 
     plasticity = sp_loss(ref_s[now](x), ref_s[now - age](x))
 
-This is what the stage changed over a constant span of training, exactly 0
-for identical weights; unlike the train-mode output Egeria compares, it has
-no floor that changes from batch to batch (docs/design/egeria.md has the
-measurement). Feeding both snapshots the same x isolates stage s. A snapshot
-is sent at every evaluation (a state_dict in shared memory; the pickled
-module once per frontmost stage).
+docs/design/egeria.md says why two snapshots rather than the training output.
 
 Lifecycle (``state``)::
 
@@ -72,10 +60,8 @@ class ReferenceConfig:
     reference_age: int | None = None
     #: Probes waiting for or in the reference process; more are skipped (Egeria §4.1.2: non-blocking).
     queue_size: int = 1
-    #: Skip probes while system CPU use over the last interval is above this percentage;
-    #: None never skips. "auto": None when training runs on the CPU (the trainer itself keeps
-    #: the CPU busy, so every probe would be skipped), else 50, Egeria's "at low CPU load
-    #: (e.g., <50%)" (§4.1.2) for a trainer on an accelerator.
+    #: Skip probes while system CPU use over the last interval is above this percentage; None never
+    #: skips. "auto": None when training on the CPU (it keeps the CPU busy), else 50 (Egeria §4.1.2).
     max_cpu_percent: float | str | None = "auto"
     #: torch threads of the reference process.
     threads: int = 1
@@ -154,21 +140,22 @@ class _CpuLoad:
 def to_shared(state: State, rows: int | None = None) -> State:
     """A copy of ``state`` (its first ``rows`` samples) in shared memory, detached, on the CPU."""
 
-    def copy(t: torch.Tensor) -> torch.Tensor:
+    def shared(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()[:rows] if rows is not None else t.detach()
-        out = torch.empty(t.shape, dtype=t.dtype).share_memory_()
-        return out.copy_(t)
+        return torch.empty(t.shape, dtype=t.dtype).share_memory_().copy_(t)
 
-    return map_state(state, copy)
+    return map_state(state, shared)
 
 
 class ReferenceWorker:
-    """The training side of the reference process (one per training job, on rank 0)."""
+    """The training side of the reference process (one per training job, on rank 0).
+
+    ``training_device`` resolves ``max_cpu_percent="auto"``; ``cpu_percent()`` gives the system CPU use
+    since its previous call (default: from psutil).
+    """
 
     def __init__(self, config: ReferenceConfig | None = None, *, training_device: torch.device | str = "cpu",
                  cpu_percent: Callable[[], float] | None = None) -> None:
-        """``training_device`` resolves ``max_cpu_percent="auto"``; ``cpu_percent()`` gives the system CPU
-        use since its previous call (default: from psutil)."""
         self.config = (config or ReferenceConfig()).for_device(training_device)
         self.stats = ReferenceStats()
         self.state = ReferenceState.NEW
@@ -201,7 +188,7 @@ class ReferenceWorker:
         """
         if index == 0:
             try:
-                payload = pickle.dumps(_cpu_copy(module))
+                payload = pickle.dumps(copy.deepcopy(module).to("cpu").requires_grad_(False).eval())
             except Exception as exc:
                 raise ConfigError(f"stage {stage} ({type(module).__name__}) cannot be pickled for the reference "
                                   f"process: {exc}; define its modules at module level (no lambdas or "
@@ -280,13 +267,13 @@ class ReferenceWorker:
             timeout = 0.0
             if isinstance(message, _refproc.Failed):
                 self._fail(f"the reference process failed:\n{message.traceback}")
-            if isinstance(message, (_refproc.Reading, _refproc.Dropped)):
+            if isinstance(message, _refproc.Dropped):
                 self.stats.answered += 1
-                if isinstance(message, _refproc.Reading):
-                    self.stats.readings += 1
-                    out.append(message)
-                else:
-                    self.stats.dropped += 1
+                self.stats.dropped += 1
+            elif isinstance(message, _refproc.Reading):
+                self.stats.answered += 1
+                self.stats.readings += 1
+                out.append(message)
             elif isinstance(message, _refproc.Built):
                 self.stats.builds.append(dataclasses.asdict(message))  # a stage's first build
                 out.append(message)
@@ -316,8 +303,3 @@ class ReferenceWorker:
             q.cancel_join_thread()  # unread messages must not keep this process from exiting
             q.close()
         self.state = ReferenceState.CLOSED
-
-
-def _cpu_copy(module: nn.Module) -> nn.Module:
-    """A CPU copy in eval mode without gradients; the training module is not touched."""
-    return copy.deepcopy(module).to("cpu").requires_grad_(False).eval()

@@ -9,7 +9,7 @@ from typing import Any
 
 from actcache.errors import ConfigError
 
-from actcache_client.freeze.policy import Decision, Signals
+from actcache_client.freeze.policy import Decision, Signals, check_state_version
 
 __all__ = ["FreezeMilestone", "ManualPolicy", "NoFreezePolicy", "StaticPolicy"]
 
@@ -77,8 +77,7 @@ class StaticPolicy:
         return {"version": _STATE_VERSION}  # decisions depend on the signals alone
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"StaticPolicy state version {state.get('version')!r} is not {_STATE_VERSION}")
+        check_state_version("StaticPolicy", state, _STATE_VERSION)
 
 
 class ManualPolicy:
@@ -131,8 +130,7 @@ class ManualPolicy:
                     "pending_unfreeze": self._pending_unfreeze}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"ManualPolicy state version {state.get('version')!r} is not {_STATE_VERSION}")
+        check_state_version("ManualPolicy", state, _STATE_VERSION)
         with self._lock:
             self._pending_freezes = int(state["pending_freezes"])
             self._pending_unfreeze = bool(state["pending_unfreeze"])
@@ -156,5 +154,4 @@ class NoFreezePolicy:
         return {"version": _STATE_VERSION}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"NoFreezePolicy state version {state.get('version')!r} is not {_STATE_VERSION}")
+        check_state_version("NoFreezePolicy", state, _STATE_VERSION)
