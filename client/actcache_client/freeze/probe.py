@@ -1,21 +1,17 @@
 """Rank 0's side of Egeria's plasticity: a snapshot per evaluation, one probe per interval, the latest reading.
 
-Timeline of one evaluation interval (n = eval_every steps)::
+One evaluation interval (n = eval_every steps)::
 
-    evaluation k  ->  interval_done(): start the reference process once the policy has left
-                      bootstrapping (snapshot 0 of the frontmost stage), else send snapshot k
-                      of the frontmost stage (its weights now, after step k*n)
-    step k*n + 1  ->  the training forward gives the frontmost active stage's input to a tap, which copies it
-                      (armed by arm() at the end of the previous step, once snapshot k - age
-                      exists, if the queue has room and the CPU is not busy: otherwise the
-                      interval's probe is skipped, counted)
-                  ->  step(): the copies go to the reference process (put_nowait), tagged k
+    evaluation k   -> interval_done(): start the reference process once the policy has left
+                      bootstrapping (snapshot 0), else send snapshot k of the frontmost stage
+    step k*n + 1   -> the training forward's input to the frontmost stage is copied by a tap
+                      (armed by arm() once snapshot k - age exists, if the queue has room and
+                      the CPU is not busy; else the interval's probe is skipped, counted);
+                      step() sends it to the reference process, tagged k
     evaluation k+1 -> reading(): the latest plasticity reading of the current stage, if one arrived
 
-The reading compares the probe with snapshots k - age and k (reference.py).
-A depth change bumps the generation: readings of the old stage are ignored,
-the new frontmost stage gets snapshot 0 (and its first reading ``age``
-evaluations later). Nothing here waits.
+A depth change starts a new generation: readings of the old stage are
+ignored, the new frontmost stage gets snapshot 0. Nothing here waits.
 """
 
 from __future__ import annotations
@@ -36,28 +32,6 @@ __all__ = ["PlasticityProbe"]
 log = logging.getLogger("actcache_client.freeze")
 
 
-class _Capture:
-    """One training forward's input to the frontmost active stage, copied to shared memory."""
-
-    def __init__(self, cached: CachedForward, rows: int | None, index: int) -> None:
-        self.cached = cached
-        self.rows = rows
-        self.index = index  # the snapshot taken just before this forward
-        self.inputs: Any = None
-        cached.tap_training_input(self._take)
-
-    def _take(self, state: Any) -> None:
-        self.inputs = to_shared(state, self.rows)
-
-    @property
-    def done(self) -> bool:
-        return self.inputs is not None
-
-    def remove(self) -> None:
-        if not self.done:
-            self.cached.tap_training_input(None)
-
-
 class PlasticityProbe:
     """Feeds the reference process from the training forward; at most one probe per interval."""
 
@@ -73,7 +47,8 @@ class PlasticityProbe:
         self._age = 1
         self._snapped = False  # a snapshot was sent during the current evaluation
         self._probed = False
-        self._capture: _Capture | None = None
+        self._capture_index: int | None = None  # the snapshot before the forward being captured
+        self._inputs: Any = None
 
     @property
     def stats(self) -> ReferenceStats:
@@ -90,19 +65,22 @@ class PlasticityProbe:
 
     def step(self, step: int) -> None:
         """Send the probe captured in this step's forward, if any."""
-        capture = self._capture
-        if capture is not None and capture.done:
-            self._capture = None
-            self.worker.submit(self._generation, capture.index, step, capture.inputs)
+        if self._capture_index is not None and self._inputs is not None:
+            self.worker.submit(self._generation, self._capture_index, step, self._inputs)
+            self._capture_index, self._inputs = None, None
 
     def arm(self) -> None:
         """Capture the next training forward, once per interval, if a reading can come of it."""
-        if (not self.running or self._probed or self._capture is not None or self._head_only()
+        if (not self.running or self._probed or self._capture_index is not None or self._head_only()
                 or self._index < self._age):
             return
         self._probed = True
         if self.worker.ready_for_probe():
-            self._capture = _Capture(self.cached, self.worker.config.max_samples, self._index)
+            self._capture_index = self._index
+            self.cached.tap_training_input(self._take)
+
+    def _take(self, state: Any) -> None:
+        self._inputs = to_shared(state, self.worker.config.max_samples)
 
     # ---- per evaluation ---------------------------------------------------
 
@@ -110,8 +88,11 @@ class PlasticityProbe:
         """The latest reading of the current frontmost stage that arrived since the last call."""
         latest = None
         for message in self.worker.poll():
-            if isinstance(message, _refproc.Built):
-                self._report_build(message, step)
+            if isinstance(message, _refproc.Built):  # a stage's first reference, and its speed
+                log.info("actcache: reference of stage %d (%s): %.2f ms per batch", message.stage,
+                         self.cached.model.stage_names[message.stage], message.ms_per_batch)
+                self.timeline.write({"event": "reference", "step": step, "stage": message.stage,
+                                     "ms_per_batch": message.ms_per_batch})
             elif message.generation == self._generation and (latest is None or message.step >= latest.step):
                 latest = message
         return latest
@@ -146,16 +127,9 @@ class PlasticityProbe:
                              index=self._index, age=self._age)
 
     def _drop_capture(self) -> None:
-        if self._capture is not None:
-            self._capture.remove()
-            self._capture = None
-
-    def _report_build(self, built: _refproc.Built, step: int) -> None:
-        """Log and record a stage's first reference and its speed."""
-        log.info("actcache: reference of stage %d (%s): %.2f ms per batch", built.stage,
-                 self.cached.model.stage_names[built.stage], built.ms_per_batch)
-        self.timeline.write({"event": "reference", "step": step, "stage": built.stage,
-                             "ms_per_batch": built.ms_per_batch})
+        if self._capture_index is not None:
+            self.cached.tap_training_input(None)
+            self._capture_index, self._inputs = None, None
 
     def close(self) -> None:
         self._drop_capture()
