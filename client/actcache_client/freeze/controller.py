@@ -20,10 +20,12 @@ parameters get ``grad = None``, so momentum and weight decay cannot move them.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from actcache.errors import ConfigError, LifecycleError
@@ -31,7 +33,6 @@ from actcache_client._cached_forward import CachedForward
 from actcache_client.cost_model import Plan
 from actcache_client.freeze import _refproc
 from actcache_client.freeze.defaults import default_policy, eval_every_for, run_length
-from actcache_client.freeze.distributed import DdpWrapper, broadcast_depth, mean_across_ranks, rank_and_world
 from actcache_client.freeze.gradnorm import GradNormAccumulator
 from actcache_client.freeze.policy import (Decision, DecisionKind, FreezePolicy, Signals, check_state_version,
                                             depth_after)
@@ -55,13 +56,14 @@ class FreezeController:
     Invariants: ``cached.frozen`` changes only at evaluations, to the depth
     rank 0 decided, on every rank at the same step; frozen parameters have
     ``grad is None`` when the optimizer steps; at most one probe per interval.
+    The evaluations and DDP (re-)wraps are collectives, so every rank needs the
+    same ``eval_every`` and calls ``step()`` once per optimizer step.
 
     Without ``policy``, the run's length picks the policy and its interval
-    (``defaults.default_policy``): pass ``total_steps``, or ``steps_per_epoch``
-    and ``epochs``. A run too short for it, or of unknown length, never
-    freezes, and a warning says so once, here. A named policy without
-    ``eval_every`` gets its interval from the run's length too
-    (``defaults.eval_every_for``).
+    (``default_policy``): pass ``total_steps``, or ``steps_per_epoch`` and
+    ``epochs``; a run too short for it, or of unknown length, never freezes and
+    warns once. A named policy without ``eval_every`` gets its interval from
+    the run's length too.
 
     Arguments: ``eval_every`` steps between evaluations (Egeria's n, AutoFreeze's
     interval T); ``reference`` configures the reference process (plasticity
@@ -97,7 +99,7 @@ class FreezeController:
         self.policy = policy
         self.eval_every = eval_every
         self.group = process_group
-        self.rank, self.world = rank_and_world(process_group)
+        self.rank, self.world = _rank_and_world(process_group)
         self.distributed = self.world > 1
         self.timeline = Timeline(timeline if self.rank == 0 else None)
         self.step_count = 0
@@ -114,10 +116,10 @@ class FreezeController:
                        if "plasticity" in policy.needs and self.rank == 0 else None)
         self._backward_done = False
         self._frozen_params: list[nn.Parameter] = []
-        use_ddp = self.distributed if ddp is None else ddp
-        self._ddp = DdpWrapper(process_group, **dict(ddp_kwargs or {})) if use_ddp else None
-        if self._ddp is not None:
-            cached.set_suffix_wrapper(self._ddp)
+        self._ddp_kwargs = dict(ddp_kwargs or {})
+        self._rewrap_s: float | None = None
+        if self.distributed if ddp is None else ddp:
+            cached.set_suffix_wrapper(self._wrap_suffix)
         self._hook = optimizer.register_step_pre_hook(lambda *_: self.after_backward()) if hook_optimizer else None
         if cached.planner is not None:
             cached.planner.listeners.append(self._record_plan)
@@ -143,7 +145,7 @@ class FreezeController:
     @property
     def rewrap_seconds(self) -> float | None:
         """Seconds the last DDP (re-)wrap took; None without DDP."""
-        return self._ddp.last_seconds if self._ddp is not None else None
+        return self._rewrap_s
 
     def after_backward(self) -> None:
         """After backward, before the optimizer step (automatic with ``hook_optimizer``); once per step."""
@@ -179,16 +181,21 @@ class FreezeController:
         self.evaluations += 1
         loss = float(self._loss_sum / self._loss_count) if self._loss_count else None
         self._loss_sum, self._loss_count = None, 0
-        if self.distributed and "loss" in self.policy.needs:
-            loss = mean_across_ranks(loss, self.group)
+        if self.distributed and "loss" in self.policy.needs:  # the mean over the ranks that have one
+            t = _collective_tensor([loss or 0.0, float(loss is not None)], torch.float64, self.group)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            total, count = t.tolist()
+            loss = total / count if count else None
         grad_norms = self._grads.norms() if self._grads is not None else None
         if self._grads is not None and grad_norms is None:
             raise LifecycleError("the policy needs gradient norms but no gradients were summed in this interval: "
                                "call controller.after_backward() after backward (or keep hook_optimizer=True)")
         reading = self._probe.reading(self.step_count) if self._probe is not None else None
         depth, records = self._decide(lr, loss, grad_norms, reading) if self.rank == 0 else (None, [])
-        if self.distributed:
-            depth = broadcast_depth(depth, self.group)
+        if self.distributed:  # rank 0's depth on every rank
+            t = _collective_tensor([depth if depth is not None else -1], torch.int64, self.group)
+            dist.broadcast(t, src=0 if self.group is None else dist.get_global_rank(self.group, 0), group=self.group)
+            depth = int(t.item())
         if depth != self.frozen:
             self._apply(depth)
             if records:
@@ -269,6 +276,15 @@ class FreezeController:
         if self._probe is not None:
             self._probe.depth_changed()
 
+    def _wrap_suffix(self, suffix: nn.Module) -> nn.Module:
+        """DDP around the active stages only (frozen ones take no gradient buckets), timed."""
+        start = time.perf_counter()
+        wrapped = nn.parallel.DistributedDataParallel(suffix, process_group=self.group, **self._ddp_kwargs)
+        self._rewrap_s = time.perf_counter() - start
+        log.info("actcache: DDP wrapped %d active stages in %.3f s", len(getattr(suffix, "stages", ())),
+                 self._rewrap_s)
+        return wrapped
+
     def _track_frozen(self) -> None:
         stages = list(self.cached.model.stages)
         active = {id(p) for s in stages[self.frozen:] for p in s.parameters()}
@@ -323,3 +339,15 @@ class FreezeController:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _rank_and_world(group: Any) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _collective_tensor(values: list[float], dtype: torch.dtype, group: Any) -> torch.Tensor:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    return torch.tensor(values, dtype=dtype, device=device)

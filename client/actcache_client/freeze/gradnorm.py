@@ -1,15 +1,7 @@
-"""Per-stage norms of the gradients summed over an evaluation interval (AutoFreeze §3.1, Δ_T).
+"""Per-stage L1 norms of the gradients summed over an evaluation interval (AutoFreeze §3.1, Δ_T).
 
-The norm is L1: the paper writes ``||Δ||`` without saying which, and its
-authors' implementation (uwsampl/AutoFreeze, ``freeze_intermediate_e2e_lr.py``)
-sums ``torch.norm(Δ, p=1)`` over a layer's parameters. L1 weighs every
-parameter's change alike; L2 lets a layer's few largest gradient entries
-(a LayerNorm's, an embedding row's) decide its eta.
-
-``add()`` runs once per optimizer step, after backward (and after DDP's
-all-reduce, so every rank sums the same gradients); ``norms()`` closes the
-interval. Cost: one buffer per active parameter and one in-place add per
-parameter per step.
+``add()`` runs once per optimizer step, after backward (and DDP's all-reduce);
+``norms()`` closes the interval. docs/guides/freeze-policies.md says why L1.
 """
 
 from __future__ import annotations
@@ -41,11 +33,7 @@ class GradNormAccumulator:
     def set_frozen(self, frozen: int) -> None:
         """Only stages[frozen:] are summed from now on; the current interval restarts."""
         self._frozen = frozen
-        seen: dict[int, nn.Parameter] = {}
-        for params in self._stages[frozen:]:
-            for p in params:
-                seen.setdefault(id(p), p)
-        self._active = list(seen.values())
+        self._active = list({id(p): p for params in self._stages[frozen:] for p in params}.values())
         self._sums = {}
         self.steps = 0
 

@@ -8,11 +8,9 @@ the extended paper::
     Q = A.reshape(b, -1);  G~ = Q Q^T;  G[i, :] = G~[i, :] / ||G~[i, :]||_2
     SP(A_T, A_R) = ||G_T - G_R||_F^2 / b^2
 
-The extracted appendix shows the row norm squared; that is a transcription
-artefact: Tung & Mori normalise by the plain L2 norm, which is what makes the
-loss invariant to a global rescaling of either activation. Only the b x b
-similarity matrices are compared, so the two activations may have different
-feature sizes, and permuting or rotating the features changes nothing.
+Rows are normalised by the plain L2 norm, as Tung & Mori do (the appendix's
+square is a transcription artefact), so a global rescaling changes nothing.
+Only the b x b similarity matrices are compared: feature sizes may differ.
 """
 
 from __future__ import annotations
@@ -33,7 +31,8 @@ def _first_tensor(state: torch.Tensor | Sequence[torch.Tensor], name: str) -> to
     elif isinstance(state, (tuple, list)) and state and isinstance(state[0], torch.Tensor):
         tensor = state[0]  # a stage state such as (hidden, attention_mask): compare the hidden part
     else:
-        raise ConfigTypeError(f"{name} must be a Tensor or a tuple whose first item is a Tensor, got {type(state).__name__}")
+        raise ConfigTypeError(f"{name} must be a Tensor or a tuple whose first item is a Tensor, "
+                              f"got {type(state).__name__}")
     if tensor.dim() == 0 or tensor.shape[0] == 0:
         raise ConfigError(f"{name} needs a leading batch dimension of size >= 1, got shape {tuple(tensor.shape)}")
     return tensor
