@@ -61,7 +61,6 @@ class Reading:
     index: int
     plasticity: float  # SP loss between the references ``age`` evaluations apart
     age: int
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -167,9 +166,7 @@ def _serve(inbox, outbox, parent_pid: int) -> None:
             continue
         old = current.reference(probe.index - age, probe.inputs, timed, outbox)
         new = current.reference(probe.index, probe.inputs, timed, outbox)
-        start = time.perf_counter()
         with torch.no_grad():
             plasticity = sp_loss(new(probe.inputs), old(probe.inputs))
-        outbox.put(Reading(probe.generation, current.first.stage, probe.step, probe.index, plasticity, age,
-                           time.perf_counter() - start))
+        outbox.put(Reading(probe.generation, current.first.stage, probe.step, probe.index, plasticity, age))
         current.prune(probe.index - age)

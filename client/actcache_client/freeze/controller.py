@@ -127,8 +127,6 @@ class FreezeController:
         if isinstance(policy, NoFreezePolicy) and self.rank == 0:
             log.warning("actcache: not freezing: %s", policy.reason)
 
-    # ---- the step protocol ---------------------------------------------
-
     @property
     def frozen(self) -> int:
         return self.cached.frozen
@@ -174,8 +172,6 @@ class FreezeController:
             self._evaluate(lr if lr is not None else float(self.optimizer.param_groups[0]["lr"]))
         if self._probe is not None:
             self._probe.arm()
-
-    # ---- evaluation -------------------------------------------------------
 
     def _evaluate(self, lr: float) -> None:
         self.evaluations += 1
@@ -263,8 +259,6 @@ class FreezeController:
         total = sum(self._counts)
         return sum(self._counts[frozen:]) / total if total else 1.0
 
-    # ---- applying a depth ------------------------------------------------
-
     def _apply(self, depth: int) -> None:
         before = self.frozen
         self.cached.set_frozen(depth)  # requires_grad, eval mode, fingerprints, DDP re-wrap
@@ -293,8 +287,6 @@ class FreezeController:
             p.grad = None
         if self._grads is not None:
             self._grads.set_frozen(self.frozen)
-
-    # ---- checkpointing and lifecycle -------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, the frozen depth and its fingerprint, the policy's state (save rank 0's)."""

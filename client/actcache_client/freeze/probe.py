@@ -61,8 +61,6 @@ class PlasticityProbe:
     def _head_only(self) -> bool:
         return self.cached.frozen >= self.cached.model.num_stages - 1  # nothing left to judge
 
-    # ---- per step -------------------------------------------------------
-
     def step(self, step: int) -> None:
         """Send the probe captured in this step's forward, if any."""
         if self._capture_index is not None and self._inputs is not None:
@@ -81,8 +79,6 @@ class PlasticityProbe:
 
     def _take(self, state: Any) -> None:
         self._inputs = to_shared(state, self.worker.config.max_samples)
-
-    # ---- per evaluation ---------------------------------------------------
 
     def reading(self, step: int) -> _refproc.Reading | None:
         """The latest reading of the current frontmost stage that arrived since the last call."""

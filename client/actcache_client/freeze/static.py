@@ -83,9 +83,8 @@ class StaticPolicy:
 class ManualPolicy:
     """Freeze or unfreeze when asked, e.g. from a notebook, a signal handler or another thread.
 
-    Requests are queued and served one stage per observation. An unfreeze
-    request cancels pending freezes. Freeze requests that would reach the head
-    are dropped (the head always trains). The methods are thread-safe.
+    Requests are served one stage per observation; an unfreeze cancels pending
+    freezes; freezes that would reach the head are dropped. Thread-safe.
     """
 
     needs: frozenset[str] = frozenset()
@@ -137,10 +136,7 @@ class ManualPolicy:
 
 
 class NoFreezePolicy:
-    """Never freeze: what a run gets that no policy can judge; ``reason`` says why, and what to pass.
-
-    The controller logs ``reason`` once, when it starts, as a warning.
-    """
+    """Never freeze: what a run gets that no policy can judge; the controller warns ``reason`` once."""
 
     needs: frozenset[str] = frozenset()
 
