@@ -9,13 +9,11 @@ every active stage l::
                 last stage, which always trains), not the embedding stages (linear
                 interpolation, numpy's default rule; a zero previous norm makes eta infinite)
 
-The frontmost active stage freezes while its eta < threshold. With
-``embedding_stages=k`` the first k stages are not judged on their own but
-freeze with stage k when it passes (AutoFreeze §4). After a FREEZE_NEXT the
-controller calls again with the same ``step`` (Algorithm 1's loop), and the
-next stage is judged against the same interval's eta and threshold. A stage is
-judged only with norms from two consecutive intervals in which it was active;
-non-finite norms count as missing. docs/guides/freeze-policies.md says why.
+The frontmost active stage freezes while its eta < threshold; the first
+``embedding_stages`` stages freeze with the first judged one (§4). After a
+FREEZE_NEXT the controller asks again at the same ``step`` (Algorithm 1's
+loop). A stage is judged only with finite norms from two consecutive intervals
+in which it was active. docs/guides/freeze-policies.md says why.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ class AutoFreezeConfig:
     percentile: float = 50.0
     #: Evaluation intervals per epoch, i.e. how often the controller calls observe. Paper: 5 (§4).
     intervals_per_epoch: int = 5
-    #: Stages before the first judged one (BERT staged by ``from_bert``: 1, the embeddings). They
-    #: freeze together with the first judged stage (AutoFreeze §4); 0 judges every stage but the head.
+    #: Stages before the first judged one, frozen with it (BERT staged by ``from_bert``: 1, the embeddings).
     embedding_stages: int = 0
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ A training step with the controller::
 
 At an evaluation rank 0 builds the ``Signals`` (the interval's mean loss,
 across ranks when needed; its summed gradients' norms; the latest plasticity
-reading, never waited for: probe.py) and calls ``policy.observe``, again at
+reading, never waited for: PlasticityProbe) and calls ``policy.observe``, again at
 the same step after each FREEZE_NEXT (AutoFreeze's Algorithm 1 loop). Every
 rank applies the broadcast depth at that step through
 ``CachedForward.set_frozen``. The optimizer is never rebuilt: frozen
@@ -36,8 +36,7 @@ from actcache_client.freeze.defaults import default_policy, eval_every_for, run_
 from actcache_client.freeze.gradnorm import GradNormAccumulator
 from actcache_client.freeze.policy import (Decision, DecisionKind, FreezePolicy, Signals, check_state_version,
                                             depth_after)
-from actcache_client.freeze.probe import PlasticityProbe
-from actcache_client.freeze.reference import ReferenceConfig, ReferenceStats
+from actcache_client.freeze.reference import PlasticityProbe, ReferenceConfig, ReferenceStats
 from actcache_client.freeze.static import NoFreezePolicy
 from actcache_client.freeze.timeline import Timeline
 
@@ -133,7 +132,7 @@ class FreezeController:
 
     @property
     def reference_stats(self) -> ReferenceStats | None:
-        return self._probe.stats if self._probe is not None else None
+        return self._probe.worker.stats if self._probe is not None else None
 
     @property
     def reference_config(self) -> ReferenceConfig | None:

@@ -4,8 +4,8 @@ Per evaluation, for the frontmost active stage ``s == signals.frozen``::
 
     bootstrapping --(smoothed loss changes < bootstrap_threshold per interval)--> knowledge-guided   (one way)
 
-    knowledge-guided, per reading p of stage s (the plasticity it gained over the last
-    `age` evaluations: the SP loss between two eval-mode snapshots, reference.py):
+    knowledge-guided, per reading p of stage s (the SP loss between two eval-mode snapshots
+    `age` evaluations apart, default W / 2: reference.py):
       smoothed = mean(last W readings)                                   (Eq. 2)
       T[s]     = tolerance_fraction * max |smoothed| of s so far; the first tolerance_readings
                  values only calibrate it (again after every unfreeze: see below)
@@ -17,10 +17,8 @@ Per evaluation, for the frontmost active stage ``s == signals.frozen``::
       -> UNFREEZE_ALL; W = max(W // 2, min_window); every T[s] is calibrated again;
          stage 0 starts with fresh readings
 
-A reading compares two eval-mode snapshots of the stage ``age`` evaluations
-apart (default W / 2), so T tests its level, not a slope. Unfreezing needs a
-discrete lr drop after a flat interval; cyclic schedules call
-``on_schedule_restart``. docs/design/egeria.md says why, with the measurements.
+Cyclic lr schedules call ``on_schedule_restart``. docs/design/egeria.md says
+where this departs from the paper, and why.
 """
 
 from __future__ import annotations
@@ -47,18 +45,16 @@ class EgeriaConfig:
 
     #: W: moving-average span and consecutive low evaluations to freeze. Paper: 10 (§4.2.2, §6.4).
     window: int = 10
-    #: T as a fraction of the largest |smoothed reading| of a stage (its first readings and any
-    #: larger one after). Paper: 20% of the early slopes (§4.2.2, §6.4).
+    #: T as a fraction of the largest |smoothed reading| of a stage. Paper: 20% of the early slopes (§4.2.2).
     tolerance_fraction: float = 0.2
     #: How many initial smoothed readings calibrate T per stage. Paper: 3 (§4.2.2).
     tolerance_readings: int = 3
-    #: Bootstrapping ends once the smoothed training loss changes by less than this fraction per
-    #: evaluation interval. Paper: 10% (§4.2.2). None skips bootstrapping.
+    #: Bootstrapping ends once the loss changes by less than this fraction per interval. Paper: 10%
+    #: (§4.2.2). None skips bootstrapping.
     bootstrap_threshold: float | None = 0.1
     #: Ours: the loss is averaged over spans of at least this many steps before two spans are compared.
     bootstrap_steps: int = 32
-    #: Unfreeze all once a discrete lr drop brings it this factor below its value when stage 0
-    #: froze. Paper: 10 (§4.2.2).
+    #: Unfreeze all once a discrete lr drop brings it this factor below its value when stage 0 froze. Paper: 10.
     unfreeze_lr_factor: float = 10.0
     #: W halves at every unfreeze but never below this. Ours.
     min_window: int = 2

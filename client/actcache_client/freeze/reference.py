@@ -1,13 +1,9 @@
-"""Egeria's reference model, run in a separate CPU process that training never waits for.
+"""Egeria's reference model, run in a separate CPU process that training never waits for, and what feeds it.
 
-For the frontmost active stage s, a probe sends x, the input of stage s in
-one training forward, and the process runs it through two eval-mode fp32
-snapshots of s: the one taken at the evaluation just before the probe and
-the one ``reference_age`` evaluations earlier (Egeria §4.1, Eq. 1)::
-
-    plasticity = sp_loss(ref_s[now](x), ref_s[now - age](x))
-
-docs/design/egeria.md says why two snapshots rather than the training output.
+A probe sends x, the input of the frontmost active stage s in one training
+forward; the process answers ``sp_loss(ref_s[now](x), ref_s[now - age](x))``
+from two eval-mode snapshots of s ``reference_age`` evaluations apart
+(docs/design/egeria.md says why).
 
 Lifecycle (``state``)::
 
@@ -40,10 +36,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from actcache.errors import ConfigError, LifecycleError, ReferenceModelFailed
+from actcache_client._cached_forward import CachedForward
 from actcache_client.freeze import _refproc
+from actcache_client.freeze.policy import FreezePolicy
+from actcache_client.freeze.timeline import Timeline
 from actcache_client._stages import State, map_state
 
-__all__ = ["ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWorker", "to_shared"]
+__all__ = ["PlasticityProbe", "ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWorker", "to_shared"]
 
 log = logging.getLogger("actcache_client.freeze")
 
@@ -55,8 +54,7 @@ MAX_PENDING_SNAPSHOTS = 16
 class ReferenceConfig:
     """How the reference model is built and run."""
 
-    #: Evaluations between the two snapshots a reading compares; None: half the policy's W
-    #: (at least 1), the mean age of Egeria's reference, refreshed every W (§4.1.3).
+    #: Evaluations between the two snapshots a reading compares; None: max(1, W // 2) (Egeria §4.1.3).
     reference_age: int | None = None
     #: Probes waiting for or in the reference process; more are skipped (Egeria §4.1.2: non-blocking).
     queue_size: int = 1
@@ -182,9 +180,8 @@ class ReferenceWorker:
     def snapshot(self, module: nn.Module, *, stage: int, generation: int, index: int = 0, age: int = 1) -> None:
         """Send the weights of ``module`` (stage ``stage``) at evaluation ``index`` of ``generation``.
 
-        Index 0 opens a generation (a new frontmost stage) and sends a pickled
-        CPU copy of the module; later indices send its state_dict in shared
-        memory. Readings of the generation compare snapshots ``age`` apart.
+        Index 0 opens a generation (a new frontmost stage) with a pickled CPU copy of the module; later
+        indices send its state_dict in shared memory. Readings compare snapshots ``age`` apart.
         """
         if index == 0:
             try:
@@ -289,17 +286,125 @@ class ReferenceWorker:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the process: ask, wait up to ``timeout_s``, then terminate. Idempotent."""
-        if self._process is None or self.state is ReferenceState.CLOSED:
-            self.state = ReferenceState.CLOSED
-            return
-        if self._process.exitcode is None:
-            with contextlib.suppress(queue.Full):  # a full inbox: the join below times out and terminates
-                self._inbox.put(_refproc.Stop(), timeout=timeout_s)
-            self._process.join(timeout=timeout_s)
+        if self._process is not None and self.state is not ReferenceState.CLOSED:
             if self._process.exitcode is None:
-                self._process.terminate()
+                with contextlib.suppress(queue.Full):  # a full inbox: the join below times out and terminates
+                    self._inbox.put(_refproc.Stop(), timeout=timeout_s)
                 self._process.join(timeout=timeout_s)
-        for q in (self._inbox, self._outbox):
-            q.cancel_join_thread()  # unread messages must not keep this process from exiting
-            q.close()
+                if self._process.exitcode is None:
+                    self._process.terminate()
+                    self._process.join(timeout=timeout_s)
+            for q in (self._inbox, self._outbox):
+                q.cancel_join_thread()  # unread messages must not keep this process from exiting
+                q.close()
         self.state = ReferenceState.CLOSED
+
+
+class PlasticityProbe:
+    """Rank 0's side of Egeria's plasticity: a snapshot per evaluation, one probe per interval.
+
+    One evaluation interval (n = eval_every steps)::
+
+        evaluation k   -> interval_done(): start the reference process once the policy has left
+                          bootstrapping (snapshot 0), else send snapshot k of the frontmost stage
+        step k*n + 1   -> the training forward's input to the frontmost stage is copied by a tap
+                          (armed by arm() once snapshot k - age exists, if the queue has room and
+                          the CPU is not busy; else the interval's probe is skipped, counted);
+                          step() sends it to the reference process, tagged k
+        evaluation k+1 -> reading(): the latest plasticity reading of the current stage, if one arrived
+
+    A depth change starts a new generation: readings of the old stage are
+    ignored, the new frontmost stage gets snapshot 0. Nothing here waits.
+    """
+
+    def __init__(self, cached: CachedForward, policy: FreezePolicy, config: ReferenceConfig | None,
+                 timeline: Timeline) -> None:
+        self.cached = cached
+        self.policy = policy
+        self.timeline = timeline
+        device = next((p.device for p in cached.model.parameters()), torch.device("cpu"))
+        self.worker = ReferenceWorker(config, training_device=device)
+        self._generation = 0
+        self._index = -1  # snapshots sent in this generation, minus one
+        self._age = 1
+        self._snapped = False  # a snapshot was sent during the current evaluation
+        self._probed = False
+        self._capture_index: int | None = None  # the snapshot before the forward being captured
+        self._inputs: Any = None
+
+    @property
+    def running(self) -> bool:
+        return self.worker.state is ReferenceState.RUNNING
+
+    def _head_only(self) -> bool:
+        return self.cached.frozen >= self.cached.model.num_stages - 1  # nothing left to judge
+
+    def step(self, step: int) -> None:
+        """Send the probe captured in this step's forward, if any."""
+        if self._capture_index is not None and self._inputs is not None:
+            self.worker.submit(self._generation, self._capture_index, step, self._inputs)
+            self._capture_index, self._inputs = None, None
+
+    def arm(self) -> None:
+        """Capture the next training forward, once per interval, if a reading can come of it."""
+        if (not self.running or self._probed or self._capture_index is not None or self._head_only()
+                or self._index < self._age):
+            return
+        self._probed = True
+        if self.worker.ready_for_probe():
+            self._capture_index = self._index
+            self.cached.tap_training_input(self._take)
+
+    def _take(self, state: Any) -> None:
+        self._inputs = to_shared(state, self.worker.config.max_samples)
+
+    def reading(self, step: int) -> _refproc.Reading | None:
+        """The latest reading of the current frontmost stage that arrived since the last call."""
+        latest = None
+        for message in self.worker.poll():
+            if isinstance(message, _refproc.Built):  # a stage's first reference, and its speed
+                log.info("actcache: reference of stage %d (%s): %.2f ms per batch", message.stage,
+                         self.cached.model.stage_names[message.stage], message.ms_per_batch)
+                self.timeline.write({"event": "reference", "step": step, "stage": message.stage,
+                                     "ms_per_batch": message.ms_per_batch})
+            elif message.generation == self._generation and (latest is None or message.step >= latest.step):
+                latest = message
+        return latest
+
+    def interval_done(self) -> None:
+        """After an evaluation: a new interval (one probe); start the reference or send this evaluation's snapshot."""
+        self._probed = False
+        snapped, self._snapped = self._snapped, False
+        if getattr(self.policy, "bootstrapping", False) or self._head_only() or snapped:
+            return
+        if self.worker.state is ReferenceState.NEW:
+            self.worker.start()
+        if self.running:
+            self._snapshot()
+
+    def depth_changed(self) -> None:
+        """The frontmost stage changed: old readings are void, the new stage starts a generation."""
+        self._generation += 1
+        self._index = -1
+        self._drop_capture()
+        if self.running and not self._head_only():
+            self._snapshot()
+            self._snapped = True
+
+    def _snapshot(self) -> None:
+        self._drop_capture()
+        if self._index < 0:  # a new generation: the policy's W may have changed (unfreezing halves it)
+            self._age = self.worker.config.age_for(int(getattr(self.policy, "window", 10)))
+        self._index += 1
+        frozen = self.cached.frozen
+        self.worker.snapshot(self.cached.model.stages[frozen], stage=frozen, generation=self._generation,
+                             index=self._index, age=self._age)
+
+    def _drop_capture(self) -> None:
+        if self._capture_index is not None:
+            self.cached.tap_training_input(None)
+            self._capture_index, self._inputs = None, None
+
+    def close(self) -> None:
+        self._drop_capture()
+        self.worker.close()
