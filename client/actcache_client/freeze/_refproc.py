@@ -84,11 +84,11 @@ class Failed:
 
 
 def main(inbox, outbox, threads: int, parent_pid: int) -> None:
-    """Serve probes until Stop, or until the parent process is gone."""
+    """Serve probes until Stop, or until the parent process is gone; an error goes to the parent as Failed."""
     try:
         torch.set_num_threads(threads)
         _serve(inbox, outbox, parent_pid)
-    except BaseException:  # delivered to the training process, which raises it
+    except BaseException:
         outbox.put(Failed(traceback.format_exc()))
 
 

@@ -1,4 +1,4 @@
-"""AutoFreeze's gradient-norm test (AutoFreeze, §3.1, Algorithm 1).
+"""AutoFreeze's gradient-norm test (AutoFreeze, §3.1, Algorithm 1), and the norms it tests.
 
 Each observation with a new ``step`` closes an evaluation interval T; the
 controller passes each stage's norm of the gradients accumulated over it. For
@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
+from torch import nn
 
 from actcache.errors import ConfigError
 
 from actcache_client.freeze.policy import Decision, Signals, check_state_version
 
-__all__ = ["AutoFreezeConfig", "AutoFreezePolicy"]
+__all__ = ["AutoFreezeConfig", "AutoFreezePolicy", "GradNormAccumulator"]
 
 _STATE_VERSION = 1
 
@@ -134,3 +137,47 @@ class AutoFreezePolicy:
         self._prev = [None if v is None else float(v) for v in state["prev"]]
         self._eta = [None if v is None else float(v) for v in state["eta"]]
         self._threshold = None if state["threshold"] is None else float(state["threshold"])
+
+
+class GradNormAccumulator:
+    """Per-stage L1 norms of the gradients summed over an evaluation interval (Δ_T); frozen stages report nan.
+
+    ``add()`` runs once per optimizer step, after backward (and DDP's all-reduce);
+    ``norms()`` closes the interval. docs/guides/freeze-policies.md says why L1.
+
+    Invariants: buffers exist only for parameters of active stages; a
+    parameter shared by two stages is summed once and counts in both norms.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        self._stages = [list(s.parameters()) for s in stages]
+        self.set_frozen(0)
+
+    def set_frozen(self, frozen: int) -> None:
+        """Only stages[frozen:] are summed from now on; the current interval restarts."""
+        self._frozen = frozen
+        self._active = list({id(p): p for params in self._stages[frozen:] for p in params}.values())
+        self._sums: dict[int, torch.Tensor] = {}
+        self.steps = 0
+
+    def add(self) -> None:
+        """Add the current ``.grad`` of every active parameter (None grads are skipped)."""
+        with torch.no_grad():
+            for p in self._active:
+                if p.grad is not None and id(p) in self._sums:
+                    self._sums[id(p)].add_(p.grad)
+                elif p.grad is not None:
+                    self._sums[id(p)] = p.grad.detach().clone()
+        self.steps += 1
+
+    def norms(self) -> list[float] | None:
+        """One L1 norm per stage (nan for frozen stages), or None if nothing was added; starts a new interval."""
+        if self.steps == 0:
+            return None
+        totals: list[torch.Tensor] = []
+        for params in self._stages[self._frozen:]:
+            parts = [self._sums[id(p)].float().abs().sum() for p in params if id(p) in self._sums]
+            totals.append(torch.stack(parts).sum() if parts else torch.zeros(()))
+        values = torch.stack(totals).tolist() if totals else []
+        self._sums, self.steps = {}, 0
+        return [math.nan] * self._frozen + values

@@ -32,8 +32,8 @@ from actcache.errors import ConfigError, LifecycleError
 from actcache_client._cached_forward import CachedForward
 from actcache_client.cost_model import Plan
 from actcache_client.freeze import _refproc
+from actcache_client.freeze.autofreeze import GradNormAccumulator
 from actcache_client.freeze.defaults import default_policy, eval_every_for, run_length
-from actcache_client.freeze.gradnorm import GradNormAccumulator
 from actcache_client.freeze.policy import (Decision, DecisionKind, FreezePolicy, Signals, check_state_version,
                                             depth_after)
 from actcache_client.freeze.reference import PlasticityProbe, ReferenceConfig, ReferenceStats

@@ -24,11 +24,8 @@ DEFAULT_EGERIA = EgeriaConfig(freeze_lr_fraction=0.5)
 
 
 def egeria_eval_every(total_steps: int, num_stages: int, window: int) -> int:
-    """Egeria's evaluation interval n for a run: ``total_steps / (2W) / num_stages / 1.75``, at least 1.
-
-    2W evaluations per stage (W/2 for the reference's age, 1 + 3 to calibrate
-    its tolerance, W low ones to freeze it) fit in the first 1/1.75 of training.
-    """
+    """Egeria's interval n: ``total_steps / (2W) / num_stages / 1.75`` (2W evaluations per stage fit in the
+    first 1/1.75 of training), at least 1."""
     return max(1, round(total_steps / (2 * window) / num_stages / 1.75))
 
 

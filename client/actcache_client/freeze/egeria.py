@@ -140,7 +140,7 @@ class EgeriaPolicy:
 
     def observe(self, signals: Signals) -> Decision:
         new_step = signals.step != self._last_step
-        interval = signals.step - self._last_step if self._last_step is not None else signals.step
+        interval = signals.step - (self._last_step or 0)
         self._last_step = signals.step
         dropped = False
         if new_step:
@@ -168,7 +168,7 @@ class EgeriaPolicy:
                     f"lr dropped to {signals.lr:g} <= {lr_numbers['lr_at_freeze']:g} (at the freeze) / "
                     f"{self.config.unfreeze_lr_factor:g}; refreezing with W={self._window}", lr_numbers)
         if self._bootstrapping:
-            return self._bootstrap(signals.loss, interval if new_step else 0)
+            return self._bootstrap(signals.loss, interval)
         if signals.frozen >= signals.num_stages - 1:
             return Decision.none("only the head is active; it always trains", lr_numbers)
         if signals.plasticity is None or not math.isfinite(signals.plasticity):
@@ -198,12 +198,9 @@ class EgeriaPolicy:
         change = _per_interval_change(prev[0], mean, min(1.0, steps / ((prev[1] + span_steps) / 2)))
         numbers["loss_change"] = change
         threshold = cast(float, self.config.bootstrap_threshold)  # bootstrapping implies one
-        if change < threshold:
-            self._bootstrapping = False
-            return Decision.none(f"bootstrapping ended: smoothed loss changed {change:.1%} < {threshold:.0%} "
-                                 "per interval", numbers)
-        return Decision.none(f"bootstrapping: smoothed loss changed {change:.1%} >= {threshold:.0%} per interval",
-                             numbers)
+        self._bootstrapping = change >= threshold
+        state, op = ("bootstrapping", ">=") if self._bootstrapping else ("bootstrapping ended", "<")
+        return Decision.none(f"{state}: smoothed loss changed {change:.1%} {op} {threshold:.0%} per interval", numbers)
 
     def _evaluate(self, plasticity: float, lr: float) -> Decision:
         stage, window = self._stage, self._window
@@ -217,8 +214,7 @@ class EgeriaPolicy:
                 return Decision.none(f"stage {stage}: calibrating tolerance "
                                      f"({len(self._calibration)}/{self.config.tolerance_readings})", numbers)
             threshold = self.config.tolerance_fraction * max(self._calibration)
-            self._tolerance[stage] = threshold
-            numbers["threshold"] = threshold
+            self._tolerance[stage] = numbers["threshold"] = threshold
             return Decision.none(f"stage {stage}: tolerance set to {threshold:.3g}", numbers)
         threshold = self._tolerance[stage] = max(threshold, self.config.tolerance_fraction * abs(smoothed))
         self._consecutive = self._consecutive + 1 if smoothed < threshold else 0

@@ -1,9 +1,6 @@
 """The freeze timeline: one JSON object per line for every evaluation, reference build and cache plan.
 
-Records have an ``event``: ``evaluation`` (one policy observation: its signals,
-decision, reason, numbers and the depth after it), ``reference`` (a stage's
-first reference built, and its speed) or ``plan`` (the cost model decided).
-docs/guides/freeze-policies.md lists their fields.
+Each record's ``event`` is ``evaluation``, ``reference`` or ``plan``; docs/guides/freeze-policies.md lists the fields.
 """
 
 from __future__ import annotations
