@@ -8,13 +8,11 @@ A training step with the controller::
     opt.step()              # pre-hook: ctl.after_backward(): frozen grads -> None, grad sums if needed
     ctl.step(loss, epoch=batch.epoch)                 # every eval_every steps: an evaluation
 
-At an evaluation rank 0 builds the ``Signals`` (the interval's mean loss,
-across ranks when needed; its summed gradients' norms; the latest plasticity
-reading, never waited for: PlasticityProbe) and calls ``policy.observe``, again at
-the same step after each FREEZE_NEXT (AutoFreeze's Algorithm 1 loop). Every
-rank applies the broadcast depth at that step through
-``CachedForward.set_frozen``. The optimizer is never rebuilt: frozen
-parameters get ``grad = None``, so momentum and weight decay cannot move them.
+At an evaluation rank 0 builds the ``Signals`` (mean loss, summed gradients'
+norms, the latest plasticity reading, never waited for) and calls
+``policy.observe``, again after each FREEZE_NEXT (Algorithm 1's loop); every
+rank applies the broadcast depth through ``CachedForward.set_frozen``. The
+optimizer is never rebuilt: frozen parameters get ``grad = None``.
 """
 
 from __future__ import annotations
@@ -58,20 +56,15 @@ class FreezeController:
     The evaluations and DDP (re-)wraps are collectives, so every rank needs the
     same ``eval_every`` and calls ``step()`` once per optimizer step.
 
-    Without ``policy``, the run's length picks the policy and its interval
-    (``default_policy``): pass ``total_steps``, or ``steps_per_epoch`` and
-    ``epochs``; a run too short for it, or of unknown length, never freezes and
-    warns once. A named policy without ``eval_every`` gets its interval from
-    the run's length too.
-
-    Arguments: ``eval_every`` steps between evaluations (Egeria's n, AutoFreeze's
-    interval T); ``reference`` configures the reference process (plasticity
-    policies); ``timeline`` is a JSON-lines file (rank 0 writes it);
-    ``hook_optimizer`` calls ``after_backward`` from an optimizer step
-    pre-hook; ``ddp`` wraps the active stages in DistributedDataParallel
-    (default: when torch.distributed runs with more than one rank) with
-    ``ddp_kwargs``, in ``process_group``. A script using a plasticity policy
-    needs the ``if __name__ == "__main__":`` guard (the reference process is spawned).
+    Without ``policy`` or ``eval_every``, the run's length (``total_steps``, or
+    ``steps_per_epoch`` and ``epochs``) picks them (``default_policy``); a run
+    too short, or of unknown length, never freezes and warns once.
+    ``eval_every``: steps between evaluations (Egeria's n, AutoFreeze's T);
+    ``reference``: the reference process (plasticity policies; the script needs
+    the ``if __name__ == "__main__":`` guard); ``timeline``: a JSON-lines file
+    (rank 0 writes it); ``hook_optimizer``: call ``after_backward`` from an
+    optimizer step pre-hook; ``ddp``: wrap the active stages in DDP (default:
+    with more than one rank) with ``ddp_kwargs``, in ``process_group``.
     """
 
     def __init__(self, cached: CachedForward, optimizer: torch.optim.Optimizer, policy: FreezePolicy | None = None,

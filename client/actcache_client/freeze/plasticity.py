@@ -53,9 +53,8 @@ def sp_loss(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence
     ta = _first_tensor(a, "a")
     tb = _first_tensor(b, "b")
     if ta.shape[0] != tb.shape[0]:
-        raise ConfigError(
-            f"a and b must come from the same batch: batch sizes {ta.shape[0]} and {tb.shape[0]} differ"
-        )
+        raise ConfigError(f"a and b must come from the same batch: batch sizes {ta.shape[0]} and {tb.shape[0]} "
+                          "differ")
     with torch.no_grad():
         ga = _similarity(ta.detach())
         gb = _similarity(tb.detach().to(ga.device))

@@ -1,11 +1,9 @@
 """What a freeze policy sees, what it answers, and the contract every policy keeps.
 
-A policy is decision logic only. The controller calls ``observe(signals)`` once
-per evaluation, applies the returned ``Decision`` to the model (freeze the
-frontmost active stage, or unfreeze everything), and reports the result in the
-next ``Signals.frozen``. Stages freeze front to back: stages ``0 .. frozen-1``
-are frozen, stage ``frozen`` is the frontmost active one, and the last stage
-(the head) always trains.
+A policy is decision logic only: the controller calls ``observe(signals)`` once
+per evaluation, applies the ``Decision`` and reports it in the next
+``Signals.frozen``. Stages ``0 .. frozen-1`` are frozen, stage ``frozen`` is
+the frontmost active one, and the last stage (the head) always trains.
 
 Decision lifecycle, from the controller's side::
 
@@ -99,10 +97,8 @@ class Signals:
         if self.num_stages < 1:
             raise ConfigError(f"num_stages must be >= 1, got {self.num_stages}")
         if not 0 <= self.frozen < self.num_stages:
-            raise ConfigError(
-                f"frozen={self.frozen} is outside 0..{self.num_stages - 1} for "
-                f"{self.num_stages} stages (the head stage always trains)"
-            )
+            raise ConfigError(f"frozen={self.frozen} is outside 0..{self.num_stages - 1} for {self.num_stages} "
+                              "stages (the head stage always trains)")
         if self.step < 0 or self.epoch < 0:
             raise ConfigError(f"step and epoch must be >= 0, got step={self.step} epoch={self.epoch}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
@@ -110,9 +106,8 @@ class Signals:
         if self.grad_norms is not None:
             norms = tuple(float(g) for g in self.grad_norms)
             if len(norms) != self.num_stages:
-                raise ConfigError(
-                    f"grad_norms has {len(norms)} entries for {self.num_stages} stages; pass one per stage"
-                )
+                raise ConfigError(f"grad_norms has {len(norms)} entries for {self.num_stages} stages; "
+                                  "pass one per stage")
             object.__setattr__(self, "grad_norms", norms)
 
 
@@ -149,7 +144,8 @@ def check_state_version(owner: str, state: Mapping[str, Any], version: int) -> N
 
 
 def depth_after(decision: Decision, frozen: int, num_stages: int, who: str) -> int:
-    """The frozen depth once ``decision`` is applied; PolicyError if the contract forbids it."""
+    """The frozen depth once ``decision`` is applied; PolicyError unless a freeze targets exactly stage ``frozen``
+    and not the head, and an unfreeze finds something frozen."""
     if decision.kind is DecisionKind.FREEZE_NEXT:
         if decision.stage != frozen:
             raise PolicyError(f"{who} asked to freeze stage {decision.stage} with {frozen} of {num_stages} stages "
@@ -186,24 +182,19 @@ def _run(policy: FreezePolicy, stream: Sequence[Signals], frozen: int, start: in
     return decisions, frozen
 
 
-def check_freeze_policy_contract(
-    policy_factory: Callable[[], FreezePolicy],
-    signal_stream: Sequence[Signals],
-    *,
-    before_observe: Callable[[Any, int], None] | None = None,
-    snapshot_at: Sequence[int] | None = None,
-) -> list[Decision]:
+def check_freeze_policy_contract(policy_factory: Callable[[], FreezePolicy], signal_stream: Sequence[Signals], *,
+                                 before_observe: Callable[[Any, int], None] | None = None,
+                                 snapshot_at: Sequence[int] | None = None) -> list[Decision]:
     """Assert the freeze-policy contract; return the decisions of one uninterrupted run.
 
-    The stream's ``frozen`` fields are replaced by the count the applied
-    decisions produce, starting at 0. Checked: ``needs`` names known signals;
-    a freeze targets exactly stage ``frozen`` (never skips) and never the last
-    stage; UNFREEZE_ALL only when something is frozen; a state snapshot taken
-    before signal ``k`` (default: halfway; ``snapshot_at`` picks others),
-    passed through JSON and loaded into a fresh policy, yields the same
-    decisions for the rest of the stream. ``before_observe(policy, index)``
-    runs before each observation on every policy (e.g. to make manual
-    requests). Raises AssertionError naming the first violation.
+    The stream's ``frozen`` fields are replaced by the applied decisions' count.
+    Checked: ``needs`` names known signals; decisions keep ``depth_after``'s
+    rule; a state snapshot taken before signal ``k`` (default: halfway;
+    ``snapshot_at`` picks others), passed through JSON into a fresh policy,
+    yields the same decisions for the rest of the stream.
+    ``before_observe(policy, index)`` runs before each observation on every
+    policy (e.g. to make manual requests). Raises AssertionError naming the
+    first violation.
     """
     stream = list(signal_stream)
     policy = policy_factory()

@@ -303,18 +303,15 @@ class ReferenceWorker:
 class PlasticityProbe:
     """Rank 0's side of Egeria's plasticity: a snapshot per evaluation, one probe per interval.
 
-    One evaluation interval (n = eval_every steps)::
+    One evaluation interval (n = eval_every steps); nothing here waits::
 
         evaluation k   -> interval_done(): start the reference process once the policy has left
                           bootstrapping (snapshot 0), else send snapshot k of the frontmost stage
-        step k*n + 1   -> the training forward's input to the frontmost stage is copied by a tap
-                          (armed by arm() once snapshot k - age exists, if the queue has room and
-                          the CPU is not busy; else the interval's probe is skipped, counted);
-                          step() sends it to the reference process, tagged k
+        step k*n + 1   -> a tap armed by arm() (once snapshot k - age exists, the queue has room and
+                          the CPU is not busy; else the probe is skipped, counted) copies the frontmost
+                          stage's input; step() sends it to the reference process, tagged k
         evaluation k+1 -> reading(): the latest plasticity reading of the current stage, if one arrived
-
-    A depth change starts a new generation: readings of the old stage are
-    ignored, the new frontmost stage gets snapshot 0. Nothing here waits.
+        depth change   -> a new generation: the old stage's readings are ignored; snapshot 0 of the new one
     """
 
     def __init__(self, cached: CachedForward, policy: FreezePolicy, config: ReferenceConfig | None,
