@@ -107,11 +107,10 @@ class AutoFreezePolicy:
         if eta is None or self._threshold is None:
             return Decision.none(f"{which}: needs gradient norms from two consecutive intervals")
         numbers = {"eta": eta, "threshold": self._threshold, "percentile": self.config.percentile}
-        if eta < self._threshold:
-            return Decision.freeze(stage, f"{which}: eta {eta:.3g} < {self.config.percentile:g}th "
-                                          f"percentile {self._threshold:.3g}", numbers)
-        return Decision.none(f"{which}: eta {eta:.3g} >= {self.config.percentile:g}th "
-                             f"percentile {self._threshold:.3g}", numbers)
+        low = eta < self._threshold
+        reason = (f"{which}: eta {eta:.3g} {'<' if low else '>='} {self.config.percentile:g}th percentile "
+                  f"{self._threshold:.3g}")
+        return Decision.freeze(stage, reason, numbers) if low else Decision.none(reason, numbers)
 
     def _close_interval(self, signals: Signals) -> None:
         if signals.grad_norms is None:

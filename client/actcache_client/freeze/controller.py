@@ -45,6 +45,8 @@ log = logging.getLogger("actcache_client.freeze")
 _STATE_VERSION = 1
 #: The reference process's counters copied into every evaluation record.
 _REFERENCE_COUNTERS = ("submitted", "readings", "skipped_full", "skipped_busy", "dropped", "snapshots_dropped")
+#: The cost model's plan fields copied as they are into every plan record.
+_PLAN_FIELDS = ("cache_depth", "cached_fraction", "expected_step_s", "baseline_step_s", "write_epoch_extra_s", "reason")
 
 
 class FreezeController:
@@ -237,13 +239,9 @@ class FreezeController:
 
     def _record_plan(self, frozen: int, plan: Plan) -> None:
         """The cost model decided (planner listener): into the timeline, with the numbers behind it."""
-        self.timeline.write({
-            "event": "plan", "step": self.step_count, "epoch": self.epoch, "frozen": frozen,
-            "mode": plan.mode.value, "cache_depth": plan.cache_depth, "recompute_stages": list(plan.recompute_stages),
-            "cached_fraction": plan.cached_fraction, "expected_step_s": plan.expected_step_s,
-            "baseline_step_s": plan.baseline_step_s, "write_epoch_extra_s": plan.write_epoch_extra_s,
-            "reason": plan.reason, "numbers": dict(plan.numbers),
-        })
+        self.timeline.write({"event": "plan", "step": self.step_count, "epoch": self.epoch, "frozen": frozen,
+                             "mode": plan.mode.value, "recompute_stages": list(plan.recompute_stages),
+                             "numbers": dict(plan.numbers), **{k: getattr(plan, k) for k in _PLAN_FIELDS}})
 
     def active_param_share(self, frozen: int | None = None) -> float:
         """Share of parameter elements in the active stages (with ``frozen`` stages frozen)."""
@@ -289,10 +287,7 @@ class FreezeController:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: load the model's weights first; the frozen prefix (and so its cache entries) is restored.
-
-        An interval in progress at the checkpoint restarts (its loss and
-        gradient sums are not saved).
-        """
+        An interval in progress at the checkpoint restarts (its loss and gradient sums are not saved)."""
         check_state_version("controller", state, _STATE_VERSION)
         depth = int(state["frozen"])
         if depth != self.frozen:

@@ -105,9 +105,8 @@ class EgeriaPolicy:
 
     def __init__(self, config: EgeriaConfig | None = None) -> None:
         self.config = config or EgeriaConfig()
-        bootstrap = self.config.bootstrap_threshold is not None
-        self.needs = frozenset({"plasticity", "loss"} if bootstrap else {"plasticity"})
-        self._bootstrapping = bootstrap
+        self._bootstrapping = self.config.bootstrap_threshold is not None
+        self.needs = frozenset({"plasticity", "loss"} if self._bootstrapping else {"plasticity"})
         self._window = self.config.window
         self._tolerance: dict[int, float] = {}
         self._lr_at_freeze: float | None = None

@@ -26,11 +26,9 @@ __all__ = ["sp_loss"]
 
 
 def _first_tensor(state: torch.Tensor | Sequence[torch.Tensor], name: str) -> torch.Tensor:
-    if isinstance(state, torch.Tensor):
-        tensor = state
-    elif isinstance(state, (tuple, list)) and state and isinstance(state[0], torch.Tensor):
-        tensor = state[0]  # a stage state such as (hidden, attention_mask): compare the hidden part
-    else:
+    # a stage state such as (hidden, attention_mask): compare the hidden part
+    tensor = state[0] if isinstance(state, (tuple, list)) and state else state
+    if not isinstance(tensor, torch.Tensor):
         raise ConfigTypeError(f"{name} must be a Tensor or a tuple whose first item is a Tensor, "
                               f"got {type(state).__name__}")
     if tensor.dim() == 0 or tensor.shape[0] == 0:

@@ -235,23 +235,17 @@ class ReferenceWorker:
         """Queue one probe (the stage's input) taken after snapshot ``index`` of ``generation``; False if it was
         skipped. Never waits. ``inputs`` must not change afterwards: pass a ``to_shared`` copy.
         """
-        if self.state is not ReferenceState.RUNNING or self.stats.in_flight >= self.config.queue_size:
-            self.stats.skipped_full += 1
-            return False
-        try:
-            self._inbox.put_nowait(_refproc.Probe(generation, index, step, inputs))
-        except queue.Full:
-            self.stats.skipped_full += 1
-            return False
-        self.stats.submitted += 1
-        return True
+        if self.state is ReferenceState.RUNNING and self.stats.in_flight < self.config.queue_size:
+            with contextlib.suppress(queue.Full):
+                self._inbox.put_nowait(_refproc.Probe(generation, index, step, inputs))
+                self.stats.submitted += 1
+                return True
+        self.stats.skipped_full += 1
+        return False
 
     def poll(self, wait_s: float = 0.0) -> list[_refproc.Reading | _refproc.Built]:
-        """Readings and build reports that arrived since the last call.
-
-        The training step calls it with ``wait_s=0`` and never waits; tools and
-        tests may wait up to ``wait_s`` seconds for the first message.
-        """
+        """Readings and build reports that arrived since the last call; waits up to ``wait_s`` seconds for the
+        first (training passes 0 and never waits)."""
         if self.state is not ReferenceState.RUNNING:
             return []
         out: list[_refproc.Reading | _refproc.Built] = []
@@ -264,16 +258,15 @@ class ReferenceWorker:
             timeout = 0.0
             if isinstance(message, _refproc.Failed):
                 self._fail(f"the reference process failed:\n{message.traceback}")
-            if isinstance(message, _refproc.Dropped):
+            if isinstance(message, _refproc.Built):  # a stage's first build
+                self.stats.builds.append(dataclasses.asdict(message))
+            else:  # exactly one Reading or Dropped per probe
                 self.stats.answered += 1
-                self.stats.dropped += 1
-            elif isinstance(message, _refproc.Reading):
-                self.stats.answered += 1
+                if isinstance(message, _refproc.Dropped):
+                    self.stats.dropped += 1
+                    continue
                 self.stats.readings += 1
-                out.append(message)
-            elif isinstance(message, _refproc.Built):
-                self.stats.builds.append(dataclasses.asdict(message))  # a stage's first build
-                out.append(message)
+            out.append(message)
         if self._process.exitcode is not None:
             self._fail(f"the reference process exited unexpectedly with code {self._process.exitcode}")
         self._send_snapshots()

@@ -40,15 +40,25 @@ class FreezeMilestone:
         return self.at_epoch is not None and signals.epoch >= self.at_epoch
 
 
-class StaticPolicy:
+class _Stateless:
+    """A policy whose decisions depend on the signals alone: it needs none and its state is a version."""
+
+    needs: frozenset[str] = frozenset()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_state_version(type(self).__name__, state, _STATE_VERSION)
+
+
+class StaticPolicy(_Stateless):
     """Freeze stage by stage, one per observation, up to the count of the latest reached milestone.
 
     ``StaticPolicy(stages=3, at_epoch=1)`` is shorthand for one milestone;
     ``StaticPolicy([FreezeMilestone(stages=1, at_step=500), FreezeMilestone(stages=3, at_epoch=2)])``
     for a schedule. It never unfreezes: the target is the largest count among reached milestones.
     """
-
-    needs: frozenset[str] = frozenset()
 
     def __init__(self, freeze_at: Sequence[FreezeMilestone] = (), *, stages: int | None = None,
                  at_step: int | None = None, at_epoch: int | None = None) -> None:
@@ -72,12 +82,6 @@ class StaticPolicy:
             return Decision.freeze(signals.frozen, f"schedule: {target} stages frozen by step {signals.step} "
                                                    f"epoch {signals.epoch}", numbers)
         return Decision.none(f"schedule: {target} stages due, {signals.frozen} frozen", numbers)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": _STATE_VERSION}  # decisions depend on the signals alone
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state_version("StaticPolicy", state, _STATE_VERSION)
 
 
 class ManualPolicy:
@@ -135,19 +139,11 @@ class ManualPolicy:
             self._pending_unfreeze = bool(state["pending_unfreeze"])
 
 
-class NoFreezePolicy:
+class NoFreezePolicy(_Stateless):
     """Never freeze: what a run gets that no policy can judge; the controller warns ``reason`` once."""
-
-    needs: frozenset[str] = frozenset()
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
     def observe(self, signals: Signals) -> Decision:
         return Decision.none(self.reason)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": _STATE_VERSION}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state_version("NoFreezePolicy", state, _STATE_VERSION)
