@@ -65,9 +65,7 @@ class Reading:
 
 @dataclass(frozen=True)
 class Dropped:
-    generation: int
-    step: int
-    reason: str
+    reason: str  # why the probe got no reading (for debugging: the worker only counts it)
 
 
 @dataclass(frozen=True)
@@ -156,13 +154,13 @@ def _serve(inbox, outbox, parent_pid: int) -> None:
             continue
         probe: Probe = message
         if current is None or probe.generation != current.first.generation:
-            outbox.put(Dropped(probe.generation, probe.step, "no reference snapshot of this stage yet"))
+            outbox.put(Dropped(f"step {probe.step}: no reference snapshot of generation {probe.generation} yet"))
             continue
         age = current.first.age
         missing = [i for i in (probe.index - age, probe.index) if i not in current.states]
         if missing:
-            outbox.put(Dropped(probe.generation, probe.step, f"snapshot(s) {missing} of generation "
-                                                            f"{probe.generation} never arrived"))
+            outbox.put(Dropped(f"step {probe.step}: snapshot(s) {missing} of generation {probe.generation} "
+                               "never arrived"))
             continue
         old = current.reference(probe.index - age, probe.inputs, timed, outbox)
         new = current.reference(probe.index, probe.inputs, timed, outbox)

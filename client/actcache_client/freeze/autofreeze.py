@@ -141,11 +141,8 @@ class AutoFreezePolicy:
 class GradNormAccumulator:
     """Per-stage L1 norms of the gradients summed over an evaluation interval (Δ_T); frozen stages report nan.
 
-    ``add()`` runs once per optimizer step, after backward (and DDP's all-reduce);
-    ``norms()`` closes the interval. docs/guides/freeze-policies.md says why L1.
-
-    Invariants: buffers exist only for parameters of active stages; a
-    parameter shared by two stages is summed once and counts in both norms.
+    ``add()`` runs once per optimizer step, after backward (and DDP's all-reduce). Invariants: buffers
+    exist only for active parameters; one shared by two stages is summed once and counts in both norms.
     """
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:

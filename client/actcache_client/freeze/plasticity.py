@@ -44,9 +44,8 @@ def _similarity(tensor: torch.Tensor) -> torch.Tensor:
 def sp_loss(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence[torch.Tensor]) -> float:
     """SP loss of activations ``a`` and ``b`` of shape (batch, ...); 0.0 when they match.
 
-    Tuple stage states contribute their first tensor. The computation runs in
-    float64 on ``a``'s device, without gradients. A sample whose activation is
-    all zeros gets a zero similarity row.
+    Tuple stage states contribute their first tensor; computed in float64 on ``a``'s device without
+    gradients; an all-zero activation gets a zero similarity row.
     """
     ta = _first_tensor(a, "a")
     tb = _first_tensor(b, "b")

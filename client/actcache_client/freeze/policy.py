@@ -113,10 +113,9 @@ class Signals:
 
 @runtime_checkable
 class FreezePolicy(Protocol):
-    """Decides when to freeze the frontmost active stage or unfreeze all.
+    """Decides when to freeze the frontmost active stage or unfreeze all; ``needs`` is a subset of ``SIGNAL_NAMES``.
 
-    ``needs`` is a subset of ``SIGNAL_NAMES``. ``state_dict()`` is
-    JSON-serialisable; ``load_state_dict`` into a policy built with the same
+    ``state_dict()`` is JSON-serialisable; ``load_state_dict`` into a policy built with the same
     configuration continues with identical decisions.
     """
 

@@ -149,7 +149,7 @@ class ReferenceWorker:
     """The training side of the reference process (one per training job, on rank 0).
 
     ``training_device`` resolves ``max_cpu_percent="auto"``; ``cpu_percent()`` gives the system CPU use
-    since its previous call (default: from psutil).
+    since its last call (default: from psutil).
     """
 
     def __init__(self, config: ReferenceConfig | None = None, *, training_device: torch.device | str = "cpu",
@@ -322,10 +322,6 @@ class PlasticityProbe:
         self._capture_index: int | None = None  # the snapshot before the forward being captured
         self._inputs: Any = None
 
-    @property
-    def running(self) -> bool:
-        return self.worker.state is ReferenceState.RUNNING
-
     def _head_only(self) -> bool:
         return self.cached.frozen >= self.cached.model.num_stages - 1  # nothing left to judge
 
@@ -337,8 +333,7 @@ class PlasticityProbe:
 
     def arm(self) -> None:
         """Capture the next training forward, once per interval, if a reading can come of it."""
-        if (not self.running or self._probed or self._capture_index is not None or self._head_only()
-                or self._index < self._age):
+        if self._probed or self._capture_index is not None or self._head_only() or self._index < self._age:
             return
         self._probed = True
         if self.worker.ready_for_probe():
@@ -369,7 +364,7 @@ class PlasticityProbe:
             return
         if self.worker.state is ReferenceState.NEW:
             self.worker.start()
-        if self.running:
+        if self.worker.state is ReferenceState.RUNNING:
             self._snapshot()
 
     def depth_changed(self) -> None:
@@ -377,7 +372,7 @@ class PlasticityProbe:
         self._generation += 1
         self._index = -1
         self._drop_capture()
-        if self.running and not self._head_only():
+        if self.worker.state is ReferenceState.RUNNING and not self._head_only():
             self._snapshot()
             self._snapped = True
 

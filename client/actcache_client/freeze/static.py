@@ -53,11 +53,10 @@ class _Stateless:
 
 
 class StaticPolicy(_Stateless):
-    """Freeze stage by stage, one per observation, up to the count of the latest reached milestone.
+    """Freeze stage by stage, one per observation, up to the largest count among reached milestones.
 
-    ``StaticPolicy(stages=3, at_epoch=1)`` is shorthand for one milestone;
-    ``StaticPolicy([FreezeMilestone(stages=1, at_step=500), FreezeMilestone(stages=3, at_epoch=2)])``
-    for a schedule. It never unfreezes: the target is the largest count among reached milestones.
+    ``StaticPolicy(stages=3, at_epoch=1)`` is one milestone; ``StaticPolicy([FreezeMilestone(stages=1,
+    at_step=500), FreezeMilestone(stages=3, at_epoch=2)])`` a schedule. It never unfreezes.
     """
 
     def __init__(self, freeze_at: Sequence[FreezeMilestone] = (), *, stages: int | None = None,
