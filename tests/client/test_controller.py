@@ -24,7 +24,7 @@ from actcache_client.freeze import (
     read_timeline,
 )
 from actcache_client.freeze.defaults import egeria_eval_every
-from actcache_client.freeze.gradnorm import GradNormAccumulator
+from actcache_client.freeze.autofreeze import GradNormAccumulator
 
 
 def staged_cnn(seed: int = 0) -> ac.StagedModel:

@@ -1,13 +1,10 @@
 """When to freeze: pluggable policies that turn training signals into freeze decisions.
 
-``FreezeController`` collects the signals, calls the policy and applies its
-decisions (``controller.py``); Egeria's reference model runs in a separate
-process (``reference.py``). Policies:
-``EgeriaPolicy`` (plasticity: SP loss against a reference model),
-``AutoFreezePolicy`` (gradient-norm change), ``StaticPolicy`` (a schedule),
-``ManualPolicy`` (requests) and ``NoFreezePolicy`` (never). Every one passes
-``check_freeze_policy_contract``. Without a policy the controller takes
-``default_policy`` for the run's length (``defaults.py``).
+``FreezeController`` applies a policy's decisions: ``EgeriaPolicy`` (plasticity
+against a reference model), ``AutoFreezePolicy`` (gradient-norm change),
+``StaticPolicy`` (a schedule), ``ManualPolicy`` (requests), ``NoFreezePolicy``
+(never); each passes ``check_freeze_policy_contract``. Without a policy the
+controller takes ``default_policy`` for the run's length.
 """
 
 from actcache_client.freeze.autofreeze import AutoFreezeConfig, AutoFreezePolicy

@@ -1,18 +1,11 @@
 """The reference process: messages and main loop (runs in a spawned CPU process).
 
-Inbox, in order: ``Snapshot`` (the frontmost active stage at one evaluation:
-the first of a generation carries the pickled module, later ones its
-``state_dict`` in shared memory), ``Probe`` (that stage's input for one
-batch, taken on the step after evaluation ``index``), ``Stop``. Outbox:
-exactly one ``Reading`` or ``Dropped`` for every probe, ``Built`` when a
-stage's first reference is built, ``Failed`` (then the process exits)
-on any error.
-
-A reading compares snapshots ``index`` and ``index - age`` on the probe's
-input (reference.py). A snapshot's reference is loaded once, lazily, on its
-first use and kept until no later probe can need it (indices below ``index -
-age`` of the latest probe or snapshot). A stage's first reference is timed
-on its first probe (``Built``).
+Inbox, in order: ``Snapshot`` (the frontmost stage at one evaluation: the
+first of a generation carries the pickled module, later ones its state_dict in
+shared memory), ``Probe`` (that stage's input for one batch), ``Stop``.
+Outbox: exactly one ``Reading`` or ``Dropped`` per probe, ``Built`` when a
+stage's first reference is built (and timed), ``Failed`` on any error.
+A snapshot is loaded lazily and kept until no later probe can need it.
 """
 
 from __future__ import annotations
@@ -23,12 +16,11 @@ import pickle
 import queue
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from actcache.errors import ReferenceModelFailed
 from actcache_client.freeze.plasticity import sp_loss
 from actcache_client._stages import State
 
@@ -69,14 +61,11 @@ class Reading:
     index: int
     plasticity: float  # SP loss between the references ``age`` evaluations apart
     age: int
-    seconds: float
 
 
 @dataclass(frozen=True)
 class Dropped:
-    generation: int
-    step: int
-    reason: str
+    reason: str  # why the probe got no reading (for debugging: the worker only counts it)
 
 
 @dataclass(frozen=True)
@@ -93,11 +82,11 @@ class Failed:
 
 
 def main(inbox, outbox, threads: int, parent_pid: int) -> None:
-    """Serve probes until Stop, or until the parent process is gone."""
+    """Serve probes until Stop, or until the parent process is gone; an error goes to the parent as Failed."""
     try:
         torch.set_num_threads(threads)
         _serve(inbox, outbox, parent_pid)
-    except BaseException:  # delivered to the training process, which raises it
+    except BaseException:
         outbox.put(Failed(traceback.format_exc()))
 
 
@@ -105,21 +94,15 @@ class _Generation:
     """The snapshots of one frontmost stage, by evaluation index, and their loaded references."""
 
     def __init__(self, first: Snapshot) -> None:
-        if first.payload is None:
-            raise ReferenceModelFailed(f"snapshot {first.index} of generation {first.generation} opens it without a module")
         self.first = first
-        self.module: torch.nn.Module = pickle.loads(first.payload)
+        self.module: torch.nn.Module = pickle.loads(cast(bytes, first.payload))
         self.states: dict[int, dict[str, torch.Tensor] | None] = {first.index: None}  # None: the module as sent
-        self.runs: dict[int, Callable[[State], State]] = {}
+        self.runs: dict[int, torch.nn.Module] = {}
 
-    def add(self, snapshot: Snapshot) -> None:
-        self.states[snapshot.index] = snapshot.state
-
-    def reference(self, index: int, example: State, timed: set[int], outbox) -> Callable[[State], State]:
+    def reference(self, index: int, example: State, timed: set[int], outbox) -> torch.nn.Module:
         """Snapshot ``index`` as a reference; the stage's first one (not in ``timed``) is timed on ``example``."""
-        run = self.runs.get(index)
-        if run is not None:
-            return run
+        if index in self.runs:
+            return self.runs[index]
         state = self.states[index]
         module = self.module if state is None else copy.deepcopy(self.module)
         if state is not None:
@@ -165,27 +148,23 @@ def _serve(inbox, outbox, parent_pid: int) -> None:
             if message.payload is not None:
                 current = _Generation(message)
             elif current is not None and current.first.generation == message.generation:
-                current.add(message)
-                # Probes are taken after their snapshot, so every probe of an earlier index is already
-                # in: from here on none needs a snapshot older than index - age (memory stays bounded
-                # while probes are skipped).
+                current.states[message.index] = message.state
+                # every probe of an earlier index is in already: none needs a snapshot below index - age
                 current.prune(message.index - current.first.age)
             continue
         probe: Probe = message
         if current is None or probe.generation != current.first.generation:
-            outbox.put(Dropped(probe.generation, probe.step, "no reference snapshot of this stage yet"))
+            outbox.put(Dropped(f"step {probe.step}: no reference snapshot of generation {probe.generation} yet"))
             continue
         age = current.first.age
         missing = [i for i in (probe.index - age, probe.index) if i not in current.states]
         if missing:
-            outbox.put(Dropped(probe.generation, probe.step, f"snapshot(s) {missing} of generation "
-                                                            f"{probe.generation} never arrived"))
+            outbox.put(Dropped(f"step {probe.step}: snapshot(s) {missing} of generation {probe.generation} "
+                               "never arrived"))
             continue
         old = current.reference(probe.index - age, probe.inputs, timed, outbox)
         new = current.reference(probe.index, probe.inputs, timed, outbox)
-        start = time.perf_counter()
         with torch.no_grad():
             plasticity = sp_loss(new(probe.inputs), old(probe.inputs))
-        outbox.put(Reading(probe.generation, current.first.stage, probe.step, probe.index, plasticity, age,
-                           time.perf_counter() - start))
+        outbox.put(Reading(probe.generation, current.first.stage, probe.step, probe.index, plasticity, age))
         current.prune(probe.index - age)

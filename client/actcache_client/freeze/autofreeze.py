@@ -1,4 +1,4 @@
-"""AutoFreeze's gradient-norm test (AutoFreeze, §3.1, Algorithm 1).
+"""AutoFreeze's gradient-norm test (AutoFreeze, §3.1, Algorithm 1), and the norms it tests.
 
 Each observation with a new ``step`` closes an evaluation interval T; the
 controller passes each stage's norm of the gradients accumulated over it. For
@@ -9,32 +9,28 @@ every active stage l::
                 last stage, which always trains), not the embedding stages (linear
                 interpolation, numpy's default rule; a zero previous norm makes eta infinite)
 
-The frontmost active stage freezes while its eta < threshold. The paper
-judges BERT's encoder blocks: the classifier is never a candidate, so its
-eta (the new head's gradients change fastest) does not raise the
-percentile, and "when transformer blocks are frozen, we also freeze the
-Embedding layer" (§4): with ``embedding_stages=k`` the first k stages are
-not judged on their own but freeze together with stage k, in the same
-evaluation, when stage k passes the test. Algorithm 1
-loops over the active stages in one interval; here each observation answers
-for one stage, so after applying a FREEZE_NEXT the controller calls again with
-the same ``step`` and the next stage is judged against the same interval's
-eta and threshold. A stage is judged only when it has norms from two
-consecutive intervals in which it was active; non-finite norms count as missing.
+The frontmost active stage freezes while its eta < threshold; the first
+``embedding_stages`` stages freeze with the first judged one (§4). After a
+FREEZE_NEXT the controller asks again at the same ``step`` (Algorithm 1's
+loop). A stage is judged only with finite norms from two consecutive intervals
+in which it was active. docs/guides/freeze-policies.md says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import torch
+from torch import nn
 
 from actcache.errors import ConfigError
 
-from actcache_client.freeze.policy import Decision, Signals
+from actcache_client.freeze.policy import Decision, Signals, check_state_version
 
-__all__ = ["AutoFreezeConfig", "AutoFreezePolicy"]
+__all__ = ["AutoFreezeConfig", "AutoFreezePolicy", "GradNormAccumulator"]
 
 _STATE_VERSION = 1
 
@@ -43,14 +39,11 @@ _STATE_VERSION = 1
 class AutoFreezeConfig:
     """Knobs of the gradient-norm test; defaults are the paper's."""
 
-    #: N: freeze while eta is below this percentile of the active stages' eta. Paper: the
-    #: median, 50 (§3.1 Figure 6, §4); 75 lost accuracy, 25 froze less (§4.3).
+    #: N: freeze while eta is below this percentile of the active stages' eta. Paper: the median, 50 (§4).
     percentile: float = 50.0
-    #: Evaluation intervals per epoch, i.e. how often the controller calls observe. Paper:
-    #: 5 (§4 setup); 2 to 5 balance speed and accuracy, 10 loses accuracy (§4.3).
+    #: Evaluation intervals per epoch, i.e. how often the controller calls observe. Paper: 5 (§4).
     intervals_per_epoch: int = 5
-    #: Stages before the first judged one (BERT staged by ``from_bert``: 1, the embeddings). They
-    #: freeze together with the first judged stage (AutoFreeze §4); 0 judges every stage but the head.
+    #: Stages before the first judged one, frozen with it (BERT staged by ``from_bert``: 1, the embeddings).
     embedding_stages: int = 0
 
     def __post_init__(self) -> None:
@@ -114,11 +107,10 @@ class AutoFreezePolicy:
         if eta is None or self._threshold is None:
             return Decision.none(f"{which}: needs gradient norms from two consecutive intervals")
         numbers = {"eta": eta, "threshold": self._threshold, "percentile": self.config.percentile}
-        if eta < self._threshold:
-            return Decision.freeze(stage, f"{which}: eta {eta:.3g} < {self.config.percentile:g}th "
-                                          f"percentile {self._threshold:.3g}", numbers)
-        return Decision.none(f"{which}: eta {eta:.3g} >= {self.config.percentile:g}th "
-                             f"percentile {self._threshold:.3g}", numbers)
+        low = eta < self._threshold
+        reason = (f"{which}: eta {eta:.3g} {'<' if low else '>='} {self.config.percentile:g}th percentile "
+                  f"{self._threshold:.3g}")
+        return Decision.freeze(stage, reason, numbers) if low else Decision.none(reason, numbers)
 
     def _close_interval(self, signals: Signals) -> None:
         if signals.grad_norms is None:
@@ -139,10 +131,49 @@ class AutoFreezePolicy:
                 "eta": list(self._eta), "threshold": self._threshold}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"AutoFreezePolicy state version {state.get('version')!r} is not {_STATE_VERSION}; "
-                             "it was saved by an incompatible actcache version")
+        check_state_version("AutoFreezePolicy", state, _STATE_VERSION)
         self._step = state["step"]
         self._prev = [None if v is None else float(v) for v in state["prev"]]
         self._eta = [None if v is None else float(v) for v in state["eta"]]
         self._threshold = None if state["threshold"] is None else float(state["threshold"])
+
+
+class GradNormAccumulator:
+    """Per-stage L1 norms of the gradients summed over an evaluation interval (Δ_T); frozen stages report nan.
+
+    ``add()`` runs once per optimizer step, after backward (and DDP's all-reduce). Invariants: buffers
+    exist only for active parameters; one shared by two stages is summed once and counts in both norms.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        self._stages = [list(s.parameters()) for s in stages]
+        self.set_frozen(0)
+
+    def set_frozen(self, frozen: int) -> None:
+        """Only stages[frozen:] are summed from now on; the current interval restarts."""
+        self._frozen = frozen
+        self._active = list({id(p): p for params in self._stages[frozen:] for p in params}.values())
+        self._sums: dict[int, torch.Tensor] = {}
+        self.steps = 0
+
+    def add(self) -> None:
+        """Add the current ``.grad`` of every active parameter (None grads are skipped)."""
+        with torch.no_grad():
+            for p in self._active:
+                if p.grad is not None and id(p) in self._sums:
+                    self._sums[id(p)].add_(p.grad)
+                elif p.grad is not None:
+                    self._sums[id(p)] = p.grad.detach().clone()
+        self.steps += 1
+
+    def norms(self) -> list[float] | None:
+        """One L1 norm per stage (nan for frozen stages), or None if nothing was added; starts a new interval."""
+        if self.steps == 0:
+            return None
+        totals: list[torch.Tensor] = []
+        for params in self._stages[self._frozen:]:
+            parts = [self._sums[id(p)].float().abs().sum() for p in params if id(p) in self._sums]
+            totals.append(torch.stack(parts).sum() if parts else torch.zeros(()))
+        values = torch.stack(totals).tolist() if totals else []
+        self._sums, self.steps = {}, 0
+        return [math.nan] * self._frozen + values

@@ -8,44 +8,33 @@ A training step with the controller::
     opt.step()              # pre-hook: ctl.after_backward(): frozen grads -> None, grad sums if needed
     ctl.step(loss, epoch=batch.epoch)                 # every eval_every steps: an evaluation
 
-An evaluation (step % eval_every == 0): the loss is averaged over the
-interval (and across ranks when the policy needs it), the per-stage gradient
-norms are those of the interval's summed gradients, plasticity is the latest
-reading of the frontmost active stage from the reference process (None if
-none arrived: the step never waits; see probe.py for the snapshots it compares). Rank 0 calls ``policy.observe``, again
-at the same step after each FREEZE_NEXT (AutoFreeze's Algorithm 1 loop;
-schedules catch up), and broadcasts the resulting depth; every rank applies
-it at that step through ``CachedForward.set_frozen`` (requires_grad, eval
-mode, fingerprints, DDP re-wrap of the active stages). The optimizer is
-never rebuilt: active parameters keep their state, frozen ones get
-``grad = None`` so momentum and weight decay cannot move them.
-
-The reference process (plasticity policies, rank 0 only) starts once the
-policy leaves bootstrapping; from then on the frontmost stage is snapshot at
-every evaluation, and one probe per evaluation interval is captured on the
-step after an evaluation by a forward pre-hook on the frontmost stage. The
-reference's ``max_cpu_percent="auto"`` is resolved from the model's device.
+At an evaluation rank 0 builds the ``Signals`` (mean loss, summed gradients'
+norms, the latest plasticity reading, never waited for) and calls
+``policy.observe``, again after each FREEZE_NEXT (Algorithm 1's loop); every
+rank applies the broadcast depth through ``CachedForward.set_frozen``. The
+optimizer is never rebuilt: frozen parameters get ``grad = None``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from actcache.errors import ConfigError, LifecycleError, PolicyError
+from actcache.errors import ConfigError, LifecycleError
 from actcache_client._cached_forward import CachedForward
 from actcache_client.cost_model import Plan
 from actcache_client.freeze import _refproc
+from actcache_client.freeze.autofreeze import GradNormAccumulator
 from actcache_client.freeze.defaults import default_policy, eval_every_for, run_length
-from actcache_client.freeze.distributed import DdpWrapper, broadcast_depth, mean_across_ranks, rank_and_world
-from actcache_client.freeze.gradnorm import GradNormAccumulator
-from actcache_client.freeze.policy import Decision, DecisionKind, FreezePolicy, Signals
-from actcache_client.freeze.probe import PlasticityProbe
-from actcache_client.freeze.reference import ReferenceConfig, ReferenceStats
+from actcache_client.freeze.policy import (Decision, DecisionKind, FreezePolicy, Signals, check_state_version,
+                                            depth_after)
+from actcache_client.freeze.reference import PlasticityProbe, ReferenceConfig, ReferenceStats
 from actcache_client.freeze.static import NoFreezePolicy
 from actcache_client.freeze.timeline import Timeline
 
@@ -54,6 +43,10 @@ __all__ = ["FreezeController"]
 log = logging.getLogger("actcache_client.freeze")
 
 _STATE_VERSION = 1
+#: The reference process's counters copied into every evaluation record.
+_REFERENCE_COUNTERS = ("submitted", "readings", "skipped_full", "skipped_busy", "dropped", "snapshots_dropped")
+#: The cost model's plan fields copied as they are into every plan record.
+_PLAN_FIELDS = ("cache_depth", "cached_fraction", "expected_step_s", "baseline_step_s", "write_epoch_extra_s", "reason")
 
 
 class FreezeController:
@@ -62,41 +55,26 @@ class FreezeController:
     Invariants: ``cached.frozen`` changes only at evaluations, to the depth
     rank 0 decided, on every rank at the same step; frozen parameters have
     ``grad is None`` when the optimizer steps; at most one probe per interval.
+    The evaluations and DDP (re-)wraps are collectives, so every rank needs the
+    same ``eval_every`` and calls ``step()`` once per optimizer step.
 
-    Without ``policy``, the run's length picks the policy and its interval
-    (``defaults.default_policy``): pass ``total_steps``, or ``steps_per_epoch``
-    and ``epochs``. A run too short for it, or of unknown length, never
-    freezes, and a warning says so once, here. A named policy without
-    ``eval_every`` gets its interval from the run's length too
-    (``defaults.eval_every_for``).
-
-    Arguments: ``eval_every`` steps between evaluations (Egeria's n, AutoFreeze's
-    interval T); ``reference`` configures the reference process (plasticity
-    policies); ``timeline`` is a JSON-lines file (rank 0 writes it);
-    ``hook_optimizer`` calls ``after_backward`` from an optimizer step
-    pre-hook; ``ddp`` wraps the active stages in DistributedDataParallel
-    (default: when torch.distributed runs with more than one rank) with
-    ``ddp_kwargs``, in ``process_group``. A script using a plasticity policy
-    needs the ``if __name__ == "__main__":`` guard (the reference process is spawned).
+    Without ``policy`` or ``eval_every``, the run's length (``total_steps``, or
+    ``steps_per_epoch`` and ``epochs``) picks them (``default_policy``); a run
+    too short, or of unknown length, never freezes and warns once.
+    ``eval_every``: steps between evaluations (Egeria's n, AutoFreeze's T);
+    ``reference``: the reference process (plasticity policies; the script needs
+    the ``if __name__ == "__main__":`` guard); ``timeline``: a JSON-lines file
+    (rank 0 writes it); ``hook_optimizer``: call ``after_backward`` from an
+    optimizer step pre-hook; ``ddp``: wrap the active stages in DDP (default:
+    with more than one rank) with ``ddp_kwargs``, in ``process_group``.
     """
 
-    def __init__(
-        self,
-        cached: CachedForward,
-        optimizer: torch.optim.Optimizer,
-        policy: FreezePolicy | None = None,
-        *,
-        eval_every: int | None = None,
-        total_steps: int | None = None,
-        steps_per_epoch: int | None = None,
-        epochs: int | None = None,
-        reference: ReferenceConfig | None = None,
-        timeline: str | None = None,
-        hook_optimizer: bool = True,
-        process_group: Any = None,
-        ddp: bool | None = None,
-        ddp_kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, cached: CachedForward, optimizer: torch.optim.Optimizer, policy: FreezePolicy | None = None,
+                 *, eval_every: int | None = None, total_steps: int | None = None,
+                 steps_per_epoch: int | None = None, epochs: int | None = None,
+                 reference: ReferenceConfig | None = None, timeline: str | None = None, hook_optimizer: bool = True,
+                 process_group: Any = None, ddp: bool | None = None,
+                 ddp_kwargs: Mapping[str, Any] | None = None) -> None:
         if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
             raise ConfigError(f"eval_every={eval_every!r} must be a positive number of steps (Egeria uses "
                               "~300 for ResNet-56; AutoFreeze: an epoch's steps / 5)")
@@ -115,7 +93,7 @@ class FreezeController:
         self.policy = policy
         self.eval_every = eval_every
         self.group = process_group
-        self.rank, self.world = rank_and_world(process_group)
+        self.rank, self.world = _rank_and_world(process_group)
         self.distributed = self.world > 1
         self.timeline = Timeline(timeline if self.rank == 0 else None)
         self.step_count = 0
@@ -123,7 +101,7 @@ class FreezeController:
         self.evaluations = 0
         #: (step, depth before, depth after) of every applied change, on every rank.
         self.changes: list[tuple[int, int, int]] = []
-        self._num_stages = cached.model.num_stages
+        self._num_stages = num_stages
         self._counts = cached.model.param_counts()
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
@@ -132,10 +110,10 @@ class FreezeController:
                        if "plasticity" in policy.needs and self.rank == 0 else None)
         self._backward_done = False
         self._frozen_params: list[nn.Parameter] = []
-        use_ddp = self.distributed if ddp is None else ddp
-        self._ddp = DdpWrapper(process_group, **dict(ddp_kwargs or {})) if use_ddp else None
-        if self._ddp is not None:
-            cached.set_suffix_wrapper(self._ddp)
+        self._ddp_kwargs = dict(ddp_kwargs or {})
+        self._rewrap_s: float | None = None
+        if self.distributed if ddp is None else ddp:
+            cached.set_suffix_wrapper(self._wrap_suffix)
         self._hook = optimizer.register_step_pre_hook(lambda *_: self.after_backward()) if hook_optimizer else None
         if cached.planner is not None:
             cached.planner.listeners.append(self._record_plan)
@@ -143,15 +121,13 @@ class FreezeController:
         if isinstance(policy, NoFreezePolicy) and self.rank == 0:
             log.warning("actcache: not freezing: %s", policy.reason)
 
-    # ---- the step protocol ---------------------------------------------
-
     @property
     def frozen(self) -> int:
         return self.cached.frozen
 
     @property
     def reference_stats(self) -> ReferenceStats | None:
-        return self._probe.stats if self._probe is not None else None
+        return self._probe.worker.stats if self._probe is not None else None
 
     @property
     def reference_config(self) -> ReferenceConfig | None:
@@ -161,7 +137,7 @@ class FreezeController:
     @property
     def rewrap_seconds(self) -> float | None:
         """Seconds the last DDP (re-)wrap took; None without DDP."""
-        return self._ddp.last_seconds if self._ddp is not None else None
+        return self._rewrap_s
 
     def after_backward(self) -> None:
         """After backward, before the optimizer step (automatic with ``hook_optimizer``); once per step."""
@@ -191,22 +167,25 @@ class FreezeController:
         if self._probe is not None:
             self._probe.arm()
 
-    # ---- evaluation -------------------------------------------------------
-
     def _evaluate(self, lr: float) -> None:
         self.evaluations += 1
         loss = float(self._loss_sum / self._loss_count) if self._loss_count else None
         self._loss_sum, self._loss_count = None, 0
-        if self.distributed and "loss" in self.policy.needs:
-            loss = mean_across_ranks(loss, self.group)
+        if self.distributed and "loss" in self.policy.needs:  # the mean over the ranks that have one
+            t = _collective_tensor([loss or 0.0, float(loss is not None)], torch.float64, self.group)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            total, count = t.tolist()
+            loss = total / count if count else None
         grad_norms = self._grads.norms() if self._grads is not None else None
         if self._grads is not None and grad_norms is None:
             raise LifecycleError("the policy needs gradient norms but no gradients were summed in this interval: "
                                "call controller.after_backward() after backward (or keep hook_optimizer=True)")
         reading = self._probe.reading(self.step_count) if self._probe is not None else None
         depth, records = self._decide(lr, loss, grad_norms, reading) if self.rank == 0 else (None, [])
-        if self.distributed:
-            depth = broadcast_depth(depth, self.group)
+        if self.distributed:  # rank 0's depth on every rank
+            t = _collective_tensor([depth if depth is not None else -1], torch.int64, self.group)
+            dist.broadcast(t, src=0 if self.group is None else dist.get_global_rank(self.group, 0), group=self.group)
+            depth = int(t.item())
         if depth != self.frozen:
             self._apply(depth)
             if records:
@@ -228,25 +207,12 @@ class FreezeController:
                               plasticity=plasticity if "plasticity" in needs else None,
                               grad_norms=grad_norms if "grad_norms" in needs else None)
             decision = self.policy.observe(signals)
-            after = self._check(decision, frozen)
+            after = depth_after(decision, frozen, self._num_stages, f"policy {type(self.policy).__name__}")
             records.append(self._record(signals, decision, after, reading))
             if decision.kind is not DecisionKind.FREEZE_NEXT:
                 return after, records
             frozen, plasticity, reading = after, None, None  # the reading was of the stage just frozen
         return frozen, records
-
-    def _check(self, decision: Decision, frozen: int) -> int:
-        if decision.kind is DecisionKind.FREEZE_NEXT:
-            if decision.stage != frozen or frozen >= self._num_stages - 1:
-                raise PolicyError(f"policy {type(self.policy).__name__} asked to freeze stage {decision.stage} with "
-                                   f"{frozen} of {self._num_stages} stages frozen; only stage {frozen} may freeze "
-                                   "and never the head (see check_freeze_policy_contract)")
-            return frozen + 1
-        if decision.kind is DecisionKind.UNFREEZE_ALL:
-            if frozen == 0:
-                raise PolicyError(f"policy {type(self.policy).__name__} asked to unfreeze with nothing frozen")
-            return 0
-        return frozen
 
     def _record(self, signals: Signals, decision: Decision, after: int,
                 reading: _refproc.Reading | None) -> dict[str, Any]:
@@ -268,29 +234,20 @@ class FreezeController:
             "smoothed": numbers.get("smoothed"), "threshold": numbers.get("threshold"),
             "decision": decision.kind.value, "reason": decision.reason, "lr": signals.lr, "frozen": after,
             "active_param_share": self.active_param_share(after), "rewrap_s": None, "numbers": dict(numbers),
-            "reference": None if stats is None else {
-                "submitted": stats.submitted, "readings": stats.readings, "skipped_full": stats.skipped_full,
-                "skipped_busy": stats.skipped_busy, "dropped": stats.dropped,
-                "snapshots_dropped": stats.snapshots_dropped},
+            "reference": None if stats is None else {k: getattr(stats, k) for k in _REFERENCE_COUNTERS},
         }
 
     def _record_plan(self, frozen: int, plan: Plan) -> None:
         """The cost model decided (planner listener): into the timeline, with the numbers behind it."""
-        self.timeline.write({
-            "event": "plan", "step": self.step_count, "epoch": self.epoch, "frozen": frozen,
-            "mode": plan.mode.value, "cache_depth": plan.cache_depth, "recompute_stages": list(plan.recompute_stages),
-            "cached_fraction": plan.cached_fraction, "expected_step_s": plan.expected_step_s,
-            "baseline_step_s": plan.baseline_step_s, "write_epoch_extra_s": plan.write_epoch_extra_s,
-            "reason": plan.reason, "numbers": dict(plan.numbers),
-        })
+        self.timeline.write({"event": "plan", "step": self.step_count, "epoch": self.epoch, "frozen": frozen,
+                             "mode": plan.mode.value, "recompute_stages": list(plan.recompute_stages),
+                             "numbers": dict(plan.numbers), **{k: getattr(plan, k) for k in _PLAN_FIELDS}})
 
     def active_param_share(self, frozen: int | None = None) -> float:
         """Share of parameter elements in the active stages (with ``frozen`` stages frozen)."""
         frozen = self.frozen if frozen is None else frozen
         total = sum(self._counts)
         return sum(self._counts[frozen:]) / total if total else 1.0
-
-    # ---- applying a depth ------------------------------------------------
 
     def _apply(self, depth: int) -> None:
         before = self.frozen
@@ -303,6 +260,15 @@ class FreezeController:
         if self._probe is not None:
             self._probe.depth_changed()
 
+    def _wrap_suffix(self, suffix: nn.Module) -> nn.Module:
+        """DDP around the active stages only (frozen ones take no gradient buckets), timed."""
+        start = time.perf_counter()
+        wrapped = nn.parallel.DistributedDataParallel(suffix, process_group=self.group, **self._ddp_kwargs)
+        self._rewrap_s = time.perf_counter() - start
+        log.info("actcache: DDP wrapped %d active stages in %.3f s", len(getattr(suffix, "stages", ())),
+                 self._rewrap_s)
+        return wrapped
+
     def _track_frozen(self) -> None:
         stages = list(self.cached.model.stages)
         active = {id(p) for s in stages[self.frozen:] for p in s.parameters()}
@@ -312,30 +278,25 @@ class FreezeController:
         if self._grads is not None:
             self._grads.set_frozen(self.frozen)
 
-    # ---- checkpointing and lifecycle -------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
         """Counters, the frozen depth and its fingerprint, the policy's state (save rank 0's)."""
         return {"version": _STATE_VERSION, "step": self.step_count, "epoch": self.epoch,
-                "evaluations": self.evaluations, "frozen": self.frozen, "fingerprint": self.cached.weights_fingerprint().hex(),
-                "policy": self.policy.state_dict(), "changes": [list(c) for c in self.changes]}
+                "evaluations": self.evaluations, "frozen": self.frozen,
+                "fingerprint": self.cached.weights_fingerprint().hex(), "policy": self.policy.state_dict(),
+                "changes": [list(c) for c in self.changes]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: load the model's weights first; the frozen prefix (and so its cache entries) is restored.
-
-        An interval in progress at the checkpoint restarts (its loss and
-        gradient sums are not saved).
-        """
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"controller state version {state.get('version')!r} is not {_STATE_VERSION}; "
-                              "it was saved by an incompatible actcache version")
+        An interval in progress at the checkpoint restarts (its loss and gradient sums are not saved)."""
+        check_state_version("controller", state, _STATE_VERSION)
         depth = int(state["frozen"])
         if depth != self.frozen:
             self._apply(depth)
-        if self.cached.weights_fingerprint().hex() != state["fingerprint"]:
-            raise ConfigError(f"the model's first {depth} stages have fingerprint {self.cached.weights_fingerprint().hex()} "
-                              f"but the checkpoint recorded {state['fingerprint']}: load the model's state_dict "
-                              "(the same weights) before the controller's")
+        fingerprint = self.cached.weights_fingerprint().hex()
+        if fingerprint != state["fingerprint"]:
+            raise ConfigError(f"the model's first {depth} stages have fingerprint {fingerprint} but the checkpoint "
+                              f"recorded {state['fingerprint']}: load the model's state_dict (the same weights) "
+                              "before the controller's")
         self.policy.load_state_dict(state["policy"])
         self.step_count, self.epoch = int(state["step"]), int(state["epoch"])
         self.evaluations = int(state["evaluations"])
@@ -357,3 +318,15 @@ class FreezeController:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _rank_and_world(group: Any) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) when torch.distributed is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _collective_tensor(values: list[float], dtype: torch.dtype, group: Any) -> torch.Tensor:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    return torch.tensor(values, dtype=dtype, device=device)

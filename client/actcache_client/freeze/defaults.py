@@ -1,9 +1,6 @@
 """What a run gets when the user names no policy or no interval: both follow from the run's length.
 
-``default_policy(total_steps, num_stages)`` is the whole rule;
-``eval_every_for(policy, ...)`` gives a named policy its interval when
-``eval_every`` is left out. ``docs/guides/choosing-a-freeze-policy.md`` has the
-measurements and the table of which policy suits which run.
+``docs/guides/freeze-policies.md`` has the measurements behind the rule.
 """
 
 from __future__ import annotations
@@ -27,15 +24,8 @@ DEFAULT_EGERIA = EgeriaConfig(freeze_lr_fraction=0.5)
 
 
 def egeria_eval_every(total_steps: int, num_stages: int, window: int) -> int:
-    """Egeria's evaluation interval n for a run: ``total_steps / (2W) / num_stages / 1.75``, at least 1.
-
-    Egeria's rule of thumb (§4.2.2; ~300 iterations for ResNet-56): 2W
-    evaluations for every stage (W/2 for a reference of constant age, 1 + 3
-    to calibrate its tolerance, then W low ones to freeze it) fit in the
-    first 1/1.75 of training. CIFAR ResNet-20, 1,570 steps, 6 stages -> 7;
-    digits, 690 steps -> 3 (``--quick``: 230 steps -> 1); MiniLM, 500 steps,
-    8 stages -> 2.
-    """
+    """Egeria's interval n: ``total_steps / (2W) / num_stages / 1.75`` (2W evaluations per stage fit in the
+    first 1/1.75 of training), at least 1."""
     return max(1, round(total_steps / (2 * window) / num_stages / 1.75))
 
 
@@ -72,27 +62,10 @@ def run_length(total_steps: int | None = None, steps_per_epoch: int | None = Non
 def default_policy(total_steps: int | None, num_stages: int) -> tuple[FreezePolicy, int]:
     """The policy and evaluation interval of a run of ``total_steps`` optimizer steps on ``num_stages`` stages.
 
-    - Length unknown: ``NoFreezePolicy``. Every freezing rule we have paces
-      itself by the run's length; guessing it would freeze on a timer.
-    - Egeria's detector (``EgeriaPolicy``, paper defaults) is the
-      conservative one: no false freeze of a drifting stage in
-      ``bench/bench_policy.py``; on CoLA it cost 0.02 MCC where AutoFreeze
-      cost 15.65, and on SST-2 half of AutoFreeze's loss.
-    - Its interval is Egeria's rule (:func:`egeria_eval_every`). Below
-      ``MIN_INTERVAL`` steps per evaluation the run is too short:
-      ``NoFreezePolicy``, which says why. No run we measured at 1-2 steps per
-      evaluation (digits ``--quick``, MiniLM on SST-2 8k x 2 epochs, on CoLA,
-      on a 189-step pair task) reached 1.3x without losing accuracy: the best
-      was 1.20x at -0.02 MCC (CoLA, Egeria), and AutoFreeze's 1.46x on the
-      pair task cost 1.23 points; public gains of 1.2x or more come from runs
-      with intervals of hundreds of steps (Egeria §6, AutoFreeze's 4 epochs
-      of 25k+ examples).
-    - A stage freezes only once the lr has fallen to half its peak
-      (``EgeriaConfig.freeze_lr_fraction``, after FreezeOut): freezing early
-      is what costs accuracy (Egeria §2.3: a static freeze at epoch 20 of
-      ResNet-56 loses ~2%), the gain is "primarily from later training
-      stages" (§6.2), and on a step decay this waits for the first drop. A
-      constant lr never halves, so such a run does not freeze.
+    Length unknown, fewer than 2 stages, or under ``MIN_INTERVAL`` steps per
+    evaluation: ``NoFreezePolicy``, saying why. Else ``EgeriaPolicy`` at the
+    paper's settings, every :func:`egeria_eval_every` steps, freezing a stage
+    only once the lr has fallen to half its peak (a constant lr never freezes).
     """
     if num_stages < 2:
         return NoFreezePolicy(f"the model has {num_stages} stage(s) and the head always trains: nothing can "

@@ -4,8 +4,8 @@ Per evaluation, for the frontmost active stage ``s == signals.frozen``::
 
     bootstrapping --(smoothed loss changes < bootstrap_threshold per interval)--> knowledge-guided   (one way)
 
-    knowledge-guided, per reading p of stage s (the plasticity it gained over the last
-    `age` evaluations: the SP loss between two eval-mode snapshots, reference.py):
+    knowledge-guided, per reading p of stage s (the SP loss between two eval-mode snapshots
+    `age` evaluations apart, default W / 2: reference.py):
       smoothed = mean(last W readings)                                   (Eq. 2)
       T[s]     = tolerance_fraction * max |smoothed| of s so far; the first tolerance_readings
                  values only calibrate it (again after every unfreeze: see below)
@@ -17,16 +17,8 @@ Per evaluation, for the frontmost active stage ``s == signals.frozen``::
       -> UNFREEZE_ALL; W = max(W // 2, min_window); every T[s] is calibrated again;
          stage 0 starts with fresh readings
 
-A reading compares two eval-mode snapshots of the stage ``age`` evaluations
-apart (default W / 2), so readings are comparable and T tests their level,
-not a slope; T follows the stage's peak and is calibrated again after an
-unfreeze. Bootstrapping compares the loss averaged over spans of at least
-``bootstrap_steps`` steps, scaled to one interval. Unfreezing needs a
-discrete lr drop after a flat interval: a schedule that changes the lr every
-step never unfreezes; cyclic schedules call ``on_schedule_restart``. With
-``freeze_lr_fraction`` a stage that passed the test waits, ready, until the
-lr falls to that fraction of its peak. docs/design/egeria.md says why, with
-the measurements.
+Cyclic lr schedules call ``on_schedule_restart``. docs/design/egeria.md says
+where this departs from the paper, and why.
 """
 
 from __future__ import annotations
@@ -39,7 +31,7 @@ from typing import Any, cast
 
 from actcache.errors import ConfigError
 
-from actcache_client.freeze.policy import Decision, Signals
+from actcache_client.freeze.policy import Decision, Signals, check_state_version
 
 __all__ = ["EgeriaConfig", "EgeriaPolicy"]
 
@@ -51,23 +43,18 @@ _SAME = 1e-9  # relative tolerance for "the lr did not change"
 class EgeriaConfig:
     """Knobs of Egeria's freezing rule; defaults are the paper's (§4.2.2, §6.4) unless marked ours."""
 
-    #: W: moving-average span and consecutive low evaluations to freeze. Paper: W=10 (§4.2.2
-    #: guideline; §6.4: 5 freezes too eagerly, 20 too late).
+    #: W: moving-average span and consecutive low evaluations to freeze. Paper: 10 (§4.2.2, §6.4).
     window: int = 10
-    #: T as a fraction of the largest |smoothed reading| of a stage (its first readings and any
-    #: larger one after). Paper: 20% of the early slopes (§4.2.2); §6.4: 40% freezes unconverged
-    #: stages, 10% practically never freezes.
+    #: T as a fraction of the largest |smoothed reading| of a stage. Paper: 20% of the early slopes (§4.2.2).
     tolerance_fraction: float = 0.2
     #: How many initial smoothed readings calibrate T per stage. Paper: 3 (§4.2.2).
     tolerance_readings: int = 3
-    #: Bootstrapping ends once the smoothed training loss changes by less than this fraction per
-    #: evaluation interval. Paper: 10% (§4.2.2). None skips bootstrapping.
+    #: Bootstrapping ends once the loss changes by less than this fraction per interval. Paper: 10%
+    #: (§4.2.2). None skips bootstrapping.
     bootstrap_threshold: float | None = 0.1
-    #: Ours: the loss is averaged over spans of at least this many steps before two spans are
-    #: compared (docs/design/egeria.md says why 32).
+    #: Ours: the loss is averaged over spans of at least this many steps before two spans are compared.
     bootstrap_steps: int = 32
-    #: Unfreeze all once a discrete lr drop brings it this factor below its value when stage 0
-    #: froze. Paper: 10 (§4.2.2).
+    #: Unfreeze all once a discrete lr drop brings it this factor below its value when stage 0 froze. Paper: 10.
     unfreeze_lr_factor: float = 10.0
     #: W halves at every unfreeze but never below this. Ours.
     min_window: int = 2
@@ -100,12 +87,7 @@ class EgeriaConfig:
 
 
 def _per_interval_change(prev: float, cur: float, fraction: float) -> float:
-    """Relative change from ``prev`` to ``cur``, scaled to ``fraction`` of the span between them.
-
-    Geometric scaling (exact for a loss falling or rising exponentially): over a
-    span of 32 intervals a loss falling 15% per interval falls 99.5%, and the
-    scaled change is 15% again. Non-positive losses fall back to a linear scaling.
-    """
+    """Relative change from ``prev`` to ``cur`` scaled to ``fraction`` of their span: geometric, linear if <= 0."""
     if prev > 0 and cur > 0:
         return 1 - math.exp(-abs(math.log(prev / cur)) * fraction)
     if prev == 0:
@@ -123,9 +105,8 @@ class EgeriaPolicy:
 
     def __init__(self, config: EgeriaConfig | None = None) -> None:
         self.config = config or EgeriaConfig()
-        bootstrap = self.config.bootstrap_threshold is not None
-        self.needs = frozenset({"plasticity", "loss"} if bootstrap else {"plasticity"})
-        self._bootstrapping = bootstrap
+        self._bootstrapping = self.config.bootstrap_threshold is not None
+        self.needs = frozenset({"plasticity", "loss"} if self._bootstrapping else {"plasticity"})
         self._window = self.config.window
         self._tolerance: dict[int, float] = {}
         self._lr_at_freeze: float | None = None
@@ -158,7 +139,7 @@ class EgeriaPolicy:
 
     def observe(self, signals: Signals) -> Decision:
         new_step = signals.step != self._last_step
-        interval = signals.step - self._last_step if self._last_step is not None else signals.step
+        interval = signals.step - (self._last_step or 0)
         self._last_step = signals.step
         dropped = False
         if new_step:
@@ -186,7 +167,7 @@ class EgeriaPolicy:
                     f"lr dropped to {signals.lr:g} <= {lr_numbers['lr_at_freeze']:g} (at the freeze) / "
                     f"{self.config.unfreeze_lr_factor:g}; refreezing with W={self._window}", lr_numbers)
         if self._bootstrapping:
-            return self._bootstrap(signals.loss, interval if new_step else 0)
+            return self._bootstrap(signals.loss, interval)
         if signals.frozen >= signals.num_stages - 1:
             return Decision.none("only the head is active; it always trains", lr_numbers)
         if signals.plasticity is None or not math.isfinite(signals.plasticity):
@@ -216,12 +197,9 @@ class EgeriaPolicy:
         change = _per_interval_change(prev[0], mean, min(1.0, steps / ((prev[1] + span_steps) / 2)))
         numbers["loss_change"] = change
         threshold = cast(float, self.config.bootstrap_threshold)  # bootstrapping implies one
-        if change < threshold:
-            self._bootstrapping = False
-            return Decision.none(f"bootstrapping ended: smoothed loss changed {change:.1%} < {threshold:.0%} "
-                                 "per interval", numbers)
-        return Decision.none(f"bootstrapping: smoothed loss changed {change:.1%} >= {threshold:.0%} per interval",
-                             numbers)
+        self._bootstrapping = change >= threshold
+        state, op = ("bootstrapping", ">=") if self._bootstrapping else ("bootstrapping ended", "<")
+        return Decision.none(f"{state}: smoothed loss changed {change:.1%} {op} {threshold:.0%} per interval", numbers)
 
     def _evaluate(self, plasticity: float, lr: float) -> Decision:
         stage, window = self._stage, self._window
@@ -235,8 +213,7 @@ class EgeriaPolicy:
                 return Decision.none(f"stage {stage}: calibrating tolerance "
                                      f"({len(self._calibration)}/{self.config.tolerance_readings})", numbers)
             threshold = self.config.tolerance_fraction * max(self._calibration)
-            self._tolerance[stage] = threshold
-            numbers["threshold"] = threshold
+            self._tolerance[stage] = numbers["threshold"] = threshold
             return Decision.none(f"stage {stage}: tolerance set to {threshold:.3g}", numbers)
         threshold = self._tolerance[stage] = max(threshold, self.config.tolerance_fraction * abs(smoothed))
         self._consecutive = self._consecutive + 1 if smoothed < threshold else 0
@@ -258,26 +235,16 @@ class EgeriaPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "version": _STATE_VERSION,
-            "bootstrapping": self._bootstrapping,
-            "span": list(self._span),
+            "version": _STATE_VERSION, "bootstrapping": self._bootstrapping, "span": list(self._span),
             "prev_span": None if self._prev_span is None else list(self._prev_span),
-            "last_step": self._last_step,
-            "lrs": list(self._lrs),
-            "peak_lr": self._peak_lr,
-            "window": self._window,
+            "last_step": self._last_step, "lrs": list(self._lrs), "peak_lr": self._peak_lr, "window": self._window,
             "tolerance": [[stage, t] for stage, t in sorted(self._tolerance.items())],
-            "lr_at_freeze": self._lr_at_freeze,
-            "stage": self._stage,
-            "raw": list(self._raw),
-            "calibration": list(self._calibration),
-            "consecutive": self._consecutive,
+            "lr_at_freeze": self._lr_at_freeze, "stage": self._stage, "raw": list(self._raw),
+            "calibration": list(self._calibration), "consecutive": self._consecutive,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"EgeriaPolicy state version {state.get('version')!r} is not {_STATE_VERSION}; "
-                             "it was saved by an incompatible actcache version")
+        check_state_version("EgeriaPolicy", state, _STATE_VERSION)
         self._bootstrapping = bool(state["bootstrapping"])
         self._span = [float(state["span"][0]), int(state["span"][1])]
         prev = state["prev_span"]

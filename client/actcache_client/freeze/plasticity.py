@@ -8,11 +8,9 @@ the extended paper::
     Q = A.reshape(b, -1);  G~ = Q Q^T;  G[i, :] = G~[i, :] / ||G~[i, :]||_2
     SP(A_T, A_R) = ||G_T - G_R||_F^2 / b^2
 
-The extracted appendix shows the row norm squared; that is a transcription
-artefact: Tung & Mori normalise by the plain L2 norm, which is what makes the
-loss invariant to a global rescaling of either activation. Only the b x b
-similarity matrices are compared, so the two activations may have different
-feature sizes, and permuting or rotating the features changes nothing.
+Rows are normalised by the plain L2 norm, as Tung & Mori do (the appendix's
+square is a transcription artefact), so a global rescaling changes nothing.
+Only the b x b similarity matrices are compared: feature sizes may differ.
 """
 
 from __future__ import annotations
@@ -28,12 +26,11 @@ __all__ = ["sp_loss"]
 
 
 def _first_tensor(state: torch.Tensor | Sequence[torch.Tensor], name: str) -> torch.Tensor:
-    if isinstance(state, torch.Tensor):
-        tensor = state
-    elif isinstance(state, (tuple, list)) and state and isinstance(state[0], torch.Tensor):
-        tensor = state[0]  # a stage state such as (hidden, attention_mask): compare the hidden part
-    else:
-        raise ConfigTypeError(f"{name} must be a Tensor or a tuple whose first item is a Tensor, got {type(state).__name__}")
+    # a stage state such as (hidden, attention_mask): compare the hidden part
+    tensor = state[0] if isinstance(state, (tuple, list)) and state else state
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigTypeError(f"{name} must be a Tensor or a tuple whose first item is a Tensor, "
+                              f"got {type(state).__name__}")
     if tensor.dim() == 0 or tensor.shape[0] == 0:
         raise ConfigError(f"{name} needs a leading batch dimension of size >= 1, got shape {tuple(tensor.shape)}")
     return tensor
@@ -47,16 +44,14 @@ def _similarity(tensor: torch.Tensor) -> torch.Tensor:
 def sp_loss(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence[torch.Tensor]) -> float:
     """SP loss of activations ``a`` and ``b`` of shape (batch, ...); 0.0 when they match.
 
-    Tuple stage states contribute their first tensor. The computation runs in
-    float64 on ``a``'s device, without gradients. A sample whose activation is
-    all zeros gets a zero similarity row.
+    Tuple stage states contribute their first tensor; computed in float64 on ``a``'s device without
+    gradients; an all-zero activation gets a zero similarity row.
     """
     ta = _first_tensor(a, "a")
     tb = _first_tensor(b, "b")
     if ta.shape[0] != tb.shape[0]:
-        raise ConfigError(
-            f"a and b must come from the same batch: batch sizes {ta.shape[0]} and {tb.shape[0]} differ"
-        )
+        raise ConfigError(f"a and b must come from the same batch: batch sizes {ta.shape[0]} and {tb.shape[0]} "
+                          "differ")
     with torch.no_grad():
         ga = _similarity(ta.detach())
         gb = _similarity(tb.detach().to(ga.device))

@@ -1,11 +1,9 @@
 """What a freeze policy sees, what it answers, and the contract every policy keeps.
 
-A policy is decision logic only. The controller calls ``observe(signals)`` once
-per evaluation, applies the returned ``Decision`` to the model (freeze the
-frontmost active stage, or unfreeze everything), and reports the result in the
-next ``Signals.frozen``. Stages freeze front to back: stages ``0 .. frozen-1``
-are frozen, stage ``frozen`` is the frontmost active one, and the last stage
-(the head) always trains.
+A policy is decision logic only: the controller calls ``observe(signals)`` once
+per evaluation, applies the ``Decision`` and reports it in the next
+``Signals.frozen``. Stages ``0 .. frozen-1`` are frozen, stage ``frozen`` is
+the frontmost active one, and the last stage (the head) always trains.
 
 Decision lifecycle, from the controller's side::
 
@@ -23,7 +21,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from actcache.errors import ConfigError
+from actcache.errors import ConfigError, PolicyError
 
 __all__ = [
     "Decision",
@@ -99,10 +97,8 @@ class Signals:
         if self.num_stages < 1:
             raise ConfigError(f"num_stages must be >= 1, got {self.num_stages}")
         if not 0 <= self.frozen < self.num_stages:
-            raise ConfigError(
-                f"frozen={self.frozen} is outside 0..{self.num_stages - 1} for "
-                f"{self.num_stages} stages (the head stage always trains)"
-            )
+            raise ConfigError(f"frozen={self.frozen} is outside 0..{self.num_stages - 1} for {self.num_stages} "
+                              "stages (the head stage always trains)")
         if self.step < 0 or self.epoch < 0:
             raise ConfigError(f"step and epoch must be >= 0, got step={self.step} epoch={self.epoch}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
@@ -110,18 +106,16 @@ class Signals:
         if self.grad_norms is not None:
             norms = tuple(float(g) for g in self.grad_norms)
             if len(norms) != self.num_stages:
-                raise ConfigError(
-                    f"grad_norms has {len(norms)} entries for {self.num_stages} stages; pass one per stage"
-                )
+                raise ConfigError(f"grad_norms has {len(norms)} entries for {self.num_stages} stages; "
+                                  "pass one per stage")
             object.__setattr__(self, "grad_norms", norms)
 
 
 @runtime_checkable
 class FreezePolicy(Protocol):
-    """Decides when to freeze the frontmost active stage or unfreeze all.
+    """Decides when to freeze the frontmost active stage or unfreeze all; ``needs`` is a subset of ``SIGNAL_NAMES``.
 
-    ``needs`` is a subset of ``SIGNAL_NAMES``. ``state_dict()`` is
-    JSON-serialisable; ``load_state_dict`` into a policy built with the same
+    ``state_dict()`` is JSON-serialisable; ``load_state_dict`` into a policy built with the same
     configuration continues with identical decisions.
     """
 
@@ -141,62 +135,73 @@ def _same(a: Decision, b: Decision) -> bool:
                for k in a.numbers)
 
 
-def _fail(message: str) -> None:
-    raise AssertionError(message)
+def check_state_version(owner: str, state: Mapping[str, Any], version: int) -> None:
+    """Raise ConfigError unless ``state`` was saved in version ``version`` of ``owner``'s format."""
+    if state.get("version") != version:
+        raise ConfigError(f"{owner} state version {state.get('version')!r} is not {version}; "
+                          "it was saved by an incompatible actcache version")
+
+
+def depth_after(decision: Decision, frozen: int, num_stages: int, who: str) -> int:
+    """The frozen depth once ``decision`` is applied; PolicyError unless a freeze targets exactly stage ``frozen``
+    and not the head, and an unfreeze finds something frozen."""
+    if decision.kind is DecisionKind.FREEZE_NEXT:
+        if decision.stage != frozen:
+            raise PolicyError(f"{who} asked to freeze stage {decision.stage} with {frozen} of {num_stages} stages "
+                              f"frozen; only stage {frozen} may freeze (only the frontmost active stage "
+                              "may freeze; see check_freeze_policy_contract)")
+        if frozen >= num_stages - 1:
+            raise PolicyError(f"{who} asked to freeze stage {frozen}, the head of {num_stages} stages; "
+                              "the head always trains (see check_freeze_policy_contract)")
+        return frozen + 1
+    if decision.kind is DecisionKind.UNFREEZE_ALL:
+        if frozen == 0:
+            raise PolicyError(f"{who} asked to unfreeze all with nothing frozen")
+        return 0
+    return frozen
 
 
 def _run(policy: FreezePolicy, stream: Sequence[Signals], frozen: int, start: int,
          before_observe: Callable[[Any, int], None] | None) -> tuple[list[Decision], int]:
     """Feed ``stream`` with ``frozen`` overridden by the applied decisions; check each decision."""
     decisions = []
-    for offset, template in enumerate(stream):
-        index = start + offset
+    for index, template in enumerate(stream, start=start):
         if before_observe is not None:
             before_observe(policy, index)
         signals = dataclasses.replace(template, frozen=frozen)
         decision = policy.observe(signals)
         where = f"signal #{index} (step {signals.step}, frozen={frozen})"
         if not isinstance(decision, Decision):
-            _fail(f"{where}: observe returned {decision!r}, not a Decision")
-        if decision.kind is DecisionKind.FREEZE_NEXT:
-            if decision.stage != frozen:
-                _fail(f"{where}: froze stage {decision.stage}; only the frontmost active stage {frozen} may freeze")
-            if frozen >= signals.num_stages - 1:
-                _fail(f"{where}: froze stage {frozen}, the head of {signals.num_stages} stages; the head always trains")
-            frozen += 1
-        elif decision.kind is DecisionKind.UNFREEZE_ALL:
-            if frozen == 0:
-                _fail(f"{where}: UNFREEZE_ALL with nothing frozen")
-            frozen = 0
+            raise AssertionError(f"{where}: observe returned {decision!r}, not a Decision")
+        try:
+            frozen = depth_after(decision, frozen, signals.num_stages, "the policy")
+        except PolicyError as exc:
+            raise AssertionError(f"{where}: {exc}") from None
         decisions.append(decision)
     return decisions, frozen
 
 
-def check_freeze_policy_contract(
-    policy_factory: Callable[[], FreezePolicy],
-    signal_stream: Sequence[Signals],
-    *,
-    before_observe: Callable[[Any, int], None] | None = None,
-    snapshot_at: Sequence[int] | None = None,
-) -> list[Decision]:
+def check_freeze_policy_contract(policy_factory: Callable[[], FreezePolicy], signal_stream: Sequence[Signals], *,
+                                 before_observe: Callable[[Any, int], None] | None = None,
+                                 snapshot_at: Sequence[int] | None = None) -> list[Decision]:
     """Assert the freeze-policy contract; return the decisions of one uninterrupted run.
 
-    The stream's ``frozen`` fields are replaced by the count the applied
-    decisions produce, starting at 0. Checked: ``needs`` names known signals;
-    a freeze targets exactly stage ``frozen`` (never skips) and never the last
-    stage; UNFREEZE_ALL only when something is frozen; a state snapshot taken
-    before signal ``k`` (default: halfway; ``snapshot_at`` picks others),
-    passed through JSON and loaded into a fresh policy, yields the same
-    decisions for the rest of the stream. ``before_observe(policy, index)``
-    runs before each observation on every policy (e.g. to make manual
-    requests). Raises AssertionError naming the first violation.
+    The stream's ``frozen`` fields are replaced by the applied decisions' count.
+    Checked: ``needs`` names known signals; decisions keep ``depth_after``'s
+    rule; a state snapshot taken before signal ``k`` (default: halfway;
+    ``snapshot_at`` picks others), passed through JSON into a fresh policy,
+    yields the same decisions for the rest of the stream.
+    ``before_observe(policy, index)`` runs before each observation on every
+    policy (e.g. to make manual requests). Raises AssertionError naming the
+    first violation.
     """
     stream = list(signal_stream)
     policy = policy_factory()
     if not isinstance(policy, FreezePolicy):
-        _fail(f"{policy!r} does not implement FreezePolicy (observe, state_dict, load_state_dict, needs)")
+        raise AssertionError(f"{policy!r} does not implement FreezePolicy "
+                             "(observe, state_dict, load_state_dict, needs)")
     if not isinstance(policy.needs, frozenset) or not policy.needs <= SIGNAL_NAMES:
-        _fail(f"needs={policy.needs!r} must be a frozenset of {sorted(SIGNAL_NAMES)}")
+        raise AssertionError(f"needs={policy.needs!r} must be a frozenset of {sorted(SIGNAL_NAMES)}")
     splits = sorted(set(snapshot_at if snapshot_at is not None else [len(stream) // 2]))
     if splits and not 0 <= splits[0] <= splits[-1] <= len(stream):
         raise ConfigError(f"snapshot_at must lie in 0..{len(stream)} (the stream length), got {splits}")
@@ -215,6 +220,6 @@ def check_freeze_policy_contract(
         replay, _ = _run(restored, stream[split:], frozen, split, before_observe)
         for index, (want, got) in enumerate(zip(decisions[split:], replay, strict=True), start=split):
             if not _same(want, got):
-                _fail(f"signal #{index}: after a state_dict round trip at #{split} the policy decided "
-                      f"{got!r}, the uninterrupted one {want!r}")
+                raise AssertionError(f"signal #{index}: after a state_dict round trip at #{split} the policy "
+                                     f"decided {got!r}, the uninterrupted one {want!r}")
     return decisions

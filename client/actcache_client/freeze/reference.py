@@ -1,25 +1,9 @@
-"""Egeria's reference model, run in a separate CPU process that training never waits for.
+"""Egeria's reference model, run in a separate CPU process that training never waits for, and what feeds it.
 
-What is compared (Egeria §4.1, Eq. 1, on actcache's stages): for the
-frontmost active stage s and one training batch, the training side sends
-
-    x   = the input state of stage s in the training forward pass
-          (the frozen prefix's output, served from the cache or computed;
-          the raw batch when s == 0)
-
-and the reference process runs x through two snapshots of stage s (eval
-mode, fp32): the one taken at the evaluation just before the probe (the
-training stage's weights) and the one taken ``age`` evaluations earlier
-(``reference_age``)::
-
-    plasticity = sp_loss(ref_s[now](x), ref_s[now - age](x))
-
-This is what the stage changed over a constant span of training, exactly 0
-for identical weights; unlike the train-mode output Egeria compares, it has
-no floor that changes from batch to batch (docs/design/egeria.md has the
-measurement). Feeding both snapshots the same x isolates stage s. A snapshot
-is sent at every evaluation (a state_dict in shared memory; the pickled
-module once per frontmost stage).
+A probe sends x, the input of the frontmost active stage s in one training
+forward; the process answers ``sp_loss(ref_s[now](x), ref_s[now - age](x))``
+from two eval-mode snapshots of s ``reference_age`` evaluations apart
+(docs/design/egeria.md says why).
 
 Lifecycle (``state``)::
 
@@ -52,10 +36,13 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from actcache.errors import ConfigError, LifecycleError, ReferenceModelFailed
+from actcache_client._cached_forward import CachedForward
 from actcache_client.freeze import _refproc
+from actcache_client.freeze.policy import FreezePolicy
+from actcache_client.freeze.timeline import Timeline
 from actcache_client._stages import State, map_state
 
-__all__ = ["ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWorker", "to_shared"]
+__all__ = ["PlasticityProbe", "ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWorker", "to_shared"]
 
 log = logging.getLogger("actcache_client.freeze")
 
@@ -67,15 +54,12 @@ MAX_PENDING_SNAPSHOTS = 16
 class ReferenceConfig:
     """How the reference model is built and run."""
 
-    #: Evaluations between the two snapshots a reading compares; None: half the policy's W
-    #: (at least 1), the mean age of Egeria's reference, refreshed every W (§4.1.3).
+    #: Evaluations between the two snapshots a reading compares; None: max(1, W // 2) (Egeria §4.1.3).
     reference_age: int | None = None
     #: Probes waiting for or in the reference process; more are skipped (Egeria §4.1.2: non-blocking).
     queue_size: int = 1
-    #: Skip probes while system CPU use over the last interval is above this percentage;
-    #: None never skips. "auto": None when training runs on the CPU (the trainer itself keeps
-    #: the CPU busy, so every probe would be skipped), else 50, Egeria's "at low CPU load
-    #: (e.g., <50%)" (§4.1.2) for a trainer on an accelerator.
+    #: Skip probes while system CPU use over the last interval is above this percentage; None never
+    #: skips. "auto": None when training on the CPU (it keeps the CPU busy), else 50 (Egeria §4.1.2).
     max_cpu_percent: float | str | None = "auto"
     #: torch threads of the reference process.
     threads: int = 1
@@ -154,21 +138,22 @@ class _CpuLoad:
 def to_shared(state: State, rows: int | None = None) -> State:
     """A copy of ``state`` (its first ``rows`` samples) in shared memory, detached, on the CPU."""
 
-    def copy(t: torch.Tensor) -> torch.Tensor:
+    def shared(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()[:rows] if rows is not None else t.detach()
-        out = torch.empty(t.shape, dtype=t.dtype).share_memory_()
-        return out.copy_(t)
+        return torch.empty(t.shape, dtype=t.dtype).share_memory_().copy_(t)
 
-    return map_state(state, copy)
+    return map_state(state, shared)
 
 
 class ReferenceWorker:
-    """The training side of the reference process (one per training job, on rank 0)."""
+    """The training side of the reference process (one per training job, on rank 0).
+
+    ``training_device`` resolves ``max_cpu_percent="auto"``; ``cpu_percent()`` gives the system CPU use
+    since its last call (default: from psutil).
+    """
 
     def __init__(self, config: ReferenceConfig | None = None, *, training_device: torch.device | str = "cpu",
                  cpu_percent: Callable[[], float] | None = None) -> None:
-        """``training_device`` resolves ``max_cpu_percent="auto"``; ``cpu_percent()`` gives the system CPU
-        use since its previous call (default: from psutil)."""
         self.config = (config or ReferenceConfig()).for_device(training_device)
         self.stats = ReferenceStats()
         self.state = ReferenceState.NEW
@@ -195,13 +180,12 @@ class ReferenceWorker:
     def snapshot(self, module: nn.Module, *, stage: int, generation: int, index: int = 0, age: int = 1) -> None:
         """Send the weights of ``module`` (stage ``stage``) at evaluation ``index`` of ``generation``.
 
-        Index 0 opens a generation (a new frontmost stage) and sends a pickled
-        CPU copy of the module; later indices send its state_dict in shared
-        memory. Readings of the generation compare snapshots ``age`` apart.
+        Index 0 opens a generation (a new frontmost stage) with a pickled CPU copy of the module; later
+        indices send its state_dict in shared memory. Readings compare snapshots ``age`` apart.
         """
         if index == 0:
             try:
-                payload = pickle.dumps(_cpu_copy(module))
+                payload = pickle.dumps(copy.deepcopy(module).to("cpu").requires_grad_(False).eval())
             except Exception as exc:
                 raise ConfigError(f"stage {stage} ({type(module).__name__}) cannot be pickled for the reference "
                                   f"process: {exc}; define its modules at module level (no lambdas or "
@@ -251,23 +235,17 @@ class ReferenceWorker:
         """Queue one probe (the stage's input) taken after snapshot ``index`` of ``generation``; False if it was
         skipped. Never waits. ``inputs`` must not change afterwards: pass a ``to_shared`` copy.
         """
-        if self.state is not ReferenceState.RUNNING or self.stats.in_flight >= self.config.queue_size:
-            self.stats.skipped_full += 1
-            return False
-        try:
-            self._inbox.put_nowait(_refproc.Probe(generation, index, step, inputs))
-        except queue.Full:
-            self.stats.skipped_full += 1
-            return False
-        self.stats.submitted += 1
-        return True
+        if self.state is ReferenceState.RUNNING and self.stats.in_flight < self.config.queue_size:
+            with contextlib.suppress(queue.Full):
+                self._inbox.put_nowait(_refproc.Probe(generation, index, step, inputs))
+                self.stats.submitted += 1
+                return True
+        self.stats.skipped_full += 1
+        return False
 
     def poll(self, wait_s: float = 0.0) -> list[_refproc.Reading | _refproc.Built]:
-        """Readings and build reports that arrived since the last call.
-
-        The training step calls it with ``wait_s=0`` and never waits; tools and
-        tests may wait up to ``wait_s`` seconds for the first message.
-        """
+        """Readings and build reports that arrived since the last call; waits up to ``wait_s`` seconds for the
+        first (training passes 0 and never waits)."""
         if self.state is not ReferenceState.RUNNING:
             return []
         out: list[_refproc.Reading | _refproc.Built] = []
@@ -280,16 +258,15 @@ class ReferenceWorker:
             timeout = 0.0
             if isinstance(message, _refproc.Failed):
                 self._fail(f"the reference process failed:\n{message.traceback}")
-            if isinstance(message, (_refproc.Reading, _refproc.Dropped)):
+            if isinstance(message, _refproc.Built):  # a stage's first build
+                self.stats.builds.append(dataclasses.asdict(message))
+            else:  # exactly one Reading or Dropped per probe
                 self.stats.answered += 1
-                if isinstance(message, _refproc.Reading):
-                    self.stats.readings += 1
-                    out.append(message)
-                else:
+                if isinstance(message, _refproc.Dropped):
                     self.stats.dropped += 1
-            elif isinstance(message, _refproc.Built):
-                self.stats.builds.append(dataclasses.asdict(message))  # a stage's first build
-                out.append(message)
+                    continue
+                self.stats.readings += 1
+            out.append(message)
         if self._process.exitcode is not None:
             self._fail(f"the reference process exited unexpectedly with code {self._process.exitcode}")
         self._send_snapshots()
@@ -302,22 +279,117 @@ class ReferenceWorker:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the process: ask, wait up to ``timeout_s``, then terminate. Idempotent."""
-        if self._process is None or self.state is ReferenceState.CLOSED:
-            self.state = ReferenceState.CLOSED
-            return
-        if self._process.exitcode is None:
-            with contextlib.suppress(queue.Full):  # a full inbox: the join below times out and terminates
-                self._inbox.put(_refproc.Stop(), timeout=timeout_s)
-            self._process.join(timeout=timeout_s)
+        if self._process is not None and self.state is not ReferenceState.CLOSED:
             if self._process.exitcode is None:
-                self._process.terminate()
+                with contextlib.suppress(queue.Full):  # a full inbox: the join below times out and terminates
+                    self._inbox.put(_refproc.Stop(), timeout=timeout_s)
                 self._process.join(timeout=timeout_s)
-        for q in (self._inbox, self._outbox):
-            q.cancel_join_thread()  # unread messages must not keep this process from exiting
-            q.close()
+                if self._process.exitcode is None:
+                    self._process.terminate()
+                    self._process.join(timeout=timeout_s)
+            for q in (self._inbox, self._outbox):
+                q.cancel_join_thread()  # unread messages must not keep this process from exiting
+                q.close()
         self.state = ReferenceState.CLOSED
 
 
-def _cpu_copy(module: nn.Module) -> nn.Module:
-    """A CPU copy in eval mode without gradients; the training module is not touched."""
-    return copy.deepcopy(module).to("cpu").requires_grad_(False).eval()
+class PlasticityProbe:
+    """Rank 0's side of Egeria's plasticity: a snapshot per evaluation, one probe per interval.
+
+    One evaluation interval (n = eval_every steps); nothing here waits::
+
+        evaluation k   -> interval_done(): start the reference process once the policy has left
+                          bootstrapping (snapshot 0), else send snapshot k of the frontmost stage
+        step k*n + 1   -> a tap armed by arm() (once snapshot k - age exists, the queue has room and
+                          the CPU is not busy; else the probe is skipped, counted) copies the frontmost
+                          stage's input; step() sends it to the reference process, tagged k
+        evaluation k+1 -> reading(): the latest plasticity reading of the current stage, if one arrived
+        depth change   -> a new generation: the old stage's readings are ignored; snapshot 0 of the new one
+    """
+
+    def __init__(self, cached: CachedForward, policy: FreezePolicy, config: ReferenceConfig | None,
+                 timeline: Timeline) -> None:
+        self.cached = cached
+        self.policy = policy
+        self.timeline = timeline
+        device = next((p.device for p in cached.model.parameters()), torch.device("cpu"))
+        self.worker = ReferenceWorker(config, training_device=device)
+        self._generation = 0
+        self._index = -1  # snapshots sent in this generation, minus one
+        self._age = 1
+        self._snapped = False  # a snapshot was sent during the current evaluation
+        self._probed = False
+        self._capture_index: int | None = None  # the snapshot before the forward being captured
+        self._inputs: Any = None
+
+    def _head_only(self) -> bool:
+        return self.cached.frozen >= self.cached.model.num_stages - 1  # nothing left to judge
+
+    def step(self, step: int) -> None:
+        """Send the probe captured in this step's forward, if any."""
+        if self._capture_index is not None and self._inputs is not None:
+            self.worker.submit(self._generation, self._capture_index, step, self._inputs)
+            self._capture_index, self._inputs = None, None
+
+    def arm(self) -> None:
+        """Capture the next training forward, once per interval, if a reading can come of it."""
+        if self._probed or self._capture_index is not None or self._head_only() or self._index < self._age:
+            return
+        self._probed = True
+        if self.worker.ready_for_probe():
+            self._capture_index = self._index
+            self.cached.tap_training_input(self._take)
+
+    def _take(self, state: Any) -> None:
+        self._inputs = to_shared(state, self.worker.config.max_samples)
+
+    def reading(self, step: int) -> _refproc.Reading | None:
+        """The latest reading of the current frontmost stage that arrived since the last call."""
+        latest = None
+        for message in self.worker.poll():
+            if isinstance(message, _refproc.Built):  # a stage's first reference, and its speed
+                log.info("actcache: reference of stage %d (%s): %.2f ms per batch", message.stage,
+                         self.cached.model.stage_names[message.stage], message.ms_per_batch)
+                self.timeline.write({"event": "reference", "step": step, "stage": message.stage,
+                                     "ms_per_batch": message.ms_per_batch})
+            elif message.generation == self._generation and (latest is None or message.step >= latest.step):
+                latest = message
+        return latest
+
+    def interval_done(self) -> None:
+        """After an evaluation: a new interval (one probe); start the reference or send this evaluation's snapshot."""
+        self._probed = False
+        snapped, self._snapped = self._snapped, False
+        if getattr(self.policy, "bootstrapping", False) or self._head_only() or snapped:
+            return
+        if self.worker.state is ReferenceState.NEW:
+            self.worker.start()
+        if self.worker.state is ReferenceState.RUNNING:
+            self._snapshot()
+
+    def depth_changed(self) -> None:
+        """The frontmost stage changed: old readings are void, the new stage starts a generation."""
+        self._generation += 1
+        self._index = -1
+        self._drop_capture()
+        if self.worker.state is ReferenceState.RUNNING and not self._head_only():
+            self._snapshot()
+            self._snapped = True
+
+    def _snapshot(self) -> None:
+        self._drop_capture()
+        if self._index < 0:  # a new generation: the policy's W may have changed (unfreezing halves it)
+            self._age = self.worker.config.age_for(int(getattr(self.policy, "window", 10)))
+        self._index += 1
+        frozen = self.cached.frozen
+        self.worker.snapshot(self.cached.model.stages[frozen], stage=frozen, generation=self._generation,
+                             index=self._index, age=self._age)
+
+    def _drop_capture(self) -> None:
+        if self._capture_index is not None:
+            self.cached.tap_training_input(None)
+            self._capture_index, self._inputs = None, None
+
+    def close(self) -> None:
+        self._drop_capture()
+        self.worker.close()

@@ -9,7 +9,7 @@ from typing import Any
 
 from actcache.errors import ConfigError
 
-from actcache_client.freeze.policy import Decision, Signals
+from actcache_client.freeze.policy import Decision, Signals, check_state_version
 
 __all__ = ["FreezeMilestone", "ManualPolicy", "NoFreezePolicy", "StaticPolicy"]
 
@@ -40,15 +40,24 @@ class FreezeMilestone:
         return self.at_epoch is not None and signals.epoch >= self.at_epoch
 
 
-class StaticPolicy:
-    """Freeze stage by stage, one per observation, up to the count of the latest reached milestone.
-
-    ``StaticPolicy(stages=3, at_epoch=1)`` is shorthand for one milestone;
-    ``StaticPolicy([FreezeMilestone(stages=1, at_step=500), FreezeMilestone(stages=3, at_epoch=2)])``
-    for a schedule. It never unfreezes: the target is the largest count among reached milestones.
-    """
+class _Stateless:
+    """A policy whose decisions depend on the signals alone: it needs none and its state is a version."""
 
     needs: frozenset[str] = frozenset()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_state_version(type(self).__name__, state, _STATE_VERSION)
+
+
+class StaticPolicy(_Stateless):
+    """Freeze stage by stage, one per observation, up to the largest count among reached milestones.
+
+    ``StaticPolicy(stages=3, at_epoch=1)`` is one milestone; ``StaticPolicy([FreezeMilestone(stages=1,
+    at_step=500), FreezeMilestone(stages=3, at_epoch=2)])`` a schedule. It never unfreezes.
+    """
 
     def __init__(self, freeze_at: Sequence[FreezeMilestone] = (), *, stages: int | None = None,
                  at_step: int | None = None, at_epoch: int | None = None) -> None:
@@ -73,20 +82,12 @@ class StaticPolicy:
                                                    f"epoch {signals.epoch}", numbers)
         return Decision.none(f"schedule: {target} stages due, {signals.frozen} frozen", numbers)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": _STATE_VERSION}  # decisions depend on the signals alone
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"StaticPolicy state version {state.get('version')!r} is not {_STATE_VERSION}")
-
 
 class ManualPolicy:
     """Freeze or unfreeze when asked, e.g. from a notebook, a signal handler or another thread.
 
-    Requests are queued and served one stage per observation. An unfreeze
-    request cancels pending freezes. Freeze requests that would reach the head
-    are dropped (the head always trains). The methods are thread-safe.
+    Requests are served one stage per observation; an unfreeze cancels pending
+    freezes; freezes that would reach the head are dropped. Thread-safe.
     """
 
     needs: frozenset[str] = frozenset()
@@ -131,30 +132,17 @@ class ManualPolicy:
                     "pending_unfreeze": self._pending_unfreeze}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"ManualPolicy state version {state.get('version')!r} is not {_STATE_VERSION}")
+        check_state_version("ManualPolicy", state, _STATE_VERSION)
         with self._lock:
             self._pending_freezes = int(state["pending_freezes"])
             self._pending_unfreeze = bool(state["pending_unfreeze"])
 
 
-class NoFreezePolicy:
-    """Never freeze: what a run gets that no policy can judge; ``reason`` says why, and what to pass.
-
-    The controller logs ``reason`` once, when it starts, as a warning.
-    """
-
-    needs: frozenset[str] = frozenset()
+class NoFreezePolicy(_Stateless):
+    """Never freeze: what a run gets that no policy can judge; the controller warns ``reason`` once."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
     def observe(self, signals: Signals) -> Decision:
         return Decision.none(self.reason)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": _STATE_VERSION}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"NoFreezePolicy state version {state.get('version')!r} is not {_STATE_VERSION}")

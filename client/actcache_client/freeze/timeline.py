@@ -1,22 +1,6 @@
-"""The freeze timeline: one JSON object per line for every evaluation, decision, reference build and cache plan.
+"""The freeze timeline: one JSON object per line for every evaluation, reference build and cache plan.
 
-Record kinds (``event``):
-
-- ``evaluation``: one policy observation: step, epoch, stage (the frontmost
-  active stage judged), stage_name, signal and value (the policy's main
-  signal: plasticity, eta or loss), loss, plasticity, plasticity_step,
-  reference_age, grad_norm, smoothed, threshold, decision,
-  reason, lr, frozen (after the decision),
-  active_param_share (after), rewrap_s (DDP re-wrap seconds when the depth
-  changed), numbers (everything the policy reported) and reference counters.
-- ``reference``: a stage's first reference was built: stage, ms_per_batch
-  (its speed on the first probe's batch).
-- ``plan``: the cost model decided (CachedForward with a planner): step,
-  epoch, frozen, mode (cache or recompute), cache_depth, recompute_stages,
-  cached_fraction, expected_step_s, baseline_step_s, write_epoch_extra_s,
-  reason and numbers (every term the decision weighed).
-
-Non-finite numbers are written as null (JSON has no NaN).
+Each record's ``event`` is ``evaluation``, ``reference`` or ``plan``; docs/guides/freeze-policies.md lists the fields.
 """
 
 from __future__ import annotations
@@ -41,7 +25,10 @@ def _clean(value: Any) -> Any:
 
 
 class Timeline:
-    """Appends records to ``path`` (flushed per line, so a crash keeps them) and keeps them in ``records``."""
+    """Appends records to ``path`` (flushed per line, so a crash keeps them) and keeps them in ``records``.
+
+    Non-finite numbers are written as null (JSON has no NaN).
+    """
 
     def __init__(self, path: str | os.PathLike | None = None) -> None:
         self.path = Path(path) if path is not None else None
