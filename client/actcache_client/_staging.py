@@ -1,24 +1,14 @@
 """Host-to-device staging of cached batches: a ring of reusable pinned buffers and a side stream.
 
-On CUDA, cached entries are collated straight into a page-locked slot of the
-ring, copied with ``non_blocking=True`` on a side stream, and the compute
-stream waits for that copy before using the batch. A slot is handed out again
-only after the copy that read it has completed (its CUDA event), so the ring
-never overwrites bytes still in flight. Invariant: slots in flight <= slots.
+On CUDA, cached entries are collated straight into a page-locked slot of the ring and copied with
+``non_blocking=True`` on a side stream (timed, for the cost model's ``copy_readings``); the compute
+stream waits for that copy. A slot is handed out again only after the copy that read it has completed
+(its CUDA event). Invariant: slots in flight <= slots. ``ring_to_device`` copies a batch whose entries
+lie in consecutive shared-memory slots in one transfer straight from the Fetch ring; the caller keeps
+those slots until the returned event completes (``EpochStream.hold``).
 
-Without CUDA, the batch is collated into freshly allocated host memory and
-used in place (it is already on the device); the ring is not needed because
-the tensors the model keeps for backward must not be overwritten.
-
-On CUDA each copy is also timed (two timing events on the side stream), and
-``copy_readings()`` hands the cost model the host-to-device bandwidth of the
-copies that have completed, without ever waiting for one.
-
-Straight out of the ring (``ring_to_device``): on CUDA, a batch whose entries
-lie in consecutive shared-memory slots is copied in one transfer from the
-ring itself and split into tensors on the GPU, with no collation on the
-host. The caller keeps the slots until the returned event completes
-(``EpochStream.hold``).
+Without CUDA, each batch is collated into fresh host memory and used in place: the tensors the model
+keeps for backward must not be overwritten.
 """
 
 from __future__ import annotations
@@ -57,10 +47,6 @@ class HostRing:
         self._current: int | None = None
         self._used = 0
         self._wanted = 0
-
-    @property
-    def slots(self) -> int:
-        return len(self._buffers)
 
     def acquire(self) -> int:
         slot = self._next
@@ -150,16 +136,8 @@ class Stager:
         """Copy a host state to the device, ordered before later work on the current stream."""
         if not self.cuda:
             return state if self.device.type == "cpu" else map_state(state, lambda t: t.to(self.device))
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._stream):
-            started = self._timer.start()
-            moved = map_state(state, lambda t: t.to(self.device, non_blocking=True))
-            self._timer.stop(started, sum(t.element_size() * t.numel() for t in tensors_of(moved)))
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        compute.wait_stream(self._stream)
-        for t in tensors_of(moved):
-            t.record_stream(compute)  # the caching allocator must not reuse it before compute is done
+        nbytes = sum(t.element_size() * t.numel() for t in tensors_of(state))
+        moved, done = self._side_copy(lambda: map_state(state, lambda t: t.to(self.device, non_blocking=True)), nbytes)
         self._ring.release(done)
         return moved
 
@@ -170,17 +148,24 @@ class Stager:
         if not self.cuda:
             return None
         source = torch.frombuffer(run.segment.view, dtype=torch.uint8, count=count * run.size, offset=run.offset)
+        rows, done = self._side_copy(lambda: source.to(self.device, non_blocking=True), count * run.size)
+        self.ring_copies += 1
+        return rows.view(count, run.size), done
+
+    def _side_copy(self, copy: Callable[[], State], nbytes: int) -> tuple[State, object]:
+        """``copy()`` on the side stream, timed; later work on the current stream waits for it.
+        Returns its result and the event that completes with it."""
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             started = self._timer.start()
-            rows = source.to(self.device, non_blocking=True)
-            self._timer.stop(started, count * run.size)
+            moved = copy()
+            self._timer.stop(started, nbytes)
             done = torch.cuda.Event()
             done.record(self._stream)
         compute.wait_stream(self._stream)
-        rows.record_stream(compute)
-        self.ring_copies += 1
-        return rows.view(count, run.size), done
+        for t in tensors_of(moved):
+            t.record_stream(compute)  # the caching allocator must not reuse it before compute is done
+        return moved, done
 
     def copy_readings(self) -> list[tuple[int, float]]:
         """``(bytes, seconds)`` of host-to-device copies completed since the last call (none on CPU)."""
