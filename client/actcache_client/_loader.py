@@ -1,34 +1,27 @@
 """Sample ids with every batch, and the epoch's order known before the epoch starts.
 
-``IndexedDataset`` yields ``(sample_id, item)``; random augmentation draws
-its randomness from ``(sample_id, variant)`` so a cached entry always matches
-the exact input it was computed from. ``CachedLoader`` wraps a DataLoader by
-composition: at each epoch start it draws this rank's batches from the
-loader's own batch sampler once, tells the CachedForward (which pushes them
-to the daemon, so it reads their entries ahead), then has an inner
-DataLoader with the same settings load exactly those batches. Halfway
-through an epoch it draws the next epoch's batches and hands them over too,
-so the daemon has the next epoch's head ready at the boundary — when drawing
-early cannot change the order or anyone's random numbers: the sampler has
-``set_epoch`` (DistributedSampler), the DataLoader has its own
-``generator``, or the order is sequential. ``state_dict`` captures the epoch's order and position
-for a mid-epoch resume.
+``IndexedDataset`` yields ``(sample_id, item)``; random augmentation draws its randomness from
+``(sample_id, variant)``, so a cached entry always matches the exact input it was computed from.
+``CachedLoader`` wraps a DataLoader: at each epoch start it draws this rank's batches from the loader's
+own batch sampler once, hands them to the CachedForward (which pushes them to the daemon to read
+ahead), and has an inner DataLoader with the same settings load exactly those batches. Halfway through
+an epoch it draws the next epoch's batches too, when drawing early cannot change the order or anyone's
+random numbers: the sampler has ``set_epoch``, the DataLoader has its own ``generator``, or the order
+is sequential. ``state_dict`` captures the epoch's order and position for a mid-epoch resume.
 
-Variants: with ``variants=K``, epoch e uses variant ``e % K`` and K
-augmented versions of each sample are cached. The data's fingerprint
-(actcache_client._identity) is computed once per loader, over all K variants,
-and is part of every cache key. A dataset with augmentation
-and no ``variants`` (or one that declares uncontrolled randomness) is not
-cached: the loader warns and the model recomputes every step.
+With ``variants=K``, epoch e uses augmentation variant ``e % K``; the data fingerprint
+(actcache_client._identity) covers all K and is part of every cache key. A dataset with augmentation
+and no ``variants`` (or one that declares uncontrolled randomness) is not cached: the loader warns and
+the model recomputes every step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import random
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -58,25 +51,19 @@ def sample_seed(sample_id: int, variant: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-@contextlib.contextmanager
-def _global_rngs_seeded(seed: int) -> Iterator[None]:
-    """torch's, Python's and NumPy's global random generators seeded with ``seed``, restored after."""
+def seeded_item(dataset: Any, index: int, seed: int) -> Any:
+    """``dataset[index]`` with torch's, Python's and NumPy's global random generators seeded by ``seed``
+    (transforms in ``__getitem__``), restored after."""
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed % 2**32)
         try:
-            yield
+            return dataset[index]
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
-
-
-def seeded_item(dataset: Any, index: int, seed: int) -> Any:
-    """``dataset[index]`` with the global random generators seeded by ``seed`` (transforms in ``__getitem__``)."""
-    with _global_rngs_seeded(seed):
-        return dataset[index]
 
 
 class IndexedDataset(Dataset):
@@ -228,14 +215,10 @@ class _Replay:
         return len(self.batches)
 
 
-class _Load:
-    """Loads rows of one batch on the spot (in the training process) and collates their inputs."""
-
-    def __init__(self, dataset: "IndexedDataset", collate: Callable[[list], Any], indices: list[int], variant: int) -> None:
-        self.dataset, self.collate, self.indices, self.variant = dataset, collate, indices, variant
-
-    def __call__(self, rows: list[int]) -> Any:
-        return self.collate([self.dataset[self.indices[r], self.variant][1] for r in rows])[0]
+def _load(dataset: IndexedDataset, collate: Callable[[list], Any], indices: list[int], variant: int,
+          rows: list[int]) -> Any:
+    """Load rows of one batch on the spot (in the training process) and collate their inputs."""
+    return collate([dataset[indices[r], variant][1] for r in rows])[0]
 
 
 class _Models:
@@ -324,14 +307,11 @@ class CachedLoader:
         if model is not None and self.cacheable:
             self.data_identity = dataset.fingerprint(variants if dataset.augments else 1)
             model.bind_data(self.data_identity, dataset.data_id or "")
-        self._inner = self._build_inner(loader)
-
-    def _build_inner(self, loader: DataLoader) -> DataLoader:
         collate = _Collate(loader.collate_fn if loader.collate_fn is not None else default_collate)
         # Its own generator: the wrapped loader's one draws exactly what the wrapped loader would (_draw).
         generator = torch.Generator().manual_seed(loader.generator.initial_seed() if loader.generator else 0)
-        return DataLoader(loader.dataset, batch_sampler=self._replay, collate_fn=collate, generator=generator,
-                          **worker_options(loader))
+        self._inner = DataLoader(dataset, batch_sampler=self._replay, collate_fn=collate, generator=generator,
+                                 **worker_options(loader))
 
     @property
     def variant(self) -> int:
@@ -376,10 +356,7 @@ class CachedLoader:
         return epoch if self.variants is None else epoch % self.variants
 
     def _ids(self, order: list[list[int]]) -> list[list[int]]:
-        dataset: IndexedDataset = self.loader.dataset
-        if dataset.sample_ids is None:  # ids are the indices
-            return [list(batch) for batch in order]
-        return [[dataset.sample_id(i) for i in batch] for batch in order]
+        return [list(map(self.loader.dataset.sample_id, batch)) for batch in order]
 
     def __iter__(self) -> Iterator[Batch]:
         if self._order is None:
@@ -404,7 +381,7 @@ class CachedLoader:
             if position == ahead_at and self._next_order is None:
                 self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
                 self.model.prepare_next_epoch(self._ids(self._next_order[1]), self._variant_of(self.epoch + 1))
-            load = _Load(dataset, collate, self._order[position], variant) if loaded is not None else None
+            load = partial(_load, dataset, collate, self._order[position], variant) if loaded is not None else None
             yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position, loaded=loaded, load=load)
         self.epoch, self._position, self._order = self.epoch + 1, 0, None
 
