@@ -74,13 +74,12 @@ class ConnectionConfig:
 class ClientStats:
     """What the cache did for this process, in entries (one per sample and depth) unless named otherwise.
 
-    ``hits + misses`` is every entry asked for, through a stream (``streamed``
-    of them) or through ``Get`` calls (``gets``: seeds from a shallower depth,
-    batches no stream served). ``fetch_seconds`` is the time spent waiting for
-    either. ``puts`` counts entries stored; ``puts_dropped`` puts not sent.
-    ``timed_bytes`` over ``timed_seconds`` is the read speed the step gets (the cost model's fetch
-    speed): Get calls, timed whole, and the stream's frames the step waited for, as the one before,
-    timed from that one's arrival (a frame already there when asked only shows that the stream kept up).
+    ``hits + misses`` is every entry asked for, through a stream (``streamed`` of them) or through ``Get``
+    calls (``gets``: seeds from a shallower depth, batches no stream served). ``fetch_seconds`` is the time
+    spent waiting for either. ``puts`` counts entries stored; ``puts_dropped`` puts not sent. ``timed_bytes``
+    over ``timed_seconds`` is the read speed the step gets (the cost model's fetch speed): Get calls, timed
+    whole, and the stream's frames the step waited for, as the one before, timed from that one's arrival (a
+    frame already there when asked only shows that the stream kept up).
     """
 
     gets: int = 0
@@ -144,11 +143,9 @@ class Connection:
         """The underlying RPC client (for tools; training code does not need it)."""
         return self._rpc
 
-    # ---- reads -----------------------------------------------------------
-
     def lookup(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int]) -> list | None:
         """Entries for ``ids`` (None per miss), or None when the cache is unusable right now."""
-        values = self._guarded(lambda: self._get(fingerprint, depth, ids, variants, hits=True))
+        values = self._guarded(self._get, fingerprint, depth, ids, variants)
         if values is not None:
             self._backoff_s = self.config.backoff_s
         return values
@@ -156,29 +153,30 @@ class Connection:
     def contains(self, fingerprint: bytes, depth: int, ids: Sequence[int], variant: int) -> list[bool] | None:
         """Which entries are stored (values not read), or None when the cache is unusable right now."""
         variants = [variant] * len(ids) if variant else None
-        present = self._guarded(lambda: self._call(lambda ns: self._rpc.contains(ns, fingerprint, depth, ids, variants)))
+        present = self._guarded(self._call, lambda ns: self._rpc.contains(ns, fingerprint, depth, ids, variants))
         return None if present is None else present.tolist()
 
     def push(self, fingerprint: bytes, depth: int, schedule_id: str, ids: Sequence[int],
              variants: Sequence[int] | None) -> list[bool] | None:
         """Push an order (Schedule) the daemon reads ahead; which of its entries are stored (values not
         read), or None if the cache is unusable right now."""
-        reply = self._guarded(lambda: self._call(
-            lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids, variants, report_present=True)))
+        reply = self._guarded(self._call, lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids,
+                                                                         variants, report_present=True))
         return None if reply is None else list(map(bool, reply.present))
 
-    def _guarded(self, fn: Callable[[], T]) -> T | None:
-        """``fn()``, or None when the cache is paused or the call failed (handed to ``fallback``)."""
+    def _guarded(self, fn: Callable[..., T], *args: object) -> T | None:
+        """``fn(*args)``, or None when the cache is paused or the call failed (handed to ``fallback``)."""
         self.surface()
         if self._paused():
             return None
         try:
-            return fn()
+            return fn(*args)
         except ActCacheError as exc:
             self.fallback(exc)
             return None
 
-    def _get(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int], *, hits: bool) -> list:
+    def _get(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
+             hits: bool = True) -> list:
         """A Get, timed whole: counted as a read-speed sample, and with ``hits`` as hits and misses."""
         t0 = time.perf_counter()
         values = self._call(lambda ns: self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None))
@@ -200,11 +198,8 @@ class Connection:
                ahead: bool = False) -> Iterator[EntryBatch]:
         """Fetch a pushed schedule from ``start``: shared memory on a Unix socket of this host, else bytes.
 
-        Counts hits, misses, bytes and the seconds spent waiting for frames in ``stats``; errors are
-        raised to the caller (who hands them to ``fallback``). ``ahead``: the stream is opened before
-        it is used, and its first frame is counted when it is (``count_streamed``). Frames are whole
-        (``whole_frames``): one batch each, even in a stream opened ahead, which fills its ring long before it is read.
-        """
+        Counts frames in ``stats``; errors are raised to the caller (who hands them to ``fallback``).
+        ``ahead``: opened before it is used, its first frame counted when it is. One batch per frame."""
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
                                          max_frame_bytes=max_frame_bytes, whole_frames=True)
         counted, last, behind = not ahead, None, False  # last: when the previous frame arrived
@@ -225,10 +220,8 @@ class Connection:
                 raise
 
     def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None) -> None:
-        """Count a frame the step takes from a stream, and the seconds it waited for it.
-
-        ``read_s``: the seconds the stream took to read the frame, where known (``timed_*``).
-        """
+        """Count a frame the step takes from a stream and the seconds it waited for it; ``read_s``: the
+        seconds the stream took to read the frame, where known (``timed_*``)."""
         hits = sum(v is not None for v in batch.values)
         nbytes = sum(len(v) for v in batch.values if v is not None)
         with self._lock:
@@ -243,31 +236,25 @@ class Connection:
                 self.stats.timed_bytes += nbytes
                 self.stats.timed_seconds += read_s
 
-    # ---- writes ----------------------------------------------------------
-
-    def store(
-        self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
-        encode: Callable[[], list[bytes]], *, probe: bool = False,
-        encoding: Callable[[list[bytes]], str] | None = None,
-    ) -> bool:
+    def store(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
+              encode: Callable[[], list[bytes]], *, probe: bool = False,
+              encoding: Callable[[list[bytes]], str] | None = None) -> bool:
         """Queue a put; ``encode`` runs on the writer thread. Returns False if it was dropped.
 
-        ``probe``: once stored, read the entries back once to measure the daemon's
-        read speed (counted in ``fetch_seconds``/``bytes_read``, not as hits).
-        ``encoding``: given the encoded entries (on the writer thread), how the daemon is to
-        store them (``PutHeader.encoding``; "" or None: the daemon's ``--encoding``).
+        ``probe``: once stored, read the entries back once to measure the daemon's read speed (counted
+        in ``fetch_seconds``/``bytes_read``, not as hits). ``encoding``: given the encoded entries, how
+        the daemon is to store them (``PutHeader.encoding``; "" or None: the daemon's ``--encoding``).
         """
         self.surface()
-        if self._paused():
-            self._count_dropped()
-            return False
-        try:
-            self._queue.put_nowait(partial(self._write, fingerprint, depth, list(ids), list(variants), encode, probe,
-                                           encoding))
-            return True
-        except queue.Full:
-            self._count_dropped()
-            return False
+        if not self._paused():
+            try:
+                self._queue.put_nowait(partial(self._write, fingerprint, depth, list(ids), list(variants), encode,
+                                               probe, encoding))
+                return True
+            except queue.Full:
+                pass
+        self._count_dropped()
+        return False
 
     def drop(self, fingerprint: bytes) -> None:
         """Drop every entry of ``fingerprint`` in the daemon, after the puts already queued; never blocks long."""
@@ -349,8 +336,6 @@ class Connection:
         if errors:
             raise errors[0]
 
-    # ---- failure handling ------------------------------------------------
-
     def describe(self, *, data_id: str) -> None:
         """Name the data this job reads; the daemon lists it with the job's pid, host and start time
         (``actcache ls``/``stats``). Sent when the namespace is (re)opened."""
@@ -367,10 +352,7 @@ class Connection:
 
     def _call(self, fn: Callable[[int], T]) -> T:
         """``fn(namespace handle)``; a handle the daemon no longer knows (it restarted) is renewed once.
-
-        Strict: a daemon that cannot be reached (socket absent, connection refused: it is restarting)
-        is waited for until ``timeout_s`` has passed, on the channel's reconnect backoff (0.1 to 1 s).
-        """
+        Strict: a daemon that cannot be reached (it is restarting) is waited for up to ``timeout_s``."""
         deadline = time.monotonic() + self.config.timeout_s
         while True:
             try:
@@ -414,8 +396,6 @@ class Connection:
             log.warning("%s [%d times so far]", message, count)
         if first:
             self.surface()
-
-    # ---- lifecycle -------------------------------------------------------
 
     def close(self) -> None:
         """Send queued puts, stop the writer thread and an embedded daemon (or the node daemon's lease)."""

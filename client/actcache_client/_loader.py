@@ -1,18 +1,11 @@
 """Sample ids with every batch, and the epoch's order known before the epoch starts.
 
-``IndexedDataset`` yields ``(sample_id, item)``; random augmentation draws its randomness from
-``(sample_id, variant)``, so a cached entry always matches the exact input it was computed from.
-``CachedLoader`` wraps a DataLoader: at each epoch start it draws this rank's batches from the loader's
-own batch sampler once, hands them to the CachedForward (which pushes them to the daemon to read
-ahead), and has an inner DataLoader with the same settings load exactly those batches. Halfway through
-an epoch it draws the next epoch's batches too, when drawing early cannot change the order or anyone's
-random numbers: the sampler has ``set_epoch``, the DataLoader has its own ``generator``, or the order
-is sequential. ``state_dict`` captures the epoch's order and position for a mid-epoch resume.
-
-With ``variants=K``, epoch e uses augmentation variant ``e % K``; the data fingerprint
-(actcache_client._identity) covers all K and is part of every cache key. A dataset with augmentation
-and no ``variants`` (or one that declares uncontrolled randomness) is not cached: the loader warns and
-the model recomputes every step.
+``IndexedDataset`` yields ``(sample_id, item)``, its random augmentation seeded by ``(sample_id,
+variant)`` so a cached entry always matches the exact input it was computed from. ``CachedLoader``
+wraps a DataLoader: at each epoch start (and halfway through the previous epoch, where drawing early
+cannot change the order or anyone's random numbers) it draws this rank's batches from the loader's own
+batch sampler, hands them to the model (which pushes them to the daemon to read ahead), and has an
+inner DataLoader with the same settings load exactly those batches.
 """
 
 from __future__ import annotations
@@ -35,10 +28,7 @@ from actcache_client._batch import Batch, Skipped
 from actcache_client._cached_forward import CachedForward
 from actcache_client._identity import data_fingerprint
 
-__all__ = [
-    "Batch", "CachedLoader", "IndexedDataset", "Skipped", "UncacheableDataWarning", "sample_seed", "seeded_item",
-    "worker_options",
-]
+__all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "seeded_item", "worker_options"]
 
 
 class UncacheableDataWarning(UserWarning):
@@ -69,48 +59,32 @@ def seeded_item(dataset: Any, index: int, seed: int) -> Any:
 class IndexedDataset(Dataset):
     """``dataset[i]`` as ``(sample_id, item)``.
 
-    ``augment(item, generator)`` applies random transforms drawing only from
-    ``generator``, which is seeded by ``(sample_id, variant)``. Set
-    ``random_transforms=True`` if ``dataset`` itself draws randomness that
+    ``augment(item, generator)`` applies random transforms drawing only from ``generator``, which is seeded by
+    ``(sample_id, variant)``. Set ``random_transforms=True`` if ``dataset`` itself draws randomness that
     actcache cannot control: such data is never cached.
 
-    ``data_id`` names a dataset version; it is part of the data fingerprint,
-    with the dataset's type, length, id mapping and the content of a spread
-    of items (actcache_client._identity says what that can and cannot see).
+    ``data_id`` names a dataset version; it is part of the data fingerprint, with the dataset's type, length,
+    id mapping and the content of a spread of items (actcache_client._identity says what it cannot see).
 
-    ``targets`` (a sequence, e.g. torchvision's ``dataset.targets``, or a
-    function of the index) gives each item's target without loading it: items
-    are then ``(input, target)`` pairs, and the loader does not load the
-    inputs of samples whose frozen-prefix output the cache will serve.
+    ``targets`` (a sequence, e.g. torchvision's ``dataset.targets``, or a function of the index) gives each
+    item's target without loading it: items are then ``(input, target)`` pairs, and the loader does not load
+    the inputs of samples whose frozen-prefix output the cache will serve.
 
-    ``seeded=True``: ``dataset[i]`` draws its random transforms from the global
-    generators (torchvision transforms in ``__getitem__``); they are seeded by
-    ``(sample_id, variant)`` around each load, so each variant of a sample is
-    always the same input.
+    ``seeded=True``: ``dataset[i]`` draws its random transforms from the global generators (torchvision
+    transforms in ``__getitem__``); they are seeded by ``(sample_id, variant)`` around each load, so each
+    variant of a sample is always the same input.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        *,
-        augment: Callable[[Any, torch.Generator], Any] | None = None,
-        sample_ids: Sequence[int] | None = None,
-        random_transforms: bool = False,
-        data_id: str | None = None,
-        targets: Sequence[Any] | Callable[[int], Any] | None = None,
-        seeded: bool = False,
-    ) -> None:
+    def __init__(self, dataset: Dataset, *, augment: Callable[[Any, torch.Generator], Any] | None = None,
+                 sample_ids: Sequence[int] | None = None, random_transforms: bool = False, data_id: str | None = None,
+                 targets: Sequence[Any] | Callable[[int], Any] | None = None, seeded: bool = False) -> None:
         if sample_ids is not None and len(sample_ids) != len(dataset):
             raise ConfigError(f"{len(sample_ids)} sample ids for a dataset of {len(dataset)} items")
         if targets is not None and not callable(targets) and len(targets) != len(dataset):
             raise ConfigError(f"{len(targets)} targets for a dataset of {len(dataset)} items")
-        self.targets = targets
-        self.dataset = dataset
-        self.augment = augment
+        self.dataset, self.augment, self.targets, self.seeded = dataset, augment, targets, seeded
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
-        self.random_transforms = random_transforms
-        self.data_id = data_id
-        self.seeded = seeded
+        self.random_transforms, self.data_id = random_transforms, data_id
         self._fingerprints: dict[int, bytes] = {}
 
     def fingerprint(self, variants: int = 1) -> bytes:
@@ -194,15 +168,14 @@ class _Collate:
 class _Replay:
     """The inner loader's batch sampler: replays the batches CachedLoader chose for this epoch.
 
-    Keys are ``(index, variant, load)``. Whether a sample is loaded is asked of ``skipped(position)``
-    (the sample ids not to load) when the DataLoader dispatches the batch, so a decision made after
-    the epoch started (a freeze change) reaches the batches not yet dispatched.
+    Keys are ``(index, variant, load)``. Whether a sample is loaded is asked of ``skipped(position)`` (the
+    sample ids not to load) when the DataLoader dispatches the batch, so a decision made after the epoch
+    started (a freeze change) reaches the batches not yet dispatched.
     """
 
     def __init__(self) -> None:
         self.batches: list[list[int]] = []
-        self.first = 0
-        self.variant = 0
+        self.first = self.variant = 0
         self.sample_id: Callable[[int], int] = int
         self.skipped: Callable[[int], frozenset[int]] | None = None
 
@@ -261,15 +234,13 @@ def worker_options(loader: DataLoader) -> dict[str, Any]:
 class CachedLoader:
     """Wraps a DataLoader over an IndexedDataset; yields Batch objects and feeds the cache its order.
 
-    Works with any sampler and batch sampler (``RandomSampler``,
-    ``DistributedSampler`` — call ``set_epoch`` as usual —, ``drop_last``),
-    ``num_workers > 0`` and persistent workers.
+    Works with any sampler and batch sampler (``RandomSampler``, ``DistributedSampler`` — call ``set_epoch``
+    as usual —, ``drop_last``), ``num_workers > 0`` and persistent workers.
 
-    ``model`` is a CachedForward (or a CachedTeacher), or a list of them fed
-    by the same batches (a student and its teacher): each gets the data's
-    fingerprint and every epoch's order, and the loader leaves out an input
-    only when every one of them can do without it (the intersection of their
-    ``skipped``). ``models`` lists them.
+    ``model`` is a CachedForward (or a CachedTeacher), or a list of them fed by the same batches (a student
+    and its teacher): each gets the data's fingerprint and every epoch's order, and the loader leaves out an
+    input only when every one of them can do without it (the intersection of their ``skipped``). ``models``
+    lists them.
     """
 
     def __init__(self, loader: DataLoader, model: CachedForward | Sequence[CachedForward] | None = None, *,
@@ -282,11 +253,8 @@ class CachedLoader:
             raise ConfigError(f"variants must be >= 1, got {variants}")
         self.models = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
         model = None if not self.models else self.models[0] if len(self.models) == 1 else _Models(self.models)
-        self.loader = loader
-        self.model = model  # the one model, or the fan-out over several
-        self.variants = variants
-        self.epoch = 0
-        self._position = 0
+        self.loader, self.model, self.variants = loader, model, variants  # model: the one model, or a fan-out
+        self.epoch = self._position = 0
         self._order: list[list[int]] | None = None  # indices of the current epoch's batches
         self._next_order: tuple[int, list[list[int]]] | None = None  # (epoch, its batches), drawn ahead
         self._replay = _Replay()
@@ -329,10 +297,9 @@ class CachedLoader:
     def _draw(self, epoch: int) -> list[list[int]]:
         """The batches (dataset indices) the wrapped loader's sampler gives for ``epoch``.
 
-        A DataLoader draws its workers' base seed from its generator (or the global RNG) before
-        its sampler draws the order; the same draw is made here first, so the wrapped loader's
-        generator (and the global RNG) give the same order with and without actcache.
-        """
+        A DataLoader draws its workers' base seed from its generator (or the global RNG) before its
+        sampler draws the order; the same draw is made here first, so the order is the same as without
+        actcache."""
         loader = self.loader
         if loader.num_workers == 0 or not loader.persistent_workers or not self._drawn:
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator)

@@ -1,13 +1,8 @@
 """``connect()``: which daemon a training process uses, and the daemons it starts.
 
-In order: the ``socket`` or ``address`` given, else ``$ACTCACHE_SOCKET``, else this node's daemon
-(actcache.node: one per user, started on first use, gone after ``$ACTCACHE_IDLE_TIMEOUT`` seconds
-without calls). ``embedded=True`` instead starts a daemon private to this process, in a temp dir
-removed when the connection closes or the process exits.
-
-While a connection to the node daemon is open, a lease thread checks its health every third of the
-idle timeout (at most every 60 s): the check is a call, so the daemon does not stop under a trainer
-that has not needed the cache for a while, and a daemon that died is started again.
+While a connection to the node daemon (actcache.node) is open, a lease thread checks its health every
+third of the idle timeout (at most every 60 s): the check is a call, so the daemon does not stop under
+a trainer that has not needed the cache for a while, and a daemon that died is started again.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Host-to-device staging of cached batches: a ring of reusable pinned buffers and a side stream.
 
-On CUDA, cached entries are collated straight into a page-locked slot of the ring and copied with
-``non_blocking=True`` on a side stream (timed, for the cost model's ``copy_readings``); the compute
-stream waits for that copy. A slot is handed out again only after the copy that read it has completed
-(its CUDA event). Invariant: slots in flight <= slots. ``ring_to_device`` copies a batch whose entries
-lie in consecutive shared-memory slots in one transfer straight from the Fetch ring; the caller keeps
-those slots until the returned event completes (``EpochStream.hold``).
-
+On CUDA, cached entries are collated into a page-locked slot of the ring (or, lying in consecutive
+shared-memory slots, copied straight from the Fetch ring: ``ring_to_device``) and copied with
+``non_blocking=True`` on a side stream, timed for the cost model; the compute stream waits for the copy.
 Without CUDA, each batch is collated into fresh host memory and used in place: the tensors the model
 keeps for backward must not be overwritten.
 """
@@ -31,10 +27,10 @@ Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 class HostRing:
     """``slots`` growable host byte buffers handed out round-robin.
 
-    ``acquire()`` returns the next slot once the event recorded at its last
-    ``release`` has completed; ``alloc`` carves tensors out of the acquired
-    slot, 64-byte aligned. A batch larger than its slot gets one-off memory
-    and the slot grows to the largest batch seen at its next ``acquire``.
+    ``acquire()`` returns the next slot once the event recorded at its last ``release`` has completed
+    (invariant: slots in flight <= slots); ``alloc`` carves 64-byte aligned tensors out of it. A batch
+    larger than its slot gets one-off memory, and the slot grows to the largest batch seen at its next
+    ``acquire``.
     """
 
     def __init__(self, slots: int = 4, *, pin_memory: bool = False) -> None:
@@ -43,10 +39,8 @@ class HostRing:
         self.pin_memory = pin_memory
         self._buffers: list[Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
         self._events: list[object | None] = [None] * slots
-        self._next = 0
+        self._next = self._used = self._wanted = 0
         self._current: int | None = None
-        self._used = 0
-        self._wanted = 0
 
     def acquire(self) -> int:
         slot = self._next
@@ -85,9 +79,8 @@ class HostRing:
 class CopyTimer:
     """Times asynchronous copies with pairs of events; readings come out once a copy has completed.
 
-    ``new_event`` makes a timing event (``torch.cuda.Event(enable_timing=True)``
-    on CUDA) with ``record()``, ``query()`` and ``elapsed_time(end)`` in ms.
-    At most ``max_pending`` copies are tracked; older ones are dropped unread.
+    ``new_event`` makes a timing event (``torch.cuda.Event(enable_timing=True)`` on CUDA). At most
+    ``max_pending`` copies are tracked; older ones are dropped unread.
     """
 
     def __init__(self, new_event: Callable[[], object], max_pending: int = 64) -> None:

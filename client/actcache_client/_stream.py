@@ -1,21 +1,15 @@
 """The epoch's cached entries, streamed by the daemon in the order the step will ask for them.
 
 The loader hands over this rank's batches for the epoch; the stream pushes their ids (the cached
-subset of each batch, at the current cache target) as one schedule, which the daemon reads ahead
-within its prefetch budget, and reads them back with Fetch: through shared memory when the daemon is
-on a Unix socket of this host, in bytes otherwise. ``take`` returns one batch's entries (None per
-miss), in batch order, as views the caller copies once (collation) before taking the next batch.
-
+subset of each batch, at the cache target) as one schedule, which the daemon reads ahead, and reads
+them back with Fetch (shared memory on a Unix socket of this host, else bytes). ``take`` returns one
+batch's entries (None per miss) as views the caller copies once (collation) before the next ``take``.
 Schedule ids are ``<job>-r<rank>-<slot>``; the two slots alternate between epochs, so pushing epoch
-e+1 ahead leaves epoch e streaming.
+e+1 ahead (halfway through epoch e, in a thread: ``_Ahead``) leaves epoch e streaming.
 
 Lifecycle: IDLE (nothing pushed, or the target is not cached) -> PUSHED (schedule pushed, Fetch
 opened at the first ``take``) -> BROKEN (the push or the Fetch failed, or the step asked out of order:
 every ``take`` answers None until the next push, and the caller falls back to Get).
-
-The next epoch's order is pushed halfway through the current one, and its Fetch opened, by a thread
-(``_Ahead``), so the daemon decodes the head of the next epoch before the boundary; the push's reply
-(which entries are stored) plans the next epoch's skipped inputs. A frame holds one batch, a ring four.
 
 Invariants: entries are consumed in schedule order; a batch's entries are the schedule positions
 ``offsets[b] .. offsets[b+1] - 1``. Only the ``_Ahead`` thread advances its Fetch until the training
@@ -73,9 +67,8 @@ def cached_batches(batches: Sequence[Sequence[int]], fraction: float) -> tuple[t
 
 
 class _Ahead:
-    """The next epoch's order pushed and its Fetch opened, in a thread: the training thread does not
-    wait for the push, and the daemon decodes the head of the order into the ring while the current
-    epoch still runs. Errors (strict mode) reach the training thread through ``pushed``/``result``."""
+    """The next epoch's order pushed and its Fetch opened in a thread, so the daemon decodes its head
+    while the current epoch runs. Errors (strict mode) reach the training thread through ``pushed``/``result``."""
 
     def __init__(self, push: Callable[[], list[bool] | None], open_: Callable[[], Iterator[EntryBatch]]) -> None:
         self._push, self._open = push, open_
@@ -168,11 +161,10 @@ class _Order:
 class EpochStream:
     """Pushes an epoch's order and streams its entries back; used by CachedForward on the training thread."""
 
-    def __init__(self, connection: Connection, *, rank: int = 0, ring_bytes: int | None = None) -> None:
+    def __init__(self, connection: Connection, *, rank: int = 0) -> None:
         self._connection = connection
         self._prefix = f"{_JOB}.{next(_JOBS)}-r{rank}"
-        self._fixed_ring = ring_bytes
-        self._ring_bytes = ring_bytes or _FIRST_RING
+        self._ring_bytes = _FIRST_RING
         self._frame_bytes = 0  # the daemon's default until a frame shows the entries' size
         self._ahead: tuple[_Order, _Ahead] | None = None  # the next epoch's order, pushed and its Fetch opened ahead
         self._opened: _Ahead | None = None  # the current order's Fetch, opened ahead and not read yet
@@ -207,9 +199,8 @@ class EpochStream:
 
     def push_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                   batches: Sequence[Sequence[int]]) -> None:
-        """Push the next epoch's order ahead, into the other slot, and open its Fetch (in a thread): the
-        daemon reads its head once the current epoch is read, so there is no dip at the boundary.
-        ``adopt_next`` switches to it."""
+        """Push the next epoch's order into the other slot and open its Fetch, in a thread, so there is
+        no dip at the boundary; ``adopt_next`` switches to it."""
         order = _Order.of(fingerprint, depth, fraction, variant, batches)
         if not order.offsets[-1]:
             return
@@ -237,8 +228,7 @@ class EpochStream:
         return True
 
     def discard_next(self) -> None:
-        """Forget the order ``push_next`` pushed (its entries were read ahead before this epoch's
-        misses were stored); the next epoch pushes its order again at its start."""
+        """Forget the order ``push_next`` pushed (read ahead before this epoch's misses were stored)."""
         if self._ahead is not None:
             self._ahead[1].close()
             self._ahead = None
@@ -248,8 +238,8 @@ class EpochStream:
         return self._order is not None and self._order.target == (fingerprint, depth, fraction, variant)
 
     def stored_from(self, position: int) -> list[bool] | None:
-        """Per entry of the pushed order from epoch batch ``position`` on: whether it was stored when
-        the order was pushed (the daemon said so in its reply). None if no order covers ``position``."""
+        """Per entry of the pushed order from epoch batch ``position`` on: whether it was stored when the
+        order was pushed (the push's reply). None if no order covers ``position``."""
         o = self._order
         b = o.at(position, end=True) if self._state is StreamState.PUSHED else None
         return None if b is None else o.present[o.offsets[b]:]
@@ -288,8 +278,8 @@ class EpochStream:
         return out
 
     def hold(self, event: object) -> None:
-        """Keep the slots of the batch the last ``take`` returned until ``event`` completes (an
-        asynchronous copy still reads them): the stream waits for it before it releases them."""
+        """Keep the slots of the batch the last ``take`` returned until ``event`` (an asynchronous copy
+        reading them) completes."""
         self._held = event
 
     def _wait_held(self) -> None:
@@ -320,7 +310,7 @@ class EpochStream:
         self._pending.extend(batch)
         self._frames_read += 1
         self._frame_run = (batch.start, batch.run)
-        sizes = _sizes(batch.values, max(map(len, self._order.batches))) if opened and self._fixed_ring is None else None
+        sizes = _sizes(batch.values, max(map(len, self._order.batches))) if opened else None
         if sizes is not None:
             self._ring_bytes, self._frame_bytes = sizes
 
@@ -331,13 +321,10 @@ class EpochStream:
     def close(self) -> None:
         """Cancel the Fetch (the daemon frees its read-ahead for it at once)."""
         self._wait_held()  # the ring goes back to the pool, for another stream to write
-        if self._frames is not None:
-            self._frames.close()
-        if self._opened is not None:
-            self._opened.close()
-            self._opened = None
-        self._frames = None
+        for fetch in (self._frames, self._opened):
+            if fetch is not None:
+                fetch.close()
+        self._frames = self._opened = None
         self._pending.clear()
-        self._frame_run, self.run = (0, None), None
-        self._shared = False
+        self._frame_run, self.run, self._shared = (0, None), None, False
         self._state = StreamState.IDLE

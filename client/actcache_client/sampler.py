@@ -2,32 +2,23 @@
 
 With a ``DistributedSampler`` a sample lands on another node almost every epoch, so on N nodes about
 (N-1)/N of lookups miss and every node ends up storing the whole dataset. ``NodeStableSampler`` splits
-the dataset once into one shard per node, shuffles each shard every epoch (seed, epoch) and splits it
-among the node's local ranks.
+the dataset once into one shard per node, shuffles each shard every epoch and splits it among the
+node's local ranks.
 
-Placement (``node_assignment``), as in mosaicml/streaming's canonical nodes:
+Placement (``node_assignment``), as in mosaicml/streaming's canonical nodes: samples (or blocks of
+``block_size`` indices) are dealt into ``num_canonical_nodes`` groups by a seeded permutation, whatever
+the number of nodes; for P physical nodes the placement is built from the one for P-1: every node keeps
+its first quota (``C // P`` canonical nodes, one more for the first ``C % P``) and the new node P-1
+takes the rest. So between runs on P and P' nodes exactly ``min(P, P') / max(P, P')`` of the data stays
+on the node that cached it, the most any placement can keep (streaming's ``c % P`` striping keeps as
+much only when one count divides the other). ``DEFAULT_CANONICAL_NODES`` = 3840 = 2^8 * 3 * 5, so most
+node counts get equal shares; a large count costs nothing in shuffle quality (each node shuffles its
+whole shard).
 
-1. samples (or blocks of ``block_size`` consecutive indices) are dealt into ``num_canonical_nodes``
-   groups by a seeded permutation: sizes differ by at most one block, whatever the number of nodes;
-2. for P physical nodes the placement is built from the one for P-1: every node keeps its first quota
-   (``C // P`` canonical nodes, one more for the first ``C % P`` nodes) and the new node P-1 takes the
-   rest. So between runs on P and P' nodes exactly ``min(P, P') / max(P, P')`` of the data stays on
-   the node that cached it, the most any placement can keep (streaming's ``c % P`` striping keeps as
-   much only when one count divides the other: 2 -> 3 nodes keeps 1/3 there, 2/3 here).
-
-``DEFAULT_CANONICAL_NODES`` is 3840 = 2^8 * 3 * 5: every node count that divides it gets the same
-number of canonical nodes per node; others differ by one (made up by padding or dropped with
-drop_last); at most 3840 nodes. Unlike in streaming, a large count costs nothing in shuffle quality
-(each node shuffles its whole shard).
-
-Every rank of every node yields the same number of samples per epoch (DDP must not hang on uneven
-shards): with ``drop_last=False`` the largest rank's share, shorter ranks repeating their own samples;
-with ``drop_last=True`` the smallest share, the others dropping their tail. Within an epoch the ranks
-of one node are disjoint, except on a node with fewer samples than ranks.
-
-Resume: ``state_dict(consumed=k, epoch=e)`` records which samples epoch e has seen; ``load_state_dict``
-on another number of nodes or ranks visits exactly the unseen ones in the rest of that epoch, each on
-its node under the new placement.
+Every rank yields the same number of samples per epoch (DDP must not hang on uneven shards): shorter
+ranks repeat their own samples (``drop_last=False``) or longer ones drop their tail. ``state_dict``
+records which samples an epoch has seen; ``load_state_dict`` on another number of nodes or ranks
+visits exactly the unseen ones in the rest of that epoch, each on its node under the new placement.
 """
 
 from __future__ import annotations
@@ -105,10 +96,8 @@ def _env_int(name: str) -> int | None:
 def _layout(num_nodes: int | None, node_rank: int | None, local_world_size: int | None,
             local_rank: int | None) -> tuple[int, int, int, int]:
     """(nodes, node rank, ranks per node, local rank): the arguments, else torchrun's environment, else one process."""
-    if local_world_size is None:
-        local_world_size = _env_int("LOCAL_WORLD_SIZE") or 1
-    if local_rank is None:
-        local_rank = _env_int("LOCAL_RANK") or 0
+    local_world_size = local_world_size if local_world_size is not None else _env_int("LOCAL_WORLD_SIZE") or 1
+    local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK") or 0
     if num_nodes is None:
         world = _env_int("WORLD_SIZE")
         if world is None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -134,18 +123,17 @@ def _layout(num_nodes: int | None, node_rank: int | None, local_world_size: int 
 
 
 class NodeStableSampler(Sampler[int]):
-    """Dataset indices for this rank: its node's fixed shard, shuffled per epoch, split among the node's ranks.
+    """Dataset indices for this rank: its node's fixed shard, shuffled per epoch, split among the node's
+    ranks.
 
-    ``data_source`` is the dataset (or its length). The layout comes from
-    the arguments, else torchrun's ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-    ``GROUP_RANK`` and ``LOCAL_RANK``, else a single process. Call
-    ``set_epoch`` every epoch (CachedLoader does it when it draws an
-    epoch's order; drawing an epoch twice gives the same order).
+    ``data_source`` is the dataset (or its length). The layout comes from the arguments, else torchrun's
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` and ``LOCAL_RANK``, else a single process. Call
+    ``set_epoch`` every epoch (CachedLoader does it when it draws an epoch's order; drawing an epoch twice
+    gives the same order).
 
-    Invariants, every epoch: all ranks of all nodes yield ``len(self)``
-    samples; a node's ranks are disjoint except for padding repeats; with
-    ``drop_last=False`` every sample is yielded at least once; a node's
-    shard is the same every epoch.
+    Invariants, every epoch: all ranks of all nodes yield ``len(self)`` samples; a node's ranks are disjoint
+    except for padding repeats; with ``drop_last=False`` every sample is yielded at least once; a node's shard
+    is the same every epoch.
     """
 
     def __init__(self, data_source: Sized | int, *, num_nodes: int | None = None, node_rank: int | None = None,
