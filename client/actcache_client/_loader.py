@@ -144,25 +144,19 @@ class _Unloaded:
     targets: Any
 
 
-class _Collate:
-    """Collates ``(sample_id, item)`` pairs into ``(ids, loaded rows or None, data)``; picklable for workers.
-
-    With skipped items, ``data`` is ``(inputs of the loaded rows, targets of all rows)``.
-    """
-
-    def __init__(self, collate: Callable[[list], Any]) -> None:
-        self.collate = collate
-
-    def __call__(self, samples: list[tuple[int, Any]] | _Unloaded) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-        if isinstance(samples, _Unloaded):
-            return torch.tensor(samples.sample_ids, dtype=torch.int64), torch.empty(0, dtype=torch.int64), (None, samples.targets)
-        ids = torch.tensor([s for s, _ in samples], dtype=torch.int64)
-        loaded = [i for i, (_, item) in enumerate(samples) if not isinstance(item, Skipped)]
-        if len(loaded) == len(samples):
-            return ids, None, self.collate([item for _, item in samples])
-        inputs = self.collate([samples[i][1] for i in loaded])[0] if loaded else None
-        targets = default_collate([item.target if isinstance(item, Skipped) else item[1] for _, item in samples])
-        return ids, torch.tensor(loaded, dtype=torch.int64), (inputs, targets)
+def _collate(collate: Callable[[list], Any], samples: list[tuple[int, Any]] | _Unloaded,
+             ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """``(sample_id, item)`` pairs collated into ``(ids, loaded rows or None, data)`` (in the workers); with
+    skipped items, ``data`` is ``(inputs of the loaded rows, targets of all rows)``."""
+    if isinstance(samples, _Unloaded):
+        return torch.tensor(samples.sample_ids, dtype=torch.int64), torch.empty(0, dtype=torch.int64), (None, samples.targets)
+    ids = torch.tensor([s for s, _ in samples], dtype=torch.int64)
+    loaded = [i for i, (_, item) in enumerate(samples) if not isinstance(item, Skipped)]
+    if len(loaded) == len(samples):
+        return ids, None, collate([item for _, item in samples])
+    inputs = collate([samples[i][1] for i in loaded])[0] if loaded else None
+    targets = default_collate([item.target if isinstance(item, Skipped) else item[1] for _, item in samples])
+    return ids, torch.tensor(loaded, dtype=torch.int64), (inputs, targets)
 
 
 class _Replay:
@@ -186,12 +180,6 @@ class _Replay:
 
     def __len__(self) -> int:
         return len(self.batches)
-
-
-def _load(dataset: IndexedDataset, collate: Callable[[list], Any], indices: list[int], variant: int,
-          rows: list[int]) -> Any:
-    """Load rows of one batch on the spot (in the training process) and collate their inputs."""
-    return collate([dataset[indices[r], variant][1] for r in rows])[0]
 
 
 class _Models:
@@ -275,11 +263,11 @@ class CachedLoader:
         if model is not None and self.cacheable:
             self.data_identity = dataset.fingerprint(variants if dataset.augments else 1)
             model.bind_data(self.data_identity, dataset.data_id or "")
-        collate = _Collate(loader.collate_fn if loader.collate_fn is not None else default_collate)
+        self._collate = loader.collate_fn if loader.collate_fn is not None else default_collate
         # Its own generator: the wrapped loader's one draws exactly what the wrapped loader would (_draw).
         generator = torch.Generator().manual_seed(loader.generator.initial_seed() if loader.generator else 0)
-        self._inner = DataLoader(dataset, batch_sampler=self._replay, collate_fn=collate, generator=generator,
-                                 **worker_options(loader))
+        self._inner = DataLoader(dataset, batch_sampler=self._replay, collate_fn=partial(_collate, self._collate),
+                                 generator=generator, **worker_options(loader))
 
     @property
     def variant(self) -> int:
@@ -322,6 +310,10 @@ class CachedLoader:
             return 0
         return epoch if self.variants is None else epoch % self.variants
 
+    def _load(self, indices: list[int], variant: int, rows: list[int]) -> Any:
+        """Load rows of one batch on the spot (in the training process) and collate their inputs."""
+        return self._collate([self.loader.dataset[indices[r], variant][1] for r in rows])[0]
+
     def _ids(self, order: list[list[int]]) -> list[list[int]]:
         return [list(map(self.loader.dataset.sample_id, batch)) for batch in order]
 
@@ -341,14 +333,13 @@ class CachedLoader:
         replay = self._replay
         replay.batches, replay.first, replay.variant = self._order[start:], start, variant
         replay.sample_id, replay.skipped = dataset.sample_id, (self.model.skipped if skipping else None)
-        collate = self._inner.collate_fn.collate
         for position, (ids, loaded, data) in enumerate(self._inner, start=start):
             self._position = position + 1
             self.raw_items_loaded += len(ids) if loaded is None else len(loaded)
             if position == ahead_at and self._next_order is None:
                 self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
                 self.model.prepare_next_epoch(self._ids(self._next_order[1]), self._variant_of(self.epoch + 1))
-            load = partial(_load, dataset, collate, self._order[position], variant) if loaded is not None else None
+            load = partial(self._load, self._order[position], variant) if loaded is not None else None
             yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position, loaded=loaded, load=load)
         self.epoch, self._position, self._order = self.epoch + 1, 0, None
 
