@@ -351,8 +351,8 @@ class Connection:
         return self._namespace_id
 
     def _call(self, fn: Callable[[int], T]) -> T:
-        """``fn(namespace handle)``; a handle the daemon no longer knows (it restarted) is renewed once.
-        Strict: a daemon that cannot be reached (it is restarting) is waited for up to ``timeout_s``."""
+        """``fn(namespace handle)``, renewing a handle the daemon no longer knows (it restarted) once;
+        strict, waiting up to ``timeout_s`` for a daemon that cannot be reached (it is restarting)."""
         deadline = time.monotonic() + self.config.timeout_s
         while True:
             try:

@@ -146,8 +146,7 @@ class Stager:
         return rows.view(count, run.size), done
 
     def _side_copy(self, copy: Callable[[], State], nbytes: int) -> tuple[State, object]:
-        """``copy()`` on the side stream, timed; later work on the current stream waits for it.
-        Returns its result and the event that completes with it."""
+        """``copy()`` on the side stream, timed, before later work on the current stream; and its event."""
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             started = self._timer.start()

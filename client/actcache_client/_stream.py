@@ -86,9 +86,7 @@ class _Ahead:
         try:
             self._present = self._push()
             self._pushed.set()
-            with self._lock:
-                go = self._present is not None and not self._abandoned
-            if go:
+            if self._present is not None and not self._abandoned:
                 self._frames = self._open()
                 self._first = next(self._frames, None)
         except BaseException as exc:  # handed to the training thread
@@ -97,8 +95,7 @@ class _Ahead:
             self._pushed.set()
             with self._lock:
                 self._done = True
-                abandoned = self._abandoned
-            if abandoned and self._frames is not None:
+            if self._abandoned and self._frames is not None:  # close() left it to this thread
                 self._frames.close()
 
     def pushed(self) -> list[bool] | None:
@@ -174,8 +171,7 @@ class EpochStream:
         self._frames: Iterator[EntryBatch] | None = None
         self._pending: deque = deque()  # entries of the last frame not taken yet
         self._shared = False  # the last frame's values are views into the shared-memory ring
-        #: Where the entries the last ``take`` returned lie, when they are hits of one size in
-        #: consecutive ring slots (see EntryBatch.run); else None.
+        #: Where the last ``take``'s entries lie, if hits of one size in consecutive ring slots (EntryBatch.run).
         self.run: SlotRun | None = None
         self._frame_run: tuple[int, SlotRun | None] = (0, None)  # (first position, run) of the last frame
         self._frames_read = 0
@@ -199,8 +195,7 @@ class EpochStream:
 
     def push_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                   batches: Sequence[Sequence[int]]) -> None:
-        """Push the next epoch's order into the other slot and open its Fetch, in a thread, so there is
-        no dip at the boundary; ``adopt_next`` switches to it."""
+        """Push the next epoch's order into the other slot and open its Fetch in a thread (``adopt_next``)."""
         order = _Order.of(fingerprint, depth, fraction, variant, batches)
         if not order.offsets[-1]:
             return
@@ -278,8 +273,7 @@ class EpochStream:
         return out
 
     def hold(self, event: object) -> None:
-        """Keep the slots of the batch the last ``take`` returned until ``event`` (an asynchronous copy
-        reading them) completes."""
+        """Keep the last ``take``'s slots until ``event`` (an asynchronous copy reading them) completes."""
         self._held = event
 
     def _wait_held(self) -> None:
