@@ -14,6 +14,7 @@ share the connection's state under one lock.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -203,21 +204,16 @@ class Connection:
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
                                          max_frame_bytes=max_frame_bytes, whole_frames=True)
         counted, last, behind = not ahead, None, False  # last: when the previous frame arrived
-        while True:
-            t0 = time.perf_counter()
-            batch = next(frames, None)
-            if batch is None:
-                return
-            arrived = time.perf_counter()
-            waited = last is not None and arrived - t0 >= _WAITED * (arrived - last)
-            if counted:  # waited for this frame and the one before: the stream was reading it all along
-                self.count_streamed(batch, arrived - t0, arrived - last if waited and behind else None)
-            counted, last, behind = True, arrived, waited
-            try:
+        t0 = time.perf_counter()
+        with contextlib.closing(frames):  # closed at once when the caller closes this generator
+            for batch in frames:
+                arrived = time.perf_counter()
+                waited = last is not None and arrived - t0 >= _WAITED * (arrived - last)
+                if counted:  # waited for this frame and the one before: the stream was reading it all along
+                    self.count_streamed(batch, arrived - t0, arrived - last if waited and behind else None)
+                counted, last, behind = True, arrived, waited
                 yield batch
-            except GeneratorExit:
-                frames.close()
-                raise
+                t0 = time.perf_counter()
 
     def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None) -> None:
         """Count a frame the step takes from a stream and the seconds it waited for it; ``read_s``: the

@@ -43,10 +43,8 @@ class EmbeddedDaemon:
 
 
 class NodeDaemonLease:
-    """Keeps the node daemon up while a connection uses it (module docstring); ``stop`` ends it.
-
-    After a failed start it tries again at twice the interval each time, up to 15 minutes.
-    """
+    """Keeps the node daemon up while a connection uses it (module docstring); ``stop`` ends it. After a
+    failed start it tries again at twice the interval each time, up to 15 minutes."""
 
     def __init__(self, node: NodeDaemon) -> None:
         self.node = node

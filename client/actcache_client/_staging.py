@@ -135,9 +135,8 @@ class Stager:
         return moved
 
     def ring_to_device(self, run: SlotRun, count: int) -> tuple[Tensor, object] | None:
-        """The ``count`` entries of ``run`` as a (count, entry bytes) uint8 tensor on the device, copied
-        straight out of the ring, and the event that completes with the copy; None without CUDA:
-        collate on the host then."""
+        """The ``count`` entries of ``run`` copied straight out of the ring into a (count, entry bytes) uint8
+        tensor on the device, and the copy's event; None without CUDA (collate on the host then)."""
         if not self.cuda:
             return None
         source = torch.frombuffer(run.segment.view, dtype=torch.uint8, count=count * run.size, offset=run.offset)

@@ -174,7 +174,6 @@ class EpochStream:
         #: Where the last ``take``'s entries lie, if hits of one size in consecutive ring slots (EntryBatch.run).
         self.run: SlotRun | None = None
         self._frame_run: tuple[int, SlotRun | None] = (0, None)  # (first position, run) of the last frame
-        self._frames_read = 0
         self._held: object | None = None  # an event: the last batch's slots are read until it completes
 
     @property
@@ -251,24 +250,24 @@ class EpochStream:
             return None
         lo, hi = o.offsets[b], o.offsets[b + 1]
         out: list = []
-        self.run, first_frame = None, None
+        self.run, split = None, False  # split: the entries span frames
         try:
             while len(out) < hi - lo:
                 if not self._pending:
+                    split = bool(out)
                     self._next_frame(out, lo)
                 pos, sample_id, variant, value = self._pending.popleft()
                 if pos < lo:
                     continue  # a batch the step skipped
                 if sample_id != ids[len(out)]:
                     raise ActCacheError(f"the stream served sample {sample_id} at position {pos}, expected {ids[len(out)]}")
-                first_frame = self._frames_read if first_frame is None else first_frame
                 out.append(value)
         except ActCacheError as exc:
             self._break()
             self._connection.fallback(exc)
             return None
         frame_start, run = self._frame_run
-        if run is not None and first_frame == self._frames_read:  # all from one frame whose entries are one run
+        if run is not None and not split:  # all from one frame whose entries are one run
             self.run = run.skip(lo - frame_start)
         return out
 
@@ -302,7 +301,6 @@ class EpochStream:
             raise ActCacheError(f"schedule {self.schedule_id} ended before position {lo + len(out)}")
         self._shared = batch.data_plane == "shared_memory"
         self._pending.extend(batch)
-        self._frames_read += 1
         self._frame_run = (batch.start, batch.run)
         sizes = _sizes(batch.values, max(map(len, self._order.batches))) if opened else None
         if sizes is not None:
