@@ -1,20 +1,19 @@
 """The training side's connection to a daemon: lookups, asynchronous puts, fallback on trouble.
 
-The cache is an optimization, never a dependency. When the daemon is down, slow, full or returns a
-corrupt entry, ``lookup`` answers None (recompute everything) and puts are dropped; each cause warns
-once (CacheFallbackWarning), then is logged at most every ``log_every_s``. After a failure to reach
-the daemon, calls are skipped for a back-off interval (1 s doubling to 30 s), so a dead daemon costs
-training only the first timeout. ``strict=True`` raises the ActCacheError instead (for tests), after
-waiting up to ``timeout_s`` for a daemon it cannot reach (one restarting).
+The cache is an optimization, never a dependency. When the daemon is down, slow, full or returns a corrupt
+entry, ``lookup`` answers None (recompute everything) and puts are dropped; each cause warns once
+(CacheFallbackWarning), then is logged at most every ``log_every_s``. After a failure to reach the daemon,
+calls are skipped for a back-off interval (1 s doubling to 30 s), so a dead daemon costs training only the
+first timeout. ``strict=True`` raises the ActCacheError instead (for tests), after waiting up to ``timeout_s``
+for a daemon it cannot reach (one restarting).
 
-Puts run on one background thread fed by a bounded queue: ``store`` never blocks the training step; a
-put finding the queue full is dropped and counted. The put thread, the fallback state and the calls
-share the connection's state under one lock.
+Puts run on one background thread fed by a bounded queue: ``store`` never blocks the training step; a put
+finding the queue full is dropped and counted. The put thread, the fallback state and the calls share the
+connection's state under one lock.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import queue
@@ -105,7 +104,6 @@ class ClientStats:
         return self.hits / total if total else 0.0
 
 
-_STOP = object()
 # Bytes a read-speed probe reads back: enough to time, little enough not to crowd out lookups.
 _PROBE_BYTES = 1 << 20
 # The step waited for a frame if it waited this share of the time since the previous frame arrived.
@@ -159,8 +157,7 @@ class Connection:
 
     def push(self, fingerprint: bytes, depth: int, schedule_id: str, ids: Sequence[int],
              variants: Sequence[int] | None) -> list[bool] | None:
-        """Push an order (Schedule) the daemon reads ahead; which of its entries are stored (values not
-        read), or None if the cache is unusable right now."""
+        """Push an order (Schedule) the daemon reads ahead; which of its entries are stored, or None (unusable)."""
         reply = self._guarded(self._call, lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids,
                                                                          variants, report_present=True))
         return None if reply is None else list(map(bool, reply.present))
@@ -204,16 +201,21 @@ class Connection:
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
                                          max_frame_bytes=max_frame_bytes, whole_frames=True)
         counted, last, behind = not ahead, None, False  # last: when the previous frame arrived
-        t0 = time.perf_counter()
-        with contextlib.closing(frames):  # closed at once when the caller closes this generator
-            for batch in frames:
-                arrived = time.perf_counter()
-                waited = last is not None and arrived - t0 >= _WAITED * (arrived - last)
-                if counted:  # waited for this frame and the one before: the stream was reading it all along
-                    self.count_streamed(batch, arrived - t0, arrived - last if waited and behind else None)
-                counted, last, behind = True, arrived, waited
+        while True:
+            t0 = time.perf_counter()
+            batch = next(frames, None)
+            if batch is None:
+                return
+            arrived = time.perf_counter()
+            waited = last is not None and arrived - t0 >= _WAITED * (arrived - last)
+            if counted:  # waited for this frame and the one before: the stream was reading it all along
+                self.count_streamed(batch, arrived - t0, arrived - last if waited and behind else None)
+            counted, last, behind = True, arrived, waited
+            try:
                 yield batch
-                t0 = time.perf_counter()
+            except GeneratorExit:
+                frames.close()  # the daemon frees its read-ahead at once
+                raise
 
     def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None) -> None:
         """Count a frame the step takes from a stream and the seconds it waited for it; ``read_s``: the
@@ -268,9 +270,9 @@ class Connection:
 
     def _write_loop(self) -> None:
         while True:
-            job = self._queue.get()  # a put or a drop, in the order queued
+            job = self._queue.get()  # a put or a drop, in the order queued; None: stop
             try:
-                if job is _STOP:
+                if job is None:
                     return
                 job()
             finally:
@@ -398,7 +400,7 @@ class Connection:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)
+        self._queue.put(None)
         self._writer.join(timeout=self.config.timeout_s * 2)
         self._rpc.close()
         if self._embedded is not None:

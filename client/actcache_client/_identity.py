@@ -1,14 +1,13 @@
 """What the model's stage-0 input is: a fingerprint of the data, folded into every cache key.
 
-Two jobs that start from the same pretrained weights must never read each other's entries, so the key
-covers the data as well as the weights. ``data_fingerprint`` digests the dataset's type, length and
-sample-id mapping, the ``data_id`` that names a dataset version, and the content of ``SPREAD_ITEMS``
-items spread evenly across the index range *exactly as the model receives them* (after the dataset's
-transform and the seeded augmentation of every variant). So a change to the data, its preprocessing,
-a tokenizer setting or the id mapping gives new keys. What it cannot see: a change to items outside
-the spread that leaves the spread, the length and the type as they were (a few relabelled files).
-Name such versions with ``data_id``; audits (actcache_client._audit) recompute a share of hits to
-catch what a key cannot.
+Two jobs that start from the same pretrained weights must never read each other's entries, so the key covers
+the data as well as the weights. ``data_fingerprint`` digests the dataset's type, length and sample-id
+mapping, the ``data_id`` that names a dataset version, and the content of ``SPREAD_ITEMS`` items spread evenly
+across the index range *exactly as the model receives them* (after the dataset's transform and the seeded
+augmentation of every variant). So a change to the data, its preprocessing, a tokenizer setting or the id
+mapping gives new keys. What it cannot see: a change to items outside the spread that leaves the spread, the
+length and the type as they were (a few relabelled files). Name such versions with ``data_id``; audits
+(actcache_client._audit) recompute a share of hits to catch what a key cannot.
 """
 
 from __future__ import annotations
@@ -17,29 +16,16 @@ import hashlib
 import pickle
 import struct
 from collections.abc import Mapping
-from typing import Any, Protocol, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["SPREAD_ITEMS", "IdentifiedData", "data_fingerprint", "spread"]
+__all__ = ["SPREAD_ITEMS", "data_fingerprint", "spread"]
 
 #: Items whose content goes into a data fingerprint.
 SPREAD_ITEMS = 64
 _ROOT = b"actcache/data/v1"
-
-
-class IdentifiedData(Protocol):
-    """What ``data_fingerprint`` reads of an IndexedDataset: ``dataset[index, variant]`` is
-    ``(sample_id, item as the model receives it)``; the wrapped ``dataset``'s type is digested."""
-
-    dataset: Any
-    data_id: str | None
-    sample_ids: Sequence[int] | None
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any]: ...
 
 
 def spread(length: int, count: int = SPREAD_ITEMS) -> list[int]:
@@ -49,8 +35,9 @@ def spread(length: int, count: int = SPREAD_ITEMS) -> list[int]:
     return sorted({round(i * (length - 1) / (count - 1)) for i in range(count)})
 
 
-def data_fingerprint(dataset: IdentifiedData, variants: int = 1) -> bytes:
-    """16-byte fingerprint of what ``dataset`` gives the model, over augmentation variants ``0..variants-1``."""
+def data_fingerprint(dataset: Any, variants: int = 1) -> bytes:
+    """16-byte fingerprint of what ``dataset`` (an IndexedDataset: ``dataset[index, variant]`` is ``(sample_id,
+    item as the model receives it)``) gives the model, over augmentation variants ``0..variants-1``."""
     h = hashlib.blake2b(_ROOT, digest_size=16)
     inner = dataset.dataset
     _text(h, f"{type(inner).__module__}.{type(inner).__qualname__}")

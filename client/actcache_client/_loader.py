@@ -1,11 +1,11 @@
 """Sample ids with every batch, and the epoch's order known before the epoch starts.
 
-``IndexedDataset`` yields ``(sample_id, item)``, its random augmentation seeded by ``(sample_id,
-variant)`` so a cached entry always matches the exact input it was computed from. ``CachedLoader``
-wraps a DataLoader: at each epoch start (and halfway through the previous epoch, where drawing early
-cannot change the order or anyone's random numbers) it draws this rank's batches from the loader's own
-batch sampler, hands them to the model (which pushes them to the daemon to read ahead), and has an
-inner DataLoader with the same settings load exactly those batches.
+``IndexedDataset`` yields ``(sample_id, item)``, its random augmentation seeded by ``(sample_id, variant)`` so
+a cached entry always matches the exact input it was computed from. ``CachedLoader`` wraps a DataLoader: at
+each epoch start (and halfway through the previous epoch, where drawing early cannot change the order or
+anyone's random numbers) it draws this rank's batches from the loader's own batch sampler, hands them to the
+model (which pushes them to the daemon to read ahead), and has an inner DataLoader with the same settings load
+exactly those batches.
 """
 
 from __future__ import annotations
@@ -78,10 +78,9 @@ class IndexedDataset(Dataset):
     def __init__(self, dataset: Dataset, *, augment: Callable[[Any, torch.Generator], Any] | None = None,
                  sample_ids: Sequence[int] | None = None, random_transforms: bool = False, data_id: str | None = None,
                  targets: Sequence[Any] | Callable[[int], Any] | None = None, seeded: bool = False) -> None:
-        if sample_ids is not None and len(sample_ids) != len(dataset):
-            raise ConfigError(f"{len(sample_ids)} sample ids for a dataset of {len(dataset)} items")
-        if targets is not None and not callable(targets) and len(targets) != len(dataset):
-            raise ConfigError(f"{len(targets)} targets for a dataset of {len(dataset)} items")
+        for name, values in (("sample ids", sample_ids), ("targets", None if callable(targets) else targets)):
+            if values is not None and len(values) != len(dataset):
+                raise ConfigError(f"{len(values)} {name} for a dataset of {len(dataset)} items")
         self.dataset, self.augment, self.targets, self.seeded = dataset, augment, targets, seeded
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
         self.random_transforms, self.data_id = random_transforms, data_id
@@ -118,13 +117,11 @@ class IndexedDataset(Dataset):
             return sample_id, Skipped(self.target(index))
         item = seeded_item(self.dataset, index, sample_seed(sample_id, variant)) if self.seeded else self.dataset[index]
         if self.augment is not None:
-            generator = torch.Generator().manual_seed(sample_seed(sample_id, variant))
-            item = self.augment(item, generator)
+            item = self.augment(item, torch.Generator().manual_seed(sample_seed(sample_id, variant)))
         return sample_id, item
 
     def __getitems__(self, keys: list) -> "list[tuple[int, Any]] | _Unloaded":
-        """The items of one batch; a batch none of whose inputs is loaded comes back as one ``_Unloaded``
-        (its ids and targets, gathered at once rather than item by item)."""
+        """The items of one batch, or one ``_Unloaded`` (ids and targets, gathered at once) if no input is loaded."""
         if self.targets is not None and keys and all(type(k) is tuple and len(k) == 3 and not k[2] for k in keys):
             indices = [k[0] for k in keys]
             return _Unloaded([self.sample_id(i) for i in indices], self._targets_of(indices))
@@ -211,12 +208,10 @@ class _Models:
 
 def worker_options(loader: DataLoader) -> dict[str, Any]:
     """``loader``'s worker settings, for a DataLoader built in its place."""
-    options = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
-                   worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
-                   persistent_workers=loader.persistent_workers)
+    names = ["num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "persistent_workers"]
     if loader.num_workers > 0:
-        options["prefetch_factor"] = loader.prefetch_factor
-    return options
+        names.append("prefetch_factor")
+    return {name: getattr(loader, name) for name in names}
 
 
 class CachedLoader:
@@ -225,10 +220,9 @@ class CachedLoader:
     Works with any sampler and batch sampler (``RandomSampler``, ``DistributedSampler`` — call ``set_epoch``
     as usual —, ``drop_last``), ``num_workers > 0`` and persistent workers.
 
-    ``model`` is a CachedForward (or a CachedTeacher), or a list of them fed by the same batches (a student
-    and its teacher): each gets the data's fingerprint and every epoch's order, and the loader leaves out an
-    input only when every one of them can do without it (the intersection of their ``skipped``). ``models``
-    lists them.
+    ``model`` is a CachedForward (or a CachedTeacher), or a list of them (``models``) fed by the same batches
+    (a student and its teacher): each gets the data's fingerprint and every epoch's order, and the loader
+    leaves out an input only when every one of them can do without it (the intersection of their ``skipped``).
     """
 
     def __init__(self, loader: DataLoader, model: CachedForward | Sequence[CachedForward] | None = None, *,
@@ -349,10 +343,9 @@ class CachedLoader:
         order = self._order
         if order is None and self._next_order is not None and self._next_order[0] == self.epoch:
             order = self._next_order[1]
-        generator = self.loader.generator
         after = self._generator_after.get(self.epoch) if order is not None else None
-        if after is None and generator is not None:
-            after = generator.get_state()
+        if after is None and self.loader.generator is not None:
+            after = self.loader.generator.get_state()
         return {"epoch": self.epoch, "position": self._position, "order": order, "generator": after}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,8 +1,8 @@
 """``connect()``: which daemon a training process uses, and the daemons it starts.
 
-While a connection to the node daemon (actcache.node) is open, a lease thread checks its health every
-third of the idle timeout (at most every 60 s): the check is a call, so the daemon does not stop under
-a trainer that has not needed the cache for a while, and a daemon that died is started again.
+While a connection to the node daemon (actcache.node) is open, a lease thread checks its health every third of
+the idle timeout (at most every 60 s): the check is a call, so the daemon does not stop under a trainer that
+has not needed the cache for a while, and a daemon that died is started again.
 """
 
 from __future__ import annotations
@@ -76,11 +76,10 @@ def connect(socket: str | os.PathLike | None = None, *, address: str | None = No
             **options) -> Connection:
     """Connect to ``socket``, ``address``, ``$ACTCACHE_SOCKET``, or this node's daemon, started if needed.
 
-    ``embedded=True``: a private daemon in a temp dir, stopped when the connection closes or the process
-    exits. When the node daemon cannot be started, training goes on without the cache (a
-    CacheFallbackWarning, as when a daemon goes away) and the lease tries again later; ``strict=True``
-    raises DaemonUnavailable instead. A malformed ``$ACTCACHE_IDLE_TIMEOUT`` is a ConfigError.
-    ``options`` are ConnectionConfig fields (``timeout_s``, ``put_queue``, ...).
+    ``embedded=True``: a private daemon in a temp dir, stopped when the connection closes or the process exits.
+    When the node daemon cannot be started, training goes on without the cache (a CacheFallbackWarning, as
+    when a daemon goes away) and the lease tries again later; ``strict=True`` raises DaemonUnavailable
+    instead. A malformed ``$ACTCACHE_IDLE_TIMEOUT`` is a ConfigError. ``options`` are ConnectionConfig fields.
     """
     if embedded and (socket is not None or address is not None):
         raise ConfigError("connect(embedded=True) starts a daemon of its own; pass no socket or address with it")

@@ -3,8 +3,8 @@
 On CUDA, cached entries are collated into a page-locked slot of the ring (or, lying in consecutive
 shared-memory slots, copied straight from the Fetch ring: ``ring_to_device``) and copied with
 ``non_blocking=True`` on a side stream, timed for the cost model; the compute stream waits for the copy.
-Without CUDA, each batch is collated into fresh host memory and used in place: the tensors the model
-keeps for backward must not be overwritten.
+Without CUDA, each batch is collated into fresh host memory and used in place: the tensors the model keeps for
+backward must not be overwritten.
 """
 
 from __future__ import annotations
@@ -93,9 +93,7 @@ class CopyTimer:
         return event
 
     def stop(self, start: object, nbytes: int) -> None:
-        end = self._new_event()
-        end.record()
-        self._pending.append((start, end, nbytes))
+        self._pending.append((start, self.start(), nbytes))  # the end: another event recorded now
 
     def readings(self) -> list[tuple[int, float]]:
         """``(bytes, seconds)`` of the copies completed since the last call, oldest first."""

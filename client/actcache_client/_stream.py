@@ -1,19 +1,19 @@
 """The epoch's cached entries, streamed by the daemon in the order the step will ask for them.
 
-The loader hands over this rank's batches for the epoch; the stream pushes their ids (the cached
-subset of each batch, at the cache target) as one schedule, which the daemon reads ahead, and reads
-them back with Fetch (shared memory on a Unix socket of this host, else bytes). ``take`` returns one
-batch's entries (None per miss) as views the caller copies once (collation) before the next ``take``.
-Schedule ids are ``<job>-r<rank>-<slot>``; the two slots alternate between epochs, so pushing epoch
-e+1 ahead (halfway through epoch e, in a thread: ``_Ahead``) leaves epoch e streaming.
+The loader hands over this rank's batches for the epoch; the stream pushes their ids (the cached subset of
+each batch, at the cache target) as one schedule, which the daemon reads ahead, and reads them back with Fetch
+(shared memory on a Unix socket of this host, else bytes). ``take`` returns one batch's entries (None per
+miss) as views the caller copies once (collation) before the next ``take``. Schedule ids are
+``<job>-r<rank>-<slot>``; the two slots alternate between epochs, so pushing epoch e+1 ahead (halfway through
+epoch e, in a thread: ``_Ahead``) leaves epoch e streaming.
 
-Lifecycle: IDLE (nothing pushed, or the target is not cached) -> PUSHED (schedule pushed, Fetch
-opened at the first ``take``) -> BROKEN (the push or the Fetch failed, or the step asked out of order:
-every ``take`` answers None until the next push, and the caller falls back to Get).
+Lifecycle: IDLE (nothing pushed, or the target is not cached) -> PUSHED (schedule pushed, Fetch opened at the
+first ``take``) -> BROKEN (the push or the Fetch failed, or the step asked out of order: every ``take``
+answers None until the next push, and the caller falls back to Get).
 
-Invariants: entries are consumed in schedule order; a batch's entries are the schedule positions
-``offsets[b] .. offsets[b+1] - 1``. Only the ``_Ahead`` thread advances its Fetch until the training
-thread has joined it (``result``); a cancelled ``_Ahead`` closes its Fetch in its own thread.
+Invariants: entries are consumed in schedule order; batch b's entries are the schedule positions from
+``offsets[b]`` to ``offsets[b+1] - 1``. Only the ``_Ahead`` thread advances its Fetch until the training thread
+has joined it (``result``); a cancelled ``_Ahead`` closes its Fetch in its own thread.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable, Iterator, Sequence
 
 from actcache.errors import ActCacheError
@@ -71,7 +72,6 @@ class _Ahead:
     while the current epoch runs. Errors (strict mode) reach the training thread through ``pushed``/``result``."""
 
     def __init__(self, push: Callable[[], list[bool] | None], open_: Callable[[], Iterator[EntryBatch]]) -> None:
-        self._push, self._open = push, open_
         self._lock = threading.Lock()
         self._pushed = threading.Event()
         self._present: list[bool] | None = None
@@ -79,15 +79,15 @@ class _Ahead:
         self._first: EntryBatch | None = None
         self._error: BaseException | None = None
         self._done = self._abandoned = False
-        self._thread = threading.Thread(target=self._run, name="actcache-stream-ahead", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(push, open_), name="actcache-stream-ahead", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, push: Callable[[], list[bool] | None], open_: Callable[[], Iterator[EntryBatch]]) -> None:
         try:
-            self._present = self._push()
+            self._present = push()
             self._pushed.set()
             if self._present is not None and not self._abandoned:
-                self._frames = self._open()
+                self._frames = open_()
                 self._first = next(self._frames, None)
         except BaseException as exc:  # handed to the training thread
             self._error = exc
@@ -200,10 +200,9 @@ class EpochStream:
             return
         self.discard_next()
         schedule_id = f"{self._prefix}-{self._slot ^ 1}"
-        ring_bytes, frame_bytes, connection = self._ring_bytes, self._frame_bytes, self._connection
-        self._ahead = order, _Ahead(lambda: order.push(connection, schedule_id),
-                                    lambda: connection.stream(schedule_id, 0, ring_bytes=ring_bytes,
-                                                              max_frame_bytes=frame_bytes, ahead=True))
+        self._ahead = order, _Ahead(partial(order.push, self._connection, schedule_id),
+                                    partial(self._connection.stream, schedule_id, 0, ring_bytes=self._ring_bytes,
+                                            max_frame_bytes=self._frame_bytes, ahead=True))
 
     def adopt_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                    batches: Sequence[Sequence[int]]) -> bool:

@@ -1,28 +1,27 @@
 """Each sample stays on one node: a node's daemon is asked only for what its own ranks computed.
 
-With a ``DistributedSampler`` a sample lands on another node almost every epoch, so on N nodes about
-(N-1)/N of lookups miss and every node ends up storing the whole dataset. ``NodeStableSampler`` splits
-the dataset once into one shard per node, shuffles each shard every epoch and splits it among the
-node's local ranks.
+With a ``DistributedSampler`` a sample lands on another node almost every epoch, so on N nodes about (N-1)/N
+of lookups miss and every node ends up storing the whole dataset. ``NodeStableSampler`` splits the dataset
+once into one shard per node, shuffles each shard every epoch and splits it among the node's local ranks.
 
 Placement (``node_assignment``), as in mosaicml/streaming's canonical nodes: samples (or blocks of
-``block_size`` indices) are dealt into ``num_canonical_nodes`` groups by a seeded permutation, whatever
-the number of nodes; for P physical nodes the placement is built from the one for P-1: every node keeps
-its first quota (``C // P`` canonical nodes, one more for the first ``C % P``) and the new node P-1
-takes the rest. So between runs on P and P' nodes exactly ``min(P, P') / max(P, P')`` of the data stays
-on the node that cached it, the most any placement can keep (streaming's ``c % P`` striping keeps as
-much only when one count divides the other). ``DEFAULT_CANONICAL_NODES`` = 3840 = 2^8 * 3 * 5, so most
-node counts get equal shares; a large count costs nothing in shuffle quality (each node shuffles its
-whole shard).
+``block_size`` indices) are dealt into ``num_canonical_nodes`` groups by a seeded permutation, whatever the
+number of nodes; for P physical nodes the placement is built from the one for P-1: every node keeps its first
+quota (``C // P`` canonical nodes, one more for the first ``C % P``) and the new node P-1 takes the rest. So
+between runs on P and P' nodes exactly ``min(P, P') / max(P, P')`` of the data stays on the node that cached
+it, the most any placement can keep (streaming's ``c % P`` striping keeps as much only when one count divides
+the other). ``DEFAULT_CANONICAL_NODES`` = 3840 = 2^8 * 3 * 5, so most node counts get equal shares; a large
+count costs nothing in shuffle quality (each node shuffles its whole shard).
 
-Every rank yields the same number of samples per epoch (DDP must not hang on uneven shards): shorter
-ranks repeat their own samples (``drop_last=False``) or longer ones drop their tail. ``state_dict``
-records which samples an epoch has seen; ``load_state_dict`` on another number of nodes or ranks
-visits exactly the unseen ones in the rest of that epoch, each on its node under the new placement.
+Every rank yields the same number of samples per epoch (DDP must not hang on uneven shards): shorter ranks
+repeat their own samples (``drop_last=False``) or longer ones drop their tail. ``state_dict`` records which
+samples an epoch has seen; ``load_state_dict`` on another number of nodes or ranks visits exactly the unseen
+ones in the rest of that epoch, each on its node under the new placement.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any, Iterator, Sized
 
@@ -44,8 +43,7 @@ def _canonical_groups(num_samples: int, num_canonical_nodes: int, seed: int, blo
     """(canonical node of every index, number of canonical nodes used)."""
     blocks = -(-num_samples // block_size)
     used = min(num_canonical_nodes, blocks)
-    position = np.empty(blocks, dtype=np.int64)
-    position[np.random.default_rng([seed, _BLOCKS]).permutation(blocks)] = np.arange(blocks)
+    position = np.argsort(np.random.default_rng([seed, _BLOCKS]).permutation(blocks))  # of each block in the deal
     of_block = position * used // blocks
     return of_block[np.arange(num_samples) // block_size], used
 
@@ -198,10 +196,9 @@ class NodeStableSampler(Sampler[int]):
     def state_dict(self, consumed: int = 0, *, epoch: int | None = None) -> dict[str, Any]:
         """The state after every rank took ``consumed`` samples of ``epoch`` (the same count on every rank).
 
-        ``epoch`` defaults to the last ``set_epoch``. Pass it with a CachedLoader, which draws the next
-        epoch's order (``set_epoch(e + 1)``) halfway through epoch e: ``state_dict(consumed=(batch.position
-        + 1) * batch_size, epoch=batch.epoch)`` after the step of ``batch``.
-        """
+        ``epoch`` defaults to the last ``set_epoch``. Pass it with a CachedLoader, which draws the next epoch's
+        order (``set_epoch(e + 1)``) halfway through epoch e: ``state_dict(consumed=(batch.position + 1) *
+        batch_size, epoch=batch.epoch)`` after the step of ``batch``."""
         if consumed < 0:
             raise ConfigError(f"consumed must be >= 0 samples, got {consumed}")
         epoch = self.epoch if epoch is None else epoch
@@ -211,9 +208,8 @@ class NodeStableSampler(Sampler[int]):
             epoch, seen, consumed = epoch + 1, None, 0
         if consumed:
             seen = np.zeros(self.num_samples_total, dtype=bool) if seen is None else seen.copy()
-            for node in range(self.num_nodes):
-                for rank in range(self.local_world_size):
-                    seen[self._rank_order(epoch, node, rank, self._seen(epoch), length)[:consumed]] = True
+            for node, rank in itertools.product(range(self.num_nodes), range(self.local_world_size)):
+                seen[self._rank_order(epoch, node, rank, self._seen(epoch), length)[:consumed]] = True
         return {"epoch": epoch, "num_samples": self.num_samples_total,
                 "seen": None if seen is None else np.packbits(seen).tobytes(),
                 # for the record: the layout and placement that produced it
