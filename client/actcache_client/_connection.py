@@ -1,20 +1,15 @@
 """The training side's connection to a daemon: lookups, asynchronous puts, fallback on trouble.
 
-The cache is an optimization, never a dependency. When the daemon is down,
-slow, full or returns a corrupt entry, ``lookup`` answers None (recompute
-everything) and puts are dropped; each cause warns once (CacheFallbackWarning)
-and is then logged at most every ``log_every_s``. After a failure to reach the
-daemon, calls are skipped for a back-off interval (1 s doubling to 30 s) so a
-dead daemon costs training nothing but the first timeout. ``strict=True``
-raises the ActCacheError instead, for tests; a strict connection first waits
-up to ``timeout_s`` for a daemon it cannot reach (one restarting).
+The cache is an optimization, never a dependency. When the daemon is down, slow, full or returns a corrupt
+entry, ``lookup`` answers None (recompute everything) and puts are dropped; each cause warns once
+(CacheFallbackWarning), then is logged at most every ``log_every_s``. After a failure to reach the daemon,
+calls are skipped for a back-off interval (1 s doubling to 30 s), so a dead daemon costs training only the
+first timeout. ``strict=True`` raises the ActCacheError instead (for tests), after waiting up to ``timeout_s``
+for a daemon it cannot reach (one restarting).
 
-Puts run on one background thread fed by a bounded queue: ``store`` never
-blocks the training step; when the queue is full the put is dropped and
-counted.
-
-The put thread, the fallback and back-off, and the calls share the connection's
-state under one lock.
+Puts run on one background thread fed by a bounded queue: ``store`` never blocks the training step; a put
+finding the queue full is dropped and counted. The put thread, the fallback state and the calls share the
+connection's state under one lock.
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterator, Protocol, Sequence, TypeVar
 
 from actcache.errors import ActCacheError, BudgetExceeded, ConfigError, DaemonUnavailable, EntryCorrupt, NamespaceNotFound
@@ -38,8 +34,7 @@ T = TypeVar("T")
 
 
 class Lease(Protocol):
-    """What a connection stops when it closes: a daemon of its own, or its lease on the node daemon
-    (actcache_client._node_daemon)."""
+    """What a connection stops when it closes: a daemon of its own, or its lease on the node daemon."""
 
     def stop(self) -> None: ...
 
@@ -79,13 +74,12 @@ class ConnectionConfig:
 class ClientStats:
     """What the cache did for this process, in entries (one per sample and depth) unless named otherwise.
 
-    ``hits + misses`` is every entry asked for, through a stream (``streamed``
-    of them) or through ``Get`` calls (``gets``: seeds from a shallower depth,
-    batches no stream served). ``fetch_seconds`` is the time spent waiting for
-    either. ``puts`` counts entries stored; ``puts_dropped`` puts not sent.
-    ``timed_bytes`` over ``timed_seconds`` is the read speed the step gets (the cost model's fetch
-    speed): Get calls, timed whole, and the stream's frames the step waited for, as the one before,
-    timed from that one's arrival (a frame already there when asked only shows that the stream kept up).
+    ``hits + misses`` is every entry asked for, through a stream (``streamed`` of them) or through ``Get``
+    calls (``gets``: seeds from a shallower depth, batches no stream served). ``fetch_seconds`` is the time
+    spent waiting for either. ``puts`` counts entries stored; ``puts_dropped`` puts not sent. ``timed_bytes``
+    over ``timed_seconds`` is the read speed the step gets (the cost model's fetch speed): Get calls, timed
+    whole, and the stream's frames the step waited for, as the one before, timed from that one's arrival (a
+    frame already there when asked only shows that the stream kept up).
     """
 
     gets: int = 0
@@ -110,23 +104,6 @@ class ClientStats:
         return self.hits / total if total else 0.0
 
 
-@dataclass
-class _Put:
-    fingerprint: bytes
-    depth: int
-    ids: Sequence[int]
-    variants: Sequence[int]
-    encode: Callable[[], list[bytes]]
-    probe: bool = False
-    encoding: Callable[[list[bytes]], str] | None = None
-
-
-@dataclass
-class _Drop:
-    fingerprint: bytes
-
-
-_STOP = object()
 # Bytes a read-speed probe reads back: enough to time, little enough not to crowd out lookups.
 _PROBE_BYTES = 1 << 20
 # The step waited for a frame if it waited this share of the time since the previous frame arrived.
@@ -140,16 +117,14 @@ class Connection:
         self.config = config
         self.stats = ClientStats()
         self._embedded = embedded
-        self._rpc = RpcClient(
-            target_for(config.socket, config.address), token=config.token, timeout_s=config.timeout_s, retries=2
-        )
+        self._rpc = RpcClient(target_for(config.socket, config.address), token=config.token,
+                              timeout_s=config.timeout_s, retries=2)
         self._lock = threading.Lock()
         self._namespace_id: int | None = None
         self._data_id = ""
         #: How many times the namespace was opened (a new daemon, or the daemon restarted).
         self.opens = 0
-        self._warned: set[str] = set()
-        self._last_log: dict[str, float] = {}
+        self._last_log: dict[str, float] = {}  # per cause: when it was last logged (first: warned)
         self._paused_until = 0.0
         self._backoff_s = config.backoff_s
         self._put_errors: list[ActCacheError] = []
@@ -167,45 +142,43 @@ class Connection:
         """The underlying RPC client (for tools; training code does not need it)."""
         return self._rpc
 
-    # ---- reads -----------------------------------------------------------
-
     def lookup(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int]) -> list | None:
         """Entries for ``ids`` (None per miss), or None when the cache is unusable right now."""
-        t0 = time.perf_counter()
-        values = self._guarded(lambda ns: self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None))
-        if values is None:
-            return None
-        self._count_get(values, time.perf_counter() - t0, hits=True)
-        self._backoff_s = self.config.backoff_s
+        values = self._guarded(self._get, fingerprint, depth, ids, variants)
+        if values is not None:
+            self._backoff_s = self.config.backoff_s
         return values
 
     def contains(self, fingerprint: bytes, depth: int, ids: Sequence[int], variant: int) -> list[bool] | None:
         """Which entries are stored (values not read), or None when the cache is unusable right now."""
         variants = [variant] * len(ids) if variant else None
-        present = self._guarded(lambda ns: self._rpc.contains(ns, fingerprint, depth, ids, variants))
+        present = self._guarded(self._call, lambda ns: self._rpc.contains(ns, fingerprint, depth, ids, variants))
         return None if present is None else present.tolist()
 
     def push(self, fingerprint: bytes, depth: int, schedule_id: str, ids: Sequence[int],
              variants: Sequence[int] | None) -> list[bool] | None:
-        """Push an order (Schedule) the daemon reads ahead; which of its entries are stored (values not
-        read), or None if the cache is unusable right now."""
-        reply = self._guarded(lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids, variants,
-                                                            report_present=True))
+        """Push an order (Schedule) the daemon reads ahead; which of its entries are stored, or None (unusable)."""
+        reply = self._guarded(self._call, lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids,
+                                                                         variants, report_present=True))
         return None if reply is None else list(map(bool, reply.present))
 
-    def _guarded(self, fn: Callable[[int], T]) -> T | None:
-        """``_call(fn)``, or None when the cache is paused or the call failed (handed to ``fallback``)."""
+    def _guarded(self, fn: Callable[..., T], *args: object) -> T | None:
+        """``fn(*args)``, or None when the cache is paused or the call failed (handed to ``fallback``)."""
         self.surface()
         if self._paused():
             return None
         try:
-            return self._call(fn)
+            return fn(*args)
         except ActCacheError as exc:
             self.fallback(exc)
             return None
 
-    def _count_get(self, values: list, seconds: float, *, hits: bool) -> None:
-        """Count a timed Get: its seconds and bytes (a read-speed sample), and with ``hits`` its hits and misses."""
+    def _get(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
+             hits: bool = True) -> list:
+        """A Get, timed whole: counted as a read-speed sample, and with ``hits`` as hits and misses."""
+        t0 = time.perf_counter()
+        values = self._call(lambda ns: self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None))
+        seconds = time.perf_counter() - t0
         nbytes = sum(len(v) for v in values if v is not None)
         with self._lock:
             self.stats.fetch_seconds += seconds
@@ -217,16 +190,14 @@ class Connection:
                 self.stats.gets += 1
                 self.stats.hits += found
                 self.stats.misses += len(values) - found
+        return values
 
     def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0, max_frame_bytes: int = 0,
                ahead: bool = False) -> Iterator[EntryBatch]:
         """Fetch a pushed schedule from ``start``: shared memory on a Unix socket of this host, else bytes.
 
-        Counts hits, misses, bytes and the seconds spent waiting for frames in ``stats``; errors are
-        raised to the caller (who hands them to ``fallback``). ``ahead``: the stream is opened before
-        it is used, and its first frame is counted when it is (``count_streamed``). Frames are whole
-        (``whole_frames``): one batch each, even in a stream opened ahead, which fills its ring long before it is read.
-        """
+        Counts frames in ``stats``; errors are raised to the caller (who hands them to ``fallback``).
+        ``ahead``: opened before it is used, its first frame counted when it is. One batch per frame."""
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
                                          max_frame_bytes=max_frame_bytes, whole_frames=True)
         counted, last, behind = not ahead, None, False  # last: when the previous frame arrived
@@ -243,14 +214,12 @@ class Connection:
             try:
                 yield batch
             except GeneratorExit:
-                frames.close()
+                frames.close()  # the daemon frees its read-ahead at once
                 raise
 
     def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None) -> None:
-        """Count a frame the step takes from a stream, and the seconds it waited for it.
-
-        ``read_s``: the seconds the stream took to read the frame, where known (``timed_*``).
-        """
+        """Count a frame the step takes from a stream and the seconds it waited for it; ``read_s``: the
+        seconds the stream took to read the frame, where known (``timed_*``)."""
         hits = sum(v is not None for v in batch.values)
         nbytes = sum(len(v) for v in batch.values if v is not None)
         with self._lock:
@@ -265,73 +234,61 @@ class Connection:
                 self.stats.timed_bytes += nbytes
                 self.stats.timed_seconds += read_s
 
-    # ---- writes ----------------------------------------------------------
-
-    def store(
-        self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
-        encode: Callable[[], list[bytes]], *, probe: bool = False,
-        encoding: Callable[[list[bytes]], str] | None = None,
-    ) -> bool:
+    def store(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
+              encode: Callable[[], list[bytes]], *, probe: bool = False,
+              encoding: Callable[[list[bytes]], str] | None = None) -> bool:
         """Queue a put; ``encode`` runs on the writer thread. Returns False if it was dropped.
 
-        ``probe``: once stored, read the entries back once to measure the daemon's
-        read speed (counted in ``fetch_seconds``/``bytes_read``, not as hits).
-        ``encoding``: given the encoded entries (on the writer thread), how the daemon is to
-        store them (``PutHeader.encoding``; "" or None: the daemon's ``--encoding``).
+        ``probe``: once stored, read the entries back once to measure the daemon's read speed (counted
+        in ``fetch_seconds``/``bytes_read``, not as hits). ``encoding``: given the encoded entries, how
+        the daemon is to store them (``PutHeader.encoding``; "" or None: the daemon's ``--encoding``).
         """
         self.surface()
-        if self._paused():
-            self._count_dropped()
-            return False
-        try:
-            self._queue.put_nowait(_Put(fingerprint, depth, list(ids), list(variants), encode, probe, encoding))
-            return True
-        except queue.Full:
-            self._count_dropped()
-            return False
+        if not self._paused():
+            try:
+                self._queue.put_nowait(partial(self._write, fingerprint, depth, list(ids), list(variants), encode,
+                                               probe, encoding))
+                return True
+            except queue.Full:
+                pass
+        self._count_dropped()
+        return False
 
     def drop(self, fingerprint: bytes) -> None:
         """Drop every entry of ``fingerprint`` in the daemon, after the puts already queued; never blocks long."""
         try:
-            self._queue.put(_Drop(fingerprint), timeout=self.config.timeout_s)
+            self._queue.put(partial(self._drop, fingerprint), timeout=self.config.timeout_s)
         except queue.Full:
             log.warning("actcache: could not queue the drop of fingerprint %s: the put queue stayed full",
                         fingerprint.hex())
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every queued put was sent (or dropped)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._queue.all_tasks_done:
-            while self._queue.unfinished_tasks:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                self._queue.all_tasks_done.wait(remaining)
+            self._queue.all_tasks_done.wait_for(lambda: not self._queue.unfinished_tasks, timeout_s)
         self.surface()
 
     def _write_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            job = self._queue.get()  # a put or a drop, in the order queued; None: stop
             try:
-                if item is _STOP:
+                if job is None:
                     return
-                if isinstance(item, _Drop):
-                    self._drop(item.fingerprint)
-                else:
-                    self._write(item)
+                job()
             finally:
                 self._queue.task_done()
 
-    def _write(self, put: _Put) -> None:
+    def _write(self, fingerprint: bytes, depth: int, ids: list[int], variants: list[int],
+               encode: Callable[[], list[bytes]], probe: bool, encoding: Callable[[list[bytes]], str] | None) -> None:
         if self._paused():
             self._count_dropped()
             return
         try:
-            entries = put.encode()
-            encoding = put.encoding(entries) if put.encoding is not None else ""
+            entries = encode()
+            how = encoding(entries) if encoding is not None else ""
             t0 = time.perf_counter()
-            reply = self._call(lambda ns: self._rpc.put(ns, put.fingerprint, put.depth,
-                                                        list(zip(put.ids, put.variants, entries)), encoding=encoding))
+            reply = self._call(lambda ns: self._rpc.put(ns, fingerprint, depth, list(zip(ids, variants, entries)),
+                                                        encoding=how))
         except ActCacheError as exc:
             self._count_dropped()
             if self.config.strict:
@@ -344,8 +301,12 @@ class Connection:
             self.stats.write_seconds += time.perf_counter() - t0
             self.stats.puts += reply.entries
             self.stats.bytes_written += sum(len(e) for e in entries)
-        if put.probe:
-            self._probe(put, [len(e) for e in entries])
+        if probe:  # read back about _PROBE_BYTES once, to measure the daemon's read speed
+            n = max(1, sum(1 for total in itertools.accumulate(map(len, entries)) if total <= _PROBE_BYTES))
+            try:
+                self._get(fingerprint, depth, ids[:n], variants[:n], hits=False)
+            except ActCacheError:
+                pass  # a failed probe only means no measurement; lookups will report the cause
 
     def _drop(self, fingerprint: bytes) -> None:
         try:
@@ -356,17 +317,6 @@ class Connection:
             return
         with self._lock:
             self.stats.dropped_entries += reply.entries
-
-    def _probe(self, put: _Put, sizes: list[int]) -> None:
-        """Read back the first entries of ``put`` (about _PROBE_BYTES) to measure the daemon's read speed."""
-        n = max(1, sum(1 for total in itertools.accumulate(sizes) if total <= _PROBE_BYTES))
-        ids, variants = put.ids[:n], put.variants[:n]
-        t0 = time.perf_counter()
-        try:
-            values = self._call(lambda ns: self._rpc.get(ns, put.fingerprint, put.depth, ids, variants if any(variants) else None))
-        except ActCacheError:
-            return  # a failed probe only means no measurement; lookups will report the cause
-        self._count_get(values, time.perf_counter() - t0, hits=False)
 
     def _count_dropped(self) -> None:
         with self._lock:
@@ -384,8 +334,6 @@ class Connection:
         if errors:
             raise errors[0]
 
-    # ---- failure handling ------------------------------------------------
-
     def describe(self, *, data_id: str) -> None:
         """Name the data this job reads; the daemon lists it with the job's pid, host and start time
         (``actcache ls``/``stats``). Sent when the namespace is (re)opened."""
@@ -401,11 +349,8 @@ class Connection:
         return self._namespace_id
 
     def _call(self, fn: Callable[[int], T]) -> T:
-        """``fn(namespace handle)``; a handle the daemon no longer knows (it restarted) is renewed once.
-
-        Strict: a daemon that cannot be reached (socket absent, connection refused: it is restarting)
-        is waited for until ``timeout_s`` has passed, on the channel's reconnect backoff (0.1 to 1 s).
-        """
+        """``fn(namespace handle)``, renewing a handle the daemon no longer knows (it restarted) once;
+        strict, waiting up to ``timeout_s`` for a daemon that cannot be reached (it is restarting)."""
         deadline = time.monotonic() + self.config.timeout_s
         while True:
             try:
@@ -432,33 +377,30 @@ class Connection:
         if self.config.strict:
             raise exc
         cause = {DaemonUnavailable: "unavailable", BudgetExceeded: "full", EntryCorrupt: "corrupt"}.get(type(exc), "error")
+        message = f"actcache: {cause} ({exc}); recomputing instead of using the cache"
         now = time.monotonic()
         with self._lock:
-            self.stats.fallbacks[cause] = self.stats.fallbacks.get(cause, 0) + 1
-            first = cause not in self._warned
-            self._warned.add(cause)
-            due = now - self._last_log.get(cause, -1e9) >= self.config.log_every_s
+            count = self.stats.fallbacks[cause] = self.stats.fallbacks.get(cause, 0) + 1
+            first = cause not in self._last_log
+            if first:
+                self._pending_warnings.append(message)
+            due = first or now - self._last_log[cause] >= self.config.log_every_s
             if due:
                 self._last_log[cause] = now
             if cause in ("unavailable", "full"):
                 self._paused_until = now + self._backoff_s
                 self._backoff_s = min(self._backoff_s * 2, max(30.0, self.config.backoff_s))
-        message = f"actcache: {cause} ({exc}); recomputing instead of using the cache"
         if due:
-            log.warning("%s [%d times so far]", message, self.stats.fallbacks[cause])
+            log.warning("%s [%d times so far]", message, count)
         if first:
-            with self._lock:
-                self._pending_warnings.append(message)
             self.surface()
-
-    # ---- lifecycle -------------------------------------------------------
 
     def close(self) -> None:
         """Send queued puts, stop the writer thread and an embedded daemon (or the node daemon's lease)."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_STOP)
+        self._queue.put(None)
         self._writer.join(timeout=self.config.timeout_s * 2)
         self._rpc.close()
         if self._embedded is not None:

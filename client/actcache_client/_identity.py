@@ -1,21 +1,12 @@
 """What the model's stage-0 input is: a fingerprint of the data, folded into every cache key.
 
-Two jobs that start from the same pretrained weights must never read each
-other's entries, so the key covers the data as well as the weights.
-``data_fingerprint`` digests:
-
-- the dataset's type, its length and the sample-id mapping (all of it);
-- the ``data_id`` the user gives to name a dataset version;
-- the content of a deterministic spread of items (``SPREAD_ITEMS`` indices
-  evenly across the index range) *exactly as the model receives them*: after
-  the dataset's own transform and the seeded augmentation of every variant.
-  Tensors, arrays and images are digested by dtype, shape and bytes.
-
-So changing the data, its preprocessing (a scale factor, a crop size), a
-tokenizer setting (max length, vocabulary) or the id mapping gives new keys.
-What it cannot see: a change to an item outside the spread that leaves the
-spread, the length and the type as they were (e.g. a few relabelled or
-replaced files). Name such versions with ``data_id``; audits
+Two jobs that start from the same pretrained weights must never read each other's entries, so the key covers
+the data as well as the weights. ``data_fingerprint`` digests the dataset's type, length and sample-id
+mapping, the ``data_id`` that names a dataset version, and the content of ``SPREAD_ITEMS`` items spread evenly
+across the index range *exactly as the model receives them* (after the dataset's transform and the seeded
+augmentation of every variant). So a change to the data, its preprocessing, a tokenizer setting or the id
+mapping gives new keys. What it cannot see: a change to items outside the spread that leaves the spread, the
+length and the type as they were (a few relabelled files). Name such versions with ``data_id``; audits
 (actcache_client._audit) recompute a share of hits to catch what a key cannot.
 """
 
@@ -25,29 +16,16 @@ import hashlib
 import pickle
 import struct
 from collections.abc import Mapping
-from typing import Any, Protocol, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["SPREAD_ITEMS", "IdentifiedData", "data_fingerprint", "spread"]
+__all__ = ["SPREAD_ITEMS", "data_fingerprint", "spread"]
 
 #: Items whose content goes into a data fingerprint.
 SPREAD_ITEMS = 64
 _ROOT = b"actcache/data/v1"
-
-
-class IdentifiedData(Protocol):
-    """What ``data_fingerprint`` reads of a dataset: an IndexedDataset (actcache_client._loader)."""
-
-    dataset: Any  # the wrapped dataset: its type is digested
-    data_id: str | None
-    sample_ids: Sequence[int] | None
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any]:
-        """``(sample_id, item)`` of ``(index, variant)``, the item as the model receives it."""
 
 
 def spread(length: int, count: int = SPREAD_ITEMS) -> list[int]:
@@ -57,8 +35,9 @@ def spread(length: int, count: int = SPREAD_ITEMS) -> list[int]:
     return sorted({round(i * (length - 1) / (count - 1)) for i in range(count)})
 
 
-def data_fingerprint(dataset: IdentifiedData, variants: int = 1) -> bytes:
-    """16-byte fingerprint of what ``dataset`` gives the model, over augmentation variants ``0..variants-1``."""
+def data_fingerprint(dataset: Any, variants: int = 1) -> bytes:
+    """16-byte fingerprint of what ``dataset`` (an IndexedDataset: ``dataset[index, variant]`` is ``(sample_id,
+    item as the model receives it)``) gives the model, over augmentation variants ``0..variants-1``."""
     h = hashlib.blake2b(_ROOT, digest_size=16)
     inner = dataset.dataset
     _text(h, f"{type(inner).__module__}.{type(inner).__qualname__}")
@@ -103,11 +82,10 @@ def _digest(h, obj: Any) -> None:
     elif hasattr(obj, "tobytes") and hasattr(obj, "mode") and hasattr(obj, "size"):  # a PIL image
         _text(h, f"image:{obj.mode}:{obj.size}")
         h.update(obj.tobytes())
-    else:
-        # Anything else: its pickle (deterministic for plain data objects); failing that, its type only.
+    else:  # its pickle (deterministic for plain data objects); unpicklable: its type only
         try:
             data = pickle.dumps(obj, protocol=4)
-        except Exception:  # an unpicklable item: the type, length and data_id still count
+        except Exception:
             data = b""
         _text(h, f"object:{type(obj).__module__}.{type(obj).__qualname__}")
         h.update(data)

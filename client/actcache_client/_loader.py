@@ -1,34 +1,20 @@
 """Sample ids with every batch, and the epoch's order known before the epoch starts.
 
-``IndexedDataset`` yields ``(sample_id, item)``; random augmentation draws
-its randomness from ``(sample_id, variant)`` so a cached entry always matches
-the exact input it was computed from. ``CachedLoader`` wraps a DataLoader by
-composition: at each epoch start it draws this rank's batches from the
-loader's own batch sampler once, tells the CachedForward (which pushes them
-to the daemon, so it reads their entries ahead), then has an inner
-DataLoader with the same settings load exactly those batches. Halfway
-through an epoch it draws the next epoch's batches and hands them over too,
-so the daemon has the next epoch's head ready at the boundary — when drawing
-early cannot change the order or anyone's random numbers: the sampler has
-``set_epoch`` (DistributedSampler), the DataLoader has its own
-``generator``, or the order is sequential. ``state_dict`` captures the epoch's order and position
-for a mid-epoch resume.
-
-Variants: with ``variants=K``, epoch e uses variant ``e % K`` and K
-augmented versions of each sample are cached. The data's fingerprint
-(actcache_client._identity) is computed once per loader, over all K variants,
-and is part of every cache key. A dataset with augmentation
-and no ``variants`` (or one that declares uncontrolled randomness) is not
-cached: the loader warns and the model recomputes every step.
+``IndexedDataset`` yields ``(sample_id, item)``, its random augmentation seeded by ``(sample_id, variant)`` so
+a cached entry always matches the exact input it was computed from. ``CachedLoader`` wraps a DataLoader: at
+each epoch start (and halfway through the previous epoch, where drawing early cannot change the order or
+anyone's random numbers) it draws this rank's batches from the loader's own batch sampler, hands them to the
+model (which pushes them to the daemon to read ahead), and has an inner DataLoader with the same settings load
+exactly those batches.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import random
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -42,10 +28,7 @@ from actcache_client._batch import Batch, Skipped
 from actcache_client._cached_forward import CachedForward
 from actcache_client._identity import data_fingerprint
 
-__all__ = [
-    "Batch", "CachedLoader", "IndexedDataset", "Skipped", "UncacheableDataWarning", "sample_seed", "seeded_item",
-    "worker_options",
-]
+__all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "seeded_item", "worker_options"]
 
 
 class UncacheableDataWarning(UserWarning):
@@ -58,72 +41,49 @@ def sample_seed(sample_id: int, variant: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-@contextlib.contextmanager
-def _global_rngs_seeded(seed: int) -> Iterator[None]:
-    """torch's, Python's and NumPy's global random generators seeded with ``seed``, restored after."""
+def seeded_item(dataset: Any, index: int, seed: int) -> Any:
+    """``dataset[index]`` with torch's, Python's and NumPy's global random generators seeded by ``seed``
+    (transforms in ``__getitem__``), restored after."""
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed % 2**32)
         try:
-            yield
+            return dataset[index]
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
 
 
-def seeded_item(dataset: Any, index: int, seed: int) -> Any:
-    """``dataset[index]`` with the global random generators seeded by ``seed`` (transforms in ``__getitem__``)."""
-    with _global_rngs_seeded(seed):
-        return dataset[index]
-
-
 class IndexedDataset(Dataset):
     """``dataset[i]`` as ``(sample_id, item)``.
 
-    ``augment(item, generator)`` applies random transforms drawing only from
-    ``generator``, which is seeded by ``(sample_id, variant)``. Set
-    ``random_transforms=True`` if ``dataset`` itself draws randomness that
+    ``augment(item, generator)`` applies random transforms drawing only from ``generator``, which is seeded by
+    ``(sample_id, variant)``. Set ``random_transforms=True`` if ``dataset`` itself draws randomness that
     actcache cannot control: such data is never cached.
 
-    ``data_id`` names a dataset version; it is part of the data fingerprint,
-    with the dataset's type, length, id mapping and the content of a spread
-    of items (actcache_client._identity says what that can and cannot see).
+    ``data_id`` names a dataset version; it is part of the data fingerprint, with the dataset's type, length,
+    id mapping and the content of a spread of items (actcache_client._identity says what it cannot see).
 
-    ``targets`` (a sequence, e.g. torchvision's ``dataset.targets``, or a
-    function of the index) gives each item's target without loading it: items
-    are then ``(input, target)`` pairs, and the loader does not load the
-    inputs of samples whose frozen-prefix output the cache will serve.
+    ``targets`` (a sequence, e.g. torchvision's ``dataset.targets``, or a function of the index) gives each
+    item's target without loading it: items are then ``(input, target)`` pairs, and the loader does not load
+    the inputs of samples whose frozen-prefix output the cache will serve.
 
-    ``seeded=True``: ``dataset[i]`` draws its random transforms from the global
-    generators (torchvision transforms in ``__getitem__``); they are seeded by
-    ``(sample_id, variant)`` around each load, so each variant of a sample is
-    always the same input.
+    ``seeded=True``: ``dataset[i]`` draws its random transforms from the global generators (torchvision
+    transforms in ``__getitem__``); they are seeded by ``(sample_id, variant)`` around each load, so each
+    variant of a sample is always the same input.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        *,
-        augment: Callable[[Any, torch.Generator], Any] | None = None,
-        sample_ids: Sequence[int] | None = None,
-        random_transforms: bool = False,
-        data_id: str | None = None,
-        targets: Sequence[Any] | Callable[[int], Any] | None = None,
-        seeded: bool = False,
-    ) -> None:
-        if sample_ids is not None and len(sample_ids) != len(dataset):
-            raise ConfigError(f"{len(sample_ids)} sample ids for a dataset of {len(dataset)} items")
-        if targets is not None and not callable(targets) and len(targets) != len(dataset):
-            raise ConfigError(f"{len(targets)} targets for a dataset of {len(dataset)} items")
-        self.targets = targets
-        self.dataset = dataset
-        self.augment = augment
+    def __init__(self, dataset: Dataset, *, augment: Callable[[Any, torch.Generator], Any] | None = None,
+                 sample_ids: Sequence[int] | None = None, random_transforms: bool = False, data_id: str | None = None,
+                 targets: Sequence[Any] | Callable[[int], Any] | None = None, seeded: bool = False) -> None:
+        for name, values in (("sample ids", sample_ids), ("targets", None if callable(targets) else targets)):
+            if values is not None and len(values) != len(dataset):
+                raise ConfigError(f"{len(values)} {name} for a dataset of {len(dataset)} items")
+        self.dataset, self.augment, self.targets, self.seeded = dataset, augment, targets, seeded
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
-        self.random_transforms = random_transforms
-        self.data_id = data_id
-        self.seeded = seeded
+        self.random_transforms, self.data_id = random_transforms, data_id
         self._fingerprints: dict[int, bytes] = {}
 
     def fingerprint(self, variants: int = 1) -> bytes:
@@ -157,13 +117,11 @@ class IndexedDataset(Dataset):
             return sample_id, Skipped(self.target(index))
         item = seeded_item(self.dataset, index, sample_seed(sample_id, variant)) if self.seeded else self.dataset[index]
         if self.augment is not None:
-            generator = torch.Generator().manual_seed(sample_seed(sample_id, variant))
-            item = self.augment(item, generator)
+            item = self.augment(item, torch.Generator().manual_seed(sample_seed(sample_id, variant)))
         return sample_id, item
 
     def __getitems__(self, keys: list) -> "list[tuple[int, Any]] | _Unloaded":
-        """The items of one batch; a batch none of whose inputs is loaded comes back as one ``_Unloaded``
-        (its ids and targets, gathered at once rather than item by item)."""
+        """The items of one batch, or one ``_Unloaded`` (ids and targets, gathered at once) if no input is loaded."""
         if self.targets is not None and keys and all(type(k) is tuple and len(k) == 3 and not k[2] for k in keys):
             indices = [k[0] for k in keys]
             return _Unloaded([self.sample_id(i) for i in indices], self._targets_of(indices))
@@ -183,39 +141,32 @@ class _Unloaded:
     targets: Any
 
 
-class _Collate:
-    """Collates ``(sample_id, item)`` pairs into ``(ids, loaded rows or None, data)``; picklable for workers.
-
-    With skipped items, ``data`` is ``(inputs of the loaded rows, targets of all rows)``.
-    """
-
-    def __init__(self, collate: Callable[[list], Any]) -> None:
-        self.collate = collate
-
-    def __call__(self, samples: list[tuple[int, Any]] | _Unloaded) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-        if isinstance(samples, _Unloaded):
-            return torch.tensor(samples.sample_ids, dtype=torch.int64), torch.empty(0, dtype=torch.int64), (None, samples.targets)
-        ids = torch.tensor([s for s, _ in samples], dtype=torch.int64)
-        loaded = [i for i, (_, item) in enumerate(samples) if not isinstance(item, Skipped)]
-        if len(loaded) == len(samples):
-            return ids, None, self.collate([item for _, item in samples])
-        inputs = self.collate([samples[i][1] for i in loaded])[0] if loaded else None
-        targets = default_collate([item.target if isinstance(item, Skipped) else item[1] for _, item in samples])
-        return ids, torch.tensor(loaded, dtype=torch.int64), (inputs, targets)
+def _collate(collate: Callable[[list], Any], samples: list[tuple[int, Any]] | _Unloaded,
+             ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """``(sample_id, item)`` pairs collated into ``(ids, loaded rows or None, data)`` (in the workers); with
+    skipped items, ``data`` is ``(inputs of the loaded rows, targets of all rows)``."""
+    if isinstance(samples, _Unloaded):
+        return torch.tensor(samples.sample_ids, dtype=torch.int64), torch.empty(0, dtype=torch.int64), (None, samples.targets)
+    ids = torch.tensor([s for s, _ in samples], dtype=torch.int64)
+    loaded = [i for i, (_, item) in enumerate(samples) if not isinstance(item, Skipped)]
+    if len(loaded) == len(samples):
+        return ids, None, collate([item for _, item in samples])
+    inputs = collate([samples[i][1] for i in loaded])[0] if loaded else None
+    targets = default_collate([item.target if isinstance(item, Skipped) else item[1] for _, item in samples])
+    return ids, torch.tensor(loaded, dtype=torch.int64), (inputs, targets)
 
 
 class _Replay:
     """The inner loader's batch sampler: replays the batches CachedLoader chose for this epoch.
 
-    Keys are ``(index, variant, load)``. Whether a sample is loaded is asked of ``skipped(position)``
-    (the sample ids not to load) when the DataLoader dispatches the batch, so a decision made after
-    the epoch started (a freeze change) reaches the batches not yet dispatched.
+    Keys are ``(index, variant, load)``. Whether a sample is loaded is asked of ``skipped(position)`` (the
+    sample ids not to load) when the DataLoader dispatches the batch, so a decision made after the epoch
+    started (a freeze change) reaches the batches not yet dispatched.
     """
 
     def __init__(self) -> None:
         self.batches: list[list[int]] = []
-        self.first = 0
-        self.variant = 0
+        self.first = self.variant = 0
         self.sample_id: Callable[[int], int] = int
         self.skipped: Callable[[int], frozenset[int]] | None = None
 
@@ -226,16 +177,6 @@ class _Replay:
 
     def __len__(self) -> int:
         return len(self.batches)
-
-
-class _Load:
-    """Loads rows of one batch on the spot (in the training process) and collates their inputs."""
-
-    def __init__(self, dataset: "IndexedDataset", collate: Callable[[list], Any], indices: list[int], variant: int) -> None:
-        self.dataset, self.collate, self.indices, self.variant = dataset, collate, indices, variant
-
-    def __call__(self, rows: list[int]) -> Any:
-        return self.collate([self.dataset[self.indices[r], self.variant][1] for r in rows])[0]
 
 
 class _Models:
@@ -267,26 +208,21 @@ class _Models:
 
 def worker_options(loader: DataLoader) -> dict[str, Any]:
     """``loader``'s worker settings, for a DataLoader built in its place."""
-    options = dict(num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
-                   worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
-                   persistent_workers=loader.persistent_workers)
+    names = ["num_workers", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context", "persistent_workers"]
     if loader.num_workers > 0:
-        options["prefetch_factor"] = loader.prefetch_factor
-    return options
+        names.append("prefetch_factor")
+    return {name: getattr(loader, name) for name in names}
 
 
 class CachedLoader:
     """Wraps a DataLoader over an IndexedDataset; yields Batch objects and feeds the cache its order.
 
-    Works with any sampler and batch sampler (``RandomSampler``,
-    ``DistributedSampler`` — call ``set_epoch`` as usual —, ``drop_last``),
-    ``num_workers > 0`` and persistent workers.
+    Works with any sampler and batch sampler (``RandomSampler``, ``DistributedSampler`` — call ``set_epoch``
+    as usual —, ``drop_last``), ``num_workers > 0`` and persistent workers.
 
-    ``model`` is a CachedForward (or a CachedTeacher), or a list of them fed
-    by the same batches (a student and its teacher): each gets the data's
-    fingerprint and every epoch's order, and the loader leaves out an input
-    only when every one of them can do without it (the intersection of their
-    ``skipped``). ``models`` lists them.
+    ``model`` is a CachedForward (or a CachedTeacher), or a list of them (``models``) fed by the same batches
+    (a student and its teacher): each gets the data's fingerprint and every epoch's order, and the loader
+    leaves out an input only when every one of them can do without it (the intersection of their ``skipped``).
     """
 
     def __init__(self, loader: DataLoader, model: CachedForward | Sequence[CachedForward] | None = None, *,
@@ -299,11 +235,8 @@ class CachedLoader:
             raise ConfigError(f"variants must be >= 1, got {variants}")
         self.models = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
         model = None if not self.models else self.models[0] if len(self.models) == 1 else _Models(self.models)
-        self.loader = loader
-        self.model = model  # the one model, or the fan-out over several
-        self.variants = variants
-        self.epoch = 0
-        self._position = 0
+        self.loader, self.model, self.variants = loader, model, variants  # model: the one model, or a fan-out
+        self.epoch = self._position = 0
         self._order: list[list[int]] | None = None  # indices of the current epoch's batches
         self._next_order: tuple[int, list[list[int]]] | None = None  # (epoch, its batches), drawn ahead
         self._replay = _Replay()
@@ -324,14 +257,11 @@ class CachedLoader:
         if model is not None and self.cacheable:
             self.data_identity = dataset.fingerprint(variants if dataset.augments else 1)
             model.bind_data(self.data_identity, dataset.data_id or "")
-        self._inner = self._build_inner(loader)
-
-    def _build_inner(self, loader: DataLoader) -> DataLoader:
-        collate = _Collate(loader.collate_fn if loader.collate_fn is not None else default_collate)
+        self._collate = loader.collate_fn if loader.collate_fn is not None else default_collate
         # Its own generator: the wrapped loader's one draws exactly what the wrapped loader would (_draw).
         generator = torch.Generator().manual_seed(loader.generator.initial_seed() if loader.generator else 0)
-        return DataLoader(loader.dataset, batch_sampler=self._replay, collate_fn=collate, generator=generator,
-                          **worker_options(loader))
+        self._inner = DataLoader(dataset, batch_sampler=self._replay, collate_fn=partial(_collate, self._collate),
+                                 generator=generator, **worker_options(loader))
 
     @property
     def variant(self) -> int:
@@ -349,10 +279,9 @@ class CachedLoader:
     def _draw(self, epoch: int) -> list[list[int]]:
         """The batches (dataset indices) the wrapped loader's sampler gives for ``epoch``.
 
-        A DataLoader draws its workers' base seed from its generator (or the global RNG) before
-        its sampler draws the order; the same draw is made here first, so the wrapped loader's
-        generator (and the global RNG) give the same order with and without actcache.
-        """
+        A DataLoader draws its workers' base seed from its generator (or the global RNG) before its
+        sampler draws the order; the same draw is made here first, so the order is the same as without
+        actcache."""
         loader = self.loader
         if loader.num_workers == 0 or not loader.persistent_workers or not self._drawn:
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
@@ -375,11 +304,12 @@ class CachedLoader:
             return 0
         return epoch if self.variants is None else epoch % self.variants
 
+    def _load(self, indices: list[int], variant: int, rows: list[int]) -> Any:
+        """Load rows of one batch on the spot (in the training process) and collate their inputs."""
+        return self._collate([self.loader.dataset[indices[r], variant][1] for r in rows])[0]
+
     def _ids(self, order: list[list[int]]) -> list[list[int]]:
-        dataset: IndexedDataset = self.loader.dataset
-        if dataset.sample_ids is None:  # ids are the indices
-            return [list(batch) for batch in order]
-        return [[dataset.sample_id(i) for i in batch] for batch in order]
+        return [list(map(self.loader.dataset.sample_id, batch)) for batch in order]
 
     def __iter__(self) -> Iterator[Batch]:
         if self._order is None:
@@ -397,14 +327,13 @@ class CachedLoader:
         replay = self._replay
         replay.batches, replay.first, replay.variant = self._order[start:], start, variant
         replay.sample_id, replay.skipped = dataset.sample_id, (self.model.skipped if skipping else None)
-        collate = self._inner.collate_fn.collate
         for position, (ids, loaded, data) in enumerate(self._inner, start=start):
             self._position = position + 1
             self.raw_items_loaded += len(ids) if loaded is None else len(loaded)
             if position == ahead_at and self._next_order is None:
                 self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
                 self.model.prepare_next_epoch(self._ids(self._next_order[1]), self._variant_of(self.epoch + 1))
-            load = _Load(dataset, collate, self._order[position], variant) if loaded is not None else None
+            load = partial(self._load, self._order[position], variant) if loaded is not None else None
             yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position, loaded=loaded, load=load)
         self.epoch, self._position, self._order = self.epoch + 1, 0, None
 
@@ -414,10 +343,9 @@ class CachedLoader:
         order = self._order
         if order is None and self._next_order is not None and self._next_order[0] == self.epoch:
             order = self._next_order[1]
-        generator = self.loader.generator
         after = self._generator_after.get(self.epoch) if order is not None else None
-        if after is None and generator is not None:
-            after = generator.get_state()
+        if after is None and self.loader.generator is not None:
+            after = self.loader.generator.get_state()
         return {"epoch": self.epoch, "position": self._position, "order": order, "generator": after}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

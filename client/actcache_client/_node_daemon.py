@@ -1,16 +1,8 @@
 """``connect()``: which daemon a training process uses, and the daemons it starts.
 
-In order: the ``socket`` or ``address`` given, else ``$ACTCACHE_SOCKET``, else
-this node's daemon (actcache.node: one per user, in ``$ACTCACHE_DIR`` or
-``~/.cache/actcache``, started on first use, gone after ``$ACTCACHE_IDLE_TIMEOUT``
-seconds without calls). ``embedded=True`` instead starts a daemon private to
-this process, in a temp dir removed when the connection closes or the process
-exits (tests, the demo): nothing is shared and nothing kept.
-
-While a connection to the node daemon is open, a lease thread checks its
-health every third of the idle timeout (at most every 60 s): the check is a
-call, so the daemon does not stop under a trainer that has not needed the cache
-for a while (nothing is frozen yet), and a daemon that died is started again.
+While a connection to the node daemon (actcache.node) is open, a lease thread checks its health every third of
+the idle timeout (at most every 60 s): the check is a call, so the daemon does not stop under a trainer that
+has not needed the cache for a while, and a daemon that died is started again.
 """
 
 from __future__ import annotations
@@ -44,10 +36,6 @@ class EmbeddedDaemon:
         self.process.start()
         atexit.register(self.stop)
 
-    @property
-    def socket(self) -> str:
-        return str(self.process.socket)
-
     def stop(self) -> None:
         if self.process.proc is not None:
             self.process.stop()
@@ -55,10 +43,8 @@ class EmbeddedDaemon:
 
 
 class NodeDaemonLease:
-    """Keeps the node daemon up while a connection uses it (module docstring); ``stop`` ends it.
-
-    After a failed start it tries again at twice the interval each time, up to 15 minutes.
-    """
+    """Keeps the node daemon up while a connection uses it (module docstring); ``stop`` ends it. After a
+    failed start it tries again at twice the interval each time, up to 15 minutes."""
 
     def __init__(self, node: NodeDaemon) -> None:
         self.node = node
@@ -85,54 +71,36 @@ class NodeDaemonLease:
         self._stopped.set()
 
 
-def connect(
-    socket: str | os.PathLike | None = None,
-    *,
-    address: str | None = None,
-    embedded: bool = False,
-    namespace: str = "default",
-    secret: str | None = None,
-    token: str | None = None,
-    strict: bool = False,
-    **options,
-) -> Connection:
+def connect(socket: str | os.PathLike | None = None, *, address: str | None = None, embedded: bool = False,
+            namespace: str = "default", secret: str | None = None, token: str | None = None, strict: bool = False,
+            **options) -> Connection:
     """Connect to ``socket``, ``address``, ``$ACTCACHE_SOCKET``, or this node's daemon, started if needed.
 
-    ``embedded=True``: a private daemon in a temp dir, stopped when the connection closes or the process
-    exits. When the node daemon cannot be started, training goes on without the cache (a
-    CacheFallbackWarning, as when a daemon goes away) and the lease tries again later; ``strict=True``
-    raises DaemonUnavailable instead. A malformed ``$ACTCACHE_IDLE_TIMEOUT`` is a ConfigError.
-    ``options`` are ConnectionConfig fields (``timeout_s``, ``put_queue``, ...).
+    ``embedded=True``: a private daemon in a temp dir, stopped when the connection closes or the process exits.
+    When the node daemon cannot be started, training goes on without the cache (a CacheFallbackWarning, as
+    when a daemon goes away) and the lease tries again later; ``strict=True`` raises DaemonUnavailable
+    instead. A malformed ``$ACTCACHE_IDLE_TIMEOUT`` is a ConfigError. ``options`` are ConnectionConfig fields.
     """
     if embedded and (socket is not None or address is not None):
         raise ConfigError("connect(embedded=True) starts a daemon of its own; pass no socket or address with it")
-    lease: EmbeddedDaemon | NodeDaemonLease | None = None
-    failure: DaemonUnavailable | None = None
     node = None
     if not embedded and socket is None and address is None and not os.environ.get("ACTCACHE_SOCKET"):
         node = NodeDaemon.from_env()
         socket = node.socket
-    config = ConnectionConfig(
-        socket=os.fspath(socket) if socket is not None else None,
-        address=address,
-        namespace=namespace,
-        secret=secret,
-        token=token or os.environ.get("ACTCACHE_TOKEN"),
-        strict=strict,
-        **options,
-    )
+    config = ConnectionConfig(socket=os.fspath(socket) if socket is not None else None, address=address,
+                              namespace=namespace, secret=secret, token=token or os.environ.get("ACTCACHE_TOKEN"),
+                              strict=strict, **options)
     if embedded:
-        lease = EmbeddedDaemon()
-        config = dataclasses.replace(config, socket=lease.socket)
-    elif node is not None:
-        try:
-            ensure_running(node)
-        except DaemonUnavailable as exc:
-            if strict:
-                raise
-            failure = exc
-        lease = NodeDaemonLease(node)
-    connection = Connection(config, embedded=lease)
-    if failure is not None:
-        connection.fallback(failure)
-    return connection
+        daemon = EmbeddedDaemon()
+        return Connection(dataclasses.replace(config, socket=str(daemon.process.socket)), embedded=daemon)
+    if node is None:
+        return Connection(config)
+    try:
+        ensure_running(node)
+    except DaemonUnavailable as exc:
+        if strict:
+            raise
+        connection = Connection(config, embedded=NodeDaemonLease(node))
+        connection.fallback(exc)  # training goes on without the cache; the lease tries again
+        return connection
+    return Connection(config, embedded=NodeDaemonLease(node))

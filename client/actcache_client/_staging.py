@@ -1,24 +1,10 @@
 """Host-to-device staging of cached batches: a ring of reusable pinned buffers and a side stream.
 
-On CUDA, cached entries are collated straight into a page-locked slot of the
-ring, copied with ``non_blocking=True`` on a side stream, and the compute
-stream waits for that copy before using the batch. A slot is handed out again
-only after the copy that read it has completed (its CUDA event), so the ring
-never overwrites bytes still in flight. Invariant: slots in flight <= slots.
-
-Without CUDA, the batch is collated into freshly allocated host memory and
-used in place (it is already on the device); the ring is not needed because
-the tensors the model keeps for backward must not be overwritten.
-
-On CUDA each copy is also timed (two timing events on the side stream), and
-``copy_readings()`` hands the cost model the host-to-device bandwidth of the
-copies that have completed, without ever waiting for one.
-
-Straight out of the ring (``ring_to_device``): on CUDA, a batch whose entries
-lie in consecutive shared-memory slots is copied in one transfer from the
-ring itself and split into tensors on the GPU, with no collation on the
-host. The caller keeps the slots until the returned event completes
-(``EpochStream.hold``).
+On CUDA, cached entries are collated into a page-locked slot of the ring (or, lying in consecutive
+shared-memory slots, copied straight from the Fetch ring: ``ring_to_device``) and copied with
+``non_blocking=True`` on a side stream, timed for the cost model; the compute stream waits for the copy.
+Without CUDA, each batch is collated into fresh host memory and used in place: the tensors the model keeps for
+backward must not be overwritten.
 """
 
 from __future__ import annotations
@@ -41,10 +27,10 @@ Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 class HostRing:
     """``slots`` growable host byte buffers handed out round-robin.
 
-    ``acquire()`` returns the next slot once the event recorded at its last
-    ``release`` has completed; ``alloc`` carves tensors out of the acquired
-    slot, 64-byte aligned. A batch larger than its slot gets one-off memory
-    and the slot grows to the largest batch seen at its next ``acquire``.
+    ``acquire()`` returns the next slot once the event recorded at its last ``release`` has completed
+    (invariant: slots in flight <= slots); ``alloc`` carves 64-byte aligned tensors out of it. A batch
+    larger than its slot gets one-off memory, and the slot grows to the largest batch seen at its next
+    ``acquire``.
     """
 
     def __init__(self, slots: int = 4, *, pin_memory: bool = False) -> None:
@@ -53,14 +39,8 @@ class HostRing:
         self.pin_memory = pin_memory
         self._buffers: list[Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
         self._events: list[object | None] = [None] * slots
-        self._next = 0
+        self._next = self._used = self._wanted = 0
         self._current: int | None = None
-        self._used = 0
-        self._wanted = 0
-
-    @property
-    def slots(self) -> int:
-        return len(self._buffers)
 
     def acquire(self) -> int:
         slot = self._next
@@ -99,9 +79,8 @@ class HostRing:
 class CopyTimer:
     """Times asynchronous copies with pairs of events; readings come out once a copy has completed.
 
-    ``new_event`` makes a timing event (``torch.cuda.Event(enable_timing=True)``
-    on CUDA) with ``record()``, ``query()`` and ``elapsed_time(end)`` in ms.
-    At most ``max_pending`` copies are tracked; older ones are dropped unread.
+    ``new_event`` makes a timing event (``torch.cuda.Event(enable_timing=True)`` on CUDA). At most
+    ``max_pending`` copies are tracked; older ones are dropped unread.
     """
 
     def __init__(self, new_event: Callable[[], object], max_pending: int = 64) -> None:
@@ -114,9 +93,7 @@ class CopyTimer:
         return event
 
     def stop(self, start: object, nbytes: int) -> None:
-        end = self._new_event()
-        end.record()
-        self._pending.append((start, end, nbytes))
+        self._pending.append((start, self.start(), nbytes))  # the end: another event recorded now
 
     def readings(self) -> list[tuple[int, float]]:
         """``(bytes, seconds)`` of the copies completed since the last call, oldest first."""
@@ -150,37 +127,34 @@ class Stager:
         """Copy a host state to the device, ordered before later work on the current stream."""
         if not self.cuda:
             return state if self.device.type == "cpu" else map_state(state, lambda t: t.to(self.device))
+        nbytes = sum(t.element_size() * t.numel() for t in tensors_of(state))
+        moved, done = self._side_copy(lambda: map_state(state, lambda t: t.to(self.device, non_blocking=True)), nbytes)
+        self._ring.release(done)
+        return moved
+
+    def ring_to_device(self, run: SlotRun, count: int) -> tuple[Tensor, object] | None:
+        """The ``count`` entries of ``run`` copied straight out of the ring into a (count, entry bytes) uint8
+        tensor on the device, and the copy's event; None without CUDA (collate on the host then)."""
+        if not self.cuda:
+            return None
+        source = torch.frombuffer(run.segment.view, dtype=torch.uint8, count=count * run.size, offset=run.offset)
+        rows, done = self._side_copy(lambda: source.to(self.device, non_blocking=True), count * run.size)
+        self.ring_copies += 1
+        return rows.view(count, run.size), done
+
+    def _side_copy(self, copy: Callable[[], State], nbytes: int) -> tuple[State, object]:
+        """``copy()`` on the side stream, timed, before later work on the current stream; and its event."""
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
             started = self._timer.start()
-            moved = map_state(state, lambda t: t.to(self.device, non_blocking=True))
-            self._timer.stop(started, sum(t.element_size() * t.numel() for t in tensors_of(moved)))
+            moved = copy()
+            self._timer.stop(started, nbytes)
             done = torch.cuda.Event()
             done.record(self._stream)
         compute.wait_stream(self._stream)
         for t in tensors_of(moved):
             t.record_stream(compute)  # the caching allocator must not reuse it before compute is done
-        self._ring.release(done)
-        return moved
-
-    def ring_to_device(self, run: SlotRun, count: int) -> tuple[Tensor, object] | None:
-        """The ``count`` entries of ``run`` as a (count, entry bytes) uint8 tensor on the device, copied
-        straight out of the ring, and the event that completes with the copy; None without CUDA:
-        collate on the host then."""
-        if not self.cuda:
-            return None
-        source = torch.frombuffer(run.segment.view, dtype=torch.uint8, count=count * run.size, offset=run.offset)
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._stream):
-            started = self._timer.start()
-            rows = source.to(self.device, non_blocking=True)
-            self._timer.stop(started, count * run.size)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        compute.wait_stream(self._stream)
-        rows.record_stream(compute)
-        self.ring_copies += 1
-        return rows.view(count, run.size), done
+        return moved, done
 
     def copy_readings(self) -> list[tuple[int, float]]:
         """``(bytes, seconds)`` of host-to-device copies completed since the last call (none on CPU)."""

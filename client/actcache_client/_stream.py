@@ -1,35 +1,19 @@
 """The epoch's cached entries, streamed by the daemon in the order the step will ask for them.
 
-The loader hands over this rank's batches for the epoch; the stream pushes
-their ids (the cached subset of each batch, at the current cache target) as
-one schedule, so the daemon reads them ahead within its prefetch budget, and
-reads them back with Fetch: through shared memory when the daemon is on a
-Unix socket of this host, in bytes otherwise. ``take`` returns one batch's
-entries (None per miss), in batch order, as views the caller copies once
-(collation) before taking the next batch.
+The loader hands over this rank's batches for the epoch; the stream pushes their ids (the cached subset of
+each batch, at the cache target) as one schedule, which the daemon reads ahead, and reads them back with Fetch
+(shared memory on a Unix socket of this host, else bytes). ``take`` returns one batch's entries (None per
+miss) as views the caller copies once (collation) before the next ``take``. Schedule ids are
+``<job>-r<rank>-<slot>``; the two slots alternate between epochs, so pushing epoch e+1 ahead (halfway through
+epoch e, in a thread: ``_Ahead``) leaves epoch e streaming.
 
-Schedule ids are ``<job>-r<rank>-<slot>``: each rank of each process has its
-own, and the two slots alternate between epochs, so pushing epoch e+1 ahead
-leaves epoch e streaming; pushing a slot again replaces what it held.
+Lifecycle: IDLE (nothing pushed, or the target is not cached) -> PUSHED (schedule pushed, Fetch opened at the
+first ``take``) -> BROKEN (the push or the Fetch failed, or the step asked out of order: every ``take``
+answers None until the next push, and the caller falls back to Get).
 
-Lifecycle: IDLE (nothing pushed, or the target is not cached) -> PUSHED
-(schedule pushed, Fetch opened at the first ``take``) -> BROKEN (the push or
-the Fetch failed, or the step asked out of order: every ``take`` answers None
-until the next push, and the caller falls back to Get). A retarget that
-changes the (fingerprint, depth) re-pushes the rest of the epoch from the
-current batch; one that keeps it keeps the stream.
-
-The next epoch's order is pushed halfway through the current one, and its
-Fetch opened, by a thread (``_Ahead``): the step does not wait for the push,
-and the daemon decodes the head of the next epoch into its ring before the
-boundary. The push's reply (which entries are stored) plans the next
-epoch's skipped inputs. Ring and frame sizes follow the entries served: a
-frame holds one batch, a ring four.
-
-Invariants: entries are consumed in schedule order; a batch's entries are
-the schedule positions ``offsets[b] .. offsets[b+1] - 1``. Only the
-``_Ahead`` thread advances its Fetch until the training thread has joined
-it (``result``); a cancelled ``_Ahead`` closes its Fetch in its own thread.
+Invariants: entries are consumed in schedule order; batch b's entries are the schedule positions from
+``offsets[b]`` to ``offsets[b+1] - 1``. Only the ``_Ahead`` thread advances its Fetch until the training thread
+has joined it (``result``); a cancelled ``_Ahead`` closes its Fetch in its own thread.
 """
 
 from __future__ import annotations
@@ -42,6 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable, Iterator, Sequence
 
 from actcache.errors import ActCacheError
@@ -56,18 +41,15 @@ _JOB = f"{socket.gethostname()[:40]}.{os.getpid()}"
 _JOBS = itertools.count()
 
 
-# The shared-memory ring of a Fetch holds _RING_BATCHES batches, within these bounds: a new ring's
-# first use and its unmapping cost time in proportion to its size (an ended stream's ring serves the
-# next Fetch asking for up to half its size: actcache.shm.reusable). Until a frame has shown the
-# entries' size, rings are _FIRST_RING.
+# A Fetch's shared-memory ring holds _RING_BATCHES batches, within these bounds (a ring's first use and
+# unmapping cost time in proportion to its size); _FIRST_RING until a frame has shown the entries' size.
 _MIN_RING, _MAX_RING, _RING_BATCHES, _FIRST_RING = 4 << 20, 64 << 20, 4, 16 << 20
 
 
 def _sizes(values: Sequence, batch_entries: int) -> tuple[int, int] | None:
-    """``(ring bytes, frame bytes)`` for the next Fetch, from the entries of a frame served (None for a
-    miss; None if all are): frames of one batch, so the step never waits for more than its own batch
-    to be decoded, and a ring of whole frames, so that a batch of entries of one size is always one
-    run of slots (one copy; on CUDA one transfer)."""
+    """``(ring bytes, frame bytes)`` for the next Fetch from a frame's entries (None per miss; None if
+    all are): frames of one batch, so the step never waits for more than its own batch, and a ring of
+    whole frames, so a batch of entries of one size is always one run of slots (one copy)."""
     entry = max((len(v) for v in values if v is not None), default=0)
     if not entry:
         return None
@@ -86,12 +68,10 @@ def cached_batches(batches: Sequence[Sequence[int]], fraction: float) -> tuple[t
 
 
 class _Ahead:
-    """The next epoch's order pushed and its Fetch opened, in a thread: the training thread does not
-    wait for the push, and the daemon decodes the head of the order into the ring while the current
-    epoch still runs. Errors (strict mode) reach the training thread through ``pushed``/``result``."""
+    """The next epoch's order pushed and its Fetch opened in a thread, so the daemon decodes its head
+    while the current epoch runs. Errors (strict mode) reach the training thread through ``pushed``/``result``."""
 
     def __init__(self, push: Callable[[], list[bool] | None], open_: Callable[[], Iterator[EntryBatch]]) -> None:
-        self._push, self._open = push, open_
         self._lock = threading.Lock()
         self._pushed = threading.Event()
         self._present: list[bool] | None = None
@@ -99,17 +79,15 @@ class _Ahead:
         self._first: EntryBatch | None = None
         self._error: BaseException | None = None
         self._done = self._abandoned = False
-        self._thread = threading.Thread(target=self._run, name="actcache-stream-ahead", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(push, open_), name="actcache-stream-ahead", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, push: Callable[[], list[bool] | None], open_: Callable[[], Iterator[EntryBatch]]) -> None:
         try:
-            self._present = self._push()
+            self._present = push()
             self._pushed.set()
-            with self._lock:
-                go = self._present is not None and not self._abandoned
-            if go:
-                self._frames = self._open()
+            if self._present is not None and not self._abandoned:
+                self._frames = open_()
                 self._first = next(self._frames, None)
         except BaseException as exc:  # handed to the training thread
             self._error = exc
@@ -117,8 +95,7 @@ class _Ahead:
             self._pushed.set()
             with self._lock:
                 self._done = True
-                abandoned = self._abandoned
-            if abandoned and self._frames is not None:
+            if self._abandoned and self._frames is not None:  # close() left it to this thread
                 self._frames.close()
 
     def pushed(self) -> list[bool] | None:
@@ -153,39 +130,50 @@ class StreamState(enum.Enum):
 class _Order:
     """One epoch's batches at one target, from batch ``first`` on."""
 
-    fingerprint: bytes
-    depth: int
-    fraction: float
-    variant: int
+    target: tuple[bytes, int, float, int]  # fingerprint, depth, fraction, variant
     first: int  # epoch position of batches[0]
     batches: tuple[tuple[int, ...], ...]  # the cached subset of each batch
     offsets: tuple[int, ...]  # schedule position of each batch's first entry, plus the end
     present: list[bool]  # per schedule position: the entry was stored when the order was pushed
 
+    @classmethod
+    def of(cls, fingerprint: bytes, depth: int, fraction: float, variant: int, batches: Sequence[Sequence[int]],
+           first: int = 0) -> "_Order":
+        subset = cached_batches(batches, fraction)
+        offsets = (0, *itertools.accumulate(len(b) for b in subset))
+        return cls((fingerprint, depth, fraction, variant), first, subset, offsets, [])
+
+    def push(self, connection: Connection, schedule_id: str) -> list[bool] | None:
+        """Push this order as ``schedule_id`` (``Connection.push``)."""
+        fingerprint, depth, _, variant = self.target
+        ids = [s for b in self.batches for s in b]
+        return connection.push(fingerprint, depth, schedule_id, ids, [variant] * len(ids) if variant else None)
+
+    def at(self, position: int, *, end: bool = False) -> int | None:
+        """The index in ``batches`` of epoch batch ``position`` (with ``end``, the end too), or None."""
+        b = position - self.first
+        return b if 0 <= b < len(self.batches) + end else None
+
 
 class EpochStream:
     """Pushes an epoch's order and streams its entries back; used by CachedForward on the training thread."""
 
-    def __init__(self, connection: Connection, *, rank: int = 0, ring_bytes: int | None = None) -> None:
+    def __init__(self, connection: Connection, *, rank: int = 0) -> None:
         self._connection = connection
         self._prefix = f"{_JOB}.{next(_JOBS)}-r{rank}"
-        self._fixed_ring = ring_bytes
-        self._ring_bytes = ring_bytes or _FIRST_RING
+        self._ring_bytes = _FIRST_RING
         self._frame_bytes = 0  # the daemon's default until a frame shows the entries' size
-        self._ahead: _Ahead | None = None  # the next order, pushed and its Fetch opened ahead
+        self._ahead: tuple[_Order, _Ahead] | None = None  # the next epoch's order, pushed and its Fetch opened ahead
         self._opened: _Ahead | None = None  # the current order's Fetch, opened ahead and not read yet
         self._slot = 0
         self._state = StreamState.IDLE
         self._order: _Order | None = None
-        self._next: _Order | None = None  # the next epoch's order, pushed ahead
         self._frames: Iterator[EntryBatch] | None = None
         self._pending: deque = deque()  # entries of the last frame not taken yet
         self._shared = False  # the last frame's values are views into the shared-memory ring
-        #: Where the entries the last ``take`` returned lie, when they are hits of one size in
-        #: consecutive ring slots (see EntryBatch.run); else None.
+        #: Where the last ``take``'s entries lie, if hits of one size in consecutive ring slots (EntryBatch.run).
         self.run: SlotRun | None = None
         self._frame_run: tuple[int, SlotRun | None] = (0, None)  # (first position, run) of the last frame
-        self._frames_read = 0
         self._held: object | None = None  # an event: the last batch's slots are read until it completes
 
     @property
@@ -195,49 +183,35 @@ class EpochStream:
     def push(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
              batches: Sequence[Sequence[int]], first: int) -> None:
         """Push ``batches`` (epoch positions ``first``, ``first + 1``, ...) at this target, replacing the stream."""
-        self.close()
+        self.close()  # IDLE
         self.discard_next()
-        subset = cached_batches(batches, fraction)
-        offsets = (0, *itertools.accumulate(len(b) for b in subset))
         self._slot ^= 1
-        self._order = _Order(fingerprint, depth, fraction, variant, first, subset, offsets, [])
-        if offsets[-1] == 0:
-            self._state = StreamState.IDLE
-            return
-        ids = [s for b in subset for s in b]
-        present = self._connection.push(fingerprint, depth, self.schedule_id, ids, [variant] * len(ids) if variant else None)
-        self._order = _Order(fingerprint, depth, fraction, variant, first, subset, offsets, present or [])
-        self._state = StreamState.PUSHED if present is not None else StreamState.BROKEN
+        self._order = _Order.of(fingerprint, depth, fraction, variant, batches, first)
+        if self._order.offsets[-1]:
+            present = self._order.push(self._connection, self.schedule_id)
+            self._order = replace(self._order, present=present or [])
+            self._state = StreamState.PUSHED if present is not None else StreamState.BROKEN
 
     def push_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                   batches: Sequence[Sequence[int]]) -> None:
-        """Push the next epoch's order ahead, into the other slot, and open its Fetch (in a thread): the
-        daemon reads its head once the current epoch is read, so there is no dip at the boundary.
-        ``adopt_next`` switches to it."""
-        subset = cached_batches(batches, fraction)
-        ids = [s for b in subset for s in b]
-        if not ids:
+        """Push the next epoch's order into the other slot and open its Fetch in a thread (``adopt_next``)."""
+        order = _Order.of(fingerprint, depth, fraction, variant, batches)
+        if not order.offsets[-1]:
             return
         self.discard_next()
-        offsets = (0, *itertools.accumulate(len(b) for b in subset))
         schedule_id = f"{self._prefix}-{self._slot ^ 1}"
-        variants = [variant] * len(ids) if variant else None
-        ring_bytes, frame_bytes, connection = self._ring_bytes, self._frame_bytes, self._connection
-        self._next = _Order(fingerprint, depth, fraction, variant, 0, subset, offsets, [])
-        self._ahead = _Ahead(lambda: connection.push(fingerprint, depth, schedule_id, ids, variants),
-                             lambda: connection.stream(schedule_id, 0, ring_bytes=ring_bytes,
-                                                       max_frame_bytes=frame_bytes, ahead=True))
+        self._ahead = order, _Ahead(partial(order.push, self._connection, schedule_id),
+                                    partial(self._connection.stream, schedule_id, 0, ring_bytes=self._ring_bytes,
+                                            max_frame_bytes=self._frame_bytes, ahead=True))
 
     def adopt_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                    batches: Sequence[Sequence[int]]) -> bool:
         """Switch to the order ``push_next`` pushed, if it is this one; False (nothing changed) otherwise."""
-        o, ahead = self._next, self._ahead
-        self._next = self._ahead = None
-        if o is None or ahead is None:
+        if self._ahead is None:
             return False
-        same = (o.fingerprint, o.depth, o.fraction, o.variant) == (fingerprint, depth, fraction, variant) and \
-            o.batches == cached_batches(batches, fraction)
-        present = ahead.pushed() if same else None
+        (o, ahead), self._ahead = self._ahead, None
+        wanted = _Order.of(fingerprint, depth, fraction, variant, batches)
+        present = ahead.pushed() if (o.target, o.batches) == (wanted.target, wanted.batches) else None
         if present is None:
             ahead.close()
             return False
@@ -247,62 +221,57 @@ class EpochStream:
         return True
 
     def discard_next(self) -> None:
-        """Forget the order ``push_next`` pushed (its entries were read ahead before this epoch's
-        misses were stored); the next epoch pushes its order again at its start."""
-        self._next = None
+        """Forget the order ``push_next`` pushed (read ahead before this epoch's misses were stored)."""
         if self._ahead is not None:
-            self._ahead.close()
+            self._ahead[1].close()
             self._ahead = None
 
     def serves(self, fingerprint: bytes, depth: int, fraction: float, variant: int) -> bool:
         """Whether the pushed order is for this target (a re-plan that keeps it keeps the stream)."""
-        o = self._order
-        return o is not None and (o.fingerprint, o.depth, o.fraction, o.variant) == (fingerprint, depth, fraction, variant)
+        return self._order is not None and self._order.target == (fingerprint, depth, fraction, variant)
 
     def stored_from(self, position: int) -> list[bool] | None:
-        """Per entry of the pushed order from epoch batch ``position`` on: whether it was stored when
-        the order was pushed (the daemon said so in its reply). None if no order covers ``position``."""
+        """Per entry of the pushed order from epoch batch ``position`` on: whether it was stored when the
+        order was pushed (the push's reply). None if no order covers ``position``."""
         o = self._order
-        if self._state is not StreamState.PUSHED or o is None or not o.first <= position <= o.first + len(o.batches):
-            return None
-        return o.present[o.offsets[position - o.first]:]
+        b = o.at(position, end=True) if self._state is StreamState.PUSHED else None
+        return None if b is None else o.present[o.offsets[b]:]
 
     def take(self, position: int, ids: Sequence[int]) -> list | None:
         """Entries (None per miss) of the cached subset ``ids`` of epoch batch ``position``; None if the
         stream cannot serve it (nothing pushed, failed, another order)."""
         o = self._order
-        if self._state is not StreamState.PUSHED or o is None or not o.first <= position < o.first + len(o.batches):
+        b = o.at(position) if self._state is StreamState.PUSHED else None
+        if b is None:
             return None
-        b = position - o.first
         if tuple(ids) != o.batches[b]:
             self._break()
             return None
         lo, hi = o.offsets[b], o.offsets[b + 1]
         out: list = []
-        self.run, first_frame = None, None
+        self.run, split = None, False  # split: the entries span frames
         try:
             while len(out) < hi - lo:
                 if not self._pending:
+                    split = bool(out)
                     self._next_frame(out, lo)
                 pos, sample_id, variant, value = self._pending.popleft()
                 if pos < lo:
                     continue  # a batch the step skipped
                 if sample_id != ids[len(out)]:
                     raise ActCacheError(f"the stream served sample {sample_id} at position {pos}, expected {ids[len(out)]}")
-                first_frame = self._frames_read if first_frame is None else first_frame
                 out.append(value)
         except ActCacheError as exc:
             self._break()
             self._connection.fallback(exc)
             return None
         frame_start, run = self._frame_run
-        if run is not None and first_frame == self._frames_read:  # all from one frame whose entries are one run
+        if run is not None and not split:  # all from one frame whose entries are one run
             self.run = run.skip(lo - frame_start)
         return out
 
     def hold(self, event: object) -> None:
-        """Keep the slots of the batch the last ``take`` returned until ``event`` completes (an
-        asynchronous copy still reads them): the stream waits for it before it releases them."""
+        """Keep the last ``take``'s slots until ``event`` (an asynchronous copy reading them) completes."""
         self._held = event
 
     def _wait_held(self) -> None:
@@ -331,9 +300,8 @@ class EpochStream:
             raise ActCacheError(f"schedule {self.schedule_id} ended before position {lo + len(out)}")
         self._shared = batch.data_plane == "shared_memory"
         self._pending.extend(batch)
-        self._frames_read += 1
         self._frame_run = (batch.start, batch.run)
-        sizes = _sizes(batch.values, max(map(len, self._order.batches))) if opened and self._fixed_ring is None else None
+        sizes = _sizes(batch.values, max(map(len, self._order.batches))) if opened else None
         if sizes is not None:
             self._ring_bytes, self._frame_bytes = sizes
 
@@ -344,13 +312,10 @@ class EpochStream:
     def close(self) -> None:
         """Cancel the Fetch (the daemon frees its read-ahead for it at once)."""
         self._wait_held()  # the ring goes back to the pool, for another stream to write
-        if self._frames is not None:
-            self._frames.close()
-        if self._opened is not None:
-            self._opened.close()
-            self._opened = None
-        self._frames = None
+        for fetch in (self._frames, self._opened):
+            if fetch is not None:
+                fetch.close()
+        self._frames = self._opened = None
         self._pending.clear()
-        self._frame_run, self.run = (0, None), None
-        self._shared = False
+        self._frame_run, self.run, self._shared = (0, None), None, False
         self._state = StreamState.IDLE

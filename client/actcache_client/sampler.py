@@ -1,53 +1,27 @@
 """Each sample stays on one node: a node's daemon is asked only for what its own ranks computed.
 
-With a ``DistributedSampler`` a sample lands on another node almost every
-epoch, so on N nodes about (N-1)/N of lookups miss and every node ends up
-storing the whole dataset. ``NodeStableSampler`` splits the dataset once into
-one shard per node, shuffles each shard every epoch (seed, epoch) and splits
-it among the node's local ranks.
+With a ``DistributedSampler`` a sample lands on another node almost every epoch, so on N nodes about (N-1)/N
+of lookups miss and every node ends up storing the whole dataset. ``NodeStableSampler`` splits the dataset
+once into one shard per node, shuffles each shard every epoch and splits it among the node's local ranks.
 
-Placement (``node_assignment``), as in mosaicml/streaming's canonical nodes:
+Placement (``node_assignment``), as in mosaicml/streaming's canonical nodes: samples (or blocks of
+``block_size`` indices) are dealt into ``num_canonical_nodes`` groups by a seeded permutation, whatever the
+number of nodes; for P physical nodes the placement is built from the one for P-1: every node keeps its first
+quota (``C // P`` canonical nodes, one more for the first ``C % P``) and the new node P-1 takes the rest. So
+between runs on P and P' nodes exactly ``min(P, P') / max(P, P')`` of the data stays on the node that cached
+it, the most any placement can keep (streaming's ``c % P`` striping keeps as much only when one count divides
+the other). ``DEFAULT_CANONICAL_NODES`` = 3840 = 2^8 * 3 * 5, so most node counts get equal shares; a large
+count costs nothing in shuffle quality (each node shuffles its whole shard).
 
-1. samples (or runs of ``block_size`` consecutive indices) are dealt into
-   ``num_canonical_nodes`` groups by a seeded permutation: sizes differ by at
-   most one block, and the grouping never depends on the number of nodes;
-2. physical nodes take whole canonical nodes. For P nodes the placement is
-   built from the one for P-1: every node keeps its first quota
-   (``C // P`` canonical nodes, one more for the first ``C % P`` nodes) and
-   the new node P-1 takes what is left over. Canonical nodes only ever move
-   to the new node, so between runs on P and P' nodes a sample's node is the
-   same unless it is one of the nodes only the larger run has: exactly
-   ``min(P, P') / max(P, P')`` of the data stays where it is cached, the most
-   any placement can keep (streaming's ``c % P`` striping keeps as much only
-   when one count divides the other: 2 -> 3 nodes keeps 1/3 there, 2/3 here).
-
-``DEFAULT_CANONICAL_NODES`` is 3840 = 2^8 * 3 * 5: every node count that
-divides it (all powers of two to 256, 3, 5, 6, 10, 12, 24, 48, 96, 120, ...)
-gets the same number of canonical nodes per node (shards then differ only by
-the rounding of N/3840: 12,496 to 12,503 of 50,000 samples on 4 nodes);
-others differ by one canonical node (N/3840 samples, made up by padding or
-dropped with drop_last); at most 3840 nodes. Unlike in streaming, a large count costs
-nothing in shuffle quality (each node shuffles its whole shard); a dataset
-with fewer blocks than that uses one canonical node per block.
-
-Every rank of every node yields the same number of samples per epoch (DDP
-must not hang on uneven shards): with ``drop_last=False`` as many as the
-largest rank's share, ranks below it repeating their own samples from the
-start of their order; with ``drop_last=True`` as few as the smallest share,
-the others dropping their tail (other samples every epoch). Within an epoch
-the ranks of one node are disjoint (a rank repeats only its own samples), so
-no two ranks of a node compute the same entry; the one exception is a node
-left with fewer samples than ranks, whose idle ranks repeat its samples.
-
-Resume: ``state_dict(consumed=k, epoch=e)`` (k samples of epoch e taken by
-every rank) records which samples the epoch has seen, for any layout;
-``load_state_dict`` on another number of nodes or ranks visits exactly the
-unseen ones in the rest of that epoch, each on its node under the new
-placement. Seeds, block size and canonical nodes are the sampler's own.
+Every rank yields the same number of samples per epoch (DDP must not hang on uneven shards): shorter ranks
+repeat their own samples (``drop_last=False``) or longer ones drop their tail. ``state_dict`` records which
+samples an epoch has seen; ``load_state_dict`` on another number of nodes or ranks visits exactly the unseen
+ones in the rest of that epoch, each on its node under the new placement.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any, Iterator, Sized
 
@@ -69,8 +43,7 @@ def _canonical_groups(num_samples: int, num_canonical_nodes: int, seed: int, blo
     """(canonical node of every index, number of canonical nodes used)."""
     blocks = -(-num_samples // block_size)
     used = min(num_canonical_nodes, blocks)
-    position = np.empty(blocks, dtype=np.int64)
-    position[np.random.default_rng([seed, _BLOCKS]).permutation(blocks)] = np.arange(blocks)
+    position = np.argsort(np.random.default_rng([seed, _BLOCKS]).permutation(blocks))  # of each block in the deal
     of_block = position * used // blocks
     return of_block[np.arange(num_samples) // block_size], used
 
@@ -95,12 +68,10 @@ def node_assignment(num_samples: int, num_nodes: int, *, num_canonical_nodes: in
     """The node (0..num_nodes-1) holding each dataset index, for ``num_nodes`` physical nodes."""
     if num_samples < 1:
         raise ConfigError(f"cannot place an empty dataset ({num_samples} samples) on nodes")
-    for name, value in (("num_nodes", num_nodes), ("num_canonical_nodes", num_canonical_nodes),
-                        ("block_size", block_size)):
-        if value < 1:
-            raise ConfigError(f"{name} must be >= 1, got {value}")
-    if seed < 0:
-        raise ConfigError(f"seed must be >= 0, got {seed}")
+    for name, value, least in (("num_nodes", num_nodes, 1), ("num_canonical_nodes", num_canonical_nodes, 1),
+                               ("block_size", block_size, 1), ("seed", seed, 0)):
+        if value < least:
+            raise ConfigError(f"{name} must be >= {least}, got {value}")
     canonical, used = _canonical_groups(num_samples, num_canonical_nodes, seed, block_size)
     if num_nodes > used:
         raise ConfigError(
@@ -112,7 +83,7 @@ def node_assignment(num_samples: int, num_nodes: int, *, num_canonical_nodes: in
 
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
-    if value is None or value == "":
+    if not value:
         return None
     try:
         return int(value)
@@ -123,10 +94,8 @@ def _env_int(name: str) -> int | None:
 def _layout(num_nodes: int | None, node_rank: int | None, local_world_size: int | None,
             local_rank: int | None) -> tuple[int, int, int, int]:
     """(nodes, node rank, ranks per node, local rank): the arguments, else torchrun's environment, else one process."""
-    if local_world_size is None:
-        local_world_size = _env_int("LOCAL_WORLD_SIZE") or 1
-    if local_rank is None:
-        local_rank = _env_int("LOCAL_RANK") or 0
+    local_world_size = local_world_size if local_world_size is not None else _env_int("LOCAL_WORLD_SIZE") or 1
+    local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK") or 0
     if num_nodes is None:
         world = _env_int("WORLD_SIZE")
         if world is None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -152,34 +121,23 @@ def _layout(num_nodes: int | None, node_rank: int | None, local_world_size: int 
 
 
 class NodeStableSampler(Sampler[int]):
-    """Dataset indices for this rank: its node's fixed shard, shuffled per epoch, split among the node's ranks.
+    """Dataset indices for this rank: its node's fixed shard, shuffled per epoch, split among the node's
+    ranks.
 
-    ``data_source`` is the dataset (or its length). The layout comes from
-    the arguments, else torchrun's ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-    ``GROUP_RANK`` and ``LOCAL_RANK``, else a single process. Call
-    ``set_epoch`` every epoch (CachedLoader does it when it draws an
-    epoch's order; drawing an epoch twice gives the same order).
+    ``data_source`` is the dataset (or its length). The layout comes from the arguments, else torchrun's
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` and ``LOCAL_RANK``, else a single process. Call
+    ``set_epoch`` every epoch (CachedLoader does it when it draws an epoch's order; drawing an epoch twice
+    gives the same order).
 
-    Invariants, every epoch: all ranks of all nodes yield ``len(self)``
-    samples; a node's ranks are disjoint except for padding repeats; with
-    ``drop_last=False`` every sample is yielded at least once; a node's
-    shard is the same every epoch.
+    Invariants, every epoch: all ranks of all nodes yield ``len(self)`` samples; a node's ranks are disjoint
+    except for padding repeats; with ``drop_last=False`` every sample is yielded at least once; a node's shard
+    is the same every epoch.
     """
 
-    def __init__(
-        self,
-        data_source: Sized | int,
-        *,
-        num_nodes: int | None = None,
-        node_rank: int | None = None,
-        local_world_size: int | None = None,
-        local_rank: int | None = None,
-        num_canonical_nodes: int = DEFAULT_CANONICAL_NODES,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        block_size: int = 1,
-    ) -> None:
+    def __init__(self, data_source: Sized | int, *, num_nodes: int | None = None, node_rank: int | None = None,
+                 local_world_size: int | None = None, local_rank: int | None = None,
+                 num_canonical_nodes: int = DEFAULT_CANONICAL_NODES, seed: int = 0, shuffle: bool = True,
+                 drop_last: bool = False, block_size: int = 1) -> None:
         super().__init__()
         self.num_samples_total = data_source if isinstance(data_source, int) else len(data_source)
         self.num_nodes, self.node_rank, self.local_world_size, self.local_rank = _layout(
@@ -194,13 +152,9 @@ class NodeStableSampler(Sampler[int]):
         self._shards = np.split(order, np.cumsum(self._counts)[:-1])
         self._resume: tuple[int, np.ndarray] | None = None  # (epoch, seen mask) of a mid-epoch resume
 
-    # ---- placement ---------------------------------------------------------
-
     def node_shard(self, node: int | None = None) -> np.ndarray:
         """The dataset indices of ``node``'s shard (default: this rank's node), ascending."""
         return self._shards[self.node_rank if node is None else node]
-
-    # ---- epochs ------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -210,8 +164,8 @@ class NodeStableSampler(Sampler[int]):
 
     def _length(self, seen: np.ndarray | None) -> int:
         counts = self._counts if seen is None else np.bincount(self._node_of[~seen], minlength=self.num_nodes)
-        per_rank = self.local_world_size
-        return int(counts.min()) // per_rank if self.drop_last else -(-int(counts.max()) // per_rank)
+        n = self.local_world_size
+        return int(counts.min()) // n if self.drop_last else -(-int(counts.max()) // n)
 
     def _rank_order(self, epoch: int, node: int, local_rank: int, seen: np.ndarray | None, length: int) -> np.ndarray:
         shard = self._shards[node]
@@ -239,15 +193,12 @@ class NodeStableSampler(Sampler[int]):
         remaining = self.num_samples_total if seen is None else int((~seen).sum())
         return abs(len(self) * self.num_nodes * self.local_world_size - remaining)
 
-    # ---- resume --------------------------------------------------------------
-
     def state_dict(self, consumed: int = 0, *, epoch: int | None = None) -> dict[str, Any]:
         """The state after every rank took ``consumed`` samples of ``epoch`` (the same count on every rank).
 
-        ``epoch`` defaults to the last ``set_epoch``. Pass it with a CachedLoader, which draws the next
-        epoch's order (``set_epoch(e + 1)``) halfway through epoch e: ``state_dict(consumed=(batch.position
-        + 1) * batch_size, epoch=batch.epoch)`` after the step of ``batch``.
-        """
+        ``epoch`` defaults to the last ``set_epoch``. Pass it with a CachedLoader, which draws the next epoch's
+        order (``set_epoch(e + 1)``) halfway through epoch e: ``state_dict(consumed=(batch.position + 1) *
+        batch_size, epoch=batch.epoch)`` after the step of ``batch``."""
         if consumed < 0:
             raise ConfigError(f"consumed must be >= 0 samples, got {consumed}")
         epoch = self.epoch if epoch is None else epoch
@@ -257,20 +208,13 @@ class NodeStableSampler(Sampler[int]):
             epoch, seen, consumed = epoch + 1, None, 0
         if consumed:
             seen = np.zeros(self.num_samples_total, dtype=bool) if seen is None else seen.copy()
-            for node in range(self.num_nodes):
-                for rank in range(self.local_world_size):
-                    seen[self._rank_order(epoch, node, rank, self._seen(epoch), length)[:consumed]] = True
-        return {
-            "epoch": epoch,
-            "num_samples": self.num_samples_total,
-            "seen": None if seen is None else np.packbits(seen).tobytes(),
-            # for the record: the layout and placement that produced it
-            "num_nodes": self.num_nodes,
-            "local_world_size": self.local_world_size,
-            "num_canonical_nodes": self.num_canonical_nodes,
-            "seed": self.seed,
-            "block_size": self.block_size,
-        }
+            for node, rank in itertools.product(range(self.num_nodes), range(self.local_world_size)):
+                seen[self._rank_order(epoch, node, rank, self._seen(epoch), length)[:consumed]] = True
+        return {"epoch": epoch, "num_samples": self.num_samples_total,
+                "seen": None if seen is None else np.packbits(seen).tobytes(),
+                # for the record: the layout and placement that produced it
+                "num_nodes": self.num_nodes, "local_world_size": self.local_world_size,
+                "num_canonical_nodes": self.num_canonical_nodes, "seed": self.seed, "block_size": self.block_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state``'s epoch; a mid-epoch state visits the samples that epoch has not seen yet."""
@@ -280,9 +224,8 @@ class NodeStableSampler(Sampler[int]):
         self.epoch = state["epoch"]
         self._resume = None
         if state["seen"] is not None:
-            bits = np.frombuffer(state["seen"], dtype=np.uint8)
-            seen = np.unpackbits(bits, count=self.num_samples_total).astype(bool)
-            self._resume = (self.epoch, seen)
+            seen = np.unpackbits(np.frombuffer(state["seen"], dtype=np.uint8), count=self.num_samples_total)
+            self._resume = (self.epoch, seen.astype(bool))
 
     def __repr__(self) -> str:
         return (f"NodeStableSampler(node {self.node_rank}/{self.num_nodes}, rank {self.local_rank}/"
