@@ -123,9 +123,7 @@ class LifecycleError(ActCacheError, RuntimeError):
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status code the daemon answers with for ``exc``."""
-    if isinstance(exc, ActCacheError):
-        return exc.status
-    return grpc.StatusCode.INTERNAL
+    return exc.status if isinstance(exc, ActCacheError) else grpc.StatusCode.INTERNAL
 
 
 # What the daemon raises; a status alone maps to the first class listed with it.
@@ -133,9 +131,8 @@ _DAEMON_ERRORS = (
     DaemonUnavailable, VersionMismatch, Unauthenticated, PermissionDenied, NamespaceNotFound, ScheduleNotFound,
     FetchAborted, InvalidRequest, EntryCorrupt, BudgetExceeded, StoreError,
 )
-_BY_STATUS = {cls.status: cls for cls in reversed(_DAEMON_ERRORS)} | {
-    grpc.StatusCode.DEADLINE_EXCEEDED: DaemonUnavailable
-}
+_BY_STATUS = {cls.status: cls for cls in reversed(_DAEMON_ERRORS)}
+_BY_STATUS[grpc.StatusCode.DEADLINE_EXCEEDED] = DaemonUnavailable
 _BY_NAME = {cls.__name__: cls for cls in (ActCacheError, ConfigError, *_DAEMON_ERRORS)}
 
 

@@ -28,7 +28,6 @@ MAX_SAMPLE_ID = 2**64 - 1
 MAX_VARIANT = 2**16 - 1
 _NAMESPACE = struct.Struct(">I")
 _GROUP = struct.Struct(">I16sH")
-_SAMPLE_AT = _GROUP.size
 _NAMESPACE_PREFIX_BYTES = _NAMESPACE.size  # 4
 GENERATION_PREFIX_BYTES = _NAMESPACE.size + FINGERPRINT_BYTES  # 20
 GROUP_PREFIX_BYTES = _GROUP.size  # 22
@@ -127,4 +126,4 @@ def split_group(prefix: bytes) -> tuple[int, bytes, int]:
 
 def sample_id_of(key: bytes) -> int:
     """The sample id of a key."""
-    return struct.unpack_from(">Q", key, _SAMPLE_AT)[0]
+    return struct.unpack_from(">Q", key, GROUP_PREFIX_BYTES)[0]

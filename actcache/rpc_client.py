@@ -156,8 +156,7 @@ class RpcClient:
                 ("grpc.max_send_message_length", self._max_message_bytes),
                 ("grpc.max_receive_message_length", self._max_message_bytes),
                 ("grpc.enable_retries", 0),
-                # Reconnect soon after the daemon comes back: gRPC's default backoff grows to 120 s,
-                # and the Connection already backs off on its own.
+                # gRPC's default reconnect backoff grows to 120 s; the Connection backs off on its own
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
@@ -190,8 +189,7 @@ class RpcClient:
         return self._channel_and_calls()[1][name]
 
     def wait_ready(self, timeout_s: float) -> bool:
-        """Wait until the channel is connected, reconnecting with its backoff (0.1 s growing to 1 s);
-        False if it is not within ``timeout_s``."""
+        """Wait until the channel is connected (retrying every 0.1 s to 1 s); False if not within ``timeout_s``."""
         ready = grpc.channel_ready_future(self._channel_and_calls()[0])
         try:
             ready.result(timeout=timeout_s)

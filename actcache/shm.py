@@ -101,8 +101,7 @@ def remove_stale(directory: Path | None = None) -> list[Path]:
 
 
 def reusable(ring_bytes: int, asked: int) -> bool:
-    """Whether an idle ring of ``ring_bytes`` serves a Fetch asking for a ring of ``asked`` bytes (as
-    ``ShmRing.size_for`` sizes it): it is as large, and at most ``REUSE_SLACK`` times larger."""
+    """Whether an idle ring of ``ring_bytes`` serves a Fetch asking for ``asked`` (``ShmRing.size_for``)."""
     return asked <= ring_bytes <= REUSE_SLACK * asked
 
 
@@ -142,8 +141,7 @@ class ShmRing:
         return bool(struct.unpack_from("<Q", self._mm, _MAPPED)[0])
 
     def restart(self, start: int, ring_bytes: int = 0) -> None:
-        """Serve a new stream from schedule position ``start`` (the last one has ended) in the first
-        ``ring_bytes`` of the data area (0, or more than it: all of it)."""
+        """Serve a new stream from position ``start`` in the first ``ring_bytes`` of the data area (0: all)."""
         self.ring_bytes = min(ring_bytes or self.capacity, self.capacity)
         self._write = self._freed = 0
         self._slots.clear()
@@ -188,8 +186,7 @@ class ShmRing:
         return blocks + [(HEADER_BYTES, count - before_end)] if before_end < count else blocks
 
     def _run_need(self, count: int, size: int) -> tuple[int, int]:
-        """``(bytes, slots before the end)`` of a run of ``count`` slots of ``size`` from the write
-        position, with the gap at the ring's end if it wraps."""
+        """``(bytes, slots before the end)`` of a run of ``count`` slots of ``size``, with any gap at the end."""
         left = self.ring_bytes - self._write % self.ring_bytes
         before_end = min(count, left // size)
         return count * size + (left - before_end * size if before_end < count else 0), before_end
@@ -220,13 +217,12 @@ class ShmRing:
         return _poll_until(fits, alive)
 
     def wait_room(self, size: int, alive: Callable[[], bool]) -> bool:
-        """Wait until a slot of ``size`` bytes fits, polling the client's releases while ``alive()``;
-        False if the call ended first."""
+        """Wait until a slot of ``size`` bytes fits; False if ``alive()`` fails first."""
         self._check_size(size)
         return _poll_until(lambda: self._room(self._run_need(1, size)[0]), alive)
 
     def wait_mapped(self, alive: Callable[[], bool]) -> None:
-        """Return once the client has mapped the segment (its name is then removed), or once ``alive()`` is false."""
+        """Return once the client has mapped the segment (then unlinked), or once ``alive()`` is false."""
         _poll_until(lambda: (self.poll(), self.unlinked)[1], alive)
 
     def unlink(self) -> None:
