@@ -16,10 +16,8 @@ Layout of one encoded entry, format version 2 (all header integers little-endian
     ...           zero padding to a multiple of 16 bytes (header_len)
     header_len    stored payload
 
-Version 1 entries (bytes 6-7: n as uint16, checksum always crc32) are still read. The raw payload
-holds the tensors in order, each C-contiguous and 16-byte aligned, so they can be viewed without
-copies. The daemon checks the header and checksum of every entry it accepts or serves; the served
-form is ``actcache.served``'s.
+Version 1 entries (bytes 6-7: n as uint16, checksum always crc32) are still read. The raw payload holds
+the tensors in order, each C-contiguous and 16-byte aligned, so they can be viewed without copies.
 """
 
 from __future__ import annotations
@@ -114,11 +112,8 @@ def _checksum(kind: Checksum, *parts) -> int:
 
 @dataclass(frozen=True)
 class Encoding:
-    """How entries are written: a codec (``raw``, ``zstd`` at ``level``, ``lz4``) and a checksum.
-
-    ``auto`` is lz4, kept per entry only when it saves 30%: with lz4 decoding at ~0.3 CPU-s/GB and a
-    disk reading ~1 GB/s (docs/benchmarks.md), only then is the entry faster to serve cold.
-    """
+    """How entries are written: a codec (``raw``, ``zstd`` at ``level``, ``lz4``) and a checksum. ``auto``
+    is lz4 kept only when it saves 30%: only then is an entry faster to serve cold (docs/benchmarks.md)."""
 
     codec: Codec = Codec.raw
     level: int = 0
@@ -259,11 +254,8 @@ def encode_entry(
     specs: Sequence[TensorSpec], buffers: Sequence[bytes | memoryview], *, zstd_level: int = 0,
     encoding: Encoding | None = None,
 ) -> bytes:
-    """Encode tensors (one C-contiguous buffer each) into one entry.
-
-    ``encoding`` says the codec and checksum; without it, ``zstd_level`` 0 stores raw bytes and any
-    other level zstd. A compressed payload falls back to raw when it saves less than 5%.
-    """
+    """Encode tensors (one C-contiguous buffer each) into one entry, with ``encoding`` (default: raw, or
+    zstd at ``zstd_level`` if not 0). A compressed payload falls back to raw when it saves less than 5%."""
     _check_count(len(specs))
     for i, spec in enumerate(specs):
         if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
@@ -390,8 +382,7 @@ def decode_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[Entry
 
 
 def compress_entry(buf: bytes | memoryview, encoding: Encoding) -> bytes | memoryview:
-    """Re-encode a raw entry with ``encoding``'s codec and checksum when compression pays; other
-    entries (and raw ones, for a raw encoding) are returned as they are."""
+    """Re-encode a raw entry with ``encoding`` when compression pays; others are returned as they are."""
     header = parse_header(buf)
     if header.codec != Codec.raw or encoding.codec not in _COMPRESSED:
         return buf

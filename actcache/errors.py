@@ -1,38 +1,26 @@
 """The one exception tree of actcache, and its mapping to gRPC status codes.
 
-    ActCacheError                   base of everything actcache raises
-    ├── ConfigError                 a flag, env var or config value is invalid
-    │   └── ConfigTypeError         ... of the wrong type (also a TypeError)
-    ├── DaemonUnavailable           the daemon cannot be reached or timed out   UNAVAILABLE / DEADLINE_EXCEEDED
-    ├── VersionMismatch             client and daemon speak different wire      FAILED_PRECONDITION
-    │                               protocols (restart the node daemon)
-    ├── Unauthenticated             missing or wrong token                      UNAUTHENTICATED
-    ├── PermissionDenied            wrong or missing namespace secret, or a     PERMISSION_DENIED
-    │                               protected namespace addressed by its id
-    ├── NamespaceNotFound           unknown namespace name or handle            NOT_FOUND
-    ├── ScheduleNotFound            Fetch of a schedule never pushed, or        NOT_FOUND
-    │                               already served to its end
-    ├── FetchAborted                the schedule was replaced or another Fetch  ABORTED
-    │                               of it took over
-    ├── InvalidRequest              malformed request or entry (dtype, shape,   INVALID_ARGUMENT
-    │                               length, key field out of range)
-    ├── EntryCorrupt                stored entry failed its checksum; deleted   DATA_LOSS
-    ├── BudgetExceeded              a byte budget or the disk is full           RESOURCE_EXHAUSTED
-    ├── StoreError                  the storage engine failed unexpectedly      INTERNAL
-    ├── ReferenceModelFailed        the client's reference-model process        (client only)
-    │                               failed or exited (Egeria plasticity)
-    ├── CacheMismatchError          an audited entry differs from what the      (client only)
-    │                               prefix computes for it (strict mode)
-    ├── PolicyError                 a freeze policy asked for what the          (client only)
-    │                               controller cannot do (also a RuntimeError)
-    └── LifecycleError              a method called in a state that does not    (client only)
-                                    allow it (also a RuntimeError)
+    ActCacheError               base of everything actcache raises
+    ├── ConfigError             a flag, env var or config value is invalid
+    │   └── ConfigTypeError     ... of the wrong type (also a TypeError)
+    ├── DaemonUnavailable       the daemon cannot be reached or timed out     UNAVAILABLE / DEADLINE_EXCEEDED
+    ├── VersionMismatch         client and daemon speak different protocols   FAILED_PRECONDITION
+    ├── Unauthenticated         missing or wrong token                        UNAUTHENTICATED
+    ├── PermissionDenied        wrong or missing namespace secret             PERMISSION_DENIED
+    ├── NamespaceNotFound       unknown namespace name or handle              NOT_FOUND
+    ├── ScheduleNotFound        schedule never pushed, or served to its end   NOT_FOUND
+    ├── FetchAborted            schedule pushed again, or Fetch taken over    ABORTED
+    ├── InvalidRequest          malformed request or entry                    INVALID_ARGUMENT
+    ├── EntryCorrupt            stored entry failed its checksum; deleted     DATA_LOSS
+    ├── BudgetExceeded          a byte budget or the disk is full             RESOURCE_EXHAUSTED
+    ├── StoreError              the storage engine failed unexpectedly        INTERNAL
+    ├── ReferenceModelFailed    the reference-model process failed            (client only)
+    ├── CacheMismatchError      an audited entry differs (strict mode)        (client only)
+    ├── PolicyError             a freeze policy asked the impossible          (client only, a RuntimeError)
+    └── LifecycleError          a call in a state that does not allow it      (client only, a RuntimeError)
 
-ConfigError is also a ValueError, so ``except ValueError`` still catches a bad argument.
-
-Every message says what was wrong, with values and units, and how to fix it.
-The daemon also names the class in the ``actcache-error`` trailing metadata,
-so a client raises exactly the class the daemon raised when two share a status.
+ConfigError is also a ValueError. Every message says what was wrong and how to fix it. The daemon names
+the class in the ``actcache-error`` trailing metadata: a client raises the class the daemon raised.
 """
 
 from __future__ import annotations
@@ -135,9 +123,7 @@ class LifecycleError(ActCacheError, RuntimeError):
 
 def status_of(exc: BaseException) -> grpc.StatusCode:
     """The gRPC status code the daemon answers with for ``exc``."""
-    if isinstance(exc, ActCacheError):
-        return exc.status
-    return grpc.StatusCode.INTERNAL
+    return exc.status if isinstance(exc, ActCacheError) else grpc.StatusCode.INTERNAL
 
 
 # What the daemon raises; a status alone maps to the first class listed with it.
@@ -145,9 +131,8 @@ _DAEMON_ERRORS = (
     DaemonUnavailable, VersionMismatch, Unauthenticated, PermissionDenied, NamespaceNotFound, ScheduleNotFound,
     FetchAborted, InvalidRequest, EntryCorrupt, BudgetExceeded, StoreError,
 )
-_BY_STATUS = {cls.status: cls for cls in reversed(_DAEMON_ERRORS)} | {
-    grpc.StatusCode.DEADLINE_EXCEEDED: DaemonUnavailable
-}
+_BY_STATUS = {cls.status: cls for cls in reversed(_DAEMON_ERRORS)}
+_BY_STATUS[grpc.StatusCode.DEADLINE_EXCEEDED] = DaemonUnavailable
 _BY_NAME = {cls.__name__: cls for cls in (ActCacheError, ConfigError, *_DAEMON_ERRORS)}
 
 

@@ -1,9 +1,8 @@
 """Fixed-width, big-endian LMDB keys: (namespace, fingerprint, depth, sample id, variant).
 
-Big-endian fields keep a (namespace, fingerprint, depth) group contiguous and ordered by sample id,
-so a group is one range scan or drop. Layout (bytes): namespace id 0-4, fingerprint 4-20, depth 20-22,
-sample id 22-30, variant 30-32; its prefixes are a namespace (4), a generation (20) and a group (22).
-This module is the one place that knows these offsets.
+Big-endian fields keep a (namespace, fingerprint, depth) group contiguous and ordered by sample id, so a
+group is one range scan or drop. Layout (bytes): namespace id 0-4, fingerprint 4-20, depth 20-22, sample
+id 22-30, variant 30-32; its prefixes are a namespace (4), a generation (20) and a group (22).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ MAX_SAMPLE_ID = 2**64 - 1
 MAX_VARIANT = 2**16 - 1
 _NAMESPACE = struct.Struct(">I")
 _GROUP = struct.Struct(">I16sH")
-_SAMPLE_AT = _GROUP.size
 _NAMESPACE_PREFIX_BYTES = _NAMESPACE.size  # 4
 GENERATION_PREFIX_BYTES = _NAMESPACE.size + FINGERPRINT_BYTES  # 20
 GROUP_PREFIX_BYTES = _GROUP.size  # 22
@@ -44,7 +42,6 @@ def check_fingerprint(fingerprint: bytes) -> bytes:
 
 
 def _check_range(**fields: int) -> None:
-    """Raise InvalidRequest naming the first of ``fields`` outside its range."""
     for name, value in fields.items():
         limit = _LIMITS[name]
         if not 0 <= value <= limit:
@@ -63,8 +60,7 @@ _KEY_DTYPE = np.dtype([("ns", ">u4"), ("fp", "S16"), ("depth", ">u2"), ("sid", "
 def encode_keys(
     namespace_id: int, fingerprint: bytes, depth: int, sample_ids: np.ndarray, variants: np.ndarray | None = None
 ) -> list[bytes]:
-    """Pack the keys of many sample ids (uint64) of one group at once (vectorized ``encode_key``);
-    ``variants`` is a uint16 array of the same length, or None for all 0."""
+    """Vectorized ``encode_key`` of many sample ids (uint64) and ``variants`` (uint16; None: all 0)."""
     _check_range(namespace_id=namespace_id, depth=depth)
     fingerprint = check_fingerprint(fingerprint)
     count = len(sample_ids)
@@ -78,8 +74,7 @@ def encode_keys(
 
 
 def sample_ids_of(keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """The (sample ids as uint64, variants as uint16) of ``keys`` at once (the inverse of ``encode_keys``'s
-    last two fields); every key must be ``KEY_BYTES`` long."""
+    """``(sample ids as uint64, variants as uint16)`` of full keys at once."""
     packed = np.frombuffer(b"".join(keys), _KEY_DTYPE)
     return packed["sid"].astype(np.uint64), packed["var"].astype(np.uint16)
 
@@ -131,4 +126,4 @@ def split_group(prefix: bytes) -> tuple[int, bytes, int]:
 
 def sample_id_of(key: bytes) -> int:
     """The sample id of a key."""
-    return struct.unpack_from(">Q", key, _SAMPLE_AT)[0]
+    return struct.unpack_from(">Q", key, GROUP_PREFIX_BYTES)[0]

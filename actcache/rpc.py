@@ -1,9 +1,7 @@
 """The wire layer shared by daemon and clients: method names, Frame encoding, entry packing.
 
-A ``Frame`` (proto/actcache.proto) is ``{bytes header = 1; bytes payload = 2}``.
-Bulk methods use identity (de)serializers and build/parse that protobuf
-encoding by hand, so payload bytes are joined once on send and sliced (not
-copied) on receipt. The result is byte-compatible with the generated stubs.
+A ``Frame`` (proto/actcache.proto) is ``{bytes header = 1; bytes payload = 2}``. Bulk methods build and
+parse it by hand (byte-compatible with the generated stubs): payloads are joined once, sliced on receipt.
 """
 
 from __future__ import annotations

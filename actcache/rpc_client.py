@@ -36,11 +36,8 @@ _SCHEDULE_CHUNK_IDS = 1 << 16
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EntryBatch:
-    """The entries of one Fetch frame: positions ``start .. start + len - 1`` of the schedule.
-
-    ``values[i]`` is an uncompressed entry (``actcache.codec.decode_entry`` views its tensors without
-    copies), or None for a miss. Views stay valid as long as the batch is referenced.
-    """
+    """The entries of one Fetch frame: positions ``start .. start + len - 1`` of the schedule. ``values[i]``
+    is an uncompressed entry (``actcache.codec.decode_entry`` views its tensors), or None for a miss."""
 
     start: int
     sample_ids: Sequence[int]
@@ -66,8 +63,7 @@ class EntryBatch:
     @classmethod
     def from_slots(cls, header: pb.EntriesHeader, segment: "ClientSegment",
                    payload: bytes | memoryview = b"") -> "EntryBatch":
-        """Views into the shared-memory segment for a frame of slot descriptors (offset 0: the
-        entry is in the frame's payload, as one larger than the ring is)."""
+        """Views into ``segment`` for a frame of slot descriptors (offset 0: the entry is in the payload)."""
         if len(header.offsets) != len(header.lengths):
             raise ActCacheError(f"Fetch frame lists {len(header.lengths)} lengths but {len(header.offsets)} offsets")
         view = segment.view
@@ -91,8 +87,7 @@ class EntryBatch:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class JobInfo:
-    """A job as it describes itself to the daemon when it opens a namespace (``actcache ls`` lists them);
-    ``JobInfo.current(data_id=...)`` describes this process."""
+    """A job as it describes itself at Open (``actcache ls`` lists them); ``current()`` is this process."""
 
     pid: int
     host: str
@@ -161,8 +156,7 @@ class RpcClient:
                 ("grpc.max_send_message_length", self._max_message_bytes),
                 ("grpc.max_receive_message_length", self._max_message_bytes),
                 ("grpc.enable_retries", 0),
-                # Reconnect soon after the daemon comes back: gRPC's default backoff grows to 120 s,
-                # and the Connection already backs off on its own.
+                # gRPC's default reconnect backoff grows to 120 s; the Connection backs off on its own
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
@@ -172,7 +166,7 @@ class RpcClient:
                 channel = grpc.secure_channel(self.target, creds, options)
             else:
                 channel = grpc.insecure_channel(self.target, options)
-            # (kind, request type, reply type); None: bulk frames, passed as bytes and parsed by hand
+            # None: bulk frames, passed as bytes and parsed by hand
             kinds = {
                 "Open": ("unary_unary", pb.OpenRequest, pb.OpenReply),
                 "Contains": ("unary_unary", pb.ContainsRequest, pb.ContainsReply),
@@ -195,8 +189,7 @@ class RpcClient:
         return self._channel_and_calls()[1][name]
 
     def wait_ready(self, timeout_s: float) -> bool:
-        """Wait until the channel is connected, reconnecting with its backoff (0.1 s growing to 1 s);
-        False if it is not within ``timeout_s``."""
+        """Wait until the channel is connected (retrying every 0.1 s to 1 s); False if not within ``timeout_s``."""
         ready = grpc.channel_ready_future(self._channel_and_calls()[0])
         try:
             ready.result(timeout=timeout_s)
@@ -244,12 +237,10 @@ class RpcClient:
     def open(
         self, name: str, *, create: bool = True, secret: bytes | str | None = None, job: JobInfo | None = None
     ) -> pb.OpenReply:
-        """Open (or create) a namespace; returns its handle and limits.
+        """Open (or create) a namespace; returns its handle (valid until the daemon restarts) and limits.
 
-        With a ``secret`` the namespace is protected: only Opens presenting it get the handle (a random
-        64-bit value valid until the daemon restarts; on NamespaceNotFound for it, open again). ``job``
-        (e.g. ``JobInfo.current(data_id)``) tells the daemon who opens it (Stats lists the last jobs).
-        Raises VersionMismatch when the daemon speaks another wire protocol (or predates the exchange).
+        A ``secret`` protects the namespace: only Opens presenting it get the handle. ``job`` tells the
+        daemon who opens it. Raises VersionMismatch when the daemon speaks another wire protocol.
         """
         if isinstance(secret, str):
             secret = secret.encode()
@@ -302,12 +293,8 @@ class RpcClient:
         sample_ids: Sequence[int] | np.ndarray, variants: Sequence[int] | np.ndarray | None = None,
         *, chunk_ids: int = _SCHEDULE_CHUNK_IDS, report_present: bool = False,
     ) -> pb.ScheduleReply:
-        """Push an order of sample ids (e.g. an epoch's sampler order) as schedule ``schedule_id``.
-
-        The daemon starts reading it ahead at once; ``fetch`` streams it. Pushing an existing
-        ``schedule_id`` again replaces it. With ``report_present`` the reply's ``present`` says which
-        entries are stored (one byte each). Ids travel packed, ``chunk_ids`` per message.
-        """
+        """Push an order of sample ids as schedule ``schedule_id`` (replacing one of that id); the daemon
+        reads it ahead at once. ``report_present``: the reply's ``present`` says which entries are stored."""
         fingerprint = check_fingerprint(fingerprint)
         ids, vars_ = _ids_and_variants(sample_ids, variants)
         if chunk_ids < 1:
@@ -330,22 +317,15 @@ class RpcClient:
         self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0,
         shared_memory: bool = False, ring_bytes: int = 0, whole_frames: bool = False,
     ) -> Iterator[EntryBatch]:
-        """Stream a pushed schedule from position ``start``, one EntryBatch per frame, in schedule order.
+        """Stream a pushed schedule from position ``start``, one EntryBatch per frame, without a deadline;
+        resumes after UNAVAILABLE up to ``retries`` times. Closing the iterator cancels the call.
 
-        No overall deadline (an epoch takes as long as it takes); if the daemon becomes unreachable
-        mid-stream the fetch resumes from the next position, up to ``retries`` times. Closing the
-        iterator cancels the call and frees the daemon's read-ahead memory for it at once.
-
-        ``shared_memory=True`` asks for the same-host data plane (Unix socket only; see actcache.shm):
-        values are views into a ring of ``ring_bytes`` (0 = 8 MiB; a larger entry comes in the frame)
-        that the daemon reuses, valid only until the next batch is asked for or the stream ends (copy
-        what you keep); ``batch.data_plane`` says which path the daemon took. ``whole_frames=True``:
-        the daemon never cuts a frame short while this loop holds earlier ones.
+        ``shared_memory`` (Unix socket only): values are views into a ring of ``ring_bytes`` (0 = 8 MiB),
+        valid until the next batch is asked for. ``whole_frames``: frames are never cut short.
         """
         position, attempt = start, 0
         use_shm = shared_memory and self.target.startswith("unix:")
         while True:
-            # an ended Fetch's segment of the size asked, for the daemon to reuse
             offered = self.segments.take(ShmRing.size_for(ring_bytes)) if use_shm else None
             request = pb.FetchRequest(
                 namespace_id=namespace_id, schedule_id=schedule_id, start=position, max_frame_bytes=max_frame_bytes,
@@ -374,7 +354,7 @@ class RpcClient:
                     position += len(batch)
                     attempt = 0
                     yield batch
-                    if segment is not None:  # consumed: its slots may be reused (before waiting for more)
+                    if segment is not None:  # consumed: release before waiting for more
                         segment.release(position)
                 else:
                     return

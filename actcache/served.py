@@ -1,10 +1,6 @@
-"""Entries as Fetch serves them, and batches of them: verified, uncompressed, copied into place.
-
-A raw entry is served as stored; a compressed one is verified, decompressed and given a
-``raw_verified`` header (``to_raw_entry``). The daemon serves a frame's entries a batch at a time
-(``to_raw_entries_into``, ``copy_raw_run``), and the client collates a batch of one layout without
-parsing each header (``uniform_layout``, ``uniform_rows``). Why batches: per entry, the Python around
-one checksum call and one copy costs more than both. The byte layout is ``actcache.codec``'s.
+"""Entries as Fetch serves them: raw ones as stored, compressed ones verified, decompressed and given a
+``raw_verified`` header. Most functions work a batch at a time: per entry, the Python around one
+checksum call and one copy costs more than both.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ __all__ = ["copy_raw_run", "decoded_size", "served_size", "stored_raw", "to_raw_
 
 def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
     """The header of ``bufs[0]`` when every entry has its layout and an uncompressed payload (they differ
-    at most in the checksum), else None: their payloads sit at the same offsets. Checksums are not checked.
-    """
+    at most in the checksum, which is not checked), else None."""
     header = _uncompressed_header(bufs[0]) if len(bufs) else None
     if header is None:
         return None
@@ -44,15 +39,13 @@ def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
 
 
 def uniform_rows(rows: np.ndarray) -> EntryHeader | None:
-    """``uniform_layout`` for entries laid out as the rows of a 2-D uint8 array (as consecutive ring
-    slots are), in one vectorised comparison."""
+    """``uniform_layout`` for entries that are the rows of a 2-D uint8 array, in one vectorised comparison."""
     header = _uncompressed_header(rows[0]) if len(rows) else None
     if header is None:
         return None
     head, tail = _unchecked_header(header)
-    if not ((rows[1:, head] == rows[0, head]).all() and (rows[1:, tail] == rows[0, tail]).all()):
-        return None
-    return header
+    same = (rows[1:, head] == rows[0, head]).all() and (rows[1:, tail] == rows[0, tail]).all()
+    return header if same else None
 
 
 def _uncompressed_header(buf: bytes | memoryview | np.ndarray) -> EntryHeader | None:
@@ -66,25 +59,19 @@ def _unchecked_header(header: EntryHeader) -> tuple[slice, slice]:
 
 
 def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes | memoryview, ...]:
-    """The entry with an uncompressed payload, as parts to concatenate (what Fetch serves).
-
-    A raw entry comes back as itself (one part, no copy); a compressed one is verified, decompressed
-    and gets a ``raw_verified`` header (two parts: header, payload). Raises InvalidRequest when
-    ``buf`` is malformed or fails its checksum.
-    """
+    """The entry as Fetch serves it, as parts to concatenate: a raw one itself, a compressed one its
+    ``raw_verified`` header and raw payload. Raises InvalidRequest if malformed or failing its checksum."""
     return _served_parts(buf, *decode_entry(buf, verify=verify))
 
 
 def _served_parts(buf: bytes | memoryview, header: EntryHeader, raw: bytes | memoryview) -> tuple:
-    """The parts of ``buf`` as served, given its header and raw payload."""
     if header.codec not in _COMPRESSED:
         return (buf,)
     return _pack_header(Codec.raw_verified, header.specs, header.raw_len, raw), raw
 
 
 def decoded_size(buf: bytes | memoryview) -> int:
-    """Bytes of ``buf`` with its payload uncompressed (header + raw payload), from the fixed header alone
-    (cheap: for sizing buffers before decoding)."""
+    """Bytes of ``buf`` with its payload uncompressed, from the fixed header alone (cheap)."""
     view = memoryview(buf)
     _, _, _, raw_len, stored_len, _ = _fixed_fields(view)
     if stored_len > view.nbytes - _FIXED.size:
@@ -96,14 +83,12 @@ _CODEC_OFFSET = 5  # the codec byte (actcache.codec's layout), in versions 1 and
 
 
 def stored_raw(buf: bytes | memoryview) -> bool:
-    """Whether ``buf``'s header says its payload is stored uncompressed (Codec.raw), from its codec
-    byte alone: cheap, and not a check that ``buf`` is a valid entry."""
+    """Whether ``buf``'s codec byte says raw (cheap; not a check that ``buf`` is a valid entry)."""
     return len(buf) > _CODEC_OFFSET and buf[_CODEC_OFFSET] == Codec.raw
 
 
 def served_size(buf: bytes | memoryview) -> int:
-    """Bytes of ``buf`` as Fetch serves it: a raw entry as stored, a compressed one decompressed
-    (``decoded_size``). A malformed entry keeps its size; it becomes a miss when it is verified."""
+    """Bytes of ``buf`` as Fetch serves it; a malformed entry keeps its size (it is a miss once verified)."""
     if stored_raw(buf):
         return len(buf)
     try:
@@ -113,11 +98,8 @@ def served_size(buf: bytes | memoryview) -> int:
 
 
 def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, bytes | memoryview] | InvalidRequest]:
-    """Per entry, verified: (header, raw payload) or the InvalidRequest it raised.
-
-    The zstd payloads are decompressed in one call that releases the interpreter lock once, not once
-    per entry (what bounds a multi-threaded server on small entries).
-    """
+    """Per entry, verified: (header, raw payload) or the InvalidRequest it raised. The zstd payloads are
+    decompressed in one call, releasing the interpreter lock once, not per entry."""
     headers = [_or_error(verify_entry, buf) for buf in bufs]
     zstd = [i for i, h in enumerate(headers) if isinstance(h, EntryHeader) and h.codec == Codec.zstd]
     raws = {}
@@ -180,12 +162,8 @@ def to_raw_entries_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memor
 
 
 def copy_raw_run(bufs: Sequence[bytes | memoryview], dest: memoryview) -> list[InvalidRequest | None]:
-    """Copy raw entries of one size into consecutive rows of ``dest`` (``len(bufs)`` times their size)
-    and verify each copy: per entry None, or the InvalidRequest its row failed with (garbage then).
-
-    One copy and one checksum call per entry (hashed while in the CPU cache); header checks and
-    checksum comparisons are one vectorised operation each. The caller checks every entry is raw.
-    """
+    """Copy raw entries of one size into consecutive rows of ``dest`` and verify each copy (hashed while
+    in the CPU cache): per entry None, or the InvalidRequest its row failed with (garbage then)."""
     count = len(bufs)
     size = dest.nbytes // count if count else 0
     try:
@@ -247,7 +225,6 @@ _LAST_LINK_FNS = {Checksum.crc32: zlib.crc32, Checksum.xxh3: xxhash.xxh3_64_intd
 
 
 def _payload_checksum(header: EntryHeader, first: bytes | memoryview) -> tuple[Callable, int]:
-    """``(last, seed)`` for raw entries of ``header``'s layout (``first`` is one): an entry's checksum is
-    ``last(payload, seed) & 0xFFFFFFFF``, the seed being the header's part, the same for all."""
+    """``(last, seed)``: a raw entry of ``first``'s layout has checksum ``last(payload, seed) & 0xFFFFFFFF``."""
     chain, view = _CHECKSUM_FNS[header.checksum], memoryview(first)
     return _LAST_LINK_FNS[header.checksum], chain(view[_CRC_OFFSET + 4 : header.header_len], chain(view[:_CRC_OFFSET], 0))

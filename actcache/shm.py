@@ -1,41 +1,26 @@
-"""The same-host shared-memory data plane of Fetch: one ring per stream in a POSIX shared memory file.
+"""The same-host shared-memory data plane of Fetch (docs/design/shared-memory.md): one ring per stream.
 
-A client on the daemon's host (Unix socket) asks for it in the FetchRequest (``shared_memory``,
-``ring_bytes``). The daemon creates ``<shm dir>/actcache-<daemon pid>-<random>`` (mode 0600) and
-copies each served entry, decoded, into the ring; Fetch frames carry only the segment's path (first
-frame) and per entry its offset and length (0 = a miss). The client's values are views into it.
-
-Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
+The daemon creates ``<shm dir>/actcache-<daemon pid>-<random>`` (mode 0600) and copies each served
+entry, decoded, into a slot of the ring; frames carry the segment's path (first frame) and per entry
+its offset and length (0 = a miss). Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
 
     0  magic  b"ACTSHM1\\0"
-    8  capacity          size of the data area          (daemon writes)
-    16 released          schedule position: every entry before it is
-                         released by the client         (client writes)
-    24 mapped            1 once the client has mapped   (client writes)
-
-Slots: each hit gets a contiguous slot at the ring's monotonic write position (one that would cross
-the end starts at the beginning, the gap counted with it). When the client moves on from a batch it
-writes the batch's end position to ``released``; the daemon frees every slot below it, in order.
+    8  capacity    size of the data area                                  (daemon writes)
+    16 released    schedule position: every entry before it is released  (client writes)
+    24 mapped      1 once the client has mapped                           (client writes)
 
 Invariants:
 
 - a slot is reused only after the client released it: the daemon writes ``[p, p + n)`` only if
-  ``p + n - freed <= ring_bytes``;
+  ``p + n - freed <= ring_bytes``; a slot that would cross the end starts at the beginning;
 - ``released`` only grows and only the client writes it (one aligned 8-byte word: never torn);
-- no deadlock: when the ring is full of a frame's own entries, or the client holds earlier frames,
-  the daemon first sends what it has written, then polls ``released`` while the call is alive; an
-  entry larger than the whole ring travels in its frame's payload instead;
+- no deadlock: when the ring is full, the daemon first sends what it has written, then polls
+  ``released`` while the call is alive; an entry larger than the ring travels in the frame's payload.
 - the ring is outside the prefetch budget.
 
-Reuse: a ring whose stream ended after its client mapped it is parked by the daemon
-(``ParkedRings``) and kept by the client (``SegmentPool``); the client's next Fetch names it
-(``reuse_segment``) and the daemon ``restart``s it if it still holds it at a size that serves
-(``reusable``). A ring is parked only once its handler returned and offered only once the client's
-stream ended, so no two streams share one.
-
-Crash safety: names are unique (pid + 64 random bits); the daemon unlinks the segment once it sees
-``mapped``, at the latest when the stream ends. Segments a killed daemon left are removed at the next
-daemon start and by ``actcache clean``.
+Reuse: a ring is parked by the daemon (``ParkedRings``) only once its handler returned and kept by the
+client (``SegmentPool``) only once its stream ended, so no two streams share one. Crash safety: the
+daemon unlinks the segment once it sees ``mapped``; a killed daemon's are removed at the next start.
 """
 
 from __future__ import annotations
@@ -116,8 +101,7 @@ def remove_stale(directory: Path | None = None) -> list[Path]:
 
 
 def reusable(ring_bytes: int, asked: int) -> bool:
-    """Whether an idle ring of ``ring_bytes`` serves a Fetch asking for a ring of ``asked`` bytes (as
-    ``ShmRing.size_for`` sizes it): it is as large, and at most ``REUSE_SLACK`` times larger."""
+    """Whether an idle ring of ``ring_bytes`` serves a Fetch asking for ``asked`` (``ShmRing.size_for``)."""
     return asked <= ring_bytes <= REUSE_SLACK * asked
 
 
@@ -157,8 +141,7 @@ class ShmRing:
         return bool(struct.unpack_from("<Q", self._mm, _MAPPED)[0])
 
     def restart(self, start: int, ring_bytes: int = 0) -> None:
-        """Serve a new stream from schedule position ``start`` (the last one has ended) in the first
-        ``ring_bytes`` of the data area (0, or more than it: all of it)."""
+        """Serve a new stream from position ``start`` in the first ``ring_bytes`` of the data area (0: all)."""
         self.ring_bytes = min(ring_bytes or self.capacity, self.capacity)
         self._write = self._freed = 0
         self._slots.clear()
@@ -203,8 +186,7 @@ class ShmRing:
         return blocks + [(HEADER_BYTES, count - before_end)] if before_end < count else blocks
 
     def _run_need(self, count: int, size: int) -> tuple[int, int]:
-        """``(bytes, slots before the end)`` of a run of ``count`` slots of ``size`` from the write
-        position, with the gap at the ring's end if it wraps."""
+        """``(bytes, slots before the end)`` of a run of ``count`` slots of ``size``, with any gap at the end."""
         left = self.ring_bytes - self._write % self.ring_bytes
         before_end = min(count, left // size)
         return count * size + (left - before_end * size if before_end < count else 0), before_end
@@ -219,14 +201,9 @@ class ShmRing:
 
     def wait_frame_room(self, nbytes: int, slot_bytes: int, alive: Callable[[], bool], patience_s: float, *,
                         uniform: bool = False) -> bool:
-        """Wait up to ``patience_s`` for a frame of ``nbytes`` in slots of up to ``slot_bytes`` to fit
-        whole, polling while ``alive()``; False if the call ended first. Returns at once when the client
-        has released every slot, and after ``patience_s`` with what fits (a client may hold frames on
-        purpose). Why wait: a frame cut short ends mid-batch, which the client copies in two parts.
-
-        ``uniform``: the frame's slots are all ``slot_bytes``, so the room it needs is exact; else it
-        allows one slot more for a gap at the ring's end.
-        """
+        """Wait up to ``patience_s`` for a frame of ``nbytes`` in slots of up to ``slot_bytes`` (all of it
+        when ``uniform``) to fit whole, or for the client to release every slot; False if ``alive()``
+        fails first. Why: a frame cut short ends mid-batch, which the client copies in two parts."""
         if uniform and 0 < nbytes <= self.ring_bytes and nbytes % slot_bytes == 0:
             need = self._run_need(nbytes // slot_bytes, slot_bytes)[0]
         else:  # a slot never wraps: allow one slot of gap at the end
@@ -240,13 +217,12 @@ class ShmRing:
         return _poll_until(fits, alive)
 
     def wait_room(self, size: int, alive: Callable[[], bool]) -> bool:
-        """Wait until a slot of ``size`` bytes fits, polling the client's releases while ``alive()``;
-        False if the call ended first."""
+        """Wait until a slot of ``size`` bytes fits; False if ``alive()`` fails first."""
         self._check_size(size)
         return _poll_until(lambda: self._room(self._run_need(1, size)[0]), alive)
 
     def wait_mapped(self, alive: Callable[[], bool]) -> None:
-        """Return once the client has mapped the segment (its name is then removed), or once ``alive()`` is false."""
+        """Return once the client has mapped the segment (then unlinked), or once ``alive()`` is false."""
         _poll_until(lambda: (self.poll(), self.unlinked)[1], alive)
 
     def unlink(self) -> None:
@@ -257,9 +233,7 @@ class ShmRing:
 
     def close(self) -> None:
         self.unlink()
-        with contextlib.suppress(BufferError, ValueError):  # views still exported: the mapping goes with them
-            self._view.release()
-            self._mm.close()
+        _unmap(self._view, self._mm)
 
 
 def _poll_until(done: Callable[[], bool], alive: Callable[[], bool]) -> bool:
@@ -298,10 +272,14 @@ class ClientSegment:
         struct.pack_into("<Q", self._mm, _RELEASED, position)
 
     def close(self) -> None:
-        """Drop the mapping (views still exported keep it until they go)."""
-        with contextlib.suppress(BufferError, ValueError):
-            self.view.release()
-            self._mm.close()
+        _unmap(self.view, self._mm)
+
+
+def _unmap(view: memoryview, mm: mmap.mmap) -> None:
+    """Drop a mapping; views still exported keep it until they go."""
+    with contextlib.suppress(BufferError, ValueError):
+        view.release()
+        mm.close()
 
 
 @dataclass(frozen=True)

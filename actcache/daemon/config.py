@@ -46,8 +46,7 @@ def format_size(n: float) -> str:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP literal, ``[v6]`` or ``localhost``) is a loopback address; names other
-    than localhost are not resolved and count as remote."""
+    """Whether ``host`` (an IP literal, ``[v6]`` or ``localhost``; other names count as remote) is loopback."""
     host = host.strip("[]")
     if host == "localhost":
         return True
@@ -267,10 +266,7 @@ class DaemonConfig:
     @classmethod
     def from_sources(cls, flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> "DaemonConfig":
         """Merge ``flags`` (None = not given) over ``ACTCACHE_<NAME>`` env vars (empty = not set) over defaults.
-
-        A value that does not parse, or that a config rejects, is a ConfigError naming the flag (and the
-        variable, when the value came from the environment), the value given and what is accepted.
-        """
+        A bad value is a ConfigError naming the flag (and the variable it came from), the value and the fix."""
         env = os.environ if env is None else env
         from_env: dict[str, str] = {}  # "--flag" -> "ACTCACHE_FLAG='value'", for the values taken from env
 
