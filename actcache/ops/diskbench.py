@@ -1,11 +1,8 @@
 """``actcache bench disk``: what the cache's filesystem and LMDB deliver, to size a node.
 
-In a temp directory inside DIR (removed at the end, or by ``actcache clean``), 1 MiB
-blocks over a file of --size: writes (sequential, random; O_DIRECT, else buffered +
-fsync), reads with O_DIRECT, buffered cold and buffered warm, then LMDB put and random
-get, cold and warm. "Cold" drops the page cache where /proc/sys/vm/drop_caches is
-writable and always evicts the bench's files (posix_fadvise). The verdict compares
-LMDB's cold get with the disk's O_DIRECT random read. MB/s is 10^6 bytes per second.
+In a temp directory inside DIR, 1 MiB blocks over a file of --size are written, then read O_DIRECT,
+buffered cold and warm; then LMDB put and random get, cold and warm. The verdict compares LMDB's cold
+get with the disk's O_DIRECT random read. MB/s is 10^6 bytes per second.
 """
 
 from __future__ import annotations
@@ -89,8 +86,8 @@ class DiskReport:
 def run_disk_bench(
     directory: Path, size: int, *, drop_caches: bool = True, progress: bool = False, seed: int = 0
 ) -> DiskReport:
-    """Measure DIR's filesystem and LMDB (module docstring); cleans up after itself. ``drop_caches``: drop
-    the whole page cache before cold phases when permitted (off: only the bench's files are evicted)."""
+    """Measure ``directory``'s filesystem and LMDB; ConfigError for a bad directory or size. ``drop_caches``:
+    drop the whole page cache before cold phases where permitted (always: evict the bench's files)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(f"--dir {directory} is not a directory; pass a directory on the filesystem to measure")
@@ -112,9 +109,8 @@ def run_disk_bench(
 
 
 class _Bench:
-    def __init__(
-        self, directory: Path, work: Path, blocks: int, progress: bool, rng: random.Random, drop_caches: bool
-    ) -> None:
+    def __init__(self, directory: Path, work: Path, blocks: int, progress: bool, rng: random.Random,
+                 drop_caches: bool) -> None:
         self.work = work
         self.blocks = blocks
         self.progress = progress
@@ -205,21 +201,17 @@ class _Bench:
         key = lambda i: i.to_bytes(8, "big")  # noqa: E731
         env = open_env()
         try:
-            txn = None
-            pending = 0
+            txn = env.begin(write=True)
 
-            def put(offset: int) -> None:
-                nonlocal txn, pending
-                txn = txn or env.begin(write=True)
+            def put(offset: int) -> None:  # in sequential order: a commit every _VALUES_PER_TXN blocks
+                nonlocal txn
                 txn.put(key(offset // BLOCK_BYTES), self._stamp(offset))
-                pending += 1
-                if pending == _VALUES_PER_TXN:
+                if (offset // BLOCK_BYTES + 1) % _VALUES_PER_TXN == 0:
                     txn.commit()
-                    txn, pending = None, 0
+                    txn = env.begin(write=True)
 
             def finish() -> None:
-                if txn is not None:
-                    txn.commit()
+                txn.commit()
                 env.sync(True)
 
             self._phase("lmdb put", "lmdb", "-", self.sequential, put, finish=finish)
