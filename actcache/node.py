@@ -141,10 +141,8 @@ def healthy(target: str, timeout_s: float = 5.0) -> bool:
 
 
 def ensure_running(node: NodeDaemon, *, start_timeout_s: float = 60.0) -> None:
-    """Make sure the node daemon answers on ``node.socket``, starting it if needed (module docstring).
-
-    Raises DaemonUnavailable, quoting the daemon's log, when it cannot be started.
-    """
+    """Make sure the node daemon answers on ``node.socket``, starting it if needed (module docstring);
+    DaemonUnavailable, quoting the daemon's log, when it cannot be started."""
     if healthy(node.target):
         return
     waiting_since = time.time_ns()
@@ -350,9 +348,7 @@ def wait_exit(pid: int, timeout_s: float, sig: int | None = None) -> bool:
 
 def stop_daemon(socket: Path, timeout_s: float = 30.0) -> int | None:
     """SIGTERM the daemon listening on ``socket`` and wait for it to exit; its pid, or None when none listens.
-
-    Raises DaemonUnavailable when it is still running after ``timeout_s``.
-    """
+    DaemonUnavailable when it is still running after ``timeout_s``."""
     pid = peer_pid(socket)
     if pid is not None and not wait_exit(pid, timeout_s, signal.SIGTERM):
         raise DaemonUnavailable(

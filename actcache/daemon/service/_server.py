@@ -113,11 +113,8 @@ def _tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 class Daemon:
-    """One actcache daemon: a Store behind a gRPC server.
-
-    ``on_idle``: called (from the idle monitor's thread) once ``idle_timeout_s`` passed without a
-    call; it should make the owner call :meth:`stop`, as :func:`serve` does.
-    """
+    """One actcache daemon: a Store behind a gRPC server. ``on_idle`` is called (from the idle monitor's
+    thread) once ``idle_timeout_s`` passed without a call; it should make the owner call :meth:`stop`."""
 
     def __init__(self, config: DaemonConfig, *, on_idle: Callable[[], None] | None = None) -> None:
         self.config = config
