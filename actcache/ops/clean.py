@@ -173,9 +173,8 @@ def bench_leftovers(target: CleanTarget) -> Iterable[Finding]:
 
 @reclaimer
 def stale_shm_segments(target: CleanTarget) -> Iterable[Finding]:
-    """Remove shared-memory segments (``/dev/shm/actcache-<pid>-*``) whose daemon pid is dead. Segments
-    are host-wide: live ones are reported only for the daemon holding ``--dir``; with no ``--dir`` and
-    nothing stale it says nothing."""
+    """Remove shared-memory segments (``/dev/shm/actcache-<pid>-*``) of dead daemons; live ones are reported
+    only for the daemon holding ``--dir`` (segments are host-wide)."""
     from actcache.shm import shm_dir, stale_segments
 
     found = False

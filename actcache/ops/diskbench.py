@@ -131,9 +131,6 @@ class _Bench:
             dir=str(directory), filesystem=_filesystem_of(directory), size_bytes=blocks * BLOCK_BYTES,
             o_direct=hasattr(os, "O_DIRECT"), page_cache_dropped=dropped, cold_method=cold,
         )
-        if not self.report.o_direct:
-            self.report.notes.append("O_DIRECT is not available on this platform: writes are buffered + fsync "
-                                     "and the disk reference is the buffered cold read")
 
     def run(self) -> DiskReport:
         path = self.work / "disk.bin"
@@ -147,7 +144,11 @@ class _Bench:
         return self.report
 
     def _disk_phases(self, path: Path) -> None:
-        direct = self.report.o_direct = self.report.o_direct and self._direct_works(path)
+        refused = self._direct_refused(path)
+        if refused:
+            self.report.notes.append(f"{refused}: writes are buffered + fsync and the disk reference is the "
+                                     "buffered cold read")
+        direct = self.report.o_direct = refused is None
         access = "O_DIRECT" if direct else "buffered"
         flags = os.O_DIRECT if direct else 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600)
@@ -163,7 +164,10 @@ class _Bench:
         if self._fits_in_memory():
             self._reads(path, 0, "buffered", "warm")
 
-    def _direct_works(self, path: Path) -> bool:
+    def _direct_refused(self, path: Path) -> str | None:
+        """Why O_DIRECT cannot be used on ``path``, or None."""
+        if not self.report.o_direct:
+            return "O_DIRECT is not available on this platform"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
             try:
@@ -171,11 +175,8 @@ class _Bench:
             finally:
                 os.close(fd)
         except OSError as exc:
-            self.report.notes.append(
-                f"O_DIRECT refused on {self.report.filesystem['type']} ({exc.strerror}): writes are buffered + fsync "
-                "and the disk reference below is the buffered cold read")
-            return False
-        return True
+            return f"O_DIRECT refused on {self.report.filesystem['type']} ({exc.strerror})"
+        return None
 
     def _reads(self, path: Path, flags: int, access: str, cache: str, evict_first: Path | None = None) -> None:
         fd = os.open(path, os.O_RDONLY | flags)

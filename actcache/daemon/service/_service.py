@@ -187,8 +187,7 @@ class ActCacheService:
 
     @_status_on_error
     def Get(self, request: pb.GetRequest, context) -> Iterator[bytes]:
-        """Streams the entries in request order, reading one reply frame's worth at a time
-        (memory stays near ``_REPLY_FRAME_BYTES`` per call, whatever the number of ids)."""
+        """Streams the entries in request order, reading one reply frame's worth at a time (bounded memory)."""
         count = len(request.sample_ids)
         if count > _MAX_IDS_PER_GET:
             raise InvalidRequest(f"Get asks for {count} entries; at most {_MAX_IDS_PER_GET} per call")
