@@ -49,10 +49,12 @@ def _parsed(requests: Iterable[Any], errors: list[str]) -> Iterator[Any]:
 
 
 @contextmanager
-def _invalid_after(errors: list[str], context) -> Iterator[None]:
-    """Any error once ``errors`` holds one ends the call INVALID_ARGUMENT, whatever the handler made of it."""
+def _invalid_after(context) -> Iterator[list[str]]:
+    """Yields a list for ``_parsed``'s errors: any error once it holds one ends the call INVALID_ARGUMENT,
+    whatever the handler made of it."""
+    errors: list[str] = []
     try:
-        yield
+        yield errors
     except Exception:
         if errors:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, errors[0])
@@ -70,13 +72,11 @@ def _guard(behavior: Callable, handler: grpc.RpcMethodHandler) -> Callable:
         return unary_request
 
     def stream_stream(requests, context):
-        errors: list[str] = []
-        with _invalid_after(errors, context):
+        with _invalid_after(context) as errors:
             yield from behavior(_parsed(requests, errors), context)
 
     def stream_unary(requests, context):
-        errors: list[str] = []
-        with _invalid_after(errors, context):
+        with _invalid_after(context) as errors:
             return behavior(_parsed(requests, errors), context)
 
     return stream_stream if handler.response_streaming else stream_unary
