@@ -125,8 +125,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _make_dirs(config) -> None:
-    """Create the cache and socket directories before the daemon starts, so a bad path is one line naming
-    its flag. A socket shared with a group gets its directory from the daemon (mode 2710)."""
+    """Create the cache and socket directories first, so a bad path is one line naming its flag (a socket
+    shared with a group gets its directory from the daemon)."""
     config.store.dir.mkdir(parents=True, exist_ok=True)
     if not os.access(config.store.dir, os.W_OK | os.X_OK):
         raise PermissionError(13, "not writable", str(config.store.dir))

@@ -23,10 +23,10 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping
 
 from actcache.errors import ConfigError, DaemonUnavailable
 
@@ -141,10 +141,8 @@ def healthy(target: str, timeout_s: float = 5.0) -> bool:
 
 
 def ensure_running(node: NodeDaemon, *, start_timeout_s: float = 60.0) -> None:
-    """Make sure the node daemon answers on ``node.socket``, starting it if needed (module docstring).
-
-    Raises DaemonUnavailable, quoting the daemon's log, when it cannot be started.
-    """
+    """Make sure the node daemon answers on ``node.socket``, starting it if needed (module docstring);
+    DaemonUnavailable, quoting the daemon's log, when it cannot be started."""
     if healthy(node.target):
         return
     waiting_since = time.time_ns()
@@ -152,8 +150,12 @@ def ensure_running(node: NodeDaemon, *, start_timeout_s: float = 60.0) -> None:
         node.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if node.socket.parent != node.dir:
             _private_dir(node.socket.parent)
-        with _locked(node.dir / "start.lock"):
+        lock = os.open(node.dir / "start.lock", os.O_RDWR | os.O_CREAT, 0o600)  # O_CLOEXEC: the daemon never holds it
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             _start_locked(node, waiting_since, start_timeout_s)
+        finally:
+            os.close(lock)
     except OSError as exc:
         raise DaemonUnavailable(
             f"cannot start the node daemon in {node.dir}: {exc}; set ACTCACHE_DIR to a writable directory "
@@ -171,16 +173,6 @@ def _private_dir(path: Path) -> None:
             f"others may use it (mode {st.st_mode & 0o7777:o}, must be 700); remove it, or set ACTCACHE_DIR to "
             "a directory with a shorter path (the socket then lives there)"
         )
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # not inherited (O_CLOEXEC): the daemon never holds it
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _start_locked(node: NodeDaemon, waiting_since_ns: int, timeout_s: float) -> None:
@@ -350,9 +342,7 @@ def wait_exit(pid: int, timeout_s: float, sig: int | None = None) -> bool:
 
 def stop_daemon(socket: Path, timeout_s: float = 30.0) -> int | None:
     """SIGTERM the daemon listening on ``socket`` and wait for it to exit; its pid, or None when none listens.
-
-    Raises DaemonUnavailable when it is still running after ``timeout_s``.
-    """
+    DaemonUnavailable when it is still running after ``timeout_s``."""
     pid = peer_pid(socket)
     if pid is not None and not wait_exit(pid, timeout_s, signal.SIGTERM):
         raise DaemonUnavailable(

@@ -1,15 +1,5 @@
-"""Run a real daemon in a subprocess, for tests, benchmarks and the demo.
-
-    with run_daemon() as daemon:
-        client = daemon.client()
-        ...
-
-The daemon listens on a Unix socket in a fresh temp dir; ``run_daemon``
-waits for its health check, always stops it (also when this process is
-ended with SIGTERM: see ``run_daemon``), and raises if it did not exit
-cleanly (exit code 0 after SIGTERM). ``wait_until`` is the one polling helper
-for tests that observe another thread or process.
-"""
+"""Run a real daemon in a subprocess, for tests, benchmarks and the demo (``with run_daemon() as daemon:``);
+``wait_until`` is the one polling helper for tests that observe another thread or process."""
 
 from __future__ import annotations
 
@@ -100,8 +90,7 @@ _LIVE_LOCK = threading.RLock()  # reentrant: the handler may run in the main thr
 
 
 def _stop_live_daemons_then_die(signum, frame) -> None:
-    """SIGTERM while run_daemon has daemons running: stop them (their cache is flushed, their temp
-    dirs removed), then end the process by SIGTERM as if no handler had been installed."""
+    """SIGTERM while run_daemon has daemons running: stop them and remove their temp dirs, then die of it."""
     with _LIVE_LOCK:
         live = list(_LIVE.items())
         _LIVE.clear()
@@ -119,12 +108,11 @@ def _stop_live_daemons_then_die(signum, frame) -> None:
 def run_daemon(
     *args: str, cache_dir: Path | None = None, env: dict[str, str] | None = None, check_exit: bool = True
 ) -> Iterator[DaemonProcess]:
-    """Start ``actcache serve`` with extra ``args`` in a temp dir; stop it on exit.
+    """Start ``actcache serve`` with extra ``args`` on a socket in a temp dir, once it answers its health
+    check; stop it on exit, raising LifecycleError if it did not exit with code 0 (``check_exit``).
 
     A process ended with SIGTERM (``kill``, a CI timeout) while inside stops its daemons first, then
-    dies of SIGTERM as before. Like every Python handler this runs when the main thread next
-    executes bytecode (a training loop does; a main thread blocked in one long C call notices at its
-    end).
+    dies of SIGTERM as before (once its main thread next runs Python code).
     """
     tmp = Path(tempfile.mkdtemp(prefix="actcache-"))
     daemon = DaemonProcess(cache_dir or tmp / "cache", tmp / "daemon.sock", args, env)
@@ -152,11 +140,8 @@ def run_daemon(
 
 
 def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until it is true; AssertionError naming ``what`` after ``timeout`` seconds.
-
-    Only for tests observing state another thread or process changes (a daemon's counters, files it
-    removes): the code under test waits on conditions, its observers poll every 10 ms.
-    """
+    """Poll ``predicate`` every 10 ms until it is true; AssertionError naming ``what`` after ``timeout`` s.
+    Only for tests observing another thread or process: the code under test waits on conditions."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

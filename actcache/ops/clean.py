@@ -113,18 +113,16 @@ def stale_socket(target: CleanTarget) -> Iterable[Finding]:
     if not stat.S_ISSOCK(mode):
         yield found(action=Action.KEPT, detail="not a socket; left alone (remove it yourself if it is not needed)")
         return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError as exc:
-        if exc.errno != errno.ECONNREFUSED:
-            yield found(action=Action.KEPT, detail=f"cannot probe it ({exc.strerror}); left alone")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError as exc:
+            if exc.errno != errno.ECONNREFUSED:
+                yield found(action=Action.KEPT, detail=f"cannot probe it ({exc.strerror}); left alone")
+                return
+            path.unlink(missing_ok=True)
+            yield found(action=Action.REMOVED, detail="stale: nothing is listening on it")
             return
-        path.unlink(missing_ok=True)
-        yield found(action=Action.REMOVED, detail="stale: nothing is listening on it")
-        return
-    finally:
-        probe.close()
     yield found(action=Action.KEPT, detail="live: a daemon is accepting connections on it")
 
 
@@ -173,9 +171,8 @@ def bench_leftovers(target: CleanTarget) -> Iterable[Finding]:
 
 @reclaimer
 def stale_shm_segments(target: CleanTarget) -> Iterable[Finding]:
-    """Remove shared-memory segments (``/dev/shm/actcache-<pid>-*``) whose daemon pid is dead. Segments
-    are host-wide: live ones are reported only for the daemon holding ``--dir``; with no ``--dir`` and
-    nothing stale it says nothing."""
+    """Remove shared-memory segments (``/dev/shm/actcache-<pid>-*``) of dead daemons; live ones are reported
+    only for the daemon holding ``--dir`` (segments are host-wide)."""
     from actcache.shm import shm_dir, stale_segments
 
     found = False

@@ -1,11 +1,8 @@
 """``actcache bench disk``: what the cache's filesystem and LMDB deliver, to size a node.
 
-In a temp directory inside DIR (removed at the end, or by ``actcache clean``), 1 MiB
-blocks over a file of --size: writes (sequential, random; O_DIRECT, else buffered +
-fsync), reads with O_DIRECT, buffered cold and buffered warm, then LMDB put and random
-get, cold and warm. "Cold" drops the page cache where /proc/sys/vm/drop_caches is
-writable and always evicts the bench's files (posix_fadvise). The verdict compares
-LMDB's cold get with the disk's O_DIRECT random read. MB/s is 10^6 bytes per second.
+In a temp directory inside DIR, 1 MiB blocks over a file of --size are written, then read O_DIRECT,
+buffered cold and warm; then LMDB put and random get, cold and warm. The verdict compares LMDB's cold
+get with the disk's O_DIRECT random read. MB/s is 10^6 bytes per second.
 """
 
 from __future__ import annotations
@@ -89,8 +86,8 @@ class DiskReport:
 def run_disk_bench(
     directory: Path, size: int, *, drop_caches: bool = True, progress: bool = False, seed: int = 0
 ) -> DiskReport:
-    """Measure DIR's filesystem and LMDB (module docstring); cleans up after itself. ``drop_caches``: drop
-    the whole page cache before cold phases when permitted (off: only the bench's files are evicted)."""
+    """Measure ``directory``'s filesystem and LMDB; ConfigError for a bad directory or size. ``drop_caches``:
+    drop the whole page cache before cold phases where permitted (always: evict the bench's files)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(f"--dir {directory} is not a directory; pass a directory on the filesystem to measure")
@@ -112,9 +109,8 @@ def run_disk_bench(
 
 
 class _Bench:
-    def __init__(
-        self, directory: Path, work: Path, blocks: int, progress: bool, rng: random.Random, drop_caches: bool
-    ) -> None:
+    def __init__(self, directory: Path, work: Path, blocks: int, progress: bool, rng: random.Random,
+                 drop_caches: bool) -> None:
         self.work = work
         self.blocks = blocks
         self.progress = progress
@@ -135,9 +131,6 @@ class _Bench:
             dir=str(directory), filesystem=_filesystem_of(directory), size_bytes=blocks * BLOCK_BYTES,
             o_direct=hasattr(os, "O_DIRECT"), page_cache_dropped=dropped, cold_method=cold,
         )
-        if not self.report.o_direct:
-            self.report.notes.append("O_DIRECT is not available on this platform: writes are buffered + fsync "
-                                     "and the disk reference is the buffered cold read")
 
     def run(self) -> DiskReport:
         path = self.work / "disk.bin"
@@ -151,7 +144,11 @@ class _Bench:
         return self.report
 
     def _disk_phases(self, path: Path) -> None:
-        direct = self.report.o_direct = self.report.o_direct and self._direct_works(path)
+        refused = self._direct_refused(path)
+        if refused:
+            self.report.notes.append(f"{refused}: writes are buffered + fsync and the disk reference is the "
+                                     "buffered cold read")
+        direct = self.report.o_direct = refused is None
         access = "O_DIRECT" if direct else "buffered"
         flags = os.O_DIRECT if direct else 0
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600)
@@ -167,7 +164,10 @@ class _Bench:
         if self._fits_in_memory():
             self._reads(path, 0, "buffered", "warm")
 
-    def _direct_works(self, path: Path) -> bool:
+    def _direct_refused(self, path: Path) -> str | None:
+        """Why O_DIRECT cannot be used on ``path``, or None."""
+        if not self.report.o_direct:
+            return "O_DIRECT is not available on this platform"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
             try:
@@ -175,11 +175,8 @@ class _Bench:
             finally:
                 os.close(fd)
         except OSError as exc:
-            self.report.notes.append(
-                f"O_DIRECT refused on {self.report.filesystem['type']} ({exc.strerror}): writes are buffered + fsync "
-                "and the disk reference below is the buffered cold read")
-            return False
-        return True
+            return f"O_DIRECT refused on {self.report.filesystem['type']} ({exc.strerror})"
+        return None
 
     def _reads(self, path: Path, flags: int, access: str, cache: str, evict_first: Path | None = None) -> None:
         fd = os.open(path, os.O_RDONLY | flags)
@@ -205,21 +202,17 @@ class _Bench:
         key = lambda i: i.to_bytes(8, "big")  # noqa: E731
         env = open_env()
         try:
-            txn = None
-            pending = 0
+            txn = env.begin(write=True)
 
-            def put(offset: int) -> None:
-                nonlocal txn, pending
-                txn = txn or env.begin(write=True)
+            def put(offset: int) -> None:  # in sequential order: a commit every _VALUES_PER_TXN blocks
+                nonlocal txn
                 txn.put(key(offset // BLOCK_BYTES), self._stamp(offset))
-                pending += 1
-                if pending == _VALUES_PER_TXN:
+                if (offset // BLOCK_BYTES + 1) % _VALUES_PER_TXN == 0:
                     txn.commit()
-                    txn, pending = None, 0
+                    txn = env.begin(write=True)
 
             def finish() -> None:
-                if txn is not None:
-                    txn.commit()
+                txn.commit()
                 env.sync(True)
 
             self._phase("lmdb put", "lmdb", "-", self.sequential, put, finish=finish)

@@ -1,13 +1,9 @@
 """Idle timeout (``--idle-timeout``): the daemon stops once no call has been in flight for a while.
 
-IdleMonitor, a server interceptor, counts a call from its handler's start to its
-termination callback (however it ends); a Fetch stream, Put or Schedule upload is
-in flight while it streams. Health checks count, so a client's lease keeps the daemon
-up; pushed schedules do not (a trainer that died would pin the daemon forever).
-One thread waits on a condition, never polling, then calls ``on_idle`` once.
-
-Invariants: ``in_flight >= 0``; ``on_idle`` runs at most once; once ``idle`` is
-decided, every new call is refused UNAVAILABLE, so nothing starts before the drain.
+A call counts from its handler's start to its termination callback, streams while they stream; health
+checks count (a client's lease keeps the daemon up), pushed schedules do not (a dead trainer would pin
+it forever). Invariants: ``in_flight >= 0``; ``on_idle`` runs at most once; once ``idle`` is decided,
+every new call is refused UNAVAILABLE, so nothing starts before the drain.
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ class IdleMonitor(grpc.ServerInterceptor):
         self._cond = threading.Condition()
         self._in_flight = 0
         self._last = time.monotonic()  # when the last call left (or the monitor was made)
-        self._waiting_for_zero = False  # the thread sleeps until in_flight drops to 0
         self._closed = False
         self.idle = False
         self._thread = threading.Thread(target=self._run, name="actcache-idle", daemon=True)
@@ -73,16 +68,14 @@ class IdleMonitor(grpc.ServerInterceptor):
         with self._cond:
             self._in_flight -= 1
             self._last = time.monotonic()
-            if self._in_flight == 0 and self._waiting_for_zero:
+            if self._in_flight == 0:  # wakes the thread waiting for it
                 self._cond.notify_all()
 
     def _run(self) -> None:
         with self._cond:
             while not self._closed:
                 if self._in_flight:
-                    self._waiting_for_zero = True
                     self._cond.wait()
-                    self._waiting_for_zero = False
                     continue
                 remaining = self._last + self.timeout_s - time.monotonic()
                 if remaining <= 0:

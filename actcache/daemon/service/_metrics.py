@@ -1,9 +1,5 @@
-"""Prometheus metrics of the daemon, read from its live state at each scrape.
-
-Nothing is counted twice: a scrape reads the Store's usage and the service's ``Counters``
-as they are, so the figures always equal ``actcache stats``. Names are in base units
-(bytes, seconds); labels never carry per-sample values (only ``namespace``).
-"""
+"""Prometheus metrics of the daemon, read from its live state at each scrape, so they always equal
+``actcache stats``. Names are in base units (bytes, seconds); the only label is ``namespace``."""
 
 from __future__ import annotations
 
@@ -77,14 +73,15 @@ class DaemonCollector:
                 metric.add_metric(list(label_values), value)
             yield metric
 
+
 _PREFETCH = {
-    "hits": ("counter", "Entries served by Fetch with their bytes"),
-    "misses": ("counter", "Entries served by Fetch as misses"),
-    "stalls": ("counter", "Times a Fetch consumer waited for its reader"),
-    "stall_seconds": ("counter", "Seconds Fetch consumers waited for their readers"),
-    "read_bytes": ("counter", "Value bytes prefetch readers read from the store"),
-    "served_bytes": ("counter", "Entry bytes Fetch sent to consumers"),
-    "direct": ("counter", "Entries Fetch read from the store in one pass per frame (warm, shared memory)"),
+    "hits": "Entries served by Fetch with their bytes",
+    "misses": "Entries served by Fetch as misses",
+    "stalls": "Times a Fetch consumer waited for its reader",
+    "stall_seconds": "Seconds Fetch consumers waited for their readers",
+    "read_bytes": "Value bytes prefetch readers read from the store",
+    "served_bytes": "Entry bytes Fetch sent to consumers",
+    "direct": "Entries Fetch read from the store in one pass per frame (warm, shared memory)",
 }
 
 
@@ -139,8 +136,8 @@ def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
         Family("actcache_reclaimed_bytes", "Bytes of dead generations reclaimed to make room for puts", "counter",
                lambda: store.generations.reclaimed_bytes),
     ]
-    families += [Family(f"actcache_prefetch_{name}", help_text, kind, prefetched(name), labels=("namespace",))
-                 for name, (kind, help_text) in _PREFETCH.items()]
+    families += [Family(f"actcache_prefetch_{name}", help_text, "counter", prefetched(name), labels=("namespace",))
+                 for name, help_text in _PREFETCH.items()]
     families += [
         Family("actcache_prefetch_budget_bytes", "Memory for read-ahead entries (--prefetch-bytes)", "gauge",
                lambda: prefetcher.stats().budget_bytes),

@@ -83,17 +83,15 @@ def _claim_socket(path: Path, gid: int | None) -> None:
                         "(mode %o, gid %d); see README, Access control", gid, path.parent, st.st_mode & 0o7777, st.st_gid)
     if not path.exists():
         return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError as exc:
-        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK):
-            raise
-        path.unlink(missing_ok=True)
-        log.info("removed stale socket %s", path)
-        return
-    finally:
-        probe.close()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK):
+                raise
+            path.unlink(missing_ok=True)
+            log.info("removed stale socket %s", path)
+            return
     raise ConfigError(f"another daemon is already serving on {path}; stop it or pass --socket PATH")
 
 
@@ -113,11 +111,8 @@ def _tls_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 class Daemon:
-    """One actcache daemon: a Store behind a gRPC server.
-
-    ``on_idle``: called (from the idle monitor's thread) once ``idle_timeout_s`` passed without a
-    call; it should make the owner call :meth:`stop`, as :func:`serve` does.
-    """
+    """One actcache daemon: a Store behind a gRPC server. ``on_idle`` is called (from the idle monitor's
+    thread) once ``idle_timeout_s`` passed without a call; it should make the owner call :meth:`stop`."""
 
     def __init__(self, config: DaemonConfig, *, on_idle: Callable[[], None] | None = None) -> None:
         self.config = config

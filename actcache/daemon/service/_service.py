@@ -1,9 +1,5 @@
-"""The ActCache gRPC service: request validation and translation onto the Store.
-
-Every handler turns an ActCacheError into its gRPC status (actcache.errors)
-and any other exception into INTERNAL with a log line; nothing a client
-sends can take the daemon down.
-"""
+"""The ActCache gRPC service: request validation and translation onto the Store. Every handler turns an
+ActCacheError into its gRPC status and any other exception into INTERNAL with a log line."""
 
 from __future__ import annotations
 
@@ -191,8 +187,7 @@ class ActCacheService:
 
     @_status_on_error
     def Get(self, request: pb.GetRequest, context) -> Iterator[bytes]:
-        """Streams the entries in request order, reading one reply frame's worth at a time
-        (memory stays near ``_REPLY_FRAME_BYTES`` per call, whatever the number of ids)."""
+        """Streams the entries in request order, reading one reply frame's worth at a time (bounded memory)."""
         count = len(request.sample_ids)
         if count > _MAX_IDS_PER_GET:
             raise InvalidRequest(f"Get asks for {count} entries; at most {_MAX_IDS_PER_GET} per call")
@@ -224,9 +219,8 @@ class ActCacheService:
     @_status_on_error
     def Schedule(self, chunks: Iterator[pb.ScheduleChunk], context) -> pb.ScheduleReply:
         builder, report = self._read_order(chunks)
-        # gRPC ends the request stream alike when the client half-closes and when it cancels mid-upload.
-        # Asking for one more message is answered only after a cancellation has been seen (then it raises),
-        # so a truncated upload is never pushed: a push that does not complete changes nothing.
+        # gRPC ends the request stream alike on a half-close and a cancel mid-upload; asking for one more
+        # message raises after a cancel, so a truncated upload is never pushed.
         for _ in chunks:
             raise InvalidRequest("the Schedule stream went on after its end")
         return self._push(builder, report)

@@ -25,12 +25,8 @@ _WHOLE_FRAME_PATIENCE_S = 0.5
 
 
 class Throttle:
-    """Read throttle (``--throttle-read-mbps``) reproducing a slow disk, so the client's cost model can be
-    exercised: a token bucket of ``rate`` bytes/s with a burst of ``burst_s`` seconds of traffic.
-
-    After an idle spell a reservation of ``n`` bytes waits ``n / rate - burst_s``;
-    back to back, reservations are paced at exactly ``rate``.
-    """
+    """Read throttle (``--throttle-read-mbps``) reproducing a slow disk: a token bucket of ``rate`` bytes/s
+    with a burst of ``burst_s`` seconds of traffic (after an idle spell ``n`` bytes wait ``n / rate - burst_s``)."""
 
     def __init__(self, bytes_per_s: float, *, burst_s: float = 0.05) -> None:
         if bytes_per_s <= 0:
@@ -55,10 +51,8 @@ class Throttle:
 
 
 class ParkedRings:
-    """Rings whose client mapped them, kept for that client's next Fetch (``FetchRequest.reuse_segment``).
-
-    Thread-safe. A ring waits at most ``idle_s``, and at most ``max_bytes`` of rings wait (oldest go first).
-    """
+    """Rings whose client mapped them, kept for that client's next Fetch (``FetchRequest.reuse_segment``):
+    each for at most ``idle_s``, at most ``max_bytes`` of them (oldest go first). Thread-safe."""
 
     def __init__(self, *, idle_s: float = 30.0, max_bytes: int = 256 << 20) -> None:
         self.idle_s, self.max_bytes = idle_s, max_bytes
@@ -121,9 +115,8 @@ class ParkedRings:
 
 def serve_fetch(request: pb.FetchRequest, context, parked: ParkedRings, reader, frame_bytes: int,
                 throttle: Throttle | None, count: Callable[..., None]) -> Generator[bytes, None, str | None]:
-    """Serve a Fetch over a shared-memory ring (the parked one the request names, else a new one; counted
-    by ``count(rings_..._total=1)``), parked again for its client once mapped. Returns None, or, having
-    sent nothing, why the bytes path is taken."""
+    """Serve a Fetch over a shared-memory ring (the parked one the request names, else a new one), parked
+    again for its client once mapped. Returns None, or, having sent nothing, why the bytes path is taken."""
     if not request.shared_memory:
         return "not asked for"
     if not context.peer().startswith("unix:"):
@@ -156,12 +149,9 @@ def serve_fetch(request: pb.FetchRequest, context, parked: ParkedRings, reader, 
 
 def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: Throttle | None, *,
               whole_frames: bool = False) -> Iterator[bytes]:
-    """Frames of slot descriptors: each entry is decoded into its slot once the slot is free.
-
-    A frame waits a while (``whole_frames``: indefinitely) for room for all of it, then sends what
-    fits (actcache.shm, Invariants). An entry larger than the ring travels in its frame's payload.
-    A warm stream is read here straight into the slots (``DirectRun``), a frame's worth per LMDB call.
-    """
+    """Frames of slot descriptors, each entry decoded into its slot once free; a frame waits a while
+    (``whole_frames``: indefinitely) for room for all of it, then sends what fits (actcache.shm, Invariants).
+    An entry larger than the ring travels in the payload; warm runs (``DirectRun``) are read straight in."""
     first = True
 
     def frame(header: pb.EntriesHeader, lo: int, hi: int, offsets: list[int], inline: tuple = ()) -> bytes:
@@ -213,7 +203,7 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: Thro
                 continue
             sizes = header.lengths[lo:hi]
             batch.decode_into(range(lo, hi), [ring.view(o, n) if n else None for o, n in zip(offsets, sizes)])
-            yield frame(header, lo, hi, [o if n else 0 for o, n in zip(offsets, header.lengths[lo:hi])])
+            yield frame(header, lo, hi, offsets)
             lo = hi
         batch.finish()
         if throttle is not None:
@@ -230,10 +220,9 @@ def _frame_entries(position: int, frame_bytes: int, entry_bytes: int) -> int:
 
 
 def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) -> tuple[list[int], list[int], int] | None:
-    """Copy up to ``count`` entries of ``run`` (``frame_bytes`` at most, one at least) into ring slots in
-    one read transaction: ``(lengths, offsets)`` of the prefix served (0 for a miss) and the size of the
-    first entry that did not fit now (0: none); None if the run was given back to the regular path
-    (cold values, or an entry larger than the ring)."""
+    """Copy up to ``count`` entries of ``run`` (``frame_bytes`` at most, one at least) into ring slots in one
+    read transaction: ``(lengths, offsets, blocked)`` of the prefix served (0 for a miss; ``blocked``: the
+    size of the first entry that did not fit now); None if the run went back to the regular path."""
     ring.poll()
     with run.values(count) as views:
         if views is None:
@@ -252,9 +241,8 @@ def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) ->
 
 def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
                 decode_into: Callable[[list, list[memoryview]], list]) -> tuple[list[int], list[int], list, int]:
-    """``_copy_direct``'s copy into what fits the ring now: ``(lengths, offsets, errors, blocked)``, one error
-    (or None) per position served. The usual case in one pass: raw entries of one size, a frame's worth
-    fitting the ring now, copied and verified into consecutive slots; else entry by entry."""
+    """``_copy_direct``'s copy: ``(lengths, offsets, errors, blocked)``, an error or None per position served;
+    raw entries of one size in one pass into consecutive slots, else entry by entry."""
     size = len(views[0]) if views and views[0] is not None else 0
     count = min(len(views), max(1, frame_bytes // size)) if size else 0
     head = views[:count]

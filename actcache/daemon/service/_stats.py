@@ -41,11 +41,8 @@ class Job:
 
 
 class NamespaceJobs:
-    """The last ``MAX_JOBS_PER_NAMESPACE`` distinct jobs of each namespace, least recently opened first.
-
-    For operators asking "whose entries are these?"; in memory, recorded at Open only (later requests
-    carry a handle the jobs share). Thread-safe.
-    """
+    """The last ``MAX_JOBS_PER_NAMESPACE`` distinct jobs of each namespace, least recently opened first,
+    recorded at Open (later requests carry a handle the jobs share). Thread-safe."""
 
     def __init__(self, *, limit: int = MAX_JOBS_PER_NAMESPACE, clock: Callable[[], float] = time.time) -> None:
         self.limit = limit
