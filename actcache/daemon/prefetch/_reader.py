@@ -14,8 +14,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache.daemon.prefetch._budget import MemoryBudget
-from actcache.daemon.prefetch._direct import DirectRun
-from actcache.daemon.prefetch._frames import FrameTaker
+from actcache.daemon.prefetch._frames import DirectRun, FrameTaker
 from actcache.daemon.prefetch._read_loop import ReadLoop
 from actcache.daemon.prefetch._readahead import Handover, ReadAhead, ReaderSnapshot, ReaderState, Stop
 from actcache.daemon.prefetch._schedule import Schedule
@@ -131,7 +130,7 @@ class ScheduleReader(ReadAhead):
 
         ``direct_entries``: once the stream is warm, after what was read
         ahead the consumer gets ``DirectRun``s of up to that many positions
-        to read from the store itself (_direct.py), until it gives reading
+        to read from the store itself (_frames.py), until it gives reading
         back (``DirectRun.give_back``) or the generator ends.
         """
         try:
