@@ -73,11 +73,11 @@ class ScheduleReader(ReadAhead):
 
     def _fail(self, exc: BaseException) -> None:
         """End reading with ``exc``: the consumer still gets the entries read so far, then the error."""
-        error = exc if isinstance(exc, ActCacheError) else StoreError(
-            f"reading schedule {self.schedule.schedule_id!r} failed at position {self.read}: {exc!r}"
-        )
+        error = exc
         if not isinstance(exc, ActCacheError):
             log.error("schedule reader failed", exc_info=exc)
+            error = StoreError(
+                f"reading schedule {self.schedule.schedule_id!r} failed at position {self.read}: {exc!r}")
         self._ended(self.end_reading(error, self.read))
 
     def _ended(self, freed: int | None) -> None:
