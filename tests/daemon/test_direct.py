@@ -275,16 +275,16 @@ def test_frames_of_a_slower_consumer_stay_whole_and_aligned(store, tmp_path):
 
 def test_a_warm_stream_of_compressed_entries_is_decoded_with_the_decode_pools_help(tmp_path, monkeypatch):
     from actcache.codec import decode_entry
-    from actcache.daemon.prefetch import _direct
+    from actcache.daemon.prefetch import _frames
 
     threads: set[str] = set()
-    decode = _direct.to_raw_entries_into
+    decode = _frames.to_raw_entries_into
 
     def recording(values, outs):
         threads.add(threading.current_thread().name)
         return decode(values, outs)
 
-    monkeypatch.setattr(_direct, "to_raw_entries_into", recording)
+    monkeypatch.setattr(_frames, "to_raw_entries_into", recording)
 
     def relu(i: int) -> np.ndarray:  # compresses about 1.5x, as ReLU maps do: values stay in overflow pages
         return np.maximum(np.random.default_rng(i).standard_normal(4096, np.float32), 0)

@@ -7,7 +7,7 @@ them itself (``DirectRun``). The middle layer: it uses ``store`` and
 is used by ``service``.
 """
 
-from actcache.daemon.prefetch._direct import DirectRun
+from actcache.daemon.prefetch._frames import DirectRun
 from actcache.daemon.prefetch._prefetcher import MAX_SCHEDULES_PER_NAMESPACE, Prefetcher, PrefetchStats, ScheduleStatus
 from actcache.daemon.prefetch._schedule import PrefetchCounters, ScheduleBuilder, unpack_ids, unpack_variants
 

@@ -177,21 +177,17 @@ class Prefetcher:
     def stats(self) -> PrefetchStats:
         with self._cond:
             live = [(s, self._readers.get((s.namespace_id, s.schedule_id))) for s in self._schedules.values()]
-            finished = {ns: c.snapshot() for ns, c in self._finished.items()}
+            totals = {ns: PrefetchCounters(**c.snapshot()) for ns, c in self._finished.items()}
             used, max_used = self.budget.used, self.budget.max_used
-            totals = (self.schedules_total, self.fetches_total)
+            counts = (self.schedules_total, self.fetches_total)
         statuses = []
-        namespaces: dict[int, dict[str, float]] = {ns: dict(c) for ns, c in finished.items()}
         for schedule, reader in live:
             counters = schedule.counters.snapshot()
-            statuses.append(ScheduleStatus(
-                schedule.namespace_id, schedule.schedule_id, len(schedule),
-                reader.snapshot() if reader is not None else None, counters,
-            ))
-            total = namespaces.setdefault(schedule.namespace_id, dict.fromkeys(counters, 0))
-            for name, value in counters.items():
-                total[name] += value
-        return PrefetchStats(self.budget.limit, used, max_used, *totals, statuses, namespaces)
+            statuses.append(ScheduleStatus(schedule.namespace_id, schedule.schedule_id, len(schedule),
+                                           reader.snapshot() if reader is not None else None, counters))
+            totals.setdefault(schedule.namespace_id, PrefetchCounters()).add(**counters)
+        namespaces = {ns: c.snapshot() for ns, c in totals.items()}
+        return PrefetchStats(self.budget.limit, used, max_used, *counts, statuses, namespaces)
 
     def _check_open(self) -> None:
         if self._closed:

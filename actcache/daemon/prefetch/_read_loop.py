@@ -190,12 +190,10 @@ class ReadLoop:
                 if need > budget.limit or not budget.try_acquire(shared, need):
                     break  # _read_one waits for it
                 slots.append(self._read(session, key, extent, need))
-        except BaseException:  # what was read is served before the error
+        finally:  # what was read is served, also before an error
             if slots:
                 self._publish(start, slots)
-            raise
         if slots:
-            self._publish(start, slots)
             self._txn.tick(len(slots))
         return bool(slots)
 

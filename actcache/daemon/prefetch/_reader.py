@@ -14,8 +14,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from actcache.daemon.prefetch._budget import MemoryBudget
-from actcache.daemon.prefetch._direct import DirectRun
-from actcache.daemon.prefetch._frames import FrameTaker
+from actcache.daemon.prefetch._frames import DirectRun, FrameTaker
 from actcache.daemon.prefetch._read_loop import ReadLoop
 from actcache.daemon.prefetch._readahead import Handover, ReadAhead, ReaderSnapshot, ReaderState, Stop
 from actcache.daemon.prefetch._schedule import Schedule
@@ -74,11 +73,11 @@ class ScheduleReader(ReadAhead):
 
     def _fail(self, exc: BaseException) -> None:
         """End reading with ``exc``: the consumer still gets the entries read so far, then the error."""
-        error = exc if isinstance(exc, ActCacheError) else StoreError(
-            f"reading schedule {self.schedule.schedule_id!r} failed at position {self.read}: {exc!r}"
-        )
+        error = exc
         if not isinstance(exc, ActCacheError):
             log.error("schedule reader failed", exc_info=exc)
+            error = StoreError(
+                f"reading schedule {self.schedule.schedule_id!r} failed at position {self.read}: {exc!r}")
         self._ended(self.end_reading(error, self.read))
 
     def _ended(self, freed: int | None) -> None:
@@ -131,7 +130,7 @@ class ScheduleReader(ReadAhead):
 
         ``direct_entries``: once the stream is warm, after what was read
         ahead the consumer gets ``DirectRun``s of up to that many positions
-        to read from the store itself (_direct.py), until it gives reading
+        to read from the store itself (_frames.py), until it gives reading
         back (``DirectRun.give_back``) or the generator ends.
         """
         try:

@@ -46,7 +46,7 @@ class PrefetchCounters:
     read_bytes: int = 0
     #: Entry bytes sent to consumers.
     served_bytes: int = 0
-    #: Entries the consumer read from the store itself (warm, over shared memory: _direct.py).
+    #: Entries the consumer read from the store itself (warm, over shared memory: _frames.py).
     direct: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 

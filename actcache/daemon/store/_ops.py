@@ -217,11 +217,10 @@ class _CreateNamespace(_StoreOp):
     def publish(self, pending):
         super().publish(pending)
         info, created = self.result_value
-        if not created:
-            return
-        with self.state.lock:
-            self.state.ns_by_name[info.name] = info.id
-            self.state.ns_by_id[info.id] = info.name
-            if self.secret_record:
-                self.state.secret_of[info.id] = self.secret_record
+        if created:
+            with self.state.lock:
+                self.state.ns_by_name[info.name] = info.id
+                self.state.ns_by_id[info.id] = info.name
+                if self.secret_record:
+                    self.state.secret_of[info.id] = self.secret_record
 
