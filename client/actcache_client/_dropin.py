@@ -42,7 +42,6 @@ class _Layout:
 
 
 def _unwrap(net: nn.Module) -> nn.Module:
-    """The network inside a DistributedDataParallel / DataParallel wrapper."""
     while isinstance(net, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         net = net.module
     return net
