@@ -42,7 +42,6 @@ class _Layout:
 
 
 def _unwrap(net: nn.Module) -> nn.Module:
-    """The network inside a DistributedDataParallel / DataParallel wrapper."""
     while isinstance(net, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         net = net.module
     return net
@@ -140,8 +139,9 @@ class ActCache:
         cached (a warning says so). ``targets`` (default: ``dataset.targets``) lets the loader skip loading
         the inputs the cache serves (their rows hold zeros); ``skip_loads=False`` loads every input.
         """
-        return WrappedLoader(self, loader, variants=variants, targets=targets if skip_loads else None,
-                             skip_loads=skip_loads)
+        if skip_loads and targets is None:
+            targets = getattr(loader.dataset, "targets", None)
+        return WrappedLoader(self, loader, variants=variants, targets=targets if skip_loads else None)
 
     def close(self) -> None:
         self.connection.close()
@@ -151,15 +151,13 @@ class WrappedLoader:
     """Yields what the wrapped DataLoader yields, and tells the network's served prefix which samples they are."""
 
     def __init__(self, cache: ActCache, loader: DataLoader, *, variants: int | None,
-                 targets: Sequence[Any] | Callable[[int], Any] | None, skip_loads: bool = True) -> None:
+                 targets: Sequence[Any] | Callable[[int], Any] | None) -> None:
         if isinstance(loader, WrappedLoader):
             raise ConfigError("this loader is already wrapped by ActCache.wrap")
         if loader.batch_sampler is None:
             raise ConfigError("ActCache.wrap needs a DataLoader with batch_size or batch_sampler (automatic batching)")
         dataset = loader.dataset
         example = dataset[0]
-        if targets is None and skip_loads:
-            targets = getattr(dataset, "targets", None)
         skippable = (targets is not None and loader.collate_fn is default_collate and isinstance(example, tuple)
                      and len(example) == 2 and isinstance(example[0], Tensor))
         random = variants is None and _draws_at_random(dataset)

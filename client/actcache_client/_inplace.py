@@ -180,6 +180,5 @@ def _first_tensor(args: tuple, kwargs: dict) -> Tensor | None:
 def _same(now: Tensor | None, given: Tensor | None) -> bool:
     if not isinstance(now, Tensor) or not isinstance(given, Tensor):
         return False
-    if now is given:
-        return True
-    return now.shape == given.shape and now.dtype == given.dtype and torch.equal(now, given.to(now.device))
+    return now is given or (now.shape == given.shape and now.dtype == given.dtype
+                            and torch.equal(now, given.to(now.device)))

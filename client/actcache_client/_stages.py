@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Union
 
 import torch
@@ -237,16 +238,11 @@ def additive_mask(hidden: Tensor, mask: Tensor) -> Tensor:
     return (1.0 - mask[:, None, None, :].to(dtype=hidden.dtype)) * torch.finfo(hidden.dtype).min
 
 
-class _BidirectionalMask:
+def _bidirectional_mask(config: object, hidden: Tensor, mask: Tensor) -> Tensor:
     """The attention mask a transformers encoder builds for ``config`` (its attention implementation)."""
+    from transformers.masking_utils import create_bidirectional_mask
 
-    def __init__(self, config: object) -> None:
-        self.config = config
-
-    def __call__(self, hidden: Tensor, mask: Tensor) -> Tensor:
-        from transformers.masking_utils import create_bidirectional_mask
-
-        return create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=mask)
+    return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mask)
 
 
 class EncoderLayer(nn.Module):
@@ -339,7 +335,7 @@ def from_transformers(model: nn.Module) -> StagedModel:
     if getattr(body.config, "is_decoder", False):
         raise ConfigError(f"{type(model).__name__} is configured as a decoder (causal attention); actcache stages "
                           "encoders: set is_decoder=False or pass stages=StagedModel([...])")
-    return _encoder_stages(model, body, layers, _BidirectionalMask(body.config), needs_mask=True)
+    return _encoder_stages(model, body, layers, partial(_bidirectional_mask, body.config), needs_mask=True)
 
 
 def _greedy(counts: Sequence[int], capacity: int) -> list[list[int]]:

@@ -197,7 +197,6 @@ class _TeacherStage(nn.Module):
 
 
 def _capture(into: dict[str, Tensor], name: str, module: nn.Module, args: Any, output: Any) -> None:
-    """A forward hook keeping a submodule's output (a tuple's first element) under its name."""
     into[name] = output[0] if isinstance(output, (tuple, list)) else output
 
 

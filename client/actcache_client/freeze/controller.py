@@ -321,7 +321,6 @@ class FreezeController:
 
 
 def _rank_and_world(group: Any) -> tuple[int, int]:
-    """(rank, world size) in ``group``; (0, 1) when torch.distributed is not initialized."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)

@@ -138,16 +138,15 @@ class EgeriaPolicy:
         self._consecutive = 0
 
     def observe(self, signals: Signals) -> Decision:
-        new_step = signals.step != self._last_step
         interval = signals.step - (self._last_step or 0)
-        self._last_step = signals.step
         dropped = False
-        if new_step:
+        if signals.step != self._last_step:
             prev = self._lrs[-2:]
             dropped = (len(prev) == 2 and abs(prev[1] - prev[0]) <= _SAME * prev[0]
                        and signals.lr < prev[1] * (1 - _SAME))
             self._lrs = [*prev[-1:], signals.lr]
             self._peak_lr = max(self._peak_lr, signals.lr)
+        self._last_step = signals.step
         if signals.frozen != self._stage:
             self._reset_stage(signals.frozen)
         if signals.frozen == 0:
