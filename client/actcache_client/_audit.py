@@ -25,12 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from actcache.errors import CacheMismatchError, ConfigError
-from actcache_client._connection import Connection
 from actcache_client._counters import StepTimes
-from actcache_client._frozen import Generations
+from actcache_client._frozen import PrefixContext
 from actcache_client._rows import RawInputs
-from actcache_client._stages import StagedModel, tensors_of
-from actcache_client._tensors import StorePrecision, VarLen, collate_entries, encode_samples
+from actcache_client._stages import tensors_of
+from actcache_client._tensors import collate_entries, encode_samples
 
 __all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "HitAudit", "same_entry", "tolerances"]
 
@@ -123,15 +122,8 @@ class HitAudit:
     """Recomputes the served hits an Auditor picks and compares them with the entries (``check``); the
     auditor restarts after each (re)connection (``sync``) and each new cache target (``retarget``)."""
 
-    def __init__(self, audit: AuditConfig | bool, *, model: StagedModel, connection: Connection | None,
-                 device: torch.device, precision: StorePrecision, varlen: VarLen | None,
-                 generations: Generations) -> None:
-        self._model = model
-        self._connection = connection
-        self._device = device
-        self._precision = precision
-        self._varlen = varlen
-        self._generations = generations
+    def __init__(self, audit: AuditConfig | bool, context: PrefixContext) -> None:
+        self._context = context
         self.auditor: Auditor | None = None
         self.configure(audit)
         self._opens = 0  # connection.opens when the auditor last restarted
@@ -154,8 +146,8 @@ class HitAudit:
 
     def sync(self) -> None:
         """Restart the auditor after a (re)connection to the daemon, before it next chooses."""
-        if self.auditor is not None and self._connection.opens != self._opens:
-            self._opens = self._connection.opens
+        if self.auditor is not None and self._context.connection.opens != self._opens:
+            self._opens = self._context.connection.opens
             self.auditor.restart()
 
     def choose(self, hits: int) -> list[int]:
@@ -176,21 +168,21 @@ class HitAudit:
             chosen = [found[p] for p in self.auditor.choose(len(found))]
         if not chosen:
             return True
-        t0 = time.perf_counter()
+        t0, c = time.perf_counter(), self._context
         with torch.no_grad():
-            computed = self._model.run(raw.rows([rows[i] for i in chosen]), 0, depth)
-        entries = encode_samples(self._precision.to_stored(computed), varlen=self._varlen)
-        tolerance = tolerances(self._device)
+            computed = c.frozen.model.run(raw.rows([rows[i] for i in chosen]), 0, depth)
+        entries = encode_samples(c.precision.to_stored(computed), varlen=c.varlen)
+        tolerance = tolerances(c.stager.device)
         bad = sum(not same_entry(values[i], entry, tolerance) for i, entry in zip(chosen, entries))
         times.audit += time.perf_counter() - t0
         times.audited_samples += len(chosen)
         if not bad:
             return True
-        self._connection.drop(fingerprint)
-        self._generations.forget(fingerprint)
+        c.connection.drop(fingerprint)
+        c.generations.forget(fingerprint)
         self.auditor.restart()
-        strict = self._connection.config.strict
-        message = (f"{bad} of {len(chosen)} audited entries of namespace {self._connection.config.namespace!r}, "
+        strict = c.connection.config.strict
+        message = (f"{bad} of {len(chosen)} audited entries of namespace {c.connection.config.namespace!r}, "
                    f"fingerprint {fingerprint.hex()}, depth {depth} differ from what the frozen prefix computes for "
                    "them: they were not made from this data or these weights. Dropped that fingerprint's entries"
                    f"{'' if strict else ' and recomputing'}; if the data changed without changing its spread, name "

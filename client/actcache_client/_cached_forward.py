@@ -25,7 +25,7 @@ from actcache_client._codec_choice import AutoEncoding, EncodingChoice
 from actcache_client._connection import Connection
 from actcache_client._counters import EpochCounters, EpochLog, StepTimes
 from actcache_client._epoch_plan import EpochPlan, Target
-from actcache_client._frozen import FrozenPrefix, Generations
+from actcache_client._frozen import FrozenPrefix, Generations, PrefixContext
 from actcache_client._planner import CachePlanner
 from actcache_client._rows import RawInputs
 from actcache_client._stages import StagedModel, State
@@ -93,17 +93,14 @@ class CachedForward:
         self.keep_generations = keep_generations
         self._frozen = FrozenPrefix(model, precision.key_tag)
         self._generations = Generations(planner)
-        self._audit = HitAudit(audit, model=model, connection=connection, device=self.stager.device,
-                               precision=precision, varlen=varlen, generations=self._generations)
+        context = PrefixContext(self._frozen, self._generations, connection, planner, precision, varlen, self.stager)
+        self._audit = HitAudit(audit, context)
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         epoch_stream = EpochStream(connection, rank=rank) if connection is not None and stream else None
         self._epoch = EpochPlan(connection, epoch_stream, self._audit)
-        self._writer = EntryWriter(connection, encoding, frozen=self._frozen, generations=self._generations,
-                                   epoch=self._epoch, planner=planner, precision=precision, varlen=varlen)
-        self._assembly = PrefixAssembly(self._frozen, connection=connection, stager=self.stager, varlen=varlen,
-                                        planner=planner, precision=precision, generations=self._generations,
-                                        epoch=self._epoch, audit=self._audit, writer=self._writer)
+        self._writer = EntryWriter(context, encoding, self._epoch)
+        self._assembly = PrefixAssembly(context, self._epoch, self._audit, self._writer)
         self._epoch_log = EpochLog()
         self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
         self._suffix_wrapper: Callable[[StagedModel], nn.Module] | None = None
