@@ -67,17 +67,18 @@ class PrefixAssembly:
         """States at the target depth of the batch rows ``rows`` (sample ids ``ids``): hits, seeded, computed."""
         j, fingerprint = target.depth, target.fingerprint
         t0 = time.perf_counter()
-        values = self.epoch.take(position, ids)
+        stream = self.epoch.stream
+        values = stream.take(position, ids) if stream is not None and position is not None else None
         streamed = values is not None  # Fetch verified every entry it served
         if values is None:
             values = self._lookup(fingerprint, j, ids, variant)
         times.fetch_wait += time.perf_counter() - t0
         found = [i for i, v in enumerate(values) if v is not None]
-        if found and self.audit.active and not self.audit.check(fingerprint, j, rows, raw, values, found, times):
+        if found and not self.audit.check(fingerprint, j, rows, raw, values, found, times):
             values, found = [None] * len(ids), []
         parts: list[tuple[list[int], State]] = []
         if found:
-            run = self.epoch.stream.run if streamed and len(found) == len(ids) else None
+            run = stream.run if streamed and len(found) == len(ids) else None
             parts.append((found, self._collate([values[i] for i in found], verify=not streamed, run=run)))
             times.cached_samples += len(found)
             self.context.generations.mark(fingerprint, j, [ids[i] for i in found])

@@ -1,20 +1,15 @@
 """Audits: recompute a small, deterministic share of served samples and compare with the entries.
 
-No key sees everything (an item outside the data fingerprint's spread that
-changed, a peer that wrote wrong bytes under the right key). The Auditor audits the first
-``first_samples`` hits after each (re)connection and each change of cache
-target, then one hit in every ``every``, ``group`` consecutive hits at a time
-(a running count: the share is exact and the choice deterministic). Groups,
-because recomputing one sample costs most of what eight cost.
+No key sees everything (an item outside the data fingerprint's spread that changed, a peer that wrote
+wrong bytes under the right key). The Auditor audits the first ``first_samples`` hits after each
+(re)connection and change of cache target, then one hit in every ``every``, ``group`` consecutive hits at
+a time (recomputing one sample costs most of what eight cost); a running count keeps the share exact.
 
-A mismatch drops the fingerprint's entries in the daemon, warns
-(CacheMismatchWarning) and has the step recompute, or raises
-CacheMismatchError in strict mode. Entries match within a tolerance for the
-stored dtype (kernels differ slightly between batch sizes; another sample's
-activations are far off); with TF32 on CUDA, float32 gets fp16's tolerance
+A mismatch drops the fingerprint's entries, warns (CacheMismatchWarning) and has the step recompute, or
+raises CacheMismatchError in strict mode. Entries match within a tolerance for the stored dtype (kernels
+differ slightly between batch sizes); with TF32 on CUDA, float32 gets fp16's tolerance
 (bench/bench_audit_tolerance.py measures the deviations).
 """
-
 from __future__ import annotations
 
 import time
@@ -134,10 +129,6 @@ class HitAudit:
         config = AuditConfig() if audit is True else audit
         self.auditor = Auditor(config) if config else None
 
-    @property
-    def active(self) -> bool:
-        return self.auditor is not None
-
     def retarget(self, key: tuple[bytes, int] | None) -> None:
         """The cache target is now (fingerprint, depth) ``key`` (None: nothing cached)."""
         if key != self._target and self.auditor is not None:
@@ -161,6 +152,8 @@ class HitAudit:
         ``values[i]`` is the entry served for batch row ``rows[i]``; ``found`` the positions served. With
         skipped loads the auditor chose at the epoch's start: the hits loaded anyway are audited.
         """
+        if self.auditor is None:
+            return True
         self.sync()
         if raw.partial:
             chosen = [i for i in found if raw.has(rows[i])]

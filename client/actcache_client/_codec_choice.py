@@ -16,7 +16,7 @@ when the guess is wrong.
 from __future__ import annotations
 
 import dataclasses
-import time
+import timeit
 from collections.abc import Sequence
 
 import psutil
@@ -91,12 +91,7 @@ def measure_codecs(entries: Sequence[bytes | memoryview], candidates: Sequence[s
     for name in ("raw", *candidates):
         encoding = Encoding.parse(name)
         stored = [compress_entry(e, encoding) for e in sample]  # raw: the entries themselves
-        best = float("inf")
-        for _ in range(_REPEATS):
-            t0 = time.perf_counter()
-            for e in stored:
-                decode_entry(e)
-            best = min(best, time.perf_counter() - t0)
+        best = min(timeit.repeat(lambda: [decode_entry(e) for e in stored], repeat=_REPEATS, number=1))
         readings[name] = CodecReading(raw_bytes / max(sum(len(e) for e in stored), 1), best / max(raw_bytes, 1))
     return readings
 

@@ -118,12 +118,11 @@ class Generations:
         """The deepest depth written at (0: none)."""
         return max((depth for depth, _ in self._written_at.values()), default=0)
 
-    def wrote(self, fingerprint: bytes, depth: int, data: bytes) -> None:
-        """Entries of ``data`` were written under ``fingerprint`` at ``depth``."""
-        self._written_at.setdefault(fingerprint, (depth, data))
-
-    def mark(self, fingerprint: bytes, depth: int, ids: list[int]) -> None:
-        """The samples ``ids`` are stored under ``fingerprint`` at ``depth``."""
+    def mark(self, fingerprint: bytes, depth: int, ids: list[int], written: bytes | None = None) -> None:
+        """The samples ``ids`` are stored under ``fingerprint`` at ``depth``; ``written``: the data fingerprint
+        of the entries if this process wrote them."""
+        if written is not None:
+            self._written_at.setdefault(fingerprint, (depth, written))
         samples = self._samples.setdefault(fingerprint, set())
         samples.update(ids)
         if self._planner is not None:

@@ -101,8 +101,6 @@ class CachePlanner:
         self._encodings: dict[int, EncodingChoice] = {}  # depth -> codec chosen for its current entries
         self._seen = (0, 0.0, 0, 0.0)  # the connection's timed reads and writes at the last ``observe``
 
-    # ---- observations ----------------------------------------------------
-
     def record_stage(self, stage: int, seconds: float, samples: int, out_bytes_per_sample: float) -> None:
         self._stage_s.setdefault(stage, _Median(self.config.window)).add(seconds / max(samples, 1))
         self._stage_bytes.setdefault(stage + 1, _Median(self.config.window)).add(out_bytes_per_sample)
@@ -153,8 +151,6 @@ class CachePlanner:
     def begin_epoch(self, epoch: int, num_samples: int, batch_size: int) -> None:
         self.epoch, self.num_samples, self.batch_size = epoch, max(num_samples, 1), max(batch_size, 1)
         self._in_epoch, self._epoch_plan = True, None
-
-    # ---- planning --------------------------------------------------------
 
     def measurements(self, k: int) -> Measurements | None:
         """Current measurements for frozen depth k, or None until every stage of the prefix was timed."""
