@@ -1,11 +1,9 @@
 """A batch's frozen-prefix output, assembled from where each row's comes from: served, seeded or computed.
 
-For frozen depth k and cache target depth j <= k (j < k when a cost-model
-plan chose a smaller entry): samples in the cached subset are served at depth
-j (by the epoch's stream, else ``Get``), audited, or else seeded from a
-shallower frozen depth or computed from the raw input and stored; stages[j:k]
-then run on all of them. Samples outside the subset run stages[0:k]. The
-parts are merged back in batch order, all under ``no_grad``.
+For frozen depth k and cache target depth j <= k, rows in the cached subset are served at depth j (by the
+epoch's stream, else ``Get``) and audited, or seeded from a shallower frozen depth, or computed and stored;
+stages[j:k] then run on them all. Rows outside the subset run stages[0:k]. The parts are merged back in
+batch order, all under ``no_grad``.
 """
 
 from __future__ import annotations

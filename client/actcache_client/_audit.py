@@ -147,11 +147,9 @@ class HitAudit:
 
     def check(self, fingerprint: bytes, depth: int, rows: list[int], raw: RawInputs, values: list,
               found: list[int], times: StepTimes) -> bool:
-        """Recompute the hits the auditor picks; False (after dropping the fingerprint) if one differs.
-
-        ``values[i]`` is the entry served for batch row ``rows[i]``; ``found`` the positions served. With
-        skipped loads the auditor chose at the epoch's start: the hits loaded anyway are audited.
-        """
+        """Recompute the hits the auditor picks (``values[i]`` served for batch row ``rows[i]``, ``found``
+        those served; with skipped loads, the hits loaded anyway); False, after dropping the fingerprint,
+        if one differs."""
         if self.auditor is None:
             return True
         self.sync()

@@ -1,10 +1,9 @@
 """The epoch as the loader planned it: this rank's batches, the stream of their entries, the skipped loads.
 
-The plan pushes the epoch's batches (``begin``) to the daemon's stream at the
-cache target, follows the step through them (``advance``), pushes the rest
-again when the target changes, and tells the loader which samples are stored
-(``skipped``: their inputs need not be loaded, except those the audit
-recomputes). While an epoch has no misses, the next one is pushed ahead.
+The plan pushes the epoch's batches (``begin``) to the daemon's stream at the cache target, follows the
+step through them (``advance``), pushes the rest again when the target changes, and tells the loader which
+samples are stored (``skips``: their inputs need not be loaded, except those the audit recomputes). While
+an epoch has no misses, the next one is pushed ahead.
 """
 
 from __future__ import annotations

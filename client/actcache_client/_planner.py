@@ -1,14 +1,10 @@
 """Online measurements for the cost model, and the plan CachedForward follows.
 
-CachedForward reports what it observes (per-stage forward time and output
-bytes per sample, fetch, write, decode and host-to-device throughput, the step
-period); the planner keeps a moving median of the last ``window`` readings of
-each, and ``plan_for(k)`` asks ``cost_model.plan``. CachedForward asks again on
-every freeze change, at every epoch start, and when a measurement drifted by
-more than ``replan_drift``. Within an epoch, a re-plan that keeps caching at the
-same depth keeps the cached fraction (a new one would re-push the rest of the
-epoch's stream); the next epoch's plan takes it. Every decision is logged and
-passed to the ``listeners``. Until measured, throughputs are the configured priors.
+The planner keeps a moving median of the last ``window`` readings of each measurement (the configured
+priors until measured) and asks ``cost_model.plan`` on every freeze change, at every epoch start, and when
+a measurement drifted by more than ``replan_drift``. Within an epoch, a re-plan that keeps caching at the
+same depth keeps the cached fraction (a new one would re-push the rest of the epoch's stream). Every
+decision is logged and passed to the ``listeners``.
 """
 
 from __future__ import annotations
