@@ -39,11 +39,10 @@ class PrefixAssembly:
     def run(self, ids: list[int], raw: RawInputs, variant: int, position: int | None, target: Target | None,
             times: StepTimes) -> State:
         """The state after the frozen stages for the batch ``ids`` (epoch ``position``, if the stream's)."""
-        frozen = self.context.frozen
-        k, every = frozen.depth, list(range(len(ids)))
+        k, every = self.context.frozen.depth, list(range(len(ids)))
         if k == 0:
             return raw.rows(every)
-        frozen.keep_eval()  # a user's net.train() must not train frozen stages
+        self.context.frozen.keep_eval()  # a user's net.train() must not train frozen stages
         times.prefix_samples += len(ids)
         if target is None:
             times.computed_samples += len(ids)

@@ -119,7 +119,6 @@ class HitAudit:
 
     def __init__(self, audit: AuditConfig | bool, context: PrefixContext) -> None:
         self._context = context
-        self.auditor: Auditor | None = None
         self.configure(audit)
         self._opens = 0  # connection.opens when the auditor last restarted
         self._target: tuple[bytes, int] | None = None
@@ -127,7 +126,7 @@ class HitAudit:
     def configure(self, audit: AuditConfig | bool) -> None:
         """Audit per ``audit`` (True: the default AuditConfig; False: no audits)."""
         config = AuditConfig() if audit is True else audit
-        self.auditor = Auditor(config) if config else None
+        self.auditor: Auditor | None = Auditor(config) if config else None
 
     def retarget(self, key: tuple[bytes, int] | None) -> None:
         """The cache target is now (fingerprint, depth) ``key`` (None: nothing cached)."""

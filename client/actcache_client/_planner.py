@@ -85,9 +85,7 @@ class CachePlanner:
         self._fetch_rate, self._fetch_latency = _Median(w), _Median(w)
         self._write_rate, self._decode_rate, self._h2d_rate = _Median(w), _Median(w), _Median(w)
         self._suffix_s = _Median(w)
-        self.batch_size = 1
-        self.num_samples = 1
-        self.epoch = 0
+        self.epoch, self.num_samples, self.batch_size = 0, 1, 1
         self._written: dict[int, int] = {}  # depth -> samples known to be stored for the current weights
         self.current: Plan | None = None
         self._in_epoch = False  # begin_epoch was called: plans follow a loader's epochs
