@@ -1,11 +1,9 @@
 """A batch's frozen-prefix output, assembled from where each row's comes from: served, seeded or computed.
 
-For frozen depth k and cache target depth j <= k (j < k when a cost-model
-plan chose a smaller entry): samples in the cached subset are served at depth
-j (by the epoch's stream, else ``Get``), audited, or else seeded from a
-shallower frozen depth or computed from the raw input and stored; stages[j:k]
-then run on all of them. Samples outside the subset run stages[0:k]. The
-parts are merged back in batch order, all under ``no_grad``.
+For frozen depth k and cache target depth j <= k, rows in the cached subset are served at depth j (by the
+epoch's stream, else ``Get``) and audited, or seeded from a shallower frozen depth, or computed and stored;
+stages[j:k] then run on them all. Rows outside the subset run stages[0:k]. The parts are merged back in
+batch order, all under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -17,15 +15,12 @@ import torch
 
 from actcache.shm import SlotRun
 from actcache_client._audit import HitAudit
-from actcache_client._connection import Connection
 from actcache_client._counters import StepTimes
 from actcache_client._epoch_plan import EpochPlan, Target
-from actcache_client._frozen import FrozenPrefix, Generations
-from actcache_client._planner import CachePlanner
+from actcache_client._frozen import PrefixContext
 from actcache_client._rows import RawInputs, merge
 from actcache_client._stages import State, tensors_of
-from actcache_client._staging import Stager
-from actcache_client._tensors import StorePrecision, VarLen, collate_entries, run_layout, split_rows
+from actcache_client._tensors import collate_entries, run_layout, split_rows
 from actcache_client._writer import EntryWriter
 from actcache_client.cost_model import cached_subset
 
@@ -36,13 +31,7 @@ __all__ = ["PrefixAssembly"]
 class PrefixAssembly:
     """Runs the frozen prefix of one batch (``run``), counting its samples and seconds in a StepTimes."""
 
-    frozen: FrozenPrefix
-    connection: Connection | None
-    stager: Stager
-    varlen: VarLen | None
-    planner: CachePlanner | None
-    precision: StorePrecision
-    generations: Generations
+    context: PrefixContext
     epoch: EpochPlan
     audit: HitAudit
     writer: EntryWriter
@@ -50,15 +39,15 @@ class PrefixAssembly:
     def run(self, ids: list[int], raw: RawInputs, variant: int, position: int | None, target: Target | None,
             times: StepTimes) -> State:
         """The state after the frozen stages for the batch ``ids`` (epoch ``position``, if the stream's)."""
-        k, every = self.frozen.depth, list(range(len(ids)))
+        k, every = self.context.frozen.depth, list(range(len(ids)))
         if k == 0:
             return raw.rows(every)
-        self.frozen.keep_eval()  # a user's net.train() must not train frozen stages
+        self.context.frozen.keep_eval()  # a user's net.train() must not train frozen stages
         times.prefix_samples += len(ids)
         if target is None:
             times.computed_samples += len(ids)
             return self._compute(raw.rows(every), 0, k, times)
-        self.connection.surface()
+        self.context.connection.surface()
         rows = every if target.fraction >= 1.0 else [i for i, s in enumerate(ids) if cached_subset(s, target.fraction)]
         parts: list[tuple[list[int], State]] = []
         if rows:
@@ -68,32 +57,33 @@ class PrefixAssembly:
         if direct:
             parts.append((direct, self._compute(raw.rows(direct), 0, k, times)))
             times.computed_samples += len(direct)
-        return merge(len(ids), parts, self.varlen)
+        return merge(len(ids), parts, self.context.varlen)
 
     def _state_at(self, target: Target, ids: list[int], rows: list[int], raw: RawInputs, variant: int,
                   position: int | None, times: StepTimes) -> State:
         """States at the target depth of the batch rows ``rows`` (sample ids ``ids``): hits, seeded, computed."""
         j, fingerprint = target.depth, target.fingerprint
         t0 = time.perf_counter()
-        values = self.epoch.take(position, ids)
+        stream = self.epoch.stream
+        values = stream.take(position, ids) if stream is not None and position is not None else None
         streamed = values is not None  # Fetch verified every entry it served
         if values is None:
             values = self._lookup(fingerprint, j, ids, variant)
         times.fetch_wait += time.perf_counter() - t0
         found = [i for i, v in enumerate(values) if v is not None]
-        if found and self.audit.active and not self.audit.check(fingerprint, j, rows, raw, values, found, times):
+        if found and not self.audit.check(fingerprint, j, rows, raw, values, found, times):
             values, found = [None] * len(ids), []
         parts: list[tuple[list[int], State]] = []
         if found:
-            run = self.epoch.stream.run if streamed and len(found) == len(ids) else None
+            run = stream.run if streamed and len(found) == len(ids) else None
             parts.append((found, self._collate([values[i] for i in found], verify=not streamed, run=run)))
             times.cached_samples += len(found)
-            self.generations.mark(fingerprint, j, [ids[i] for i in found])
+            self.context.generations.mark(fingerprint, j, [ids[i] for i in found])
         missing = [i for i, v in enumerate(values) if v is None]
-        for depth in (d for d in self.frozen.seed_depths if d < j):
+        for depth in (d for d in self.context.frozen.seed_depths if d < j):
             if not missing:
                 break
-            seeds = self._lookup(self.frozen.fingerprints[depth], depth, [ids[i] for i in missing], variant)
+            seeds = self._lookup(self.context.frozen.fingerprints[depth], depth, [ids[i] for i in missing], variant)
             hit = [i for i, v in zip(missing, seeds) if v is not None]
             if hit:
                 seeded = self._compute(self._collate([v for v in seeds if v is not None]), depth, j, times)
@@ -107,32 +97,32 @@ class PrefixAssembly:
             self.writer.store(j, [ids[i] for i in missing], variant, computed)
             parts.append((missing, computed))
             times.computed_samples += len(missing)
-        return merge(len(ids), parts, self.varlen)
+        return merge(len(ids), parts, self.context.varlen)
 
     def _lookup(self, fingerprint: bytes, depth: int, ids: list[int], variant: int) -> list:
         """Entries by ``Get`` (None per miss): seeds, and batches no stream serves."""
-        return self.connection.lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
+        return self.context.connection.lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
 
     def _collate(self, entries: list, *, verify: bool = True, run: SlotRun | None = None) -> State:
-        t0 = time.perf_counter()
-        on_gpu = run is not None and self.varlen is None and self.stager.cuda
+        c, t0 = self.context, time.perf_counter()
+        on_gpu = run is not None and c.varlen is None and c.stager.cuda
         moved = self._ring_to_device(run, len(entries)) if on_gpu else None
-        host = None if moved is not None else collate_entries(entries, varlen=self.varlen,
-                                                              alloc=self.stager.allocator(), verify=verify, run=run)
+        host = None if moved is not None else collate_entries(entries, varlen=c.varlen, alloc=c.stager.allocator(),
+                                                              verify=verify, run=run)
         decoded = time.perf_counter() - t0
         if moved is None:
-            moved = self.stager.to_device(host)
-        if self.planner is not None:
-            self.planner.record_decode(sum(len(e) for e in entries), decoded)
-            for nbytes, seconds in self.stager.copy_readings():
-                self.planner.record_h2d(nbytes, seconds)
+            moved = c.stager.to_device(host)
+        if c.planner is not None:
+            c.planner.record_decode(sum(len(e) for e in entries), decoded)
+            for nbytes, seconds in c.stager.copy_readings():
+                c.planner.record_h2d(nbytes, seconds)
         # back to the precision the stages compute in (on the device: half the copy)
-        return self.precision.to_compute(moved)
+        return c.precision.to_compute(moved)
 
     def _ring_to_device(self, run: SlotRun, count: int) -> State | None:
         """A streamed batch copied to the GPU straight out of the shared-memory ring (None: collate it)."""
         header = run_layout(run, count)
-        staged = self.stager.ring_to_device(run, count) if header is not None else None
+        staged = self.context.stager.ring_to_device(run, count) if header is not None else None
         if staged is None:
             return None
         rows, done = staged
@@ -140,15 +130,15 @@ class PrefixAssembly:
         return split_rows(rows, header)
 
     def _compute(self, state: State, start: int, stop: int, times: StepTimes) -> State:
-        t0 = time.perf_counter()
+        t0, planner = time.perf_counter(), self.context.planner
         with torch.no_grad():
             for index in range(start, stop):
                 t = time.perf_counter()
-                state = self.frozen.model.stages[index](state)
-                if self.planner is not None:
+                state = self.context.frozen.model.stages[index](state)
+                if planner is not None:
                     tensors = tensors_of(state)
                     batch = max(len(tensors[0]), 1)
                     nbytes = sum(x.element_size() * x.numel() for x in tensors) / batch
-                    self.planner.record_stage(index, time.perf_counter() - t, batch, nbytes)
+                    planner.record_stage(index, time.perf_counter() - t, batch, nbytes)
         times.prefix += time.perf_counter() - t0
         return state

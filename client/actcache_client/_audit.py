@@ -1,20 +1,15 @@
 """Audits: recompute a small, deterministic share of served samples and compare with the entries.
 
-No key sees everything (an item outside the data fingerprint's spread that
-changed, a peer that wrote wrong bytes under the right key). The Auditor audits the first
-``first_samples`` hits after each (re)connection and each change of cache
-target, then one hit in every ``every``, ``group`` consecutive hits at a time
-(a running count: the share is exact and the choice deterministic). Groups,
-because recomputing one sample costs most of what eight cost.
+No key sees everything (an item outside the data fingerprint's spread that changed, a peer that wrote
+wrong bytes under the right key). The Auditor audits the first ``first_samples`` hits after each
+(re)connection and change of cache target, then one hit in every ``every``, ``group`` consecutive hits at
+a time (recomputing one sample costs most of what eight cost); a running count keeps the share exact.
 
-A mismatch drops the fingerprint's entries in the daemon, warns
-(CacheMismatchWarning) and has the step recompute, or raises
-CacheMismatchError in strict mode. Entries match within a tolerance for the
-stored dtype (kernels differ slightly between batch sizes; another sample's
-activations are far off); with TF32 on CUDA, float32 gets fp16's tolerance
+A mismatch drops the fingerprint's entries, warns (CacheMismatchWarning) and has the step recompute, or
+raises CacheMismatchError in strict mode. Entries match within a tolerance for the stored dtype (kernels
+differ slightly between batch sizes); with TF32 on CUDA, float32 gets fp16's tolerance
 (bench/bench_audit_tolerance.py measures the deviations).
 """
-
 from __future__ import annotations
 
 import time
@@ -25,12 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from actcache.errors import CacheMismatchError, ConfigError
-from actcache_client._connection import Connection
 from actcache_client._counters import StepTimes
-from actcache_client._frozen import Generations
+from actcache_client._frozen import PrefixContext
 from actcache_client._rows import RawInputs
-from actcache_client._stages import StagedModel, tensors_of
-from actcache_client._tensors import StorePrecision, VarLen, collate_entries, encode_samples
+from actcache_client._stages import tensors_of
+from actcache_client._tensors import collate_entries, encode_samples
 
 __all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "HitAudit", "same_entry", "tolerances"]
 
@@ -123,16 +117,8 @@ class HitAudit:
     """Recomputes the served hits an Auditor picks and compares them with the entries (``check``); the
     auditor restarts after each (re)connection (``sync``) and each new cache target (``retarget``)."""
 
-    def __init__(self, audit: AuditConfig | bool, *, model: StagedModel, connection: Connection | None,
-                 device: torch.device, precision: StorePrecision, varlen: VarLen | None,
-                 generations: Generations) -> None:
-        self._model = model
-        self._connection = connection
-        self._device = device
-        self._precision = precision
-        self._varlen = varlen
-        self._generations = generations
-        self.auditor: Auditor | None = None
+    def __init__(self, audit: AuditConfig | bool, context: PrefixContext) -> None:
+        self._context = context
         self.configure(audit)
         self._opens = 0  # connection.opens when the auditor last restarted
         self._target: tuple[bytes, int] | None = None
@@ -140,11 +126,7 @@ class HitAudit:
     def configure(self, audit: AuditConfig | bool) -> None:
         """Audit per ``audit`` (True: the default AuditConfig; False: no audits)."""
         config = AuditConfig() if audit is True else audit
-        self.auditor = Auditor(config) if config else None
-
-    @property
-    def active(self) -> bool:
-        return self.auditor is not None
+        self.auditor: Auditor | None = Auditor(config) if config else None
 
     def retarget(self, key: tuple[bytes, int] | None) -> None:
         """The cache target is now (fingerprint, depth) ``key`` (None: nothing cached)."""
@@ -154,8 +136,8 @@ class HitAudit:
 
     def sync(self) -> None:
         """Restart the auditor after a (re)connection to the daemon, before it next chooses."""
-        if self.auditor is not None and self._connection.opens != self._opens:
-            self._opens = self._connection.opens
+        if self.auditor is not None and self._context.connection.opens != self._opens:
+            self._opens = self._context.connection.opens
             self.auditor.restart()
 
     def choose(self, hits: int) -> list[int]:
@@ -164,11 +146,11 @@ class HitAudit:
 
     def check(self, fingerprint: bytes, depth: int, rows: list[int], raw: RawInputs, values: list,
               found: list[int], times: StepTimes) -> bool:
-        """Recompute the hits the auditor picks; False (after dropping the fingerprint) if one differs.
-
-        ``values[i]`` is the entry served for batch row ``rows[i]``; ``found`` the positions served. With
-        skipped loads the auditor chose at the epoch's start: the hits loaded anyway are audited.
-        """
+        """Recompute the hits the auditor picks (``values[i]`` served for batch row ``rows[i]``, ``found``
+        those served; with skipped loads, the hits loaded anyway); False, after dropping the fingerprint,
+        if one differs."""
+        if self.auditor is None:
+            return True
         self.sync()
         if raw.partial:
             chosen = [i for i in found if raw.has(rows[i])]
@@ -176,21 +158,21 @@ class HitAudit:
             chosen = [found[p] for p in self.auditor.choose(len(found))]
         if not chosen:
             return True
-        t0 = time.perf_counter()
+        t0, c = time.perf_counter(), self._context
         with torch.no_grad():
-            computed = self._model.run(raw.rows([rows[i] for i in chosen]), 0, depth)
-        entries = encode_samples(self._precision.to_stored(computed), varlen=self._varlen)
-        tolerance = tolerances(self._device)
+            computed = c.frozen.model.run(raw.rows([rows[i] for i in chosen]), 0, depth)
+        entries = encode_samples(c.precision.to_stored(computed), varlen=c.varlen)
+        tolerance = tolerances(c.stager.device)
         bad = sum(not same_entry(values[i], entry, tolerance) for i, entry in zip(chosen, entries))
         times.audit += time.perf_counter() - t0
         times.audited_samples += len(chosen)
         if not bad:
             return True
-        self._connection.drop(fingerprint)
-        self._generations.forget(fingerprint)
+        c.connection.drop(fingerprint)
+        c.generations.forget(fingerprint)
         self.auditor.restart()
-        strict = self._connection.config.strict
-        message = (f"{bad} of {len(chosen)} audited entries of namespace {self._connection.config.namespace!r}, "
+        strict = c.connection.config.strict
+        message = (f"{bad} of {len(chosen)} audited entries of namespace {c.connection.config.namespace!r}, "
                    f"fingerprint {fingerprint.hex()}, depth {depth} differ from what the frozen prefix computes for "
                    "them: they were not made from this data or these weights. Dropped that fingerprint's entries"
                    f"{'' if strict else ' and recomputing'}; if the data changed without changing its spread, name "

@@ -1,11 +1,9 @@
 """The training step's forward pass with the frozen prefix served from the cache.
 
-``CachedForward`` decides the cache target (the frozen depth, or what a
-cost-model plan chose), hands it to its parts when it changes (_frozen,
-_epoch_plan, _assembly, _audit, _writer: one job each), and runs the active stages with grad on the prefix's output. Everything before them
-runs under ``no_grad`` with the frozen stages in eval mode. With no connection
-(or uncacheable data, or a RECOMPUTE plan) the prefix is computed every step,
-so a run with and without the cache is the same computation.
+``CachedForward`` decides the cache target (the frozen depth, or what a cost-model plan chose), hands it
+to its parts (_frozen, _epoch_plan, _assembly, _audit, _writer) and runs the active stages with grad on the
+prefix's output, computed under ``no_grad`` with the frozen stages in eval mode. With no connection (or
+uncacheable data, or a RECOMPUTE plan) the prefix is computed every step: the same computation.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from actcache_client._codec_choice import AutoEncoding, EncodingChoice
 from actcache_client._connection import Connection
 from actcache_client._counters import EpochCounters, EpochLog, StepTimes
 from actcache_client._epoch_plan import EpochPlan, Target
-from actcache_client._frozen import FrozenPrefix, Generations
+from actcache_client._frozen import FrozenPrefix, Generations, PrefixContext
 from actcache_client._planner import CachePlanner
 from actcache_client._rows import RawInputs
 from actcache_client._stages import StagedModel, State
@@ -93,24 +91,19 @@ class CachedForward:
         self.keep_generations = keep_generations
         self._frozen = FrozenPrefix(model, precision.key_tag)
         self._generations = Generations(planner)
-        self._audit = HitAudit(audit, model=model, connection=connection, device=self.stager.device,
-                               precision=precision, varlen=varlen, generations=self._generations)
+        context = PrefixContext(self._frozen, self._generations, connection, planner, precision, varlen, self.stager)
+        self._audit = HitAudit(audit, context)
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         epoch_stream = EpochStream(connection, rank=rank) if connection is not None and stream else None
         self._epoch = EpochPlan(connection, epoch_stream, self._audit)
-        self._writer = EntryWriter(connection, encoding, frozen=self._frozen, generations=self._generations,
-                                   epoch=self._epoch, planner=planner, precision=precision, varlen=varlen)
-        self._assembly = PrefixAssembly(self._frozen, connection=connection, stager=self.stager, varlen=varlen,
-                                        planner=planner, precision=precision, generations=self._generations,
-                                        epoch=self._epoch, audit=self._audit, writer=self._writer)
+        self._writer = EntryWriter(context, encoding, self._epoch)
+        self._assembly = PrefixAssembly(context, self._epoch, self._audit, self._writer)
         self._epoch_log = EpochLog()
         self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
         self._suffix_wrapper: Callable[[StagedModel], nn.Module] | None = None
         self._suffix: nn.Module | None = None
         self._input_tap: Callable[[State], None] | None = None
-
-    # ---- freezing and planning ---------------------------------------------
 
     @property
     def frozen(self) -> int:
@@ -163,8 +156,6 @@ class CachedForward:
         """The codec ``encoding="auto"`` chose for the entries at ``depth`` (current weights), if any yet."""
         return self._writer.choice(self._frozen.fingerprints[depth])
 
-    # ---- the active suffix -------------------------------------------------
-
     @property
     def suffix_module(self) -> nn.Module | None:
         """The wrapped active stages, or None when they run unwrapped."""
@@ -179,8 +170,6 @@ class CachedForward:
         self._suffix = None  # drop the old wrapper (and its DDP buckets) before building the new one
         if self._suffix_wrapper is not None:
             self._suffix = self._suffix_wrapper(self.model.suffix(self._frozen.depth))
-
-    # ---- the cache target --------------------------------------------------
 
     def _cache_target(self) -> Target | None:
         """Where entries are looked up and stored, or None when nothing is."""
@@ -200,8 +189,6 @@ class CachedForward:
         self.enabled = False
         self.disabled_reason = reason
         self._retarget()
-
-    # ---- epochs ------------------------------------------------------------
 
     def begin_epoch(
         self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0, data: bytes | None = None,
@@ -226,7 +213,7 @@ class CachedForward:
 
     def skipped(self, position: int) -> frozenset[int]:
         """Sample ids of epoch batch ``position`` whose inputs the loader need not load (the cache has them)."""
-        return self._epoch.skipped(position)
+        return self._epoch.skips.get(position, frozenset())
 
     def epoch_counters(self) -> list[EpochCounters]:
         """Per epoch (from each CachedLoader epoch start to the next, the last one until now): the
@@ -238,8 +225,6 @@ class CachedForward:
             return None
         stats = self.connection.stats
         return {f.name: getattr(stats, f.name) for f in fields(stats) if f.name != "fallbacks"}
-
-    # ---- the step ----------------------------------------------------------
 
     def __call__(self, batch: "Batch | Tensor | Sequence[int]", inputs: State | None = None, *, variant: int = 0) -> State:
         """Full forward pass: the frozen prefix (cached or computed) then the active suffix with grad.

@@ -1,22 +1,21 @@
 """How the daemon stores one (fingerprint, depth)'s entries: raw, lz4 or zstd, from measurements.
 
-Serving an entry means reading its stored bytes, verifying and decoding them. Per raw byte served::
+Per raw byte served (read the stored bytes, verify and decode them)::
 
     serve_s(codec) = cold_share / (ratio(codec) x disk_bytes_per_s) + decode_s_per_byte(codec)
 
-``ratio`` and ``decode_s_per_byte`` (checksum included) are measured on the
-first entries written, each compressed on its own as the daemon stores it,
-decoded three times, the fastest kept. The disk's speed is configured
-(``actcache bench disk`` measures it); ``cold_share`` is the share of this
-depth's stored entries that does not fit in the memory available now. A codec
-must win by ``min_gain``: a few MiB are timed, and raw costs nothing to decode
-when the guess is wrong.
+``ratio`` and ``decode_s_per_byte`` (checksum included) are measured on the first entries written, each
+compressed alone as the daemon stores it and decoded three times (the fastest kept). The disk's speed is
+configured (``actcache bench disk`` measures it); ``cold_share`` is the share of the depth's stored entries
+that does not fit in the memory available now. A codec must win by ``min_gain``: raw costs nothing to
+decode when the guess is wrong.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
+import itertools
+import timeit
 from collections.abc import Sequence
 
 import psutil
@@ -25,8 +24,6 @@ from actcache.codec import Codec, Encoding, compress_entry, decode_entry
 from actcache.errors import ConfigError, InvalidRequest
 
 __all__ = ["AutoEncoding", "EncodingChoice", "choose_encoding", "measure_codecs"]
-
-_REPEATS = 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,23 +77,14 @@ class EncodingChoice:
 def measure_codecs(entries: Sequence[bytes | memoryview], candidates: Sequence[str],
                    sample_bytes: int) -> dict[str, CodecReading]:
     """Ratio and decode cost of raw and each candidate on the first entries, up to ``sample_bytes``."""
-    sample: list[bytes | memoryview] = []
-    raw_bytes = 0
-    for entry in entries:
-        if raw_bytes >= sample_bytes:
-            break
-        sample.append(entry)
-        raw_bytes += len(entry)
+    ahead = itertools.accumulate((len(e) for e in entries), initial=0)  # bytes of the entries before each
+    sample = [e for e, before in zip(entries, ahead) if before < sample_bytes]
+    raw_bytes = sum(len(e) for e in sample)
     readings = {}
     for name in ("raw", *candidates):
         encoding = Encoding.parse(name)
         stored = [compress_entry(e, encoding) for e in sample]  # raw: the entries themselves
-        best = float("inf")
-        for _ in range(_REPEATS):
-            t0 = time.perf_counter()
-            for e in stored:
-                decode_entry(e)
-            best = min(best, time.perf_counter() - t0)
+        best = min(timeit.repeat(lambda: [decode_entry(e) for e in stored], repeat=3, number=1))
         readings[name] = CodecReading(raw_bytes / max(sum(len(e) for e in stored), 1), best / max(raw_bytes, 1))
     return readings
 

@@ -1,10 +1,9 @@
 """The epoch as the loader planned it: this rank's batches, the stream of their entries, the skipped loads.
 
-The plan pushes the epoch's batches (``begin``) to the daemon's stream at the
-cache target, follows the step through them (``advance``), pushes the rest
-again when the target changes, and tells the loader which samples are stored
-(``skipped``: their inputs need not be loaded, except those the audit
-recomputes). While an epoch has no misses, the next one is pushed ahead.
+The plan pushes the epoch's batches (``begin``) to the daemon's stream at the cache target, follows the
+step through them (``advance``), pushes the rest again when the target changes, and tells the loader which
+samples are stored (``skips``: their inputs need not be loaded, except those the audit recomputes). While
+an epoch has no misses, the next one is pushed ahead.
 """
 
 from __future__ import annotations
@@ -39,11 +38,11 @@ class EpochPlan:
         self.position = 0  # the epoch position of the next batch the step runs
         self.misses = 0  # samples of the cached subset that missed this epoch
         self._skip_loads = False  # the loader can skip loading inputs (its dataset has targets)
-        self._skips: dict[int, frozenset[int]] = {}  # epoch position -> sample ids the loader need not load
+        self.skips: dict[int, frozenset[int]] = {}  # epoch position -> sample ids the loader need not load
 
     def reset(self, skip_loads: bool) -> None:
         """Forget the last epoch: until ``begin``, retargets push nothing."""
-        self._epoch, self._skips, self._skip_loads = None, {}, skip_loads
+        self._epoch, self.skips, self._skip_loads = None, {}, skip_loads
 
     def begin(self, batches: Sequence[Sequence[int]], variant: int, start: int, target: Target | None) -> None:
         """Start the epoch at batch ``start``: push its batches to the stream (or adopt those pushed ahead)."""
@@ -77,10 +76,6 @@ class EpochPlan:
         self.position += 1
         return self.position - 1
 
-    def take(self, position: int | None, ids: list[int]) -> list | None:
-        """The streamed entries of the batch at ``position`` (None per miss), or None if no stream serves it."""
-        return self.stream.take(position, ids) if self.stream is not None and position is not None else None
-
     def missed(self, samples: int) -> None:
         """``samples`` of the cached subset missed: the next epoch pushed ahead is pushed again at its start."""
         self.misses += samples
@@ -91,10 +86,6 @@ class EpochPlan:
         """Samples in this epoch's batches (None before the loader's first epoch)."""
         return sum(len(b) for b in self._epoch[0]) if self._epoch is not None else None
 
-    def skipped(self, position: int) -> frozenset[int]:
-        """Sample ids of epoch batch ``position`` whose inputs the loader need not load (the cache has them)."""
-        return self._skips.get(position, frozenset())
-
     def prepare_next(self, batches: Sequence[Sequence[int]], variant: int, target: Target | None) -> None:
         """Push the next epoch's batches ahead (CachedForward.prepare_next_epoch says when)."""
         if self.stream is None or target is None or self.misses:
@@ -104,7 +95,7 @@ class EpochPlan:
     def _plan_skips(self, target: Target | None) -> None:
         """Ask the daemon which samples of the rest of the epoch are stored at the cache target: the
         loader skips their inputs, except for those the auditor picks (they are recomputed)."""
-        self._skips = {}
+        self.skips = {}
         if not self._skip_loads or self._epoch is None or target is None or self.stream is None:
             return
         batches, variant = self._epoch
@@ -121,4 +112,4 @@ class EpochPlan:
         for position, ids in enumerate(subset, start=self.position):
             stored = [s for s in ids if next(flags)]
             audited = {stored[p] for p in self._audit.choose(len(stored))}
-            self._skips[position] = frozenset(s for s in stored if s not in audited)
+            self.skips[position] = frozenset(s for s in stored if s not in audited)

@@ -1,28 +1,52 @@
 """The frozen prefix of a StagedModel: which stages are frozen, the fingerprints cache keys carry, and those
 this process wrote entries under.
 
-The fingerprints (actcache_client._fingerprint) cover the frozen weights, the
-data fingerprint bound by the loader and the stored precision. Depths that stay
-frozen with unchanged weights keep their entries as seeds for deeper ones. A
-fingerprint written is superseded when its prefix was unfrozen and trained
-further: ``Generations.superseded`` hands it back once, so that its entries can
-be dropped; the samples stored per depth are told to the planner.
+``prefix_fingerprints(stages, d)[d]`` identifies the weights of ``stages[:d]``: it changes when any of them
+changes (a retrained prefix is never served stale entries) and not when more stages are frozen behind them
+(entries at depth d can seed deeper ones). Cache keys fold in the data fingerprint bound by the loader and
+the stored precision. A fingerprint written is superseded when its prefix was unfrozen and trained further:
+``Generations.superseded`` hands it back once, so that its entries can be dropped.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+import torch
 from torch import nn
 
 from actcache.errors import ConfigError
-from actcache_client._fingerprint import cache_fingerprints, prefix_fingerprints
 from actcache_client._stages import StagedModel
 
 if TYPE_CHECKING:
+    from actcache_client._connection import Connection
     from actcache_client._planner import CachePlanner
+    from actcache_client._staging import Stager
+    from actcache_client._tensors import StorePrecision, VarLen
 
-__all__ = ["FrozenPrefix", "Generations"]
+__all__ = ["FrozenPrefix", "Generations", "PrefixContext", "prefix_fingerprints"]
+
+
+def _stage_digest(stage: nn.Module) -> bytes:
+    """blake2b-128 of a stage's class, parameter and buffer names, dtypes, shapes and bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(type(stage).__qualname__.encode())
+    for name, tensor in [*stage.named_parameters(), *stage.named_buffers()]:
+        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        if data.numel():
+            h.update(memoryview(data.view(torch.uint8).numpy()))
+    return h.digest()
+
+
+def prefix_fingerprints(stages: list[nn.Module], depth: int) -> list[bytes]:
+    """Fingerprints of depths 0..depth (index d covers ``stages[:d]``); 16 bytes each."""
+    out = [hashlib.blake2b(b"actcache/prefix/v1", digest_size=16).digest()]
+    for stage in stages[:depth]:
+        out.append(hashlib.blake2b(out[-1] + _stage_digest(stage), digest_size=16).digest())
+    return out
 
 
 class FrozenPrefix:
@@ -40,8 +64,11 @@ class FrozenPrefix:
         self.seed_depths: list[int] = []  # frozen depths whose entries may seed deeper ones
 
     def keyed(self, weights: list[bytes], data: bytes) -> list[bytes]:
-        """The fingerprints cache keys carry: weights, data, and the stored precision."""
-        return cache_fingerprints(weights, data + self._key_tag)
+        """The fingerprints cache keys carry: weights, data, and the stored precision (none: the weights')."""
+        data += self._key_tag
+        if not data:
+            return list(weights)
+        return [hashlib.blake2b(b"actcache/key/v1" + data + fp, digest_size=16).digest() for fp in weights]
 
     def bind_data(self, data: bytes) -> bool:
         """Key entries by this data fingerprint from now on; False if it is the one already bound."""
@@ -91,12 +118,11 @@ class Generations:
         """The deepest depth written at (0: none)."""
         return max((depth for depth, _ in self._written_at.values()), default=0)
 
-    def wrote(self, fingerprint: bytes, depth: int, data: bytes) -> None:
-        """Entries of ``data`` were written under ``fingerprint`` at ``depth``."""
-        self._written_at.setdefault(fingerprint, (depth, data))
-
-    def mark(self, fingerprint: bytes, depth: int, ids: list[int]) -> None:
-        """The samples ``ids`` are stored under ``fingerprint`` at ``depth``."""
+    def mark(self, fingerprint: bytes, depth: int, ids: list[int], written: bytes | None = None) -> None:
+        """The samples ``ids`` are stored under ``fingerprint`` at ``depth``; ``written``: the data fingerprint
+        of the entries if this process wrote them."""
+        if written is not None:
+            self._written_at.setdefault(fingerprint, (depth, written))
         samples = self._samples.setdefault(fingerprint, set())
         samples.update(ids)
         if self._planner is not None:
@@ -117,3 +143,16 @@ class Generations:
             del self._written_at[fingerprint]
             self._samples.pop(fingerprint, None)
         return gone
+
+
+@dataclass(eq=False)
+class PrefixContext:
+    """What the audit, the writer and the assembly share: the frozen prefix and where its entries go."""
+
+    frozen: FrozenPrefix
+    generations: Generations
+    connection: Connection | None
+    planner: CachePlanner | None
+    precision: StorePrecision
+    varlen: VarLen | None
+    stager: Stager

@@ -1,14 +1,10 @@
 """Online measurements for the cost model, and the plan CachedForward follows.
 
-CachedForward reports what it observes (per-stage forward time and output
-bytes per sample, fetch, write, decode and host-to-device throughput, the step
-period); the planner keeps a moving median of the last ``window`` readings of
-each, and ``plan_for(k)`` asks ``cost_model.plan``. CachedForward asks again on
-every freeze change, at every epoch start, and when a measurement drifted by
-more than ``replan_drift``. Within an epoch, a re-plan that keeps caching at the
-same depth keeps the cached fraction (a new one would re-push the rest of the
-epoch's stream); the next epoch's plan takes it. Every decision is logged and
-passed to the ``listeners``. Until measured, throughputs are the configured priors.
+The planner keeps a moving median of the last ``window`` readings of each measurement (the configured
+priors until measured) and asks ``cost_model.plan`` on every freeze change, at every epoch start, and when
+a measurement drifted by more than ``replan_drift``. Within an epoch, a re-plan that keeps caching at the
+same depth keeps the cached fraction (a new one would re-push the rest of the epoch's stream). Every
+decision is logged and passed to the ``listeners``.
 """
 
 from __future__ import annotations
@@ -89,9 +85,7 @@ class CachePlanner:
         self._fetch_rate, self._fetch_latency = _Median(w), _Median(w)
         self._write_rate, self._decode_rate, self._h2d_rate = _Median(w), _Median(w), _Median(w)
         self._suffix_s = _Median(w)
-        self.batch_size = 1
-        self.num_samples = 1
-        self.epoch = 0
+        self.epoch, self.num_samples, self.batch_size = 0, 1, 1
         self._written: dict[int, int] = {}  # depth -> samples known to be stored for the current weights
         self.current: Plan | None = None
         self._in_epoch = False  # begin_epoch was called: plans follow a loader's epochs
@@ -100,8 +94,6 @@ class CachePlanner:
         self.listeners: list[Callable[[int, Plan], None]] = []
         self._encodings: dict[int, EncodingChoice] = {}  # depth -> codec chosen for its current entries
         self._seen = (0, 0.0, 0, 0.0)  # the connection's timed reads and writes at the last ``observe``
-
-    # ---- observations ----------------------------------------------------
 
     def record_stage(self, stage: int, seconds: float, samples: int, out_bytes_per_sample: float) -> None:
         self._stage_s.setdefault(stage, _Median(self.config.window)).add(seconds / max(samples, 1))
@@ -153,8 +145,6 @@ class CachePlanner:
     def begin_epoch(self, epoch: int, num_samples: int, batch_size: int) -> None:
         self.epoch, self.num_samples, self.batch_size = epoch, max(num_samples, 1), max(batch_size, 1)
         self._in_epoch, self._epoch_plan = True, None
-
-    # ---- planning --------------------------------------------------------
 
     def measurements(self, k: int) -> Measurements | None:
         """Current measurements for frozen depth k, or None until every stage of the prefix was timed."""

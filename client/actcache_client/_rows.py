@@ -19,11 +19,8 @@ __all__ = ["RawInputs", "merge"]
 
 
 class RawInputs:
-    """The raw inputs of a batch's rows: those the loader loaded, and an on-the-spot load for the rest.
-
-    ``rows`` hands them out on ``device`` (where the stages compute), whatever device the loader left
-    them on: a loader yields host tensors, and rows loaded on the spot are host tensors too.
-    """
+    """The raw inputs of a batch's rows: those the loader loaded, and an on-the-spot load for the rest;
+    ``rows`` hands them out on ``device`` (where the stages compute), wherever the loader left them."""
 
     def __init__(self, inputs: State | None, size: int, loaded: list[int] | None,
                  load: Callable[[list[int]], State] | None, device: torch.device | None = None) -> None:

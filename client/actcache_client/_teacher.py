@@ -24,7 +24,7 @@ from actcache_client._batch import Batch
 from actcache_client._cached_forward import CachedForward, StepTimes
 from actcache_client._codec_choice import AutoEncoding
 from actcache_client._connection import Connection
-from actcache_client._fingerprint import prefix_fingerprints
+from actcache_client._frozen import prefix_fingerprints
 from actcache_client._stages import Stage, StagedModel, State
 from actcache_client._tensors import VarLen
 

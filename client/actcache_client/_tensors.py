@@ -1,11 +1,9 @@
 """Stage states <-> cache entries: one entry per sample, collated back into batches.
 
-A batch state is a tensor ``(B, ...)`` or a tuple of them. Each sample's
-slice is stored as one entry (actcache.codec). With a ``VarLen`` layout the
-padding of text batches is not stored: only a sample's real tokens are, and
-the attention mask is rebuilt when batches are collated again (right padding
-to the longest sample of the batch). A ``StorePrecision`` stores floating-point
-outputs in 16 bits; such entries are another computation's (their keys carry ``key_tag``).
+A batch state is a tensor ``(B, ...)`` or a tuple of them; each sample's slice is one entry
+(actcache.codec). With a ``VarLen`` layout only a sample's real tokens are stored, and the attention mask
+is rebuilt when batches are collated (right padding to the batch's longest sample). A ``StorePrecision``
+stores floating-point outputs in 16 bits (their keys carry ``key_tag``).
 """
 
 from __future__ import annotations
@@ -97,11 +95,8 @@ def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None =
 
 
 def check_fixed_length(state: State, seen: dict[int, list[tuple[int, ...]]], depth: int) -> None:
-    """Raise if ``state`` (stored without VarLen) holds padded sequences: entries of other batches would not fit.
-
-    Caught at the first put: a 0/1 integer ``(B, L)`` tensor with zeros beside a ``(B, L, ...)`` one (a padded
-    text state), or per-sample shapes other than those of depth ``depth``'s first put (kept in ``seen``).
-    """
+    """Raise if ``state`` (stored without VarLen) holds padded sequences: a 0/1 integer ``(B, L)`` tensor with
+    zeros beside a ``(B, L, ...)`` one, or per-sample shapes other than depth ``depth``'s first (in ``seen``)."""
     tensors = tensors_of(state)
     shapes = [tuple(t.shape[1:]) for t in tensors]
     first = seen.setdefault(depth, shapes)
@@ -134,10 +129,9 @@ def _lengths(tensors: Sequence[Tensor], varlen: VarLen) -> list[int]:
 def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | None = None,
                     alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None, verify: bool = True,
                     run: SlotRun | None = None) -> State:
-    """Decode one entry per sample and stack them into a batch state, copying the bytes once into the
-    tensors ``alloc`` returns (default fresh host memory). ``verify=False`` skips the checksums (entries
-    the daemon verified); ``run``: the entries' consecutive slots in one buffer (one copy per tensor).
-    """
+    """Decode one entry per sample and stack them into a batch state in tensors ``alloc`` returns (default: host
+    memory). ``verify=False`` skips the checksums (entries the daemon verified); ``run``: the entries'
+    consecutive slots in one buffer (one copy per tensor)."""
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
     count = len(entries)
     if run is not None and not verify and not varlen:

@@ -14,12 +14,10 @@ from typing import Callable
 from actcache.codec import Encoding
 from actcache.errors import ConfigError, ConfigTypeError, InvalidRequest
 from actcache_client._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
-from actcache_client._connection import Connection
 from actcache_client._epoch_plan import EpochPlan
-from actcache_client._frozen import FrozenPrefix, Generations
-from actcache_client._planner import CachePlanner
+from actcache_client._frozen import PrefixContext
 from actcache_client._stages import State, map_state
-from actcache_client._tensors import StorePrecision, VarLen, check_fixed_length, encode_samples
+from actcache_client._tensors import check_fixed_length, encode_samples
 
 __all__ = ["EntryWriter", "check_encoding"]
 
@@ -30,14 +28,9 @@ log = logging.getLogger("actcache_client")
 class EntryWriter:
     """Stores a depth's computed states for a batch's samples, asynchronously (``Connection.store``)."""
 
-    connection: Connection | None
+    context: PrefixContext
     encoding: str | AutoEncoding
-    frozen: FrozenPrefix
-    generations: Generations
     epoch: EpochPlan
-    planner: CachePlanner | None
-    precision: StorePrecision
-    varlen: VarLen | None
     # fingerprint -> codec chosen; whether a read-speed probe was sent this epoch; depth -> shapes of its first put
     _encodings: dict[bytes, EncodingChoice] = field(default_factory=dict, init=False)
     _probed: bool = field(default=False, init=False)
@@ -53,18 +46,17 @@ class EntryWriter:
     def store(self, depth: int, ids: list[int], variant: int, state: State) -> None:
         """Put ``state`` (the batch rows of ``ids`` at ``depth``) under the current fingerprint of ``depth``."""
         # A private copy: the suffix may modify its input in place (e.g. ReLU(inplace=True)).
-        snapshot = map_state(state, lambda t: t.detach().clone())
-        snapshot = self.precision.to_stored(snapshot)
-        varlen, fingerprint = self.varlen, self.frozen.fingerprints[depth]
+        c = self.context
+        snapshot = c.precision.to_stored(map_state(state, lambda t: t.detach().clone()))
+        varlen, fingerprint = c.varlen, c.frozen.fingerprints[depth]
         if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated
             check_fixed_length(snapshot, self._entry_shapes, depth)
-        self.generations.mark(fingerprint, depth, ids)
-        self.generations.wrote(fingerprint, depth, self.frozen.data)
+        c.generations.mark(fingerprint, depth, ids, written=c.frozen.data)
         # Without a read-speed measurement yet, read one put back (once per epoch until it is
         # measured): a slow disk then shows during the write epoch, before the cache is relied upon.
-        probe = self.planner is not None and not self.planner.has_fetch_rate() and not self._probed
+        probe = c.planner is not None and not c.planner.has_fetch_rate() and not self._probed
         self._probed = self._probed or probe
-        self.connection.store(
+        c.connection.store(
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
         )
@@ -74,7 +66,8 @@ class EntryWriter:
         (on the connection's writer thread) and keeps its choice per fingerprint."""
         if not isinstance(self.encoding, AutoEncoding):
             return None if self.encoding == "daemon" else (lambda entries, fixed=self.encoding: fixed)
-        fingerprint, config, samples = self.frozen.fingerprints[depth], self.encoding, self.epoch.samples()
+        fingerprint, config, samples = self.context.frozen.fingerprints[depth], self.encoding, self.epoch.samples()
+        planner = self.context.planner
 
         def choose(entries: list[bytes]) -> str:
             choice = self._encodings.get(fingerprint)
@@ -84,8 +77,8 @@ class EntryWriter:
                 except Exception as exc:  # a failed measurement must not stop the writes
                     choice = EncodingChoice("", f"the daemon's --encoding: measuring the codecs failed ({exc!r})", {})
                 self._encodings[fingerprint] = choice
-                if self.planner is not None:
-                    self.planner.record_encoding(depth, choice)  # logs it with the plan
+                if planner is not None:
+                    planner.record_encoding(depth, choice)  # logs it with the plan
                 else:
                     log.info("actcache encoding for depth %d: %s", depth, choice.reason)
             return choice.encoding

@@ -106,9 +106,8 @@ class Measurements:
             object.__setattr__(self, name, tuple(_number(f"Measurements.{name}[{i}]", v) for i, v in enumerate(seq)))
         for name in _POSITIVE + _NON_NEGATIVE:
             if not (name == "h2d_bytes_per_s" and self.h2d_bytes_per_s is None):
-                value = _number(f"Measurements.{name}", getattr(self, name), positive=name in _POSITIVE,
-                                allow_inf=name == "budget_bytes")
-                object.__setattr__(self, name, value)
+                object.__setattr__(self, name, _number(f"Measurements.{name}", getattr(self, name),
+                                                       positive=name in _POSITIVE, allow_inf=name == "budget_bytes"))
         for name in ("batch_size", "num_samples"):
             object.__setattr__(self, name, _integer(f"Measurements.{name}", getattr(self, name), 1))
 
