@@ -1,14 +1,16 @@
-"""Requests that do not parse are INVALID_ARGUMENT (gRPC Python would answer INTERNAL), for every method.
+"""Requests that do not parse are INVALID_ARGUMENT, for every method of the service.
 
-RequestGuard makes each ActCache method's deserializer return an ``Unparsable`` marker: an unparsable
-unary request is refused before the handler runs; a request stream raises InvalidRequest at it, and
-the call ends INVALID_ARGUMENT whatever the handler answers after that.
+gRPC Python answers a request its deserializer rejects with INTERNAL before
+the handler runs. RequestGuard, a server interceptor, makes each ActCache
+method's deserializer return an ``Unparsable`` marker instead: an unparsable
+unary request is answered INVALID_ARGUMENT without calling the handler; in a
+request stream the handler sees the messages that parsed, then InvalidRequest,
+and the status is INVALID_ARGUMENT whatever the handler answers after that.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -39,26 +41,30 @@ def _lenient(deserializer: Callable[[bytes], Any] | None, method: str) -> Callab
     return parse
 
 
-def _parsed(requests: Iterable[Any], errors: list[str]) -> Iterator[Any]:
-    """The request stream up to its first unparsable message, whose error is added to ``errors`` and raised."""
-    for message in requests:
+class _Messages:
+    """Iterates a request stream, raising InvalidRequest at the first unparsable message; as a context
+    manager, turns any error after that into INVALID_ARGUMENT, whatever the handler made of it."""
+
+    def __init__(self, inner: Iterator[Any], context) -> None:
+        self._inner, self._context = inner, context
+        self.error: str | None = None
+
+    def __iter__(self) -> "_Messages":
+        return self
+
+    def __next__(self) -> Any:
+        message = next(self._inner)
         if isinstance(message, Unparsable):
-            errors.append(message.message)
+            self.error = message.message
             raise InvalidRequest(message.message)
-        yield message
+        return message
 
+    def __enter__(self) -> "_Messages":
+        return self
 
-@contextmanager
-def _invalid_after(context) -> Iterator[list[str]]:
-    """Yields a list for ``_parsed``'s errors: any error once it holds one ends the call INVALID_ARGUMENT,
-    whatever the handler made of it."""
-    errors: list[str] = []
-    try:
-        yield errors
-    except Exception:
-        if errors:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, errors[0])
-        raise
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and issubclass(exc_type, Exception) and self.error is not None:
+            self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.error)
 
 
 def _guard(behavior: Callable, handler: grpc.RpcMethodHandler) -> Callable:
@@ -72,12 +78,12 @@ def _guard(behavior: Callable, handler: grpc.RpcMethodHandler) -> Callable:
         return unary_request
 
     def stream_stream(requests, context):
-        with _invalid_after(context) as errors:
-            yield from behavior(_parsed(requests, errors), context)
+        with _Messages(requests, context) as messages:
+            yield from behavior(messages, context)
 
     def stream_unary(requests, context):
-        with _invalid_after(context) as errors:
-            return behavior(_parsed(requests, errors), context)
+        with _Messages(requests, context) as messages:
+            return behavior(messages, context)
 
     return stream_stream if handler.response_streaming else stream_unary
 
