@@ -58,13 +58,6 @@ def shm_dir() -> Path:
     return Path(os.environ.get("ACTCACHE_SHM_DIR") or "/dev/shm")
 
 
-def _pid_of(name: str) -> int | None:
-    if not name.startswith(PREFIX):
-        return None
-    pid = name[len(PREFIX):].split("-", 1)[0]
-    return int(pid) if pid.isdigit() else None
-
-
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists (one we may not signal counts as alive)."""
     try:
@@ -84,9 +77,9 @@ def stale_segments(directory: Path | None = None, *, also_pid: int | None = None
     except OSError:
         return
     for name in names:
-        pid = _pid_of(name)
-        if pid is not None:
-            yield directory / name, pid, pid == also_pid or not pid_alive(pid)
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if name.startswith(PREFIX) and pid.isdigit():
+            yield directory / name, int(pid), int(pid) == also_pid or not pid_alive(int(pid))
 
 
 def remove_stale(directory: Path | None = None) -> list[Path]:
@@ -194,10 +187,6 @@ class ShmRing:
     def view(self, offset: int, size: int) -> memoryview:
         """The writable bytes of the slot at ``offset`` (from ``alloc``)."""
         return self._view[offset : offset + size]
-
-    def wait_alloc(self, position: int, size: int, alive: Callable[[], bool]) -> int | None:
-        """``alloc``, polling the client's releases while ``alive()``; None if the call ended first."""
-        return self.alloc(position, size) if self.wait_room(size, alive) else None
 
     def wait_frame_room(self, nbytes: int, slot_bytes: int, alive: Callable[[], bool], patience_s: float, *,
                         uniform: bool = False) -> bool:

@@ -170,7 +170,9 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: Thro
     for batch in reader.batches(frame_bytes, direct_entries=_DIRECT_ENTRIES):
         if isinstance(batch, DirectRun):
             entry_bytes = entry_bytes or batch.entry_size()
-            count = _frame_entries(batch.start, frame_bytes, entry_bytes)
+            # look up to the next multiple of a frame's entries: frames align again after a short one
+            per_frame = max(1, frame_bytes // entry_bytes) if entry_bytes else 0
+            count = per_frame - batch.start % per_frame if per_frame else _DIRECT_ENTRIES
             if entry_bytes and not ring.wait_frame_room(count * entry_bytes, entry_bytes, context.is_active,
                                                         patience_s, uniform=True):
                 return
@@ -210,29 +212,17 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: Thro
             throttle.consume(batch.nbytes)
 
 
-def _frame_entries(position: int, frame_bytes: int, entry_bytes: int) -> int:
-    """Positions a direct run from ``position`` looks up for one frame: up to the next multiple of a
-    frame's entries, so frames align again after a short one."""
-    if not entry_bytes:
-        return _DIRECT_ENTRIES
-    per_frame = max(1, frame_bytes // entry_bytes)
-    return per_frame - position % per_frame
-
-
 def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) -> tuple[list[int], list[int], int] | None:
     """Copy up to ``count`` entries of ``run`` (``frame_bytes`` at most, one at least) into ring slots in one
     read transaction: ``(lengths, offsets, blocked)`` of the prefix served (0 for a miss; ``blocked``: the
     size of the first entry that did not fit now); None if the run went back to the regular path."""
     ring.poll()
     with run.values(count) as views:
-        if views is None:
-            run.give_back()
-            return None
-        lengths, offsets, errors, blocked = _copy_views(run.start, views, ring, frame_bytes, run.decode_into)
-    if not lengths and not blocked:  # the first entry is larger than the ring
+        copied = None if views is None else _copy_views(run.start, views, ring, frame_bytes, run.decode_into)
+    if copied is None or not copied[0] and not copied[3]:  # not read, or the first entry is larger than the ring
         run.give_back()
         return None
-    corrupt = [(i, exc) for i, exc in enumerate(errors) if exc is not None]
+    lengths, offsets, corrupt, blocked = copied
     for i, _ in corrupt:
         lengths[i] = offsets[i] = 0
     run.done(lengths, corrupt)
@@ -241,7 +231,7 @@ def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) ->
 
 def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
                 decode_into: Callable[[list, list[memoryview]], list]) -> tuple[list[int], list[int], list, int]:
-    """``_copy_direct``'s copy: ``(lengths, offsets, errors, blocked)``, an error or None per position served;
+    """``_copy_direct``'s copy: ``(lengths, offsets, corrupt, blocked)``, ``corrupt`` as ``DirectRun.done`` takes it;
     raw entries of one size in one pass into consecutive slots, else entry by entry."""
     size = len(views[0]) if views and views[0] is not None else 0
     count = min(len(views), max(1, frame_bytes // size)) if size else 0
@@ -255,7 +245,7 @@ def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
         for offset, n in blocks:
             offsets += range(offset, offset + n * size, size)
             errors += copy_raw_run(head[len(errors) : len(errors) + n], ring.view(offset, n * size))
-        return [size] * count, offsets, errors, 0
+        return [size] * count, offsets, [(i, exc) for i, exc in enumerate(errors) if exc is not None], 0
     lengths: list[int] = []
     offsets = []
     blocked = total = 0
@@ -272,31 +262,21 @@ def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
         offsets.append(offset)
     todo = [i for i, n in enumerate(lengths) if n]
     decoded = decode_into([views[i] for i in todo], [ring.view(offsets[i], lengths[i]) for i in todo])
-    errors = [None] * len(lengths)
-    for i, exc in zip(todo, decoded):
-        errors[i] = exc
-    return lengths, offsets, errors, blocked
+    return lengths, offsets, [(i, exc) for i, exc in zip(todo, decoded) if exc is not None], blocked
 
 
 def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, context) -> tuple[int | None, list[int]]:
     """Slots for entries ``lo..hi`` (misses: offset 0), as many as fit now, waiting only for the first:
     ``(hi, offsets)``; ``hi == lo`` when entry ``lo`` is larger than the ring, None if the call ended."""
     offsets: list[int] = []
-    hi = lo
-    while hi < count:
+    for hi in range(lo, count):
         size = header.lengths[hi]
-        if not size:
-            offsets.append(0)
-        elif size > ring.ring_bytes:
-            break
-        else:
-            offset = ring.alloc(header.start + hi, size)
-            if offset is None:
-                if hi > lo:
-                    break
-                offset = ring.wait_alloc(header.start + hi, size, context.is_active)
-                if offset is None:
-                    return None, offsets
-            offsets.append(offset)
-        hi += 1
-    return hi, offsets
+        if size > ring.ring_bytes:
+            return hi, offsets
+        if size and hi == lo and not ring.wait_room(size, context.is_active):
+            return None, offsets
+        offset = ring.alloc(header.start + hi, size) if size else 0
+        if offset is None:
+            return hi, offsets
+        offsets.append(offset)
+    return count, offsets
