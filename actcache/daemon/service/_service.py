@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, fields
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import grpc
 
@@ -218,15 +218,6 @@ class ActCacheService:
 
     @_status_on_error
     def Schedule(self, chunks: Iterator[pb.ScheduleChunk], context) -> pb.ScheduleReply:
-        builder, report = self._read_order(chunks)
-        # gRPC ends the request stream alike on a half-close and a cancel mid-upload; asking for one more
-        # message raises after a cancel, so a truncated upload is never pushed.
-        for _ in chunks:
-            raise InvalidRequest("the Schedule stream went on after its end")
-        return self._push(builder, report)
-
-    def _read_order(self, chunks: Iterable[pb.ScheduleChunk]) -> tuple[ScheduleBuilder, int | None]:
-        """The schedule the chunks describe, and the namespace handle to report present entries of (None: no report)."""
         builder = ScheduleBuilder()
         resolved: dict[int, int] = {}  # handle -> namespace id (protected namespaces have random handles)
         report = None  # the first chunk's namespace handle, when it asks which entries are stored
@@ -239,9 +230,10 @@ class ActCacheService:
                 first = not resolved
                 resolved[chunk.namespace_id] = self.store.resolve(chunk.namespace_id) if chunk.namespace_id or first else 0
             builder.add(resolved[chunk.namespace_id], chunk.fingerprint, chunk.depth, chunk.schedule_id, ids, variants)
-        return builder, report
-
-    def _push(self, builder: ScheduleBuilder, report: int | None) -> pb.ScheduleReply:
+        # gRPC ends the request stream alike on a half-close and a cancel mid-upload; asking for one more
+        # message raises after a cancel, so a truncated upload is never pushed.
+        for _ in chunks:
+            raise InvalidRequest("the Schedule stream went on after its end")
         schedule = builder.build()
         present = b"" if report is None else bytes(self.store.contains(
             report, schedule.fingerprint, schedule.depth, schedule.sample_ids, schedule.variants))
@@ -260,14 +252,12 @@ class ActCacheService:
                                             self.counters.add)
             if detail is None:
                 return
-            first = True
-            for frame in reader.frames(frame_bytes):
-                if first and request.shared_memory:  # say why the bytes path was taken
+            for i, frame in enumerate(reader.frames(frame_bytes)):
+                if i == 0 and request.shared_memory:  # say why the bytes path was taken
                     header_bytes, payload = decode_frame(frame)
                     header = pb.EntriesHeader.FromString(header_bytes)
                     header.data_plane, header.data_plane_detail = "bytes", detail
                     frame = encode_frame(header.SerializeToString(), [payload])
-                first = False
                 if self.throttle is not None:
                     self.throttle.consume(len(frame))
                 yield frame
