@@ -388,11 +388,9 @@ class RpcClient:
         fingerprint = check_fingerprint(fingerprint)
         ids, vars_ = _ids_and_variants(sample_ids, variants)
         request = pb.ContainsRequest(namespace_id=namespace_id, fingerprint=fingerprint, depth=depth,
-                                     packed_sample_ids=ids.tobytes())
-        if vars_ is not None:
-            request.packed_variants = vars_.tobytes()
-        reply = self._rpc("Contains", request)
-        return np.frombuffer(reply.present, np.uint8).astype(bool)
+                                     packed_sample_ids=ids.tobytes(),
+                                     packed_variants=b"" if vars_ is None else vars_.tobytes())
+        return np.frombuffer(self._rpc("Contains", request).present, np.uint8).astype(bool)
 
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> pb.DropReply:
         """Delete a namespace's entries, optionally only one fingerprint (and depth)."""
