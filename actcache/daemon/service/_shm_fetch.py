@@ -219,10 +219,10 @@ def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) ->
     ring.poll()
     with run.values(count) as views:
         copied = None if views is None else _copy_views(run.start, views, ring, frame_bytes, run.decode_into)
-    if copied is None or not copied[0] and not copied[3]:  # not read, or the first entry is larger than the ring
+    lengths, offsets, corrupt, blocked = copied or ([], [], [], 0)
+    if not lengths and not blocked:  # not read, or the first entry is larger than the ring
         run.give_back()
         return None
-    lengths, offsets, corrupt, blocked = copied
     for i, _ in corrupt:
         lengths[i] = offsets[i] = 0
     run.done(lengths, corrupt)
