@@ -80,26 +80,21 @@ class Store:
             raise
         self._file = ValueFile(config.dir / "data.mdb", self._env.stat()["psize"])
         self._read_counts = {"explicit_reads": 0, "fallback_reads": 0, "cached_copies": 0}
+        try:  # the leaf-page reader must find a known value written into meta, else it is turned off
+            problem = check_layout(self._env, self._state.meta, self._file.pages)
+        except (lmdb.Error, OSError) as exc:
+            problem = f"the check could not run: {exc}"
         #: 1 when the leaf-page reader did not read this LMDB's layout at open (its hints are then off).
-        self.page_layout_unrecognized = self._check_page_layout()
+        self.page_layout_unrecognized = int(problem is not None)
+        if problem is not None:
+            self._file.pages.enabled = False
+            log.warning("LMDB %s: its on-disk page layout is not the one this daemon reads (%s); leaf-page hints "
+                        "and explicit reads are off, values are copied from LMDB's map", lmdb.version(), problem)
         stale = self._env.reader_check()
         if stale:
             log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
         self._writer = Writer(self._env, self._gate, config, meta_db=self._state.meta,
                               on_remap=self._file.pages.remapped)
-
-    def _check_page_layout(self) -> int:
-        """Turn the leaf-page reader off (and return 1) unless it finds a known value written into meta."""
-        try:
-            problem = check_layout(self._env, self._state.meta, self._file.pages)
-        except (lmdb.Error, OSError) as exc:
-            problem = f"the check could not run: {exc}"
-        if problem is None:
-            return 0
-        self._file.pages.enabled = False
-        log.warning("LMDB %s: its on-disk page layout is not the one this daemon reads (%s); leaf-page hints "
-                    "and explicit reads are off, values are copied from LMDB's map", lmdb.version(), problem)
-        return 1
 
     def _open(self) -> None:
         """Open and check the environment and load the in-memory maps; raises UnusableStore."""
@@ -388,8 +383,11 @@ class Store:
         """Bytes the data file occupies on disk (allocated blocks, not its apparent size)."""
         return os.stat(self.config.dir / "data.mdb").st_blocks * 512
 
-    def _check_disk(self, txn, nbytes: int) -> None:
-        """Refuse a put of ``nbytes`` that would eat into the disk reserve kept for drops (0: no check)."""
+    # ---- helpers for write operations (writer thread only) ---------------
+
+    def _check_room(self, txn, prefix: bytes, delta: int, nbytes: int, pending: dict[bytes, list[int]]) -> None:
+        """A put's check: its group's budgets, then that its ``nbytes`` leave the disk reserve kept for drops."""
+        self._check_budget(prefix, delta, pending)
         reserve = self.config.disk_reserve_bytes
         if not reserve:
             return
@@ -409,13 +407,6 @@ class Store:
             f"reusable inside data.mdb, and this put needs {nbytes} bytes while {reserve} bytes "
             f"({format_size(reserve)}) stay reserved so that drops can commit; free space on that file system, "
             "run `actcache drop`, or lower --disk-reserve. Reads keep working")
-
-    # ---- helpers for write operations (writer thread only) ---------------
-
-    def _check_room(self, txn, prefix: bytes, delta: int, nbytes: int, pending: dict[bytes, list[int]]) -> None:
-        """A put's check (``_ops.RoomCheck``): its group's budgets, then the disk reserve."""
-        self._check_budget(prefix, delta, pending)
-        self._check_disk(txn, nbytes)
 
     def _check_budget(self, prefix: bytes, delta: int, pending: dict[bytes, list[int]]) -> None:
         """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op): raises
