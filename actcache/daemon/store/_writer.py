@@ -210,8 +210,11 @@ class Writer:
                 continue
             except _DAMAGE as exc:
                 return damaged(self._dir, "a write", exc)
-            except lmdb.Error as exc:
-                return _storage_error(exc, self._dir, needed)
+            except lmdb.Error as exc:  # a short write on a full disk surfaces as EIO: the free space decides
+                nospace = getattr(exc, "errno", None) == errno.ENOSPC or "No space" in str(exc)
+                if nospace or isinstance(exc, lmdb.DiskError) or free_bytes(self._dir) < needed + _DISK_FULL_SLACK:
+                    return _disk_full(self._dir, needed)
+                return StoreError(f"LMDB write failed in {self._dir}: {exc}")
             except BaseException as exc:  # a bug: wake every caller rather than stall them
                 log.exception("write transaction failed")
                 return StoreError(f"write failed unexpectedly: {exc!r}")
@@ -260,10 +263,8 @@ class Writer:
             try:
                 self._env.set_mapsize(new)
             except lmdb.Error as exc:
-                self._gate.broken = (
-                    f"growing the LMDB map from {old} to {new} bytes failed ({exc}) and left the store unusable; "
-                    "restart the daemon"
-                )
+                self._gate.broken = (f"growing the LMDB map from {old} to {new} bytes failed ({exc}) and left the "
+                                     "store unusable; restart the daemon")
                 log.critical("%s", self._gate.broken)
                 return StoreError(self._gate.broken)
             finally:
@@ -285,11 +286,3 @@ def _disk_full(path: str, needed: int) -> BudgetExceeded:
         f"the disk holding {path} is full: {free} bytes free of {total} "
         f"({format_size(free)} of {format_size(total)}) and this write needs about {needed} bytes; "
         "free space on that file system or run `actcache drop`. Reads keep working")
-
-
-def _storage_error(exc: lmdb.Error, path: str, needed: int) -> ActCacheError:
-    """Classify a failed commit. A short write on a full disk surfaces as EIO, so the free space decides."""
-    nospace = getattr(exc, "errno", None) == errno.ENOSPC or "No space" in str(exc)
-    if nospace or isinstance(exc, lmdb.DiskError) or free_bytes(path) < needed + _DISK_FULL_SLACK:
-        return _disk_full(path, needed)
-    return StoreError(f"LMDB write failed in {path}: {exc}")
