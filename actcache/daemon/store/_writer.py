@@ -231,19 +231,15 @@ class Writer:
                 op.publish(pending)
                 freed = freed or op.frees_pages
             op.finish(result, error)
-        if freed:
-            self._follow_up()
+        if freed:  # one small commit makes the pages just freed reusable (see module doc)
+            self._followups += 1
+            try:
+                with self._env.begin(write=True) as txn:
+                    txn.put(b"followup_commits", struct.pack(">Q", self._followups), db=self._meta_db)
+            except lmdb.Error as exc:
+                log.warning("follow-up commit after freeing pages failed (%s); freed pages are reused one "
+                            "commit later", exc)
         return None
-
-    def _follow_up(self) -> None:
-        """Commit one small transaction so that the pages just freed become reusable (see module doc)."""
-        self._followups += 1
-        try:
-            with self._env.begin(write=True) as txn:
-                txn.put(b"followup_commits", struct.pack(">Q", self._followups), db=self._meta_db)
-        except lmdb.Error as exc:
-            log.warning("follow-up commit after freeing pages failed (%s); freed pages are reused one commit "
-                        "later", exc)
 
     def _grow(self, needed: int) -> ActCacheError | None:
         """Double the map (add 64 GiB above 64 GiB); return the error that prevents it, if any."""
