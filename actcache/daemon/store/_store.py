@@ -296,11 +296,9 @@ class Store:
             return self._file.pages.present_keys(txn.cursor(), keys)
 
     def probe(self, keys: Sequence[bytes], hints: ExtentHints | None = None, start: int = 0) -> list[bool | None]:
-        """Look ``keys`` up (in a transaction of their own) and ask the kernel to start reading each value not
-        in the page cache: warms the cache ahead of a read, nothing more. Per key: None if absent, else whether
-        it was already cached (False also when the kernel cannot tell). ``hints``: the schedule's extents
-        learned by earlier probes, taught more by this one's lookups; ``keys`` are then its positions
-        ``start`` onwards."""
+        """Look ``keys`` up and ask the kernel to read ahead each value not in the page cache. Per key: None if
+        absent, else whether it was cached (False also when the kernel cannot tell). ``hints``: the schedule's
+        extents learned by earlier probes, taught by this one; ``keys`` are then its positions ``start`` on."""
         with self.read_session() as session:
             if hints is None:
                 extents = [session.locate(key) for key in keys]
@@ -326,8 +324,7 @@ class Store:
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> tuple[int, int]:
         """Delete a namespace's entries (narrowed by fingerprint and depth); returns (entries, bytes)."""
         prefix = group_prefix(self.resolve(namespace_id), fingerprint, depth)
-        entries, nbytes, _ = self._drop_chunks(lambda: _DropOp(self._state, prefix))
-        return entries, nbytes
+        return self._drop_chunks(lambda: _DropOp(self._state, prefix))[:2]
 
     def _drop_chunks(self, chunk: Callable[[], _DropOp]) -> tuple[int, int, _DropOp]:
         """Submit ``chunk()`` ops until one says it is done; (entries, bytes) deleted and the last op."""
@@ -409,9 +406,8 @@ class Store:
             "run `actcache drop`, or lower --disk-reserve. Reads keep working")
 
     def _check_budget(self, prefix: bytes, delta: int, pending: dict[bytes, list[int]]) -> None:
-        """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op): raises
-        _ReclaimNeeded when dropping dead generations would make the put fit (the caller reclaims them and
-        puts again), else BudgetExceeded saying how many bytes were reclaimable."""
+        """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op): _ReclaimNeeded
+        when dropping dead generations makes the put fit (the caller reclaims and puts again), else BudgetExceeded."""
         ns_limit, limit = self.config.namespace_budget_bytes, self.config.budget_bytes
         if delta <= 0 or not (ns_limit or limit):
             return
