@@ -306,61 +306,51 @@ class DaemonConfig:
             except OSError as exc:
                 raise ConfigError(f"cannot read --token-file {token_file}: {exc.strerror}; "
                                   "pass a readable file holding the token") from exc
-        store = StoreConfig(
-            dir=directory,
-            **_given(
-                budget_bytes=pick("budget", parse_size, size),
-                namespace_budget_bytes=pick("namespace_budget", parse_size, size),
-                map_size_bytes=pick("map_size", parse_size, size),
-                encoding=pick("encoding"),
-                sync=pick("sync", _bool, _BOOL),
-                max_entry_bytes=pick("max_entry_bytes", parse_size, size),
-                disk_reserve_bytes=pick("disk_reserve", parse_size, size),
-                on_corrupt=pick("on_corrupt"),
-                explicit_reads=pick("explicit_reads", _bool, _BOOL),
-                reclaim_after_s=pick("reclaim_after", float, "a number of seconds (0 = no recency check)"),
-            ),
-        )
-        prefetch = PrefetchConfig(
-            **_given(
-                prefetch_bytes=pick("prefetch_bytes", parse_size, size),
-                decode_threads=pick("decode_threads", int, count),
-                probe_threads=pick("probe_threads", int, count),
-                probe_bytes=pick("probe_bytes", parse_size, size),
-            )
-        )
+        store = StoreConfig(dir=directory, **_given(
+            budget_bytes=pick("budget", parse_size, size),
+            namespace_budget_bytes=pick("namespace_budget", parse_size, size),
+            map_size_bytes=pick("map_size", parse_size, size),
+            encoding=pick("encoding"),
+            sync=pick("sync", _bool, _BOOL),
+            max_entry_bytes=pick("max_entry_bytes", parse_size, size),
+            disk_reserve_bytes=pick("disk_reserve", parse_size, size),
+            on_corrupt=pick("on_corrupt"),
+            explicit_reads=pick("explicit_reads", _bool, _BOOL),
+            reclaim_after_s=pick("reclaim_after", float, "a number of seconds (0 = no recency check)"),
+        ))
+        prefetch = PrefetchConfig(**_given(
+            prefetch_bytes=pick("prefetch_bytes", parse_size, size),
+            decode_threads=pick("decode_threads", int, count),
+            probe_threads=pick("probe_threads", int, count),
+            probe_bytes=pick("probe_bytes", parse_size, size),
+        ))
         listen = pick("listen")
         socket = pick("socket", _path, "a socket path")
         if socket is None and not listen:
             socket = default_socket_path()
-        server = ServerConfig(
-            socket=socket,
-            listen=listen,
-            token=token,
-            **_given(
-                workers=pick("workers", int, count),
-                throttle_read_mbps=pick("throttle_read_mbps", float, "a number of MB/s (0 = off)"),
-                idle_timeout_s=pick("idle_timeout", float, "a number of seconds (0 = never)"),
-                allow_remote=pick("allow_remote", _bool, _BOOL),
-                tls_cert=pick("tls_cert", _path, "a PEM file"),
-                tls_key=pick("tls_key", _path, "a PEM file"),
-                socket_mode=pick("socket_mode", _octal, "octal permission bits such as 0600 or 0660"),
-                socket_group=pick("socket_group"),
-            ),
-        )
+        server = ServerConfig(socket=socket, listen=listen, token=token, **_given(
+            workers=pick("workers", int, count),
+            throttle_read_mbps=pick("throttle_read_mbps", float, "a number of MB/s (0 = off)"),
+            idle_timeout_s=pick("idle_timeout", float, "a number of seconds (0 = never)"),
+            allow_remote=pick("allow_remote", _bool, _BOOL),
+            tls_cert=pick("tls_cert", _path, "a PEM file"),
+            tls_key=pick("tls_key", _path, "a PEM file"),
+            socket_mode=pick("socket_mode", _octal, "octal permission bits such as 0600 or 0660"),
+            socket_group=pick("socket_group"),
+        ))
         for flag, path in (("--tls-cert", server.tls_cert), ("--tls-key", server.tls_key)):
             if path is not None and not (path.is_file() and os.access(path, os.R_OK)):
                 raise ConfigError(f"{flag} {path} is not a readable file; pass a PEM file")
-        metrics = MetricsConfig(
-            **_given(port=pick("metrics_port", int, "a number 0..65535 (0 = any free port)"), host=pick("metrics_host"))
-        )
+        metrics = MetricsConfig(**_given(port=pick("metrics_port", int, "a number 0..65535 (0 = any free port)"),
+                                         host=pick("metrics_host")))
         return cls(store=store, server=server, metrics=metrics, prefetch=prefetch, log_level=pick("log_level") or "INFO")
 
 
 #: What ``--log-level`` accepts (any case).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _SIZE = "a size such as 512MiB or 100GiB (a number and an optional unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-_BOOL = "one of 1, true, yes, on, 0, false, no, off"
+_BOOLS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
+_BOOL = f"one of {', '.join(_BOOLS)}"
 
 
 def _given(**values: Any) -> dict[str, Any]:
@@ -368,14 +358,10 @@ def _given(**values: Any) -> dict[str, Any]:
 
 
 def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(value)
+    flag = value if isinstance(value, bool) else _BOOLS.get(str(value).strip().lower())
+    if flag is None:
+        raise ValueError(value)
+    return flag
 
 
 def _path(value: Any) -> Path:

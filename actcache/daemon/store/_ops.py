@@ -117,20 +117,18 @@ class _DropOp(_StoreOp):
             done = True
         for group, (n, b) in removed.items():
             self._adjust(txn, pending, group, -n, -b)
-        if done:
-            # Usage rows of the dropped groups go too (and any drift between rows and entries with them).
-            for group in [p for p in set(self.state.usage) | set(pending) if p.startswith(self.prefix)]:
-                usage = pending.get(group, self.state.usage.get(group, [0, 0]))
-                if usage != [0, 0]:
-                    log.warning("drop: usage of group %s was %s after its entries were deleted", group.hex(), usage)
-                pending[group] = [0, 0]
-                txn.delete(group, db=self.state.groups)
-            self._forget_empty_generations(txn, pending)
-        return entries, nbytes, done
-
-    def _forget_empty_generations(self, txn, pending) -> None:
+        if not done:
+            return entries, nbytes, done
+        # Usage rows of the dropped groups go too (and any drift between rows and entries with them).
         state = self.state
         groups = set(state.usage) | set(pending)
+        for group in [p for p in groups if p.startswith(self.prefix)]:
+            usage = pending.get(group, state.usage.get(group, [0, 0]))
+            if usage != [0, 0]:
+                log.warning("drop: usage of group %s was %s after its entries were deleted", group.hex(), usage)
+            pending[group] = [0, 0]
+            txn.delete(group, db=state.groups)
+        # Then the last-write rows of the generations left without entries.
         if len(self.prefix) >= GENERATION_PREFIX_BYTES:
             touched = {generation_of(self.prefix)}
         else:
@@ -140,6 +138,7 @@ class _DropOp(_StoreOp):
             if not any(pending.get(p, state.usage.get(p, [0, 0]))[0] for p in groups if p.startswith(gen)):
                 txn.delete(gen, db=state.generation_times)
                 self.emptied.append(gen)
+        return entries, nbytes, done
 
     def publish(self, pending):
         super().publish(pending)
@@ -180,11 +179,9 @@ class _DeleteOp(_StoreOp):
         deleted = 0
         for key in self.keys:
             old = txn.get(key, db=self.state.entries)
-            if old is None:
-                continue
             try:
-                verify_entry(old)
-                continue
+                if old is None or verify_entry(old):  # absent, or an EntryHeader: intact
+                    continue
             except InvalidRequest:
                 pass
             txn.delete(key, db=self.state.entries)

@@ -80,26 +80,21 @@ class Store:
             raise
         self._file = ValueFile(config.dir / "data.mdb", self._env.stat()["psize"])
         self._read_counts = {"explicit_reads": 0, "fallback_reads": 0, "cached_copies": 0}
+        try:  # the leaf-page reader must find a known value written into meta, else it is turned off
+            problem = check_layout(self._env, self._state.meta, self._file.pages)
+        except (lmdb.Error, OSError) as exc:
+            problem = f"the check could not run: {exc}"
         #: 1 when the leaf-page reader did not read this LMDB's layout at open (its hints are then off).
-        self.page_layout_unrecognized = self._check_page_layout()
+        self.page_layout_unrecognized = int(problem is not None)
+        if problem is not None:
+            self._file.pages.enabled = False
+            log.warning("LMDB %s: its on-disk page layout is not the one this daemon reads (%s); leaf-page hints "
+                        "and explicit reads are off, values are copied from LMDB's map", lmdb.version(), problem)
         stale = self._env.reader_check()
         if stale:
             log.info("cleared %d stale LMDB reader slots left by a crashed process", stale)
         self._writer = Writer(self._env, self._gate, config, meta_db=self._state.meta,
                               on_remap=self._file.pages.remapped)
-
-    def _check_page_layout(self) -> int:
-        """Turn the leaf-page reader off (and return 1) unless it finds a known value written into meta."""
-        try:
-            problem = check_layout(self._env, self._state.meta, self._file.pages)
-        except (lmdb.Error, OSError) as exc:
-            problem = f"the check could not run: {exc}"
-        if problem is None:
-            return 0
-        self._file.pages.enabled = False
-        log.warning("LMDB %s: its on-disk page layout is not the one this daemon reads (%s); leaf-page hints "
-                    "and explicit reads are off, values are copied from LMDB's map", lmdb.version(), problem)
-        return 1
 
     def _open(self) -> None:
         """Open and check the environment and load the in-memory maps; raises UnusableStore."""
@@ -301,11 +296,9 @@ class Store:
             return self._file.pages.present_keys(txn.cursor(), keys)
 
     def probe(self, keys: Sequence[bytes], hints: ExtentHints | None = None, start: int = 0) -> list[bool | None]:
-        """Look ``keys`` up (in a transaction of their own) and ask the kernel to start reading each value not
-        in the page cache: warms the cache ahead of a read, nothing more. Per key: None if absent, else whether
-        it was already cached (False also when the kernel cannot tell). ``hints``: the schedule's extents
-        learned by earlier probes, taught more by this one's lookups; ``keys`` are then its positions
-        ``start`` onwards."""
+        """Look ``keys`` up and ask the kernel to read ahead each value not in the page cache. Per key: None if
+        absent, else whether it was cached (False also when the kernel cannot tell). ``hints``: the schedule's
+        extents learned by earlier probes, taught by this one; ``keys`` are then its positions ``start`` on."""
         with self.read_session() as session:
             if hints is None:
                 extents = [session.locate(key) for key in keys]
@@ -331,8 +324,7 @@ class Store:
     def drop(self, namespace_id: int, fingerprint: bytes | None = None, depth: int | None = None) -> tuple[int, int]:
         """Delete a namespace's entries (narrowed by fingerprint and depth); returns (entries, bytes)."""
         prefix = group_prefix(self.resolve(namespace_id), fingerprint, depth)
-        entries, nbytes, _ = self._drop_chunks(lambda: _DropOp(self._state, prefix))
-        return entries, nbytes
+        return self._drop_chunks(lambda: _DropOp(self._state, prefix))[:2]
 
     def _drop_chunks(self, chunk: Callable[[], _DropOp]) -> tuple[int, int, _DropOp]:
         """Submit ``chunk()`` ops until one says it is done; (entries, bytes) deleted and the last op."""
@@ -388,8 +380,11 @@ class Store:
         """Bytes the data file occupies on disk (allocated blocks, not its apparent size)."""
         return os.stat(self.config.dir / "data.mdb").st_blocks * 512
 
-    def _check_disk(self, txn, nbytes: int) -> None:
-        """Refuse a put of ``nbytes`` that would eat into the disk reserve kept for drops (0: no check)."""
+    # ---- helpers for write operations (writer thread only) ---------------
+
+    def _check_room(self, txn, prefix: bytes, delta: int, nbytes: int, pending: dict[bytes, list[int]]) -> None:
+        """A put's check: its group's budgets, then that its ``nbytes`` leave the disk reserve kept for drops."""
+        self._check_budget(prefix, delta, pending)
         reserve = self.config.disk_reserve_bytes
         if not reserve:
             return
@@ -410,17 +405,9 @@ class Store:
             f"({format_size(reserve)}) stay reserved so that drops can commit; free space on that file system, "
             "run `actcache drop`, or lower --disk-reserve. Reads keep working")
 
-    # ---- helpers for write operations (writer thread only) ---------------
-
-    def _check_room(self, txn, prefix: bytes, delta: int, nbytes: int, pending: dict[bytes, list[int]]) -> None:
-        """A put's check (``_ops.RoomCheck``): its group's budgets, then the disk reserve."""
-        self._check_budget(prefix, delta, pending)
-        self._check_disk(txn, nbytes)
-
     def _check_budget(self, prefix: bytes, delta: int, pending: dict[bytes, list[int]]) -> None:
-        """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op): raises
-        _ReclaimNeeded when dropping dead generations would make the put fit (the caller reclaims them and
-        puts again), else BudgetExceeded saying how many bytes were reclaimable."""
+        """Refuse ``delta`` more bytes in group ``prefix`` past a budget (before any write of the op): _ReclaimNeeded
+        when dropping dead generations makes the put fit (the caller reclaims and puts again), else BudgetExceeded."""
         ns_limit, limit = self.config.namespace_budget_bytes, self.config.budget_bytes
         if delta <= 0 or not (ns_limit or limit):
             return

@@ -210,8 +210,11 @@ class Writer:
                 continue
             except _DAMAGE as exc:
                 return damaged(self._dir, "a write", exc)
-            except lmdb.Error as exc:
-                return _storage_error(exc, self._dir, needed)
+            except lmdb.Error as exc:  # a short write on a full disk surfaces as EIO: the free space decides
+                nospace = getattr(exc, "errno", None) == errno.ENOSPC or "No space" in str(exc)
+                if nospace or isinstance(exc, lmdb.DiskError) or free_bytes(self._dir) < needed + _DISK_FULL_SLACK:
+                    return _disk_full(self._dir, needed)
+                return StoreError(f"LMDB write failed in {self._dir}: {exc}")
             except BaseException as exc:  # a bug: wake every caller rather than stall them
                 log.exception("write transaction failed")
                 return StoreError(f"write failed unexpectedly: {exc!r}")
@@ -228,19 +231,15 @@ class Writer:
                 op.publish(pending)
                 freed = freed or op.frees_pages
             op.finish(result, error)
-        if freed:
-            self._follow_up()
+        if freed:  # one small commit makes the pages just freed reusable (see module doc)
+            self._followups += 1
+            try:
+                with self._env.begin(write=True) as txn:
+                    txn.put(b"followup_commits", struct.pack(">Q", self._followups), db=self._meta_db)
+            except lmdb.Error as exc:
+                log.warning("follow-up commit after freeing pages failed (%s); freed pages are reused one "
+                            "commit later", exc)
         return None
-
-    def _follow_up(self) -> None:
-        """Commit one small transaction so that the pages just freed become reusable (see module doc)."""
-        self._followups += 1
-        try:
-            with self._env.begin(write=True) as txn:
-                txn.put(b"followup_commits", struct.pack(">Q", self._followups), db=self._meta_db)
-        except lmdb.Error as exc:
-            log.warning("follow-up commit after freeing pages failed (%s); freed pages are reused one commit "
-                        "later", exc)
 
     def _grow(self, needed: int) -> ActCacheError | None:
         """Double the map (add 64 GiB above 64 GiB); return the error that prevents it, if any."""
@@ -260,10 +259,8 @@ class Writer:
             try:
                 self._env.set_mapsize(new)
             except lmdb.Error as exc:
-                self._gate.broken = (
-                    f"growing the LMDB map from {old} to {new} bytes failed ({exc}) and left the store unusable; "
-                    "restart the daemon"
-                )
+                self._gate.broken = (f"growing the LMDB map from {old} to {new} bytes failed ({exc}) and left the "
+                                     "store unusable; restart the daemon")
                 log.critical("%s", self._gate.broken)
                 return StoreError(self._gate.broken)
             finally:
@@ -285,11 +282,3 @@ def _disk_full(path: str, needed: int) -> BudgetExceeded:
         f"the disk holding {path} is full: {free} bytes free of {total} "
         f"({format_size(free)} of {format_size(total)}) and this write needs about {needed} bytes; "
         "free space on that file system or run `actcache drop`. Reads keep working")
-
-
-def _storage_error(exc: lmdb.Error, path: str, needed: int) -> ActCacheError:
-    """Classify a failed commit. A short write on a full disk surfaces as EIO, so the free space decides."""
-    nospace = getattr(exc, "errno", None) == errno.ENOSPC or "No space" in str(exc)
-    if nospace or isinstance(exc, lmdb.DiskError) or free_bytes(path) < needed + _DISK_FULL_SLACK:
-        return _disk_full(path, needed)
-    return StoreError(f"LMDB write failed in {path}: {exc}")
