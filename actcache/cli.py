@@ -117,21 +117,16 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     config = DaemonConfig.from_sources(vars(args))
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Directories first, so a bad path is one line naming its flag (a group's socket directory: the daemon's job).
     try:
-        _make_dirs(config)
+        config.store.dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(config.store.dir, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable", str(config.store.dir))
+        if config.server.socket is not None and config.server.socket_group is None:
+            config.server.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         return serve(config)
     except OSError as exc:
         raise _path_error(exc, config, vars(args)) or exc
-
-
-def _make_dirs(config) -> None:
-    """Create the cache and socket directories first, so a bad path is one line naming its flag (a socket
-    shared with a group gets its directory from the daemon)."""
-    config.store.dir.mkdir(parents=True, exist_ok=True)
-    if not os.access(config.store.dir, os.W_OK | os.X_OK):
-        raise PermissionError(13, "not writable", str(config.store.dir))
-    if config.server.socket is not None and config.server.socket_group is None:
-        config.server.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def _path_error(exc: OSError, config, flags: dict) -> ActCacheError | None:
@@ -278,10 +273,8 @@ def _run_drop(args: argparse.Namespace) -> int:
         secret = Path(args.secret_file).read_bytes().strip() if args.secret_file else None
         ns = client.open(args.namespace, create=False, secret=secret)
         reply = client.drop(ns.namespace_id, fingerprint, args.depth)
-    if args.json:
-        print(json.dumps({"entries": reply.entries, "bytes": reply.bytes}))
-    else:
-        print(f"dropped {reply.entries} entries ({_fmt(reply.bytes)}) from {args.namespace}")
+    print(json.dumps({"entries": reply.entries, "bytes": reply.bytes}) if args.json
+          else f"dropped {reply.entries} entries ({_fmt(reply.bytes)}) from {args.namespace}")
     return 0
 
 
