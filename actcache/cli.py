@@ -140,14 +140,13 @@ def _path_error(exc: OSError, config, flags: dict) -> ActCacheError | None:
         return path is not None and (failed == path or failed in path.parents)
 
     if within(directory) or (directory in failed.parents and failed != socket):
-        flag, path = "--dir", directory
+        flag, path, what = "--dir", directory, "the cache directory"
     elif within(socket):
-        flag, path = "--socket", socket
+        flag, path, what = "--socket", socket, "the socket's directory"
     else:
         return None
     var = "ACTCACHE_" + flag[2:].upper()
     given = flag if flags.get(flag[2:]) is not None else var if os.environ.get(var) else f"{flag} (default)"
-    what = "the cache directory" if flag == "--dir" else "the socket's directory"
     why = "not a directory" if failed.exists() and not failed.is_dir() else exc.strerror
     return ConfigError(
         f"{given} {path}: cannot create or use {what} ({why}: {failed}); pass {flag} (or set {var}) "

@@ -76,18 +76,11 @@ class NodeDaemon:
     def from_env(cls, env: Mapping[str, str] | None = None) -> "NodeDaemon":
         """The node daemon of ``env`` (default ``os.environ``); ConfigError for a malformed variable."""
         env = os.environ if env is None else env
-        if env.get("ACTCACHE_DIR"):
-            directory = Path(env["ACTCACHE_DIR"]).expanduser()
-        elif env.get("XDG_CACHE_HOME"):
-            directory = Path(env["XDG_CACHE_HOME"]).expanduser() / "actcache"
-        else:
-            directory = Path.home() / ".cache" / "actcache"
-        directory = directory.absolute()
-        text = env.get("ACTCACHE_IDLE_TIMEOUT", "")
-        try:
+        given = env.get("ACTCACHE_DIR") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "actcache"
+        directory = Path(given).expanduser().absolute()
+        text, idle = env.get("ACTCACHE_IDLE_TIMEOUT", ""), -1.0
+        with suppress(ValueError):
             idle = float(text) if text else DEFAULT_IDLE_TIMEOUT_S
-        except ValueError:
-            idle = -1.0
         if not 0 <= idle < float("inf"):
             raise ConfigError(f"ACTCACHE_IDLE_TIMEOUT must be a number of seconds >= 0 (0 = never), got {text!r}")
         return cls(dir=directory, socket=_socket_for(directory, env), idle_timeout_s=idle)
@@ -231,11 +224,10 @@ def _dir_holder(directory: Path) -> int | None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
     except BlockingIOError:
         text = os.pread(fd, 32, 0).decode(errors="replace").strip()
         return int(text) if text.isdigit() else -1
-    else:
-        return None
     finally:
         os.close(fd)
 
