@@ -1,13 +1,5 @@
-"""``actcache`` command line: a registry of subcommands, each an (add_parser, run) pair.
-
-    actcache serve [--dir DIR] [--socket PATH]  run the daemon (default: the node daemon)
-    actcache stats [--json]                     usage and counters
-    actcache ls [--json]                        namespaces, fingerprints, depths; last write/read, reclaimable; jobs
-    actcache drop NAMESPACE [--fingerprint HEX [--depth N]]
-    actcache clean [--socket PATH] [--dir DIR]  reclaim leftovers of crashes
-    actcache stop [--socket PATH]               stop a daemon (default: this node's, see actcache.node)
-    actcache bench disk --dir DIR [--size 1GiB] [--json]   size a node: disk and LMDB MB/s
-"""
+"""``actcache`` command line (serve, stats, ls, drop, clean, stop, bench disk): a registry of subcommands,
+each an (add_parser, run) pair; ``actcache COMMAND --help`` describes each."""
 
 from __future__ import annotations
 
@@ -21,7 +13,7 @@ from typing import Callable
 
 from actcache.daemon.config import format_size as _fmt, parse_size
 from actcache.errors import ActCacheError, ConfigError, DaemonUnavailable
-from actcache.node import default_socket_path
+from actcache.node import default_socket_path, stop_daemon
 
 __all__ = ["main"]
 
@@ -308,8 +300,6 @@ def _add_stop(p: argparse.ArgumentParser) -> None:
 
 @command("stop", "stop a daemon: SIGTERM to the process on its socket, then wait until it has exited", _add_stop)
 def _run_stop(args: argparse.Namespace) -> int:
-    from actcache.node import stop_daemon
-
     socket = Path(args.socket) if args.socket else default_socket_path()
     pid = stop_daemon(socket, args.timeout)
     print(f"stopped the daemon on {socket} (pid {pid})" if pid else f"no daemon is listening on {socket}; nothing to stop")

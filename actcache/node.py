@@ -101,9 +101,7 @@ def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
     """The one default daemon of ``actcache serve``, ``connect()`` and every CLI command:
     ``$ACTCACHE_SOCKET``, else the node daemon's socket (of ``$ACTCACHE_DIR``, else ``~/.cache/actcache``)."""
     env = os.environ if env is None else env
-    if env.get("ACTCACHE_SOCKET"):
-        return Path(env["ACTCACHE_SOCKET"])
-    return NodeDaemon.from_env(env).socket
+    return Path(env["ACTCACHE_SOCKET"]) if env.get("ACTCACHE_SOCKET") else NodeDaemon.from_env(env).socket
 
 
 def default_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -238,10 +236,9 @@ def _spawn(node: NodeDaemon) -> tuple[subprocess.Popen, int]:
            "--idle-timeout", f"{node.idle_timeout_s:g}"]
     if not os.environ.get("ACTCACHE_BUDGET"):
         cmd += ["--budget", str(default_budget(node.dir))]
-    env = dict(os.environ)
     # The daemon imports the same actcache as this process, wherever it came from (appended: shadows nothing).
     root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)}
     with suppress(FileNotFoundError):
         if node.log_path.stat().st_size > _LOG_ROTATE_BYTES:
             os.replace(node.log_path, node.log_path.with_name("daemon.log.1"))

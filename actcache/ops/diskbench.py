@@ -159,8 +159,7 @@ class _Bench:
                                      "buffered cold read")
         direct = self.report.o_direct = refused is None
         access = "O_DIRECT" if direct else "buffered"
-        flags = os.O_DIRECT if direct else 0
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
         try:
             for label, order in (("write sequential", self.sequential), ("write random", self.shuffled)):
                 self._phase(label, access, "-", order, lambda off: os.pwrite(fd, self._stamp(off), off),
@@ -168,10 +167,10 @@ class _Bench:
         finally:
             os.close(fd)
         if direct:
-            self._reads(path, os.O_DIRECT, "O_DIRECT", "disk")
-        self._reads(path, 0, "buffered", "cold", evict_first=path)
+            self._reads(path, "O_DIRECT", "disk")
+        self._reads(path, "buffered", "cold", evict=True)
         if self._fits_in_memory():
-            self._reads(path, 0, "buffered", "warm")
+            self._reads(path, "buffered", "warm")
 
     def _direct_refused(self, path: Path) -> str | None:
         """Why O_DIRECT cannot be used on ``path``, or None."""
@@ -187,12 +186,12 @@ class _Bench:
             return f"O_DIRECT refused on {self.report.filesystem['type']} ({exc.strerror})"
         return None
 
-    def _reads(self, path: Path, flags: int, access: str, cache: str, evict_first: Path | None = None) -> None:
-        fd = os.open(path, os.O_RDONLY | flags)
+    def _reads(self, path: Path, access: str, cache: str, evict: bool = False) -> None:
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if access == "O_DIRECT" else 0))
         try:
             for label, order in (("read sequential", self.sequential), ("read random", self.shuffled)):
-                if evict_first is not None:
-                    self._evict(evict_first)
+                if evict:
+                    self._evict(path)
                 self._phase(label, access, cache, order, lambda off: os.preadv(fd, [self.buf], off))
         finally:
             os.close(fd)
@@ -299,11 +298,10 @@ def _drop_page_cache() -> bool:
     if not os.access(_DROP_CACHES, os.W_OK):
         return False
     os.sync()
-    try:
+    with suppress(OSError):
         _DROP_CACHES.write_text("1\n")
-    except OSError:
-        return False
-    return True
+        return True
+    return False
 
 
 def _filesystem_of(directory: Path) -> dict[str, str]:
