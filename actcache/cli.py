@@ -1,13 +1,5 @@
-"""``actcache`` command line: a registry of subcommands, each an (add_parser, run) pair.
-
-    actcache serve [--dir DIR] [--socket PATH]  run the daemon (default: the node daemon)
-    actcache stats [--json]                     usage and counters
-    actcache ls [--json]                        namespaces, fingerprints, depths; last write/read, reclaimable; jobs
-    actcache drop NAMESPACE [--fingerprint HEX [--depth N]]
-    actcache clean [--socket PATH] [--dir DIR]  reclaim leftovers of crashes
-    actcache stop [--socket PATH]               stop a daemon (default: this node's, see actcache.node)
-    actcache bench disk --dir DIR [--size 1GiB] [--json]   size a node: disk and LMDB MB/s
-"""
+"""``actcache`` command line (serve, stats, ls, drop, clean, stop, bench disk): a registry of subcommands,
+each an (add_parser, run) pair; ``actcache COMMAND --help`` describes each."""
 
 from __future__ import annotations
 
@@ -21,7 +13,7 @@ from typing import Callable
 
 from actcache.daemon.config import format_size as _fmt, parse_size
 from actcache.errors import ActCacheError, ConfigError, DaemonUnavailable
-from actcache.node import default_socket_path
+from actcache.node import default_socket_path, stop_daemon
 
 __all__ = ["main"]
 
@@ -117,21 +109,16 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     config = DaemonConfig.from_sources(vars(args))
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Directories first, so a bad path is one line naming its flag (a group's socket directory: the daemon's job).
     try:
-        _make_dirs(config)
+        config.store.dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(config.store.dir, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable", str(config.store.dir))
+        if config.server.socket is not None and config.server.socket_group is None:
+            config.server.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         return serve(config)
     except OSError as exc:
         raise _path_error(exc, config, vars(args)) or exc
-
-
-def _make_dirs(config) -> None:
-    """Create the cache and socket directories first, so a bad path is one line naming its flag (a socket
-    shared with a group gets its directory from the daemon)."""
-    config.store.dir.mkdir(parents=True, exist_ok=True)
-    if not os.access(config.store.dir, os.W_OK | os.X_OK):
-        raise PermissionError(13, "not writable", str(config.store.dir))
-    if config.server.socket is not None and config.server.socket_group is None:
-        config.server.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
 def _path_error(exc: OSError, config, flags: dict) -> ActCacheError | None:
@@ -145,14 +132,13 @@ def _path_error(exc: OSError, config, flags: dict) -> ActCacheError | None:
         return path is not None and (failed == path or failed in path.parents)
 
     if within(directory) or (directory in failed.parents and failed != socket):
-        flag, path = "--dir", directory
+        flag, path, what = "--dir", directory, "the cache directory"
     elif within(socket):
-        flag, path = "--socket", socket
+        flag, path, what = "--socket", socket, "the socket's directory"
     else:
         return None
     var = "ACTCACHE_" + flag[2:].upper()
     given = flag if flags.get(flag[2:]) is not None else var if os.environ.get(var) else f"{flag} (default)"
-    what = "the cache directory" if flag == "--dir" else "the socket's directory"
     why = "not a directory" if failed.exists() and not failed.is_dir() else exc.strerror
     return ConfigError(
         f"{given} {path}: cannot create or use {what} ({why}: {failed}); pass {flag} (or set {var}) "
@@ -278,10 +264,8 @@ def _run_drop(args: argparse.Namespace) -> int:
         secret = Path(args.secret_file).read_bytes().strip() if args.secret_file else None
         ns = client.open(args.namespace, create=False, secret=secret)
         reply = client.drop(ns.namespace_id, fingerprint, args.depth)
-    if args.json:
-        print(json.dumps({"entries": reply.entries, "bytes": reply.bytes}))
-    else:
-        print(f"dropped {reply.entries} entries ({_fmt(reply.bytes)}) from {args.namespace}")
+    print(json.dumps({"entries": reply.entries, "bytes": reply.bytes}) if args.json
+          else f"dropped {reply.entries} entries ({_fmt(reply.bytes)}) from {args.namespace}")
     return 0
 
 
@@ -316,8 +300,6 @@ def _add_stop(p: argparse.ArgumentParser) -> None:
 
 @command("stop", "stop a daemon: SIGTERM to the process on its socket, then wait until it has exited", _add_stop)
 def _run_stop(args: argparse.Namespace) -> int:
-    from actcache.node import stop_daemon
-
     socket = Path(args.socket) if args.socket else default_socket_path()
     pid = stop_daemon(socket, args.timeout)
     print(f"stopped the daemon on {socket} (pid {pid})" if pid else f"no daemon is listening on {socket}; nothing to stop")

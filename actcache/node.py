@@ -76,18 +76,11 @@ class NodeDaemon:
     def from_env(cls, env: Mapping[str, str] | None = None) -> "NodeDaemon":
         """The node daemon of ``env`` (default ``os.environ``); ConfigError for a malformed variable."""
         env = os.environ if env is None else env
-        if env.get("ACTCACHE_DIR"):
-            directory = Path(env["ACTCACHE_DIR"]).expanduser()
-        elif env.get("XDG_CACHE_HOME"):
-            directory = Path(env["XDG_CACHE_HOME"]).expanduser() / "actcache"
-        else:
-            directory = Path.home() / ".cache" / "actcache"
-        directory = directory.absolute()
-        text = env.get("ACTCACHE_IDLE_TIMEOUT", "")
-        try:
+        given = env.get("ACTCACHE_DIR") or Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "actcache"
+        directory = Path(given).expanduser().absolute()
+        text, idle = env.get("ACTCACHE_IDLE_TIMEOUT", ""), -1.0
+        with suppress(ValueError):
             idle = float(text) if text else DEFAULT_IDLE_TIMEOUT_S
-        except ValueError:
-            idle = -1.0
         if not 0 <= idle < float("inf"):
             raise ConfigError(f"ACTCACHE_IDLE_TIMEOUT must be a number of seconds >= 0 (0 = never), got {text!r}")
         return cls(dir=directory, socket=_socket_for(directory, env), idle_timeout_s=idle)
@@ -108,9 +101,7 @@ def default_socket_path(env: Mapping[str, str] | None = None) -> Path:
     """The one default daemon of ``actcache serve``, ``connect()`` and every CLI command:
     ``$ACTCACHE_SOCKET``, else the node daemon's socket (of ``$ACTCACHE_DIR``, else ``~/.cache/actcache``)."""
     env = os.environ if env is None else env
-    if env.get("ACTCACHE_SOCKET"):
-        return Path(env["ACTCACHE_SOCKET"])
-    return NodeDaemon.from_env(env).socket
+    return Path(env["ACTCACHE_SOCKET"]) if env.get("ACTCACHE_SOCKET") else NodeDaemon.from_env(env).socket
 
 
 def default_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -231,11 +222,10 @@ def _dir_holder(directory: Path) -> int | None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
     except BlockingIOError:
         text = os.pread(fd, 32, 0).decode(errors="replace").strip()
         return int(text) if text.isdigit() else -1
-    else:
-        return None
     finally:
         os.close(fd)
 
@@ -246,10 +236,9 @@ def _spawn(node: NodeDaemon) -> tuple[subprocess.Popen, int]:
            "--idle-timeout", f"{node.idle_timeout_s:g}"]
     if not os.environ.get("ACTCACHE_BUDGET"):
         cmd += ["--budget", str(default_budget(node.dir))]
-    env = dict(os.environ)
     # The daemon imports the same actcache as this process, wherever it came from (appended: shadows nothing).
     root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), root) if p)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)}
     with suppress(FileNotFoundError):
         if node.log_path.stat().st_size > _LOG_ROTATE_BYTES:
             os.replace(node.log_path, node.log_path.with_name("daemon.log.1"))

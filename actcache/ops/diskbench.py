@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -68,19 +69,18 @@ class DiskReport:
         from actcache.daemon.config import format_size
 
         fs = self.filesystem
-        lines = [
+        return "\n".join([
             f"actcache bench disk: {self.dir} ({fs['type']} on {fs['device']}, mounted at {fs['mount']}), "
             f"{format_size(self.size_bytes)} in 1 MiB blocks",
             f"O_DIRECT: {'yes' if self.o_direct else 'no'}; cold: {self.cold_method}",
             *[f"note: {n}" for n in self.notes],
             "",
             f"{'phase':<20} {'access':<9} {'cache':<6} {'MB/s':>9} {'MiB':>7} {'seconds':>8}",
-        ]
-        for p in self.phases:
-            lines.append(f"{p.label:<20} {p.access:<9} {p.cache:<6} {p.mb_per_s:>9.1f} "
-                         f"{p.bytes / 2**20:>7.0f} {p.seconds:>8.2f}")
-        lines += ["", f"verdict: {self.verdict}"]
-        return "\n".join(lines)
+            *[f"{p.label:<20} {p.access:<9} {p.cache:<6} {p.mb_per_s:>9.1f} {p.bytes / 2**20:>7.0f} {p.seconds:>8.2f}"
+              for p in self.phases],
+            "",
+            f"verdict: {self.verdict}",
+        ])
 
 
 def run_disk_bench(
@@ -140,8 +140,17 @@ class _Bench:
             self._lmdb_phases(self.work / "lmdb")
         finally:
             self.buf.close()
-        self._verdict()
-        return self.report
+        r = self.report
+        disk = r.phase("read_random_direct") or r.phase("read_random_buffered_cold")
+        lmdb_cold = r.phase("lmdb_get_random_cold")
+        what = "O_DIRECT random read" if disk.access == "O_DIRECT" else "buffered cold random read"
+        ratio = lmdb_cold.mb_per_s / disk.mb_per_s
+        r.lmdb_cold_vs_disk = round(ratio, 3)
+        why = ("the daemon's explicit-read prefetch matters here" if ratio < 0.7
+               else "LMDB's mmap read path nearly keeps up with this disk; explicit reads gain little here")
+        r.verdict = (f"LMDB cold get is {ratio:.2f}x the disk's {what} "
+                     f"({lmdb_cold.mb_per_s:.0f} vs {disk.mb_per_s:.0f} MB/s): {why}")
+        return r
 
     def _disk_phases(self, path: Path) -> None:
         refused = self._direct_refused(path)
@@ -150,8 +159,7 @@ class _Bench:
                                      "buffered cold read")
         direct = self.report.o_direct = refused is None
         access = "O_DIRECT" if direct else "buffered"
-        flags = os.O_DIRECT if direct else 0
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
         try:
             for label, order in (("write sequential", self.sequential), ("write random", self.shuffled)):
                 self._phase(label, access, "-", order, lambda off: os.pwrite(fd, self._stamp(off), off),
@@ -159,10 +167,10 @@ class _Bench:
         finally:
             os.close(fd)
         if direct:
-            self._reads(path, os.O_DIRECT, "O_DIRECT", "disk")
-        self._reads(path, 0, "buffered", "cold", evict_first=path)
+            self._reads(path, "O_DIRECT", "disk")
+        self._reads(path, "buffered", "cold", evict=True)
         if self._fits_in_memory():
-            self._reads(path, 0, "buffered", "warm")
+            self._reads(path, "buffered", "warm")
 
     def _direct_refused(self, path: Path) -> str | None:
         """Why O_DIRECT cannot be used on ``path``, or None."""
@@ -178,12 +186,12 @@ class _Bench:
             return f"O_DIRECT refused on {self.report.filesystem['type']} ({exc.strerror})"
         return None
 
-    def _reads(self, path: Path, flags: int, access: str, cache: str, evict_first: Path | None = None) -> None:
-        fd = os.open(path, os.O_RDONLY | flags)
+    def _reads(self, path: Path, access: str, cache: str, evict: bool = False) -> None:
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if access == "O_DIRECT" else 0))
         try:
             for label, order in (("read sequential", self.sequential), ("read random", self.shuffled)):
-                if evict_first is not None:
-                    self._evict(evict_first)
+                if evict:
+                    self._evict(path)
                 self._phase(label, access, cache, order, lambda off: os.preadv(fd, [self.buf], off))
         finally:
             os.close(fd)
@@ -218,8 +226,7 @@ class _Bench:
             self._phase("lmdb put", "lmdb", "-", self.sequential, put, finish=finish)
         finally:
             env.close()
-        data = path / "data.mdb"
-        self._evict(data)
+        self._evict(path / "data.mdb")
         env = open_env()  # a fresh map: nothing of the file is mapped into this process
         try:
             for cache in ("cold", "warm"):
@@ -256,12 +263,9 @@ class _Bench:
         if self.report.page_cache_dropped:
             _drop_page_cache()
         if hasattr(os, "posix_fadvise"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def _fits_in_memory(self) -> bool:
         import psutil
@@ -274,18 +278,6 @@ class _Bench:
         if note not in self.report.notes:
             self.report.notes.append(note)
         return False
-
-    def _verdict(self) -> None:
-        r = self.report
-        disk = r.phase("read_random_direct") or r.phase("read_random_buffered_cold")
-        lmdb_cold = r.phase("lmdb_get_random_cold")
-        what = "O_DIRECT random read" if disk.access == "O_DIRECT" else "buffered cold random read"
-        ratio = lmdb_cold.mb_per_s / disk.mb_per_s
-        r.lmdb_cold_vs_disk = round(ratio, 3)
-        why = ("the daemon's explicit-read prefetch matters here" if ratio < 0.7
-               else "LMDB's mmap read path nearly keeps up with this disk; explicit reads gain little here")
-        r.verdict = (f"LMDB cold get is {ratio:.2f}x the disk's {what} "
-                     f"({lmdb_cold.mb_per_s:.0f} vs {disk.mb_per_s:.0f} MB/s): {why}")
 
 
 def _phase_name(label: str, access: str, cache: str) -> str:
@@ -303,24 +295,20 @@ def _drop_page_cache() -> bool:
     if not os.access(_DROP_CACHES, os.W_OK):
         return False
     os.sync()
-    try:
+    with suppress(OSError):
         _DROP_CACHES.write_text("1\n")
-    except OSError:
-        return False
-    return True
+        return True
+    return False
 
 
 def _filesystem_of(directory: Path) -> dict[str, str]:
     """Type, device and mount point of the filesystem holding ``directory`` (from /proc/self/mounts)."""
     real = os.path.realpath(directory)
     best = {"type": "unknown", "device": "unknown", "mount": "/"}
-    try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return best
-    for line in lines:
-        device, mount, fstype = (part.encode().decode("unicode_escape") for part in line.split()[:3])
-        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best["mount"]):
-            best = {"type": fstype, "device": device, "mount": mount}
+    with suppress(OSError):  # no /proc: unknown
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            device, mount, fstype = (part.encode().decode("unicode_escape") for part in line.split()[:3])
+            inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best["mount"]):
+                best = {"type": fstype, "device": device, "mount": mount}
     return best
