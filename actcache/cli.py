@@ -97,6 +97,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-timeout", type=float, metavar="SECONDS",
                    help="exit (as on SIGTERM) once no call has been in flight for this long; a Fetch stream is a "
                         "call while it streams (env ACTCACHE_IDLE_TIMEOUT; default 0 = never)")
+    p.add_argument("--parent-pid", type=int, metavar="PID",
+                   help="exit (as on SIGTERM) once process PID, the daemon's parent, has exited: a trainer's private "
+                        "daemon does not outlive a kill -9 (connect(embedded=True) passes it; default off)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this TCP port, 0 = any free port (default off)")
     p.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")

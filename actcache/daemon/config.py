@@ -135,6 +135,8 @@ class ServerConfig:
     throttle_read_mbps: float = 0.0
     #: Stop (as on SIGTERM) once no call has been in flight for this many seconds; 0 = never.
     idle_timeout_s: float = 0.0
+    #: Stop (as on SIGTERM) once this process, the daemon's parent, has exited; None = never.
+    parent_pid: int | None = None
 
     def __post_init__(self) -> None:
         port = re.fullmatch(r".+:(\d+)", self.listen or "")
@@ -332,6 +334,7 @@ class DaemonConfig:
             workers=pick("workers", int, count),
             throttle_read_mbps=pick("throttle_read_mbps", float, "a number of MB/s (0 = off)"),
             idle_timeout_s=pick("idle_timeout", float, "a number of seconds (0 = never)"),
+            parent_pid=pick("parent_pid", int, "the process id of the daemon's parent"),
             allow_remote=pick("allow_remote", _bool, _BOOL),
             tls_cert=pick("tls_cert", _path, "a PEM file"),
             tls_key=pick("tls_key", _path, "a PEM file"),

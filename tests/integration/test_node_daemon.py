@@ -169,3 +169,24 @@ def test_actcache_stop_stops_the_node_daemon(node):
     assert wait_exit(pid, 0) and not node.socket.exists()
     out = actcache("stop", "--socket", str(node.socket))
     assert out.returncode == 0 and "nothing to stop" in out.stdout
+
+
+def test_an_embedded_daemon_stops_when_its_trainer_is_killed(node):
+    """SIGKILL runs no exit handler in the trainer; its embedded daemon sees its parent gone and stops."""
+    script = ("import time, actcache_client as ac\n"
+              "c = ac.connect(embedded=True, strict=True)\n"
+              "print(c.target, flush=True)\n"
+              "time.sleep(120)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        target = trainer.stdout.readline().strip()
+        pid = peer_pid(Path(target.removeprefix("unix:")))
+        assert pid is not None and pid != trainer.pid
+        assert not wait_exit(pid, 1.0)  # serving while the trainer lives
+        trainer.kill()
+        trainer.wait()
+        assert wait_exit(pid, 30.0), "the embedded daemon outlived its killed trainer"
+    finally:
+        trainer.kill()
+        trainer.wait()
+        trainer.stdout.close()

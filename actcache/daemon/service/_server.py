@@ -17,6 +17,8 @@ import logging
 import os
 import signal
 import socket
+import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Callable
@@ -216,12 +218,12 @@ class Daemon:
         log.info("actcache daemon stopped")
 
 
-#: Written to the wakeup pipe by the idle monitor (no signal has the number 0).
+#: Written to the wakeup pipe to stop by the idle monitor and the parent watch (no signal has the number 0).
 _IDLE = 0
 
 
 def serve(config: DaemonConfig) -> int:
-    """Run a daemon until SIGTERM, SIGINT or ``--idle-timeout``; returns the process exit code."""
+    """Run a daemon until SIGTERM, SIGINT, ``--idle-timeout`` or ``--parent-pid``'s exit; returns the exit code."""
     tune_malloc()
     # A Python handler runs only when the main thread next executes bytecode, and could be slept through
     # in Event.wait(); the C-level handler writes the signal's number to the wakeup fd from any thread,
@@ -236,6 +238,9 @@ def serve(config: DaemonConfig) -> int:
     log.info("effective config: %s", config.non_defaults())
     try:
         daemon.start()
+        if config.server.parent_pid is not None:
+            threading.Thread(target=_stop_after_parent, args=(config.server.parent_pid, wake_w),
+                             name="actcache-parent-watch", daemon=True).start()
         received: set[int] = set()
         while not (stop_signals | {_IDLE}) & received:  # other signals' numbers (SIGCHLD, say) only loop again
             received = set(os.read(wake_r, 64))
@@ -245,3 +250,12 @@ def serve(config: DaemonConfig) -> int:
         os.close(wake_r)
         os.close(wake_w)
     return 0
+
+
+def _stop_after_parent(pid: int, wake_w: int) -> None:
+    """Wake ``serve`` to stop once ``pid`` is no longer this process's parent: a parent killed with
+    SIGKILL runs no exit handler to stop the daemon it started."""
+    while os.getppid() == pid:
+        time.sleep(0.5)
+    log.warning("parent process %d has exited (--parent-pid): stopping", pid)
+    os.write(wake_w, bytes([_IDLE]))
