@@ -76,7 +76,8 @@ def connect(socket: str | os.PathLike | None = None, *, address: str | None = No
             **options) -> Connection:
     """Connect to ``socket``, ``address``, ``$ACTCACHE_SOCKET``, or this node's daemon, started if needed.
 
-    ``embedded=True``: a private daemon in a temp dir, stopped when the connection closes or the process exits (kill -9 included).
+    ``embedded=True``: a private daemon in a temp dir, stopped when the connection closes or the process
+    exits (kill -9 included).
     When the node daemon cannot be started, training goes on without the cache (a CacheFallbackWarning, as
     when a daemon goes away) and the lease tries again later; ``strict=True`` raises DaemonUnavailable
     instead. A malformed ``$ACTCACHE_IDLE_TIMEOUT`` is a ConfigError. ``options`` are ConnectionConfig fields.
