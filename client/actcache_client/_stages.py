@@ -239,7 +239,6 @@ def additive_mask(hidden: Tensor, mask: Tensor) -> Tensor:
 
 
 def _bidirectional_mask(config: object, hidden: Tensor, mask: Tensor) -> Tensor:
-    """The attention mask a transformers encoder builds for ``config`` (its attention implementation)."""
     from transformers.masking_utils import create_bidirectional_mask
 
     return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mask)
@@ -365,18 +364,15 @@ def auto_partition(
     is then raised to the smallest value that yields at most ``max_stages`` groups. Stages are never
     reordered or split; a merged stage is named ``"first..last"`` and shares parameters.
     """
+    if max_stages is None and target_params is None:
+        raise ConfigError("auto_partition needs max_stages or target_params (or both); got neither")
     if max_stages is not None and max_stages < 1:
         raise ConfigError(f"auto_partition: max_stages must be >= 1, got {max_stages}")
     if target_params is not None and target_params < 1:
         raise ConfigError(f"auto_partition: target_params must be >= 1 parameter, got {target_params}")
     counts = staged.param_counts()
     total = sum(counts)
-    if target_params is not None:
-        capacity = target_params
-    elif max_stages is not None:
-        capacity = -(-total // max_stages)
-    else:
-        raise ConfigError("auto_partition needs max_stages or target_params (or both); got neither")
+    capacity = target_params or -(-total // max_stages)
     if max_stages is not None:  # the smallest capacity giving at most max_stages groups (total gives one)
         capacity += bisect.bisect_left(range(capacity, total + 1), True,
                                        key=lambda c: len(_greedy(counts, c)) <= max_stages)

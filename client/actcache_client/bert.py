@@ -104,11 +104,8 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         b, t, d = hidden.shape
-
-        def heads(x: Tensor) -> Tensor:
-            return x.view(b, t, self.heads, self.head_size).transpose(1, 2)
-
-        q, k, v = heads(self.query(hidden)), heads(self.key(hidden)), heads(self.value(hidden))
+        q, k, v = (proj(hidden).view(b, t, self.heads, self.head_size).transpose(1, 2)
+                   for proj in (self.query, self.key, self.value))
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_size)
         if attention_mask is not None:
             scores = scores + attention_mask  # additive: 0 to attend, finfo.min to ignore

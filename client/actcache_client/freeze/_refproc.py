@@ -103,11 +103,10 @@ class _Generation:
         """Snapshot ``index`` as a reference; the stage's first one (not in ``timed``) is timed on ``example``."""
         if index in self.runs:
             return self.runs[index]
-        state = self.states[index]
-        module = self.module if state is None else copy.deepcopy(self.module)
-        if state is not None:
-            module.load_state_dict(state)
-        module.eval()
+        module = self.module  # sent in eval mode
+        if self.states[index] is not None:
+            module = copy.deepcopy(self.module)
+            module.load_state_dict(self.states[index])
         if self.first.stage not in timed:
             timed.add(self.first.stage)
             outbox.put(Built(self.first.generation, index, self.first.stage, _ms_per_batch(module, example)))
