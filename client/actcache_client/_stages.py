@@ -206,11 +206,8 @@ _BERT = "an HF-style BERT classifier (.bert or .embeddings/.encoder.layer/.poole
 
 
 class _Embeddings(nn.Module):
-    """``(input_ids[, attention_mask[, token_type_ids]]) -> (hidden, attention_mask)``.
-
-    No mask means every token is attended (refused with ``needs_mask``), no token types mean segment 0
-    everywhere (one sentence). The layers after it need only the mask: the segments are in ``hidden``.
-    """
+    """``(input_ids[, attention_mask[, token_type_ids]]) -> (hidden, attention_mask)``; the layers after it
+    need only the mask (the segments are in ``hidden``)."""
 
     def __init__(self, embeddings: nn.Module, needs_mask: bool = False) -> None:
         super().__init__()

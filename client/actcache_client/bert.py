@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import default_collate
 
@@ -136,22 +136,14 @@ class BertAttention(nn.Module):
         return self.output(self.self(hidden, attention_mask), hidden)
 
 
-class BertIntermediate(nn.Module):
-    def __init__(self, c: BertConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.intermediate_size)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.dense(x))  # HF "gelu": the exact erf form
-
-
 class BertLayer(nn.Module):
     """``(hidden, additive_mask) -> hidden``."""
 
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
         self.attention = BertAttention(c)
-        self.intermediate = BertIntermediate(c)
+        self.intermediate = nn.Sequential(OrderedDict(dense=nn.Linear(c.hidden_size, c.intermediate_size),
+                                                      act=nn.GELU()))  # HF "gelu": the exact erf form
         self.output = _DenseNorm(c, c.intermediate_size)
 
     def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
