@@ -373,5 +373,4 @@ def auto_partition(
     if max_stages is not None:  # the smallest capacity giving at most max_stages groups (total gives one)
         capacity += bisect.bisect_left(range(capacity, total + 1), True,
                                        key=lambda c: len(_greedy(counts, c)) <= max_stages)
-    stages = list(staged.stages)
-    return StagedModel(_merge([stages[i] for i in group]) for group in _greedy(counts, capacity))
+    return StagedModel(_merge([staged.stages[i] for i in group]) for group in _greedy(counts, capacity))
