@@ -275,7 +275,6 @@ class ClassifierHead(nn.Module):
 
 def _encoder_stages(model: nn.Module, body: nn.Module, layers: Iterable[nn.Module], extend: Callable[..., Tensor],
                     needs_mask: bool) -> StagedModel:
-    """Stages ``embeddings``, ``encoder.layer.i``, ``head`` (``body.pooler``, ``model.dropout`` if modules)."""
     pooler, dropout = getattr(body, "pooler", None), getattr(model, "dropout", None)
     head = ClassifierHead(pooler if isinstance(pooler, nn.Module) else None,
                           dropout if isinstance(dropout, nn.Module) else None, model.classifier)

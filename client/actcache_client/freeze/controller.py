@@ -197,19 +197,18 @@ class FreezeController:
                 reading: _refproc.Reading | None) -> tuple[int, list[dict[str, Any]]]:
         needs = self.policy.needs
         frozen = self.frozen
-        plasticity = reading.plasticity if reading is not None else None
         records = []
         for _ in range(self._num_stages):
             signals = Signals(step=self.step_count, epoch=self.epoch, frozen=frozen, num_stages=self._num_stages,
                               lr=lr, loss=loss if "loss" in needs else None,
-                              plasticity=plasticity if "plasticity" in needs else None,
+                              plasticity=reading.plasticity if reading is not None and "plasticity" in needs else None,
                               grad_norms=grad_norms if "grad_norms" in needs else None)
             decision = self.policy.observe(signals)
             after = depth_after(decision, frozen, self._num_stages, f"policy {type(self.policy).__name__}")
             records.append(self._record(signals, decision, after, reading))
             if decision.kind is not DecisionKind.FREEZE_NEXT:
                 return after, records
-            frozen, plasticity, reading = after, None, None  # the reading was of the stage just frozen
+            frozen, reading = after, None  # the reading was of the stage just frozen
         return frozen, records
 
     def _record(self, signals: Signals, decision: Decision, after: int,
