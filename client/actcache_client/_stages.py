@@ -206,11 +206,8 @@ _BERT = "an HF-style BERT classifier (.bert or .embeddings/.encoder.layer/.poole
 
 
 class _Embeddings(nn.Module):
-    """``(input_ids[, attention_mask[, token_type_ids]]) -> (hidden, attention_mask)``.
-
-    No mask means every token is attended (refused with ``needs_mask``), no token types mean segment 0
-    everywhere (one sentence). The layers after it need only the mask: the segments are in ``hidden``.
-    """
+    """``(input_ids[, attention_mask[, token_type_ids]]) -> (hidden, attention_mask)``; the layers after it
+    need only the mask (the segments are in ``hidden``)."""
 
     def __init__(self, embeddings: nn.Module, needs_mask: bool = False) -> None:
         super().__init__()
@@ -239,7 +236,6 @@ def additive_mask(hidden: Tensor, mask: Tensor) -> Tensor:
 
 
 def _bidirectional_mask(config: object, hidden: Tensor, mask: Tensor) -> Tensor:
-    """The attention mask a transformers encoder builds for ``config`` (its attention implementation)."""
     from transformers.masking_utils import create_bidirectional_mask
 
     return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mask)
@@ -279,7 +275,6 @@ class ClassifierHead(nn.Module):
 
 def _encoder_stages(model: nn.Module, body: nn.Module, layers: Iterable[nn.Module], extend: Callable[..., Tensor],
                     needs_mask: bool) -> StagedModel:
-    """Stages ``embeddings``, ``encoder.layer.i``, ``head`` (``body.pooler``, ``model.dropout`` if modules)."""
     pooler, dropout = getattr(body, "pooler", None), getattr(model, "dropout", None)
     head = ClassifierHead(pooler if isinstance(pooler, nn.Module) else None,
                           dropout if isinstance(dropout, nn.Module) else None, model.classifier)
@@ -365,20 +360,16 @@ def auto_partition(
     is then raised to the smallest value that yields at most ``max_stages`` groups. Stages are never
     reordered or split; a merged stage is named ``"first..last"`` and shares parameters.
     """
+    if max_stages is None and target_params is None:
+        raise ConfigError("auto_partition needs max_stages or target_params (or both); got neither")
     if max_stages is not None and max_stages < 1:
         raise ConfigError(f"auto_partition: max_stages must be >= 1, got {max_stages}")
     if target_params is not None and target_params < 1:
         raise ConfigError(f"auto_partition: target_params must be >= 1 parameter, got {target_params}")
     counts = staged.param_counts()
     total = sum(counts)
-    if target_params is not None:
-        capacity = target_params
-    elif max_stages is not None:
-        capacity = -(-total // max_stages)
-    else:
-        raise ConfigError("auto_partition needs max_stages or target_params (or both); got neither")
+    capacity = target_params or -(-total // max_stages)
     if max_stages is not None:  # the smallest capacity giving at most max_stages groups (total gives one)
         capacity += bisect.bisect_left(range(capacity, total + 1), True,
                                        key=lambda c: len(_greedy(counts, c)) <= max_stages)
-    stages = list(staged.stages)
-    return StagedModel(_merge([stages[i] for i in group]) for group in _greedy(counts, capacity))
+    return StagedModel(_merge([staged.stages[i] for i in group]) for group in _greedy(counts, capacity))

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
 from actcache.errors import ConfigError
@@ -102,16 +103,12 @@ class BertSelfAttention(nn.Module):
         self.query, self.key, self.value = (nn.Linear(c.hidden_size, c.hidden_size) for _ in range(3))
         self.dropout = nn.Dropout(c.attention_probs_dropout_prob)
 
-    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
         b, t, d = hidden.shape
-
-        def heads(x: Tensor) -> Tensor:
-            return x.view(b, t, self.heads, self.head_size).transpose(1, 2)
-
-        q, k, v = heads(self.query(hidden)), heads(self.key(hidden)), heads(self.value(hidden))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_size)
-        if attention_mask is not None:
-            scores = scores + attention_mask  # additive: 0 to attend, finfo.min to ignore
+        q, k, v = (proj(hidden).view(b, t, self.heads, self.head_size).transpose(1, 2)
+                   for proj in (self.query, self.key, self.value))
+        # attention_mask is additive: 0 to attend, finfo.min to ignore
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_size) + attention_mask
         context = self.dropout(scores.softmax(dim=-1)) @ v
         return context.transpose(1, 2).reshape(b, t, d)
 
@@ -135,17 +132,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(c)
         self.output = _DenseNorm(c, c.hidden_size)
 
-    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
         return self.output(self.self(hidden, attention_mask), hidden)
-
-
-class BertIntermediate(nn.Module):
-    def __init__(self, c: BertConfig) -> None:
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.intermediate_size)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.dense(x))  # HF "gelu": the exact erf form
 
 
 class BertLayer(nn.Module):
@@ -154,10 +142,11 @@ class BertLayer(nn.Module):
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
         self.attention = BertAttention(c)
-        self.intermediate = BertIntermediate(c)
+        self.intermediate = nn.Sequential(OrderedDict(dense=nn.Linear(c.hidden_size, c.intermediate_size),
+                                                      act=nn.GELU()))  # HF "gelu": the exact erf form
         self.output = _DenseNorm(c, c.intermediate_size)
 
-    def forward(self, hidden: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
         attended = self.attention(hidden, attention_mask)
         return self.output(self.intermediate(attended), attended)
 
@@ -285,12 +274,9 @@ def pad_tokens(items: list[Tokens | Tensor], pad_id: int = 0) -> tuple[Tensor, T
     An item is ``(input_ids, token_type_ids)`` or bare ``input_ids`` (one sentence: segment 0).
     """
     pairs = [(item, torch.zeros_like(item)) if isinstance(item, Tensor) else item for item in items]
-    longest = max(len(ids) for ids, _ in pairs)
-    ids = torch.full((len(pairs), longest), pad_id, dtype=torch.int64)
-    mask, types = torch.zeros_like(ids), torch.zeros_like(ids)
-    for row, (tokens, segments) in enumerate(pairs):
-        n = len(tokens)
-        ids[row, :n], mask[row, :n], types[row, :n] = tokens, 1, segments
+    ids = pad_sequence([tokens for tokens, _ in pairs], batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones_like(tokens) for tokens, _ in pairs], batch_first=True)
+    types = pad_sequence([segments for _, segments in pairs], batch_first=True)
     return ids, mask, types
 
 

@@ -14,7 +14,7 @@ import copy
 import os
 import pickle
 import queue
-import time
+import timeit
 import traceback
 from dataclasses import dataclass
 from typing import cast
@@ -103,11 +103,10 @@ class _Generation:
         """Snapshot ``index`` as a reference; the stage's first one (not in ``timed``) is timed on ``example``."""
         if index in self.runs:
             return self.runs[index]
-        state = self.states[index]
-        module = self.module if state is None else copy.deepcopy(self.module)
-        if state is not None:
-            module.load_state_dict(state)
-        module.eval()
+        module = self.module  # sent in eval mode
+        if self.states[index] is not None:
+            module = copy.deepcopy(self.module)
+            module.load_state_dict(self.states[index])
         if self.first.stage not in timed:
             timed.add(self.first.stage)
             outbox.put(Built(self.first.generation, index, self.first.stage, _ms_per_batch(module, example)))
@@ -124,12 +123,7 @@ class _Generation:
 def _ms_per_batch(module: torch.nn.Module, example: State) -> float:
     with torch.no_grad():
         module(example)  # raises here, before any timing, if the stage cannot run
-        best = float("inf")
-        for _ in range(TIMING_RUNS):
-            start = time.perf_counter()
-            module(example)
-            best = min(best, time.perf_counter() - start)
-    return 1e3 * best
+        return 1e3 * min(timeit.repeat(lambda: module(example), number=1, repeat=TIMING_RUNS))
 
 
 def _serve(inbox, outbox, parent_pid: int) -> None:

@@ -93,7 +93,9 @@ class FreezeController:
         self.policy = policy
         self.eval_every = eval_every
         self.group = process_group
-        self.rank, self.world = _rank_and_world(process_group)
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(process_group) if initialized else 0
+        self.world = dist.get_world_size(process_group) if initialized else 1
         self.distributed = self.world > 1
         self.timeline = Timeline(timeline if self.rank == 0 else None)
         self.step_count = 0
@@ -111,7 +113,8 @@ class FreezeController:
         self._backward_done = False
         self._frozen_params: list[nn.Parameter] = []
         self._ddp_kwargs = dict(ddp_kwargs or {})
-        self._rewrap_s: float | None = None
+        #: Seconds the last DDP (re-)wrap took; None without DDP.
+        self.rewrap_seconds: float | None = None
         if self.distributed if ddp is None else ddp:
             cached.set_suffix_wrapper(self._wrap_suffix)
         self._hook = optimizer.register_step_pre_hook(lambda *_: self.after_backward()) if hook_optimizer else None
@@ -133,11 +136,6 @@ class FreezeController:
     def reference_config(self) -> ReferenceConfig | None:
         """The reference process's configuration, ``max_cpu_percent="auto"`` resolved; None without one."""
         return self._probe.worker.config if self._probe is not None else None
-
-    @property
-    def rewrap_seconds(self) -> float | None:
-        """Seconds the last DDP (re-)wrap took; None without DDP."""
-        return self._rewrap_s
 
     def after_backward(self) -> None:
         """After backward, before the optimizer step (automatic with ``hook_optimizer``); once per step."""
@@ -199,19 +197,18 @@ class FreezeController:
                 reading: _refproc.Reading | None) -> tuple[int, list[dict[str, Any]]]:
         needs = self.policy.needs
         frozen = self.frozen
-        plasticity = reading.plasticity if reading is not None else None
         records = []
         for _ in range(self._num_stages):
             signals = Signals(step=self.step_count, epoch=self.epoch, frozen=frozen, num_stages=self._num_stages,
                               lr=lr, loss=loss if "loss" in needs else None,
-                              plasticity=plasticity if "plasticity" in needs else None,
+                              plasticity=reading.plasticity if reading is not None and "plasticity" in needs else None,
                               grad_norms=grad_norms if "grad_norms" in needs else None)
             decision = self.policy.observe(signals)
             after = depth_after(decision, frozen, self._num_stages, f"policy {type(self.policy).__name__}")
             records.append(self._record(signals, decision, after, reading))
             if decision.kind is not DecisionKind.FREEZE_NEXT:
                 return after, records
-            frozen, plasticity, reading = after, None, None  # the reading was of the stage just frozen
+            frozen, reading = after, None  # the reading was of the stage just frozen
         return frozen, records
 
     def _record(self, signals: Signals, decision: Decision, after: int,
@@ -238,7 +235,6 @@ class FreezeController:
         }
 
     def _record_plan(self, frozen: int, plan: Plan) -> None:
-        """The cost model decided (planner listener): into the timeline, with the numbers behind it."""
         self.timeline.write({"event": "plan", "step": self.step_count, "epoch": self.epoch, "frozen": frozen,
                              "mode": plan.mode.value, "recompute_stages": list(plan.recompute_stages),
                              "numbers": dict(plan.numbers), **{k: getattr(plan, k) for k in _PLAN_FIELDS}})
@@ -264,9 +260,9 @@ class FreezeController:
         """DDP around the active stages only (frozen ones take no gradient buckets), timed."""
         start = time.perf_counter()
         wrapped = nn.parallel.DistributedDataParallel(suffix, process_group=self.group, **self._ddp_kwargs)
-        self._rewrap_s = time.perf_counter() - start
+        self.rewrap_seconds = time.perf_counter() - start
         log.info("actcache: DDP wrapped %d active stages in %.3f s", len(getattr(suffix, "stages", ())),
-                 self._rewrap_s)
+                 self.rewrap_seconds)
         return wrapped
 
     def _track_frozen(self) -> None:
@@ -318,12 +314,6 @@ class FreezeController:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _rank_and_world(group: Any) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _collective_tensor(values: list[float], dtype: torch.dtype, group: Any) -> torch.Tensor:

@@ -249,13 +249,12 @@ class ReferenceWorker:
         if self.state is not ReferenceState.RUNNING:
             return []
         out: list[_refproc.Reading | _refproc.Built] = []
-        timeout = wait_s
         while True:
             try:
-                message = self._outbox.get(timeout=timeout) if timeout > 0 else self._outbox.get_nowait()
+                message = self._outbox.get(timeout=wait_s) if wait_s > 0 else self._outbox.get_nowait()
             except queue.Empty:
                 break
-            timeout = 0.0
+            wait_s = 0.0  # only the first message is waited for
             if isinstance(message, _refproc.Failed):
                 self._fail(f"the reference process failed:\n{message.traceback}")
             if isinstance(message, _refproc.Built):  # a stage's first build
