@@ -154,12 +154,10 @@ def _collate(collate: Callable[[list], Any], samples: list[tuple[int, Any]] | _U
 
 
 class _Replay:
-    """The inner loader's batch sampler: replays the batches CachedLoader chose for this epoch.
+    """The inner loader's batch sampler: replays this epoch's batches as ``(index, variant, load)`` keys.
 
-    Keys are ``(index, variant, load)``. Whether a sample is loaded is asked of ``skipped(position)`` (the
-    sample ids not to load) when the DataLoader dispatches the batch, so a decision made after the epoch
-    started (a freeze change) reaches the batches not yet dispatched.
-    """
+    ``skipped(position)`` (sample ids not to load) is asked as each batch is dispatched, so a freeze change
+    after the epoch started reaches the batches not yet dispatched."""
 
     def __init__(self) -> None:
         self.batches: list[list[int]] = []
