@@ -179,17 +179,7 @@ class Connection:
         t0 = time.perf_counter()
         values = self._call(lambda ns: self._rpc.get(ns, fingerprint, depth, ids, variants if any(variants) else None))
         seconds = time.perf_counter() - t0
-        nbytes = sum(len(v) for v in values if v is not None)
-        with self._lock:
-            self.stats.fetch_seconds += seconds
-            self.stats.timed_seconds += seconds
-            self.stats.bytes_read += nbytes
-            self.stats.timed_bytes += nbytes
-            if hits:
-                found = sum(v is not None for v in values)
-                self.stats.gets += 1
-                self.stats.hits += found
-                self.stats.misses += len(values) - found
+        self._count_read(values, seconds, seconds, gets=1 if hits else 0)
         return values
 
     def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0, max_frame_bytes: int = 0,
@@ -220,19 +210,26 @@ class Connection:
     def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None) -> None:
         """Count a frame the step takes from a stream and the seconds it waited for it; ``read_s``: the
         seconds the stream took to read the frame, where known (``timed_*``)."""
-        hits = sum(v is not None for v in batch.values)
-        nbytes = sum(len(v) for v in batch.values if v is not None)
+        self._count_read(batch.values, seconds, read_s, streamed=len(batch.values))
+
+    def _count_read(self, values: Sequence, seconds: float, timed_s: float | None, *, gets: int = 0,
+                    streamed: int = 0) -> None:
+        """Count entries read in ``seconds``, as hits and misses if asked for; ``timed_s``: as a read-speed sample."""
+        found = sum(v is not None for v in values)
+        nbytes = sum(len(v) for v in values if v is not None)
+        if not nbytes:
+            timed_s = seconds  # misses only: a latency
         with self._lock:
             self.stats.fetch_seconds += seconds
-            self.stats.streamed += len(batch.values)
-            self.stats.hits += hits
-            self.stats.misses += len(batch.values) - hits
             self.stats.bytes_read += nbytes
-            if not nbytes:
-                self.stats.timed_seconds += seconds  # misses only: a latency
-            elif read_s is not None:
+            if timed_s is not None:
                 self.stats.timed_bytes += nbytes
-                self.stats.timed_seconds += read_s
+                self.stats.timed_seconds += timed_s
+            if gets or streamed:
+                self.stats.gets += gets
+                self.stats.streamed += streamed
+                self.stats.hits += found
+                self.stats.misses += len(values) - found
 
     def store(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
               encode: Callable[[], list[bytes]], *, probe: bool = False,

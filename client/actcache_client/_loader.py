@@ -124,13 +124,10 @@ class IndexedDataset(Dataset):
         """The items of one batch, or one ``_Unloaded`` (ids and targets, gathered at once) if no input is loaded."""
         if self.targets is not None and keys and all(type(k) is tuple and len(k) == 3 and not k[2] for k in keys):
             indices = [k[0] for k in keys]
-            return _Unloaded([self.sample_id(i) for i in indices], self._targets_of(indices))
+            targets = (self.targets[torch.tensor(indices, dtype=torch.int64)] if isinstance(self.targets, torch.Tensor)
+                       else default_collate([self.target(i) for i in indices]))
+            return _Unloaded([self.sample_id(i) for i in indices], targets)
         return [self[k] for k in keys]
-
-    def _targets_of(self, indices: list[int]) -> Any:
-        if isinstance(self.targets, torch.Tensor):
-            return self.targets[torch.tensor(indices, dtype=torch.int64)]
-        return default_collate([self.target(i) for i in indices])
 
 
 @dataclass(frozen=True)
@@ -157,12 +154,10 @@ def _collate(collate: Callable[[list], Any], samples: list[tuple[int, Any]] | _U
 
 
 class _Replay:
-    """The inner loader's batch sampler: replays the batches CachedLoader chose for this epoch.
+    """The inner loader's batch sampler: replays this epoch's batches as ``(index, variant, load)`` keys.
 
-    Keys are ``(index, variant, load)``. Whether a sample is loaded is asked of ``skipped(position)`` (the
-    sample ids not to load) when the DataLoader dispatches the batch, so a decision made after the epoch
-    started (a freeze change) reaches the batches not yet dispatched.
-    """
+    ``skipped(position)`` (sample ids not to load) is asked as each batch is dispatched, so a freeze change
+    after the epoch started reaches the batches not yet dispatched."""
 
     def __init__(self) -> None:
         self.batches: list[list[int]] = []
@@ -177,33 +172,6 @@ class _Replay:
 
     def __len__(self) -> int:
         return len(self.batches)
-
-
-class _Models:
-    """Several models fed by one loader: each gets the data and every epoch's order; an input is skipped
-    only when no model needs it."""
-
-    def __init__(self, models: list[CachedForward]) -> None:
-        self.models = models
-
-    def disable(self, reason: str) -> None:
-        for m in self.models:
-            m.disable(reason)
-
-    def bind_data(self, data: bytes, name: str = "") -> None:
-        for m in self.models:
-            m.bind_data(data, name)
-
-    def begin_epoch(self, *args: Any, **kwargs: Any) -> None:
-        for m in self.models:
-            m.begin_epoch(*args, **kwargs)
-
-    def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
-        for m in self.models:
-            m.prepare_next_epoch(batches, variant)
-
-    def skipped(self, position: int) -> frozenset[int]:
-        return frozenset.intersection(*(m.skipped(position) for m in self.models))
 
 
 def worker_options(loader: DataLoader) -> dict[str, Any]:
@@ -234,8 +202,7 @@ class CachedLoader:
         if variants is not None and variants < 1:
             raise ConfigError(f"variants must be >= 1, got {variants}")
         self.models = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
-        model = None if not self.models else self.models[0] if len(self.models) == 1 else _Models(self.models)
-        self.loader, self.model, self.variants = loader, model, variants  # model: the one model, or a fan-out
+        self.loader, self.variants = loader, variants
         self.epoch = self._position = 0
         self._order: list[list[int]] | None = None  # indices of the current epoch's batches
         self._next_order: tuple[int, list[list[int]]] | None = None  # (epoch, its batches), drawn ahead
@@ -246,17 +213,19 @@ class CachedLoader:
         self.raw_items_loaded = 0
         dataset: IndexedDataset = loader.dataset
         self.cacheable = not dataset.random_transforms and (not dataset.augments or variants is not None)
-        if not self.cacheable and model is not None:
+        if not self.cacheable and self.models:
             why = ("the dataset declares random transforms actcache cannot control" if dataset.random_transforms
                    else "the dataset has random augmentation but no variants=K was given")
             warnings.warn(f"actcache: not caching: {why}; the frozen prefix is recomputed every step. "
                           "Pass augment= to IndexedDataset and variants=K to CachedLoader to cache K variants.",
                           UncacheableDataWarning, stacklevel=2)
-            model.disable(why)
+            for m in self.models:
+                m.disable(why)
         self.data_identity = b""
-        if model is not None and self.cacheable:
+        if self.models and self.cacheable:
             self.data_identity = dataset.fingerprint(variants if dataset.augments else 1)
-            model.bind_data(self.data_identity, dataset.data_id or "")
+            for m in self.models:
+                m.bind_data(self.data_identity, dataset.data_id or "")
         self._collate = loader.collate_fn if loader.collate_fn is not None else default_collate
         # Its own generator: the wrapped loader's one draws exactly what the wrapped loader would (_draw).
         generator = torch.Generator().manual_seed(loader.generator.initial_seed() if loader.generator else 0)
@@ -295,10 +264,6 @@ class CachedLoader:
             self._generator_after[epoch] = loader.generator.get_state()
         return order
 
-    def _draws_deterministically(self) -> bool:
-        sampler = getattr(self.loader.batch_sampler, "sampler", None)
-        return hasattr(sampler, "set_epoch") or self.loader.generator is not None or isinstance(sampler, SequentialSampler)
-
     def _variant_of(self, epoch: int) -> int:
         if not self.loader.dataset.augments:
             return 0
@@ -307,6 +272,10 @@ class CachedLoader:
     def _load(self, indices: list[int], variant: int, rows: list[int]) -> Any:
         """Load rows of one batch on the spot (in the training process) and collate their inputs."""
         return self._collate([self.loader.dataset[indices[r], variant][1] for r in rows])[0]
+
+    def _skipped(self, position: int) -> frozenset[int]:
+        """Sample ids of batch ``position`` whose inputs no model needs."""
+        return frozenset.intersection(*(m.skipped(position) for m in self.models))
 
     def _ids(self, order: list[list[int]]) -> list[list[int]]:
         return [list(map(self.loader.dataset.sample_id, batch)) for batch in order]
@@ -318,21 +287,25 @@ class CachedLoader:
             self._position = 0
         start, variant = self._position, self.variant
         dataset: IndexedDataset = self.loader.dataset
-        streaming = self.model is not None and self.cacheable
+        streaming = bool(self.models) and self.cacheable
         skipping = streaming and dataset.targets is not None
-        if streaming:
-            self.model.begin_epoch(self._ids(self._order), variant, start, epoch=self.epoch, data=self.data_identity,
-                                   skip_loads=skipping)
-        ahead_at = len(self._order) // 2 if streaming and self._draws_deterministically() else -1
+        for m in self.models if streaming else ():
+            m.begin_epoch(self._ids(self._order), variant, start, epoch=self.epoch, data=self.data_identity,
+                          skip_loads=skipping)
+        sampler = getattr(self.loader.batch_sampler, "sampler", None)
+        deterministic = (hasattr(sampler, "set_epoch") or self.loader.generator is not None
+                         or isinstance(sampler, SequentialSampler))
+        ahead_at = len(self._order) // 2 if streaming and deterministic else -1
         replay = self._replay
         replay.batches, replay.first, replay.variant = self._order[start:], start, variant
-        replay.sample_id, replay.skipped = dataset.sample_id, (self.model.skipped if skipping else None)
+        replay.sample_id, replay.skipped = dataset.sample_id, (self._skipped if skipping else None)
         for position, (ids, loaded, data) in enumerate(self._inner, start=start):
             self._position = position + 1
             self.raw_items_loaded += len(ids) if loaded is None else len(loaded)
             if position == ahead_at and self._next_order is None:
                 self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
-                self.model.prepare_next_epoch(self._ids(self._next_order[1]), self._variant_of(self.epoch + 1))
+                for m in self.models:
+                    m.prepare_next_epoch(self._ids(self._next_order[1]), self._variant_of(self.epoch + 1))
             load = partial(self._load, self._order[position], variant) if loaded is not None else None
             yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position, loaded=loaded, load=load)
         self.epoch, self._position, self._order = self.epoch + 1, 0, None

@@ -7,9 +7,9 @@ miss) as views the caller copies once (collation) before the next ``take``. Sche
 ``<job>-r<rank>-<slot>``; the two slots alternate between epochs, so pushing epoch e+1 ahead (halfway through
 epoch e, in a thread: ``_Ahead``) leaves epoch e streaming.
 
-Lifecycle: IDLE (nothing pushed, or the target is not cached) -> PUSHED (schedule pushed, Fetch opened at the
-first ``take``) -> BROKEN (the push or the Fetch failed, or the step asked out of order: every ``take``
-answers None until the next push, and the caller falls back to Get).
+Lifecycle: idle (nothing pushed, or the target is not cached) -> serving (schedule pushed, Fetch opened at the
+first ``take``) -> broken (the push or the Fetch failed, or the step asked out of order): idle or broken, every
+``take`` answers None until the next push, and the caller falls back to Get.
 
 Invariants: entries are consumed in schedule order; batch b's entries are the schedule positions from
 ``offsets[b]`` to ``offsets[b+1] - 1``. Only the ``_Ahead`` thread advances its Fetch until the training thread
@@ -18,7 +18,6 @@ has joined it (``result``); a cancelled ``_Ahead`` closes its Fetch in its own t
 
 from __future__ import annotations
 
-import enum
 import itertools
 import os
 import socket
@@ -35,7 +34,7 @@ from actcache.shm import SlotRun
 from actcache_client._connection import Connection
 from actcache_client.cost_model import cached_subset
 
-__all__ = ["EpochStream", "StreamState"]
+__all__ = ["EpochStream"]
 
 _JOB = f"{socket.gethostname()[:40]}.{os.getpid()}"
 _JOBS = itertools.count()
@@ -120,12 +119,6 @@ class _Ahead:
             self._frames.close()
 
 
-class StreamState(enum.Enum):
-    IDLE = "idle"
-    PUSHED = "pushed"
-    BROKEN = "broken"
-
-
 @dataclass(frozen=True)
 class _Order:
     """One epoch's batches at one target, from batch ``first`` on."""
@@ -144,7 +137,6 @@ class _Order:
         return cls((fingerprint, depth, fraction, variant), first, subset, offsets, [])
 
     def push(self, connection: Connection, schedule_id: str) -> list[bool] | None:
-        """Push this order as ``schedule_id`` (``Connection.push``)."""
         fingerprint, depth, _, variant = self.target
         ids = [s for b in self.batches for s in b]
         return connection.push(fingerprint, depth, schedule_id, ids, [variant] * len(ids) if variant else None)
@@ -166,7 +158,7 @@ class EpochStream:
         self._ahead: tuple[_Order, _Ahead] | None = None  # the next epoch's order, pushed and its Fetch opened ahead
         self._opened: _Ahead | None = None  # the current order's Fetch, opened ahead and not read yet
         self._slot = 0
-        self._state = StreamState.IDLE
+        self._serving = False  # an order is pushed and its stream not broken
         self._order: _Order | None = None
         self._frames: Iterator[EntryBatch] | None = None
         self._pending: deque = deque()  # entries of the last frame not taken yet
@@ -190,7 +182,7 @@ class EpochStream:
         if self._order.offsets[-1]:
             present = self._order.push(self._connection, self.schedule_id)
             self._order = replace(self._order, present=present or [])
-            self._state = StreamState.PUSHED if present is not None else StreamState.BROKEN
+            self._serving = present is not None
 
     def push_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
                   batches: Sequence[Sequence[int]]) -> None:
@@ -217,7 +209,7 @@ class EpochStream:
             return False
         self.close()
         self._slot ^= 1
-        self._order, self._state, self._opened = replace(o, present=present), StreamState.PUSHED, ahead
+        self._order, self._serving, self._opened = replace(o, present=present), True, ahead
         return True
 
     def discard_next(self) -> None:
@@ -234,18 +226,18 @@ class EpochStream:
         """Per entry of the pushed order from epoch batch ``position`` on: whether it was stored when the
         order was pushed (the push's reply). None if no order covers ``position``."""
         o = self._order
-        b = o.at(position, end=True) if self._state is StreamState.PUSHED else None
+        b = o.at(position, end=True) if self._serving else None
         return None if b is None else o.present[o.offsets[b]:]
 
     def take(self, position: int, ids: Sequence[int]) -> list | None:
         """Entries (None per miss) of the cached subset ``ids`` of epoch batch ``position``; None if the
         stream cannot serve it (nothing pushed, failed, another order)."""
         o = self._order
-        b = o.at(position) if self._state is StreamState.PUSHED else None
+        b = o.at(position) if self._serving else None
         if b is None:
             return None
         if tuple(ids) != o.batches[b]:
-            self._break()
+            self.close()  # broken: no take is served until the next push
             return None
         lo, hi = o.offsets[b], o.offsets[b + 1]
         out: list = []
@@ -262,7 +254,7 @@ class EpochStream:
                     raise ActCacheError(f"the stream served sample {sample_id} at position {pos}, expected {ids[len(out)]}")
                 out.append(value)
         except ActCacheError as exc:
-            self._break()
+            self.close()
             self._connection.fallback(exc)
             return None
         frame_start, run = self._frame_run
@@ -305,12 +297,8 @@ class EpochStream:
         if sizes is not None:
             self._ring_bytes, self._frame_bytes = sizes
 
-    def _break(self) -> None:
-        self.close()
-        self._state = StreamState.BROKEN
-
     def close(self) -> None:
-        """Cancel the Fetch (the daemon frees its read-ahead for it at once)."""
+        """Cancel the Fetch (the daemon frees its read-ahead for it at once); no take is served until the next push."""
         self._wait_held()  # the ring goes back to the pool, for another stream to write
         for fetch in (self._frames, self._opened):
             if fetch is not None:
@@ -318,4 +306,4 @@ class EpochStream:
         self._frames = self._opened = None
         self._pending.clear()
         self._frame_run, self.run, self._shared = (0, None), None, False
-        self._state = StreamState.IDLE
+        self._serving = False
