@@ -67,13 +67,10 @@ def _percentile(values: list[float], percentile: float) -> float:
     ordered = sorted(values)
     rank = percentile / 100 * (len(ordered) - 1)
     low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
     fraction = rank - low
-    if fraction == 0 or ordered[low] == ordered[high]:
+    if fraction == 0 or ordered[low] == ordered[low + 1]:  # also spares inf - inf
         return ordered[low]
-    if math.isinf(ordered[high]):
-        return math.inf
-    return ordered[low] + (ordered[high] - ordered[low]) * fraction
+    return ordered[low] + (ordered[low + 1] - ordered[low]) * fraction
 
 
 class AutoFreezePolicy:
@@ -93,8 +90,19 @@ class AutoFreezePolicy:
         self._threshold: float | None = None
 
     def observe(self, signals: Signals) -> Decision:
-        if signals.step != self._step:
-            self._close_interval(signals)
+        if signals.step != self._step:  # a new interval closed: eta and threshold from its norms
+            if signals.grad_norms is None:
+                raise ConfigError("AutoFreezePolicy needs signals.grad_norms (one accumulated gradient norm per "
+                                 "stage) at every new step; compute them or choose another policy")
+            norms = [g if i >= signals.frozen and math.isfinite(g) else None
+                     for i, g in enumerate(signals.grad_norms)]
+            prev = self._prev if len(self._prev) == len(norms) else [None] * len(norms)
+            self._eta = [_eta(p, c) for p, c in zip(prev, norms, strict=True)]
+            first = max(signals.frozen, self.config.embedding_stages)
+            pool = [e for e in self._eta[first: signals.num_stages - 1] if e is not None]  # the head is no candidate
+            self._threshold = _percentile(pool, self.config.percentile) if pool else None
+            self._prev = norms
+            self._step = signals.step
         stage = signals.frozen
         if stage >= signals.num_stages - 1:
             return Decision.none("only the head is active; it always trains")
@@ -111,20 +119,6 @@ class AutoFreezePolicy:
         reason = (f"{which}: eta {eta:.3g} {'<' if low else '>='} {self.config.percentile:g}th percentile "
                   f"{self._threshold:.3g}")
         return Decision.freeze(stage, reason, numbers) if low else Decision.none(reason, numbers)
-
-    def _close_interval(self, signals: Signals) -> None:
-        if signals.grad_norms is None:
-            raise ConfigError("AutoFreezePolicy needs signals.grad_norms (one accumulated gradient norm per "
-                             "stage) at every new step; compute them or choose another policy")
-        norms = [g if i >= signals.frozen and math.isfinite(g) else None
-                 for i, g in enumerate(signals.grad_norms)]
-        prev = self._prev if len(self._prev) == len(norms) else [None] * len(norms)
-        self._eta = [_eta(p, c) for p, c in zip(prev, norms, strict=True)]
-        first = max(signals.frozen, self.config.embedding_stages)
-        pool = [e for e in self._eta[first: signals.num_stages - 1] if e is not None]  # the head is no candidate
-        self._threshold = _percentile(pool, self.config.percentile) if pool else None
-        self._prev = norms
-        self._step = signals.step
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "step": self._step, "prev": list(self._prev),

@@ -35,9 +35,7 @@ def autofreeze_eval_every(steps_per_epoch: int, intervals_per_epoch: int) -> int
 
 
 def _positive(name: str, value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ConfigError(f"{name}={value!r} must be a positive number of steps (or epochs), or None")
     return value
 

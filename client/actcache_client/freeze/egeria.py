@@ -215,15 +215,13 @@ class EgeriaPolicy:
             self._tolerance[stage] = numbers["threshold"] = threshold
             return Decision.none(f"stage {stage}: tolerance set to {threshold:.3g}", numbers)
         threshold = self._tolerance[stage] = max(threshold, self.config.tolerance_fraction * abs(smoothed))
-        self._consecutive = self._consecutive + 1 if smoothed < threshold else 0
+        self._consecutive = min(self._consecutive + 1, window) if smoothed < threshold else 0  # ready stays ready
         numbers.update(threshold=threshold, consecutive=float(self._consecutive))
         if self._consecutive < window:
             return Decision.none(f"stage {stage}: smoothed plasticity {smoothed:.3g} vs tolerance {threshold:.3g}, "
                                  f"{self._consecutive}/{window} low", numbers)
         fraction = self.config.freeze_lr_fraction
         if fraction is not None and lr > fraction * self._peak_lr * (1 + _SAME):
-            self._consecutive = window  # stays ready while it waits; one high reading resets it
-            numbers["consecutive"] = float(window)
             return Decision.none(f"stage {stage}: ready, waiting for the lr ({lr:g}) to fall to {fraction:g} x its "
                                  f"peak {self._peak_lr:g}", numbers)
         if stage == 0:

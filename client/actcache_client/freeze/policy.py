@@ -128,11 +128,9 @@ class FreezePolicy(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-def _same(a: Decision, b: Decision) -> bool:
-    if (a.kind, a.stage, a.reason, sorted(a.numbers)) != (b.kind, b.stage, b.reason, sorted(b.numbers)):
-        return False
-    return all(a.numbers[k] == b.numbers[k] or (math.isnan(a.numbers[k]) and math.isnan(b.numbers[k]))
-               for k in a.numbers)
+def _key(d: Decision) -> tuple[Any, ...]:
+    """What two decisions must share to be the same (nan equals nan)."""
+    return d.kind, d.stage, d.reason, sorted((k, "nan" if math.isnan(v) else v) for k, v in d.numbers.items())
 
 
 def check_state_version(owner: str, state: Mapping[str, Any], version: int) -> None:
@@ -206,20 +204,18 @@ def check_freeze_policy_contract(policy_factory: Callable[[], FreezePolicy], sig
     if splits and not 0 <= splits[0] <= splits[-1] <= len(stream):
         raise ConfigError(f"snapshot_at must lie in 0..{len(stream)} (the stream length), got {splits}")
     decisions: list[Decision] = []
-    snapshots: dict[int, tuple[Any, int]] = {}
-    frozen, done = 0, 0
-    for split in [*splits, len(stream)]:
+    snapshots: list[tuple[int, Any, int]] = []
+    frozen = 0
+    for done, split in zip([0, *splits], [*splits, len(stream)]):
         more, frozen = _run(policy, stream[done:split], frozen, done, before_observe)
         decisions += more
-        done = split
-        snapshots[split] = (json.loads(json.dumps(policy.state_dict())), frozen)
-    for split in splits:
-        state, frozen = snapshots[split]
+        snapshots.append((split, json.loads(json.dumps(policy.state_dict())), frozen))
+    for split, state, frozen in snapshots[:-1]:
         restored = policy_factory()
         restored.load_state_dict(state)
         replay, _ = _run(restored, stream[split:], frozen, split, before_observe)
         for index, (want, got) in enumerate(zip(decisions[split:], replay, strict=True), start=split):
-            if not _same(want, got):
+            if _key(want) != _key(got):
                 raise AssertionError(f"signal #{index}: after a state_dict round trip at #{split} the policy "
                                      f"decided {got!r}, the uninterrupted one {want!r}")
     return decisions

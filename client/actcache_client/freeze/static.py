@@ -40,8 +40,8 @@ class FreezeMilestone:
         return self.at_epoch is not None and signals.epoch >= self.at_epoch
 
 
-class _Stateless:
-    """A policy whose decisions depend on the signals alone: it needs none and its state is a version."""
+class _NoSignal:
+    """A policy that needs no signal; its state holds at least a version."""
 
     needs: frozenset[str] = frozenset()
 
@@ -52,7 +52,7 @@ class _Stateless:
         check_state_version(type(self).__name__, state, _STATE_VERSION)
 
 
-class StaticPolicy(_Stateless):
+class StaticPolicy(_NoSignal):
     """Freeze stage by stage, one per observation, up to the largest count among reached milestones.
 
     ``StaticPolicy(stages=3, at_epoch=1)`` is one milestone; ``StaticPolicy([FreezeMilestone(stages=1,
@@ -83,14 +83,12 @@ class StaticPolicy(_Stateless):
         return Decision.none(f"schedule: {target} stages due, {signals.frozen} frozen", numbers)
 
 
-class ManualPolicy:
+class ManualPolicy(_NoSignal):
     """Freeze or unfreeze when asked, e.g. from a notebook, a signal handler or another thread.
 
     Requests are served one stage per observation; an unfreeze cancels pending
     freezes; freezes that would reach the head are dropped. Thread-safe.
     """
-
-    needs: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -128,17 +126,17 @@ class ManualPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
-            return {"version": _STATE_VERSION, "pending_freezes": self._pending_freezes,
+            return {**super().state_dict(), "pending_freezes": self._pending_freezes,
                     "pending_unfreeze": self._pending_unfreeze}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state_version("ManualPolicy", state, _STATE_VERSION)
+        super().load_state_dict(state)
         with self._lock:
             self._pending_freezes = int(state["pending_freezes"])
             self._pending_unfreeze = bool(state["pending_unfreeze"])
 
 
-class NoFreezePolicy(_Stateless):
+class NoFreezePolicy(_NoSignal):
     """Never freeze: what a run gets that no policy can judge; the controller warns ``reason`` once."""
 
     def __init__(self, reason: str) -> None:
