@@ -28,7 +28,7 @@ from torch import nn
 
 from actcache.errors import ConfigError
 
-from actcache_client.freeze.policy import Decision, Signals, check_state_version
+from actcache_client.freeze.policy import Decision, Signals, check_state_version, relative_change
 
 __all__ = ["AutoFreezeConfig", "AutoFreezePolicy", "GradNormAccumulator"]
 
@@ -53,14 +53,6 @@ class AutoFreezeConfig:
             raise ConfigError(f"percentile={self.percentile} must be in (0, 100] (the paper uses 50, the median)")
         if self.intervals_per_epoch < 1:
             raise ConfigError(f"intervals_per_epoch={self.intervals_per_epoch} must be >= 1 (the paper uses 5)")
-
-
-def _eta(prev: float | None, cur: float | None) -> float | None:
-    if prev is None or cur is None:
-        return None
-    if prev == 0:
-        return 0.0 if cur == 0 else math.inf
-    return abs(prev - cur) / prev
 
 
 def _percentile(values: list[float], percentile: float) -> float:
@@ -97,7 +89,8 @@ class AutoFreezePolicy:
             norms = [g if i >= signals.frozen and math.isfinite(g) else None
                      for i, g in enumerate(signals.grad_norms)]
             prev = self._prev if len(self._prev) == len(norms) else [None] * len(norms)
-            self._eta = [_eta(p, c) for p, c in zip(prev, norms, strict=True)]
+            self._eta = [None if p is None or c is None else relative_change(p, c)
+                         for p, c in zip(prev, norms, strict=True)]
             first = max(signals.frozen, self.config.embedding_stages)
             pool = [e for e in self._eta[first: signals.num_stages - 1] if e is not None]  # the head is no candidate
             self._threshold = _percentile(pool, self.config.percentile) if pool else None

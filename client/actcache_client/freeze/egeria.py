@@ -31,7 +31,7 @@ from typing import Any, cast
 
 from actcache.errors import ConfigError
 
-from actcache_client.freeze.policy import Decision, Signals, check_state_version
+from actcache_client.freeze.policy import Decision, Signals, check_state_version, relative_change
 
 __all__ = ["EgeriaConfig", "EgeriaPolicy"]
 
@@ -84,15 +84,6 @@ class EgeriaConfig:
                               "peak lr (0.5: freeze once the lr has halved), or None")
         if not (math.isfinite(self.unfreeze_lr_factor) and self.unfreeze_lr_factor > 1):
             raise ConfigError(f"unfreeze_lr_factor={self.unfreeze_lr_factor} must be > 1 (the paper uses 10)")
-
-
-def _per_interval_change(prev: float, cur: float, fraction: float) -> float:
-    """Relative change from ``prev`` to ``cur`` scaled to ``fraction`` of their span: geometric, linear if <= 0."""
-    if prev > 0 and cur > 0:
-        return 1 - math.exp(-abs(math.log(prev / cur)) * fraction)
-    if prev == 0:
-        return 0.0 if cur == 0 else math.inf
-    return abs(prev - cur) / abs(prev) * fraction
 
 
 class EgeriaPolicy:
@@ -193,7 +184,9 @@ class EgeriaPolicy:
         numbers = {"loss": mean, "span_steps": float(span_steps)}
         if prev is None:
             return Decision.none(f"bootstrapping: first loss span ({span_steps} steps)", numbers)
-        change = _per_interval_change(prev[0], mean, min(1.0, steps / ((prev[1] + span_steps) / 2)))
+        fraction = min(1.0, steps / ((prev[1] + span_steps) / 2))  # one interval of the spans' mean length
+        change = (1 - math.exp(-abs(math.log(prev[0] / mean)) * fraction) if prev[0] > 0 and mean > 0
+                  else relative_change(prev[0], mean) * fraction)  # geometric; linear unless both are > 0
         numbers["loss_change"] = change
         threshold = cast(float, self.config.bootstrap_threshold)  # bootstrapping implies one
         self._bootstrapping = change >= threshold

@@ -128,13 +128,18 @@ class FreezePolicy(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-def _key(d: Decision) -> tuple[Any, ...]:
-    """What two decisions must share to be the same (nan equals nan)."""
+def _key(d: Decision) -> tuple[Any, ...]:  # nan equals nan
     return d.kind, d.stage, d.reason, sorted((k, "nan" if math.isnan(v) else v) for k, v in d.numbers.items())
 
 
+def relative_change(prev: float, cur: float) -> float:
+    """|prev - cur| / |prev|: 0 when both are 0, inf when only ``prev`` is."""
+    if prev == 0:
+        return 0.0 if cur == 0 else math.inf
+    return abs(prev - cur) / abs(prev)
+
+
 def check_state_version(owner: str, state: Mapping[str, Any], version: int) -> None:
-    """Raise ConfigError unless ``state`` was saved in version ``version`` of ``owner``'s format."""
     if state.get("version") != version:
         raise ConfigError(f"{owner} state version {state.get('version')!r} is not {version}; "
                           "it was saved by an incompatible actcache version")
