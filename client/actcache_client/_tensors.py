@@ -65,10 +65,6 @@ class StorePrecision:
         return map_state(state, lambda t: t.to(target) if t.dtype == source else t)
 
 
-def _sample_bytes(t: Tensor) -> memoryview:
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 def _state(tensors: list[Tensor]) -> State:
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
@@ -88,9 +84,10 @@ def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None =
         raise InvalidRequest(f"cannot cache tensors of dtype {unsupported}; supported: {supported}")
     out = []
     for i in range(batch):
-        parts = [t[i] if lengths is None else t[i, : lengths[i]] for t in stored]
+        parts = [(t[i] if lengths is None else t[i, : lengths[i]]).contiguous() for t in stored]
         specs = [TensorSpec(_TO_CODEC[p.dtype], tuple(p.shape)) for p in parts]
-        out.append(encode_entry(specs, [_sample_bytes(p) for p in parts], zstd_level=zstd_level))
+        data = [memoryview(p.reshape(-1).view(torch.uint8).numpy()).cast("B") for p in parts]
+        out.append(encode_entry(specs, data, zstd_level=zstd_level))
     return out
 
 
@@ -188,7 +185,6 @@ def _rows(run: SlotRun, count: int) -> np.ndarray:
 
 
 def _bytes_view(batch: Tensor, count: int) -> np.ndarray:
-    """``batch``'s bytes as a (count, bytes per sample) uint8 array."""
     flat = batch.view(count, -1).view(torch.uint8) if batch.numel() else batch.view(torch.uint8)
     return flat.numpy().reshape(count, -1)
 
