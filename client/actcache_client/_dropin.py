@@ -214,8 +214,7 @@ class WrappedLoader:
     def _fill(self, batch: Batch) -> Any:
         """The batch as the user's collate would give it, with placeholder rows for the inputs not loaded."""
         inputs, targets = batch.data
-        shape, dtype = self._placeholder.shape, self._placeholder.dtype
-        full = torch.zeros((len(batch.ids), *shape), dtype=dtype)
+        full = torch.zeros((len(batch.ids), *self._placeholder.shape), dtype=self._placeholder.dtype)
         if inputs is not None:
             full[batch.loaded] = inputs
         return [full, targets] if self._as_list else (full, targets)

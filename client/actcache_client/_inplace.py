@@ -107,8 +107,7 @@ class InPlacePrefix:
             return
         for module in (m for stage in self.sites for m in stage):
             module.__dict__.pop("forward", None)
-        modules = [m for stage in self.sites[:depth] for m in stage]
-        for i, module in enumerate(modules):
+        for i, module in enumerate(m for stage in self.sites[:depth] for m in stage):
             module.forward = _Patched(module, self._head if i == 0 else self._tail)
         self.patched_depth = depth
 

@@ -140,10 +140,9 @@ def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | N
     if layout is not None:
         return _columns(layout, entries, alloc)
     decoded = [decode_entry(e, verify=verify) for e in entries]
-    first = decoded[0][0]
     lengths = [h.specs[0].shape[0] for h, _ in decoded] if varlen else None
     out: list[Tensor] = []
-    for j, spec in enumerate(first.specs):
+    for j, spec in enumerate(decoded[0][0].specs):
         inner = spec.shape[1:] if varlen else spec.shape
         batch = alloc((count, max(lengths), *inner) if varlen else (count, *inner), _TO_TORCH[spec.dtype])
         if varlen:
