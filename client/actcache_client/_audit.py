@@ -1,14 +1,9 @@
 """Audits: recompute a small, deterministic share of served samples and compare with the entries.
 
 No key sees everything (an item outside the data fingerprint's spread that changed, a peer that wrote
-wrong bytes under the right key). The Auditor audits the first ``first_samples`` hits after each
-(re)connection and change of cache target, then one hit in every ``every``, ``group`` consecutive hits at
-a time (recomputing one sample costs most of what eight cost); a running count keeps the share exact.
-
-A mismatch drops the fingerprint's entries, warns (CacheMismatchWarning) and has the step recompute, or
-raises CacheMismatchError in strict mode. Entries match within a tolerance for the stored dtype (kernels
-differ slightly between batch sizes); with TF32 on CUDA, float32 gets fp16's tolerance
-(bench/bench_audit_tolerance.py measures the deviations).
+wrong bytes under the right key). Periodic audits come ``group`` hits at a time: recomputing one sample
+costs most of what eight cost. Entries match within a tolerance for the stored dtype (kernels differ
+slightly between batch sizes; bench/bench_audit_tolerance.py measures the deviations).
 """
 from __future__ import annotations
 
@@ -141,7 +136,6 @@ class HitAudit:
             self.auditor.restart()
 
     def choose(self, hits: int) -> list[int]:
-        """Positions (in ``range(hits)``) of the hits to audit."""
         return self.auditor.choose(hits) if self.auditor is not None else []
 
     def check(self, fingerprint: bytes, depth: int, rows: list[int], raw: RawInputs, values: list,

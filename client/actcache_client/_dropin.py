@@ -31,27 +31,21 @@ from actcache_client._tensors import VarLen
 __all__ = ["ActCache", "WrappedLoader"]
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """How a network's stages are found, and how its batches and states map to theirs."""
-
-    stages: StagedModel
-    varlen: VarLen | None
-    inputs_of: Callable[[Any], State]
-    output_of: Callable[[State, Tensor], Any]
-
-
-def _unwrap(net: nn.Module) -> nn.Module:
-    while isinstance(net, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        net = net.module
-    return net
-
-
 def _first_field(data: Any) -> Any:
     if isinstance(data, Mapping):
         raise ConfigError(f"the loader yields dicts (keys {sorted(data)}); say which field is the network's input: "
                           "ActCache(net, inputs=lambda batch: batch['image'])")
     return data[0] if isinstance(data, (list, tuple)) else data
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How a network's stages are found, and how its batches and states map to theirs."""
+
+    stages: StagedModel
+    varlen: VarLen | None = None
+    inputs_of: Callable[[Any], State] = _first_field
+    output_of: Callable[[State, Tensor], Any] = lambda state, _: state
 
 
 def _bert_inputs(data: Any) -> State:
@@ -78,9 +72,9 @@ def _bert_hidden(state: State, input_ids: Tensor) -> Tensor:
 
 def _layout(net: nn.Module) -> _Layout:
     if isinstance(net, nn.Sequential):
-        return _Layout(from_sequential(net), None, _first_field, lambda state, _: state)
+        return _Layout(from_sequential(net))
     if hasattr(net, "conv1") and hasattr(net, "layer1"):
-        return _Layout(from_resnet(net), None, _first_field, lambda state, _: state)
+        return _Layout(from_resnet(net))
     if is_transformers_model(net):
         return _Layout(from_transformers(net), VarLen(), _bert_inputs, _bert_hidden)
     if hasattr(getattr(net, "bert", net), "embeddings") and hasattr(net, "classifier"):
@@ -108,9 +102,10 @@ class ActCache:
     def __init__(self, net: nn.Module, connection: Connection | None = None, *,
                  stages: StagedModel | None = None, inputs: Callable[[Any], State] | None = None,
                  **options: Any) -> None:
-        self.net = _unwrap(net)
-        layout = _layout(self.net) if stages is None else \
-            _Layout(stages, options.pop("varlen", None), _first_field, lambda state, _: state)
+        while isinstance(net, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            net = net.module
+        self.net = net
+        layout = _layout(net) if stages is None else _Layout(stages, options.pop("varlen", None))
         if inputs is not None:
             layout = replace(layout, inputs_of=inputs)
         options.setdefault("varlen", layout.varlen)
@@ -207,12 +202,10 @@ class WrappedLoader:
         prefix, inputs_of = self.cache.prefix, self.cache.layout.inputs_of
         try:
             for batch in self.cached:
-                if batch.loaded is None:
-                    data = batch.data
-                    raw = _splittable(inputs_of(data), len(batch.ids))
-                else:  # the rows the loader loaded, and placeholders for the others
-                    data, raw = self._fill(batch), batch.data[0]
+                # with skipped loads: the rows the loader loaded, and placeholders for the others
+                data = batch.data if batch.loaded is None else self._fill(batch)
                 given = inputs_of(data)
+                raw = _splittable(given, len(batch.ids)) if batch.loaded is None else batch.data[0]
                 prefix.begin(replace(batch, data=(raw, None)), given[0] if isinstance(given, tuple) else given)
                 yield data
         finally:
@@ -221,8 +214,7 @@ class WrappedLoader:
     def _fill(self, batch: Batch) -> Any:
         """The batch as the user's collate would give it, with placeholder rows for the inputs not loaded."""
         inputs, targets = batch.data
-        shape, dtype = self._placeholder.shape, self._placeholder.dtype
-        full = torch.zeros((len(batch.ids), *shape), dtype=dtype)
+        full = torch.zeros((len(batch.ids), *self._placeholder.shape), dtype=self._placeholder.dtype)
         if inputs is not None:
             full[batch.loaded] = inputs
         return [full, targets] if self._as_list else (full, targets)

@@ -4,9 +4,8 @@ While stages[:k] are frozen, the first module the network calls in stage 0 (the 
 prefix's state, from a CachedForward, for a batch the wrapped loader yielded; every other module of the
 frozen stages passes its input on. A training forward is matched by its input tensor to the batches
 yielded and not yet run (several under gradient accumulation); the batch served last is served again
-for another forward on the same input (a metric under ``no_grad``). Anything else runs the modules' own
-``forward``: evaluation, a forward with no batch from the loader, and a training forward on an input
-the loop changed (an error if that batch holds placeholder rows for inputs the loader skipped).
+for another forward on the same input (a metric under ``no_grad``). Anything else (evaluation, an input
+the loop changed: an error on placeholder rows) runs the modules' own ``forward``.
 
 Modules are patched by setting ``forward`` on the instance (removed on unfreezing), so the network's
 ``forward``, parameters and ``state_dict`` keys stay as they are, also under DistributedDataParallel.
@@ -83,8 +82,8 @@ class InPlacePrefix:
         self.output_of = output_of
         self.patched_depth = 0
         # Batches yielded and not yet run, oldest first, with their first input tensor as yielded: a loop
-        # accumulating gradients (transformers.Trainer) takes several batches before running them.
-        self._pending: deque[tuple[Batch, Tensor | None]] = deque(maxlen=_MAX_PENDING)
+        # accumulating gradients (transformers.Trainer) takes several batches, at most 16, before running them.
+        self._pending: deque[tuple[Batch, Tensor | None]] = deque(maxlen=16)
         self._served: tuple[Batch, Tensor | None] | None = None  # the batch served last, and its input
         self._computing = False  # inside cached.prefix: the patched modules run their own forward
         self._tails: deque[nn.Module] = deque()  # modules still to pass the served state on, in call order
@@ -108,8 +107,7 @@ class InPlacePrefix:
             return
         for module in (m for stage in self.sites for m in stage):
             module.__dict__.pop("forward", None)
-        modules = [m for stage in self.sites[:depth] for m in stage]
-        for i, module in enumerate(modules):
+        for i, module in enumerate(m for stage in self.sites[:depth] for m in stage):
             module.forward = _Patched(module, self._head if i == 0 else self._tail)
         self.patched_depth = depth
 
@@ -128,10 +126,8 @@ class InPlacePrefix:
         given_now = _first_tensor(args, kwargs)
         training = self.net.training and torch.is_grad_enabled()
         if self.net.training:  # net.train() must not train the frozen stages
-            frozen = self.cached.model.stages[: self.patched_depth]
-            if any(m.training for stage in frozen for m in stage.modules()):
-                for stage in frozen:
-                    stage.train(False)
+            for stage in self.cached.model.stages[: self.patched_depth]:
+                stage.train(False)
         batch = self._take(given_now) if training else None
         if batch is None and self._served is not None and _same(given_now, self._served[1]):
             batch = self._served[0]  # the batch just trained on, run again (a metric, a second loss)
@@ -168,9 +164,6 @@ class InPlacePrefix:
             self._tails.popleft()
             return args[0] if args else _first_tensor(args, kwargs)
         return original(*args, **kwargs)
-
-
-_MAX_PENDING = 16  # batches yielded ahead of their forward (gradient accumulation steps, at most)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Tensor | None:

@@ -100,8 +100,7 @@ class CachePlanner:
         self._stage_bytes.setdefault(stage + 1, _Median(self.config.window)).add(out_bytes_per_sample)
 
     def record_fetch(self, nbytes: int, seconds: float) -> None:
-        """A lookup that returned ``nbytes``: with bytes, an effective rate (latency included);
-        without (all misses), a latency reading."""
+        """A lookup that returned ``nbytes``: a rate (latency included), or with no bytes a latency reading."""
         self._fetch_rate.rate(nbytes, seconds)
         if nbytes == 0:
             self._fetch_latency.add(seconds)
@@ -116,8 +115,7 @@ class CachePlanner:
         (read, fetch_s, written, write_s), self._seen = self._seen, now
         if now[1] > fetch_s:
             self.record_fetch(now[0] - read, now[1] - fetch_s)
-        if now[3] > write_s:
-            self._write_rate.rate(now[2] - written, now[3] - write_s)
+        self._write_rate.rate(now[2] - written, now[3] - write_s)
 
     def record_decode(self, nbytes: int, seconds: float) -> None:
         self._decode_rate.rate(nbytes, seconds)

@@ -65,10 +65,6 @@ class StorePrecision:
         return map_state(state, lambda t: t.to(target) if t.dtype == source else t)
 
 
-def _sample_bytes(t: Tensor) -> memoryview:
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 def _state(tensors: list[Tensor]) -> State:
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
@@ -88,9 +84,10 @@ def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None =
         raise InvalidRequest(f"cannot cache tensors of dtype {unsupported}; supported: {supported}")
     out = []
     for i in range(batch):
-        parts = [t[i] if lengths is None else t[i, : lengths[i]] for t in stored]
+        parts = [(t[i] if lengths is None else t[i, : lengths[i]]).contiguous() for t in stored]
         specs = [TensorSpec(_TO_CODEC[p.dtype], tuple(p.shape)) for p in parts]
-        out.append(encode_entry(specs, [_sample_bytes(p) for p in parts], zstd_level=zstd_level))
+        data = [memoryview(p.reshape(-1).view(torch.uint8).numpy()).cast("B") for p in parts]
+        out.append(encode_entry(specs, data, zstd_level=zstd_level))
     return out
 
 
@@ -143,10 +140,9 @@ def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | N
     if layout is not None:
         return _columns(layout, entries, alloc)
     decoded = [decode_entry(e, verify=verify) for e in entries]
-    first = decoded[0][0]
     lengths = [h.specs[0].shape[0] for h, _ in decoded] if varlen else None
     out: list[Tensor] = []
-    for j, spec in enumerate(first.specs):
+    for j, spec in enumerate(decoded[0][0].specs):
         inner = spec.shape[1:] if varlen else spec.shape
         batch = alloc((count, max(lengths), *inner) if varlen else (count, *inner), _TO_TORCH[spec.dtype])
         if varlen:
@@ -188,7 +184,6 @@ def _rows(run: SlotRun, count: int) -> np.ndarray:
 
 
 def _bytes_view(batch: Tensor, count: int) -> np.ndarray:
-    """``batch``'s bytes as a (count, bytes per sample) uint8 array."""
     flat = batch.view(count, -1).view(torch.uint8) if batch.numel() else batch.view(torch.uint8)
     return flat.numpy().reshape(count, -1)
 
