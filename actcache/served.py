@@ -58,10 +58,10 @@ def _unchecked_header(header: EntryHeader) -> tuple[slice, slice]:
     return slice(0, _CRC_OFFSET), slice(_CRC_OFFSET + 4, header.header_len)
 
 
-def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes | memoryview, ...]:
+def to_raw_entry(buf: bytes | memoryview) -> tuple[bytes | memoryview, ...]:
     """The entry as Fetch serves it, as parts to concatenate: a raw one itself, a compressed one its
     ``raw_verified`` header and raw payload. Raises InvalidRequest if malformed or failing its checksum."""
-    return _served_parts(buf, *decode_entry(buf, verify=verify))
+    return _served_parts(buf, *decode_entry(buf))
 
 
 def _served_parts(buf: bytes | memoryview, header: EntryHeader, raw: bytes | memoryview) -> tuple:
@@ -125,7 +125,6 @@ def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, 
 
 
 def _or_error(fn: Callable, *args):
-    """``fn(*args)``, or the InvalidRequest it raised."""
     try:
         return fn(*args)
     except InvalidRequest as exc:
@@ -166,11 +165,8 @@ def copy_raw_run(bufs: Sequence[bytes | memoryview], dest: memoryview) -> list[I
     in the CPU cache): per entry None, or the InvalidRequest its row failed with (garbage then)."""
     count = len(bufs)
     size = dest.nbytes // count if count else 0
-    try:
-        header = parse_header(bufs[0])
-    except InvalidRequest:
-        header = None
-    if header is None or header.codec != Codec.raw or header.total_len != size:
+    header = _or_error(parse_header, bufs[0])
+    if isinstance(header, InvalidRequest) or header.codec != Codec.raw or header.total_len != size:
         return _verify_rows(bufs, dest, size)
     last, seed = _payload_checksum(header, bufs[0])
     hlen = header.header_len
