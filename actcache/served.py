@@ -97,9 +97,9 @@ def served_size(buf: bytes | memoryview) -> int:
         return len(buf)
 
 
-def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, bytes | memoryview] | InvalidRequest]:
-    """Per entry, verified: (header, raw payload) or the InvalidRequest it raised. The zstd payloads are
-    decompressed in one call, releasing the interpreter lock once, not per entry."""
+def to_raw_entries(bufs: Sequence[bytes | memoryview]) -> list[tuple[bytes | memoryview, ...] | InvalidRequest]:
+    """``to_raw_entry`` of many entries at once: per entry its parts, or the InvalidRequest it raised. The zstd
+    payloads are decompressed in one call, releasing the interpreter lock once, not per entry."""
     headers = [_or_error(verify_entry, buf) for buf in bufs]
     zstd = [i for i, h in enumerate(headers) if isinstance(h, EntryHeader) and h.codec == Codec.zstd]
     raws = {}
@@ -120,7 +120,7 @@ def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, 
         raw = raws.get(i)
         if raw is None or len(raw) != header.raw_len:
             raw = _or_error(decompress_payload, header.codec, memoryview(buf)[header.header_len :], header.raw_len)
-        out.append(raw if isinstance(raw, InvalidRequest) else (header, raw))
+        out.append(raw if isinstance(raw, InvalidRequest) else _served_parts(buf, header, raw))
     return out
 
 
@@ -129,12 +129,6 @@ def _or_error(fn: Callable, *args):
         return fn(*args)
     except InvalidRequest as exc:
         return exc
-
-
-def to_raw_entries(bufs: Sequence[bytes | memoryview]) -> list[tuple[bytes | memoryview, ...] | InvalidRequest]:
-    """``to_raw_entry`` of many entries at once: per entry its parts, or the InvalidRequest it raised."""
-    return [decoded if isinstance(decoded, InvalidRequest) else _served_parts(buf, *decoded)
-            for buf, decoded in zip(bufs, _decode_many(bufs))]
 
 
 def to_raw_entries_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memoryview]) -> list[InvalidRequest | None]:

@@ -143,11 +143,9 @@ class Generations:
                     del self._pins[prefix]
 
     def pin(self, prefix: bytes) -> None:
-        """A live schedule reads the generation (a push); counts as a read too."""
         self.read(prefix, 1)
 
     def unpin(self, prefix: bytes) -> None:
-        """A schedule of the generation is gone; counts as a read."""
         self.read(prefix, -1)
 
     def forget(self, prefix: bytes) -> None:
