@@ -58,10 +58,10 @@ def _unchecked_header(header: EntryHeader) -> tuple[slice, slice]:
     return slice(0, _CRC_OFFSET), slice(_CRC_OFFSET + 4, header.header_len)
 
 
-def to_raw_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[bytes | memoryview, ...]:
+def to_raw_entry(buf: bytes | memoryview) -> tuple[bytes | memoryview, ...]:
     """The entry as Fetch serves it, as parts to concatenate: a raw one itself, a compressed one its
     ``raw_verified`` header and raw payload. Raises InvalidRequest if malformed or failing its checksum."""
-    return _served_parts(buf, *decode_entry(buf, verify=verify))
+    return _served_parts(buf, *decode_entry(buf))
 
 
 def _served_parts(buf: bytes | memoryview, header: EntryHeader, raw: bytes | memoryview) -> tuple:
@@ -97,9 +97,9 @@ def served_size(buf: bytes | memoryview) -> int:
         return len(buf)
 
 
-def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, bytes | memoryview] | InvalidRequest]:
-    """Per entry, verified: (header, raw payload) or the InvalidRequest it raised. The zstd payloads are
-    decompressed in one call, releasing the interpreter lock once, not per entry."""
+def to_raw_entries(bufs: Sequence[bytes | memoryview]) -> list[tuple[bytes | memoryview, ...] | InvalidRequest]:
+    """``to_raw_entry`` of many entries at once: per entry its parts, or the InvalidRequest it raised. The zstd
+    payloads are decompressed in one call, releasing the interpreter lock once, not per entry."""
     headers = [_or_error(verify_entry, buf) for buf in bufs]
     zstd = [i for i, h in enumerate(headers) if isinstance(h, EntryHeader) and h.codec == Codec.zstd]
     raws = {}
@@ -120,22 +120,15 @@ def _decode_many(bufs: Sequence[bytes | memoryview]) -> list[tuple[EntryHeader, 
         raw = raws.get(i)
         if raw is None or len(raw) != header.raw_len:
             raw = _or_error(decompress_payload, header.codec, memoryview(buf)[header.header_len :], header.raw_len)
-        out.append(raw if isinstance(raw, InvalidRequest) else (header, raw))
+        out.append(raw if isinstance(raw, InvalidRequest) else _served_parts(buf, header, raw))
     return out
 
 
 def _or_error(fn: Callable, *args):
-    """``fn(*args)``, or the InvalidRequest it raised."""
     try:
         return fn(*args)
     except InvalidRequest as exc:
         return exc
-
-
-def to_raw_entries(bufs: Sequence[bytes | memoryview]) -> list[tuple[bytes | memoryview, ...] | InvalidRequest]:
-    """``to_raw_entry`` of many entries at once: per entry its parts, or the InvalidRequest it raised."""
-    return [decoded if isinstance(decoded, InvalidRequest) else _served_parts(buf, *decoded)
-            for buf, decoded in zip(bufs, _decode_many(bufs))]
 
 
 def to_raw_entries_into(bufs: Sequence[bytes | memoryview], outs: Sequence[memoryview]) -> list[InvalidRequest | None]:
@@ -166,11 +159,8 @@ def copy_raw_run(bufs: Sequence[bytes | memoryview], dest: memoryview) -> list[I
     in the CPU cache): per entry None, or the InvalidRequest its row failed with (garbage then)."""
     count = len(bufs)
     size = dest.nbytes // count if count else 0
-    try:
-        header = parse_header(bufs[0])
-    except InvalidRequest:
-        header = None
-    if header is None or header.codec != Codec.raw or header.total_len != size:
+    header = _or_error(parse_header, bufs[0])
+    if isinstance(header, InvalidRequest) or header.codec != Codec.raw or header.total_len != size:
         return _verify_rows(bufs, dest, size)
     last, seed = _payload_checksum(header, bufs[0])
     hlen = header.header_len

@@ -50,27 +50,24 @@ class MemoryBudget:
         mine = self._held.get(holder, 0)
         return mine == 0 or mine + n <= self.limit // len(self._active)
 
-    def _grant(self, holder: Hashable, n: int) -> None:
+    def _take(self, holder: Hashable, n: int) -> bool:
+        if not self._fits(holder, n):
+            return False
         self._held[holder] = self._held.get(holder, 0) + n
         self.used += n
         self.max_used = max(self.max_used, self.used)
+        return True
 
     def try_acquire(self, holder: Hashable, n: int) -> bool:
         """Take ``n`` bytes if that fits now; never blocks."""
         with self.cond:
-            if not self._fits(holder, n):
-                return False
-            self._grant(holder, n)
-            return True
+            return self._take(holder, n)
 
     def acquire(self, holder: Hashable, n: int, stop: Callable[[], bool]) -> bool:
         """Wait until ``n`` bytes fit and take them; False (nothing taken) once ``stop()`` is true."""
         with self.cond:
             self.cond.wait_for(lambda: stop() or self._fits(holder, n))
-            if stop():
-                return False
-            self._grant(holder, n)
-            return True
+            return not stop() and self._take(holder, n)
 
     @contextmanager
     def first(self, holder: Hashable) -> Iterator[None]:

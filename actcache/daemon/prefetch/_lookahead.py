@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 
 __all__ = ["INLINE_PROBE_AHEAD", "MIN_PROBED_ENTRY_BYTES", "Prober", "ShortTransaction"]
 
-# Probing pauses after this many entries in a row needed no hint.
 _WARM_STREAK = 128
 # Entries looked up by one probe task (one read transaction).
 _PROBE_BATCH = 8

@@ -11,7 +11,7 @@ from concurrent.futures import Executor
 from typing import Callable, Sequence
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.served import to_raw_entries, to_raw_entries_into, to_raw_entry
+from actcache.served import to_raw_entries, to_raw_entries_into
 from actcache.errors import InvalidRequest
 
 __all__ = ["ServedBatch", "split_with"]
@@ -38,9 +38,10 @@ class ServedBatch:
     def nbytes(self) -> int:
         return sum(self.header.lengths)
 
-    def decode(self) -> list[tuple]:
-        """Every entry as the parts of its served form (() for a miss)."""
-        out: list[tuple] = [()] * len(self.stored)
+    def decode(self, indices: range | None = None) -> list[tuple]:
+        """Entries ``indices`` (default: all) as the parts of their served form (() for a miss)."""
+        indices = range(len(self.stored)) if indices is None else indices
+        out: list[tuple] = [()] * len(indices)
 
         def run(part: range) -> None:
             todo = [i for i in part if self.stored[i] is not None]
@@ -48,20 +49,10 @@ class ServedBatch:
                 if isinstance(parts, InvalidRequest):
                     self._fail_entry(i, parts)
                 else:
-                    out[i] = parts
+                    out[i - indices.start] = parts
 
-        split_with(self._pool, range(len(self.stored)), self.header.lengths, run)
+        split_with(self._pool, indices, self.header.lengths, run)
         return out
-
-    def decode_one(self, i: int) -> tuple:
-        """Entry ``i`` as the parts of its served form (() for a miss)."""
-        if self.stored[i] is None:
-            return ()
-        try:
-            return to_raw_entry(self.stored[i])
-        except InvalidRequest as exc:
-            self._fail_entry(i, exc)
-            return ()
 
     def decode_into(self, indices: range, outputs: list[memoryview | None]) -> None:
         """Decode entries ``indices`` into ``outputs`` (one per index: ``header.lengths[i]`` bytes,

@@ -200,7 +200,7 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: Thro
             if hi is None:
                 return
             if hi == lo:  # larger than the ring: in the payload
-                yield frame(header, lo, lo + 1, [0], batch.decode_one(lo))
+                yield frame(header, lo, lo + 1, [0], batch.decode(range(lo, lo + 1))[0])
                 lo += 1
                 continue
             sizes = header.lengths[lo:hi]

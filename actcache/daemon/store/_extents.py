@@ -126,7 +126,6 @@ class PageCacheGuess:
 
     @property
     def warm(self) -> bool:
-        """The last ``WARM_AFTER`` explicit reads all came from the page cache."""
         return self._streak >= self.WARM_AFTER
 
     def check_due(self, count: int = 1) -> bool:

@@ -88,8 +88,7 @@ def plan_reclaim(dead: Sequence[Generation], *, own: bytes, namespace: bytes, na
     order = sorted((g for g in dead if g.prefix != own and g.bytes > 0),
                    key=lambda g: (g.last_write is not None, g.last_write or 0.0, g.prefix))
     mine = [g for g in order if namespace_of(g.prefix) == namespace]
-    scope = order if daemon_need > 0 else mine
-    reclaimable = sum(g.bytes for g in scope)
+    reclaimable = sum(g.bytes for g in (order if daemon_need > 0 else mine))
     victims: dict[bytes, Generation] = {}
     freed = 0
     for need, candidates in ((namespace_need, mine), (daemon_need, order)):
@@ -144,11 +143,9 @@ class Generations:
                     del self._pins[prefix]
 
     def pin(self, prefix: bytes) -> None:
-        """A live schedule reads the generation (a push); counts as a read too."""
         self.read(prefix, 1)
 
     def unpin(self, prefix: bytes) -> None:
-        """A schedule of the generation is gone; counts as a read."""
         self.read(prefix, -1)
 
     def forget(self, prefix: bytes) -> None:
