@@ -351,3 +351,26 @@ def test_a_reader_waiting_for_budget_before_its_fetch_reclaims_once_fetched(stor
         consumer.start()
         consumer.join(30)
         assert done and [sid for _, sid, _ in done[0]] == list(range(8))
+
+
+def test_close_during_a_push_that_is_starting_its_reader(store, monkeypatch):
+    """A daemon shutting down while a Schedule call starts its reader (registered, its thread not yet
+    running) closes cleanly; the late reader then finds itself cancelled."""
+    starting, release = threading.Event(), threading.Event()
+    original_start = threading.Thread.start
+
+    def held_start(thread):
+        if thread.name.startswith("actcache-reader-"):
+            starting.set()
+            release.wait(10)
+        original_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", held_start)
+    with prefetcher_of(store) as p:
+        pusher = threading.Thread(target=p.push, args=(schedule(range(0, 20, 2)),))
+        original_start(pusher)
+        assert starting.wait(10)
+        p.close()  # joins a reader whose thread has not started
+        release.set()
+        pusher.join(10)
+        assert not pusher.is_alive()

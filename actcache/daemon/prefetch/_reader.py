@@ -63,7 +63,9 @@ class ScheduleReader(ReadAhead):
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> None:
-        if self._thread is not None:
+        """Wait for the reading thread; one that ``begin`` has not started yet (a push racing a close) is
+        not waited for: it starts cancelled and ends at once."""
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
 
     def cancel(self, error: ActCacheError | None = None) -> None:
