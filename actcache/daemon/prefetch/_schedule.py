@@ -7,12 +7,12 @@ little-endian arrays, so assembling it costs one copy and no Python ints.
 from __future__ import annotations
 
 import re
-import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from actcache._proto import actcache_pb2 as pb
+from actcache.daemon._tally import Tally
 from actcache.errors import InvalidRequest
 from actcache.keys import MAX_DEPTH, check_fingerprint, encode_keys
 
@@ -23,7 +23,7 @@ _ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass
-class PrefetchCounters:
+class PrefetchCounters(Tally):
     """Counters of Fetch serving, per schedule and per namespace; exported by Stats (and metrics).
 
     Totals since the schedule was pushed (a namespace's: since the daemon
@@ -48,16 +48,6 @@ class PrefetchCounters:
     served_bytes: int = 0
     #: Entries the consumer read from the store itself (warm, over shared memory: _frames.py).
     direct: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: float) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def snapshot(self) -> dict[str, float]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
     @staticmethod
     def hit_ratio(snapshot: dict[str, float]) -> float:

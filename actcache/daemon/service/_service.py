@@ -6,9 +6,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import grpc
@@ -16,6 +15,7 @@ import grpc
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import Encoding
+from actcache.daemon._tally import Tally
 from actcache.daemon.prefetch import Prefetcher, ScheduleBuilder, unpack_ids, unpack_variants
 from actcache.daemon.service._shm_fetch import ParkedRings, Throttle, serve_fetch
 from actcache.daemon.service._stats import NamespaceJobs, stats_reply
@@ -35,7 +35,7 @@ _IDS_PER_READ = 4096
 
 
 @dataclass
-class Counters:
+class Counters(Tally):
     """Totals since the daemon started (exported by Stats)."""
 
     puts_total: int = 0
@@ -48,18 +48,6 @@ class Counters:
     #: Shared-memory rings made for Fetch calls, and Fetch calls served in a parked ring of their client.
     rings_created_total: int = 0
     rings_reused_total: int = 0
-
-    def __post_init__(self) -> None:
-        self._lock = threading.Lock()
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _abort(context, name: str, exc: Exception) -> None:
