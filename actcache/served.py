@@ -97,21 +97,24 @@ def served_size(buf: bytes | memoryview) -> int:
         return len(buf)
 
 
+def _decompress_together(bufs: Sequence[bytes | memoryview], headers: list, zstd: list[int]) -> dict:
+    """The zstd payloads at positions ``zstd``, decompressed in one call; {} if one frame is bad (each is then
+    decompressed on its own, to find it)."""
+    sizes = struct.pack(f"={len(zstd)}Q", *(headers[i].raw_len for i in zstd))
+    try:
+        many = _decompressor().multi_decompress_to_buffer(
+            [memoryview(bufs[i])[headers[i].header_len :] for i in zstd], decompressed_sizes=sizes, threads=1)
+    except Exception:  # zstandard.ZstdError
+        return {}
+    return {i: many[n] for n, i in enumerate(zstd)}
+
+
 def to_raw_entries(bufs: Sequence[bytes | memoryview]) -> list[tuple[bytes | memoryview, ...] | InvalidRequest]:
     """``to_raw_entry`` of many entries at once: per entry its parts, or the InvalidRequest it raised. The zstd
     payloads are decompressed in one call, releasing the interpreter lock once, not per entry."""
     headers = [_or_error(verify_entry, buf) for buf in bufs]
     zstd = [i for i, h in enumerate(headers) if isinstance(h, EntryHeader) and h.codec == Codec.zstd]
-    raws = {}
-    if zstd:
-        sizes = struct.pack(f"={len(zstd)}Q", *(headers[i].raw_len for i in zstd))
-        try:
-            many = _decompressor().multi_decompress_to_buffer(
-                [memoryview(bufs[i])[headers[i].header_len :] for i in zstd], decompressed_sizes=sizes, threads=1
-            )
-            raws = {i: many[n] for n, i in enumerate(zstd)}
-        except Exception:  # zstandard.ZstdError: a bad frame; decompressed one by one below, to find it
-            pass
+    raws = _decompress_together(bufs, headers, zstd) if zstd else {}
     out: list = []
     for i, (buf, header) in enumerate(zip(bufs, headers)):
         if isinstance(header, InvalidRequest):

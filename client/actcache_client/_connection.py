@@ -14,6 +14,7 @@ connection's state under one lock.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -242,12 +243,10 @@ class Connection:
         """
         self.surface()
         if not self._paused():
-            try:
+            with contextlib.suppress(queue.Full):  # a full queue drops the put: store never blocks the step
                 self._queue.put_nowait(partial(self._write, fingerprint, depth, list(ids), list(variants), encode,
                                                probe, encoding))
                 return True
-            except queue.Full:
-                pass
         self._count_dropped()
         return False
 
@@ -300,10 +299,8 @@ class Connection:
             self.stats.bytes_written += sum(len(e) for e in entries)
         if probe:  # read back about _PROBE_BYTES once, to measure the daemon's read speed
             n = max(1, sum(1 for total in itertools.accumulate(map(len, entries)) if total <= _PROBE_BYTES))
-            try:
+            with contextlib.suppress(ActCacheError):  # a failed probe only means no measurement
                 self._get(fingerprint, depth, ids[:n], variants[:n], hits=False)
-            except ActCacheError:
-                pass  # a failed probe only means no measurement; lookups will report the cause
 
     def _drop(self, fingerprint: bytes) -> None:
         try:

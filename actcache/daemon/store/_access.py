@@ -6,7 +6,7 @@ PERMISSION_DENIED. Such an Open returns a *handle*: a random 64-bit value above 
 drawn once per daemon run (``Handles``); requests name the namespace by it, and its small id (shown
 in Stats) is refused. After a restart old handles are unknown (NOT_FOUND) and the client opens again.
 Namespaces without a secret keep their id as the handle. Per request this costs one dict lookup;
-scrypt (~50 ms) is paid once per Open, which also slows guessing secrets.
+scrypt is paid once per Open (its cost: docs/operating/access.md), which also slows guessing secrets.
 """
 
 from __future__ import annotations

@@ -179,15 +179,20 @@ class _DeleteOp(_StoreOp):
         deleted = 0
         for key in self.keys:
             old = txn.get(key, db=self.state.entries)
-            try:
-                if old is None or verify_entry(old):  # absent, or an EntryHeader: intact
-                    continue
-            except InvalidRequest:
-                pass
+            if old is None or not _corrupt(old):
+                continue
             txn.delete(key, db=self.state.entries)
             self._adjust(txn, pending, group_of(key), -1, -len(old))
             deleted += 1
         return deleted
+
+
+def _corrupt(value: bytes) -> bool:
+    try:
+        verify_entry(value)
+    except InvalidRequest:
+        return True
+    return False
 
 
 class _CreateNamespace(_StoreOp):
