@@ -196,3 +196,14 @@ def test_cuda_two_models_on_one_connection_take_turns_with_its_rings(daemon):
         for model in models:
             assert [e.times.cached_samples for e in model.epoch_counters()][-3:] == [N, N, N]
             assert model.stager.ring_copies > 0
+
+
+def test_cuda_grad_norms_of_a_stage_without_gradients_are_zero_beside_the_gpu_ones():
+    from actcache_client.freeze.autofreeze import GradNormAccumulator
+
+    used, unused = nn.Linear(2, 2).cuda(), nn.Linear(2, 2).cuda()
+    acc = GradNormAccumulator([used, unused])
+    for p in used.parameters():
+        p.grad = torch.ones_like(p)
+    acc.add()
+    assert acc.norms() == [6.0, 0.0]

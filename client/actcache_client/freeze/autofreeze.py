@@ -157,10 +157,11 @@ class GradNormAccumulator:
         """One L1 norm per stage (nan for frozen stages), or None if nothing was added; starts a new interval."""
         if self.steps == 0:
             return None
+        device = next(iter(self._sums.values())).device if self._sums else None  # where the gradients live
         totals: list[torch.Tensor] = []
         for params in self._stages[self._frozen:]:
             parts = [self._sums[id(p)].float().abs().sum() for p in params if id(p) in self._sums]
-            totals.append(torch.stack(parts).sum() if parts else torch.zeros(()))
+            totals.append(torch.stack(parts).sum() if parts else torch.zeros((), device=device))
         values = torch.stack(totals).tolist() if totals else []
         self._sums, self.steps = {}, 0
         return [math.nan] * self._frozen + values
