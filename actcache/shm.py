@@ -59,14 +59,19 @@ def shm_dir() -> Path:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (one we may not signal counts as alive)."""
+    """Whether a process with this pid runs (one we may not signal counts; a zombie, dead but not yet reaped
+    by its parent, does not: it holds no memory, locks or files)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"  # the state follows the parenthesised name
+    except (OSError, IndexError):
+        return True
 
 
 def stale_segments(directory: Path | None = None, *, also_pid: int | None = None) -> Iterable[tuple[Path, int, bool]]:

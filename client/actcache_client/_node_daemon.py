@@ -11,12 +11,15 @@ import atexit
 import dataclasses
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
 
+from actcache.daemon.store import holder_pid
 from actcache.errors import ConfigError, DaemonUnavailable
 from actcache.node import NodeDaemon, ensure_running
+from actcache.shm import pid_alive
 from actcache_client._connection import Connection, ConnectionConfig
 
 __all__ = ["EmbeddedDaemon", "NodeDaemonLease", "connect"]
@@ -24,13 +27,34 @@ __all__ = ["EmbeddedDaemon", "NodeDaemonLease", "connect"]
 log = logging.getLogger("actcache_client")
 
 
+#: Embedded daemons' temp dirs are named ``EMBEDDED_PREFIX<trainer pid>-<random>``.
+EMBEDDED_PREFIX = "actcache-embedded-"
+
+
+def remove_orphaned_embedded_dirs(root: Path) -> list[Path]:
+    """Remove the temp dirs under ``root`` of embedded daemons whose trainer and daemon are both gone (a
+    trainer killed by SIGKILL runs no exit handler); return them."""
+    removed = []
+    for leftover in root.glob(f"{EMBEDDED_PREFIX}*"):
+        trainer = leftover.name[len(EMBEDDED_PREFIX):].split("-", 1)[0]
+        daemon = holder_pid(leftover / "cache")
+        if not trainer.isdigit() or pid_alive(int(trainer)) or (daemon is not None and pid_alive(daemon)):
+            continue
+        shutil.rmtree(leftover, ignore_errors=True)
+        removed.append(leftover)
+    return removed
+
+
 class EmbeddedDaemon:
-    """A daemon subprocess private to this process, in a temp dir removed at exit."""
+    """A daemon subprocess private to this process, in a temp dir removed at exit (or by the next embedded
+    daemon's start, after a SIGKILL)."""
 
     def __init__(self) -> None:
         from actcache.testing import DaemonProcess
 
-        self._tmp = tempfile.TemporaryDirectory(prefix="actcache-embedded-")
+        for leftover in remove_orphaned_embedded_dirs(Path(tempfile.gettempdir())):
+            log.info("actcache: removed %s, left by a killed trainer's embedded daemon", leftover)
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"{EMBEDDED_PREFIX}{os.getpid()}-")
         tmp = Path(self._tmp.name)
         self.process = DaemonProcess(tmp / "cache", tmp / "daemon.sock", ["--parent-pid", str(os.getpid())])
         self.process.start()

@@ -10,7 +10,7 @@ import pytest
 
 from actcache.errors import InvalidRequest
 from actcache.daemon.service._shm_fetch import ParkedRings
-from actcache.shm import HEADER_BYTES, MIN_RING_BYTES, ClientSegment, ShmRing, remove_stale
+from actcache.shm import HEADER_BYTES, MIN_RING_BYTES, ClientSegment, ShmRing, pid_alive, remove_stale
 from actcache.testing import wait_until
 
 
@@ -175,3 +175,15 @@ def test_parked_rings_are_closed_over_their_byte_cap_after_their_idle_time_and_a
     parked.close()
     parked.park(rings[3])  # after close: closed at once
     assert rings[3]._mm.closed and len(parked) == 0
+
+
+def test_a_zombie_process_counts_as_dead_and_a_running_one_as_alive():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert pid_alive(child.pid)
+        child.kill()  # not reaped until wait(): a zombie meanwhile
+        wait_until(lambda: not pid_alive(child.pid), timeout=10, what="the killed child read as dead")
+    finally:
+        child.kill()
+        child.wait()
+    assert not pid_alive(child.pid)

@@ -186,6 +186,10 @@ def test_an_embedded_daemon_stops_when_its_trainer_is_killed(node):
         trainer.kill()
         trainer.wait()
         assert wait_exit(pid, 30.0), "the embedded daemon outlived its killed trainer"
+        leftover = Path(target.removeprefix("unix:")).parent
+        assert leftover.exists()  # nobody ran the trainer's exit handler
+        with ac.connect(embedded=True, strict=True):  # the next embedded daemon's start removes it
+            assert not leftover.exists()
     finally:
         trainer.kill()
         trainer.wait()
