@@ -109,7 +109,8 @@ def run_daemon(
     *args: str, cache_dir: Path | None = None, env: dict[str, str] | None = None, check_exit: bool = True
 ) -> Iterator[DaemonProcess]:
     """Start ``actcache serve`` with extra ``args`` on a socket in a temp dir, once it answers its health
-    check; stop it on exit, raising LifecycleError if it did not exit with code 0 (``check_exit``).
+    check; stop it on exit, raising LifecycleError if it did not exit with code 0 (``check_exit``). When the
+    body raises, the daemon log's tail goes to stderr before the temp dir is removed.
 
     A process ended with SIGTERM (``kill``, a CI timeout) while inside stops its daemons first, then
     dies of SIGTERM as before (once its main thread next runs Python code).
@@ -121,9 +122,13 @@ def run_daemon(
     # Only from the main thread, and only over SIGTERM's default action: another handler is left alone.
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _stop_live_daemons_then_die)
+    failed = False
     try:
         daemon.start()
         yield daemon
+    except BaseException:
+        failed = True
+        raise
     finally:
         with _LIVE_LOCK:
             _LIVE.pop(daemon, None)
@@ -135,6 +140,8 @@ def run_daemon(
         code = daemon.stop()
         log = daemon.log_tail()
         shutil.rmtree(tmp, ignore_errors=True)
+        if failed:  # the log goes with the temp dir: keep its tail beside the failure
+            print(f"actcache: the daemon's log when the code using it failed:\n{log}", file=sys.stderr)
         if check_exit and running and code != 0:
             raise LifecycleError(f"daemon exited with code {code}\n{log}")
 

@@ -51,3 +51,15 @@ def test_a_process_stopped_with_sigterm_stops_its_daemon_too():
             assert not psutil.pid_exists(daemon_pid)
         finally:
             proc.kill()
+
+
+def test_a_failure_inside_run_daemon_keeps_the_daemons_log_on_stderr(capsys):
+    from actcache.testing import run_daemon
+
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with run_daemon() as daemon:
+            log_path = daemon.log_path
+            raise RuntimeError("the test failed")
+    assert not log_path.exists()  # removed with the temp dir
+    err = capsys.readouterr().err
+    assert "the daemon's log when the code using it failed" in err and "serving" in err
