@@ -209,10 +209,11 @@ def test_a_second_fetch_takes_over(store):
 
 
 class _FailingStore:
-    """A store whose reads fail after ``ok`` lookups (as a dying disk would); lookups wait for ``go``."""
+    """A store whose lookups (``in_read``: reads, the entries' budget bytes taken) fail after ``ok`` of them,
+    as a dying disk would; lookups wait for ``go``."""
 
-    def __init__(self, store: Store, ok: int, error: Exception) -> None:
-        self._store, self._left, self._error = store, ok, error
+    def __init__(self, store: Store, ok: int, error: Exception, in_read: bool = False) -> None:
+        self._store, self._left, self._error, self._in_read = store, ok, error, in_read
         self.config = store.config
         self.generations = store.generations
         self.go = threading.Event()
@@ -233,16 +234,17 @@ class _FailingStore:
 
             def locate(self, key):
                 outer.go.wait()
-                if outer._left <= 0:
-                    raise outer._error
-                outer._left -= 1
+                if not outer._in_read:
+                    outer.count_down()
                 return self._inner.locate(key)
 
             def read(self, key, extent):
+                if outer._in_read:
+                    outer.count_down()
                 return self._inner.read(key, extent)
 
-            def copy_run(self, keys):
-                return self._inner.copy_run(keys)
+            def copy_run(self, keys):  # reading entry by entry, through read()
+                return None if outer._in_read else self._inner.copy_run(keys)
 
             @property
             def last_resident(self):
@@ -251,13 +253,20 @@ class _FailingStore:
         with self._store.read_session(guess) as inner:
             yield Session(inner)
 
+    def count_down(self) -> None:
+        if self._left <= 0:
+            raise self._error
+        self._left -= 1
 
+
+@pytest.mark.parametrize("in_read", [False, True], ids=["lookup", "read"])
 @pytest.mark.parametrize("error, expected, match", [
     (StoreError("the disk went away"), StoreError, "the disk went away"),
     (OSError(5, "Input/output error"), StoreError, "failed at position 7.*Input/output error"),
 ])
-def test_a_failing_reader_is_an_error_on_the_stream_after_what_it_read(store, error, expected, match):
-    failing = _FailingStore(store, 7, error)
+def test_a_failing_reader_is_an_error_on_the_stream_after_what_it_read(store, error, expected, match, in_read):
+    """... and gives back every budget byte, also those taken for the entry whose read failed."""
+    failing = _FailingStore(store, 7, error, in_read)
     with prefetcher_of(failing) as p:
         p.push(schedule(range(0, 40, 2)))
         reader = p.attach(1, "e0", 0)

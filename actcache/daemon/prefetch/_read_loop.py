@@ -125,8 +125,13 @@ class ReadLoop:
         self._txn.tick()
 
     def _read(self, session: ReadSession, key: bytes, extent, need: int) -> Slot:
-        """The entry at ``extent`` as a slot holding ``need`` budget bytes; counted as read."""
-        data = session.read(key, extent)
+        """The entry at ``extent`` as a slot holding ``need`` budget bytes (given back if the read fails);
+        counted as read."""
+        try:
+            data = session.read(key, extent)
+        except BaseException:
+            self._budget.release(self._shared, need)
+            raise
         if self._prober is not None:
             self._prober.saw_read(session.last_resident)
         self._count(1, len(data))
