@@ -206,10 +206,12 @@ def test_a_consumer_that_leaves_gives_reading_back(store, tmp_path):
     assert not reader._handover.parked
 
 
-def serve_threaded(store, order, tmp_path, per_frame: int, on_frame, *, whole_frames: bool = False):
+def serve_threaded(store, order, tmp_path, per_frame: int, on_frame, *, whole_frames: bool = False,
+                   sent_at: list | None = None):
     """Fetch ``order`` over shared memory in frames of ``per_frame`` entries, fetch_shm in a thread of
     its own as under gRPC (a 1 MiB ring: about 7 frames); ``on_frame(index, header, segment)`` is the
-    consumer's work on each frame before it releases it. ``(spans (start, entries), counters)``."""
+    consumer's work on each frame before it releases it. ``(spans (start, entries), counters)``;
+    ``sent_at`` gets each frame's time.monotonic() when fetch_shm yielded it."""
     frame_bytes = per_frame * served_size(memoryview(value(0)))
     p = Prefetcher(store, PrefetchConfig(prefetch_bytes=1 << 20, decode_threads=2))
     try:
@@ -219,6 +221,8 @@ def serve_threaded(store, order, tmp_path, per_frame: int, on_frame, *, whole_fr
 
         def produce():  # gRPC's part: send frames as fetch_shm yields them
             for frame in fetch_shm(p.attach(1, "e", 0), ring, frame_bytes, Context(), None, whole_frames=whole_frames):
+                if sent_at is not None:
+                    sent_at.append(time.monotonic())
                 frames.put(frame)
             frames.put(None)
 
@@ -241,17 +245,24 @@ def test_a_held_stream_cuts_a_frame_short_after_its_patience_unless_asked_for_wh
                                                                                           whole_frames):
     """A consumer holding its first frame past the 0.5 s patience (a stream opened ahead of its use)
     gets a frame cut to what fits the ring, and the batch after it spans two frames; with
-    FetchRequest.whole_frames every frame waits for room for all of it."""
+    FetchRequest.whole_frames every frame sent while the ring is full waits for room for all of it.
+    (Later, when the stream turns to reading straight into the ring, one frame may end where the entries
+    read ahead end, whatever the room: that is not what whole_frames is about.)"""
     order = np.arange(0, N, 2)  # all stored: uniform entries
     per_frame = 8
+    sent_at, held_until = [], []
 
     def hold_the_first(index, header, segment):
         if index == 0:
             time.sleep(1.0)  # the daemon fills the ring meanwhile
+            held_until.append(time.monotonic())
 
-    spans, _ = serve_threaded(store, order, tmp_path, per_frame, hold_the_first, whole_frames=whole_frames)
+    spans, _ = serve_threaded(store, order, tmp_path, per_frame, hold_the_first, whole_frames=whole_frames,
+                              sent_at=sent_at)
     assert sum(n for _, n in spans) == len(order)
-    cut = [start for start, n in spans[:-1] if n != per_frame or start % per_frame]
+    while_held = [span for span, at in zip(spans, sent_at, strict=True) if at < held_until[0]]
+    assert len(while_held) > 1  # the ring filled while the first frame was held
+    cut = [start for start, n in while_held if n != per_frame or start % per_frame]
     assert cut == [] if whole_frames else cut
 
 
