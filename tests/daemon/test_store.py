@@ -396,3 +396,32 @@ def test_last_writes_survive_a_restart_and_a_drop_removes_them(tmp_path):
         assert s.generations.known() == []
     finally:
         s.close()
+
+
+def test_a_thread_reading_reads_again_while_a_map_resize_waits_for_it():
+    """A prefetch reader probes ahead (a second read) with its own transaction open; a resize queued
+    between the two used to wait for the reader while the reader waited for the resize."""
+    from actcache.daemon.store._writer import ReadGate
+    from actcache.testing import wait_until
+
+    gate, steps = ReadGate(), []
+
+    def reader():
+        with gate.reading():
+            steps.append("read")
+            wait_until(lambda: gate._exclusive, timeout=10, what="the resize waiting")
+            with gate.reading():  # the probe
+                steps.append("read again")
+        steps.append("closed")
+
+    def resize():
+        wait_until(lambda: "read" in steps, timeout=10, what="the first read")
+        with gate.exclusive():
+            steps.append("resized")
+
+    threads = [threading.Thread(target=reader, daemon=True), threading.Thread(target=resize, daemon=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert steps == ["read", "read again", "closed", "resized"]

@@ -48,12 +48,15 @@ _DISK_FULL_SLACK = 1 << 20
 
 class ReadGate:
     """Lets readers in concurrently and a map resize in alone: LMDB allows ``set_mapsize`` only while
-    the process has no open transaction, so readers hold the gate while theirs is open."""
+    the process has no open transaction, so readers hold the gate while theirs is open. A thread already
+    reading enters again without waiting for a pending resize (a prefetch reader probes ahead while its
+    own transaction is open): the resize waits for it either way, so making it wait would deadlock."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._readers = 0
         self._exclusive = False
+        self._mine = threading.local()  # .depth: this thread's open readings
         self.broken: str | None = None
 
     def check(self) -> None:
@@ -63,13 +66,17 @@ class ReadGate:
 
     @contextmanager
     def reading(self) -> Iterator[None]:
+        depth = getattr(self._mine, "depth", 0)
         with self._cond:
-            self._cond.wait_for(lambda: not self._exclusive)
+            if not depth:
+                self._cond.wait_for(lambda: not self._exclusive)
             self.check()
             self._readers += 1
+        self._mine.depth = depth + 1
         try:
             yield
         finally:
+            self._mine.depth = depth
             with self._cond:
                 self._readers -= 1
                 if not self._readers:
