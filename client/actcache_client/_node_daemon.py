@@ -16,9 +16,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-from actcache.daemon.store import holder_pid
 from actcache.errors import ConfigError, DaemonUnavailable
-from actcache.node import NodeDaemon, ensure_running
+from actcache.node import NodeDaemon, ensure_running, peer_pid
 from actcache.shm import pid_alive
 from actcache_client._connection import Connection, ConnectionConfig
 
@@ -37,12 +36,18 @@ def remove_orphaned_embedded_dirs(root: Path) -> list[Path]:
     removed = []
     for leftover in root.glob(f"{EMBEDDED_PREFIX}*"):
         trainer = leftover.name[len(EMBEDDED_PREFIX):].split("-", 1)[0]
-        daemon = holder_pid(leftover / "cache")
-        if not trainer.isdigit() or pid_alive(int(trainer)) or (daemon is not None and pid_alive(daemon)):
+        if not trainer.isdigit() or pid_alive(int(trainer)) or _serving(leftover / "daemon.sock"):
             continue
         shutil.rmtree(leftover, ignore_errors=True)
         removed.append(leftover)
     return removed
+
+
+def _serving(socket: Path) -> bool:
+    try:
+        return peer_pid(socket) is not None
+    except (OSError, ConfigError):  # not a socket, or another user's: leave the directory alone
+        return True
 
 
 class EmbeddedDaemon:
