@@ -197,7 +197,7 @@ def run_seed(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Na
         if section:
             print(f"\n{section}")
     payload = {"command": " ".join(sys.argv), "args": vars(args), "seed": workload.seed, "data_dir": str(source),
-               "target": target, "threads": torch.get_num_threads(), "load_average_start": os.getloadavg(),
+               "target": target, "threads": torch.get_num_threads(), "load_average_start": load_start,
                "summary": rows, "runs": [r.to_dict() for r in runs]}
     path = write_results(args.results_dir, f"train-{args.workload}-{args.mode}-seed{workload.seed}", payload, rows)
     print(f"results: {path}")
