@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_seed(workload: Workload, plan: list[tuple[str, bool]], args: argparse.Namespace,
              source: object) -> list[dict]:
     """The planned runs of one seed: tables, decisions and plans printed, results written; the summary rows."""
+    load_start = os.getloadavg()
     runs = run_all(workload, plan, args)
     target, rows = summarize(runs, args.tolerance)
     print(f"\ntarget {workload.metric} {target:.2f} (full run's best {runs[0].best_metric:.2f} - {args.tolerance})")
