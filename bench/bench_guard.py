@@ -78,6 +78,8 @@ def main() -> None:
         for run in frozen:
             label = f"{name} {run['mode']}{'+cache' if run['cache'] else ''}"
             freeze_runs.append((label, run["final_metric"] - full["final_metric"], run["evals"]))
+    if not freeze_runs:
+        parser.error("no run in these results froze anything: pass bench_train.py results of a freeze mode")
 
     useful = 0
     for tolerance in args.tolerance:
