@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-LOSS = 0.3  # points: the issue's "equal accuracy" margin
+LOSS = 0.3  # points: "equal accuracy", the margin bench_train.py's target allows
 
 
 def noise_drop(evals: list[dict[str, Any]], start_step: int) -> float:
@@ -55,15 +55,14 @@ def first_firing(evals: list[dict[str, Any]], tolerance: float) -> dict[str, Any
     return None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("results", nargs="+", type=Path, help="bench_train.py JSON results, one per seed")
-    parser.add_argument("--tolerance", nargs="+", type=float, default=[0.3, 0.5, 1.0, 1.5, 2.0, 3.0])
-    args = parser.parse_args()
+FreezeRun = tuple[str, float, list[dict[str, Any]]]  # label, final delta against the full run, evaluations
 
+
+def load(paths: list[Path]) -> tuple[list[float], list[FreezeRun]]:
+    """Each file's noise drop (files where nothing froze are skipped, and say so) and its freeze runs."""
     drops: list[float] = []
-    freeze_runs: list[tuple[str, float, list[dict[str, Any]]]] = []
-    for path in args.results:
+    freeze_runs: list[FreezeRun] = []
+    for path in paths:
         payload = json.loads(path.read_text())
         full = next(r for r in payload["runs"] if r["mode"] == "full")
         frozen = [r for r in payload["runs"] if r["mode"] != "full" and any(e["frozen"] for e in r["evals"])]
@@ -78,24 +77,35 @@ def main() -> None:
         for run in frozen:
             label = f"{name} {run['mode']}{'+cache' if run['cache'] else ''}"
             freeze_runs.append((label, run["final_metric"] - full["final_metric"], run["evals"]))
+    return drops, freeze_runs
+
+
+def replay(freeze_runs: list[FreezeRun], tolerance: float) -> bool:
+    """The rule at ``tolerance`` on every freeze run, printed; whether it fires on every losing run and no other."""
+    fired_on_loss = fired_on_other = missed = 0
+    for label, delta, evals in freeze_runs:
+        fired = first_firing(evals, tolerance)
+        lost = delta < -LOSS
+        fired_on_loss += bool(fired) and lost
+        fired_on_other += bool(fired) and not lost
+        missed += (not fired) and lost
+        where = (f"fires at step {fired['step']} (epoch {fired['epoch']:.2f}, {fired['metric']:.2f} against "
+                 f"{fired['reference']:.2f}, depth {fired['frozen']})" if fired else "never fires")
+        print(f"  tolerance {tolerance:g}: {label}: final delta {delta:+.2f}, {where}")
+    print(f"tolerance {tolerance:g}: fires on {fired_on_loss} of {fired_on_loss + missed} runs that lost more "
+          f"than {LOSS:g}, and on {fired_on_other} that did not")
+    return fired_on_loss + missed > 0 and missed == 0 and fired_on_other == 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("results", nargs="+", type=Path, help="bench_train.py JSON results, one per seed")
+    parser.add_argument("--tolerance", nargs="+", type=float, default=[0.3, 0.5, 1.0, 1.5, 2.0, 3.0])
+    args = parser.parse_args()
+    drops, freeze_runs = load(args.results)
     if not freeze_runs:
         parser.error("no run in these results froze anything: pass bench_train.py results of a freeze mode")
-
-    useful = 0
-    for tolerance in args.tolerance:
-        fired_on_loss = fired_on_other = missed = 0
-        for label, delta, evals in freeze_runs:
-            fired = first_firing(evals, tolerance)
-            lost = delta < -LOSS
-            fired_on_loss += bool(fired) and lost
-            fired_on_other += bool(fired) and not lost
-            missed += (not fired) and lost
-            where = (f"fires at step {fired['step']} (epoch {fired['epoch']:.2f}, {fired['metric']:.2f} against "
-                     f"{fired['reference']:.2f}, depth {fired['frozen']})" if fired else "never fires")
-            print(f"  tolerance {tolerance:g}: {label}: final delta {delta:+.2f}, {where}")
-        print(f"tolerance {tolerance:g}: fires on {fired_on_loss} of {fired_on_loss + missed} runs that lost more "
-              f"than {LOSS:g}, and on {fired_on_other} that did not")
-        useful += fired_on_loss + missed > 0 and missed == 0 and fired_on_other == 0
+    useful = sum(replay(freeze_runs, tolerance) for tolerance in args.tolerance)
     print(f"figure: guard_noise_drop = {max(drops):.2f}")
     print(f"figure: guard_useful_tolerances = {useful}")
 
