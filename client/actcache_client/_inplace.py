@@ -63,6 +63,7 @@ class _Patched:
         self.role = role
         self.original = types.MethodType(type(module).forward, module)
 
+    @torch.compiler.disable  # under torch.compile: a clean graph break; the served prefix runs eagerly
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.role(self.module, self.original, *args, **kwargs)
 
@@ -77,6 +78,7 @@ class _RunObserver:
     def __init__(self, prefix: "InPlacePrefix") -> None:
         self.prefix = prefix
 
+    @torch.compiler.disable
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.prefix._observe(args, kwargs)
 

@@ -358,3 +358,22 @@ def test_frozen_stages_are_put_in_eval_mode_once_per_freeze_not_per_forward(daem
     cache.close()
 
 
+
+
+# dynamo's own tracing reads .grad of a non-leaf tensor while it inspects BatchNorm's input (torch 2.13)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_a_compiled_network_trains_to_the_same_losses_with_the_cache(daemon, reference):
+    """``torch.compile(net)`` after ``ActCache(net)``: the served prefix is a clean graph break, the rest is
+    compiled (dynamo's ``eager`` backend: the same tracing as inductor, without its minutes of codegen here)."""
+    net, opt, cache, loader = _cached_run(daemon)
+    compiled = torch.compile(net, backend="eager")
+    losses = []
+    for epoch in range(3):
+        compiled.train()
+        if epoch >= 1:
+            cache.freeze(4)
+        for x, y in loader:
+            losses.append(_sgd_step(compiled, opt, x, y))
+    assert losses == reference
+    assert cache.connection.stats.hits == 96
+    cache.close()
