@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -129,15 +130,18 @@ class PrefixAssembly:
         return split_rows(rows, header)
 
     def _compute(self, state: State, start: int, stop: int, times: StepTimes) -> State:
-        t0, planner = time.perf_counter(), self.context.planner
+        """stages[start:stop] on ``state``; for the cost model, each stage timed as the device runs it
+        (CUDA events: a launch returns before its kernels run), the reading taken once it is done."""
+        t0, planner, clock = time.perf_counter(), self.context.planner, self.context.stager.clock
         with torch.no_grad():
             for index in range(start, stop):
-                t = time.perf_counter()
+                began = clock.start() if planner is not None else None
                 state = self.context.frozen.model.stages[index](state)
                 if planner is not None:
                     tensors = tensors_of(state)
                     batch = max(len(tensors[0]), 1)
                     nbytes = sum(x.element_size() * x.numel() for x in tensors) / batch
-                    planner.record_stage(index, time.perf_counter() - t, batch, nbytes)
+                    clock.stop(began, partial(planner.record_stage, index, samples=batch,
+                                              out_bytes_per_sample=nbytes))
         times.prefix += time.perf_counter() - t0
         return state

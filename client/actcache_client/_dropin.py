@@ -24,6 +24,7 @@ from actcache_client._connection import Connection
 from actcache_client._inplace import InPlacePrefix
 from actcache_client._loader import CachedLoader, IndexedDataset, seeded_item, worker_options
 from actcache_client._node_daemon import connect
+from actcache_client._planner import CachePlanner
 from actcache_client._stages import (StagedModel, State, from_bert, from_resnet, from_sequential, from_transformers,
                                      is_transformers_model, tensors_of)
 from actcache_client._tensors import VarLen
@@ -93,7 +94,9 @@ class ActCache:
     ``net``'s own modules) overrides the layout found from ``net`` (a ResNet, a BERT classifier, an
     nn.Sequential). ``inputs(batch)`` picks the network's input out of a batch as the loader yields it
     (default: its first field; for BERT ``input_ids``, ``attention_mask`` and ``token_type_ids``).
-    ``options`` are CachedForward's (``store_dtype``, ``audit``, ``planner``, ...). ``model`` is that
+    ``options`` are CachedForward's (``store_dtype``, ``audit``, ``planner``, ...); ``planner`` defaults to a
+    ``CachePlanner()`` (the cost model decides whether serving beats recomputing; ``planner=None``: always
+    serve). ``model`` is that
     CachedForward: give it to a FreezeController. A network in DistributedDataParallel works either way
     round (``ActCache(ddp)``, or ``DistributedDataParallel(net)`` after ``ActCache(net)``); DDP needs
     ``find_unused_parameters=True`` to follow parameters that stop receiving gradients when stages freeze.
@@ -109,6 +112,8 @@ class ActCache:
         if inputs is not None:
             layout = replace(layout, inputs_of=inputs)
         options.setdefault("varlen", layout.varlen)
+        # By default the cost model decides whether serving the prefix beats recomputing it (planner=None: always serve).
+        options.setdefault("planner", CachePlanner())
         self.connection = connection if connection is not None else connect()
         self.model = CachedForward(layout.stages, self.connection, **options)
         self.layout = layout
