@@ -79,7 +79,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "h1024": dict(hidden=1024, layers=24, frozen=20, sequences=8192, store_dtype="float32"),
     "h1024-bf16": dict(hidden=1024, layers=24, frozen=20, sequences=8192, store_dtype="bfloat16"),
     "h2048": dict(hidden=2048, layers=24, frozen=22, sequences=4096, store_dtype="bfloat16"),
-    "quick": dict(hidden=64, layers=4, frozen=3, sequences=256, seq_len=32, store_dtype="float32"),
+    "quick": dict(hidden=64, layers=4, frozen=3, sequences=512, seq_len=32, store_dtype="float32"),
 }
 #: Rows per configuration (default: all): h1024-bf16 leaves out what h1024 measures, h2048 the float32 entries.
 ALL_ROWS = ("plain", "actcache_default", "actcache_bf16", "actcache_planner", "actcache_off", "actcache_all_frozen",

@@ -49,13 +49,13 @@ def test_the_cached_rows_were_served_and_the_declined_one_was_not(quick_run):
         assert len(row["epoch_s"]) == 5 and 0 < row["best_s"] <= row["median_s"], name
         if name.startswith("actcache_") and name != "actcache_off" and row["plan_mode"] in (None, "cache"):
             assert row["hits"] > 0 and row["gb_s"] > 0, name
-    assert rows["actcache_all_frozen"]["hits"] == 5 * 256  # no planner: served from the first timed epoch
+    assert rows["actcache_all_frozen"]["hits"] == 5 * 512  # no planner: served from the first timed epoch
     assert rows["actcache_off"]["hits"] == 0 and rows["actcache_off"]["plan_mode"] == "recompute"
-    assert result["configs"]["quick"]["raw_lmdb"]["entries"] == 256
+    assert result["configs"]["quick"]["raw_lmdb"]["entries"] == 512
 
 
 def test_float32_entries_leave_the_losses_of_the_plain_loop_bit_for_bit(quick_run):
     _, result = quick_run
     rows = result["configs"]["quick"]["rows"]
     assert result["figures"]["losses_equal"] == 1.0
-    assert rows["actcache_default"]["losses"] == rows["plain"]["losses"] and len(rows["plain"]["losses"]) == 7 * 4
+    assert rows["actcache_default"]["losses"] == rows["plain"]["losses"] and len(rows["plain"]["losses"]) == 7 * 8
