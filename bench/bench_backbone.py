@@ -38,9 +38,10 @@ and the same dropout draws, and runs one untimed fill epoch, one untimed warm-up
 
 Each actcache row has a namespace of its own on the configuration's daemon (its own LMDB in a temp dir;
 ``ACTCACHE_DIR`` also points to a temp dir, so no other daemon is touched). Per row: seconds per epoch
-(best and median of the timed epochs), the median's ratio to ``plain``, the hits of the timed epochs, and
-GB/s of entry bytes delivered into the step (``ClientStats.bytes_read`` of the timed epochs, as stored:
-after the codec, over their time). ``raw_lmdb_gb_s`` reads the ``actcache_all_frozen`` row's entries in
+(best and median of the timed epochs), the median's ratio to ``plain``, the fill and warm-up epochs'
+seconds and the whole run's, the hits of the timed epochs, the entries stored (puts), and GB/s of entry
+bytes delivered into the step (``ClientStats.bytes_read`` of the timed epochs, as stored: after the codec,
+over their time; for the ideals, the bytes of the held outputs, padding included, copied per epoch). ``raw_lmdb_gb_s`` reads the ``actcache_all_frozen`` row's entries in
 this process from the daemon's LMDB (read-only, warm): get, checksum and decode (``decode_entry``), and a
 copy into a buffer, over every entry once. Sample output (2 cores shared with other jobs, ``--quick``)::
 
@@ -70,7 +71,9 @@ Figures (per configuration; with several configurations each name ends in ``_<co
 - ``delivered_vs_raw``: served GB/s of ``actcache_all_frozen`` / ``raw_lmdb_gb_s``;
 - ``recompute_overhead``: ``actcache_off`` / ``plain`` (median epoch seconds);
 - ``costmodel_vs_best``: ``actcache_planner`` / the faster of ``plain`` and the fixed caching row at the
-  same store dtype (``actcache_default`` for float32, ``actcache_bf16`` for bfloat16);
+  same store dtype (``actcache_default`` for float32, ``actcache_bf16`` for bfloat16), in seconds of the
+  whole run (``run_s``: fill, warm-up and timed epochs, the run the planner was told of), as
+  ``bench_costmodel.py`` counts the write epoch;
 - ``served_gb_s``: GB/s delivered into the step by that fixed caching row;
 - ``cached_vs_ideal``: that caching row / ``ideal_host`` (the ideal holds the same dtype);
 - ``losses_equal`` (1 or 0): ``actcache_default``'s losses are ``plain``'s, bit for bit (float32 entries).
@@ -191,7 +194,8 @@ class Row:
 
     def __init__(self, name: str, setup: Setup) -> None:
         self.name, self.setup = name, setup
-        self.seconds: list[float] = []
+        self.seconds: list[float] = []  # the timed epochs
+        self.every: list[float] = []  # every epoch: fill, warm-up, timed
         self.losses: list[float] = []
         self.timed_hits = self.timed_bytes = 0
         self.cache: ac.ActCache | None = None
@@ -205,6 +209,7 @@ class Row:
         _sync(self.setup.device)
         seconds = time.perf_counter() - t0
         self.losses += [loss.item() for loss in losses]
+        self.every.append(seconds)
         if timed:
             self.seconds.append(seconds)
             if before is not None:
@@ -223,10 +228,14 @@ class Row:
 
     def report(self) -> dict[str, Any]:
         plan = self.cache.model.plan if self.cache is not None else None
+        stats = self.cache.connection.stats if self.cache is not None else None
         return {
             "epoch_s": self.seconds, "best_s": min(self.seconds), "median_s": statistics.median(self.seconds),
+            "fill_s": self.every[0], "warmup_s": self.every[1], "run_s": sum(self.every),
             "hits": self.timed_hits, "gb_s": self.timed_bytes / sum(self.seconds) / 1e9 if self.timed_bytes else 0.0,
-            "plan_mode": None if plan is None else plan.mode.value, "plan_reason": None if plan is None else plan.reason,
+            "puts": stats.puts if stats is not None else 0,
+            "plan_mode": None if plan is None else plan.mode.value,
+            "plan_reason": None if plan is None else plan.reason,
             "losses": self.losses,
         }
 
@@ -428,8 +437,9 @@ def figures(setup: Setup, rows: dict[str, dict[str, Any]], raw: dict[str, float]
         out["delivered_vs_raw"] = rows["actcache_all_frozen"]["gb_s"] / raw["gb_s"]
     if "actcache_off" in median and "plain" in median:
         out["recompute_overhead"] = median["actcache_off"] / median["plain"]
-    if "actcache_planner" in median and "plain" in median and caching in median:
-        out["costmodel_vs_best"] = median["actcache_planner"] / min(median["plain"], median[caching])
+    if "actcache_planner" in median and "plain" in median and caching in median:  # whole runs, fill included
+        run = {name: r["run_s"] for name, r in rows.items()}
+        out["costmodel_vs_best"] = run["actcache_planner"] / min(run["plain"], run[caching])
     if caching in rows:
         out["served_gb_s"] = rows[caching]["gb_s"]
         if "ideal_host" in median:
@@ -448,12 +458,13 @@ def print_config(result: dict[str, Any]) -> None:
     print(f"BERT hidden {s['hidden']}, {s['layers']} layers, embeddings + {s['frozen']} frozen "
           f"({s['frozen'] + 1} stages), {s['sequences']} sequences x {s['seq_len']} tokens, batch {s['batch']}, "
           f"AdamW, {s['epochs']} timed epochs after fill and warm-up, entries {s['store_dtype']}, on {s['device']}")
-    print(f"{'row':<20}{'best_s':>9}{'median_s':>10}{'vs_plain':>10}{'hits':>8}{'GB/s':>8}  plan")
+    print(f"{'row':<20}{'best_s':>9}{'median_s':>10}{'vs_plain':>10}{'fill_s':>9}{'warm_s':>9}{'run_s':>9}"
+          f"{'hits':>8}{'puts':>8}{'GB/s':>8}  plan")
     plain = rows.get("plain", {}).get("median_s")
     for name, r in rows.items():
         ratio = f"{r['median_s'] / plain:>10.3f}" if plain and name != "actcache_all_frozen" else f"{'-':>10}"
-        print(f"{name:<20}{r['best_s']:>9.3f}{r['median_s']:>10.3f}{ratio}{r['hits']:>8}{r['gb_s']:>8.2f}  "
-              f"{r['plan_mode'] or '-'}")
+        print(f"{name:<20}{r['best_s']:>9.3f}{r['median_s']:>10.3f}{ratio}{r['fill_s']:>9.3f}{r['warmup_s']:>9.3f}"
+              f"{r['run_s']:>9.3f}{r['hits']:>8}{r['puts']:>8}{r['gb_s']:>8.2f}  {r['plan_mode'] or '-'}")
     for name, r in rows.items():
         if r["plan_reason"]:
             print(f"{name} plan: {r['plan_reason']}")
@@ -466,7 +477,8 @@ def print_config(result: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the CPU-small configuration (under half a minute on 2 cores)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the CPU-small configuration (under half a minute on 2 cores)")
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS),
                         help="named configurations (default: h1024 h1024-bf16 h2048 on cuda, else the flags)")
     parser.add_argument("--hidden", type=int, default=256)
