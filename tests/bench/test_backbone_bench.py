@@ -59,3 +59,20 @@ def test_float32_entries_leave_the_losses_of_the_plain_loop_bit_for_bit(quick_ru
     rows = result["configs"]["quick"]["rows"]
     assert result["figures"]["losses_equal"] == 1.0
     assert rows["actcache_default"]["losses"] == rows["plain"]["losses"] and len(rows["plain"]["losses"]) == 7 * 8
+
+
+def test_the_figures_compare_the_rows_at_the_configurations_store_dtype():
+    import bench_backbone
+    import torch
+
+    def row(median, run, gb_s=0.0, losses=(1.0,)):
+        return {"median_s": median, "run_s": run, "gb_s": gb_s, "losses": list(losses)}
+
+    setup = bench_backbone.Setup(name="h2048", hidden=8, layers=2, frozen=1, sequences=4, seq_len=4, batch=2,
+                                 store_dtype="bfloat16", epochs=2, device=torch.device("cpu"))
+    rows = {"plain": row(3.0, 14.0), "actcache_bf16": row(2.0, 12.0, gb_s=6.0), "actcache_planner": row(2.5, 13.0),
+            "actcache_off": row(3.09, 14.5), "actcache_all_frozen": row(1.0, 5.0, gb_s=8.0),
+            "ideal_host": row(1.6, 9.0)}
+    got = bench_backbone.figures(setup, rows, {"gb_s": 10.0})
+    assert got == pytest.approx({"delivered_vs_raw": 0.8, "recompute_overhead": 1.03,
+                                 "costmodel_vs_best": 13.0 / 12.0, "served_gb_s": 6.0, "cached_vs_ideal": 1.25})
