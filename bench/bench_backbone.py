@@ -41,29 +41,30 @@ Each actcache row has a namespace of its own on the configuration's daemon (its 
 (best and median of the timed epochs), the median's ratio to ``plain``, the fill and warm-up epochs'
 seconds and the whole run's, the hits of the timed epochs, the entries stored (puts), and GB/s of entry
 bytes delivered into the step (``ClientStats.bytes_read`` of the timed epochs, as stored: after the codec,
-over their time; for the ideals, the bytes of the held outputs, padding included, copied per epoch). ``raw_lmdb_gb_s`` reads the ``actcache_all_frozen`` row's entries in
-this process from the daemon's LMDB (read-only, warm): get, checksum and decode (``decode_entry``), and a
-copy into a buffer, over every entry once. Sample output (2 cores shared with other jobs, ``--quick``)::
+over their time; for the ideals, the bytes of the held outputs, padding included, copied per epoch).
+``raw_lmdb_gb_s`` reads the ``actcache_all_frozen`` row's entries in this process from the daemon's LMDB
+(read-only, warm): get, checksum and decode (``decode_entry``), and a copy into a buffer, over every
+entry once. Sample output (2 cores shared with other jobs, ``--quick``)::
 
     BERT hidden 64, 4 layers, embeddings + 3 frozen (4 stages), 512 sequences x 32 tokens, batch 64, AdamW, ...
-    row                    best_s  median_s  vs_plain    hits    GB/s  plan
-    plain                   0.186     0.200     1.000       0    0.00  -
-    actcache_default        0.139     0.163     0.815    2560    0.02  -
-    actcache_bf16           0.144     0.148     0.740    2560    0.01  -
-    actcache_planner        0.135     0.149     0.742    2560    0.02  cache
-    actcache_off            0.201     0.256     1.280       0    0.00  recompute
-    actcache_all_frozen     0.032     0.038         -    2560    0.07  -
-    ideal_host              0.109     0.109     0.546       0    0.03  -
-    actcache_planner plan: cache depth 4 of 4 for 100.0% of samples (8.25 KiB/sample, ...), 49.3% faster; ...
-    actcache_off plan: recompute stages 0..3: the best cache option, ..., gains 31.3% < min_gain 100.0%
-    raw LMDB read in process (actcache_all_frozen's entries): 512 entries, 2.6 MB in 0.004 s = 0.70 GB/s
-    (16 s for this configuration)
+    row                    best_s  median_s  vs_plain   fill_s   warm_s    run_s    hits    puts    GB/s  plan
+    plain                   0.192     0.196     1.000    0.446    0.302    1.833       0       0    0.00  -
+    actcache_default        0.134     0.148     0.754    0.346    0.324    1.463    2560     512    0.02  -
+    actcache_bf16           0.142     0.171     0.871    0.363    0.320    1.540    2560     512    0.01  -
+    actcache_planner        0.130     0.165     0.839    0.384    0.230    1.432    2560     512    0.02  cache
+    actcache_off            0.211     0.217     1.103    0.264    0.446    1.834       0      64    0.00  recompute
+    actcache_all_frozen     0.027     0.032         -    0.190    0.066    0.424    2560     512    0.08  -
+    ideal_host              0.112     0.121     0.615    0.115    0.200    0.938       0       0    0.03  -
+    actcache_planner plan: cache depth 4 of 4 for 100.0% of samples (8.25 KiB/sample, ...), 55.7% faster; ...
+    actcache_off plan: recompute stages 0..3: the best cache option, ..., gains 35.1% < min_gain 100.0%
+    raw LMDB read in process (actcache_all_frozen's entries): 512 entries, 2.6 MB in 0.004 s = 0.73 GB/s
+    (17 s for this configuration)
 
-    figure: delivered_vs_raw = 0.099
-    figure: recompute_overhead = 1.280
-    figure: costmodel_vs_best = 0.911
-    figure: served_gb_s = 0.016
-    figure: cached_vs_ideal = 1.493
+    figure: delivered_vs_raw = 0.109
+    figure: recompute_overhead = 1.103
+    figure: costmodel_vs_best = 0.979
+    figure: served_gb_s = 0.017
+    figure: cached_vs_ideal = 1.226
     figure: losses_equal = 1.000
 
 Figures (per configuration; with several configurations each name ends in ``_<configuration>``):
