@@ -108,7 +108,7 @@ class PrefixAssembly:
         on_gpu = run is not None and c.varlen is None and c.stager.cuda
         moved = self._ring_to_device(run, len(entries)) if on_gpu else None
         host = None if moved is not None else collate_entries(entries, varlen=c.varlen, alloc=c.stager.allocator(),
-                                                              verify=verify, run=run)
+                                                              verify=verify, run=run, copy=c.stager.copier)
         decoded = time.perf_counter() - t0
         if moved is None:
             moved = c.stager.to_device(host)

@@ -9,6 +9,7 @@ backward must not be overwritten.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from typing import Any, Callable
@@ -19,6 +20,7 @@ from torch import Tensor
 from actcache.errors import ConfigError, LifecycleError
 from actcache.shm import SlotRun
 from actcache_client._stages import State, map_state, tensors_of
+from actcache_client._tensors import RowCopier
 
 __all__ = ["CopyTimer", "HostEvent", "HostRing", "Stager"]
 
@@ -144,6 +146,8 @@ class Stager:
                                max_pending=256)
         #: Batches copied to the device straight out of a shared-memory ring.
         self.ring_copies = 0
+        #: Copies collated rows: on several cores where the node has them (half of them: the rest train).
+        self.copier = RowCopier(min(8, (os.cpu_count() or 1) // 2))
 
     def allocator(self) -> Allocator:
         """An allocator for one batch's host tensors (a ring slot on CUDA, fresh memory otherwise)."""
