@@ -30,8 +30,11 @@ and the same dropout draws, and runs one untimed fill epoch, one untimed warm-up
 - ``actcache_off``: actcache with caching declined: ``planner=CachePlanner(PlannerConfig(min_gain=1.0))``
   never finds caching worth it, so actcache runs the frozen stages itself every step and serves nothing
   (what a run pays for actcache when its cost model says recompute);
-- ``actcache_all_frozen``: every encoder layer frozen (only the pooler and classifier train), no planner,
-  ``--store-dtype`` entries: the data path into a step whose own work is trivial;
+- ``data_plane``: the data path into a step whose own work is trivial: ``nn.Sequential(frozen stage,
+  linear head)`` over per-sample tensors of ``--plane-kib`` KiB (default: the size of the configuration's
+  hidden states at ``--store-dtype``, at least 256 KiB), the frozen stage served from the first timed
+  epoch (no planner), its inputs not loaded (the dataset has ``targets``), the head a linear layer on
+  the first position;
 - ``ideal_host``: the frozen prefix's outputs computed once and held in host memory (pinned on CUDA) at
   ``--store-dtype``, gathered and copied to the device per batch; only the top runs. On CUDA also
   ``ideal_device``: the outputs held in device memory, when they fit in a third of its free memory.
@@ -42,7 +45,7 @@ Each actcache row has a namespace of its own on the configuration's daemon (its 
 seconds and the whole run's, the hits of the timed epochs, the entries stored (puts), and GB/s of entry
 bytes delivered into the step (``ClientStats.bytes_read`` of the timed epochs, as stored: after the codec,
 over their time; for the ideals, the bytes of the held outputs, padding included, copied per epoch).
-``raw_lmdb_gb_s`` reads the ``actcache_all_frozen`` row's entries in this process from the daemon's LMDB
+``raw_lmdb_gb_s`` reads the ``data_plane`` row's entries in this process from the daemon's LMDB
 (read-only, warm): get, checksum and decode (``decode_entry``), and a copy into a buffer, over every
 entry once. Sample output (2 cores shared with other jobs, ``--quick``)::
 
@@ -69,7 +72,7 @@ entry once. Sample output (2 cores shared with other jobs, ``--quick``)::
 
 Figures (per configuration; with several configurations each name ends in ``_<configuration>``):
 
-- ``delivered_vs_raw``: served GB/s of ``actcache_all_frozen`` / ``raw_lmdb_gb_s``;
+- ``delivered_vs_raw``: served GB/s of ``data_plane`` / ``raw_lmdb_gb_s``;
 - ``recompute_overhead``: ``actcache_off`` / ``plain`` (median epoch seconds);
 - ``costmodel_vs_best``: ``actcache_planner`` / the faster of ``plain`` and the fixed caching row at the
   same store dtype (``actcache_default`` for float32, ``actcache_bf16`` for bfloat16), in seconds of the
@@ -113,7 +116,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "quick": dict(hidden=64, layers=4, frozen=3, sequences=512, seq_len=32, store_dtype="float32"),
 }
 #: Rows per configuration (default: all): h1024-bf16 leaves out what h1024 measures, h2048 the float32 entries.
-ALL_ROWS = ("plain", "actcache_default", "actcache_bf16", "actcache_planner", "actcache_off", "actcache_all_frozen",
+ALL_ROWS = ("plain", "actcache_default", "actcache_bf16", "actcache_planner", "actcache_off", "data_plane",
             "ideal_host", "ideal_device")
 ROWS = {"h1024-bf16": ("plain", "actcache_bf16", "actcache_planner", "ideal_host", "ideal_device"),
         "h2048": tuple(r for r in ALL_ROWS if r != "actcache_default")}
@@ -153,6 +156,18 @@ class Setup:
     store_dtype: str
     epochs: int
     device: torch.device
+    plane_kib: int = 0  # data_plane's entry size (0: the hidden states' size, at least 256 KiB)
+
+    def __post_init__(self) -> None:
+        if not self.plane_kib:
+            hidden_kib = self.seq_len * self.hidden * DTYPES[self.store_dtype].itemsize // 1024
+            object.__setattr__(self, "plane_kib", max(256, hidden_kib))
+
+    @property
+    def plane_samples(self) -> int:
+        """data_plane's samples: at most 256 MiB of entries on a GPU, 64 MiB on the CPU."""
+        cap = (256 if self.device.type == "cuda" else 64) << 10
+        return max(2 * self.batch, min(self.sequences, cap // self.plane_kib))
 
     @property
     def autocast(self):
@@ -335,23 +350,84 @@ class IdealRow(Row):
         return losses
 
 
+class Planes(Dataset):
+    """Per-sample float tensors of ``kib`` KiB (``(rows, 256)`` float32) and labels; ``targets`` lets the
+    wrapped loader skip loading the inputs the cache serves."""
+
+    def __init__(self, n: int, kib: int) -> None:
+        g = torch.Generator().manual_seed(SEED)
+        self.inputs = torch.randn(n, max(1, kib * 1024 // (256 * 4)), 256, generator=g)
+        self.targets = torch.randint(0, LABELS, (n,), generator=g).tolist()
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.inputs[i], self.targets[i]
+
+
+class _Lift(nn.Module):
+    """The frozen stage: its output is the input, copied (what the cache stores)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+
+class _FirstPosition(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, LABELS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x[:, 0].float())
+
+
+class PlaneRow(Row):
+    """``data_plane``: entries served into a step whose own work is a linear head (module docstring)."""
+
+    def __init__(self, name: str, setup: Setup, daemon) -> None:
+        super().__init__(name, setup)
+        torch.manual_seed(SEED)
+        self.net = nn.Sequential(_Lift(), _FirstPosition()).to(setup.device)
+        connection = ac.connect(daemon.socket, namespace=f"bench-backbone-{name}", strict=True)
+        store = DTYPES[setup.store_dtype]
+        self.cache = ac.ActCache(self.net, connection, planner=None,
+                                 **({} if store is torch.float32 else {"store_dtype": store}))
+        data = Planes(setup.plane_samples, setup.plane_kib)
+        self.loader = self.cache.wrap(DataLoader(data, batch_size=setup.batch, shuffle=True,
+                                                 generator=torch.Generator().manual_seed(1)))
+        self.cache.freeze(1)
+        self.opt = _optimizer(self.net)
+
+    def run_epoch(self) -> list[torch.Tensor]:
+        device, losses = self.setup.device, []
+        for x, y in self.loader:
+            loss = nn.functional.cross_entropy(self.net(x.to(device, non_blocking=True)), y.to(device))
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            losses.append(loss.detach())
+        return losses
+
+
 def make_row(name: str, setup: Setup, data: Tokens, daemon) -> Row:
     k, store = setup.frozen + 1, DTYPES[setup.store_dtype]
     if name == "plain":
         return LoopRow(name, setup, data, None, k)
     if name.startswith("ideal_"):
         return IdealRow(name, setup, data, k, on_device=name == "ideal_device")
+    if name == "data_plane":
+        return PlaneRow(name, setup, daemon)
     options: dict[str, Any] = {
         "actcache_default": {},
         "actcache_bf16": {"store_dtype": torch.bfloat16},
         "actcache_planner": {"store_dtype": store,
                              "planner": ac.CachePlanner(ac.PlannerConfig(total_epochs=setup.total_epochs))},
         "actcache_off": {"store_dtype": store, "planner": ac.CachePlanner(ac.PlannerConfig(min_gain=1.0))},
-        "actcache_all_frozen": {"store_dtype": store, "planner": None},
     }[name]
     if options.get("store_dtype") is torch.float32:
         del options["store_dtype"]  # the default
-    return LoopRow(name, setup, data, options, setup.layers + 1 if name == "actcache_all_frozen" else k, daemon)
+    return LoopRow(name, setup, data, options, k, daemon)
 
 
 def raw_lmdb_gb_s(directory: Path, namespace: str) -> dict[str, float]:
@@ -408,8 +484,7 @@ def run_config(setup: Setup, rows: tuple[str, ...]) -> dict[str, Any]:
                 turn = epoch % len(order)
                 for row in order[turn:] + order[:turn]:
                     row.epoch(epoch, timed=epoch >= 2)
-            raw = raw_lmdb_gb_s(daemon.dir, "bench-backbone-actcache_all_frozen") \
-                if "actcache_all_frozen" in built else None
+            raw = raw_lmdb_gb_s(daemon.dir, "bench-backbone-data_plane") if "data_plane" in built else None
             reports = {name: row.report() for name, row in built.items()}
         finally:
             for row in built.values():
@@ -434,8 +509,8 @@ def figures(setup: Setup, rows: dict[str, dict[str, Any]], raw: dict[str, float]
     out: dict[str, float] = {}
     median = {name: r["median_s"] for name, r in rows.items()}
     caching = "actcache_default" if setup.store_dtype == "float32" else "actcache_bf16"
-    if raw and raw["gb_s"] > 0 and "actcache_all_frozen" in rows:
-        out["delivered_vs_raw"] = rows["actcache_all_frozen"]["gb_s"] / raw["gb_s"]
+    if raw and raw["gb_s"] > 0 and "data_plane" in rows:
+        out["delivered_vs_raw"] = rows["data_plane"]["gb_s"] / raw["gb_s"]
     if "actcache_off" in median and "plain" in median:
         out["recompute_overhead"] = median["actcache_off"] / median["plain"]
     if "actcache_planner" in median and "plain" in median and caching in median:  # whole runs, fill included
@@ -463,7 +538,7 @@ def print_config(result: dict[str, Any]) -> None:
           f"{'hits':>8}{'puts':>8}{'GB/s':>8}  plan")
     plain = rows.get("plain", {}).get("median_s")
     for name, r in rows.items():
-        ratio = f"{r['median_s'] / plain:>10.3f}" if plain and name != "actcache_all_frozen" else f"{'-':>10}"
+        ratio = f"{r['median_s'] / plain:>10.3f}" if plain and name != "data_plane" else f"{'-':>10}"
         print(f"{name:<20}{r['best_s']:>9.3f}{r['median_s']:>10.3f}{ratio}{r['fill_s']:>9.3f}{r['warmup_s']:>9.3f}"
               f"{r['run_s']:>9.3f}{r['hits']:>8}{r['puts']:>8}{r['gb_s']:>8.2f}  {r['plan_mode'] or '-'}")
     for name, r in rows.items():
@@ -471,7 +546,7 @@ def print_config(result: dict[str, Any]) -> None:
             print(f"{name} plan: {r['plan_reason']}")
     raw = result["raw_lmdb"]
     if raw:
-        print(f"raw LMDB read in process (actcache_all_frozen's entries): {raw['entries']} entries, "
+        print(f"raw LMDB read in process (data_plane's entries): {raw['entries']} entries, "
               f"{raw['bytes'] / 1e6:.1f} MB in {raw['seconds']:.3f} s = {raw['gb_s']:.2f} GB/s")
     print(f"({result['wall_s']:.0f} s for this configuration)\n", flush=True)
 
@@ -489,10 +564,12 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--store-dtype", choices=sorted(DTYPES), default="float32",
-                        help="entries of the planner, recompute and all-frozen rows, and of the ideal's outputs")
+                        help="entries of the planner, recompute and data-plane rows, and of the ideal's outputs")
     parser.add_argument("--epochs", type=int, default=None, help="timed epochs after the fill and warm-up "
                         "(default 2 on the GPU configurations, 5 on --quick, 3 otherwise)")
     parser.add_argument("--rows", nargs="+", choices=ALL_ROWS, help="rows to run (default: the configuration's)")
+    parser.add_argument("--plane-kib", type=int, default=0,
+                        help="data_plane's entry size in KiB (default: the hidden states', at least 256)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: 1 on the CPU, where the rows share a few cores; torch's on cuda)")
@@ -513,7 +590,8 @@ def main() -> int:
         if not 0 < given["frozen"] < given["layers"]:
             parser.error(f"--frozen must be between 1 and layers - 1 ({given['layers'] - 1}), got {given['frozen']}")
         epochs = args.epochs or {"quick": 5}.get(name, 2 if name in CONFIGS else 3)
-        setups.append(Setup(name=name, batch=args.batch, epochs=epochs, device=device, **given))
+        setups.append(Setup(name=name, batch=args.batch, epochs=epochs, device=device, plane_kib=args.plane_kib,
+                            **given))
     with ExitStack() as stack:  # nothing here reaches a daemon other than the bench's own
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-backbone-"))
         os.environ["ACTCACHE_DIR"] = tmp

@@ -76,7 +76,7 @@ class PrefixAssembly:
         parts: list[tuple[list[int], State]] = []
         if found:
             run = stream.run if streamed and len(found) == len(ids) else None
-            parts.append((found, self._collate([values[i] for i in found], verify=not streamed, run=run)))
+            parts.append((found, self._collate([values[i] for i in found], raw, verify=not streamed, run=run)))
             times.cached_samples += len(found)
             self.context.generations.mark(fingerprint, j, [ids[i] for i in found])
         missing = [i for i, v in enumerate(values) if v is None]
@@ -86,7 +86,7 @@ class PrefixAssembly:
             seeds = self._lookup(self.context.frozen.fingerprints[depth], depth, [ids[i] for i in missing], variant)
             hit = [i for i, v in zip(missing, seeds) if v is not None]
             if hit:
-                seeded = self._compute(self._collate([v for v in seeds if v is not None]), depth, j, times)
+                seeded = self._compute(self._collate([v for v in seeds if v is not None], raw), depth, j, times)
                 self.writer.store(j, [ids[i] for i in hit], variant, seeded)
                 parts.append((hit, seeded))
                 times.seeded_samples += len(hit)
@@ -103,12 +103,13 @@ class PrefixAssembly:
         """Entries by ``Get`` (None per miss): seeds, and batches no stream serves."""
         return self.context.connection.lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
 
-    def _collate(self, entries: list, *, verify: bool = True, run: SlotRun | None = None) -> State:
+    def _collate(self, entries: list, raw: RawInputs, *, verify: bool = True, run: SlotRun | None = None) -> State:
         c, t0 = self.context, time.perf_counter()
         on_gpu = run is not None and c.varlen is None and c.stager.cuda
         moved = self._ring_to_device(run, len(entries)) if on_gpu else None
         host = None if moved is not None else collate_entries(entries, varlen=c.varlen, alloc=c.stager.allocator(),
-                                                              verify=verify, run=run, copy=c.stager.copier)
+                                                              verify=verify, run=run, copy=c.stager.copier,
+                                                              length=raw.length() if c.varlen else None)
         decoded = time.perf_counter() - t0
         if moved is None:
             moved = c.stager.to_device(host)

@@ -175,6 +175,10 @@ class WrappedLoader:
             warnings.simplefilter("ignore")
             self.cached = CachedLoader(inner, cache.model, variants=variants)
         self._placeholder = example[0] if skippable else None
+        self._pin = bool(loader.pin_memory) and torch.cuda.is_available()
+        # A batch whose inputs were all skipped yields this buffer of zeros (made once per batch size, pinned
+        # like the loader's batches), and its version: it is zeroed again only if the loop wrote into it.
+        self._zeros: tuple[Tensor, int] | None = None
         self._as_list = isinstance(default_collate([example]), list)
 
     def __len__(self) -> int:
@@ -219,10 +223,25 @@ class WrappedLoader:
     def _fill(self, batch: Batch) -> Any:
         """The batch as the user's collate would give it, with placeholder rows for the inputs not loaded."""
         inputs, targets = batch.data
-        full = torch.zeros((len(batch.ids), *self._placeholder.shape), dtype=self._placeholder.dtype)
-        if inputs is not None:
+        shape = (len(batch.ids), *self._placeholder.shape)
+        if inputs is None or not len(inputs):
+            full = self._all_zeros(shape)
+        else:
+            full = torch.zeros(shape, dtype=self._placeholder.dtype, pin_memory=self._pin)
             full[batch.loaded] = inputs
         return [full, targets] if self._as_list else (full, targets)
+
+    def _all_zeros(self, shape: tuple[int, ...]) -> Tensor:
+        """Zeros of ``shape``: the buffer kept from the last such batch when it is still zeros (writing a
+        batch of zeros every step costs as much as copying the entries in)."""
+        if self._zeros is not None and self._zeros[0].shape == shape:
+            zeros, version = self._zeros
+            if zeros._version != version:
+                zeros.zero_()
+        else:
+            zeros = torch.zeros(shape, dtype=self._placeholder.dtype, pin_memory=self._pin)
+        self._zeros = (zeros, zeros._version)
+        return zeros
 
 
 def _splittable(state: Any, rows: int) -> State:

@@ -158,11 +158,12 @@ def _lengths(tensors: Sequence[Tensor], varlen: VarLen) -> list[int]:
 
 def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | None = None,
                     alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None, verify: bool = True,
-                    run: SlotRun | None = None, copy: RowCopy = copy_rows) -> State:
+                    run: SlotRun | None = None, copy: RowCopy = copy_rows, length: int | None = None) -> State:
     """Decode one entry per sample and stack them into a batch state in tensors ``alloc`` returns (default: host
     memory). ``verify=False`` skips the checksums (entries the daemon verified); ``run``: the entries'
     consecutive slots in one buffer (one copy per tensor); ``copy``: how sample rows are copied (a RowCopier
-    spreads a large batch over threads)."""
+    spreads a large batch over threads); ``length``: with ``varlen``, pad to at least this many positions (the
+    batch's input length, so that the next module takes the state as it is)."""
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
     count = len(entries)
     if run is not None and not verify and not varlen:
@@ -175,11 +176,12 @@ def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | N
         return _columns(layout, entries, alloc)
     decoded = [decode_entry(e, verify=verify) for e in entries]
     lengths = [h.specs[0].shape[0] for h, _ in decoded] if varlen else None
+    width = max(max(lengths), length or 0) if lengths else 0
     out: list[Tensor] = []
     rows: list[tuple[np.ndarray, np.ndarray]] = []  # (destination, source) per sample and tensor
     for j, spec in enumerate(decoded[0][0].specs):
         inner = spec.shape[1:] if varlen else spec.shape
-        batch = alloc((count, max(lengths), *inner) if varlen else (count, *inner), _TO_TORCH[spec.dtype])
+        batch = alloc((count, width, *inner) if varlen else (count, *inner), _TO_TORCH[spec.dtype])
         target = _bytes_view(batch, count)
         for i, (header, raw) in enumerate(decoded):
             s = header.specs[j]
@@ -192,7 +194,7 @@ def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | N
         out.append(batch)
     copy(rows)
     if varlen:
-        mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
         out.insert(varlen.mask_index, mask.to(varlen.mask_dtype))
     return _state(out)
 
