@@ -18,11 +18,11 @@ import torch
 from torch import Tensor
 
 from actcache.errors import ConfigError, LifecycleError
-from actcache.shm import SlotRun
+from actcache.shm import ClientSegment, SlotRun
 from actcache_client._stages import State, map_state, tensors_of
 from actcache_client._tensors import RowCopier
 
-__all__ = ["CopyTimer", "HostEvent", "HostRing", "Stager"]
+__all__ = ["CopyTimer", "HostEvent", "HostRing", "Stager", "page_lock"]
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 
@@ -131,6 +131,22 @@ class CopyTimer:
         return out
 
 
+def page_lock(segment: ClientSegment) -> bool:
+    """Register a shared-memory segment's mapping with CUDA (``cudaHostRegister``), once per mapping, and
+    unregister it before it is unmapped; False if CUDA refused (copies out of it are then staged)."""
+    if segment.page_locked is not None:
+        return segment.page_locked
+    whole = torch.frombuffer(segment.view, dtype=torch.uint8)
+    address, nbytes = whole.data_ptr(), whole.numel()
+    del whole  # no view of the mapping may outlive it
+    cudart = torch.cuda.cudart()
+    locked = int(cudart.cudaHostRegister(address, nbytes, 0)) == 0
+    segment.page_locked = locked
+    if locked:
+        segment.on_close.append(lambda: cudart.cudaHostUnregister(address))
+    return locked
+
+
 class Stager:
     """Gives collation an allocator and moves the collated batch state to ``device``."""
 
@@ -167,9 +183,12 @@ class Stager:
 
     def ring_to_device(self, run: SlotRun, count: int) -> tuple[Tensor, object] | None:
         """The ``count`` entries of ``run`` copied straight out of the ring into a (count, entry bytes) uint8
-        tensor on the device, and the copy's event; None without CUDA (collate on the host then)."""
+        tensor on the device, and the copy's event; None without CUDA (collate on the host then). The ring
+        is page-locked once, so the copy is a DMA on the side stream, not a staged copy through pageable
+        memory that holds the host."""
         if not self.cuda:
             return None
+        page_lock(run.segment)
         source = torch.frombuffer(run.segment.view, dtype=torch.uint8, count=count * run.size, offset=run.offset)
         rows, done = self._side_copy(lambda: source.to(self.device, non_blocking=True), count * run.size)
         self.ring_copies += 1

@@ -44,14 +44,16 @@ def test_the_cached_rows_were_served_and_the_declined_one_was_not(quick_run):
     _, result = quick_run
     rows = result["configs"]["quick"]["rows"]
     assert {"plain", "actcache_default", "actcache_bf16", "actcache_planner", "actcache_off",
-            "actcache_all_frozen", "ideal_host"} <= set(rows)
+            "data_plane", "ideal_host"} <= set(rows)
     for name, row in rows.items():
         assert len(row["epoch_s"]) == 5 and 0 < row["best_s"] <= row["median_s"], name
-        if name.startswith("actcache_") and name != "actcache_off" and row["plan_mode"] in (None, "cache"):
+        if (name.startswith("actcache_") and name != "actcache_off" and row["plan_mode"] in (None, "cache")) \
+                or name == "data_plane":
             assert row["hits"] > 0 and row["gb_s"] > 0, name
-    assert rows["actcache_all_frozen"]["hits"] == 5 * 512  # no planner: served from the first timed epoch
+    planes = result["configs"]["quick"]["setup"]
+    assert planes["plane_kib"] == 256 and rows["data_plane"]["hits"] == 5 * 256  # no planner: every timed epoch
     assert rows["actcache_off"]["hits"] == 0 and rows["actcache_off"]["plan_mode"] == "recompute"
-    assert result["configs"]["quick"]["raw_lmdb"]["entries"] == 512
+    assert result["configs"]["quick"]["raw_lmdb"]["entries"] == 256
 
 
 def test_float32_entries_leave_the_losses_of_the_plain_loop_bit_for_bit(quick_run):
@@ -71,7 +73,7 @@ def test_the_figures_compare_the_rows_at_the_configurations_store_dtype():
     setup = bench_backbone.Setup(name="h2048", hidden=8, layers=2, frozen=1, sequences=4, seq_len=4, batch=2,
                                  store_dtype="bfloat16", epochs=2, device=torch.device("cpu"))
     rows = {"plain": row(3.0, 14.0), "actcache_bf16": row(2.0, 12.0, gb_s=6.0), "actcache_planner": row(2.5, 13.0),
-            "actcache_off": row(3.09, 14.5), "actcache_all_frozen": row(1.0, 5.0, gb_s=8.0),
+            "actcache_off": row(3.09, 14.5), "data_plane": row(1.0, 5.0, gb_s=8.0),
             "ideal_host": row(1.6, 9.0)}
     got = bench_backbone.figures(setup, rows, {"gb_s": 10.0})
     assert got == pytest.approx({"delivered_vs_raw": 0.8, "recompute_overhead": 1.03,

@@ -268,3 +268,20 @@ def test_cuda_a_served_step_syncs_the_host_no_more_than_the_users_loop(daemon):
             if cached:
                 assert conn.stats.hits == N
     assert counts[1] <= counts[0], counts
+
+
+def test_cuda_a_shared_memory_ring_is_page_locked_once_and_unlocked_before_it_is_unmapped():
+    ring = ShmRing(MIN_RING_BYTES, start=0)
+    size, count = 1024, 8
+    offset = ring.alloc(0, size * count)
+    ring.view(offset, size * count)[:] = bytes(range(256)) * (size * count // 256)
+    segment = ClientSegment(str(ring.path))
+    stager = Stager("cuda")
+    for _ in range(2):
+        rows, done = stager.ring_to_device(SlotRun(segment, offset, size), count)
+        done.synchronize()
+    assert segment.page_locked and len(segment.on_close) == 1  # registered once, for both copies
+    assert torch.frombuffer(segment.view, dtype=torch.uint8, count=1).is_pinned()
+    assert bytes(rows.cpu().flatten().numpy()) == bytes(ring.view(offset, size * count))
+    segment.close()  # unregisters, then unmaps
+    ring.close()
