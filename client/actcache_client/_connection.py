@@ -35,9 +35,11 @@ T = TypeVar("T")
 
 
 class Lease(Protocol):
-    """What a connection stops when it closes: a daemon of its own, or its lease on the node daemon."""
+    """What a connection stops when it closes: a daemon of its own, or its lease on the node daemon. A lease
+    with a ``revive()`` method (the node daemon's) is told when a call finds the daemon unreachable."""
 
     def stop(self) -> None: ...
+
 
 
 class CacheFallbackWarning(RuntimeWarning):
@@ -384,10 +386,17 @@ class Connection:
             if cause in ("unavailable", "full"):
                 self._paused_until = now + self._backoff_s
                 self._backoff_s = min(self._backoff_s * 2, max(30.0, self.config.backoff_s))
+        if cause == "unavailable" and callable(getattr(self._embedded, "revive", None)):
+            self._embedded.revive()  # the node daemon's lease starts it again; resume() ends the pause
         if due:
             log.warning("%s [%d times so far]", message, count)
         if first:
             self.surface()
+
+    def resume(self) -> None:
+        """The daemon serves again (its lease started it again): end the back-off, use the cache from the next call."""
+        with self._lock:
+            self._paused_until, self._backoff_s = 0.0, self.config.backoff_s
 
     def close(self) -> None:
         """Send queued puts, stop the writer thread and an embedded daemon (or the node daemon's lease)."""
