@@ -23,7 +23,7 @@ from actcache.errors import ConfigError
 from actcache_client._batch import Batch, Skipped
 from actcache_client._cached_forward import CachedForward
 from actcache_client._identity import data_fingerprint
-from actcache_client._seeding import generators_kept, sample_seed, seed_generators, seeded_item
+from actcache_client._seeding import sample_seed, seed_generators, seeded_item, with_seeds
 
 __all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "seeded_item", "worker_options"]
 
@@ -61,6 +61,7 @@ class IndexedDataset(Dataset):
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
         self.random_transforms, self.data_id = random_transforms, data_id
         self._fingerprints: dict[int, bytes] = {}
+        self._seeding = frozenset({"torch"})  # with ``seeded``: the global generators items were seen drawing from
 
     def fingerprint(self, variants: int = 1) -> bytes:
         """The data fingerprint over variants ``0..variants-1`` (computed once, then remembered)."""
@@ -87,16 +88,13 @@ class IndexedDataset(Dataset):
 
     def __getitem__(self, key: int | tuple[int, int] | tuple[int, int, bool]) -> tuple[int, Any]:
         """``(sample_id, item)``; for ``(index, variant, False)`` the item is not loaded: ``(sample_id, Skipped(target))``."""
-        if not self.seeded:
-            return self._load_key(key)
-        with generators_kept():
-            return self._load_key(key)
+        return self._load([key])[0]
 
-    def _item(self, index: int, variant: int) -> tuple[int, Any]:
-        """``(sample_id, item)``, loaded."""
+    def _item(self, index: int, variant: int, seeding: frozenset[str]) -> tuple[int, Any]:
+        """``(sample_id, item)``, loaded with the global generators in ``seeding`` seeded (not restored)."""
         sample_id = self.sample_id(index)
-        if self.seeded:
-            seed_generators(sample_seed(sample_id, variant))
+        if seeding:
+            seed_generators(sample_seed(sample_id, variant), seeding)
         item = self.dataset[index]
         if self.augment is not None:
             item = self.augment(item, torch.Generator().manual_seed(sample_seed(sample_id, variant)))
@@ -109,15 +107,21 @@ class IndexedDataset(Dataset):
             targets = (self.targets[torch.tensor(indices, dtype=torch.int64)] if isinstance(self.targets, torch.Tensor)
                        else default_collate([self.target(i) for i in indices]))
             return _Unloaded([self.sample_id(i) for i in indices], targets)
-        if not self.seeded:
-            return [self._load_key(k) for k in keys]
-        with generators_kept():  # once per batch: saving the generators costs ten times seeding them
-            return [self._load_key(k) for k in keys]
+        return self._load(keys)
 
-    def _load_key(self, key: int | tuple) -> tuple[int, Any]:
-        """``self[key]``, leaving the global generators seeded by its item (callers restore them)."""
-        index, variant, load = (*key, True)[:3] if isinstance(key, tuple) else (key, 0, True)
-        return self._item(index, variant) if load else (self.sample_id(index), Skipped(self.target(index)))
+    def _load(self, keys: list) -> list[tuple[int, Any]]:
+        """``self[key]`` for each key; with ``seeded``, the generators saved once for them all and restored."""
+        if not self.seeded:
+            return self._load_keys(keys, frozenset())
+        items, self._seeding = with_seeds(partial(self._load_keys, keys), self._seeding)
+        return items
+
+    def _load_keys(self, keys: list, seeding: frozenset[str]) -> list[tuple[int, Any]]:
+        out = []
+        for key in keys:
+            index, variant, load = (*key, True)[:3] if isinstance(key, tuple) else (key, 0, True)
+            out.append(self._item(index, variant, seeding) if load else (self.sample_id(index), Skipped(self.target(index))))
+        return out
 
 
 @dataclass(frozen=True)
