@@ -69,3 +69,57 @@ def test_augmentation_from_the_global_generators_with_variants_is_cached_without
     third = [x for x, _ in loader]  # epoch 2: variant 0 again, the same draws
     assert all(torch.equal(a, b) for a, b in zip(first, third))
     assert not all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+class Sentences(Dataset):
+    """Token-id lists of 4-16 tokens, tokenized (padded, truncated) only by the collate_fn."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(3)
+        lengths = torch.randint(4, 17, (64,), generator=g).tolist()
+        self.sentences = [torch.randint(1, 50, (n,), generator=g).tolist() for n in lengths]
+        self.labels = torch.randint(0, 4, (64,), generator=g).tolist()
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[list[int], int]:
+        return self.sentences[i], self.labels[i]
+
+
+def tokenize(max_length: int):
+    def collate(items):
+        ids = torch.zeros(len(items), max_length, dtype=torch.int64)
+        for row, (tokens, _) in enumerate(items):
+            ids[row, :min(len(tokens), max_length)] = torch.tensor(tokens[:max_length])
+        return ids, torch.tensor([label for _, label in items])
+    return collate
+
+
+class MeanPool(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def test_tokenizing_in_collate_fn_then_a_new_max_length_is_caught_and_the_hint_says_tokenize_in_the_dataset(daemon):
+    namespace = f"wrap-{uuid.uuid4().hex[:8]}"
+    for max_length, caught in ((8, False), (12, True)):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Embedding(50, 16), MeanPool(), nn.Linear(16, 4))
+        cache = ac.ActCache(net, ac.connect(daemon.socket, namespace=namespace))
+        loader = cache.wrap(DataLoader(Sentences(), batch_size=16, collate_fn=tokenize(max_length)))
+        cache.freeze(2)
+
+        def epochs(n: int) -> None:
+            for _ in range(n):
+                for x, _ in loader:
+                    net(x)
+            cache.connection.flush()
+
+        if caught:
+            with pytest.warns(ac.CacheMismatchWarning, match=r"tokenize, pad and transform in the dataset .*not in "
+                                                              r"collate_fn, so that a change \(a new max_length\)"):
+                epochs(1)
+        else:
+            epochs(2)
+        cache.close()
