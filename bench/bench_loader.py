@@ -1,26 +1,41 @@
 """A digits CNN converted to actcache as a newcomer would: what ``variants=K`` and a fill epoch cost, end to end.
 
-    python bench/bench_loader.py [--quick] [--device cpu|cuda] [--repeats N] [--epochs E] [--limit N]
+    python bench/bench_loader.py [--quick] [--device cpu|cuda] [--repeats N] [--epochs E] [--limit N] [--workers W]
 
 scikit-learn's 8x8 digits (80% train split: 1,437 images, batch 64), a small CNN (three convolutions, the
 first six modules frozen), a random crop and flip in ``__getitem__`` drawn from torch's global generator.
 Three comparisons, every pair taking turns (A, B, A, B, ...), min and median of each side:
 
-- ``variants_overhead``: a training epoch loading every input (nothing frozen), through ``cache.wrap(loader,
-  variants=2)`` / through the plain DataLoader. The loader alone (no step) is shown beside it.
+- ``variants_overhead``: a training epoch loading every input (nothing frozen) through ``cache.wrap(loader,
+  variants=2)`` / through ``cache.wrap(loader)`` (the same loader without variants: the seeding's cost);
+  ``variants_vs_plain_loader``: the same epoch / through the plain DataLoader. The loader alone (no step) is
+  shown beside it, also with ``--workers`` DataLoader workers; ``seeding_share``: the loader pass's extra
+  seconds with ``variants=2`` over a loaded epoch's (steadier than the epochs' ratio on a busy machine).
 - ``fill_overhead``: the first epoch after ``cache.freeze(6)`` (computes and stores the prefix; no
   augmentation) / an epoch frozen by hand (``requires_grad_(False)``), both on a fresh run.
 - ``train_vs_hand``: a whole run with augmentation, ``variants=2``, frozen at epoch 3 of 12, through actcache /
   the same run frozen by hand (seconds of training, below 1 means actcache is faster).
 
-Sample output (2-core CPU, ``--quick``)::
+Sample output (2-core CPU shared with other work, ``--quick``)::
 
-    loaded epoch, plain loader           0.610 s (min)  0.640 s (median)
-    loaded epoch, variants=2             0.622 s (min)  0.650 s (median)   1.02x
-    ...
-    figure: variants_overhead = 1.02
-    figure: fill_overhead = 1.10
-    figure: train_vs_hand = 0.80
+    loader pass, plain loader                        0.032 s (min)   0.033 s (median)
+    loader pass, variants=2                          0.045 s (min)   0.046 s (median)  1.40x
+    loaded epoch, plain loader                       0.385 s (min)   0.397 s (median)
+    loaded epoch, cache.wrap(loader)                 0.378 s (min)   0.397 s (median)  0.98x
+    loaded epoch, cache.wrap(loader, variants=2)     0.403 s (min)   0.414 s (median)  1.05x
+      seeding: variants=2 / cache.wrap(loader)     1.07x
+      seeding per epoch (loader passes)              0.013 s = 3.4% of a loaded epoch
+    loader pass, 2 workers, plain                    0.061 s (min)   0.065 s (median)
+    loader pass, 2 workers, variants=2               0.081 s (min)   0.085 s (median)  1.33x
+    first frozen epoch, frozen by hand               0.170 s (min)   0.170 s (median)
+    first frozen epoch, actcache (fill)              0.254 s (min)   0.306 s (median)  1.49x
+    12 epochs augmented, frozen by hand              3.058 s (min)   3.834 s (median)
+    12 epochs augmented, actcache                    3.064 s (min)   3.128 s (median)  1.00x
+    figure: variants_overhead = 1.07
+    figure: variants_vs_plain_loader = 1.05
+    figure: seeding_share = 0.03
+    figure: fill_overhead = 1.49
+    figure: train_vs_hand = 1.00
 """
 
 from __future__ import annotations
@@ -80,11 +95,13 @@ def cnn() -> nn.Sequential:
 class Run:
     """One training run: a network, its optimizer and its loader, through actcache (``conn``) or plain."""
 
-    def __init__(self, data: Dataset, device: str, conn: Callable[[], ac.Connection] | None, variants: int | None):
+    def __init__(self, data: Dataset, device: str, conn: Callable[[], ac.Connection] | None, variants: int | None,
+                 workers: int = 0):
         self.net = cnn().to(device)
         self.device = device
         self.opt = torch.optim.SGD(self.net.parameters(), lr=0.05, momentum=0.9)
-        loader = DataLoader(data, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(1))
+        loader = DataLoader(data, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(1),
+                            num_workers=workers, persistent_workers=workers > 0)
         self.cache = ac.ActCache(self.net, conn()) if conn is not None else None
         self.loader = self.cache.wrap(loader, variants=variants) if self.cache is not None else loader
 
@@ -131,7 +148,7 @@ def turns(repeats: int, a: Callable[[], float], b: Callable[[], float]) -> tuple
 
 def row(name: str, values: list[float], baseline: list[float] | None = None) -> None:
     ratio = f"  {min(values) / min(baseline):.2f}x" if baseline else ""
-    print(f"{name:<40} {min(values):7.3f} s (min) {statistics.median(values):7.3f} s (median){ratio}", flush=True)
+    print(f"{name:<46} {min(values):7.3f} s (min) {statistics.median(values):7.3f} s (median){ratio}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -142,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--epochs", type=int, default=12, help="of the end-to-end runs (frozen at epoch 3)")
     parser.add_argument("--limit", type=int, default=None, help="images (default: the 1,437 of the train split)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 leaves a core to the daemon)")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of the loader-only rows (0: none)")
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 5)
     torch.set_num_threads(args.threads)
@@ -154,15 +172,37 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
         # variants: a loaded epoch (nothing frozen) with and without the per-(sample, variant) seeding
         bare, seeded = Run(augmented, args.device, None, None), Run(augmented, args.device, conn, 2)
-        pass_s(seeded.loader)  # warm-up (the wrap's first pass)
+        with warnings.catch_warnings():  # not cached without variants: said by an UncacheableDataWarning
+            warnings.simplefilter("ignore", ac.UncacheableDataWarning)
+            unseeded = Run(augmented, args.device, conn, None)
+        pass_s(seeded.loader), pass_s(unseeded.loader)  # warm-up (the wraps' first pass)
         loads_bare, loads_seeded = turns(repeats, lambda: pass_s(bare.loader), lambda: pass_s(seeded.loader))
-        epochs_bare, epochs_seeded = turns(repeats, bare.epoch, seeded.epoch)
-        seeded.close()
+        epochs: dict[str, list[float]] = {"plain": [], "wrapped": [], "variants": []}
+        for _ in range(repeats + 4):  # three sides, an epoch each: more turns than the others
+            for name, run in (("plain", bare), ("wrapped", unseeded), ("variants", seeded)):
+                epochs[name].append(run.epoch())
+        seeded.close(), unseeded.close()
         row("loader pass, plain loader", loads_bare)
         row("loader pass, variants=2", loads_seeded, loads_bare)
-        row("loaded epoch, plain loader", epochs_bare)
-        row("loaded epoch, variants=2", epochs_seeded, epochs_bare)
-        figures["variants_overhead"] = min(epochs_seeded) / min(epochs_bare)
+        row("loaded epoch, plain loader", epochs["plain"])
+        row("loaded epoch, cache.wrap(loader)", epochs["wrapped"], epochs["plain"])
+        row("loaded epoch, cache.wrap(loader, variants=2)", epochs["variants"], epochs["plain"])
+        print(f"{'  seeding: variants=2 / cache.wrap(loader)':<46} {min(epochs['variants']) / min(epochs['wrapped']):.2f}x")
+        figures["variants_overhead"] = min(epochs["variants"]) / min(epochs["wrapped"])
+        figures["variants_vs_plain_loader"] = min(epochs["variants"]) / min(epochs["plain"])
+        # the seeding's seconds (loader passes: short, so steadier than epochs) over a loaded epoch
+        seeding_s = min(loads_seeded) - min(loads_bare)
+        print(f"{'  seeding per epoch (loader passes)':<46} {seeding_s:7.3f} s = {seeding_s / min(epochs['plain']):.1%} "
+              "of a loaded epoch")
+        figures["seeding_share"] = seeding_s / min(epochs["plain"])
+        if args.workers:
+            bare_w = Run(augmented, args.device, None, None, args.workers)
+            seeded_w = Run(augmented, args.device, conn, 2, args.workers)
+            pass_s(bare_w.loader), pass_s(seeded_w.loader)  # the workers start
+            loads_bare_w, loads_seeded_w = turns(repeats, lambda: pass_s(bare_w.loader), lambda: pass_s(seeded_w.loader))
+            seeded_w.close()
+            row(f"loader pass, {args.workers} workers, plain", loads_bare_w)
+            row(f"loader pass, {args.workers} workers, variants=2", loads_seeded_w, loads_bare_w)
 
         # fill: the first epoch after a freeze (compute and store) against an epoch frozen by hand
         def first_frozen_epoch(through: Callable[[], ac.Connection] | None) -> float:
