@@ -394,7 +394,9 @@ class Connection:
             self.surface()
 
     def resume(self) -> None:
-        """The daemon serves again (its lease started it again): end the back-off, use the cache from the next call."""
+        """The daemon serves again (its lease started it again): once this connection's channel is connected to
+        it (gRPC retries a lost connection at its own pace), end the back-off: the next call uses the cache."""
+        self._rpc.wait_ready(self.config.timeout_s)
         with self._lock:
             self._paused_until, self._backoff_s = 0.0, self.config.backoff_s
 

@@ -76,8 +76,8 @@ class NodeDaemonLease:
     """Keeps the node daemon up while a connection uses it (module docstring); ``stop`` ends it.
 
     ``revive()`` (a connection found the daemon gone) checks at once instead of at the next interval. A daemon
-    found gone is started again: a warning when it is found gone, an info line and ``on_back()`` once it
-    serves again. After a failed start it tries again after 1 s, doubling up to 15 minutes (a ``revive``
+    found gone is started again: a warning when it is found gone, ``on_back()`` once it serves again, then
+    an info line. After a failed start it tries again after 1 s, doubling up to 15 minutes (a ``revive``
     does not cut that wait short)."""
 
     def __init__(self, node: NodeDaemon, on_back: Callable[[], None] | None = None) -> None:
@@ -120,9 +120,9 @@ class NodeDaemonLease:
             self._retry_s = min(max(1.0, self._retry_s * 2), 900.0)
             return False
         self._retry_s = 0.0
-        log.info("actcache: the node daemon is back on %s; the cache serves again", self.node.socket)
         if self.on_back is not None:
             self.on_back()
+        log.info("actcache: the node daemon is back on %s; the cache serves again", self.node.socket)
         return True
 
     def stop(self) -> None:

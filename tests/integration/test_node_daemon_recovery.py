@@ -79,7 +79,7 @@ def test_a_killed_node_daemon_is_started_again_and_serves_the_entries_on_disk(no
     killed: list[int] = []
 
     def kill_once(epoch: int, position: int) -> None:
-        if epoch == KILL_EPOCH and position == 1 and not killed:
+        if epoch == KILL_EPOCH and position == 0 and not killed:  # before the next epoch is pushed ahead
             cache.connection.flush()
             pid = peer_pid(node.socket)
             os.kill(pid, signal.SIGKILL)
@@ -106,4 +106,26 @@ def test_a_killed_node_daemon_is_started_again_and_serves_the_entries_on_disk(no
     assert losses == reference
     assert killed and peer_pid(node.socket) not in (None, killed[0])
     assert hits[:KILL_EPOCH] == [0, 0, 96] and hits[KILL_EPOCH + 1:] == [96] * (EPOCHS - KILL_EPOCH - 1), hits
+    assert cache.connection.stats.fallbacks["unavailable"] >= 1
     assert back.is_set()
+
+
+def test_the_first_call_that_finds_the_daemon_gone_starts_it_again_long_before_the_lease_would_check(node):
+    """The lease checks every 40 s here (a third of the 120 s idle timeout): a start within 30 s is the call's."""
+    from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
+
+    entry = encode_entry([TensorSpec(DType.float32, (4,))], [torch.arange(4, dtype=torch.float32).numpy()])
+    back = threading.Event()
+    with ac.connect(namespace="recovery") as conn:
+        conn._embedded.on_back = lambda: (conn.resume(), back.set())
+        conn.store(bytes(16), 1, [5], [0], lambda: [entry])
+        conn.flush()
+        pid = peer_pid(node.socket)
+        os.kill(pid, signal.SIGKILL)
+        assert wait_exit(pid, 60)
+        with pytest.warns(ac.CacheFallbackWarning, match="unavailable"):
+            assert conn.lookup(bytes(16), 1, [5], [0]) is None  # recomputed; the lease is told
+        assert back.wait(30), "the node daemon was not started again"
+        [value] = conn.lookup(bytes(16), 1, [5], [0])
+        assert bytes(decode_entry(value)[1]) == bytes(decode_entry(entry)[1])  # served from what is on disk
+        assert peer_pid(node.socket) not in (None, pid)
