@@ -127,6 +127,8 @@ class Connection:
         self._data_id = ""
         #: How many times the namespace was opened (a new daemon, or the daemon restarted).
         self.opens = 0
+        #: How many times the daemon came back after it was gone (``resume``): what was pushed before is gone.
+        self.resumes = 0
         self._last_log: dict[str, float] = {}  # per cause: when it was last logged (first: warned)
         self._paused_until = 0.0
         self._backoff_s = config.backoff_s
@@ -399,6 +401,7 @@ class Connection:
         self._rpc.wait_ready(self.config.timeout_s)
         with self._lock:
             self._paused_until, self._backoff_s = 0.0, self.config.backoff_s
+            self.resumes += 1
 
     def close(self) -> None:
         """Send queued puts, stop the writer thread and an embedded daemon (or the node daemon's lease)."""
