@@ -41,7 +41,6 @@ class Lease(Protocol):
     def stop(self) -> None: ...
 
 
-
 class CacheFallbackWarning(RuntimeWarning):
     """The cache could not be used for a step; training recomputed instead."""
 

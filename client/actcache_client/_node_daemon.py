@@ -77,17 +77,18 @@ class NodeDaemonLease:
 
     ``revive()`` (a connection found the daemon gone) checks at once instead of at the next interval. A daemon
     found gone is started again: a warning when it is found gone, ``on_back()`` once it serves again, then
-    an info line. After a failed start it tries again after 1 s, doubling up to 15 minutes (a ``revive``
-    does not cut that wait short)."""
+    an info line. After a failed start it tries again after 1 s (after the interval when ``connect`` could
+    not start it: ``failed``), doubling up to 15 minutes; a ``revive`` does not cut that wait short."""
 
-    def __init__(self, node: NodeDaemon, on_back: Callable[[], None] | None = None) -> None:
+    def __init__(self, node: NodeDaemon, on_back: Callable[[], None] | None = None, *, failed: bool = False) -> None:
         self.node = node
         self.on_back = on_back
         idle = node.idle_timeout_s
         self.interval_s = max(0.1, min(60.0, idle / 3)) if idle else 60.0
         self._stopped = threading.Event()
         self._wake = threading.Event()
-        self._retry_s = 0.0  # 0: the last check found the daemon serving (or started it)
+        # 0: the last check found the daemon serving (or started it); else the wait after a failed start
+        self._retry_s = self.interval_s if failed else 0.0
         self._thread = threading.Thread(target=self._run, name="actcache-node-lease", daemon=True)
         self._thread.start()
 
@@ -97,7 +98,7 @@ class NodeDaemonLease:
             self._wake.set()
 
     def _run(self) -> None:
-        wait = self.interval_s
+        wait = self._retry_s or self.interval_s
         while True:
             self._wake.wait(wait)
             self._wake.clear()
@@ -161,16 +162,16 @@ def connect(socket: str | os.PathLike | None = None, *, address: str | None = No
     except DaemonUnavailable as exc:
         if strict:
             raise
-        connection = _leased(config, node)
+        connection = _leased(config, node, failed=True)
         connection.fallback(exc)  # training goes on without the cache; the lease tries again
         return connection
     return _leased(config, node)
 
 
-def _leased(config: ConnectionConfig, node: NodeDaemon) -> Connection:
+def _leased(config: ConnectionConfig, node: NodeDaemon, *, failed: bool = False) -> Connection:
     """A connection holding a lease on the node daemon: the lease starts the daemon again when the connection
     finds it gone, and the connection uses it again as soon as it is back."""
-    lease = NodeDaemonLease(node)
+    lease = NodeDaemonLease(node, failed=failed)
     connection = Connection(config, embedded=lease)
     lease.on_back = connection.resume
     return connection
