@@ -223,6 +223,12 @@ class Connection:
         since the frame before arrived (``received_*``)."""
         self._count_read(batch.values, seconds, read_s, streamed=len(batch.values), received_s=received_s)
 
+    def count_absent(self, entries: int) -> None:
+        """Count stream entries known to be misses without reading them (the push said none was stored)."""
+        with self._lock:
+            self.stats.streamed += entries
+            self.stats.misses += entries
+
     def _count_read(self, values: Sequence, seconds: float, timed_s: float | None, *, gets: int = 0,
                     streamed: int = 0, received_s: float | None = None) -> None:
         """Count entries read in ``seconds``, as hits and misses if asked for; ``timed_s``: as a read-speed sample."""

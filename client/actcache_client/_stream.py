@@ -156,6 +156,7 @@ class EpochStream:
         self._ring_bytes = _FIRST_RING
         self._frame_bytes = 0  # the daemon's default until a frame shows the entries' size
         self._ahead: tuple[_Order, _Ahead] | None = None  # the next epoch's order, pushed and its Fetch opened ahead
+        self._ahead_resumes = 0  # the connection's ``resumes`` when it was pushed
         self._opened: _Ahead | None = None  # the current order's Fetch, opened ahead and not read yet
         self._slot = 0
         self._serving = False  # an order is pushed and its stream not broken
@@ -192,6 +193,7 @@ class EpochStream:
             return
         self.discard_next()
         schedule_id = f"{self._prefix}-{self._slot ^ 1}"
+        self._ahead_resumes = self._connection.resumes  # a daemon that came back since has not got this order
         self._ahead = order, _Ahead(partial(order.push, self._connection, schedule_id),
                                     partial(self._connection.stream, schedule_id, 0, ring_bytes=self._ring_bytes,
                                             max_frame_bytes=self._frame_bytes, ahead=True))
@@ -203,7 +205,8 @@ class EpochStream:
             return False
         (o, ahead), self._ahead = self._ahead, None
         wanted = _Order.of(fingerprint, depth, fraction, variant, batches)
-        present = ahead.pushed() if (o.target, o.batches) == (wanted.target, wanted.batches) else None
+        same = (o.target, o.batches) == (wanted.target, wanted.batches) and self._ahead_resumes == self._connection.resumes
+        present = ahead.pushed() if same else None
         if present is None:
             ahead.close()
             return False
@@ -240,6 +243,9 @@ class EpochStream:
             self.close()  # broken: no take is served until the next push
             return None
         lo, hi = o.offsets[b], o.offsets[b + 1]
+        if len(o.present) == o.offsets[-1] and not any(o.present[lo:hi]):
+            self._connection.count_absent(hi - lo)  # none was stored when pushed (a write epoch): no frame to read
+            return [None] * (hi - lo)
         out: list = []
         self.run, split = None, False  # split: the entries span frames
         try:

@@ -31,7 +31,7 @@ class Flips(Dataset):
 @pytest.fixture
 def cache(daemon):
     net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2))
-    cache = ac.ActCache(net, ac.connect(daemon.socket, namespace=f"wrap-{uuid.uuid4().hex[:8]}", strict=True))
+    cache = ac.ActCache(net, ac.connect(daemon.socket, namespace=f"wrap-{uuid.uuid4().hex[:8]}", strict=True), planner=None)
     yield cache
     cache.close()
 
@@ -106,7 +106,7 @@ def test_tokenizing_in_collate_fn_then_a_new_max_length_is_caught_and_the_hint_s
     for max_length, caught in ((8, False), (12, True)):
         torch.manual_seed(0)
         net = nn.Sequential(nn.Embedding(50, 16), MeanPool(), nn.Linear(16, 4))
-        cache = ac.ActCache(net, ac.connect(daemon.socket, namespace=namespace))
+        cache = ac.ActCache(net, ac.connect(daemon.socket, namespace=namespace), planner=None)
         loader = cache.wrap(DataLoader(Sentences(), batch_size=16, collate_fn=tokenize(max_length)))
         cache.freeze(2)
 
