@@ -46,7 +46,7 @@ from actcache.errors import ConfigError
 from actcache_client._cached_forward import CachedForward
 from actcache_client._connection import Connection
 from actcache_client._dropin import ActCache, WrappedLoader
-from actcache_client._stages import from_transformers
+from actcache_client.layouts import Layout, blocks_layout, find_layout
 from actcache_client.bert import minilm_dir
 from actcache_client.freeze.controller import FreezeController
 from actcache_client.freeze.policy import FreezePolicy
@@ -77,7 +77,9 @@ class TrainerCache:
     def __init__(self, trainer: Trainer, *, depth: int | None, freeze_at: int | float | None,
                  policy: FreezePolicy | None, eval_every: int | None, cache: bool,
                  connection: Connection | None, **options: Any) -> None:
-        stages = from_transformers(trainer.model)
+        stages = _layout(trainer.model, options).stages
+        if _padded_left(trainer) and "varlen" not in options and options.get("options") is None:
+            options = {**options, "varlen": None}  # stored at the batch's padded length: pad to max_length
         check_freeze_choice("attach", depth=depth, at_name="freeze_at", at=freeze_at, policy=policy,
                             eval_every=eval_every)
         if depth is not None and (not isinstance(depth, int) or not 1 <= depth < stages.num_stages):
@@ -153,6 +155,21 @@ class TrainerCache:
             self.controller.close()
         if self.cache is not None:
             self.cache.close()
+
+
+def _layout(model: nn.Module, options: dict[str, Any]) -> Layout:
+    """The layout ActCache will find (``stages=`` or ``blocks=`` among the options, else the registry's)."""
+    if options.get("stages") is not None:
+        return Layout(options["stages"])
+    if options.get("blocks") is not None:
+        return blocks_layout(model, options["blocks"])
+    return find_layout(model)
+
+
+def _padded_left(trainer: Trainer) -> bool:
+    """Whether the Trainer's tokenizer pads on the left (its text is then stored at the padded length)."""
+    tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer.data_collator, "tokenizer", None)
+    return getattr(tokenizer, "padding_side", "right") == "left"
 
 
 class _Freeze(TrainerCallback):
