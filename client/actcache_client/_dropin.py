@@ -25,6 +25,7 @@ from actcache_client._loader import CachedLoader, IndexedDataset, seeded_item, w
 from actcache_client._node_daemon import connect
 from actcache_client._options import CacheOptions
 from actcache_client._stages import Stage, StagedModel, State, tensors_of
+from actcache_client._tensors import VarLen
 from actcache_client.layouts import Layout, blocks_layout, check_layout, find_layout
 
 __all__ = ["ActCache", "StageInfo", "WrappedLoader"]
@@ -129,6 +130,7 @@ class ActCache:
         (the wrapped loader calls it); a ConfigError names the stage where they part."""
         if self._checked or self.model.frozen == 0 or (loaded is not None and len(loaded) == 0):
             return
+        _check_right_padding(self.model.varlen, self.layout.inputs_of(data))
         check_layout(self.net, self.layout, data, loaded)
         self._checked = True
 
@@ -257,3 +259,17 @@ def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     return a == b
+
+
+def _check_right_padding(varlen: VarLen | None, inputs: State) -> None:
+    """A ConfigError if text stored at each sample's own length (VarLen) comes padded on the left."""
+    tensors = tensors_of(inputs)
+    if varlen is None or len(tensors) <= varlen.mask_index:
+        return
+    mask = tensors[varlen.mask_index]
+    if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[1] > 0 and \
+            bool(((mask[:, 0] == 0) & (mask != 0).any(dim=1)).any()):
+        raise ConfigError(
+            "the batches are padded on the left, and text is stored at each sample's own length only with right "
+            "padding: pad on the right (tokenizer.padding_side = 'right'), or pad every batch to one length "
+            "(padding='max_length') and store it whole with varlen=None (CacheOptions(varlen=None))")

@@ -15,7 +15,7 @@ Built in, in the order they are consulted: ``sequential`` (nn.Sequential), ``res
 actcache's ResNets), ``bert`` (actcache's BERT), ``transformers-bert`` (BERT and RoBERTa classifiers),
 ``transformers-encoder`` (a BertModel, RobertaModel, ElectraModel or DistilBertModel anywhere in the
 network), ``transformers-decoder`` (LlamaModel, Qwen2Model, MistralModel), ``transformers-vision``
-(ViTModel, CLIPVisionTransformer), then the guesses ``resnet-like`` and ``bert-like``. ``blocks_layout(net,
+(ViTModel, CLIPVisionModel), then the guesses ``resnet-like`` and ``bert-like``. ``blocks_layout(net,
 "encoder.layers")`` stages any network by its blocks (``ActCache(net, blocks=...)``).
 """
 

@@ -53,7 +53,8 @@ DECODERS = (
 )
 VISION = (
     Body((_M + "vit.modeling_vit.ViTModel",), ("embeddings",), "layers", "vision"),
-    Body((_M + "clip.modeling_clip.CLIPVisionTransformer",), ("embeddings", "pre_layrnorm"), "encoder.layers",
+    Body((_M + "clip.modeling_clip.CLIPVisionModel", _M + "clip.modeling_clip.CLIPVisionTransformer"),
+         ("embeddings", "pre_layrnorm"), "encoder.layers",
          "vision"),
 )
 
@@ -101,7 +102,7 @@ class _Embeddings(nn.Module):
 
 class _Layer(nn.Module):
     """One layer, called as the body calls it: text ``(hidden, mask) -> (hidden, mask)``, its other arguments
-    (attention mask, position embeddings) from the body's own forward on ``inputs_embeds=hidden``;
+    (attention mask, position embeddings) from the body's own forward on the batch's shape and mask;
     vision ``hidden -> hidden`` (no mask)."""
 
     def __init__(self, layer: nn.Module, body: nn.Module, first: nn.Module, kind: str) -> None:
@@ -114,13 +115,17 @@ class _Layer(nn.Module):
     def forward(self, state: State) -> State:
         if self.kind == "vision":
             return _hidden(self.layer(state, None))
-        hidden, mask = state
-        inputs: dict[str, Any] = {"inputs_embeds": hidden, "attention_mask": mask.to(torch.int64)}
+        hidden, stored = state
+        mask = stored.to(torch.int64)  # as a tokenizer gives it
+        # The body's own forward on placeholder tokens of the batch's shape: the mask and positions it builds
+        # depend on the attention mask and the shape only.
+        inputs: dict[str, Any] = {"input_ids": torch.zeros_like(mask), "attention_mask": mask}
         if self.kind == "decoder":
             inputs["use_cache"] = False
-        args, kwargs = arguments_at(lambda: self.body(**inputs), self.first, "its first layer")
+        with torch.no_grad():
+            args, kwargs = arguments_at(lambda: self.body(**inputs), self.first, "its first layer")
         _, args, kwargs = hidden_of(args, kwargs)
-        return _hidden(self.layer(hidden, *args, **kwargs)), mask
+        return _hidden(self.layer(hidden, *args, **kwargs)), stored
 
 
 def _hidden(out: Any) -> Tensor:
