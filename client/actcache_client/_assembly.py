@@ -42,7 +42,6 @@ class PrefixAssembly:
         k, every = self.context.frozen.depth, list(range(len(ids)))
         if k == 0:
             return raw.rows(every)
-        self.context.frozen.keep_eval()  # a user's net.train() must not train frozen stages
         times.prefix_samples += len(ids)
         if target is None:
             times.computed_samples += len(ids)

@@ -10,6 +10,7 @@ the stored precision. A fingerprint written is superseded when its prefix was un
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -49,9 +50,38 @@ def prefix_fingerprints(stages: list[nn.Module], depth: int) -> list[bytes]:
     return out
 
 
+class _EvalOnly:
+    """A frozen module's ``train``: it stays in eval mode whatever mode its parents are put in, so that a
+    user's ``net.train()`` neither trains it nor costs a re-moding in every forward. A deep copy of the
+    module (an EMA copy, a reference model) gets its class's own ``train`` back."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, mode: bool = True) -> nn.Module:
+        return self.module
+
+    def __deepcopy__(self, memo: dict[int, object]) -> object:
+        twin = copy.deepcopy(self.module, memo)
+        return type(twin).train.__get__(twin)
+
+
+def _pin_eval(modules: list[nn.Module]) -> None:
+    for module in modules:
+        nn.Module.train(module, False)
+        module.train = _EvalOnly(module)
+
+
+def _unpin_eval(modules: list[nn.Module]) -> None:
+    for module in modules:
+        if isinstance(module.__dict__.get("train"), _EvalOnly):
+            del module.train
+
+
 class FrozenPrefix:
     """The frozen depth of ``model``, its modules, and the fingerprints per depth 0..frozen depth:
-    ``fingerprints[d]`` is what cache keys carry for stages[:d], ``weights[d]`` their weights' alone."""
+    ``fingerprints[d]`` is what cache keys carry for stages[:d], ``weights[d]`` their weights' alone.
+    Invariant: the modules of stages[:depth] report and run in eval mode (their ``train`` is pinned)."""
 
     def __init__(self, model: StagedModel, key_tag: bytes) -> None:
         self.model = model
@@ -90,6 +120,7 @@ class FrozenPrefix:
                               f"always trains), got {depth!r}; the stages: {', '.join(names)} (ActCache.freeze also "
                               "takes a stage's name)")
         old, old_fps = self.depth, self.fingerprints
+        _unpin_eval(self._modules)
         for i, stage in enumerate(stages):
             for p in stage.parameters():  # unfrozen: as the user left them (a LoRA model's base stays frozen)
                 p.requires_grad_(i >= depth and id(p) in self._trainable)
@@ -102,13 +133,8 @@ class FrozenPrefix:
                                    and old_fps[d] == self.fingerprints[d]), reverse=True)
         self.depth = depth
         self._modules = [m for stage in stages[:depth] for m in stage.modules()]
+        _pin_eval(self._modules)
         return weights
-
-    def keep_eval(self) -> None:
-        """Put the frozen stages back in eval mode if a user's ``net.train()`` switched them."""
-        if any(m.training for m in self._modules):
-            for stage in self.model.stages[: self.depth]:
-                stage.train(False)
 
 
 class Generations:

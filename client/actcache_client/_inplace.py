@@ -2,10 +2,13 @@
 
 While stages[:k] are frozen, the first module the network calls in stage 0 (the *head*) returns the
 prefix's state, from a CachedForward, for a batch the wrapped loader yielded; every other module of the
-frozen stages passes its input on. A training forward is matched by its input tensor to the batches
-yielded and not yet run (several under gradient accumulation); the batch served last is served again
-for another forward on the same input (a metric under ``no_grad``). Anything else (evaluation, an input
-the loop changed: an error on placeholder rows) runs the modules' own ``forward``.
+frozen stages passes its input on. A training forward is matched to the batches yielded and not yet run
+(several under gradient accumulation) by the loader's token, never by the input's values (reading them
+would cost a device copy and a host sync in every step): on the device the loader yields to, the input
+must be the very tensor yielded, unmodified (its version counter); on another device (``x.to("cuda")``)
+the oldest pending batch of the input's shape is taken. The batch served last is served again for
+another forward on the same input tensor (a metric under ``no_grad``). Anything else (evaluation, an
+input the loop changed: an error on placeholder rows) runs the modules' own ``forward``.
 
 Modules are patched by setting ``forward`` on the instance (removed on unfreezing), so the network's
 ``forward``, parameters and ``state_dict`` keys stay as they are, also under DistributedDataParallel.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import copy
 import types
 import warnings
+import weakref
 from collections import deque
 from typing import Any, Callable
 
@@ -63,11 +67,31 @@ class _Patched:
         self.role = role
         self.original = types.MethodType(type(module).forward, module)
 
+    @torch.compiler.disable  # under torch.compile: a clean graph break; the served prefix runs eagerly
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.role(self.module, self.original, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return types.MethodType(type(self.module).forward, copy.deepcopy(self.module, memo))
+
+
+class _RunObserver:
+    """A forward pre-hook on the head: a training forward while nothing is served still consumes its pending
+    batch, so that none is left over to match a later forward. A deep copy of the network gets a no-op."""
+
+    def __init__(self, prefix: "InPlacePrefix") -> None:
+        self.prefix = prefix
+
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.prefix._observe(args, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return _no_hook
+
+
+def _no_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    return None
 
 
 class InPlacePrefix:
@@ -85,20 +109,22 @@ class InPlacePrefix:
         self.sites = call_sites(net, list(cached.model.stages))
         self.output_of = output_of
         self.patched_depth = 0
-        # Batches yielded and not yet run, oldest first, with their first input tensor as yielded: a loop
+        # Batches yielded and not yet run, oldest first, with the token of their first input tensor: a loop
         # accumulating gradients (transformers.Trainer) takes several batches, at most 16, before running them.
-        self._pending: deque[tuple[Batch, Tensor | None]] = deque(maxlen=16)
-        self._served: tuple[Batch, Tensor | None] | None = None  # the batch served last, and its input
+        self._pending: deque[tuple[Batch, _Token | None]] = deque(maxlen=16)
+        self._served: tuple[Batch, _Token | None] | None = None  # the batch served last, and its input's token
         self._computing = False  # inside cached.prefix: the patched modules run their own forward
         self._tails: deque[nn.Module] = deque()  # modules still to pass the served state on, in call order
         self._warned = False
+        if self.sites and self.sites[0]:
+            self.sites[0][0].register_forward_pre_hook(_RunObserver(self), with_kwargs=True)
 
     def begin(self, batch: Batch, given: Tensor | None) -> None:
         """The loader yielded ``batch`` (``given``: its first input tensor as the user received it)."""
         self.sync()
         if self.patched_depth == 0 and batch.loaded is None:  # stage 0's input: the batch as yielded
             self.cached.training_input(batch.data[0])
-        self._pending.append((batch, given))
+        self._pending.append((batch, _Token.of(given)))
         self._tails = deque()
 
     def end(self) -> None:
@@ -117,26 +143,28 @@ class InPlacePrefix:
 
     def _take(self, given_now: Tensor | None) -> Batch | None:
         """The pending batch whose input ``given_now`` is (dropping the ones yielded before it), else None."""
-        for i, (batch, given) in enumerate(self._pending):
-            if _same(given_now, given):
+        for i, (batch, token) in enumerate(self._pending):
+            if token is not None and token.matches(given_now):
                 for _ in range(i + 1):
                     self._pending.popleft()
                 return batch
         return None
+
+    def _observe(self, args: tuple, kwargs: dict) -> None:
+        if self.patched_depth == 0 and not self._computing and self.net.training and torch.is_grad_enabled():
+            self._take(_first_tensor(args, kwargs))
 
     def _head(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._computing:  # the CachedForward runs the stages' own modules for the rows it computes
             return original(*args, **kwargs)
         given_now = _first_tensor(args, kwargs)
         training = self.net.training and torch.is_grad_enabled()
-        if self.net.training:  # net.train() must not train the frozen stages
-            for stage in self.cached.model.stages[: self.patched_depth]:
-                stage.train(False)
         batch = self._take(given_now) if training else None
-        if batch is None and self._served is not None and _same(given_now, self._served[1]):
+        if batch is None and self._served is not None and self._served[1] is not None \
+                and self._served[1].is_exactly(given_now):
             batch = self._served[0]  # the batch just trained on, run again (a metric, a second loss)
         if batch is not None:
-            self._served = (batch, given_now)
+            self._served = (batch, _Token.of(given_now))
             self._computing = True
             try:
                 state = self.cached.prefix(batch)
@@ -174,8 +202,30 @@ def _first_tensor(args: tuple, kwargs: dict) -> Tensor | None:
     return next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
 
 
-def _same(now: Tensor | None, given: Tensor | None) -> bool:
-    if not isinstance(now, Tensor) or not isinstance(given, Tensor):
-        return False
-    return now is given or (now.shape == given.shape and now.dtype == given.dtype
-                            and torch.equal(now, given.to(now.device)))
+class _Token:
+    """What identifies a batch's input tensor without reading its values: the tensor itself (held weakly),
+    its version counter (in-place changes), its shape and device."""
+
+    __slots__ = ("_ref", "version", "shape", "device")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self._ref = weakref.ref(tensor)
+        self.version = tensor._version
+        self.shape = tensor.shape
+        self.device = tensor.device
+
+    @classmethod
+    def of(cls, tensor: Tensor | None) -> "_Token | None":
+        return cls(tensor) if isinstance(tensor, Tensor) else None
+
+    def is_exactly(self, now: Tensor | None) -> bool:
+        """``now`` is the tensor this token was taken of, unchanged since."""
+        return now is not None and self._ref() is now and now._version == self.version
+
+    def matches(self, now: Tensor | None) -> bool:
+        """``now`` is this batch's input: the tensor itself, unchanged, or a copy of it on another device
+        (taken on trust: a transform after the device copy is not seen; the docs say to move it into the
+        dataset). A new tensor on the same device is one the loop computed: no match."""
+        if not isinstance(now, Tensor) or now.shape != self.shape:
+            return False
+        return self.is_exactly(now) if now.device == self.device else True

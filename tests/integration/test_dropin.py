@@ -313,3 +313,67 @@ def test_a_deep_copy_of_the_network_runs_its_own_forward(daemon):
         torch.testing.assert_close(twin(x), net.eval()(x))
     assert twin.conv1.forward.__self__ is twin.conv1
     cache.close()
+
+
+def test_a_device_copy_of_the_batch_is_served_without_reading_its_values(daemon, reference, monkeypatch):
+    """The loop moves its batch to another device (``meta`` stands in for CUDA: it holds no values, so the
+    matching cannot have read them); the served prefix gives the plain loop's losses, torch.equal never runs."""
+    torch.manual_seed(0)
+    net = resnet20()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    cache = ac.ActCache(net, _connect(daemon), audit=False)  # an audit compares values, by design
+    loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
+    equal_calls = []
+    real_equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda *a: equal_calls.append(1) or real_equal(*a))
+    losses = []
+    for epoch in range(3):
+        net.train()
+        if epoch >= 1:
+            cache.freeze(4)
+        for x, y in loader:
+            losses.append(_sgd_step(net, opt, x if epoch == 0 else x.to("meta"), y))
+    assert losses == reference
+    assert cache.connection.stats.hits == 96 and not equal_calls
+    cache.close()
+
+
+def test_frozen_stages_are_put_in_eval_mode_once_per_freeze_not_per_forward(daemon, monkeypatch):
+    net, opt, cache, loader = _cached_run(daemon)
+    cache.freeze(4)
+    stages = [net.conv1, net.bn1, *net.layer1]  # the stem and layer1's blocks (layer1 itself is no stage)
+    frozen = {id(m) for m in stages for m in m.modules()}
+    moded = []
+    real_train = nn.Module.train
+    monkeypatch.setattr(nn.Module, "train", lambda m, mode=True: moded.append(id(m)) or real_train(m, mode))
+    for _ in range(2):
+        net.train()  # the loop's own call, once per epoch
+        for x, y in loader:
+            _sgd_step(net, opt, x, y)
+    assert not frozen & set(moded)  # net.train() reached them, and left them in eval mode without a call
+    assert not any(m.training for stage in stages for m in stage.modules()) and net.layer2.training
+    cache.freeze(0)
+    net.train()
+    assert all(m.training for m in net.modules())
+    cache.close()
+
+
+
+
+# dynamo's own tracing reads .grad of a non-leaf tensor while it inspects BatchNorm's input (torch 2.13)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_a_compiled_network_trains_to_the_same_losses_with_the_cache(daemon, reference):
+    """``torch.compile(net)`` after ``ActCache(net)``: the served prefix is a clean graph break, the rest is
+    compiled (dynamo's ``eager`` backend: the same tracing as inductor, without its minutes of codegen here)."""
+    net, opt, cache, loader = _cached_run(daemon)
+    compiled = torch.compile(net, backend="eager")
+    losses = []
+    for epoch in range(3):
+        compiled.train()
+        if epoch >= 1:
+            cache.freeze(4)
+        for x, y in loader:
+            losses.append(_sgd_step(compiled, opt, x, y))
+    assert losses == reference
+    assert cache.connection.stats.hits == 96
+    cache.close()

@@ -97,8 +97,6 @@ class TrainerCache:
         self.staged = self.cache.model if self.cache is not None else CachedForward(stages, None)
         self.controller: FreezeController | None = None
         self._loss: torch.Tensor | None = None  # the training loss of the optimizer step in progress
-        if self.cache is None:
-            trainer.model.register_forward_pre_hook(self._keep_eval)
         self._build_loader = trainer.get_train_dataloader
         trainer.get_train_dataloader = self._train_dataloader  # the Trainer's own loader, wrapped
         if depth is None:
@@ -139,12 +137,6 @@ class TrainerCache:
         loss = self._training_step(*args, **kwargs)  # already divided by gradient accumulation's steps
         self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
         return loss
-
-    def _keep_eval(self, net: nn.Module, args: Any) -> None:
-        """The Trainer calls model.train() every step; frozen stages stay in eval mode (no dropout)."""
-        if net.training:
-            for stage in self.staged.model.stages[: self.staged.frozen]:
-                stage.train(False)
 
     def _train_dataloader(self) -> Any:
         prepared = self._build_loader()
