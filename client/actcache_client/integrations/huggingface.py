@@ -55,14 +55,14 @@ from actcache_client.integrations._choice import check_freeze_choice
 __all__ = ["TrainerCache", "attach", "load_minilm"]
 
 
-def attach(trainer: Trainer, *, depth: int | None = None, freeze_at: int | float | None = None,
+def attach(trainer: Trainer, *, depth: int | str | None = None, freeze_at: int | float | None = None,
            policy: FreezePolicy | None = None, eval_every: int | None = None, cache: bool = True,
            connection: Connection | None = None, **options: Any) -> "TrainerCache":
     """Serve ``trainer.model``'s frozen stages from the cache; a FreezeController decides, or ``depth`` does.
 
     Without ``depth``: a FreezeController with ``policy`` and ``eval_every`` (default: both from the
     run's length, the Trainer's max steps). ``depth``: stages frozen by hand, embeddings first (4 =
-    embeddings + 3 layers), at ``freeze_at``: an optimizer step (int), or a fraction of the run's steps
+    embeddings + 3 layers; or a stage's name: the stages through it), at ``freeze_at``: an optimizer step (int), or a fraction of the run's steps
     (float in [0, 1)); default 0. ``connection`` defaults to this node's daemon; ``options`` are
     ActCache's. ``cache=False``: the same freezing, computed every step.
     """
@@ -74,7 +74,7 @@ class TrainerCache:
     """What ``attach`` added to a Trainer: ``cache`` (the ActCache, None with ``cache=False``), the
     stages it freezes (``staged``) and, without ``depth``, the ``controller`` once training has begun."""
 
-    def __init__(self, trainer: Trainer, *, depth: int | None, freeze_at: int | float | None,
+    def __init__(self, trainer: Trainer, *, depth: int | str | None, freeze_at: int | float | None,
                  policy: FreezePolicy | None, eval_every: int | None, cache: bool,
                  connection: Connection | None, **options: Any) -> None:
         stages = _layout(trainer.model, options).stages
@@ -82,9 +82,13 @@ class TrainerCache:
             options = {**options, "varlen": None}  # stored at the batch's padded length: pad to max_length
         check_freeze_choice("attach", depth=depth, at_name="freeze_at", at=freeze_at, policy=policy,
                             eval_every=eval_every)
-        if depth is not None and (not isinstance(depth, int) or not 1 <= depth < stages.num_stages):
-            raise ConfigError(f"attach(depth=...) freezes 1..{stages.num_stages - 1} stages of this model "
-                              f"({', '.join(stages.stage_names[:3])}, ...), got {depth!r}")
+        names = stages.stage_names
+        if isinstance(depth, str) and depth in names[:-1]:
+            depth = names.index(depth) + 1  # through the stage of that name
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
+                                  or not 1 <= depth < stages.num_stages):
+            raise ConfigError(f"attach(depth=...) freezes 1..{stages.num_stages - 1} stages of this model, or the "
+                              f"stages through the one it names ({', '.join(names[:-1])}), got {depth!r}")
         freeze_at = 0 if freeze_at is None else freeze_at
         if isinstance(freeze_at, bool) or not (isinstance(freeze_at, int) and freeze_at >= 0
                                                or isinstance(freeze_at, float) and 0 <= freeze_at < 1):
