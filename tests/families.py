@@ -4,6 +4,7 @@ batches, and a plain training loop run with or without the cache."""
 from __future__ import annotations
 
 import random
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -165,3 +166,15 @@ def train(make: Callable[[], nn.Module], data: Any, depth: int | str, *, connect
     if connection is not None:
         cache.connection.flush()
     return losses, staged.times.cached_samples
+
+
+def llama_lora() -> nn.Module:
+    """A 4-layer Llama classifier with LoRA adapters on its top two layers only."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    config = LlamaConfig(**{**_TEXT, "num_hidden_layers": 4}, num_key_value_heads=2, pad_token_id=0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[2, 3],
+                      task_type="SEQ_CLS")
+    with warnings.catch_warnings():  # peft 0.21 asks transformers 5 for a renamed property (its warning, not ours)
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(LlamaForSequenceClassification(config), lora)

@@ -108,3 +108,24 @@ def test_an_unknown_option_names_the_valid_ones(connection):
         ac.CacheOptions(store_dtype=torch.int8)
     cache = ac.ActCache(families.llama(), connection, options=ac.CacheOptions(keep_generations=True))
     assert cache.model.keep_generations
+
+
+def test_a_lora_model_adapted_on_its_top_layers_is_served_below_them(connection):
+    pytest.importorskip("peft", reason="the peft extra (actcache[peft]) is not installed")
+    cache = ac.ActCache(families.llama_lora(), connection)
+    adapted = [i for i, stage in enumerate(cache.model.model.stages)
+               if any("lora_" in name for name, _ in stage.named_parameters())]
+    assert cache.stages[adapted[0]].name == "base_model.model.model.layers.2"  # layers 0 and 1 hold no adapter
+    first_adapted = adapted[0]  # embeddings, layers 0 and 1: the prefix below the adapters
+    _same_with_and_without_the_cache(families.llama_lora, families.text(), first_adapted, connection)
+
+
+def test_unfreezing_gives_back_the_trainable_parameters_the_user_chose(connection):
+    pytest.importorskip("peft", reason="the peft extra (actcache[peft]) is not installed")
+    net = families.llama_lora()
+    trainable = {n for n, p in net.named_parameters() if p.requires_grad}
+    cache = ac.ActCache(net, connection)
+    cache.freeze(4)
+    assert not any(p.requires_grad for n, p in net.named_parameters() if "layers.2" in n)
+    cache.freeze(0)
+    assert {n for n, p in net.named_parameters() if p.requires_grad} == trainable  # the base stays frozen
