@@ -69,14 +69,16 @@ class ActCacheCallback(pl.Callback):
     ``cache`` is the ActCache once ``fit`` has set it up (its ``model`` has the counters).
     """
 
-    def __init__(self, *, depth: int | None = None, freeze_at_epoch: int | None = None,
+    def __init__(self, *, depth: int | str | None = None, freeze_at_epoch: int | None = None,
                  policy: FreezePolicy | None = None, eval_every: int | None = None, module: str | None = None,
                  connection: Connection | None = None, variants: int | None = None,
                  targets: Sequence[Any] | Callable[[int], Any] | None = None, **options: Any) -> None:
         check_freeze_choice("ActCacheCallback", depth=depth, at_name="freeze_at_epoch", at=freeze_at_epoch,
                             policy=policy, eval_every=eval_every)
-        if depth is not None and depth < 1:
-            raise ConfigError(f"ActCacheCallback depth must be >= 1 (stages to freeze), got {depth}")
+        if depth is not None and not isinstance(depth, str) and (isinstance(depth, bool) or not isinstance(depth, int)
+                                                                 or depth < 1):
+            raise ConfigError(f"ActCacheCallback depth is a count of stages to freeze (>= 1) or a stage's name (the "
+                              f"stages through it), got {depth!r}")
         if freeze_at_epoch is not None and freeze_at_epoch < 0:
             raise ConfigError(f"ActCacheCallback freeze_at_epoch must be >= 0, got {freeze_at_epoch}")
         self.depth = depth

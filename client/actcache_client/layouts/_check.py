@@ -35,7 +35,7 @@ def _first(value: Any) -> Tensor | None:
         return next((t for t in (_first(v) for v in value) if t is not None), None)
     if isinstance(value, Mapping):
         return next((t for t in (_first(v) for v in value.values()) if t is not None), None)
-    return _first(value[0]) if hasattr(value, "__getitem__") and not isinstance(value, str) else None
+    return None
 
 
 def _call(net: nn.Module, layout: Layout, data: Any, given: State) -> None:
