@@ -77,8 +77,8 @@ class ActCacheCallback(pl.Callback):
                             policy=policy, eval_every=eval_every)
         if depth is not None and not isinstance(depth, str) and (isinstance(depth, bool) or not isinstance(depth, int)
                                                                  or depth < 1):
-            raise ConfigError(f"ActCacheCallback depth is a count of stages to freeze (>= 1) or a stage's name (the "
-                              f"stages through it), got {depth!r}")
+            raise ConfigError(f"ActCacheCallback depth must be >= 1 (a count of stages to freeze) or a stage's name "
+                              f"(the stages through it), got {depth!r}")
         if freeze_at_epoch is not None and freeze_at_epoch < 0:
             raise ConfigError(f"ActCacheCallback freeze_at_epoch must be >= 0, got {freeze_at_epoch}")
         self.depth = depth
