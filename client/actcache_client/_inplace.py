@@ -120,7 +120,7 @@ class InPlacePrefix:
         self._warned = False
         # A stage 0 that names its sites (a blocks= layout) is served at its first block, after the network's
         # own code before it: its batches are matched where the network is called, by the network's input.
-        self._at_net = bool(cached.model.stages) and getattr(cached.model.stages[0], "sites", None) is not None
+        self._at_net = any(isinstance(m, Stage) and m.sites is not None for m in cached.model.stages[0].modules())
         self._net_input: Tensor | None = None  # the input of the network's forward in progress (at_net)
         entry = net if self._at_net else self.sites[0][0] if self.sites and self.sites[0] else None
         if entry is not None:

@@ -47,6 +47,18 @@ def _call(net: nn.Module, layout: Layout, data: Any, given: State) -> None:
         net(given)
 
 
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
 def _rows(state: State, rows: Tensor) -> State:
     return tuple(t[rows] for t in state) if isinstance(state, tuple) else state[rows]
 
@@ -60,6 +72,8 @@ def check_layout(net: nn.Module, layout: Layout, data: Any, loaded: Tensor | Non
     given = layout.inputs_of(data)
     if loaded is not None:
         given, data = _rows(given, loaded), None
+    device = next((p.device for p in net.parameters()), torch.device("cpu"))  # where the loop moves its batch
+    given, data = _to(given, device), _to(data, device)
     outputs: dict[int, tuple[int, Any]] = {}  # id(site) -> (call order, output of its first call)
 
     def record(module: nn.Module, args: Any, output: Any) -> None:
