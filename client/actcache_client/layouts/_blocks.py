@@ -17,7 +17,7 @@ from torch import nn
 from actcache.errors import ConfigError
 from actcache_client._stages import Stage, StagedModel, State, tensors_of
 from actcache_client.layouts._base import Layout, module_at, rest_of
-from actcache_client.layouts._calls import arguments_at, hidden_of
+from actcache_client.layouts._calls import arguments_at
 
 __all__ = ["stage_blocks"]
 

@@ -7,7 +7,7 @@ forward at the first freeze (``layouts._check``), so a wrong guess is an error, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Union
 
 from torch import nn
@@ -96,7 +96,7 @@ def find_layout(net: nn.Module) -> Layout:
             layout = family.build(net)
             if not isinstance(layout, Layout):
                 raise ConfigError(f"layout family {family.name!r} built a {type(layout).__name__}, not a Layout")
-            return layout if layout.family else _named(layout, family.name)
+            return layout if layout.family else replace(layout, family=family.name)
     raise ConfigError(
         f"actcache cannot tell the stages of a {type(net).__name__}: no registered layout family takes it "
         f"({', '.join(layout_families())}); if its blocks are an nn.ModuleList or nn.Sequential, pass "
@@ -104,9 +104,3 @@ def find_layout(net: nn.Module) -> Layout:
         "(actcache_client.layouts.register_layout); or pass stages=StagedModel([...]) built from the network's "
         "own modules, in the order it calls them"
     )
-
-
-def _named(layout: Layout, name: str) -> Layout:
-    from dataclasses import replace
-
-    return replace(layout, family=name)
