@@ -259,6 +259,10 @@ class ClientSegment:
         self.view = memoryview(mm)
         #: The ring's size (the segment less its header): a Fetch asking for this size may reuse it.
         self.ring_bytes = size - HEADER_BYTES
+        #: Called before the mapping goes (a client that page-locked it for a device unlocks it there).
+        self.on_close: list[Callable[[], None]] = []
+        #: Whether the client page-locked the mapping for a device (None: not tried).
+        self.page_locked: bool | None = None
         struct.pack_into("<Q", mm, _MAPPED, 1)
 
     def release(self, position: int) -> None:
@@ -266,6 +270,9 @@ class ClientSegment:
         struct.pack_into("<Q", self._mm, _RELEASED, position)
 
     def close(self) -> None:
+        hooks, self.on_close = self.on_close, []
+        for hook in hooks:
+            hook()
         _unmap(self.view, self._mm)
 
 

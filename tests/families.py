@@ -135,7 +135,7 @@ def train(make: Callable[[], nn.Module], data: Any, depth: int | str, *, connect
     loader = DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1),
                         collate_fn=collate if isinstance(data, list) else None)
     if connection is not None:
-        cache = ac.ActCache(net, connection, **options)
+        cache = ac.ActCache(net, connection, **{"planner": None, **options})  # always served: hits to count
         loader, staged = cache.wrap(loader, skip_loads=False), cache.model
     else:
         blocks = options.get("blocks")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -75,7 +76,7 @@ class PrefixAssembly:
         parts: list[tuple[list[int], State]] = []
         if found:
             run = stream.run if streamed and len(found) == len(ids) else None
-            parts.append((found, self._collate([values[i] for i in found], verify=not streamed, run=run)))
+            parts.append((found, self._collate([values[i] for i in found], raw, verify=not streamed, run=run)))
             times.cached_samples += len(found)
             self.context.generations.mark(fingerprint, j, [ids[i] for i in found])
         missing = [i for i, v in enumerate(values) if v is None]
@@ -85,7 +86,7 @@ class PrefixAssembly:
             seeds = self._lookup(self.context.frozen.fingerprints[depth], depth, [ids[i] for i in missing], variant)
             hit = [i for i, v in zip(missing, seeds) if v is not None]
             if hit:
-                seeded = self._compute(self._collate([v for v in seeds if v is not None]), depth, j, times)
+                seeded = self._compute(self._collate([v for v in seeds if v is not None], raw), depth, j, times)
                 self.writer.store(j, [ids[i] for i in hit], variant, seeded)
                 parts.append((hit, seeded))
                 times.seeded_samples += len(hit)
@@ -102,12 +103,13 @@ class PrefixAssembly:
         """Entries by ``Get`` (None per miss): seeds, and batches no stream serves."""
         return self.context.connection.lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
 
-    def _collate(self, entries: list, *, verify: bool = True, run: SlotRun | None = None) -> State:
+    def _collate(self, entries: list, raw: RawInputs, *, verify: bool = True, run: SlotRun | None = None) -> State:
         c, t0 = self.context, time.perf_counter()
         on_gpu = run is not None and c.varlen is None and c.stager.cuda
         moved = self._ring_to_device(run, len(entries)) if on_gpu else None
         host = None if moved is not None else collate_entries(entries, varlen=c.varlen, alloc=c.stager.allocator(),
-                                                              verify=verify, run=run)
+                                                              verify=verify, run=run, copy=c.stager.copier,
+                                                              length=raw.length() if c.varlen else None)
         decoded = time.perf_counter() - t0
         if moved is None:
             moved = c.stager.to_device(host)
@@ -129,15 +131,18 @@ class PrefixAssembly:
         return split_rows(rows, header)
 
     def _compute(self, state: State, start: int, stop: int, times: StepTimes) -> State:
-        t0, planner = time.perf_counter(), self.context.planner
+        """stages[start:stop] on ``state``; for the cost model, each stage timed as the device runs it
+        (CUDA events: a launch returns before its kernels run), the reading taken once it is done."""
+        t0, planner, clock = time.perf_counter(), self.context.planner, self.context.stager.clock
         with torch.no_grad():
             for index in range(start, stop):
-                t = time.perf_counter()
+                began = clock.start() if planner is not None else None
                 state = self.context.frozen.model.stages[index](state)
                 if planner is not None:
                     tensors = tensors_of(state)
                     batch = max(len(tensors[0]), 1)
                     nbytes = sum(x.element_size() * x.numel() for x in tensors) / batch
-                    planner.record_stage(index, time.perf_counter() - t, batch, nbytes)
+                    clock.stop(began, partial(planner.record_stage, index, samples=batch,
+                                              out_bytes_per_sample=nbytes))
         times.prefix += time.perf_counter() - t0
         return state

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import fields
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -100,7 +101,9 @@ class CachedForward:
         self._writer = EntryWriter(context, encoding, self._epoch)
         self._assembly = PrefixAssembly(context, self._epoch, self._audit, self._writer)
         self._epoch_log = EpochLog()
-        self._prefix_done: float | None = None  # when the last prefix finished (for the step period)
+        # The last step, for the planner: when its prefix began, its samples, what its prefix did (a StepKind),
+        # and an event recorded on the device when its prefix was done (the rest of the step is timed from it).
+        self._last_step: tuple[float, int, str | None, object] | None = None
         self._suffix_wrapper: Callable[[StagedModel], nn.Module] | None = None
         self._suffix: nn.Module | None = None
         self._input_tap: Callable[[State], None] | None = None
@@ -203,7 +206,8 @@ class CachedForward:
         if self.planner is not None and batches:
             self._writer.new_epoch()
             self.planner.begin_epoch(epoch, sum(len(b) for b in batches), len(batches[0]))
-            self._replan()
+            self._last_step = None  # the gap between epochs (evaluation, a checkpoint) is no step
+            self._replan(epoch_start=True)
         self._epoch.begin(batches, variant, start, self._cache_target())
 
     def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
@@ -264,20 +268,49 @@ class CachedForward:
         else:
             ids, raw = batch, RawInputs(inputs, len(batch), None, None, self.stager.device)
         id_list = ids.tolist() if isinstance(ids, Tensor) else list(ids)
-        if self.planner is not None and self._prefix_done is not None:
-            self.planner.record_suffix(start - self._prefix_done, len(id_list))
-        position = self._epoch.advance(id_list)  # this batch's epoch position, if the stream serves it next
-        state = self._assembly.run(id_list, raw, variant, position, self._cache_target(), self.times)
-        self.times.raw_loaded += raw.count()
-        self._prefix_done = time.perf_counter()
         if self.planner is not None:
+            self._time_last_step(start)
+        position = self._epoch.advance(id_list)  # this batch's epoch position, if the stream serves it next
+        target = self._cache_target()
+        cached, computed = self.times.cached_samples, self.times.computed_samples
+        state = self._assembly.run(id_list, raw, variant, position, target, self.times)
+        self.times.raw_loaded += raw.count()
+        if self.planner is not None:
+            kind = _step_kind(len(id_list), self.times.cached_samples - cached,
+                              self.times.computed_samples - computed, target is None)
+            self._last_step = (start, len(id_list), kind, self.stager.clock.start())
             if self.connection is not None:
                 self.planner.observe(self.connection.stats)
             if self.planner.needs_replan(self._frozen.depth):
                 self._replan()
         return state
 
-    def _replan(self) -> None:
+    def _time_last_step(self, now: float) -> None:
+        """Give the planner the last step's readings: its period (from its prefix's start to this one's, as
+        the loop sees it), and the rest of the step after its prefix, timed on the device."""
+        clock, last = self.stager.clock, self._last_step
+        if last is not None:
+            began, samples, kind, prefix_done = last
+            clock.stop(prefix_done, partial(self.planner.record_suffix, samples=samples))
+            if kind is not None:
+                self.planner.record_step(now - began, samples, kind, self._frozen.depth)
+        for record, seconds in clock.readings():
+            record(seconds)
+
+    def _replan(self, *, epoch_start: bool = False) -> None:
         if self._frozen.depth:
+            if epoch_start:
+                self.planner.check_measured(self._frozen.depth)
             self.planner.plan_for(self._frozen.depth)
             self._retarget()
+
+
+def _step_kind(samples: int, cached: int, computed: int, recomputing: bool) -> str | None:
+    """What a step's prefix did, for the planner's measured check: every row served from the cache
+    (``"served"``), every row recomputed under a plan that recomputes (``"recomputed"``), else None
+    (a write epoch, partial caching, nothing frozen)."""
+    if samples and cached == samples:
+        return "served"
+    if samples and recomputing and computed == samples:
+        return "recomputed"
+    return None

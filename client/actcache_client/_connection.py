@@ -80,7 +80,9 @@ class ClientStats:
     spent waiting for either. ``puts`` counts entries stored; ``puts_dropped`` puts not sent. ``timed_bytes``
     over ``timed_seconds`` is the read speed the step gets (the cost model's fetch speed): Get calls, timed
     whole, and the stream's frames the step waited for, as the one before, timed from that one's arrival (a
-    frame already there when asked only shows that the stream kept up).
+    frame already there when asked only shows that the stream kept up). ``received_bytes`` over
+    ``received_seconds`` is the rate the step received the stream's frames at, waits and overlap with its
+    own work together (each frame over the time since the one before): a floor for the fetch speed.
     """
 
     gets: int = 0
@@ -91,6 +93,8 @@ class ClientStats:
     fetch_seconds: float = 0.0
     timed_bytes: int = 0
     timed_seconds: float = 0.0
+    received_bytes: int = 0
+    received_seconds: float = 0.0
     puts: int = 0
     bytes_written: int = 0
     write_seconds: float = 0.0
@@ -200,7 +204,8 @@ class Connection:
             arrived = time.perf_counter()
             waited = last is not None and arrived - t0 >= _WAITED * (arrived - last)
             if counted:  # waited for this frame and the one before: the stream was reading it all along
-                self.count_streamed(batch, arrived - t0, arrived - last if waited and behind else None)
+                self.count_streamed(batch, arrived - t0, arrived - last if waited and behind else None,
+                                    received_s=None if last is None else arrived - last)
             counted, last, behind = True, arrived, waited
             try:
                 yield batch
@@ -208,13 +213,15 @@ class Connection:
                 frames.close()  # the daemon frees its read-ahead at once
                 raise
 
-    def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None) -> None:
+    def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None, *,
+                       received_s: float | None = None) -> None:
         """Count a frame the step takes from a stream and the seconds it waited for it; ``read_s``: the
-        seconds the stream took to read the frame, where known (``timed_*``)."""
-        self._count_read(batch.values, seconds, read_s, streamed=len(batch.values))
+        seconds the stream took to read the frame, where known (``timed_*``); ``received_s``: the seconds
+        since the frame before arrived (``received_*``)."""
+        self._count_read(batch.values, seconds, read_s, streamed=len(batch.values), received_s=received_s)
 
     def _count_read(self, values: Sequence, seconds: float, timed_s: float | None, *, gets: int = 0,
-                    streamed: int = 0) -> None:
+                    streamed: int = 0, received_s: float | None = None) -> None:
         """Count entries read in ``seconds``, as hits and misses if asked for; ``timed_s``: as a read-speed sample."""
         found = sum(v is not None for v in values)
         nbytes = sum(len(v) for v in values if v is not None)
@@ -223,6 +230,9 @@ class Connection:
         with self._lock:
             self.stats.fetch_seconds += seconds
             self.stats.bytes_read += nbytes
+            if received_s is not None and nbytes:
+                self.stats.received_bytes += nbytes
+                self.stats.received_seconds += received_s
             if timed_s is not None:
                 self.stats.timed_bytes += nbytes
                 self.stats.timed_seconds += timed_s

@@ -65,7 +65,8 @@ class ActCache:
     modules). They are checked against ``net``'s own forward at the first freeze. ``inputs(batch)`` picks
     the network's input out of a batch as the loader yields it (default: its first field; for text
     ``input_ids``, ``attention_mask`` and ``token_type_ids``). ``options`` (a CacheOptions, or its fields
-    as keywords) say how entries are stored and served. ``model`` is the CachedForward serving the
+    as keywords) say how entries are stored and served (by default a CachePlanner decides whether serving
+    beats recomputing; ``planner=None``: always serve). ``model`` is the CachedForward serving the
     prefix: give it to a FreezeController. A network in DistributedDataParallel works either way round
     (``ActCache(ddp)``, or ``DistributedDataParallel(net)`` after ``ActCache(net)``); DDP needs
     ``find_unused_parameters=True`` to follow parameters that stop receiving gradients when stages freeze.
@@ -180,6 +181,10 @@ class WrappedLoader:
             warnings.simplefilter("ignore")
             self.cached = CachedLoader(inner, cache.model, variants=variants)
         self._placeholder = example[0] if skippable else None
+        self._pin = bool(loader.pin_memory) and torch.cuda.is_available()
+        # A batch whose inputs were all skipped yields this buffer of zeros (made once per batch size, pinned
+        # like the loader's batches), and its version: it is zeroed again only if the loop wrote into it.
+        self._zeros: tuple[Tensor, int] | None = None
         self._as_list = isinstance(default_collate([example]), list)
 
     def __len__(self) -> int:
@@ -225,10 +230,25 @@ class WrappedLoader:
     def _fill(self, batch: Batch) -> Any:
         """The batch as the user's collate would give it, with placeholder rows for the inputs not loaded."""
         inputs, targets = batch.data
-        full = torch.zeros((len(batch.ids), *self._placeholder.shape), dtype=self._placeholder.dtype)
-        if inputs is not None:
+        shape = (len(batch.ids), *self._placeholder.shape)
+        if inputs is None or not len(inputs):
+            full = self._all_zeros(shape)
+        else:
+            full = torch.zeros(shape, dtype=self._placeholder.dtype, pin_memory=self._pin)
             full[batch.loaded] = inputs
         return [full, targets] if self._as_list else (full, targets)
+
+    def _all_zeros(self, shape: tuple[int, ...]) -> Tensor:
+        """Zeros of ``shape``: the buffer kept from the last such batch when it is still zeros (writing a
+        batch of zeros every step costs as much as copying the entries in)."""
+        if self._zeros is not None and self._zeros[0].shape == shape:
+            zeros, version = self._zeros
+            if zeros._version != version:
+                zeros.zero_()
+        else:
+            zeros = torch.zeros(shape, dtype=self._placeholder.dtype, pin_memory=self._pin)
+        self._zeros = (zeros, zeros._version)
+        return zeros
 
 
 def _splittable(state: Any, rows: int) -> State:

@@ -19,6 +19,7 @@ Modules are patched by setting ``forward`` on the instance (removed on unfreezin
 from __future__ import annotations
 
 import copy
+import sys
 import types
 import warnings
 import weakref
@@ -60,32 +61,57 @@ def call_sites(net: nn.Module, stages: list[nn.Module]) -> list[list[nn.Module]]
     return sites
 
 
-class _Patched:
+class _EagerCall:
+    """Calls ``self._run``; once ``torch.compile`` is in use (``eager()``), as a clean graph break, so that
+    the served prefix runs eagerly beside the compiled rest of the network. (Importing dynamo costs seconds:
+    it is only asked for once the program has imported it itself.)"""
+
+    _call: Callable[..., Any]
+
+    def __init__(self) -> None:
+        self._call = self._run
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def eager(self) -> None:
+        self._call = torch.compiler.disable(self._run)
+
+
+def _compiling_possible() -> bool:
+    """Whether torch.compile may trace the network (dynamo is imported; torch.compile imports it)."""
+    return "torch._dynamo" in sys.modules
+
+
+class _Patched(_EagerCall):
     """A module's ``forward`` replaced by ``role(module, original, *args, **kwargs)``; a deep copy of the
     module (an EMA copy, a reference model) gets its class's own forward back."""
 
     def __init__(self, module: nn.Module, role: Callable[..., Any]) -> None:
+        super().__init__()
         self.module = module
         self.role = role
         self.original = types.MethodType(type(module).forward, module)
 
-    @torch.compiler.disable  # under torch.compile: a clean graph break; the served prefix runs eagerly
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
         return self.role(self.module, self.original, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return types.MethodType(type(self.module).forward, copy.deepcopy(self.module, memo))
 
 
-class _RunObserver:
+class _RunObserver(_EagerCall):
     """A forward pre-hook on the head: a training forward while nothing is served still consumes its pending
     batch, so that none is left over to match a later forward. A deep copy of the network gets a no-op."""
 
     def __init__(self, prefix: "InPlacePrefix") -> None:
+        super().__init__()
         self.prefix = prefix
 
-    @torch.compiler.disable
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _run(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.prefix._observe(args, kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
@@ -123,8 +149,12 @@ class InPlacePrefix:
         self._at_net = any(isinstance(m, Stage) and m.sites is not None for m in cached.model.stages[0].modules())
         self._net_input: Tensor | None = None  # the input of the network's forward in progress (at_net)
         entry = net if self._at_net else self.sites[0][0] if self.sites and self.sites[0] else None
+        self._patches: list[_EagerCall] = []
         if entry is not None:
-            entry.register_forward_pre_hook(_RunObserver(self), with_kwargs=True)
+            self._observer = _RunObserver(self)
+            entry.register_forward_pre_hook(self._observer, with_kwargs=True)
+            self._patches.append(self._observer)
+        self._eager = False  # the patches are graph breaks for torch.compile
 
     def begin(self, batch: Batch, given: Tensor | None) -> None:
         """The loader yielded ``batch`` (``given``: its first input tensor as the user received it)."""
@@ -139,13 +169,23 @@ class InPlacePrefix:
         self._tails = deque()
 
     def sync(self) -> None:
+        """Patch the call sites of the frozen stages (and make the patches graph breaks once torch.compile
+        is in use: ``torch.compile(net)`` comes before the loader's first batch)."""
+        if not self._eager and _compiling_possible():
+            self._eager = True
+            for patch in self._patches:
+                patch.eager()
         depth = self.cached.frozen
         if depth == self.patched_depth:
             return
         for module in (m for stage in self.sites for m in stage):
             module.__dict__.pop("forward", None)
+        self._patches = self._patches[:1]
         for i, module in enumerate(m for stage in self.sites[:depth] for m in stage):
-            module.forward = _Patched(module, self._head if i == 0 else self._tail)
+            module.forward = patch = _Patched(module, self._head if i == 0 else self._tail)
+            if self._eager:
+                patch.eager()
+            self._patches.append(patch)
         self.patched_depth = depth
 
     def _take(self, given_now: Tensor | None) -> Batch | None:

@@ -14,9 +14,10 @@ from actcache_client._planner import CachePlanner
 from actcache_client._tensors import VarLen
 from actcache_client._writer import check_encoding
 
-__all__ = ["LAYOUT_VARLEN", "CacheOptions"]
+__all__ = ["AUTO_PLANNER", "LAYOUT_VARLEN", "CacheOptions"]
 
 LAYOUT_VARLEN = "layout"  # CacheOptions.varlen's default: what the network's layout says
+AUTO_PLANNER = "auto"  # CacheOptions.planner's default: a CachePlanner of its own for each ActCache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,8 +29,8 @@ class CacheOptions:
             None stores them as computed.
         encoding: ``"auto"`` (an AutoEncoding), ``"daemon"``, ``"raw"``, ``"lz4"``, ``"zstd"`` or ``"zstd:LEVEL"``.
         audit: an AuditConfig, True (its defaults) or False: recompute a share of hits to catch what no key sees.
-        planner: a CachePlanner (a cost model that decides whether and where to cache); None caches the frozen
-            depth.
+        planner: ``"auto"`` (a CachePlanner with its defaults, one per ActCache) or a CachePlanner: the cost
+            model decides whether serving the prefix beats recomputing it; None always serves the frozen depth.
         stream: False reads entries with ``Get`` instead of the daemon's stream of the pushed order.
         keep_generations: True keeps the entries of superseded fingerprints in the daemon.
         varlen: how padded text is stored: a VarLen (each sample at its own length, right padding), None (every
@@ -42,7 +43,7 @@ class CacheOptions:
     store_dtype: torch.dtype | None = None
     encoding: Union[str, AutoEncoding] = "auto"
     audit: Union[AuditConfig, bool] = True
-    planner: CachePlanner | None = None
+    planner: Union[CachePlanner, None, str] = AUTO_PLANNER
     stream: bool = True
     keep_generations: bool = False
     varlen: Union[VarLen, None, str] = LAYOUT_VARLEN
@@ -55,8 +56,8 @@ class CacheOptions:
         check_encoding(self.encoding)
         if not isinstance(self.audit, (AuditConfig, bool)):
             raise ConfigError(f"audit is an AuditConfig or a bool, got {type(self.audit).__name__}")
-        if self.planner is not None and not isinstance(self.planner, CachePlanner):
-            raise ConfigError(f"planner is a CachePlanner or None, got {type(self.planner).__name__}")
+        if not (self.planner is None or isinstance(self.planner, CachePlanner) or self.planner == AUTO_PLANNER):
+            raise ConfigError(f"planner is a CachePlanner, None or {AUTO_PLANNER!r}, got {self.planner!r}")
         for name in ("stream", "keep_generations", "check"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} is a bool, got {getattr(self, name)!r}")
@@ -77,10 +78,13 @@ class CacheOptions:
         return cls(**{**base, **given})
 
     def forward_options(self, layout_varlen: VarLen | None) -> dict[str, Any]:
-        """CachedForward's keyword arguments, the layout's VarLen where ``varlen`` is ``"layout"``."""
+        """CachedForward's keyword arguments: the layout's VarLen where ``varlen`` is ``"layout"``, a new
+        CachePlanner where ``planner`` is ``"auto"``."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "check"}
         if self.varlen == LAYOUT_VARLEN:
             out["varlen"] = layout_varlen
+        if self.planner == AUTO_PLANNER:
+            out["planner"] = CachePlanner()
         return out
 
 

@@ -5,6 +5,12 @@ priors until measured) and asks ``cost_model.plan`` on every freeze change, at e
 a measurement drifted by more than ``replan_drift``. Within an epoch, a re-plan that keeps caching at the
 same depth keeps the cached fraction (a new one would re-push the rest of the epoch's stream). Every
 decision is logged and passed to the ``listeners``.
+
+Device work is timed as the device runs it (CUDA events, read once complete); the fetch speed is never
+taken below the rate the step actually received. The model is then checked against what was measured:
+at the start of the epoch after one whose steps were served from the cache, their period (as the loop
+saw it) is compared with that of steps that recomputed the prefix (measured, else the model's), and the
+faster one is kept for that frozen depth (``check_measured``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["CachePlanner", "PlannerConfig"]
 
 log = logging.getLogger("actcache_client.planner")  # named in the README: it logs every plan
+
+_MIN_STEPS = 3  # steps of a kind measured before the measured check trusts their median
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +101,10 @@ class CachePlanner:
         self._basis: Measurements | None = None
         self.listeners: list[Callable[[int, Plan], None]] = []
         self._encodings: dict[int, EncodingChoice] = {}  # depth -> codec chosen for its current entries
-        self._seen = (0, 0.0, 0, 0.0)  # the connection's timed reads and writes at the last ``observe``
+        self._seen = (0, 0.0, 0, 0.0, 0, 0.0)  # the connection's counts at the last ``observe``
+        self._received = _Median(w)  # bytes/s the step received from the stream: a floor for the fetch speed
+        self._steps: dict[tuple[int, str], _Median] = {}  # (frozen depth, step kind) -> step seconds per sample
+        self._verdicts: dict[int, tuple[PlanMode, str]] = {}  # frozen depth -> what the measured check chose
 
     def record_stage(self, stage: int, seconds: float, samples: int, out_bytes_per_sample: float) -> None:
         self._stage_s.setdefault(stage, _Median(self.config.window)).add(seconds / max(samples, 1))
@@ -111,11 +122,44 @@ class CachePlanner:
 
     def observe(self, stats: ClientStats) -> None:
         """Record the fetch and write throughput the connection measured since the last call."""
-        now = (stats.timed_bytes, stats.timed_seconds, stats.bytes_written, stats.write_seconds)
-        (read, fetch_s, written, write_s), self._seen = self._seen, now
+        now = (stats.timed_bytes, stats.timed_seconds, stats.bytes_written, stats.write_seconds,
+               stats.received_bytes, stats.received_seconds)
+        (read, fetch_s, written, write_s, received, received_s), self._seen = self._seen, now
         if now[1] > fetch_s:
             self.record_fetch(now[0] - read, now[1] - fetch_s)
         self._write_rate.rate(now[2] - written, now[3] - write_s)
+        self._received.rate(now[4] - received, now[5] - received_s)
+
+    def record_step(self, seconds: float, samples: int, kind: str, depth: int) -> None:
+        """A training step's period (its prefix's start to the next one's) at frozen ``depth``: ``kind``
+        ``"served"`` (every row from the cache) or ``"recomputed"`` (every row computed, nothing stored)."""
+        self._steps.setdefault((depth, kind), _Median(self.config.window)).add(seconds / max(samples, 1))
+
+    def check_measured(self, k: int) -> None:
+        """At an epoch start: keep for frozen depth ``k`` whichever of caching and recomputing the steps
+        measured faster, once steps were served (recomputing: measured if it was, else the model's)."""
+        served = self._measured(k, "served")
+        if served is None:
+            return
+        recomputed = self._measured(k, "recomputed")
+        m = self.measurements(k)
+        if recomputed is None and m is None:
+            return
+        how = "measured"
+        if recomputed is None:
+            recomputed, how = sum(m.stage_forward_s_per_sample[:k]) + m.suffix_step_s_per_sample, "predicted"
+        b = self.batch_size
+        numbers = (f"{served * b * 1e3:.3g} ms per step served from the cache vs {recomputed * b * 1e3:.3g} ms "
+                   f"recomputing ({how})")
+        if served * (1.0 + self.config.min_gain) <= recomputed:
+            verdict = (PlanMode.CACHE, f"cache depth {k} for every sample: measured {numbers}")
+        else:
+            verdict = (PlanMode.RECOMPUTE, f"recompute stages 0..{k - 1}: measured {numbers}")
+        self._verdicts[k] = verdict
+
+    def _measured(self, k: int, kind: str) -> float | None:
+        median = self._steps.get((k, kind))
+        return median.get() if median is not None and len(median.values) >= _MIN_STEPS else None
 
     def record_decode(self, nbytes: int, seconds: float) -> None:
         self._decode_rate.rate(nbytes, seconds)
@@ -153,7 +197,7 @@ class CachePlanner:
         return Measurements(
             stage_forward_s_per_sample=[self._stage_s[d].get() for d in range(k)],
             entry_bytes_per_sample=[0.0] + [self._stage_bytes[d].get(0.0) for d in range(1, k + 1)],
-            fetch_bytes_per_s=self._fetch_rate.get(c.prior_fetch_bytes_per_s),
+            fetch_bytes_per_s=max(self._fetch_rate.get(c.prior_fetch_bytes_per_s), self._received.get(0.0)),
             # A measured rate already includes the per-call latency; until then use miss-only calls.
             fetch_latency_s=0.0 if self._fetch_rate.get() else self._fetch_latency.get(c.prior_fetch_latency_s),
             write_bytes_per_s=self._write_rate.get(c.prior_write_bytes_per_s),
@@ -177,7 +221,7 @@ class CachePlanner:
         m = self.measurements(k)
         if m is None:
             return None
-        new = plan(k, m, min_gain=self.config.min_gain)
+        new = self._follow_verdict(k, plan(k, m, min_gain=self.config.min_gain))
         current = self.current
         if (self._in_epoch and self._epoch_plan == k and current is not None and new.mode is PlanMode.CACHE
                 and (current.mode, current.cache_depth) == (new.mode, new.cache_depth)):
@@ -193,3 +237,18 @@ class CachePlanner:
         for listener in self.listeners:
             listener(k, new)
         return new
+
+    def _follow_verdict(self, k: int, modelled: Plan) -> Plan:
+        """``modelled``, unless the measured check chose the other mode for depth ``k``."""
+        verdict = self._verdicts.get(k)
+        if verdict is None:
+            return modelled
+        mode, reason = verdict
+        if mode is modelled.mode:
+            return dataclasses.replace(modelled, reason=f"{reason}; the model agrees: {modelled.reason}")
+        if mode is PlanMode.RECOMPUTE:
+            return dataclasses.replace(modelled, mode=mode, cache_depth=None, recompute_stages=(0, k),
+                                       cached_fraction=0.0, expected_step_s=modelled.baseline_step_s,
+                                       write_epoch_extra_s=0.0, reason=reason)
+        return dataclasses.replace(modelled, mode=mode, cache_depth=k, recompute_stages=(k, k), cached_fraction=1.0,
+                                   reason=reason)

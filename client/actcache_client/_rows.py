@@ -35,6 +35,11 @@ class RawInputs:
     def has(self, row: int) -> bool:
         return self._at is None or row in self._at
 
+    def length(self) -> int | None:
+        """The inputs' second dimension (a text batch's padded length), if they are known and have one."""
+        first = None if self.inputs is None else tensors_of(self.inputs)[0]
+        return first.shape[1] if first is not None and first.dim() >= 2 else None
+
     def count(self) -> int:
         """Raw items this batch loaded (by the loader or on the spot)."""
         return (self.size if self._at is None else len(self._at)) + self.loaded_now

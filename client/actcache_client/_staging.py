@@ -9,17 +9,20 @@ backward must not be overwritten.
 
 from __future__ import annotations
 
+import os
+import time
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from actcache.errors import ConfigError, LifecycleError
-from actcache.shm import SlotRun
+from actcache.shm import ClientSegment, SlotRun
 from actcache_client._stages import State, map_state, tensors_of
+from actcache_client._tensors import RowCopier
 
-__all__ = ["CopyTimer", "HostRing", "Stager"]
+__all__ = ["CopyTimer", "HostEvent", "HostRing", "Stager", "page_lock"]
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 
@@ -76,32 +79,72 @@ class HostRing:
         self._current = None
 
 
-class CopyTimer:
-    """Times asynchronous copies with pairs of events; readings come out once a copy has completed.
+class HostEvent:
+    """The CPU's degenerate timing event: a ``perf_counter`` stamp, complete as soon as it is recorded
+    (the same interface as ``torch.cuda.Event(enable_timing=True)``)."""
 
-    ``new_event`` makes a timing event (``torch.cuda.Event(enable_timing=True)`` on CUDA). At most
-    ``max_pending`` copies are tracked; older ones are dropped unread.
+    __slots__ = ("_at",)
+
+    def __init__(self) -> None:
+        self._at = 0.0
+
+    def record(self, stream: object = None) -> None:
+        self._at = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        return (end._at - self._at) * 1e3
+
+
+class CopyTimer:
+    """Times asynchronous work (a copy, a stage's kernels) with pairs of events; a reading comes out once
+    its work has completed, never by waiting for it.
+
+    ``new_event`` makes a timing event (``torch.cuda.Event(enable_timing=True)`` on CUDA, ``HostEvent``
+    on the CPU). ``stop(start, payload)`` tags the interval with what it timed (bytes copied; a callback).
+    At most ``max_pending`` intervals are tracked; older ones are dropped unread.
     """
 
-    def __init__(self, new_event: Callable[[], object], max_pending: int = 64) -> None:
+    def __init__(self, new_event: Callable[[], Any], max_pending: int = 64) -> None:
         self._new_event = new_event
-        self._pending: deque[tuple[object, object, int]] = deque(maxlen=max_pending)
+        self._pending: deque[tuple[Any, Any, Any]] = deque(maxlen=max_pending)
 
-    def start(self) -> object:
+    def start(self) -> Any:
         event = self._new_event()
         event.record()
         return event
 
-    def stop(self, start: object, nbytes: int) -> None:
-        self._pending.append((start, self.start(), nbytes))  # the end: another event recorded now
+    def stop(self, start: Any, payload: Any) -> None:
+        self._pending.append((start, self.start(), payload))  # the end: another event recorded now
 
-    def readings(self) -> list[tuple[int, float]]:
-        """``(bytes, seconds)`` of the copies completed since the last call, oldest first."""
+    def readings(self) -> list[tuple[Any, float]]:
+        """``(payload, seconds)`` of the intervals completed since the last call, oldest first."""
         out = []
         while self._pending and self._pending[0][1].query():
-            start, end, nbytes = self._pending.popleft()
-            out.append((nbytes, start.elapsed_time(end) / 1e3))
+            start, end, payload = self._pending.popleft()
+            out.append((payload, start.elapsed_time(end) / 1e3))
         return out
+
+
+def page_lock(segment: ClientSegment) -> bool:
+    """Register a shared-memory segment's mapping with CUDA (``cudaHostRegister``), once per mapping, and
+    unregister it before it is unmapped; False if CUDA refused (copies out of it are then staged)."""
+    if segment.page_locked is not None:
+        return segment.page_locked
+    whole = torch.frombuffer(segment.view, dtype=torch.uint8)
+    address, nbytes = whole.data_ptr(), whole.numel()
+    del whole  # no view of the mapping may outlive it
+    cudart = torch.cuda.cudart()
+    locked = int(cudart.cudaHostRegister(address, nbytes, 0)) == 0
+    segment.page_locked = locked
+    if locked:
+        segment.on_close.append(lambda: cudart.cudaHostUnregister(address))
+    return locked
 
 
 class Stager:
@@ -113,8 +156,14 @@ class Stager:
         self._ring = HostRing(slots, pin_memory=True) if self.cuda else None
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self._timer = CopyTimer(lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None
+        #: Times device work (a stage's forward, the rest of the step) as the device runs it: CUDA events
+        #: on the current stream, whose readings arrive once the work is done; host stamps on the CPU.
+        self.clock = CopyTimer(lambda: torch.cuda.Event(enable_timing=True) if self.cuda else HostEvent(),
+                               max_pending=256)
         #: Batches copied to the device straight out of a shared-memory ring.
         self.ring_copies = 0
+        #: Copies collated rows: on several cores where the node has them (half of them: the rest train).
+        self.copier = RowCopier(min(8, (os.cpu_count() or 1) // 2))
 
     def allocator(self) -> Allocator:
         """An allocator for one batch's host tensors (a ring slot on CUDA, fresh memory otherwise)."""
@@ -134,9 +183,12 @@ class Stager:
 
     def ring_to_device(self, run: SlotRun, count: int) -> tuple[Tensor, object] | None:
         """The ``count`` entries of ``run`` copied straight out of the ring into a (count, entry bytes) uint8
-        tensor on the device, and the copy's event; None without CUDA (collate on the host then)."""
+        tensor on the device, and the copy's event; None without CUDA (collate on the host then). The ring
+        is page-locked once, so the copy is a DMA on the side stream, not a staged copy through pageable
+        memory that holds the host."""
         if not self.cuda:
             return None
+        page_lock(run.segment)
         source = torch.frombuffer(run.segment.view, dtype=torch.uint8, count=count * run.size, offset=run.offset)
         rows, done = self._side_copy(lambda: source.to(self.device, non_blocking=True), count * run.size)
         self.ring_copies += 1

@@ -8,6 +8,7 @@ stores floating-point outputs in 16 bits (their keys carry ``key_tag``).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -22,8 +23,8 @@ from actcache.shm import SlotRun
 
 from actcache_client._stages import State, map_state, tensors_of
 
-__all__ = ["StorePrecision", "VarLen", "check_fixed_length", "collate_entries", "encode_samples", "run_layout",
-           "split_rows"]
+__all__ = ["RowCopier", "StorePrecision", "VarLen", "check_fixed_length", "collate_entries", "copy_rows",
+           "encode_samples", "run_layout", "split_rows"]
 
 _TO_CODEC = {getattr(torch, d.name): d for d in DType}  # DType names are torch dtype names
 _TO_TORCH = {v: k for k, v in _TO_CODEC.items()}
@@ -67,6 +68,38 @@ class StorePrecision:
 
 def _state(tensors: list[Tensor]) -> State:
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+RowCopy = Callable[[Sequence[tuple[np.ndarray, np.ndarray]]], None]
+
+
+def copy_rows(rows: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``dst[:] = src`` for each pair, on this thread."""
+    for dst, src in rows:
+        dst[:] = src
+
+
+class RowCopier:
+    """Copies a batch's rows on ``threads`` threads (numpy copies without the GIL), each a share of the rows,
+    when the batch holds at least ``min_bytes`` (below it, handing work to threads costs more than it saves)."""
+
+    def __init__(self, threads: int, *, min_bytes: int = 4 << 20) -> None:
+        self.threads = max(1, threads)
+        self.min_bytes = min_bytes
+        self._pool: ThreadPoolExecutor | None = None  # made on first use
+
+    def __call__(self, rows: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        if self.threads == 1 or sum(src.nbytes for _, src in rows) < self.min_bytes:
+            copy_rows(rows)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="actcache-copy")
+        list(self._pool.map(copy_rows, [rows[k::self.threads] for k in range(self.threads)]))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None = None) -> list[bytes]:
@@ -125,10 +158,12 @@ def _lengths(tensors: Sequence[Tensor], varlen: VarLen) -> list[int]:
 
 def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | None = None,
                     alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None, verify: bool = True,
-                    run: SlotRun | None = None) -> State:
+                    run: SlotRun | None = None, copy: RowCopy = copy_rows, length: int | None = None) -> State:
     """Decode one entry per sample and stack them into a batch state in tensors ``alloc`` returns (default: host
     memory). ``verify=False`` skips the checksums (entries the daemon verified); ``run``: the entries'
-    consecutive slots in one buffer (one copy per tensor)."""
+    consecutive slots in one buffer (one copy per tensor); ``copy``: how sample rows are copied (a RowCopier
+    spreads a large batch over threads); ``length``: with ``varlen``, pad to at least this many positions (the
+    batch's input length, so that the next module takes the state as it is)."""
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
     count = len(entries)
     if run is not None and not verify and not varlen:
@@ -141,22 +176,25 @@ def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | N
         return _columns(layout, entries, alloc)
     decoded = [decode_entry(e, verify=verify) for e in entries]
     lengths = [h.specs[0].shape[0] for h, _ in decoded] if varlen else None
+    width = max(max(lengths), length or 0) if lengths else 0
     out: list[Tensor] = []
+    rows: list[tuple[np.ndarray, np.ndarray]] = []  # (destination, source) per sample and tensor
     for j, spec in enumerate(decoded[0][0].specs):
         inner = spec.shape[1:] if varlen else spec.shape
-        batch = alloc((count, max(lengths), *inner) if varlen else (count, *inner), _TO_TORCH[spec.dtype])
-        if varlen:
-            batch.zero_()
+        batch = alloc((count, width, *inner) if varlen else (count, *inner), _TO_TORCH[spec.dtype])
         target = _bytes_view(batch, count)
         for i, (header, raw) in enumerate(decoded):
             s = header.specs[j]
             if s.dtype != spec.dtype or (s.shape[1:] if varlen else s.shape) != inner:
                 raise InvalidRequest(f"sample {i} tensor {j} is {s.dtype.name}{list(s.shape)}, "
                                      f"batch expects {spec.dtype.name}{list(spec.shape)}")
-            target[i, : s.nbytes] = np.frombuffer(raw, np.uint8, s.nbytes, header.offsets[j])
+            if varlen:
+                target[i, s.nbytes:] = 0  # the padding only: each byte is written once
+            rows.append((target[i, : s.nbytes], np.frombuffer(raw, np.uint8, s.nbytes, header.offsets[j])))
         out.append(batch)
+    copy(rows)
     if varlen:
-        mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+        mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
         out.insert(varlen.mask_index, mask.to(varlen.mask_dtype))
     return _state(out)
 

@@ -142,3 +142,49 @@ def test_mid_epoch_the_cached_fraction_is_kept_until_the_next_epoch():
     planner.begin_epoch(2, 512, 64)
     later = planner.plan_for(3)
     assert later.mode is PlanMode.CACHE and later.cached_fraction < 0.7 * first.cached_fraction
+
+
+def _stepped(planner: CachePlanner, k: int, served_s: float, recomputed_s: float | None) -> None:
+    for _ in range(5):
+        planner.record_step(served_s * 16, 16, "served", k)
+        if recomputed_s is not None:
+            planner.record_step(recomputed_s * 16, 16, "recomputed", k)
+
+
+def test_served_steps_measured_slower_than_the_model_said_turn_the_plan_to_recompute():
+    """The model expects caching to win (a slow prefix); the served epoch measured slower than recomputing
+    is predicted to be: the next epoch recomputes, and the log line gives both step times."""
+    planner = CachePlanner(PlannerConfig(total_epochs=10))
+    planner.begin_epoch(1, 1024, 16)
+    measured(planner, 3, stage_s=1e-3)  # prefix 3 ms + suffix 1.25 ms per sample
+    assert planner.plan_for(3).mode is PlanMode.CACHE
+    _stepped(planner, 3, served_s=5e-3, recomputed_s=None)  # slower than the 4.25 ms predicted
+    planner.begin_epoch(2, 1024, 16)
+    planner.check_measured(3)
+    plan = planner.plan_for(3)
+    assert plan.mode is PlanMode.RECOMPUTE and plan.cache_depth is None
+    assert "measured 80 ms per step served from the cache vs 68 ms recomputing (predicted)" in plan.reason
+    # measured recomputing turned out slower still: the cache comes back, and stays through re-plans
+    _stepped(planner, 3, served_s=5e-3, recomputed_s=6e-3)
+    planner.check_measured(3)
+    for _ in range(3):
+        plan = planner.plan_for(3)
+        assert plan.mode is PlanMode.CACHE and plan.cache_depth == 3 and plan.cached_fraction == 1.0
+    assert "96 ms recomputing (measured)" in plan.reason
+
+
+def test_the_measured_check_needs_served_steps():
+    planner = CachePlanner(PlannerConfig(total_epochs=10))
+    planner.begin_epoch(1, 1024, 16)
+    measured(planner, 3)
+    planner.record_step(1.0, 16, "served", 3)  # one step is no measurement
+    planner.check_measured(3)
+    assert planner.plan_for(3).mode is PlanMode.CACHE
+
+
+def test_the_fetch_speed_is_never_taken_below_the_rate_the_step_received():
+    planner = CachePlanner(PlannerConfig(total_epochs=10, prior_fetch_bytes_per_s=1e6))
+    measured(planner, 2)
+    stats = _connection.ClientStats(received_bytes=int(900e6), received_seconds=1.0)
+    planner.observe(stats)
+    assert planner.measurements(2).fetch_bytes_per_s == pytest.approx(900e6)

@@ -115,3 +115,22 @@ def test_only_hits_of_one_size_in_consecutive_slots_make_a_run(tmp_path):
     assert frame([a, 0, c], [64, 0, 64]).run is None  # a miss between
     assert frame([a, c], [64, 64]).run is None  # not adjacent
     assert frame([a, b], [64, 32]).run is None  # two sizes
+
+
+def test_a_row_copier_collates_variable_length_entries_as_one_thread_does():
+    """The rows of a batch split across threads: the same batch, padding zeroed, whatever the slot held."""
+    from actcache_client._tensors import RowCopier
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 9, 4, generator=g)
+    mask = (torch.arange(9)[None, :] < torch.tensor([9, 3, 5, 1, 7, 2])[:, None]).long()
+    entries = encode_samples((hidden, mask), varlen=VarLen())
+    garbage = lambda shape, dtype: torch.full(shape, 7, dtype=dtype)  # noqa: E731  a reused slot's old bytes
+    copier = RowCopier(3, min_bytes=0)
+    try:
+        threaded = collate_entries(entries, varlen=VarLen(), alloc=garbage, copy=copier)
+    finally:
+        copier.close()
+    alone = collate_entries(entries, varlen=VarLen())
+    assert all(torch.equal(a, b) for a, b in zip(threaded, alone))
+    assert torch.equal(threaded[0], hidden * mask[..., None])

@@ -207,3 +207,81 @@ def test_cuda_grad_norms_of_a_stage_without_gradients_are_zero_beside_the_gpu_on
         p.grad = torch.ones_like(p)
     acc.add()
     assert acc.norms() == [6.0, 0.0]
+
+
+def test_cuda_the_planners_clock_times_stages_with_events():
+    """Stage times for the cost model are taken as the device runs the kernels, not at their launch."""
+    stager = Stager("cuda")
+    began = stager.clock.start()
+    assert isinstance(began, torch.cuda.Event)
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(4):
+        x = x @ x / 4096
+    stager.clock.stop(began, "matmuls")
+    torch.cuda.synchronize()
+    ((payload, seconds),) = stager.clock.readings()
+    assert payload == "matmuls" and seconds > 0
+
+
+def _count_syncs(run) -> int:
+    """Synchronising CUDA calls made by ``run()`` (torch's sync debug mode warns on each)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_cuda_a_served_step_syncs_the_host_no_more_than_the_users_loop(daemon):
+    """The loop moves its batch with x.to("cuda"); the served steps add no host sync to the loop's own."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(N, 3, 32, 32, generator=g), torch.randint(0, 10, (N,), generator=g))
+
+    def epoch(net, loader, opt):
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(net(x.to("cuda", non_blocking=True)), y.to("cuda", non_blocking=True))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    counts = []
+    for cached in (False, True):
+        torch.manual_seed(0)
+        net = resnet20().cuda()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        loader = DataLoader(data, batch_size=BATCH, pin_memory=True)
+        with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
+            if cached:
+                cache = ac.ActCache(net, conn, planner=None, audit=False)
+                loader = cache.wrap(loader)
+                cache.freeze(5)
+            else:
+                for m in (net.conv1, net.bn1, *net.layer1):
+                    m.requires_grad_(False).eval()
+            epoch(net, loader, opt)  # fills the cache
+            conn.flush(timeout_s=30)
+            torch.cuda.synchronize()
+            counts.append(_count_syncs(lambda: epoch(net, loader, opt)))
+            if cached:
+                assert conn.stats.hits == N
+    assert counts[1] <= counts[0], counts
+
+
+def test_cuda_a_shared_memory_ring_is_page_locked_once_and_unlocked_before_it_is_unmapped():
+    ring = ShmRing(MIN_RING_BYTES, start=0)
+    size, count = 1024, 8
+    offset = ring.alloc(0, size * count)
+    ring.view(offset, size * count)[:] = bytes(range(256)) * (size * count // 256)
+    segment = ClientSegment(str(ring.path))
+    stager = Stager("cuda")
+    for _ in range(2):
+        rows, done = stager.ring_to_device(SlotRun(segment, offset, size), count)
+        done.synchronize()
+    assert segment.page_locked and len(segment.on_close) == 1  # registered once, for both copies
+    assert torch.frombuffer(segment.view, dtype=torch.uint8, count=1).is_pinned()
+    assert bytes(rows.cpu().flatten().numpy()) == bytes(ring.view(offset, size * count))
+    segment.close()  # unregisters, then unmaps
+    ring.close()

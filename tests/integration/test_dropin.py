@@ -52,7 +52,7 @@ def _cached_run(daemon):
     torch.manual_seed(0)
     net = resnet20()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    cache = ac.ActCache(net, _connect(daemon))
+    cache = ac.ActCache(net, _connect(daemon), planner=None)
     loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
     return net, opt, cache, loader
 
@@ -70,7 +70,7 @@ def _train(daemon, *, epochs: int = 3, cached: bool = True, dataset: Dataset | N
     loader = DataLoader(dataset or Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1))
     cache = None
     if cached:
-        cache = ac.ActCache(net, _connect(daemon))
+        cache = ac.ActCache(net, _connect(daemon), planner=None)
         loader = cache.wrap(loader, variants=variants)
         if disabled:
             cache.model.disable("the comparison run")
@@ -144,7 +144,7 @@ def test_random_augmentation_in_getitem_is_cached_per_variant(daemon):
 
 
 def test_a_network_wrapped_in_ddp_is_unwrapped(daemon):
-    cache = ac.ActCache(nn.parallel.DataParallel(resnet20()), _connect(daemon))
+    cache = ac.ActCache(nn.parallel.DataParallel(resnet20()), _connect(daemon), planner=None)
     assert isinstance(cache.net, type(resnet20()))
     cache.close()
 
@@ -177,7 +177,7 @@ def test_resume_mid_epoch_gives_the_uninterrupted_run(daemon, reference):
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     net.load_state_dict(checkpoint["net"])
     opt.load_state_dict(checkpoint["opt"])
-    cache = ac.ActCache(net, _connect(daemon))
+    cache = ac.ActCache(net, _connect(daemon), planner=None)
     loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
     loader.load_state_dict(checkpoint["loader"])
     assert loader.epoch == 1
@@ -225,11 +225,11 @@ class DictImages(Images):
 def test_a_dict_batch_stays_a_dict_and_inputs_names_its_field(daemon):
     net = resnet20()
     loader = DataLoader(DictImages(), batch_size=32)
-    cache = ac.ActCache(net, _connect(daemon))
+    cache = ac.ActCache(net, _connect(daemon), planner=None)
     with pytest.raises(ConfigError, match=r"inputs=lambda batch: batch\['image'\]"):
         next(iter(cache.wrap(loader)))
     cache.close()
-    cache = ac.ActCache(net, _connect(daemon), inputs=lambda batch: batch["image"])
+    cache = ac.ActCache(net, _connect(daemon), inputs=lambda batch: batch["image"], planner=None)
     wrapped = cache.wrap(loader)
     cache.freeze(4)
     for epoch in range(2):
@@ -262,7 +262,7 @@ def test_a_metric_on_the_batch_just_trained_on_sees_the_served_rows(daemon):
     """Rows the loader did not load are placeholders; a second forward on the same x is served again."""
     torch.manual_seed(0)
     net = resnet20()
-    cache = ac.ActCache(net, _connect(daemon))
+    cache = ac.ActCache(net, _connect(daemon), planner=None)
     loader = cache.wrap(DataLoader(Images(), batch_size=32))
     cache.freeze(4)
     images = Images().images
@@ -284,7 +284,7 @@ def test_a_metric_on_the_batch_just_trained_on_sees_the_served_rows(daemon):
 
 def test_changing_an_input_with_placeholder_rows_is_an_error_naming_the_fix(daemon):
     net = resnet20()
-    cache = ac.ActCache(net, _connect(daemon))
+    cache = ac.ActCache(net, _connect(daemon), planner=None)
     cache.freeze(4)
     for x, y in cache.wrap(DataLoader(Images(), batch_size=32)):  # the first epoch stores every row
         net(x)
@@ -302,7 +302,7 @@ def test_a_deep_copy_of_the_network_runs_its_own_forward(daemon):
     import copy
 
     net = resnet20()
-    cache = ac.ActCache(net, _connect(daemon))
+    cache = ac.ActCache(net, _connect(daemon), planner=None)
     cache.freeze(4)
     for x, y in cache.wrap(DataLoader(Images(), batch_size=32)):
         net(x)
@@ -321,7 +321,7 @@ def test_a_device_copy_of_the_batch_is_served_without_reading_its_values(daemon,
     torch.manual_seed(0)
     net = resnet20()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    cache = ac.ActCache(net, _connect(daemon), audit=False)  # an audit compares values, by design
+    cache = ac.ActCache(net, _connect(daemon), audit=False, planner=None)  # an audit compares values, by design
     loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
     equal_calls = []
     real_equal = torch.equal

@@ -369,6 +369,36 @@ def test_cost_model_follows_the_daemon_speed(throttle_mbps, expected, tmp_path, 
             assert conn.stats.hits > 0
 
 
+def test_the_fetch_reading_is_the_rate_the_step_received_from_a_throttled_daemon(tmp_path, one_thread):
+    """A daemon serving 2 MB/s and a step that waits for it: the rate the step received (each frame over the
+    time since the one before: the wait and the work it overlapped) is the bytes of the served epoch over
+    its time, and the planner takes the fetch speed no lower."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 3, 32, 32, generator=g), torch.randint(0, 10, (64,), generator=g))
+    with run_daemon("--throttle-read-mbps", "2", cache_dir=tmp_path / "c") as daemon, \
+            ac.connect(daemon.socket, namespace="rate") as conn:
+        model = ac.CachedForward(ac.from_resnet(resnet20()), conn)
+        loader = ac.CachedLoader(DataLoader(ac.IndexedDataset(data), batch_size=8), model)
+        model.set_frozen(9)
+        for epoch in range(3):  # the write epoch, a served one (frames sized to its entries), then the measured one
+            before, t0 = (conn.stats.received_bytes, conn.stats.received_seconds, conn.stats.bytes_read), None
+            for batch in loader:
+                t0 = t0 or time.perf_counter()  # from the first frame's arrival
+                x, y = batch.data
+                nn.functional.cross_entropy(model(batch.ids, x), y).backward()
+            elapsed = time.perf_counter() - t0
+            conn.flush(timeout_s=30)
+        s = conn.stats
+        received = (s.received_bytes - before[0]) / (s.received_seconds - before[1])
+        assert s.hits == 128 and received < 2.2e6  # no faster than the daemon serves
+        assert received == pytest.approx((s.bytes_read - before[2]) / elapsed, rel=0.25)
+        planner = ac.CachePlanner(ac.PlannerConfig(prior_fetch_bytes_per_s=1e3))
+        for stage in range(9):
+            planner.record_stage(stage, 1e-3, 8, 16 << 10)
+        planner.observe(s)
+        assert planner.measurements(9).fetch_bytes_per_s >= 0.99 * received  # waits alone may read faster
+
+
 class FixedPlanner(ac.CachePlanner):
     """A planner that always answers one plan, to test how CachedForward applies plans."""
 

@@ -81,7 +81,7 @@ def test_cached_run_has_the_losses_of_the_same_freeze_without_the_cache(tmp_path
     attach(plain, depth=3, freeze_at=0.25, cache=False)
     plain.train()
     cached = trainer(model(family), tmp_path / "cached", fixed=fixed)
-    hooked = attach(cached, depth=3, freeze_at=0.25, connection=connection)
+    hooked = attach(cached, depth=3, freeze_at=0.25, connection=connection, planner=None)
     cached.train()
     if fixed:  # every row at one length: the served prefix is the computed one, bit for bit
         assert losses(cached) == losses(plain)
@@ -95,7 +95,7 @@ def test_cached_run_has_the_losses_of_the_same_freeze_without_the_cache(tmp_path
 
 def test_evaluate_neither_reads_nor_writes_the_cache(tmp_path, connection):
     t = trainer(model("bert"), tmp_path, epochs=2)
-    hooked = attach(t, depth=2, freeze_at=0, connection=connection)
+    hooked = attach(t, depth=2, freeze_at=0, connection=connection, planner=None)
     t.train()
     stats = connection.stats
     before = (stats.puts, stats.hits, stats.misses, hooked.cache.model.times.prefix_samples)
@@ -107,13 +107,13 @@ def test_evaluate_neither_reads_nor_writes_the_cache(tmp_path, connection):
 
 def test_resume_from_a_checkpoint_gives_the_uninterrupted_run(tmp_path, connection):
     whole = trainer(model("bert"), tmp_path / "whole", fixed=True)
-    attach(whole, depth=3, freeze_at=2, connection=connection)
+    attach(whole, depth=3, freeze_at=2, connection=connection, planner=None)
     whole.train()
     first = trainer(model("bert"), tmp_path / "run", fixed=True, save_steps=8)
-    attach(first, depth=3, freeze_at=2, connection=connection)
+    attach(first, depth=3, freeze_at=2, connection=connection, planner=None)
     first.train()
     resumed = trainer(model("bert"), tmp_path / "run", fixed=True)
-    hooked = attach(resumed, depth=3, freeze_at=2, connection=connection)
+    hooked = attach(resumed, depth=3, freeze_at=2, connection=connection, planner=None)
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-8"))
     assert losses(resumed)[-10:] == losses(whole)[-10:]  # steps 9..18: half an epoch computed, one served
     assert resumed.evaluate()["eval_loss"] == whole.evaluate()["eval_loss"]
@@ -191,7 +191,7 @@ def test_without_depth_a_short_run_says_once_that_it_is_too_short_and_trains_as_
     plain = trainer(model("bert"), tmp_path / "plain", fixed=True)
     plain.train()
     auto = trainer(model("bert"), tmp_path / "auto", fixed=True)
-    hooked = attach(auto, connection=connection)
+    hooked = attach(auto, connection=connection, planner=None)
     auto.train()
     (message,) = not_freezing(caplog)
     assert "a run of 18 steps is too short" in message
@@ -205,7 +205,7 @@ def test_a_policy_drives_the_freeze_and_the_cache_keeps_the_run_of_the_same_free
     for name, options in [("by_hand", dict(depth=3, freeze_at=4, cache=False)),
                           ("uncached", dict(policy=ac.StaticPolicy(stages=3, at_step=4), eval_every=1, cache=False)),
                           ("cached", dict(policy=ac.StaticPolicy(stages=3, at_step=4), eval_every=1,
-                                          connection=connection))]:
+                                          connection=connection, planner=None))]:
         t = trainer(model("bert"), tmp_path / name, fixed=True)
         hooked = attach(t, **options)
         t.train()
@@ -221,9 +221,9 @@ def test_a_policy_drives_the_freeze_and_the_cache_keeps_the_run_of_the_same_free
 def test_depth_and_a_controller_setting_together_are_refused(tmp_path, connection):
     t = trainer(model("bert"), tmp_path)
     with pytest.raises(ConfigError, match="pass depth= .* or policy= .*not both"):
-        attach(t, depth=2, policy=ac.StaticPolicy(stages=2, at_step=1), connection=connection)
+        attach(t, depth=2, policy=ac.StaticPolicy(stages=2, at_step=1), connection=connection, planner=None)
     with pytest.raises(ConfigError, match=r"freeze_at=0\.5\) needs depth="):
-        attach(t, freeze_at=0.5, connection=connection)
+        attach(t, freeze_at=0.5, connection=connection, planner=None)
 
 
 def test_egeria_gets_plasticity_readings_from_a_transformers_model_serving_its_prefix_in_place(connection):
