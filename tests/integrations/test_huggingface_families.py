@@ -15,6 +15,7 @@ from transformers import (DataCollatorWithPadding, LlamaConfig, LlamaForSequence
                           TrainingArguments)
 
 import actcache_client as ac  # noqa: E402
+from actcache.errors import ConfigError  # noqa: E402
 from actcache_client.integrations.huggingface import attach  # noqa: E402
 from actcache_client.layouts import Layout, register_layout, unregister_layout  # noqa: E402
 from tests.integrations.test_huggingface import losses, sentences, tokenizer  # noqa: E402
@@ -93,3 +94,9 @@ def test_a_family_registered_by_the_user_is_used_by_attach(tmp_path, connection)
         assert runs["cached"][1].cache.model.epoch_counters()[-1].times.cached_samples == 48
     finally:
         unregister_layout("tagger")
+
+
+def test_a_misspelt_option_is_named_with_or_without_the_cache(tmp_path, connection):
+    for cache in (True, False):
+        with pytest.raises(ConfigError, match="unknown option store_dtyp; the options are store_dtype"):
+            attach(trainer(llama(), tmp_path), depth=2, cache=cache, connection=connection, store_dtyp=torch.float16)

@@ -46,6 +46,7 @@ from actcache.errors import ConfigError
 from actcache_client._cached_forward import CachedForward
 from actcache_client._connection import Connection
 from actcache_client._dropin import ActCache, WrappedLoader
+from actcache_client._options import CacheOptions
 from actcache_client.layouts import Layout, blocks_layout, find_layout
 from actcache_client.bert import minilm_dir
 from actcache_client.freeze.controller import FreezeController
@@ -96,6 +97,8 @@ class TrainerCache:
                               f"(float in [0, 1)), got {freeze_at!r}")
         self.trainer, self.depth, self.freeze_at = trainer, depth, freeze_at
         self.policy, self.eval_every = policy, eval_every
+        if not cache:  # options unused, but checked: the run to compare against takes the same arguments
+            CacheOptions.of(options.get("options"), **{k: v for k, v in options.items() if k not in _LAYOUT_ARGS})
         self.cache = ActCache(trainer.model, connection, **options) if cache else None
         #: The stages that freeze: the cache's, or with ``cache=False`` the same stages without a cache.
         self.staged = self.cache.model if self.cache is not None else CachedForward(stages, None)
@@ -151,6 +154,9 @@ class TrainerCache:
             self.controller.close()
         if self.cache is not None:
             self.cache.close()
+
+
+_LAYOUT_ARGS = ("stages", "blocks", "inputs", "options")  # ActCache's arguments besides CacheOptions' fields
 
 
 def _layout(model: nn.Module, options: dict[str, Any]) -> Layout:
