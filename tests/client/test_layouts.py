@@ -108,3 +108,10 @@ def test_options_are_one_validated_dataclass():
     for bad in (dict(encoding="gzip"), dict(stream="yes"), dict(varlen="padded"), dict(audit=0.5)):
         with pytest.raises(ConfigError):
             ac.CacheOptions(**bad)
+
+
+def test_a_stage_names_sites_inside_its_own_module():
+    block, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    assert ac.Stage("s", nn.Sequential(block), sites=[block]).sites == [block]
+    with pytest.raises(ConfigError, match="sites must be a non-empty list of modules inside"):
+        ac.Stage("s", nn.Sequential(block), sites=[other])
