@@ -12,8 +12,8 @@ import sys
 from typing import Callable
 
 from actcache.daemon.config import format_size as _fmt, parse_size
-from actcache.errors import ActCacheError, ConfigError, DaemonUnavailable
-from actcache.node import default_socket_path, stop_daemon
+from actcache.errors import ActCacheError, ConfigError, DaemonUnavailable, NamespaceNotFound
+from actcache.node import default_dir, default_socket_path, stop_daemon
 
 __all__ = ["main"]
 
@@ -207,11 +207,18 @@ def _dead_rule(reply) -> str:
     return f"no live schedule, unused for {after:g} s" if after else "no live schedule"
 
 
+def _job_state(job, now: float) -> str:
+    """``running``, ``ended 3m ago``, or, for a job on another host, that the daemon cannot tell."""
+    if not job.local:
+        return "on another host (running or not: not known here)"
+    return f"ended {_ago(job.ended, now)}" if job.ended else "running"
+
+
 def _job_line(job, now: float) -> str:
     info = job.job
     data = f", data {info.data_id!r}" if info.data_id else ""
-    return (f"job pid {info.pid} on {info.host or '?'}, started {_ago(info.start_time, now)}{data}: opened "
-            f"{job.opens} times, first {_ago(job.first_seen, now)}, last {_ago(job.last_seen, now)}")
+    return (f"job pid {info.pid} on {info.host or '?'}, {_job_state(job, now)}, started {_ago(info.start_time, now)}"
+            f"{data}: opened {job.opens} times, first {_ago(job.first_seen, now)}, last {_ago(job.last_seen, now)}")
 
 
 def _counters_line(c) -> str:
@@ -246,8 +253,10 @@ def _run_ls(args: argparse.Namespace) -> int:
     print(f"(a generation, a namespace's fingerprint at every depth, is reclaimable when dead: {_dead_rule(reply)})")
     for ns in reply.namespaces:
         if ns.jobs:
-            print(f"jobs of {ns.name}:")
-            for job in ns.jobs:
+            running = sum(j.local and not j.ended for j in ns.jobs)
+            ended = sum(j.local and bool(j.ended) for j in ns.jobs)
+            print(f"jobs of {ns.name}: {running} running, {ended} ended")
+            for job in sorted(ns.jobs, key=lambda j: (bool(j.ended), -j.last_seen)):  # running first
                 print(f"  {_job_line(job, reply.now)}")
     return 0
 
@@ -265,7 +274,14 @@ def _run_drop(args: argparse.Namespace) -> int:
     fingerprint = bytes.fromhex(args.fingerprint) if args.fingerprint else None
     with _client(args) as client:
         secret = Path(args.secret_file).read_bytes().strip() if args.secret_file else None
-        ns = client.open(args.namespace, create=False, secret=secret)
+        try:
+            ns = client.open(args.namespace, create=False, secret=secret)
+        except NamespaceNotFound:
+            names = sorted(n.name for n in client.stats().namespaces)
+            print(json.dumps({"entries": 0, "bytes": 0, "namespaces": names}) if args.json else
+                  f"nothing to drop: there is no namespace {args.namespace!r} on {client.target}; its namespaces: "
+                  f"{', '.join(names) if names else '(none)'} (`actcache ls` lists their entries)")
+            return 0
         reply = client.drop(ns.namespace_id, fingerprint, args.depth)
     print(json.dumps({"entries": reply.entries, "bytes": reply.bytes}) if args.json
           else f"dropped {reply.entries} entries ({_fmt(reply.bytes)}) from {args.namespace}")
@@ -310,7 +326,8 @@ def _run_stop(args: argparse.Namespace) -> int:
 
 
 def _add_bench_disk(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dir", required=True, help="a directory on the filesystem to measure (the cache's --dir)")
+    p.add_argument("--dir", help="a directory on the filesystem to measure (default: the node daemon's, "
+                                 "$ACTCACHE_DIR or ~/.cache/actcache, created if missing)")
     p.add_argument("--size", type=_size, default=1 << 30,
                    help="bytes of the test file and of the test LMDB, e.g. 4GiB (default 1GiB)")
     p.add_argument("--drop-caches", action=argparse.BooleanOptionalAction, default=True,
@@ -323,7 +340,10 @@ def _add_bench_disk(p: argparse.ArgumentParser) -> None:
 def _run_bench_disk(args: argparse.Namespace) -> int:
     from actcache.ops.diskbench import run_disk_bench
 
-    report = run_disk_bench(Path(args.dir), args.size, drop_caches=args.drop_caches, progress=sys.stderr.isatty())
+    directory = Path(args.dir) if args.dir else default_dir()
+    if not args.dir:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    report = run_disk_bench(directory, args.size, drop_caches=args.drop_caches, progress=sys.stderr.isatty())
     print(json.dumps(report.to_json(), indent=2) if args.json else report.table())
     return 0
 

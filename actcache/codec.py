@@ -37,7 +37,7 @@ from actcache.errors import InvalidRequest
 
 __all__ = ["ALIGN", "AUTO_MIN_SAVING", "CHECKSUMS", "Checksum", "Codec", "DEFAULT_CHECKSUM", "DType", "Encoding",
            "EntryHeader", "TensorSpec", "compress_entry", "compress_payload", "decode_entry", "decompress_payload",
-           "encode_entry", "parse_header", "verify_entry"]
+           "encode_entries", "encode_entry", "parse_header", "verify_entry"]
 
 MAGIC = b"ACE1"
 VERSION = 2
@@ -214,12 +214,16 @@ def _offsets(specs: Sequence[TensorSpec]) -> tuple[tuple[int, ...], int]:
     return tuple(offsets), end
 
 
+def _header_tail(specs: Sequence[TensorSpec]) -> bytes:
+    """The header after its fixed fields: each tensor's dtype and shape, padded to ALIGN."""
+    dims = b"".join(_DIMS_HEAD.pack(s.dtype, len(s.shape)) + struct.pack(f"<{len(s.shape)}Q", *s.shape) for s in specs)
+    return dims + bytes(_align(_FIXED.size + len(dims)) - _FIXED.size - len(dims))
+
+
 def _pack_header(codec: Codec, specs: Sequence[TensorSpec], raw_len: int, payload: bytes | memoryview,
                  checksum: Checksum = DEFAULT_CHECKSUM) -> bytes:
     """The header of an entry; its checksum covers ``payload`` too unless ``codec`` is raw_verified."""
-    dims = b"".join(_DIMS_HEAD.pack(s.dtype, len(s.shape)) + struct.pack(f"<{len(s.shape)}Q", *s.shape) for s in specs)
-    header_len = _align(_FIXED.size + len(dims))
-    tail = dims + bytes(header_len - _FIXED.size - len(dims))
+    tail = _header_tail(specs)
     head = _FIXED.pack(MAGIC, VERSION, int(codec), int(checksum), len(specs), raw_len, len(payload), 0)
     covered = (head[:_CRC_OFFSET], tail) if codec == Codec.raw_verified else (head[:_CRC_OFFSET], tail, payload)
     return head[:_CRC_OFFSET] + struct.pack("<I", _checksum(checksum, *covered)) + tail
@@ -273,6 +277,38 @@ def encode_entry(
     if encoding is None:
         encoding = Encoding(Codec.zstd, zstd_level) if zstd_level else Encoding()
     return _finish(specs, raw, encoding)
+
+
+def encode_entries(specs: Sequence[TensorSpec], rows: Sequence[Sequence[bytes | memoryview]]) -> list[bytes]:
+    """``[encode_entry(specs, row) for row in rows]`` (raw), byte for byte, for entries that share ``specs``
+    (a batch's samples): the header is laid out once and each entry is one copy of its tensors."""
+    if not rows:
+        return []
+    _check_count(len(specs))
+    for i, spec in enumerate(specs):
+        if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
+            raise InvalidRequest(f"tensor {i}: shape {spec.shape} is invalid (ndim <= {MAX_NDIM}, dims >= 0)")
+    offsets, raw_len = _offsets(specs)
+    sizes = [spec.nbytes for spec in specs]
+    contiguous = all(start == sum(sizes[:i]) for i, start in enumerate(offsets))  # no alignment padding between
+    tail = _header_tail(specs)
+    head = _FIXED.pack(MAGIC, VERSION, int(Codec.raw), int(DEFAULT_CHECKSUM), len(specs), raw_len, raw_len, 0)[:_CRC_OFFSET]
+    fn, pack_crc = _CHECKSUM_FNS[DEFAULT_CHECKSUM], struct.Struct("<I").pack
+    prefix = fn(tail, fn(head, 0))  # the checksum is chained over head, tail, payload
+    out = []
+    for r, buffers in enumerate(rows):
+        views = [memoryview(b).cast("B") for b in buffers]
+        if len(views) != len(specs) or any(v.nbytes != n for v, n in zip(views, sizes)):
+            raise InvalidRequest(f"entry {r}: tensors of {[v.nbytes for v in views]} bytes for specs of {sizes}")
+        if contiguous:
+            payload: bytes | bytearray | memoryview = views[0] if len(views) == 1 else b"".join(views)
+        else:
+            payload = bytearray(raw_len)
+            for view, start, n in zip(views, offsets, sizes):
+                payload[start : start + n] = view
+        crc = fn(payload, prefix)
+        out.append(b"".join((head, pack_crc(crc), tail, payload)))
+    return out
 
 
 def _finish(specs: Sequence[TensorSpec], raw: bytes | bytearray | memoryview, encoding: Encoding) -> bytes:

@@ -1,4 +1,5 @@
-"""Sentence pairs through a BERT classifier with actcache: batches are dicts, as Hugging Face collators give.
+"""Sentence pairs through a BERT classifier with actcache: batches are dicts, as Hugging Face collators give,
+or nested tuples, as ``collate_tokens`` gives.
 
 A small BERT built from a config (no weights downloaded) classifies pairs of token-id sequences; its
 embeddings and first layer freeze after the first epoch and are served from the cache from then on.
@@ -42,13 +43,17 @@ def collate(items):
     return {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids, "labels": labels}
 
 
-def train(epochs: int = 3, cached: bool = True) -> tuple[list[float], int]:
-    """The losses of every step, and how many frozen-prefix outputs the cache served."""
+def train(epochs: int = 3, cached: bool = True, nested: bool = False) -> tuple[list[float], int]:
+    """The losses of every step, and how many frozen-prefix outputs the cache served; ``nested``: batches as
+    ``collate_tokens`` gives them, ``((input_ids, attention_mask, token_type_ids), labels)``, not dicts."""
     torch.manual_seed(0)
     net = BertForSequenceClassification(CONFIG)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    loader = DataLoader(Pairs(), batch_size=8, shuffle=True, collate_fn=collate, generator=torch.Generator().manual_seed(1))
-    cache = ac.ActCache(net) if cached else None  # finds the BERT layout; stores states without padding
+    loader = DataLoader(Pairs(), batch_size=8, shuffle=True, collate_fn=collate_tokens if nested else collate,
+                        generator=torch.Generator().manual_seed(1))
+    # finds the BERT layout; stores states without padding. planner=None: a prefix this small is cheaper to
+    # recompute than to fetch, which the default cost model would find; this example shows the cache serving.
+    cache = ac.ActCache(net, planner=None) if cached else None
     if cache is not None:
         loader = cache.wrap(loader)
     losses = []
@@ -61,8 +66,13 @@ def train(epochs: int = 3, cached: bool = True) -> tuple[list[float], int]:
                 for m in (net.bert.embeddings, net.bert.encoder.layer[0]):
                     m.requires_grad_(False).eval()
         for batch in loader:
-            logits = net(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-            loss = F.cross_entropy(logits, batch["labels"])
+            if nested:
+                (input_ids, attention_mask, token_type_ids), labels = batch
+            else:
+                input_ids, attention_mask, token_type_ids = batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
+                labels = batch["labels"]
+            logits = net(input_ids, attention_mask, token_type_ids)
+            loss = F.cross_entropy(logits, labels)
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -241,16 +241,20 @@ class GroupStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., last_write_time: _Optional[float] = ..., last_read_time: _Optional[float] = ..., reclaimable: _Optional[bool] = ..., live_schedules: _Optional[int] = ...) -> None: ...
 
 class JobStats(_message.Message):
-    __slots__ = ("job", "first_seen", "last_seen", "opens")
+    __slots__ = ("job", "first_seen", "last_seen", "opens", "ended", "local")
     JOB_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEEN_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
     OPENS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
     job: JobInfo
     first_seen: float
     last_seen: float
     opens: int
-    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., first_seen: _Optional[float] = ..., last_seen: _Optional[float] = ..., opens: _Optional[int] = ...) -> None: ...
+    ended: float
+    local: bool
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., first_seen: _Optional[float] = ..., last_seen: _Optional[float] = ..., opens: _Optional[int] = ..., ended: _Optional[float] = ..., local: _Optional[bool] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("name", "namespace_id", "entries", "bytes", "budget_bytes", "reclaimable_bytes", "jobs")

@@ -169,8 +169,11 @@ class HitAudit:
         message = (f"{bad} of {len(chosen)} audited entries of namespace {c.connection.config.namespace!r}, "
                    f"fingerprint {fingerprint.hex()}, depth {depth} differ from what the frozen prefix computes for "
                    "them: they were not made from this data or these weights. Dropped that fingerprint's entries"
-                   f"{'' if strict else ' and recomputing'}; if the data changed without changing its spread, name "
-                   "the version with IndexedDataset(data_id=...)")
+                   f"{'' if strict else ' and recomputing'}. The cache keys see the items as the dataset returns them, "
+                   "not what the DataLoader's collate_fn makes of them: tokenize, pad and transform in the dataset "
+                   "(its __getitem__, or datasets' .map), not in collate_fn, so that a change (a new max_length) "
+                   "gives new keys; a dataset changed only in items its fingerprint does not sample needs a new "
+                   "IndexedDataset(data_id=...)")
         if strict:
             raise CacheMismatchError(message)
         warnings.warn(f"actcache: {message}", CacheMismatchWarning, stacklevel=3)

@@ -35,7 +35,8 @@ T = TypeVar("T")
 
 
 class Lease(Protocol):
-    """What a connection stops when it closes: a daemon of its own, or its lease on the node daemon."""
+    """What a connection stops when it closes: a daemon of its own, or its lease on the node daemon. A lease
+    with a ``revive()`` method (the node daemon's) is told when a call finds the daemon unreachable."""
 
     def stop(self) -> None: ...
 
@@ -129,6 +130,8 @@ class Connection:
         self._data_id = ""
         #: How many times the namespace was opened (a new daemon, or the daemon restarted).
         self.opens = 0
+        #: How many times the daemon came back after it was gone (``resume``): what was pushed before is gone.
+        self.resumes = 0
         self._last_log: dict[str, float] = {}  # per cause: when it was last logged (first: warned)
         self._paused_until = 0.0
         self._backoff_s = config.backoff_s
@@ -394,10 +397,20 @@ class Connection:
             if cause in ("unavailable", "full"):
                 self._paused_until = now + self._backoff_s
                 self._backoff_s = min(self._backoff_s * 2, max(30.0, self.config.backoff_s))
+        if cause == "unavailable" and callable(getattr(self._embedded, "revive", None)):
+            self._embedded.revive()  # the node daemon's lease starts it again; resume() ends the pause
         if due:
             log.warning("%s [%d times so far]", message, count)
         if first:
             self.surface()
+
+    def resume(self) -> None:
+        """The daemon serves again (its lease started it again): once this connection's channel is connected to
+        it (gRPC retries a lost connection at its own pace), end the back-off: the next call uses the cache."""
+        self._rpc.wait_ready(self.config.timeout_s)
+        with self._lock:
+            self._paused_until, self._backoff_s = 0.0, self.config.backoff_s
+            self.resumes += 1
 
     def close(self) -> None:
         """Send queued puts, stop the writer thread and an embedded daemon (or the node daemon's lease)."""

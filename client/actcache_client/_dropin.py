@@ -21,11 +21,12 @@ from actcache_client._batch import Batch
 from actcache_client._cached_forward import CachedForward
 from actcache_client._connection import Connection
 from actcache_client._inplace import InPlacePrefix
-from actcache_client._loader import CachedLoader, IndexedDataset, seeded_item, worker_options
+from actcache_client._loader import CachedLoader, IndexedDataset, worker_options
 from actcache_client._node_daemon import connect
 from actcache_client._options import CacheOptions
 from actcache_client._stages import Stage, StagedModel, State, tensors_of
 from actcache_client._tensors import VarLen
+from actcache_client._wrap_checks import check_loader, uncontrolled_randomness
 from actcache_client.layouts import Layout, blocks_layout, check_layout, find_layout
 
 __all__ = ["ActCache", "StageInfo", "WrappedLoader"]
@@ -145,6 +146,7 @@ class ActCache:
         cached (a warning says so). ``targets`` (default: ``dataset.targets``) lets the loader skip loading
         the inputs the cache serves (their rows hold zeros); ``skip_loads=False`` loads every input.
         """
+        check_loader(loader)
         if skip_loads and targets is None:
             targets = getattr(loader.dataset, "targets", None)
         return WrappedLoader(self, loader, variants=variants, targets=targets if skip_loads else None)
@@ -158,21 +160,14 @@ class WrappedLoader:
 
     def __init__(self, cache: ActCache, loader: DataLoader, *, variants: int | None,
                  targets: Sequence[Any] | Callable[[int], Any] | None) -> None:
-        if isinstance(loader, WrappedLoader):
-            raise ConfigError("this loader is already wrapped by ActCache.wrap")
-        if loader.batch_sampler is None:
-            raise ConfigError("ActCache.wrap needs a DataLoader with batch_size or batch_sampler (automatic batching)")
+        check_loader(loader)
         dataset = loader.dataset
         example = dataset[0]
         skippable = (targets is not None and loader.collate_fn is default_collate and isinstance(example, tuple)
                      and len(example) == 2 and isinstance(example[0], Tensor))
-        random = variants is None and _draws_at_random(dataset)
+        random = uncontrolled_randomness(dataset, variants)
         indexed = IndexedDataset(dataset, targets=targets if skippable else None, seeded=variants is not None,
                                  random_transforms=random)
-        if random:
-            warnings.warn("actcache: the dataset's items change from one load to the next (random augmentation in "
-                          "__getitem__); pass variants=K to ActCache.wrap to cache K augmented versions of each "
-                          "sample", stacklevel=3)
         inner = DataLoader(indexed, batch_sampler=loader.batch_sampler, collate_fn=loader.collate_fn,
                            generator=loader.generator, **worker_options(loader))
         self.cache = cache
@@ -262,23 +257,6 @@ def _splittable(state: Any, rows: int) -> State:
         f"the cache needs tensors whose first dimension is the batch ({rows}): return tensors from the collate_fn "
         "(a transformers collator: return_tensors='pt'), one row per sample, no packing"
     )
-
-
-def _draws_at_random(dataset: Any) -> bool:
-    """Whether loads of item 0 under different random seeds differ (random augmentation in ``__getitem__``);
-    a transform applied with probability p goes unnoticed in eight loads with probability p^8 + (1-p)^8."""
-    first = seeded_item(dataset, 0, 0)
-    return any(not _equal(first, seeded_item(dataset, 0, seed)) for seed in range(1, 8))
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, Tensor) and isinstance(b, Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return a == b
 
 
 def _check_right_padding(varlen: VarLen | None, inputs: State) -> None:

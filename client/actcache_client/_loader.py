@@ -10,14 +10,10 @@ exactly those batches.
 
 from __future__ import annotations
 
-import hashlib
-import random
 import warnings
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterator, Sequence
-
-import numpy as np
 
 import torch
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
@@ -27,33 +23,13 @@ from actcache.errors import ConfigError
 from actcache_client._batch import Batch, Skipped
 from actcache_client._cached_forward import CachedForward
 from actcache_client._identity import data_fingerprint
+from actcache_client._seeding import sample_seed, seed_generators, seeded_item, with_seeds
 
 __all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "seeded_item", "worker_options"]
 
 
 class UncacheableDataWarning(UserWarning):
     """The data cannot be cached safely (e.g. uncontrolled random augmentation); recomputing."""
-
-
-def sample_seed(sample_id: int, variant: int) -> int:
-    """The seed of the random transforms of ``(sample_id, variant)``: stable across processes and runs."""
-    digest = hashlib.blake2b(f"{sample_id}/{variant}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def seeded_item(dataset: Any, index: int, seed: int) -> Any:
-    """``dataset[index]`` with torch's, Python's and NumPy's global random generators seeded by ``seed``
-    (transforms in ``__getitem__``), restored after."""
-    py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        try:
-            return dataset[index]
-        finally:
-            random.setstate(py_state)
-            np.random.set_state(np_state)
 
 
 class IndexedDataset(Dataset):
@@ -85,6 +61,7 @@ class IndexedDataset(Dataset):
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
         self.random_transforms, self.data_id = random_transforms, data_id
         self._fingerprints: dict[int, bytes] = {}
+        self._seeding = frozenset({"torch"})  # with ``seeded``: the global generators items were seen drawing from
 
     def fingerprint(self, variants: int = 1) -> bytes:
         """The data fingerprint over variants ``0..variants-1`` (computed once, then remembered)."""
@@ -111,11 +88,14 @@ class IndexedDataset(Dataset):
 
     def __getitem__(self, key: int | tuple[int, int] | tuple[int, int, bool]) -> tuple[int, Any]:
         """``(sample_id, item)``; for ``(index, variant, False)`` the item is not loaded: ``(sample_id, Skipped(target))``."""
-        index, variant, load = (*key, True)[:3] if isinstance(key, tuple) else (key, 0, True)
+        return self._load([key])[0]
+
+    def _item(self, index: int, variant: int, seeding: frozenset[str]) -> tuple[int, Any]:
+        """``(sample_id, item)``, loaded with the global generators in ``seeding`` seeded (not restored)."""
         sample_id = self.sample_id(index)
-        if not load:
-            return sample_id, Skipped(self.target(index))
-        item = seeded_item(self.dataset, index, sample_seed(sample_id, variant)) if self.seeded else self.dataset[index]
+        if seeding:
+            seed_generators(sample_seed(sample_id, variant), seeding)
+        item = self.dataset[index]
         if self.augment is not None:
             item = self.augment(item, torch.Generator().manual_seed(sample_seed(sample_id, variant)))
         return sample_id, item
@@ -127,7 +107,21 @@ class IndexedDataset(Dataset):
             targets = (self.targets[torch.tensor(indices, dtype=torch.int64)] if isinstance(self.targets, torch.Tensor)
                        else default_collate([self.target(i) for i in indices]))
             return _Unloaded([self.sample_id(i) for i in indices], targets)
-        return [self[k] for k in keys]
+        return self._load(keys)
+
+    def _load(self, keys: list) -> list[tuple[int, Any]]:
+        """``self[key]`` for each key; with ``seeded``, the generators saved once for them all and restored."""
+        if not self.seeded:
+            return self._load_keys(keys, frozenset())
+        items, self._seeding = with_seeds(partial(self._load_keys, keys), self._seeding)
+        return items
+
+    def _load_keys(self, keys: list, seeding: frozenset[str]) -> list[tuple[int, Any]]:
+        out = []
+        for key in keys:
+            index, variant, load = (*key, True)[:3] if isinstance(key, tuple) else (key, 0, True)
+            out.append(self._item(index, variant, seeding) if load else (self.sample_id(index), Skipped(self.target(index))))
+        return out
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import Callable
 
 from actcache.errors import ConfigError, DaemonUnavailable
-from actcache.node import NodeDaemon, ensure_running, peer_pid
+from actcache.node import NodeDaemon, ensure_running, healthy, peer_pid
 from actcache.shm import pid_alive
 from actcache_client._connection import Connection, ConnectionConfig
 
@@ -72,32 +73,63 @@ class EmbeddedDaemon:
 
 
 class NodeDaemonLease:
-    """Keeps the node daemon up while a connection uses it (module docstring); ``stop`` ends it. After a
-    failed start it tries again at twice the interval each time, up to 15 minutes."""
+    """Keeps the node daemon up while a connection uses it (module docstring); ``stop`` ends it.
 
-    def __init__(self, node: NodeDaemon) -> None:
+    ``revive()`` (a connection found the daemon gone) checks at once instead of at the next interval. A daemon
+    found gone is started again: a warning when it is found gone, ``on_back()`` once it serves again, then
+    an info line. After a failed start it tries again after 1 s (after the interval when ``connect`` could
+    not start it: ``failed``), doubling up to 15 minutes; a ``revive`` does not cut that wait short."""
+
+    def __init__(self, node: NodeDaemon, on_back: Callable[[], None] | None = None, *, failed: bool = False) -> None:
         self.node = node
+        self.on_back = on_back
         idle = node.idle_timeout_s
         self.interval_s = max(0.1, min(60.0, idle / 3)) if idle else 60.0
         self._stopped = threading.Event()
+        self._wake = threading.Event()
+        # 0: the last check found the daemon serving (or started it); else the wait after a failed start
+        self._retry_s = self.interval_s if failed else 0.0
         self._thread = threading.Thread(target=self._run, name="actcache-node-lease", daemon=True)
         self._thread.start()
 
+    def revive(self) -> None:
+        """The daemon did not answer: check (and start it again) now, unless a failed start is being waited out."""
+        if not self._retry_s:
+            self._wake.set()
+
     def _run(self) -> None:
-        wait = self.interval_s
-        while not self._stopped.wait(wait):
-            try:
-                ensure_running(self.node)
-            except DaemonUnavailable as exc:
-                if wait == self.interval_s:
-                    log.warning("actcache: the node daemon is not running and could not be started: %s", exc)
-                wait = min(wait * 2, 900.0)
-            else:
-                wait = self.interval_s
+        wait = self._retry_s or self.interval_s
+        while True:
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
+            wait = self.interval_s if self._check() else self._retry_s
+
+    def _check(self) -> bool:
+        """Whether the daemon serves, started again if it was gone."""
+        if healthy(self.node.target):
+            return True
+        if not self._retry_s:
+            log.warning("actcache: the node daemon on %s is gone; starting it again (the cache is not used "
+                        "meanwhile)", self.node.socket)
+        try:
+            ensure_running(self.node)
+        except DaemonUnavailable as exc:
+            if not self._retry_s:
+                log.warning("actcache: the node daemon is not running and could not be started: %s", exc)
+            self._retry_s = min(max(1.0, self._retry_s * 2), 900.0)
+            return False
+        self._retry_s = 0.0
+        if self.on_back is not None:
+            self.on_back()
+        log.info("actcache: the node daemon is back on %s; the cache serves again", self.node.socket)
+        return True
 
     def stop(self) -> None:
         """End the lease (does not wait for a check in progress); the daemon stops once idle."""
         self._stopped.set()
+        self._wake.set()
 
 
 def connect(socket: str | os.PathLike | None = None, *, address: str | None = None, embedded: bool = False,
@@ -130,7 +162,16 @@ def connect(socket: str | os.PathLike | None = None, *, address: str | None = No
     except DaemonUnavailable as exc:
         if strict:
             raise
-        connection = Connection(config, embedded=NodeDaemonLease(node))
+        connection = _leased(config, node, failed=True)
         connection.fallback(exc)  # training goes on without the cache; the lease tries again
         return connection
-    return Connection(config, embedded=NodeDaemonLease(node))
+    return _leased(config, node)
+
+
+def _leased(config: ConnectionConfig, node: NodeDaemon, *, failed: bool = False) -> Connection:
+    """A connection holding a lease on the node daemon: the lease starts the daemon again when the connection
+    finds it gone, and the connection uses it again as soon as it is back."""
+    lease = NodeDaemonLease(node, failed=failed)
+    connection = Connection(config, embedded=lease)
+    lease.on_back = connection.resume
+    return connection

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_entry
+from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_entries, encode_entry
 from actcache.served import uniform_layout, uniform_rows
 from actcache.errors import ConfigError, InvalidRequest
 from actcache.shm import SlotRun
@@ -115,6 +115,10 @@ def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None =
     if unsupported is not None:
         supported = ", ".join(str(d) for d in _TO_CODEC)
         raise InvalidRequest(f"cannot cache tensors of dtype {unsupported}; supported: {supported}")
+    if lengths is None and not zstd_level:  # rows of one shape: the header laid out once, one copy per entry
+        specs = [TensorSpec(_TO_CODEC[t.dtype], tuple(t.shape[1:])) for t in stored]
+        flat = [t.contiguous().reshape(batch, -1).view(torch.uint8).numpy() for t in stored]
+        return encode_entries(specs, [[f[i] for f in flat] for i in range(batch)])
     out = []
     for i in range(batch):
         parts = [(t[i] if lengths is None else t[i, : lengths[i]]).contiguous() for t in stored]

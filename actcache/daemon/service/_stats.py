@@ -3,6 +3,7 @@ each namespace (``NamespaceJobs``), in one message."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
 from actcache.daemon.prefetch import PrefetchCounters
+from actcache.daemon.service._job_exits import JobExits
 from actcache.errors import InvalidRequest
 from actcache.keys import group_prefix
 
@@ -42,11 +44,15 @@ class Job:
 
 class NamespaceJobs:
     """The last ``MAX_JOBS_PER_NAMESPACE`` distinct jobs of each namespace, least recently opened first,
-    recorded at Open (later requests carry a handle the jobs share). Thread-safe."""
+    recorded at Open (later requests carry a handle the jobs share). Jobs on the daemon's host (``host``) are
+    watched until they exit (``exits``). Thread-safe."""
 
-    def __init__(self, *, limit: int = MAX_JOBS_PER_NAMESPACE, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, limit: int = MAX_JOBS_PER_NAMESPACE, clock: Callable[[], float] = time.time,
+                 host: str | None = None) -> None:
         self.limit = limit
         self._clock = clock
+        self.host = socket.gethostname() if host is None else host
+        self.exits = JobExits(clock=clock)
         self._lock = threading.Lock()
         self._jobs: dict[int, OrderedDict[tuple, Job]] = {}
 
@@ -65,7 +71,9 @@ class NamespaceJobs:
             jobs[key] = job
             while len(jobs) > self.limit:
                 jobs.popitem(last=False)
-            return job
+        if host == self.host and pid > 0:
+            self.exits.watch(pid, start_time)
+        return job
 
     def of(self, namespace_id: int) -> list[Job]:
         """The namespace's jobs, least recently opened first."""
@@ -111,7 +119,8 @@ def stats_reply(
         for job in jobs.of(info.id):
             row.jobs.add(
                 job=pb.JobInfo(pid=job.pid, host=job.host, start_time=job.start_time, data_id=job.data_id),
-                first_seen=job.first_seen, last_seen=job.last_seen, opens=job.opens,
+                first_seen=job.first_seen, last_seen=job.last_seen, opens=job.opens, local=job.host == jobs.host,
+                ended=jobs.exits.ended(job.pid, job.start_time) or 0.0,
             )
     for group in store.groups():
         gen = generations.get(group_prefix(group.namespace_id, group.fingerprint))

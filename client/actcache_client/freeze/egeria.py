@@ -31,6 +31,7 @@ from typing import Any, cast
 
 from actcache.errors import ConfigError
 
+from actcache_client.freeze._main_guard import check_main_guard
 from actcache_client.freeze.policy import Decision, Signals, check_state_version, relative_change
 
 __all__ = ["EgeriaConfig", "EgeriaPolicy"]
@@ -89,12 +90,16 @@ class EgeriaConfig:
 class EgeriaPolicy:
     """Freeze the frontmost active stage once its plasticity per span has stayed below T for W evaluations.
 
+    Its readings come from a spawned process: built by a script's top-level code outside
+    ``if __name__ == "__main__":``, it is a ConfigError (freeze._main_guard).
+
     Invariants: min_window <= window <= config.window; len(raw) <= window;
     consecutive <= window; lr_at_freeze is None whenever nothing is frozen;
     lrs holds the lr of the last two evaluations (distinct steps).
     """
 
     def __init__(self, config: EgeriaConfig | None = None) -> None:
+        check_main_guard("EgeriaPolicy")
         self.config = config or EgeriaConfig()
         self._bootstrapping = self.config.bootstrap_threshold is not None
         self.needs = frozenset({"plasticity", "loss"} if self._bootstrapping else {"plasticity"})
