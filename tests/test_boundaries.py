@@ -178,12 +178,12 @@ def test_the_two_packages_public_names_are_pinned():
     ]
     assert actcache_client.__all__ == [
         "ActCache", "AuditConfig", "AutoEncoding", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning", "CacheMismatchWarning",
-        "CachePlanner", "CachedForward", "CachedLoader", "CachedTeacher", "ChangedInputWarning", "ClientStats", "Connection",
+        "CacheOptions", "CachePlanner", "CachedForward", "CachedLoader", "CachedTeacher", "ChangedInputWarning", "ClientStats", "Connection",
         "ConnectionConfig", "Decision", "DecisionKind", "EgeriaConfig", "EgeriaPolicy", "EpochCounters",
-        "FreezeController", "FreezeMilestone", "FreezePolicy", "IndexedDataset", "ManualPolicy",
-        "MovingTeacherWarning", "NodeStableSampler", "PlannerConfig", "ReferenceConfig", "Signals", "StagedModel",
+        "FreezeController", "FreezeMilestone", "FreezePolicy", "IndexedDataset", "Layout", "ManualPolicy",
+        "MovingTeacherWarning", "NodeStableSampler", "PlannerConfig", "ReferenceConfig", "Signals", "Stage", "StageInfo", "StagedModel",
         "StaticPolicy", "StepTimes", "TeacherOutput", "UncacheableDataWarning", "VarLen", "WrappedLoader", "auto_partition",
-        "connect", "distillation_loss", "from_bert", "from_resnet", "from_sequential", "topk_soft_targets",
+        "connect", "distillation_loss", "from_bert", "from_resnet", "from_sequential", "register_layout", "topk_soft_targets",
     ]
     # every error class actcache raises is reachable from the top package
     errors = [getattr(actcache, n) for n in actcache.__all__ if n != "__version__"]

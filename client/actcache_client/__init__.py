@@ -27,7 +27,8 @@ Errors are actcache's (``actcache.ActCacheError`` and its subclasses).
 from actcache_client._audit import AuditConfig, CacheMismatchWarning
 from actcache_client._cached_forward import CachedForward, EpochCounters, StepTimes
 from actcache_client._codec_choice import AutoEncoding
-from actcache_client._dropin import ActCache, WrappedLoader
+from actcache_client._dropin import ActCache, StageInfo, WrappedLoader
+from actcache_client._options import CacheOptions
 from actcache_client._inplace import ChangedInputWarning
 from actcache_client._connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig
 from actcache_client.freeze import (
@@ -49,7 +50,7 @@ from actcache_client._loader import Batch, CachedLoader, IndexedDataset, Uncache
 from actcache_client._node_daemon import connect
 from actcache_client._planner import CachePlanner, PlannerConfig
 from actcache_client.sampler import NodeStableSampler
-from actcache_client._stages import StagedModel, auto_partition, from_bert, from_resnet, from_sequential
+from actcache_client._stages import Stage, StagedModel, auto_partition, from_bert, from_resnet, from_sequential
 from actcache_client._teacher import (
     CachedTeacher,
     MovingTeacherWarning,
@@ -58,6 +59,7 @@ from actcache_client._teacher import (
     topk_soft_targets,
 )
 from actcache_client._tensors import VarLen
+from actcache_client.layouts import Layout, register_layout
 
 __all__ = [
     "ActCache",
@@ -68,6 +70,7 @@ __all__ = [
     "Batch",
     "CacheFallbackWarning",
     "CacheMismatchWarning",
+    "CacheOptions",
     "CachePlanner",
     "CachedForward",
     "CachedLoader",
@@ -85,12 +88,15 @@ __all__ = [
     "FreezeMilestone",
     "FreezePolicy",
     "IndexedDataset",
+    "Layout",
     "ManualPolicy",
     "MovingTeacherWarning",
     "NodeStableSampler",
     "PlannerConfig",
     "ReferenceConfig",
     "Signals",
+    "Stage",
+    "StageInfo",
     "StagedModel",
     "StaticPolicy",
     "StepTimes",
@@ -104,5 +110,6 @@ __all__ = [
     "from_bert",
     "from_resnet",
     "from_sequential",
+    "register_layout",
     "topk_soft_targets",
 ]

@@ -8,7 +8,6 @@ row holds zeros of the input's shape (a placeholder) that the model never reads.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -24,111 +23,118 @@ from actcache_client._connection import Connection
 from actcache_client._inplace import InPlacePrefix
 from actcache_client._loader import CachedLoader, IndexedDataset, worker_options
 from actcache_client._node_daemon import connect
-from actcache_client._planner import CachePlanner
-from actcache_client._stages import (StagedModel, State, from_bert, from_resnet, from_sequential, from_transformers,
-                                     is_transformers_model, tensors_of)
+from actcache_client._options import CacheOptions
+from actcache_client._stages import Stage, StagedModel, State, tensors_of
 from actcache_client._tensors import VarLen
 from actcache_client._wrap_checks import check_loader, uncontrolled_randomness
+from actcache_client.layouts import Layout, blocks_layout, check_layout, find_layout
 
-__all__ = ["ActCache", "WrappedLoader"]
-
-
-def _first_field(data: Any) -> Any:
-    if isinstance(data, Mapping):
-        raise ConfigError(f"the loader yields dicts (keys {sorted(data)}); say which field is the network's input: "
-                          "ActCache(net, inputs=lambda batch: batch['image'])")
-    return data[0] if isinstance(data, (list, tuple)) else data
+__all__ = ["ActCache", "StageInfo", "WrappedLoader"]
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """How a network's stages are found, and how its batches and states map to theirs."""
+class StageInfo:
+    """One stage of the network as ActCache found it: its ``name`` (what ``freeze`` takes), the ``modules``
+    and parameters of the network it holds (dotted paths) and its number of ``parameters``."""
 
-    stages: StagedModel
-    varlen: VarLen | None = None
-    inputs_of: Callable[[Any], State] = _first_field
-    output_of: Callable[[State, Tensor], Any] = lambda state, _: state
-
-
-def _bert_inputs(data: Any) -> State:
-    if isinstance(data, Mapping):  # a dict, or transformers' BatchEncoding
-        if "input_ids" not in data:
-            raise ConfigError(f"a BERT batch needs 'input_ids'; the collate gave keys {sorted(data)}")
-        ids = data["input_ids"]
-        mask = data.get("attention_mask")
-        if mask is None and isinstance(ids, Tensor):
-            mask = torch.ones_like(ids)
-        types = data.get("token_type_ids")
-        return (ids, mask) if types is None else (ids, mask, types)
-    if isinstance(data, (list, tuple)) and data and isinstance(data[0], (list, tuple, Mapping)):
-        return _bert_inputs(data[0])  # ((input_ids, attention_mask[, token_type_ids]), labels)
-    return tuple(data[:3]) if isinstance(data, (list, tuple)) else data
+    name: str
+    modules: tuple[str, ...]
+    parameters: int
 
 
-def _bert_hidden(state: State, input_ids: Tensor) -> Tensor:
-    """The served ``(hidden, mask)`` as the encoder's next layer takes it: hidden padded to the batch's length."""
-    hidden = state[0]
-    missing = input_ids.shape[1] - hidden.shape[1]
-    return hidden if missing <= 0 else nn.functional.pad(hidden, (0, 0, 0, missing))
-
-
-def _layout(net: nn.Module) -> _Layout:
-    if isinstance(net, nn.Sequential):
-        return _Layout(from_sequential(net))
-    if hasattr(net, "conv1") and hasattr(net, "layer1"):
-        return _Layout(from_resnet(net))
-    if is_transformers_model(net):
-        return _Layout(from_transformers(net), VarLen(), _bert_inputs, _bert_hidden)
-    if hasattr(getattr(net, "bert", net), "embeddings") and hasattr(net, "classifier"):
-        return _Layout(from_bert(net), VarLen(), _bert_inputs, _bert_hidden)
-    raise ConfigError(
-        f"actcache cannot tell the stages of a {type(net).__name__}: it knows nn.Sequential, ResNets "
-        "(conv1, bn1, relu, layer1..) and BERT classifiers (.bert.embeddings/.encoder.layer, .classifier); "
-        "pass stages=StagedModel([...]) built from the network's own modules, in the order it calls them"
-    )
+def _stage_info(net: nn.Module, stage: Stage) -> StageInfo:
+    paths = {id(m): name for name, m in net.named_modules()}
+    params = {id(p): name for name, p in net.named_parameters()}
+    found: list[str] = []
+    inside: set[int] = set()
+    for module in stage.modules():
+        if id(module) in paths and id(module) not in inside:
+            found.append(paths[id(module)] or "(the network)")
+            inside.update(id(m) for m in module.modules())
+    owned = {id(p) for m in stage.modules() if id(m) in inside for p in m.parameters()}
+    found += [params[id(p)] for p in stage.parameters() if id(p) in params and id(p) not in owned]
+    return StageInfo(stage.name, tuple(found), sum(p.numel() for p in stage.parameters()))
 
 
 class ActCache:
     """Serves ``net``'s frozen prefix from the cache inside ``net`` itself.
 
-    ``connection`` defaults to this node's daemon (``connect()``). ``stages`` (a StagedModel over
-    ``net``'s own modules) overrides the layout found from ``net`` (a ResNet, a BERT classifier, an
-    nn.Sequential). ``inputs(batch)`` picks the network's input out of a batch as the loader yields it
-    (default: its first field; for BERT ``input_ids``, ``attention_mask`` and ``token_type_ids``).
-    ``options`` are CachedForward's (``store_dtype``, ``audit``, ``planner``, ...); ``planner`` defaults to a
-    ``CachePlanner()`` (the cost model decides whether serving beats recomputing; ``planner=None``: always
-    serve). ``model`` is that
-    CachedForward: give it to a FreezeController. A network in DistributedDataParallel works either way
-    round (``ActCache(ddp)``, or ``DistributedDataParallel(net)`` after ``ActCache(net)``); DDP needs
+    ``connection`` defaults to this node's daemon (``connect()``). The stages come from the registry of
+    layouts (``actcache_client.layouts``: nn.Sequential, ResNets, BERT, RoBERTa, ELECTRA, DistilBERT, Llama,
+    Qwen2, Mistral, ViT, CLIP, ...), or from ``blocks="encoder.layers"`` (the dotted path of the network's
+    blocks, an nn.ModuleList or nn.Sequential), or from ``stages`` (a StagedModel over ``net``'s own
+    modules). They are checked against ``net``'s own forward at the first freeze. ``inputs(batch)`` picks
+    the network's input out of a batch as the loader yields it (default: its first field; for text
+    ``input_ids``, ``attention_mask`` and ``token_type_ids``). ``options`` (a CacheOptions, or its fields
+    as keywords) say how entries are stored and served (by default a CachePlanner decides whether serving
+    beats recomputing; ``planner=None``: always serve). ``model`` is the CachedForward serving the
+    prefix: give it to a FreezeController. A network in DistributedDataParallel works either way round
+    (``ActCache(ddp)``, or ``DistributedDataParallel(net)`` after ``ActCache(net)``); DDP needs
     ``find_unused_parameters=True`` to follow parameters that stop receiving gradients when stages freeze.
     """
 
     def __init__(self, net: nn.Module, connection: Connection | None = None, *,
-                 stages: StagedModel | None = None, inputs: Callable[[Any], State] | None = None,
-                 **options: Any) -> None:
+                 stages: StagedModel | None = None, blocks: str | None = None,
+                 inputs: Callable[[Any], State] | None = None, options: CacheOptions | None = None,
+                 **given: Any) -> None:
         while isinstance(net, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             net = net.module
         self.net = net
-        layout = _layout(net) if stages is None else _Layout(stages, options.pop("varlen", None))
+        self.options = CacheOptions.of(options, **given)
+        if stages is not None and blocks is not None:
+            raise ConfigError("ActCache takes stages= or blocks=, not both: blocks= finds the stages from the "
+                              "network's blocks, stages= gives them")
+        if stages is not None:
+            layout = Layout(stages)
+        elif blocks is not None:
+            layout = blocks_layout(net, blocks)
+        else:
+            layout = find_layout(net)
         if inputs is not None:
             layout = replace(layout, inputs_of=inputs)
-        options.setdefault("varlen", layout.varlen)
-        # By default the cost model decides whether serving the prefix beats recomputing it (planner=None: always serve).
-        options.setdefault("planner", CachePlanner())
         self.connection = connection if connection is not None else connect()
-        self.model = CachedForward(layout.stages, self.connection, **options)
+        self.model = CachedForward(layout.stages, self.connection, **self.options.forward_options(layout.varlen))
         self.layout = layout
         self.prefix = InPlacePrefix(self.model, self.net, output_of=layout.output_of)
+        self._checked = not self.options.check  # the layout has been compared with the network's own forward
 
     @property
     def frozen(self) -> int:
         return self.model.frozen
 
-    def freeze(self, depth: int) -> None:
-        """Freeze the first ``depth`` stages (0 unfreezes all); the next training step serves them."""
+    @property
+    def stages(self) -> list[StageInfo]:
+        """The stages found, in order: name, the network's modules each holds, parameters."""
+        return [_stage_info(self.net, stage) for stage in self.model.model.stages]
+
+    def freeze(self, depth: int | str) -> None:
+        """Freeze the first ``depth`` stages, or the stages up to and including the one named ``depth``
+        (0 unfreezes all); the next training step serves them."""
+        depth = self._depth(depth)
         if depth != self.model.frozen:
             self.model.set_frozen(depth)
         self.prefix.sync()
+
+    def _depth(self, depth: int | str) -> int:
+        names = self.model.model.stage_names
+        choices = f"a count of stages, 0..{len(names) - 1}, or a stage name: {', '.join(names[:-1])}"
+        if isinstance(depth, str):
+            if depth in names[:-1]:
+                return names.index(depth) + 1
+            head = f" ({depth!r} is the head, which always trains)" if depth == names[-1] else ""
+            raise ConfigError(f"freeze({depth!r}): no stage of that name can freeze{head}; freeze takes {choices}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth < len(names):
+            raise ConfigError(f"freeze({depth!r}): freeze takes {choices} (the head, {names[-1]!r}, always trains)")
+        return depth
+
+    def check(self, data: Any, loaded: Tensor | None = None) -> None:
+        """Compare the stages with the network's own forward on the batch ``data`` once, when stages are frozen
+        (the wrapped loader calls it); a ConfigError names the stage where they part."""
+        if self._checked or self.model.frozen == 0 or (loaded is not None and len(loaded) == 0):
+            return
+        _check_right_padding(self.model.varlen, self.layout.inputs_of(data))
+        check_layout(self.net, self.layout, data, loaded)
+        self._checked = True
 
     def wrap(self, loader: DataLoader, *, variants: int | None = None,
              targets: Sequence[Any] | Callable[[int], Any] | None = None, skip_loads: bool = True) -> "WrappedLoader":
@@ -208,6 +214,7 @@ class WrappedLoader:
             for batch in self.cached:
                 # with skipped loads: the rows the loader loaded, and placeholders for the others
                 data = batch.data if batch.loaded is None else self._fill(batch)
+                self.cache.check(data, batch.loaded)
                 given = inputs_of(data)
                 raw = _splittable(given, len(batch.ids)) if batch.loaded is None else batch.data[0]
                 prefix.begin(replace(batch, data=(raw, None)), given[0] if isinstance(given, tuple) else given)
@@ -250,3 +257,17 @@ def _splittable(state: Any, rows: int) -> State:
         f"the cache needs tensors whose first dimension is the batch ({rows}): return tensors from the collate_fn "
         "(a transformers collator: return_tensors='pt'), one row per sample, no packing"
     )
+
+
+def _check_right_padding(varlen: VarLen | None, inputs: State) -> None:
+    """A ConfigError if text stored at each sample's own length (VarLen) comes padded on the left."""
+    tensors = tensors_of(inputs)
+    if varlen is None or len(tensors) <= varlen.mask_index:
+        return
+    mask = tensors[varlen.mask_index]
+    if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[1] > 0 and \
+            bool(((mask[:, 0] == 0) & (mask != 0).any(dim=1)).any()):
+        raise ConfigError(
+            "the batches are padded on the left, and text is stored at each sample's own length only with right "
+            "padding: pad on the right (tokenizer.padding_side = 'right'), or pad every batch to one length "
+            "(padding='max_length') and store it whole with varlen=None (CacheOptions(varlen=None))")

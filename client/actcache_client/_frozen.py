@@ -92,6 +92,7 @@ class FrozenPrefix:
         self.weights: list[bytes] = prefix_fingerprints(list(model.stages), 0)
         self.fingerprints: list[bytes] = self.keyed(self.weights, self.data)
         self.seed_depths: list[int] = []  # frozen depths whose entries may seed deeper ones
+        self._trainable = {id(p) for p in model.parameters() if p.requires_grad}  # what unfreezing gives back
 
     def keyed(self, weights: list[bytes], data: bytes) -> list[bytes]:
         """The fingerprints cache keys carry: weights, data, and the stored precision (none: the weights')."""
@@ -113,12 +114,16 @@ class FrozenPrefix:
         """Freeze stages[:depth] (eval mode, no grad) and give the rest their grad and the model's mode back;
         the weights' fingerprints of depths 0..max(depth, fingerprint_depth) (to check deeper entries)."""
         stages = list(self.model.stages)
-        if not 0 <= depth < len(stages):
-            raise ConfigError(f"set_frozen depth must be in 0..{len(stages) - 1} (the head always trains), got {depth}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth < len(stages):
+            names = self.model.stage_names
+            raise ConfigError(f"the frozen depth is a count of stages in 0..{len(stages) - 1} (the head, {names[-1]!r}, "
+                              f"always trains), got {depth!r}; the stages: {', '.join(names)} (ActCache.freeze also "
+                              "takes a stage's name)")
         old, old_fps = self.depth, self.fingerprints
         _unpin_eval(self._modules)
         for i, stage in enumerate(stages):
-            stage.requires_grad_(i >= depth)
+            for p in stage.parameters():  # unfrozen: as the user left them (a LoRA model's base stays frozen)
+                p.requires_grad_(i >= depth and id(p) in self._trainable)
             stage.train(self.model.training if i >= depth else False)
         weights = prefix_fingerprints(stages, max(depth, fingerprint_depth))
         self.weights = weights[: depth + 1]

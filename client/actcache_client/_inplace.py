@@ -8,7 +8,9 @@ would cost a device copy and a host sync in every step): on the device the loade
 must be the very tensor yielded, unmodified (its version counter); on another device (``x.to("cuda")``)
 the oldest pending batch of the input's shape is taken. The batch served last is served again for
 another forward on the same input tensor (a metric under ``no_grad``). Anything else (evaluation, an
-input the loop changed: an error on placeholder rows) runs the modules' own ``forward``.
+input the loop changed: an error on placeholder rows) runs the modules' own ``forward``. A stage 0 that
+names its sites (``Stage(..., sites=[block])``: a ``blocks=`` layout) is served at that block, after the
+network's own code before it; its batches are matched by the network's input (a forward pre-hook on it).
 
 Modules are patched by setting ``forward`` on the instance (removed on unfreezing), so the network's
 ``forward``, parameters and ``state_dict`` keys stay as they are, also under DistributedDataParallel.
@@ -30,7 +32,7 @@ from torch import Tensor, nn
 from actcache.errors import ConfigError
 from actcache_client._batch import Batch
 from actcache_client._cached_forward import CachedForward
-from actcache_client._stages import State
+from actcache_client._stages import Stage, State
 
 __all__ = ["ChangedInputWarning", "InPlacePrefix", "call_sites"]
 
@@ -41,15 +43,19 @@ class ChangedInputWarning(UserWarning):
 
 def call_sites(net: nn.Module, stages: list[nn.Module]) -> list[list[nn.Module]]:
     """For each stage, the topmost modules of ``net`` in it (a residual block; a ResNet stem's ``conv1, bn1,
-    relu``), in registration order, which the adapters keep in the order ``net`` calls them."""
+    relu``), in registration order, which the adapters keep in the order ``net`` calls them; or the sites a
+    Stage names (``Stage(..., sites=[block])``)."""
     owned = {id(m) for m in net.modules()}
     sites: list[list[nn.Module]] = []
     for stage in stages:
         found: list[nn.Module] = []
         inside: set[int] = set()
         for module in stage.modules():
-            if id(module) in owned and id(module) not in inside:
-                found.append(module)
+            if id(module) in inside:
+                continue
+            named = getattr(module, "sites", None) if isinstance(module, Stage) else None
+            if named is not None or id(module) in owned:  # a Stage naming its sites: those, in its place
+                found.extend([module] if named is None else named)
                 inside.update(id(m) for m in module.modules())
         sites.append(found)
     return sites
@@ -138,10 +144,16 @@ class InPlacePrefix:
         self._computing = False  # inside cached.prefix: the patched modules run their own forward
         self._tails: deque[nn.Module] = deque()  # modules still to pass the served state on, in call order
         self._warned = False
-        if self.sites and self.sites[0]:
+        # A stage 0 that names its sites (a blocks= layout) is served at its first block, after the network's
+        # own code before it: its batches are matched where the network is called, by the network's input.
+        self._at_net = any(isinstance(m, Stage) and m.sites is not None for m in cached.model.stages[0].modules())
+        self._net_input: Tensor | None = None  # the input of the network's forward in progress (at_net)
+        entry = net if self._at_net else self.sites[0][0] if self.sites and self.sites[0] else None
+        self._patches: list[_EagerCall] = []
+        if entry is not None:
             self._observer = _RunObserver(self)
-            self.sites[0][0].register_forward_pre_hook(self._observer, with_kwargs=True)
-        self._patches: list[_EagerCall] = [self._observer] if self.sites and self.sites[0] else []
+            entry.register_forward_pre_hook(self._observer, with_kwargs=True)
+            self._patches.append(self._observer)
         self._eager = False  # the patches are graph breaks for torch.compile
 
     def begin(self, batch: Batch, given: Tensor | None) -> None:
@@ -186,20 +198,28 @@ class InPlacePrefix:
         return None
 
     def _observe(self, args: tuple, kwargs: dict) -> None:
-        if self.patched_depth == 0 and not self._computing and self.net.training and torch.is_grad_enabled():
-            self._take(_first_tensor(args, kwargs))
+        if self._computing:
+            return
+        given = _first_tensor(args, kwargs)
+        if self._at_net:
+            self._net_input = given
+        if self.patched_depth == 0 and self.net.training and torch.is_grad_enabled():
+            self._take(given)
 
     def _head(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._computing:  # the CachedForward runs the stages' own modules for the rows it computes
             return original(*args, **kwargs)
         given_now = _first_tensor(args, kwargs)
+        matched = given_now  # what identifies the batch: the head's input, or the network's (at_net)
+        if self._at_net:
+            matched, self._net_input = self._net_input, None
         training = self.net.training and torch.is_grad_enabled()
-        batch = self._take(given_now) if training else None
+        batch = self._take(matched) if training else None
         if batch is None and self._served is not None and self._served[1] is not None \
-                and self._served[1].is_exactly(given_now):
+                and self._served[1].is_exactly(matched):
             batch = self._served[0]  # the batch just trained on, run again (a metric, a second loss)
         if batch is not None:
-            self._served = (batch, _Token.of(given_now))
+            self._served = (batch, _Token.of(matched))
             self._computing = True
             try:
                 state = self.cached.prefix(batch)
@@ -211,7 +231,7 @@ class InPlacePrefix:
             self._tails.popleft()  # the head itself
             return self.output_of(state, given_now)
         if training and self._pending:
-            rows = given_now.shape[0] if isinstance(given_now, Tensor) and given_now.dim() else -1
+            rows = matched.shape[0] if isinstance(matched, Tensor) and matched.dim() else -1
             placeholders = any(batch.loaded is not None and len(batch.ids) == rows for batch, _ in self._pending)
             self._pending.clear()
             if placeholders:  # the rows the loader did not load cannot be computed

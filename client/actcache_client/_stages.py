@@ -50,9 +50,14 @@ _FALLBACK = "pass an nn.Sequential or build stages with StagedModel([...])"
 
 
 class Stage(nn.Module):
-    """A named ``state -> state`` step; ``module`` is called with the state as its only argument."""
+    """A named ``state -> state`` step; ``module`` is called with the state as its only argument.
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+    ``sites``: the network's modules where the frozen prefix is served in place, in the order the network
+    calls them (default: the topmost of the network's modules in ``module``). A stage whose module runs
+    what the network computes before its first block names that block: the network runs the rest itself.
+    """
+
+    def __init__(self, name: str, module: nn.Module, *, sites: Sequence[nn.Module] | None = None) -> None:
         super().__init__()
         if not isinstance(name, str) or not name:
             raise ConfigError(f"stage name must be a non-empty str, got {name!r}")
@@ -60,6 +65,10 @@ class Stage(nn.Module):
             raise ConfigError(f"stage {name!r}: module must be an nn.Module, got {type(module).__name__}")
         self.name = name
         self.module = module
+        inside = {id(m) for m in module.modules()}
+        if sites is not None and (not sites or any(id(m) not in inside for m in sites)):
+            raise ConfigError(f"stage {name!r}: sites must be a non-empty list of modules inside the stage's module")
+        self.sites: list[nn.Module] | None = None if sites is None else list(sites)  # a list: not registered
 
     def forward(self, state: State) -> State:
         return self.module(state)

@@ -46,7 +46,8 @@ from actcache.errors import ConfigError
 from actcache_client._cached_forward import CachedForward
 from actcache_client._connection import Connection
 from actcache_client._dropin import ActCache, WrappedLoader
-from actcache_client._stages import from_transformers
+from actcache_client._options import CacheOptions
+from actcache_client.layouts import Layout, blocks_layout, find_layout
 from actcache_client.bert import minilm_dir
 from actcache_client.freeze.controller import FreezeController
 from actcache_client.freeze.policy import FreezePolicy
@@ -55,14 +56,14 @@ from actcache_client.integrations._choice import check_freeze_choice
 __all__ = ["TrainerCache", "attach", "load_minilm"]
 
 
-def attach(trainer: Trainer, *, depth: int | None = None, freeze_at: int | float | None = None,
+def attach(trainer: Trainer, *, depth: int | str | None = None, freeze_at: int | float | None = None,
            policy: FreezePolicy | None = None, eval_every: int | None = None, cache: bool = True,
            connection: Connection | None = None, **options: Any) -> "TrainerCache":
     """Serve ``trainer.model``'s frozen stages from the cache; a FreezeController decides, or ``depth`` does.
 
     Without ``depth``: a FreezeController with ``policy`` and ``eval_every`` (default: both from the
     run's length, the Trainer's max steps). ``depth``: stages frozen by hand, embeddings first (4 =
-    embeddings + 3 layers), at ``freeze_at``: an optimizer step (int), or a fraction of the run's steps
+    embeddings + 3 layers; or a stage's name: the stages through it), at ``freeze_at``: an optimizer step (int), or a fraction of the run's steps
     (float in [0, 1)); default 0. ``connection`` defaults to this node's daemon; ``options`` are
     ActCache's. ``cache=False``: the same freezing, computed every step.
     """
@@ -74,15 +75,21 @@ class TrainerCache:
     """What ``attach`` added to a Trainer: ``cache`` (the ActCache, None with ``cache=False``), the
     stages it freezes (``staged``) and, without ``depth``, the ``controller`` once training has begun."""
 
-    def __init__(self, trainer: Trainer, *, depth: int | None, freeze_at: int | float | None,
+    def __init__(self, trainer: Trainer, *, depth: int | str | None, freeze_at: int | float | None,
                  policy: FreezePolicy | None, eval_every: int | None, cache: bool,
                  connection: Connection | None, **options: Any) -> None:
-        stages = from_transformers(trainer.model)
+        stages = _layout(trainer.model, options).stages
+        if _padded_left(trainer) and "varlen" not in options and options.get("options") is None:
+            options = {**options, "varlen": None}  # stored at the batch's padded length: pad to max_length
         check_freeze_choice("attach", depth=depth, at_name="freeze_at", at=freeze_at, policy=policy,
                             eval_every=eval_every)
-        if depth is not None and (not isinstance(depth, int) or not 1 <= depth < stages.num_stages):
-            raise ConfigError(f"attach(depth=...) freezes 1..{stages.num_stages - 1} stages of this model "
-                              f"({', '.join(stages.stage_names[:3])}, ...), got {depth!r}")
+        names = stages.stage_names
+        if isinstance(depth, str) and depth in names[:-1]:
+            depth = names.index(depth) + 1  # through the stage of that name
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
+                                  or not 1 <= depth < stages.num_stages):
+            raise ConfigError(f"attach(depth=...) freezes 1..{stages.num_stages - 1} stages of this model, or the "
+                              f"stages through the one it names ({', '.join(names[:-1])}), got {depth!r}")
         freeze_at = 0 if freeze_at is None else freeze_at
         if isinstance(freeze_at, bool) or not (isinstance(freeze_at, int) and freeze_at >= 0
                                                or isinstance(freeze_at, float) and 0 <= freeze_at < 1):
@@ -90,6 +97,8 @@ class TrainerCache:
                               f"(float in [0, 1)), got {freeze_at!r}")
         self.trainer, self.depth, self.freeze_at = trainer, depth, freeze_at
         self.policy, self.eval_every = policy, eval_every
+        if not cache:  # options unused, but checked: the run to compare against takes the same arguments
+            CacheOptions.of(options.get("options"), **{k: v for k, v in options.items() if k not in _LAYOUT_ARGS})
         self.cache = ActCache(trainer.model, connection, **options) if cache else None
         #: The stages that freeze: the cache's, or with ``cache=False`` the same stages without a cache.
         self.staged = self.cache.model if self.cache is not None else CachedForward(stages, None)
@@ -145,6 +154,24 @@ class TrainerCache:
             self.controller.close()
         if self.cache is not None:
             self.cache.close()
+
+
+_LAYOUT_ARGS = ("stages", "blocks", "inputs", "options")  # ActCache's arguments besides CacheOptions' fields
+
+
+def _layout(model: nn.Module, options: dict[str, Any]) -> Layout:
+    """The layout ActCache will find (``stages=`` or ``blocks=`` among the options, else the registry's)."""
+    if options.get("stages") is not None:
+        return Layout(options["stages"])
+    if options.get("blocks") is not None:
+        return blocks_layout(model, options["blocks"])
+    return find_layout(model)
+
+
+def _padded_left(trainer: Trainer) -> bool:
+    """Whether the Trainer's tokenizer pads on the left (its text is then stored at the padded length)."""
+    tokenizer = getattr(trainer, "processing_class", None) or getattr(trainer.data_collator, "tokenizer", None)
+    return getattr(tokenizer, "padding_side", "right") == "left"
 
 
 class _Freeze(TrainerCallback):

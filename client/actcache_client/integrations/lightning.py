@@ -48,10 +48,11 @@ from torch.utils.data import DataLoader
 
 from actcache.errors import ConfigError
 from actcache_client._connection import Connection
-from actcache_client._dropin import ActCache, WrappedLoader, _layout
+from actcache_client._dropin import ActCache, WrappedLoader
 from actcache_client.freeze.controller import FreezeController
 from actcache_client.freeze.policy import FreezePolicy
 from actcache_client.integrations._choice import check_freeze_choice
+from actcache_client.layouts import find_layout, layout_families
 
 __all__ = ["ActCacheCallback"]
 
@@ -68,14 +69,16 @@ class ActCacheCallback(pl.Callback):
     ``cache`` is the ActCache once ``fit`` has set it up (its ``model`` has the counters).
     """
 
-    def __init__(self, *, depth: int | None = None, freeze_at_epoch: int | None = None,
+    def __init__(self, *, depth: int | str | None = None, freeze_at_epoch: int | None = None,
                  policy: FreezePolicy | None = None, eval_every: int | None = None, module: str | None = None,
                  connection: Connection | None = None, variants: int | None = None,
                  targets: Sequence[Any] | Callable[[int], Any] | None = None, **options: Any) -> None:
         check_freeze_choice("ActCacheCallback", depth=depth, at_name="freeze_at_epoch", at=freeze_at_epoch,
                             policy=policy, eval_every=eval_every)
-        if depth is not None and depth < 1:
-            raise ConfigError(f"ActCacheCallback depth must be >= 1 (stages to freeze), got {depth}")
+        if depth is not None and not isinstance(depth, str) and (isinstance(depth, bool) or not isinstance(depth, int)
+                                                                 or depth < 1):
+            raise ConfigError(f"ActCacheCallback depth must be >= 1 (a count of stages to freeze) or a stage's name "
+                              f"(the stages through it), got {depth!r}")
         if freeze_at_epoch is not None and freeze_at_epoch < 0:
             raise ConfigError(f"ActCacheCallback freeze_at_epoch must be >= 0, got {freeze_at_epoch}")
         self.depth = depth
@@ -222,7 +225,7 @@ def _find_net(pl_module: pl.LightningModule, name: str | None) -> nn.Module:
     found = []
     for child_name, child in pl_module.named_children():
         try:
-            _layout(child)
+            find_layout(child)
         except ConfigError:
             continue
         found.append(child_name)
@@ -230,7 +233,8 @@ def _find_net(pl_module: pl.LightningModule, name: str | None) -> nn.Module:
         children = ", ".join(f"{n} ({type(c).__name__})" for n, c in pl_module.named_children()) or "none"
         which = "several" if found else "none"
         raise ConfigError(f"ActCacheCallback could not tell which network to serve: {which} of "
-                          f"{type(pl_module).__name__}'s children ({children}) is a ResNet, a BERT classifier or an "
-                          "nn.Sequential; pass module=\"<attribute>\" (and stages=StagedModel([...]) for other "
-                          "networks)")
+                          f"{type(pl_module).__name__}'s children ({children}) is taken by a registered layout family "
+                          f"({', '.join(layout_families())}); pass module=\"<attribute>\" (and blocks=\"<dotted "
+                          "path>\" or stages=StagedModel([...]) for other networks, or register a layout with "
+                          "actcache_client.layouts.register_layout)")
     return getattr(pl_module, found[0])
