@@ -9,9 +9,10 @@ the order its ``forward`` does (torchvision ResNet, HF BERT); the tests check bi
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
@@ -250,9 +251,32 @@ def _bidirectional_mask(config: object, hidden: Tensor, mask: Tensor) -> Tensor:
     return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mask)
 
 
+class SharedMask:
+    """``extend(hidden, mask)`` computed once per forward and shared by the layers of one model, as the
+    model's own forward does (the mask state passes from layer to layer unchanged): the last result is kept
+    for the mask tensor it came from, unchanged since (its version), and the hidden state's dtype, device and
+    leading shape. Pickled (for the reference process) without it."""
+
+    def __init__(self, extend: Callable[[Tensor, Tensor], Tensor] = additive_mask) -> None:
+        self.extend = extend
+        self._last: tuple[weakref.ref, int, tuple, Tensor] | None = None
+
+    def __call__(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        key = (hidden.dtype, hidden.device, tuple(hidden.shape[:2]))
+        last = self._last
+        if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == key:
+            return last[3]
+        extended = self.extend(hidden, mask)
+        self._last = (weakref.ref(mask), mask._version, key, extended)
+        return extended
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"extend": self.extend, "_last": None}
+
+
 class EncoderLayer(nn.Module):
     """``(hidden, mask) -> (hidden, mask)``; the layer gets ``extend(hidden, mask)``, the mask its model
-    builds (a module-level callable: stages are pickled for the reference process)."""
+    builds (a module-level callable or a SharedMask: stages are pickled for the reference process)."""
 
     def __init__(self, layer: nn.Module, extend: Callable[[Tensor, Tensor], Tensor] = additive_mask) -> None:
         super().__init__()
@@ -288,7 +312,8 @@ def _encoder_stages(model: nn.Module, body: nn.Module, layers: Iterable[nn.Modul
     head = ClassifierHead(pooler if isinstance(pooler, nn.Module) else None,
                           dropout if isinstance(dropout, nn.Module) else None, model.classifier)
     stages = [Stage("embeddings", _Embeddings(body.embeddings, needs_mask))]
-    stages += [Stage(f"encoder.layer.{i}", EncoderLayer(layer, extend)) for i, layer in enumerate(layers)]
+    shared = SharedMask(extend)  # one extended mask per forward, as the model computes it
+    stages += [Stage(f"encoder.layer.{i}", EncoderLayer(layer, shared)) for i, layer in enumerate(layers)]
     return StagedModel([*stages, Stage("head", head)])
 
 
