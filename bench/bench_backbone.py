@@ -208,6 +208,7 @@ class Row:
     """One configuration's network, loader and optimizer, trained an epoch at a time."""
 
     bytes_per_epoch: Callable[[], int] | None = None
+    opt: torch.optim.Optimizer  # set by each row
 
     def __init__(self, name: str, setup: Setup) -> None:
         self.name, self.setup = name, setup
@@ -238,6 +239,14 @@ class Row:
 
     def run_epoch(self) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def learn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the cross-entropy of ``logits``; the loss, detached."""
+        loss = nn.functional.cross_entropy(logits.float(), labels)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
 
     def close(self) -> None:
         if self.cache is not None:
@@ -285,11 +294,7 @@ class LoopRow(Row):
             labels = batch["labels"].to(device, non_blocking=True)
             with self.setup.autocast:
                 logits = self.net(input_ids=ids, attention_mask=mask).logits
-            loss = nn.functional.cross_entropy(logits.float(), labels)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
-            losses.append(loss.detach())
+            losses.append(self.learn(logits, labels))
         return losses
 
 
@@ -343,11 +348,7 @@ class IdealRow(Row):
             labels = self.loader.dataset.targets[index].to(device, non_blocking=True)
             with self.setup.autocast:
                 logits = self.staged.run((hidden.float(), mask), self.k)
-            loss = nn.functional.cross_entropy(logits.float(), labels)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
-            losses.append(loss.detach())
+            losses.append(self.learn(logits, labels))
         return losses
 
 
@@ -403,11 +404,7 @@ class PlaneRow(Row):
     def run_epoch(self) -> list[torch.Tensor]:
         device, losses = self.setup.device, []
         for x, y in self.loader:
-            loss = nn.functional.cross_entropy(self.net(x.to(device, non_blocking=True)), y.to(device))
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            self.opt.step()
-            losses.append(loss.detach())
+            losses.append(self.learn(self.net(x.to(device, non_blocking=True)), y.to(device)))
         return losses
 
 
