@@ -27,7 +27,8 @@ def test_daemon_and_cli_never_import_torch():
 
 
 def test_client_never_imports_daemon_internals():
-    loaded = _modules_after_import("actcache_client", "actcache_client._loader", "actcache_client._cached_forward")
+    loaded = _modules_after_import("actcache_client", "actcache_client.data._loader",
+                                   "actcache_client.engine._cached_forward")
     assert not any(m.startswith("actcache.daemon") for m in loaded), sorted(m for m in loaded if m.startswith("actcache"))
 
 
@@ -163,7 +164,8 @@ def test_import_cycle_finder_finds_each_cycle():
 def test_no_import_cycles():
     modules = _module_files()
     graph = {module: _imported(module, path, modules) for module, path in modules.items()}
-    assert graph["actcache_client._loader"] >= {"actcache_client._identity", "actcache_client._cached_forward"}
+    assert graph["actcache_client.data._loader"] >= {"actcache_client.data._identity",
+                                                     "actcache_client.engine._cached_forward"}
     cycles = import_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 

@@ -43,8 +43,8 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from actcache.errors import ConfigError
-from actcache_client._cached_forward import CachedForward
-from actcache_client._connection import Connection
+from actcache_client.engine._cached_forward import CachedForward
+from actcache_client.transport._connection import Connection
 from actcache_client._dropin import ActCache, WrappedLoader
 from actcache_client._options import CacheOptions
 from actcache_client.layouts import Layout, blocks_layout, find_layout

@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from actcache.errors import ConfigError
-from actcache_client._connection import Connection
+from actcache_client.transport._connection import Connection
 from actcache_client._dropin import ActCache, WrappedLoader
 from actcache_client.freeze.controller import FreezeController
 from actcache_client.freeze.policy import FreezePolicy

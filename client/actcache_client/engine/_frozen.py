@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from actcache.errors import ConfigError
-from actcache_client._stages import StagedModel
+from actcache_client.layouts._stages import StagedModel
 
 if TYPE_CHECKING:
-    from actcache_client._connection import Connection
-    from actcache_client._planner import CachePlanner
-    from actcache_client._staging import Stager
-    from actcache_client._tensors import StorePrecision, VarLen
+    from actcache_client.transport._connection import Connection
+    from actcache_client.engine._planner import CachePlanner
+    from actcache_client.transport._device_staging import Stager
+    from actcache_client.transport._tensors import StorePrecision, VarLen
 
 __all__ = ["FrozenPrefix", "Generations", "PrefixContext", "prefix_fingerprints"]
 
