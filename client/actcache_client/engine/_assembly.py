@@ -78,7 +78,7 @@ class PrefixAssembly:
             run = stream.run if streamed and len(found) == len(ids) else None
             parts.append((found, self._collate([values[i] for i in found], raw, verify=not streamed, run=run)))
             times.cached_samples += len(found)
-            self.context.generations.mark(fingerprint, j, [ids[i] for i in found])
+            self.context.written.mark(fingerprint, j, [ids[i] for i in found])
         missing = [i for i, v in enumerate(values) if v is None]
         for depth in (d for d in self.context.frozen.seed_depths if d < j):
             if not missing:

@@ -163,7 +163,7 @@ class HitAudit:
         if not bad:
             return True
         c.connection.drop(fingerprint)
-        c.generations.forget(fingerprint)
+        c.written.forget(fingerprint)
         self.auditor.restart()
         strict = c.connection.config.strict
         message = (f"{bad} of {len(chosen)} audited entries of namespace {c.connection.config.namespace!r}, "

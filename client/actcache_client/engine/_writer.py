@@ -51,7 +51,7 @@ class EntryWriter:
         varlen, fingerprint = c.varlen, c.frozen.fingerprints[depth]
         if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated
             check_fixed_length(snapshot, self._entry_shapes, depth)
-        c.generations.mark(fingerprint, depth, ids, written=c.frozen.data)
+        c.written.mark(fingerprint, depth, ids, written=c.frozen.data)
         # Without a read-speed measurement yet, read one put back (once per epoch until it is
         # measured): a slow disk then shows during the write epoch, before the cache is relied upon.
         probe = c.planner is not None and not c.planner.has_fetch_rate() and not self._probed
