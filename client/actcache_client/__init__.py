@@ -22,6 +22,11 @@ Underneath, with the batch type of its own:
         ctl.step(loss, epoch=batch.epoch)             # freezes stages when the policy says so
 
 Errors are actcache's (``actcache.ActCacheError`` and its subclasses).
+
+The user API lives here, on rooms that each import only the ones before it: ``transport`` (the daemon's
+connection, the epoch stream, tensors to and from entries), ``layouts`` (a network split into stages),
+``engine`` (the cached forward), ``data`` (the cached loader), ``freeze`` (when to freeze); ``integrations``
+sits above the API. ``cost_model`` is the arithmetic below them all.
 """
 
 from actcache_client.engine._audit import AuditConfig, CacheMismatchWarning

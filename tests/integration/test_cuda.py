@@ -1,7 +1,7 @@
 """Training on a GPU with the frozen prefix served by a real daemon: pinned staging, side-stream copies.
 
 These need CUDA and are skipped without it; the same logic runs on CPU in
-tests/client/test_staging.py (fake events) and the CPU training tests.
+tests/client/test_device_staging.py (fake events) and the CPU training tests.
 """
 
 from __future__ import annotations
