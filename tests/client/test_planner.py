@@ -6,7 +6,7 @@ import pytest
 
 from actcache.errors import ConfigError
 from actcache.rpc_client import EntryBatch
-from actcache_client.transport import _connection as _connection
+from actcache_client.transport import _connection
 from actcache_client.transport._connection import Connection, ConnectionConfig
 from actcache_client.cost_model import PlanMode
 from actcache_client.engine._codec_choice import EncodingChoice

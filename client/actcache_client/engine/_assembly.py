@@ -15,15 +15,15 @@ from functools import partial
 import torch
 
 from actcache.shm import SlotRun
+from actcache_client.cost_model import cached_subset
 from actcache_client.engine._audit import HitAudit
 from actcache_client.engine._counters import StepTimes
 from actcache_client.engine._epoch_plan import EpochPlan, Target
 from actcache_client.engine._frozen import PrefixContext
 from actcache_client.engine._rows import RawInputs, merge
+from actcache_client.engine._writer import EntryWriter
 from actcache_client.transport._state import State, tensors_of
 from actcache_client.transport._tensors import collate_entries, run_layout, split_rows
-from actcache_client.engine._writer import EntryWriter
-from actcache_client.cost_model import cached_subset
 
 __all__ = ["PrefixAssembly"]
 

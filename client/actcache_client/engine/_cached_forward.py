@@ -17,23 +17,23 @@ import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigTypeError
+from actcache_client.cost_model import Plan, PlanMode
 from actcache_client.engine._assembly import PrefixAssembly
 from actcache_client.engine._audit import AuditConfig, HitAudit
 from actcache_client.engine._batch import Batch
 from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice
-from actcache_client.transport._connection import Connection
 from actcache_client.engine._counters import EpochCounters, EpochLog, StepTimes
 from actcache_client.engine._epoch_plan import EpochPlan, Target
 from actcache_client.engine._frozen import FrozenPrefix, PrefixContext, WrittenFingerprints
 from actcache_client.engine._planner import CachePlanner
 from actcache_client.engine._rows import RawInputs
+from actcache_client.engine._writer import EntryWriter, check_encoding
 from actcache_client.layouts._stages import StagedModel
-from actcache_client.transport._state import State
+from actcache_client.transport._connection import Connection
 from actcache_client.transport._device_staging import Stager
 from actcache_client.transport._epoch_stream import EpochStream
+from actcache_client.transport._state import State
 from actcache_client.transport._tensors import StorePrecision, VarLen
-from actcache_client.engine._writer import EntryWriter, check_encoding
-from actcache_client.cost_model import Plan, PlanMode
 
 __all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # re-exports the counters
 

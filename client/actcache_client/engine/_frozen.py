@@ -22,8 +22,8 @@ from actcache.errors import ConfigError
 from actcache_client.layouts._stages import StagedModel
 
 if TYPE_CHECKING:
-    from actcache_client.transport._connection import Connection
     from actcache_client.engine._planner import CachePlanner
+    from actcache_client.transport._connection import Connection
     from actcache_client.transport._device_staging import Stager
     from actcache_client.transport._tensors import StorePrecision, VarLen
 

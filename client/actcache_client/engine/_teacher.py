@@ -23,9 +23,9 @@ from actcache_client.engine._audit import AuditConfig
 from actcache_client.engine._batch import Batch
 from actcache_client.engine._cached_forward import CachedForward, StepTimes
 from actcache_client.engine._codec_choice import AutoEncoding
-from actcache_client.transport._connection import Connection
 from actcache_client.engine._frozen import prefix_fingerprints
 from actcache_client.layouts._stages import Stage, StagedModel
+from actcache_client.transport._connection import Connection
 from actcache_client.transport._state import State
 from actcache_client.transport._tensors import VarLen
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+
 import torch
 from torch import Tensor, nn
 
