@@ -302,7 +302,7 @@ class IdealRow(Row):
     """The frozen prefix's outputs held in memory (host or device), only the top trained."""
 
     def __init__(self, name: str, setup: Setup, data: Tokens, frozen_stages: int, on_device: bool) -> None:
-        from actcache_client._stages import from_transformers
+        from actcache_client.layouts._stages import from_transformers
 
         super().__init__(name, setup)
         self.net = setup.build()

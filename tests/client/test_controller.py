@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import actcache_client as ac
-from actcache_client._frozen import prefix_fingerprints
+from actcache_client.engine._frozen import prefix_fingerprints
 from actcache.errors import ConfigError
 from actcache_client.freeze import (
     AutoFreezePolicy,

@@ -12,40 +12,26 @@ import bisect
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
+from actcache_client.transport._state import State, tensors_of
 
 __all__ = [
     "Stage",
     "StagedModel",
-    "State",
     "additive_mask",
     "auto_partition",
+    "call_sites",
     "from_bert",
     "from_resnet",
     "from_sequential",
     "from_transformers",
     "is_transformers_model",
-    "map_state",
-    "tensors_of",
 ]
-
-State = Union[Tensor, tuple[Tensor, ...]]
-
-
-def tensors_of(state: State) -> tuple[Tensor, ...]:
-    """The tensors of ``state``, as a tuple."""
-    return state if isinstance(state, tuple) else (state,)
-
-
-def map_state(state: State, fn: Callable[[Tensor], Tensor]) -> State:
-    """``fn`` applied to every tensor of ``state``, in the same form (a tensor or a tuple)."""
-    return tuple(fn(t) for t in state) if isinstance(state, tuple) else fn(state)
-
 
 _FALLBACK = "pass an nn.Sequential or build stages with StagedModel([...])"
 
@@ -133,6 +119,26 @@ class StagedModel(nn.Module):
                 f"StagedModel.suffix(start) needs start in 0..{self.num_stages - 1} (num_stages - 1), got {start}"
             )
         return StagedModel(self.stages[start:])
+
+
+def call_sites(net: nn.Module, stages: list[nn.Module]) -> list[list[nn.Module]]:
+    """For each stage, the topmost modules of ``net`` in it (a residual block; a ResNet stem's ``conv1, bn1,
+    relu``), in registration order, which the adapters keep in the order ``net`` calls them; or the sites a
+    Stage names (``Stage(..., sites=[block])``)."""
+    owned = {id(m) for m in net.modules()}
+    sites: list[list[nn.Module]] = []
+    for stage in stages:
+        found: list[nn.Module] = []
+        inside: set[int] = set()
+        for module in stage.modules():
+            if id(module) in inside:
+                continue
+            named = getattr(module, "sites", None) if isinstance(module, Stage) else None
+            if named is not None or id(module) in owned:  # a Stage naming its sites: those, in its place
+                found.extend([module] if named is None else named)
+                inside.update(id(m) for m in module.modules())
+        sites.append(found)
+    return sites
 
 
 def _merge(stages: Sequence[Stage]) -> Stage:
