@@ -47,27 +47,25 @@ bytes delivered into the step (``ClientStats.bytes_read`` of the timed epochs, a
 over their time; for the ideals, the bytes of the held outputs, padding included, copied per epoch).
 ``raw_lmdb_gb_s`` reads the ``data_plane`` row's entries in this process from the daemon's LMDB
 (read-only, warm): get, checksum and decode (``decode_entry``), and a copy into a buffer, over every
-entry, the median of five passes. Sample output (2 cores shared with other jobs, ``--quick``)::
+entry, the median of five passes. Sample output (2-core VM, ``--quick --epochs 8``)::
 
-    BERT hidden 64, 4 layers, embeddings + 3 frozen (4 stages), 512 sequences x 32 tokens, batch 64, AdamW, ...
+    BERT hidden 64, 4 layers, embeddings + 3 frozen (4 stages), 512 sequences x 32 tokens, batch 64, AdamW, 8 ...
     row                    best_s  median_s  vs_plain   fill_s   warm_s    run_s    hits    puts    GB/s  plan
-    plain                   0.192     0.196     1.000    0.446    0.302    1.833       0       0    0.00  -
-    actcache_default        0.134     0.148     0.754    0.346    0.324    1.463    2560     512    0.02  -
-    actcache_bf16           0.142     0.171     0.871    0.363    0.320    1.540    2560     512    0.01  -
-    actcache_planner        0.130     0.165     0.839    0.384    0.230    1.432    2560     512    0.02  cache
-    actcache_off            0.211     0.217     1.103    0.264    0.446    1.834       0      64    0.00  recompute
-    actcache_all_frozen     0.027     0.032         -    0.190    0.066    0.424    2560     512    0.08  -
-    ideal_host              0.112     0.121     0.615    0.115    0.200    0.938       0       0    0.03  -
-    actcache_planner plan: cache depth 4 of 4 for 100.0% of samples (8.25 KiB/sample, ...), 55.7% faster; ...
-    actcache_off plan: recompute stages 0..3: the best cache option, ..., gains 35.1% < min_gain 100.0%
-    raw LMDB read in process (actcache_all_frozen's entries): 512 entries, 2.6 MB in 0.004 s = 0.73 GB/s
-    (17 s for this configuration)
-
-    figure: delivered_vs_raw = 0.109
-    figure: recompute_overhead = 1.103
-    figure: costmodel_vs_best = 0.979
-    figure: served_gb_s = 0.017
-    figure: cached_vs_ideal = 1.226
+    plain                   0.187     0.193     1.000    0.230    0.193    2.007       0       0    0.00  -
+    actcache_default        0.128     0.130     0.673    0.341    0.174    1.627    4096     512    0.02  cache
+    actcache_bf16           0.124     0.142     0.736    0.310    0.193    1.664    4096     512    0.01  cache
+    actcache_planner        0.128     0.137     0.712    0.326    0.150    1.596    4096     512    0.02  cache
+    actcache_off            0.199     0.202     1.047    0.272    0.198    2.127       0     128    0.00  recompute
+    data_plane              0.017     0.020         -    0.264    0.093    0.517    2048     256    3.37  -
+    ideal_host              0.107     0.112     0.580    0.201    0.109    1.250       0       0    0.04  -
+    actcache_planner plan: cache depth 4 for every sample: measured 16.8 ms per step served from the cache vs ...
+    raw LMDB read in process (data_plane's entries): 256 entries, 67.1 MB in 0.009 s = 7.08 GB/s
+    (15 s for this configuration)
+    figure: delivered_vs_raw = 0.475
+    figure: recompute_overhead = 1.047
+    figure: costmodel_vs_best = 0.981
+    figure: served_gb_s = 0.019
+    figure: cached_vs_ideal = 1.161
     figure: losses_equal = 1.000
 
 Figures (per configuration; with several configurations each name ends in ``_<configuration>``):
