@@ -60,18 +60,28 @@ def _stage_info(net: nn.Module, stage: Stage) -> StageInfo:
 class ActCache:
     """Serves ``net``'s frozen prefix from the cache inside ``net`` itself.
 
-    ``connection`` defaults to this node's daemon (``connect()``). The stages come from the registry of
-    layouts (``actcache_client.layouts``: nn.Sequential, ResNets, BERT, RoBERTa, ELECTRA, DistilBERT, Llama,
-    Qwen2, Mistral, ViT, CLIP, ...), or from ``blocks="encoder.layers"`` (the dotted path of the network's
-    blocks, an nn.ModuleList or nn.Sequential), or from ``stages`` (a StagedModel over ``net``'s own
-    modules). They are checked against ``net``'s own forward at the first freeze. ``inputs(batch)`` picks
-    the network's input out of a batch as the loader yields it (default: its first field; for text
-    ``input_ids``, ``attention_mask`` and ``token_type_ids``). ``options`` (a CacheOptions, or its fields
-    as keywords) say how entries are stored and served (by default a CachePlanner decides whether serving
-    beats recomputing; ``planner=None``: always serve). ``model`` is the CachedForward serving the
-    prefix: give it to a FreezeController. A network in DistributedDataParallel works either way round
-    (``ActCache(ddp)``, or ``DistributedDataParallel(net)`` after ``ActCache(net)``); DDP needs
-    ``find_unused_parameters=True`` to follow parameters that stop receiving gradients when stages freeze.
+    The stages come from the registry of layouts (``actcache_client.layouts``: nn.Sequential, ResNets,
+    BERT, RoBERTa, ELECTRA, DistilBERT, Llama, Qwen2, Mistral, ViT, CLIP, ...) unless ``blocks`` or
+    ``stages`` gives them. They are checked against ``net``'s own forward at the first freeze. ``model``
+    is the CachedForward serving the prefix: give it to a FreezeController. A network in
+    DistributedDataParallel works either way round (``ActCache(ddp)``, or ``DistributedDataParallel(net)``
+    after ``ActCache(net)``); DDP needs ``find_unused_parameters=True`` to follow parameters that stop
+    receiving gradients when stages freeze.
+
+    Args:
+        net: The network; a DistributedDataParallel or DataParallel wrapper is unwrapped.
+        connection: The daemon's connection; default: this node's daemon (``connect()``).
+        stages: A StagedModel over ``net``'s own modules.
+        blocks: The dotted path of the network's blocks (``"encoder.layers"``), an nn.ModuleList or
+            nn.Sequential.
+        inputs: Picks the network's input out of a batch as the loader yields it (default: its first field;
+            for text ``input_ids``, ``attention_mask`` and ``token_type_ids``).
+        options: How entries are stored and served (by default a CachePlanner decides whether serving
+            beats recomputing; ``planner=None``: always serve).
+        **given: CacheOptions fields as keywords, instead of ``options``.
+
+    Raises:
+        ConfigError: Both ``stages`` and ``blocks`` are given.
     """
 
     def __init__(self, net: nn.Module, connection: Connection | None = None, *,
@@ -109,8 +119,14 @@ class ActCache:
         return [_stage_info(self.net, stage) for stage in self.model.model.stages]
 
     def freeze(self, depth: int | str) -> None:
-        """Freeze the first ``depth`` stages, or the stages up to and including the one named ``depth``
-        (0 unfreezes all); the next training step serves them."""
+        """Freeze a prefix of the stages; the next training step serves them.
+
+        Args:
+            depth: The number of stages to freeze (0 unfreezes all), or the name of the last stage to freeze.
+
+        Raises:
+            ConfigError: ``depth`` is out of range, names no stage, or names the head (which always trains).
+        """
         depth = self._depth(depth)
         if depth != self.model.frozen:
             self.model.set_frozen(depth)
@@ -129,8 +145,15 @@ class ActCache:
         return depth
 
     def check(self, data: Any, loaded: Tensor | None = None) -> None:
-        """Compare the stages with the network's own forward on the batch ``data`` once, when stages are frozen
-        (the wrapped loader calls it); a ConfigError names the stage where they part."""
+        """Compare the stages with the network's own forward once, when stages are frozen (the wrapped loader calls it).
+
+        Args:
+            data: A batch as the loader yields it.
+            loaded: The rows of the batch whose inputs were loaded (None: all).
+
+        Raises:
+            ConfigError: The stages and the network's forward part; it names the stage.
+        """
         if self._checked or self.model.frozen == 0 or (loaded is not None and len(loaded) == 0):
             return
         _check_right_padding(self.model.varlen, self.layout.inputs_of(data))
@@ -141,11 +164,18 @@ class ActCache:
              targets: Sequence[Any] | Callable[[int], Any] | None = None, skip_loads: bool = True) -> "WrappedLoader":
         """``loader``'s batches, with the sample ids the cache needs kept on the side.
 
-        ``variants=K``: the dataset augments at random in ``__getitem__``; the cache keeps K augmented
-        versions of each sample (epoch e sees version e % K), their random draws seeded by (sample,
-        version), so it serves exactly what the model would compute; without it such a dataset is not
-        cached (a warning says so). ``targets`` (default: ``dataset.targets``) lets the loader skip loading
-        the inputs the cache serves (their rows hold zeros); ``skip_loads=False`` loads every input.
+        Args:
+            loader: The training DataLoader.
+            variants: K when the dataset augments at random in ``__getitem__``: the cache keeps K augmented
+                versions of each sample (epoch e sees version e % K), their random draws seeded by (sample,
+                version), so it serves exactly what the model would compute; without it such a dataset is
+                not cached (a warning says so).
+            targets: The samples' targets (default: ``dataset.targets``): they let the loader skip loading
+                the inputs the cache serves (their rows hold zeros).
+            skip_loads: False loads every input.
+
+        Returns:
+            A WrappedLoader yielding what ``loader`` yields.
         """
         check_loader(loader)
         if skip_loads and targets is None:
@@ -157,7 +187,16 @@ class ActCache:
 
 
 class WrappedLoader:
-    """Yields what the wrapped DataLoader yields, and tells the network's served prefix which samples they are."""
+    """Yields what the wrapped DataLoader yields, and tells the network's served prefix which samples they are.
+
+    Made by ``ActCache.wrap``, whose arguments it takes.
+
+    Args:
+        cache: The ActCache serving the prefix.
+        loader: The training DataLoader.
+        variants: Augmented versions kept per sample (``ActCache.wrap``).
+        targets: The samples' targets, to skip loading the inputs the cache serves.
+    """
 
     def __init__(self, cache: ActCache, loader: DataLoader, *, variants: int | None,
                  targets: Sequence[Any] | Callable[[int], Any] | None) -> None:

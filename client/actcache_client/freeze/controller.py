@@ -61,12 +61,25 @@ class FreezeController:
     Without ``policy`` or ``eval_every``, the run's length (``total_steps``, or
     ``steps_per_epoch`` and ``epochs``) picks them (``default_policy``); a run
     too short, or of unknown length, never freezes and warns once.
-    ``eval_every``: steps between evaluations (Egeria's n, AutoFreeze's T);
-    ``reference``: the reference process (plasticity policies; the script needs
-    the ``if __name__ == "__main__":`` guard); ``timeline``: a JSON-lines file
-    (rank 0 writes it); ``hook_optimizer``: call ``after_backward`` from an
-    optimizer step pre-hook; ``ddp``: wrap the active stages in DDP (default:
-    with more than one rank) with ``ddp_kwargs``, in ``process_group``.
+
+    Args:
+        cached: The cached forward whose stages are frozen.
+        optimizer: The training optimizer; never rebuilt (frozen parameters get ``grad = None``).
+        policy: Decides when to freeze; default: picked from the run's length.
+        eval_every: Steps between evaluations (Egeria's n, AutoFreeze's T); default: picked from the run's length.
+        total_steps: The run's length in optimizer steps.
+        steps_per_epoch: Optimizer steps per epoch (with ``epochs``, the run's length when ``total_steps`` is not given).
+        epochs: The run's epochs.
+        reference: The reference process (plasticity policies; the script needs the
+            ``if __name__ == "__main__":`` guard).
+        timeline: A JSON-lines file of the evaluations and decisions (rank 0 writes it).
+        hook_optimizer: Call ``after_backward`` from an optimizer step pre-hook.
+        process_group: The process group of the collectives and of DDP.
+        ddp: Wrap the active stages in DDP (default: with more than one rank).
+        ddp_kwargs: Keyword arguments for ``DistributedDataParallel``.
+
+    Raises:
+        ConfigError: ``eval_every`` is not a positive number of steps.
     """
 
     def __init__(self, cached: CachedForward, optimizer: torch.optim.Optimizer, policy: FreezePolicy | None = None,
@@ -149,7 +162,13 @@ class FreezeController:
 
     def step(self, loss: torch.Tensor | float | None = None, *, lr: float | None = None,
              epoch: int | None = None) -> None:
-        """Count one optimizer step; evaluate every ``eval_every`` steps. ``lr`` defaults to param group 0's."""
+        """Count one optimizer step; evaluate every ``eval_every`` steps.
+
+        Args:
+            loss: This step's loss; the evaluation's signal is the interval's mean.
+            lr: The learning rate in the signals; default: param group 0's.
+            epoch: The current epoch.
+        """
         self.step_count += 1
         self._backward_done = False
         if epoch is not None:
@@ -240,7 +259,11 @@ class FreezeController:
                              "numbers": dict(plan.numbers), **{k: getattr(plan, k) for k in _PLAN_FIELDS}})
 
     def active_param_share(self, frozen: int | None = None) -> float:
-        """Share of parameter elements in the active stages (with ``frozen`` stages frozen)."""
+        """Share of parameter elements in the active stages.
+
+        Args:
+            frozen: The frozen depth to compute it for; default: the current one.
+        """
         frozen = self.frozen if frozen is None else frozen
         total = sum(self._counts)
         return sum(self._counts[frozen:]) / total if total else 1.0
@@ -283,7 +306,15 @@ class FreezeController:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume: load the model's weights first; the frozen prefix (and so its cache entries) is restored.
-        An interval in progress at the checkpoint restarts (its loss and gradient sums are not saved)."""
+
+        An interval in progress at the checkpoint restarts (its loss and gradient sums are not saved).
+
+        Args:
+            state: A ``state_dict()`` of this class.
+
+        Raises:
+            ConfigError: The model's frozen stages' weights differ from the checkpoint's.
+        """
         check_state_version("controller", state, _STATE_VERSION)
         depth = int(state["frozen"])
         if depth != self.frozen:
