@@ -35,20 +35,26 @@ class UncacheableDataWarning(UserWarning):
 class IndexedDataset(Dataset):
     """``dataset[i]`` as ``(sample_id, item)``.
 
-    ``augment(item, generator)`` applies random transforms drawing only from ``generator``, which is seeded by
-    ``(sample_id, variant)``. Set ``random_transforms=True`` if ``dataset`` itself draws randomness that
-    actcache cannot control: such data is never cached.
+    The data fingerprint covers ``data_id``, the dataset's type, length, id mapping and the content of a
+    spread of items (actcache_client.data._identity says what it cannot see).
 
-    ``data_id`` names a dataset version; it is part of the data fingerprint, with the dataset's type, length,
-    id mapping and the content of a spread of items (actcache_client.data._identity says what it cannot see).
+    Args:
+        dataset: The map-style dataset.
+        augment: ``augment(item, generator)`` applies random transforms drawing only from ``generator``,
+            which is seeded by ``(sample_id, variant)``.
+        sample_ids: Each item's sample id (default: its index).
+        random_transforms: ``dataset`` itself draws randomness that actcache cannot control: such data is
+            never cached.
+        data_id: Names a dataset version; part of the data fingerprint.
+        targets: Each item's target without loading it (a sequence, e.g. torchvision's ``dataset.targets``,
+            or a function of the index): items are then ``(input, target)`` pairs, and the loader does not
+            load the inputs of samples whose frozen-prefix output the cache will serve.
+        seeded: ``dataset[i]`` draws its random transforms from the global generators (torchvision
+            transforms in ``__getitem__``); they are seeded by ``(sample_id, variant)`` around each load, so
+            each variant of a sample is always the same input.
 
-    ``targets`` (a sequence, e.g. torchvision's ``dataset.targets``, or a function of the index) gives each
-    item's target without loading it: items are then ``(input, target)`` pairs, and the loader does not load
-    the inputs of samples whose frozen-prefix output the cache will serve.
-
-    ``seeded=True``: ``dataset[i]`` draws its random transforms from the global generators (torchvision
-    transforms in ``__getitem__``); they are seeded by ``(sample_id, variant)`` around each load, so each
-    variant of a sample is always the same input.
+    Raises:
+        ConfigError: ``sample_ids`` or ``targets`` has not one entry per item.
     """
 
     def __init__(self, dataset: Dataset, *, augment: Callable[[Any, torch.Generator], Any] | None = None,
@@ -64,7 +70,11 @@ class IndexedDataset(Dataset):
         self._seeding = frozenset({"torch"})  # with ``seeded``: the global generators items were seen drawing from
 
     def fingerprint(self, variants: int = 1) -> bytes:
-        """The data fingerprint over variants ``0..variants-1`` (computed once, then remembered)."""
+        """The data fingerprint over variants ``0..variants-1`` (computed once, then remembered).
+
+        Args:
+            variants: The number of variants of each sample.
+        """
         if variants not in self._fingerprints:
             self._fingerprints[variants] = data_fingerprint(self, variants)
         return self._fingerprints[variants]
@@ -78,10 +88,22 @@ class IndexedDataset(Dataset):
         return len(self.dataset)
 
     def sample_id(self, index: int) -> int:
+        """The sample id of item ``index``.
+
+        Args:
+            index: The item's index in ``dataset``.
+        """
         return self.sample_ids[index] if self.sample_ids is not None else index
 
     def target(self, index: int) -> Any:
-        """The target of item ``index``, without loading the item (needs ``targets``)."""
+        """The target of item ``index``, without loading the item.
+
+        Args:
+            index: The item's index in ``dataset``.
+
+        Raises:
+            ConfigError: No ``targets`` were given.
+        """
         if self.targets is None:
             raise ConfigError("IndexedDataset(targets=...) is needed to skip loading items")
         return self.targets(index) if callable(self.targets) else self.targets[index]
@@ -182,9 +204,18 @@ class CachedLoader:
     Works with any sampler and batch sampler (``RandomSampler``, ``DistributedSampler`` — call ``set_epoch``
     as usual —, ``drop_last``), ``num_workers > 0`` and persistent workers.
 
-    ``model`` is a CachedForward (or a CachedTeacher), or a list of them (``models``) fed by the same batches
-    (a student and its teacher): each gets the data's fingerprint and every epoch's order, and the loader
-    leaves out an input only when every one of them can do without it (the intersection of their ``skipped``).
+    Args:
+        loader: A DataLoader over an IndexedDataset, with automatic batching.
+        model: A CachedForward (or a CachedTeacher), or a list of them (``models``) fed by the same batches
+            (a student and its teacher): each gets the data's fingerprint and every epoch's order, and the
+            loader leaves out an input only when every one of them can do without it (the intersection of
+            their ``skipped``).
+        variants: K augmented versions of each sample are cached (epoch e sees version e % K); needed to
+            cache a dataset that augments.
+
+    Raises:
+        ConfigError: The DataLoader is not over an IndexedDataset, has no automatic batching, or
+            ``variants`` is below 1.
     """
 
     def __init__(self, loader: DataLoader, model: CachedForward | Sequence[CachedForward] | None = None, *,
@@ -232,7 +263,11 @@ class CachedLoader:
         return self._variant_of(self.epoch)  # without variants (not cached): a fresh augmentation every epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch (forwarded to the sampler's ``set_epoch`` when it has one)."""
+        """Set the epoch (forwarded to the sampler's ``set_epoch`` when it has one).
+
+        Args:
+            epoch: The epoch about to start.
+        """
         if epoch != self.epoch:
             self.epoch, self._position, self._order = epoch, 0, None
 
@@ -316,6 +351,11 @@ class CachedLoader:
         return {"epoch": self.epoch, "position": self._position, "order": order, "generator": after}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume where ``state_dict`` was taken: the same epoch, position and batches.
+
+        Args:
+            state: A ``state_dict()`` of this class.
+        """
         self.epoch, self._position, self._order = state["epoch"], state["position"], state["order"]
         self._next_order = None
         if state.get("generator") is not None and self.loader.generator is not None:

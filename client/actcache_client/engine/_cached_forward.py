@@ -50,6 +50,10 @@ class CachedForward:
     inputs, ``cached(ids, inputs, variant=v)``.
 
     Args:
+        model: The network, split into stages.
+        connection: The daemon's connection; None: the cache is disabled ("no connection").
+        varlen: The stages' outputs are ``(hidden, mask)`` states whose padding is not stored.
+        device: The device inputs and served entries are moved to; default: the model parameters' (else the CPU).
         planner: a cost model that decides whether and where to cache.
         stream: False reads entries with ``Get`` instead of the daemon's stream of the pushed order.
         audit: an AuditConfig (default on; False: off): recompute a share of hits to catch what no key
@@ -126,15 +130,27 @@ class CachedForward:
         return self._writer.encoding
 
     def fingerprint(self, depth: int | None = None) -> bytes:
-        """The fingerprint cache keys carry for stages[:depth] (default: the frozen prefix): weights and data."""
+        """The fingerprint cache keys carry for stages[:depth]: weights and data.
+
+        Args:
+            depth: The number of stages; default: the frozen prefix.
+        """
         return self._frozen.fingerprints[self._frozen.depth if depth is None else depth]
 
     def set_audit(self, audit: AuditConfig | bool) -> None:
-        """Audit served hits per ``audit`` (True: the default AuditConfig; False: no audits)."""
+        """Audit served hits per ``audit``.
+
+        Args:
+            audit: An AuditConfig; True: the default AuditConfig; False: no audits.
+        """
         self._audit.configure(audit)
 
     def weights_fingerprint(self, depth: int | None = None) -> bytes:
-        """Fingerprint of the weights of stages[:depth] alone (default: the frozen prefix)."""
+        """Fingerprint of the weights of stages[:depth] alone.
+
+        Args:
+            depth: The number of stages; default: the frozen prefix.
+        """
         return self._frozen.weights[self._frozen.depth if depth is None else depth]
 
     def bind_data(self, data: bytes, name: str = "") -> None:
@@ -146,7 +162,11 @@ class CachedForward:
             self._retarget()
 
     def set_frozen(self, depth: int) -> None:
-        """Freeze stages[:depth] and unfreeze the rest; the last stage always trains."""
+        """Freeze stages[:depth] and unfreeze the rest; the last stage always trains.
+
+        Args:
+            depth: The number of stages to freeze.
+        """
         weights = self._frozen.freeze(depth, self._written.deepest())
         for fingerprint in self._written.superseded(lambda d, data: self._frozen.keyed([weights[d]], data)[0]):
             if self.connection is not None and not self.keep_generations:
@@ -160,7 +180,11 @@ class CachedForward:
         self._rewrap()
 
     def encoding_choice(self, depth: int) -> EncodingChoice | None:
-        """The codec ``encoding="auto"`` chose for the entries at ``depth`` (current weights), if any yet."""
+        """The codec ``encoding="auto"`` chose for the entries at ``depth`` (current weights), if any yet.
+
+        Args:
+            depth: The number of stages whose output the entries hold.
+        """
         return self._writer.choice(self._frozen.fingerprints[depth])
 
     @property
@@ -169,7 +193,11 @@ class CachedForward:
         return self._suffix
 
     def set_suffix_wrapper(self, wrapper: Callable[[StagedModel], nn.Module] | None) -> None:
-        """Run the active stages as ``wrapper(model.suffix(frozen))``; None runs them directly."""
+        """Run the active stages as ``wrapper(model.suffix(frozen))``, rebuilt at every ``set_frozen``.
+
+        Args:
+            wrapper: Wraps the active stages (e.g. in DistributedDataParallel); None runs them directly.
+        """
         self._suffix_wrapper = wrapper
         self._rewrap()
 
@@ -192,7 +220,11 @@ class CachedForward:
         self._epoch.retarget(target)
 
     def disable(self, reason: str) -> None:
-        """Stop using the cache (recompute every step), e.g. for uncacheable data."""
+        """Stop using the cache (recompute every step), e.g. for uncacheable data.
+
+        Args:
+            reason: Why, kept as ``disabled_reason``.
+        """
         self.enabled = False
         self.disabled_reason = reason
         self._retarget()
@@ -236,7 +268,12 @@ class CachedForward:
 
     def __call__(self, batch: "Batch | Tensor | Sequence[int]", inputs: State | None = None, *, variant: int = 0) -> State:
         """Full forward pass: the frozen prefix (cached or computed) then the active suffix with grad.
-        ``model(batch)`` takes a CachedLoader Batch, ``model(ids, inputs, variant=v)`` every row's input."""
+
+        Args:
+            batch: A CachedLoader Batch (``model(batch)``), or the batch's sample ids (``model(ids, inputs)``).
+            inputs: Every row's input, with sample ids.
+            variant: The augmented version of the samples, with sample ids.
+        """
         state = self.prefix(batch, inputs, variant=variant)
         if self.model.training and torch.is_grad_enabled():
             self.training_input(state)
@@ -247,18 +284,40 @@ class CachedForward:
         return out
 
     def tap_training_input(self, tap: Callable[[State], None] | None) -> None:
-        """Give ``tap`` the input of the frontmost active stage in the next training forward, once (None: cancel)."""
+        """Give ``tap`` the input of the frontmost active stage in the next training forward, once.
+
+        Args:
+            tap: Called with that input; None cancels.
+        """
         self._input_tap = tap
 
     def training_input(self, state: State) -> None:
-        """A training forward's input to the frontmost active stage: from ``__call__``, or from a network that
-        serves the prefix in place (InPlacePrefix), whose own modules never call the stage adapters."""
+        """Report a training forward's input to the frontmost active stage (to the tap, if one is set).
+
+        Called from ``__call__``, or from a network that serves the prefix in place (InPlacePrefix), whose
+        own modules never call the stage adapters.
+
+        Args:
+            state: The input of the frontmost active stage.
+        """
         tap, self._input_tap = self._input_tap, None
         if tap is not None:
             tap(state)
 
     def prefix(self, batch: "Batch | Tensor | Sequence[int]", inputs: State | None = None, *, variant: int = 0) -> State:
-        """The state after the frozen stages for this batch (no grad); arguments as for calling the model."""
+        """The state after the frozen stages for this batch (no grad).
+
+        Args:
+            batch: A CachedLoader Batch, or the batch's sample ids (with ``inputs``).
+            inputs: Every row's input, with sample ids.
+            variant: The augmented version of the samples, with sample ids.
+
+        Returns:
+            The frozen stages' output, served from the cache or computed.
+
+        Raises:
+            ConfigTypeError: ``batch`` is a floating-point tensor (inputs, not sample ids) without ``inputs``.
+        """
         start = time.perf_counter()
         if isinstance(batch, Tensor) and inputs is None and batch.is_floating_point():
             raise ConfigTypeError(
