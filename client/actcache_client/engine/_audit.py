@@ -45,7 +45,16 @@ class CacheMismatchWarning(RuntimeWarning):
 
 @dataclass(frozen=True, kw_only=True)
 class AuditConfig:
-    """Which served samples ``CachedForward`` recomputes to check the cache (``audit=False``: none)."""
+    """Which served samples ``CachedForward`` recomputes to check the cache (``audit=False``: none).
+
+    Attributes:
+        first_samples: Hits audited after each (re)connection and each change of cache target.
+        every: Then one hit in ``every``; 0 audits only the first samples.
+        group: Periodic audits come this many consecutive hits at a time (recomputed in one forward).
+
+    Raises:
+        ConfigError: A field is out of range.
+    """
 
     #: Hits audited after each (re)connection and each change of cache target.
     first_samples: int = 8

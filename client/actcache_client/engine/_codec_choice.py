@@ -28,7 +28,21 @@ __all__ = ["AutoEncoding", "EncodingChoice", "choose_encoding", "measure_codecs"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AutoEncoding:
-    """Knobs of the per-(fingerprint, depth) codec choice (``CachedForward(encoding=...)``)."""
+    """Knobs of the per-(fingerprint, depth) codec choice (``CachedForward(encoding=...)``).
+
+    Attributes:
+        disk_read_bytes_per_s: The cache disk's read speed; ``actcache bench disk`` measures it (O_DIRECT).
+            1 GB/s: NVMe.
+        min_gain: A codec must serve this much faster than raw to be chosen.
+        sample_bytes: Raw bytes of entries the measurement compresses and decodes (the first entries
+            written).
+        candidates: Codecs tried against raw, as ``--encoding`` names them.
+        page_cache_bytes: Memory the page cache may use for these entries; None: what psutil says is
+            available then.
+
+    Raises:
+        ConfigError: A field is out of range, or ``candidates`` names raw or an unknown codec.
+    """
 
     #: The cache disk's read speed; ``actcache bench disk`` measures it (O_DIRECT). 1 GB/s: NVMe.
     disk_read_bytes_per_s: float = 1e9

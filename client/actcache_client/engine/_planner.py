@@ -39,7 +39,23 @@ _MIN_STEPS = 3  # steps of a kind measured before the measured check trusts thei
 
 @dataclass(frozen=True, kw_only=True)
 class PlannerConfig:
-    """Knobs of the online cost model."""
+    """Knobs of the online cost model.
+
+    Attributes:
+        total_epochs: Epochs of the whole run; None: assume ``assume_remaining_epochs`` remain.
+        assume_remaining_epochs: The remaining epochs assumed when ``total_epochs`` is None.
+        budget_bytes: Storage available to this job (bytes); the daemon's budgets also apply.
+        replan_drift: Re-plan when any measurement moved by more than this fraction.
+        min_gain: The share of the step time caching must save to be chosen (``cost_model.plan``).
+        window: Readings kept per measurement for the moving median.
+        prior_fetch_bytes_per_s: The fetch speed assumed until one is measured.
+        prior_fetch_latency_s: The fetch latency assumed until one is measured.
+        prior_write_bytes_per_s: The write speed assumed until one is measured.
+        prior_decode_bytes_per_s: The decode speed assumed until one is measured.
+
+    Raises:
+        ConfigError: A field is out of range.
+    """
 
     #: Epochs of the whole run; None: assume ``assume_remaining_epochs`` remain.
     total_epochs: float | None = None

@@ -37,7 +37,19 @@ _STATE_VERSION = 1
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AutoFreezeConfig:
-    """Knobs of the gradient-norm test; defaults are the paper's."""
+    """Knobs of the gradient-norm test; defaults are the paper's.
+
+    Attributes:
+        percentile: N: freeze while eta is below this percentile of the active stages' eta. Paper: the
+            median, 50 (§4).
+        intervals_per_epoch: Evaluation intervals per epoch, i.e. how often the controller calls observe.
+            Paper: 5 (§4).
+        embedding_stages: Stages before the first judged one, frozen with it (BERT staged by ``from_bert``:
+            1, the embeddings).
+
+    Raises:
+        ConfigError: A knob is out of range.
+    """
 
     #: N: freeze while eta is below this percentile of the active stages' eta. Paper: the median, 50 (§4).
     percentile: float = 50.0

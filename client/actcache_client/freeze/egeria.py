@@ -42,7 +42,27 @@ _SAME = 1e-9  # relative tolerance for "the lr did not change"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EgeriaConfig:
-    """Knobs of Egeria's freezing rule; defaults are the paper's (§4.2.2, §6.4) unless marked ours."""
+    """Knobs of Egeria's freezing rule; defaults are the paper's (§4.2.2, §6.4) unless marked ours.
+
+    Attributes:
+        window: W: moving-average span and consecutive low evaluations to freeze. Paper: 10 (§4.2.2, §6.4).
+        tolerance_fraction: T as a fraction of the largest |smoothed reading| of a stage. Paper: 20% of the
+            early slopes (§4.2.2).
+        tolerance_readings: How many initial smoothed readings calibrate T per stage. Paper: 3 (§4.2.2).
+        bootstrap_threshold: Bootstrapping ends once the loss changes by less than this fraction per
+            interval. Paper: 10% (§4.2.2). None skips bootstrapping.
+        bootstrap_steps: Ours: the loss is averaged over spans of at least this many steps before two spans
+            are compared.
+        unfreeze_lr_factor: Unfreeze all once a discrete lr drop brings it this factor below its value when
+            stage 0 froze. Paper: 10.
+        min_window: W halves at every unfreeze but never below this. Ours.
+        freeze_lr_fraction: Ours, after FreezeOut: a stage that passed the test freezes only once the lr is
+            at most this fraction of the largest lr seen so far (it waits, ready, until then). None: no such
+            wait.
+
+    Raises:
+        ConfigError: A knob is out of range.
+    """
 
     #: W: moving-average span and consecutive low evaluations to freeze. Paper: 10 (§4.2.2, §6.4).
     window: int = 10

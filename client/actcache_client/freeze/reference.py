@@ -52,7 +52,22 @@ MAX_PENDING_SNAPSHOTS = 16
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReferenceConfig:
-    """How the reference model is built and run."""
+    """How the reference model is built and run.
+
+    Attributes:
+        reference_age: Evaluations between the two snapshots a reading compares; None: max(1, W // 2)
+            (Egeria §4.1.3).
+        queue_size: Probes waiting for or in the reference process; more are skipped (Egeria §4.1.2:
+            non-blocking).
+        max_cpu_percent: Skip probes while system CPU use over the last interval is above this percentage;
+            None never skips. "auto": None when training on the CPU (it keeps the CPU busy), else 50
+            (Egeria §4.1.2).
+        threads: torch threads of the reference process.
+        max_samples: Compare only the first this many samples of a batch (None: the whole batch, as Egeria).
+
+    Raises:
+        ConfigError: A field is out of range.
+    """
 
     #: Evaluations between the two snapshots a reading compares; None: max(1, W // 2) (Egeria §4.1.3).
     reference_age: int | None = None
@@ -81,13 +96,21 @@ class ReferenceConfig:
             raise ConfigError(f"max_samples={self.max_samples}: the SP loss compares samples; use >= 2 or None")
 
     def for_device(self, device: torch.device | str) -> ReferenceConfig:
-        """This configuration with ``max_cpu_percent="auto"`` resolved for a trainer on ``device``."""
+        """This configuration with ``max_cpu_percent="auto"`` resolved for a trainer on ``device``.
+
+        Args:
+            device: The training device.
+        """
         if self.max_cpu_percent != "auto":
             return self
         return dataclasses.replace(self, max_cpu_percent=None if torch.device(device).type == "cpu" else 50.0)
 
     def age_for(self, window: int) -> int:
-        """The reference age for a policy window W: ``reference_age``, else max(1, W // 2)."""
+        """The reference age: ``reference_age``, else max(1, W // 2).
+
+        Args:
+            window: The policy's window W.
+        """
         return self.reference_age or max(1, window // 2)
 
 

@@ -47,7 +47,24 @@ class CacheFallbackWarning(RuntimeWarning):
 
 @dataclass(frozen=True, kw_only=True)
 class ConnectionConfig:
-    """How to reach the daemon and how to behave when it misbehaves."""
+    """How to reach the daemon and how to behave when it misbehaves.
+
+    Attributes:
+        socket: The daemon's Unix socket.
+        address: The daemon's network address (instead of ``socket``).
+        token: The daemon's access token.
+        namespace: The namespace this job's entries live in.
+        secret: Protects the namespace: only jobs presenting the same secret can use it.
+        strict: Raise instead of falling back to recomputation (after waiting up to timeout_s for an
+            unreachable daemon).
+        timeout_s: Deadline of one lookup or put, retries included.
+        put_queue: Puts waiting for the background writer; more are dropped.
+        log_every_s: After its first warning, each fallback cause is logged at most this often.
+        backoff_s: After the daemon was unreachable or full, skip it for this long (doubling up to 30 s).
+
+    Raises:
+        ConfigError: ``timeout_s`` is not positive or ``put_queue`` is below 1.
+    """
 
     socket: str | None = None
     address: str | None = None
