@@ -82,6 +82,9 @@ class AutoFreezePolicy:
 
     Invariants: ``eta`` and ``threshold`` belong to the interval ending at ``step``;
     ``prev`` holds that interval's norms, None for stages frozen during it.
+
+    Args:
+        config: The test's knobs; default: the paper's (``AutoFreezeConfig()``).
     """
 
     needs = frozenset({"grad_norms"})
@@ -94,6 +97,17 @@ class AutoFreezePolicy:
         self._threshold: float | None = None
 
     def observe(self, signals: Signals) -> Decision:
+        """Freeze the frontmost active stage if its gradient norm's relative change (eta) is below the percentile.
+
+        Args:
+            signals: The evaluation's signals; ``grad_norms`` is needed at every new step.
+
+        Returns:
+            The decision and the numbers it was based on.
+
+        Raises:
+            ConfigError: ``signals.grad_norms`` is missing at a new step.
+        """
         if signals.step != self._step:  # a new interval closed: eta and threshold from its norms
             if signals.grad_norms is None:
                 raise ConfigError("AutoFreezePolicy needs signals.grad_norms (one accumulated gradient norm per "
@@ -130,6 +144,14 @@ class AutoFreezePolicy:
                 "eta": list(self._eta), "threshold": self._threshold}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a ``state_dict()`` of a policy built with the same configuration.
+
+        Args:
+            state: The saved state.
+
+        Raises:
+            ConfigError: The state was saved by an incompatible version.
+        """
         check_state_version("AutoFreezePolicy", state, _STATE_VERSION)
         self._step = state["step"]
         self._prev = [None if v is None else float(v) for v in state["prev"]]

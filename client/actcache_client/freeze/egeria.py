@@ -116,6 +116,12 @@ class EgeriaPolicy:
     Invariants: min_window <= window <= config.window; len(raw) <= window;
     consecutive <= window; lr_at_freeze is None whenever nothing is frozen;
     lrs holds the lr of the last two evaluations (distinct steps).
+
+    Args:
+        config: The rule's knobs; default: the paper's (``EgeriaConfig()``).
+
+    Raises:
+        ConfigError: Built by a script's top-level code outside ``if __name__ == "__main__":``.
     """
 
     def __init__(self, config: EgeriaConfig | None = None) -> None:
@@ -154,6 +160,14 @@ class EgeriaPolicy:
         self._consecutive = 0
 
     def observe(self, signals: Signals) -> Decision:
+        """Bootstrap on the loss, then judge the frontmost active stage's plasticity; unfreeze all after an lr drop.
+
+        Args:
+            signals: The evaluation's signals (``plasticity``; ``loss`` while bootstrapping).
+
+        Returns:
+            The decision and the numbers it was based on.
+        """
         interval = signals.step - (self._last_step or 0)
         dropped = False
         if signals.step != self._last_step:
@@ -259,6 +273,14 @@ class EgeriaPolicy:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a ``state_dict()`` of a policy built with the same configuration.
+
+        Args:
+            state: The saved state.
+
+        Raises:
+            ConfigError: The state was saved by an incompatible version.
+        """
         check_state_version("EgeriaPolicy", state, _STATE_VERSION)
         self._bootstrapping = bool(state["bootstrapping"])
         self._span = [float(state["span"][0]), int(state["span"][1])]

@@ -44,7 +44,17 @@ class DecisionKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    """One answer of a policy; ``numbers`` are the values it was based on (for the timeline)."""
+    """One answer of a policy; ``numbers`` are the values it was based on (for the timeline).
+
+    Attributes:
+        kind: Do nothing, freeze the frontmost active stage, or unfreeze all.
+        stage: The stage to freeze (FREEZE_NEXT only; None otherwise).
+        reason: Why, in words.
+        numbers: The values the decision was based on.
+
+    Raises:
+        ConfigError: FREEZE_NEXT without a stage index >= 0, or another kind with a stage.
+    """
 
     kind: DecisionKind
     stage: int | None
@@ -60,14 +70,33 @@ class Decision:
 
     @classmethod
     def none(cls, reason: str, numbers: Mapping[str, float] | None = None) -> Decision:
+        """No change.
+
+        Args:
+            reason: Why, in words.
+            numbers: The values the decision was based on.
+        """
         return cls(DecisionKind.NONE, None, reason, dict(numbers or {}))
 
     @classmethod
     def freeze(cls, stage: int, reason: str, numbers: Mapping[str, float] | None = None) -> Decision:
+        """Freeze ``stage``, the frontmost active one.
+
+        Args:
+            stage: The stage to freeze.
+            reason: Why, in words.
+            numbers: The values the decision was based on.
+        """
         return cls(DecisionKind.FREEZE_NEXT, stage, reason, dict(numbers or {}))
 
     @classmethod
     def unfreeze_all(cls, reason: str, numbers: Mapping[str, float] | None = None) -> Decision:
+        """Unfreeze every stage.
+
+        Args:
+            reason: Why, in words.
+            numbers: The values the decision was based on.
+        """
         return cls(DecisionKind.UNFREEZE_ALL, None, reason, dict(numbers or {}))
 
 
@@ -75,10 +104,20 @@ class Decision:
 class Signals:
     """What the controller measured since the previous evaluation.
 
-    ``plasticity`` is the SP loss of stage ``frozen`` against the reference
-    model (None when no reading is ready); ``grad_norms`` has one accumulated
-    gradient norm per stage over the interval (entries of frozen stages are
-    ignored); ``loss`` is the training loss, ideally averaged over the interval.
+    Attributes:
+        step: The optimizer step of the evaluation.
+        epoch: The epoch.
+        frozen: The number of frozen stages (the head always trains).
+        num_stages: The number of stages.
+        lr: The learning rate.
+        loss: The training loss, ideally averaged over the interval.
+        plasticity: The SP loss of stage ``frozen`` against the reference model (None when no reading is
+            ready).
+        grad_norms: One accumulated gradient norm per stage over the interval (entries of frozen stages are
+            ignored).
+
+    Raises:
+        ConfigError: A field is out of range, or ``grad_norms`` has not one entry per stage.
     """
 
     step: int
@@ -121,11 +160,28 @@ class FreezePolicy(Protocol):
 
     needs: frozenset[str]
 
-    def observe(self, signals: Signals) -> Decision: ...
+    def observe(self, signals: Signals) -> Decision:
+        """Decide on this evaluation's signals.
 
-    def state_dict(self) -> dict[str, Any]: ...
+        Args:
+            signals: What the controller measured since the previous evaluation.
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+        Returns:
+            The decision and the numbers it was based on.
+        """
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy's state, JSON-serialisable."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a ``state_dict()`` of a policy built with the same configuration.
+
+        Args:
+            state: The saved state.
+        """
+        ...
 
 
 def _key(d: Decision) -> tuple[Any, ...]:  # nan equals nan
@@ -189,14 +245,23 @@ def check_freeze_policy_contract(policy_factory: Callable[[], FreezePolicy], sig
                                  snapshot_at: Sequence[int] | None = None) -> list[Decision]:
     """Assert the freeze-policy contract; return the decisions of one uninterrupted run.
 
-    The stream's ``frozen`` fields are replaced by the applied decisions' count.
     Checked: ``needs`` names known signals; decisions keep ``depth_after``'s
-    rule; a state snapshot taken before signal ``k`` (default: halfway;
-    ``snapshot_at`` picks others), passed through JSON into a fresh policy,
-    yields the same decisions for the rest of the stream.
-    ``before_observe(policy, index)`` runs before each observation on every
-    policy (e.g. to make manual requests). Raises AssertionError naming the
-    first violation.
+    rule; a state snapshot taken before signal ``k``, passed through JSON into
+    a fresh policy, yields the same decisions for the rest of the stream.
+
+    Args:
+        policy_factory: Builds a fresh policy.
+        signal_stream: The signals to observe; their ``frozen`` fields are replaced by the applied
+            decisions' count.
+        before_observe: ``before_observe(policy, index)`` runs before each observation on every policy
+            (e.g. to make manual requests).
+        snapshot_at: The signal indices to snapshot before (default: halfway).
+
+    Returns:
+        The decisions of one uninterrupted run.
+
+    Raises:
+        AssertionError: Names the first violation.
     """
     stream = list(signal_stream)
     policy = policy_factory()

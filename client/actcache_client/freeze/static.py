@@ -18,7 +18,17 @@ _STATE_VERSION = 1
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FreezeMilestone:
-    """Have ``stages`` stages frozen once ``step >= at_step`` or ``epoch >= at_epoch`` (give one)."""
+    """Have ``stages`` stages frozen once ``step >= at_step`` or ``epoch >= at_epoch`` (give one).
+
+    Attributes:
+        stages: The number of stages frozen at the milestone (at least 1).
+        at_step: The optimizer step it is reached at.
+        at_epoch: The epoch it is reached at.
+
+    Raises:
+        ConfigError: ``stages`` is below 1, not exactly one of ``at_step`` and ``at_epoch`` is given, or it
+            is negative.
+    """
 
     stages: int
     at_step: int | None = None
@@ -35,6 +45,11 @@ class FreezeMilestone:
             raise ConfigError(f"FreezeMilestone(stages={self.stages}) has a negative step/epoch {when}")
 
     def reached(self, signals: Signals) -> bool:
+        """Whether the milestone is reached.
+
+        Args:
+            signals: The evaluation's signals (their step and epoch).
+        """
         if self.at_step is not None:
             return signals.step >= self.at_step
         return self.at_epoch is not None and signals.epoch >= self.at_epoch
@@ -49,6 +64,14 @@ class _NoSignal:
         return {"version": _STATE_VERSION}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a ``state_dict()`` of a policy built with the same configuration.
+
+        Args:
+            state: The saved state.
+
+        Raises:
+            ConfigError: The state was saved by an incompatible version.
+        """
         check_state_version(type(self).__name__, state, _STATE_VERSION)
 
 
@@ -57,6 +80,15 @@ class StaticPolicy(_NoSignal):
 
     ``StaticPolicy(stages=3, at_epoch=1)`` is one milestone; ``StaticPolicy([FreezeMilestone(stages=1,
     at_step=500), FreezeMilestone(stages=3, at_epoch=2)])`` a schedule. It never unfreezes.
+
+    Args:
+        freeze_at: The milestones of a schedule.
+        stages: One more milestone: this many stages frozen at ``at_step`` or ``at_epoch``.
+        at_step: That milestone's step.
+        at_epoch: That milestone's epoch.
+
+    Raises:
+        ConfigError: No milestone is given, or ``at_step``/``at_epoch`` without ``stages``.
     """
 
     def __init__(self, freeze_at: Sequence[FreezeMilestone] = (), *, stages: int | None = None,
@@ -71,6 +103,17 @@ class StaticPolicy(_NoSignal):
         self.milestones = tuple(milestones)
 
     def observe(self, signals: Signals) -> Decision:
+        """Freeze the frontmost active stage while fewer stages are frozen than the reached milestones ask.
+
+        Args:
+            signals: The evaluation's signals.
+
+        Returns:
+            The decision and the numbers it was based on.
+
+        Raises:
+            ConfigError: A milestone asks for the head (or more stages than the model has) to freeze.
+        """
         most = max(m.stages for m in self.milestones)
         if most > signals.num_stages - 1:
             raise ConfigError(f"StaticPolicy asks for {most} frozen stages but the model has {signals.num_stages} "
@@ -96,7 +139,14 @@ class ManualPolicy(_NoSignal):
         self._pending_unfreeze = False
 
     def request_freeze(self, stages: int = 1) -> None:
-        """Freeze ``stages`` more stages, one per following observation."""
+        """Freeze more stages, one per following observation.
+
+        Args:
+            stages: How many more.
+
+        Raises:
+            ConfigError: ``stages`` is below 1.
+        """
         if stages < 1:
             raise ConfigError(f"request_freeze(stages={stages}) must ask for at least 1 stage")
         with self._lock:
@@ -109,6 +159,14 @@ class ManualPolicy(_NoSignal):
             self._pending_unfreeze = True
 
     def observe(self, signals: Signals) -> Decision:
+        """Serve the pending requests: an unfreeze, else one stage of the pending freezes.
+
+        Args:
+            signals: The evaluation's signals.
+
+        Returns:
+            The decision and the numbers it was based on.
+        """
         with self._lock:
             if self._pending_unfreeze:
                 self._pending_unfreeze = False
@@ -130,6 +188,14 @@ class ManualPolicy(_NoSignal):
                     "pending_unfreeze": self._pending_unfreeze}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a ``state_dict()`` of a policy built with the same configuration.
+
+        Args:
+            state: The saved state.
+
+        Raises:
+            ConfigError: The state was saved by an incompatible version.
+        """
         super().load_state_dict(state)
         with self._lock:
             self._pending_freezes = int(state["pending_freezes"])
@@ -137,10 +203,19 @@ class ManualPolicy(_NoSignal):
 
 
 class NoFreezePolicy(_NoSignal):
-    """Never freeze: what a run gets that no policy can judge; the controller warns ``reason`` once."""
+    """Never freeze: what a run gets that no policy can judge; the controller warns ``reason`` once.
+
+    Args:
+        reason: Why the run does not freeze.
+    """
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
     def observe(self, signals: Signals) -> Decision:
+        """Never freeze.
+
+        Args:
+            signals: The evaluation's signals (unused).
+        """
         return Decision.none(self.reason)
