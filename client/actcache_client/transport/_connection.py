@@ -134,7 +134,12 @@ _WAITED = 0.25
 
 
 class Connection:
-    """A namespace on a daemon, used by CachedForward; safe to share between threads."""
+    """A namespace on a daemon, used by CachedForward; safe to share between threads.
+
+    Args:
+        config: How to reach the daemon and how to behave when it misbehaves.
+        embedded: A daemon (or the node daemon's lease) that the connection stops when it closes.
+    """
 
     def __init__(self, config: ConnectionConfig, *, embedded: Lease | None = None) -> None:
         self.config = config
@@ -168,21 +173,43 @@ class Connection:
         return self._rpc
 
     def lookup(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int]) -> list | None:
-        """Entries for ``ids`` (None per miss), or None when the cache is unusable right now."""
+        """Entries for ``ids`` (None per miss), or None when the cache is unusable right now.
+
+        Args:
+            fingerprint: The entries' fingerprint (weights and data of the stages before ``depth``).
+            depth: The number of stages whose output the entries hold.
+            ids: The sample ids.
+            variants: Each sample's augmented version.
+        """
         values = self._guarded(self._get, fingerprint, depth, ids, variants)
         if values is not None:
             self._backoff_s = self.config.backoff_s
         return values
 
     def contains(self, fingerprint: bytes, depth: int, ids: Sequence[int], variant: int) -> list[bool] | None:
-        """Which entries are stored (values not read), or None when the cache is unusable right now."""
+        """Which entries are stored (values not read), or None when the cache is unusable right now.
+
+        Args:
+            fingerprint: The entries' fingerprint.
+            depth: The number of stages whose output the entries hold.
+            ids: The sample ids.
+            variant: The samples' augmented version.
+        """
         variants = [variant] * len(ids) if variant else None
         present = self._guarded(self._call, lambda ns: self._rpc.contains(ns, fingerprint, depth, ids, variants))
         return None if present is None else present.tolist()
 
     def push(self, fingerprint: bytes, depth: int, schedule_id: str, ids: Sequence[int],
              variants: Sequence[int] | None) -> list[bool] | None:
-        """Push an order (Schedule) the daemon reads ahead; which of its entries are stored, or None (unusable)."""
+        """Push an order (Schedule) the daemon reads ahead; which of its entries are stored, or None (unusable).
+
+        Args:
+            fingerprint: The entries' fingerprint.
+            depth: The number of stages whose output the entries hold.
+            schedule_id: Names the order, for ``stream``.
+            ids: The sample ids, in the order they will be read.
+            variants: Each sample's augmented version (None: all 0).
+        """
         reply = self._guarded(self._call, lambda ns: self._rpc.schedule(ns, fingerprint, depth, schedule_id, ids,
                                                                          variants, report_present=True))
         return None if reply is None else list(map(bool, reply.present))
@@ -212,7 +239,17 @@ class Connection:
         """Fetch a pushed schedule from ``start``: shared memory on a Unix socket of this host, else bytes.
 
         Counts frames in ``stats``; errors are raised to the caller (who hands them to ``fallback``).
-        ``ahead``: opened before it is used, its first frame counted when it is. One batch per frame."""
+
+        Args:
+            schedule_id: The pushed order.
+            start: The batch to start from.
+            ring_bytes: The shared-memory ring's size (0: 8 MiB).
+            max_frame_bytes: The largest payload of one frame (0: the daemon's default, 4 MiB).
+            ahead: Opened before it is used, its first frame counted when it is.
+
+        Yields:
+            One batch of entries per frame.
+        """
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
                                          max_frame_bytes=max_frame_bytes, whole_frames=True)
         counted, last, behind = not ahead, None, False  # last: when the previous frame arrived
@@ -235,13 +272,22 @@ class Connection:
 
     def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None, *,
                        received_s: float | None = None) -> None:
-        """Count a frame the step takes from a stream and the seconds it waited for it; ``read_s``: the
-        seconds the stream took to read the frame, where known (``timed_*``); ``received_s``: the seconds
-        since the frame before arrived (``received_*``)."""
+        """Count a frame the step takes from a stream and the seconds it waited for it.
+
+        Args:
+            batch: The frame's entries.
+            seconds: The seconds the step waited for it.
+            read_s: The seconds the stream took to read the frame, where known (``timed_*``).
+            received_s: The seconds since the frame before arrived (``received_*``).
+        """
         self._count_read(batch.values, seconds, read_s, streamed=len(batch.values), received_s=received_s)
 
     def count_absent(self, entries: int) -> None:
-        """Count stream entries known to be misses without reading them (the push said none was stored)."""
+        """Count stream entries known to be misses without reading them (the push said none was stored).
+
+        Args:
+            entries: How many.
+        """
         with self._lock:
             self.stats.streamed += entries
             self.stats.misses += entries
@@ -271,11 +317,21 @@ class Connection:
     def store(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
               encode: Callable[[], list[bytes]], *, probe: bool = False,
               encoding: Callable[[list[bytes]], str] | None = None) -> bool:
-        """Queue a put; ``encode`` runs on the writer thread. Returns False if it was dropped.
+        """Queue a put; it never blocks the step (a full queue drops it).
 
-        ``probe``: once stored, read the entries back once to measure the daemon's read speed (counted
-        in ``fetch_seconds``/``bytes_read``, not as hits). ``encoding``: given the encoded entries, how
-        the daemon is to store them (``PutHeader.encoding``; "" or None: the daemon's ``--encoding``).
+        Args:
+            fingerprint: The entries' fingerprint.
+            depth: The number of stages whose output the entries hold.
+            ids: The sample ids.
+            variants: Each sample's augmented version.
+            encode: Returns the entries' bytes; runs on the writer thread.
+            probe: Once stored, read the entries back once to measure the daemon's read speed (counted in
+                ``fetch_seconds``/``bytes_read``, not as hits).
+            encoding: Given the encoded entries, how the daemon is to store them (``PutHeader.encoding``;
+                "" or None: the daemon's ``--encoding``).
+
+        Returns:
+            False if the put was dropped.
         """
         self.surface()
         if not self._paused():
@@ -287,7 +343,11 @@ class Connection:
         return False
 
     def drop(self, fingerprint: bytes) -> None:
-        """Drop every entry of ``fingerprint`` in the daemon, after the puts already queued; never blocks long."""
+        """Drop every entry of ``fingerprint`` in the daemon, after the puts already queued; never blocks long.
+
+        Args:
+            fingerprint: The entries' fingerprint.
+        """
         try:
             self._queue.put(partial(self._drop, fingerprint), timeout=self.config.timeout_s)
         except queue.Full:
@@ -295,7 +355,11 @@ class Connection:
                         fingerprint.hex())
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Wait until every queued put was sent (or dropped)."""
+        """Wait until every queued put was sent (or dropped).
+
+        Args:
+            timeout_s: The longest wait (None: no limit).
+        """
         with self._queue.all_tasks_done:
             self._queue.all_tasks_done.wait_for(lambda: not self._queue.unfinished_tasks, timeout_s)
         self.surface()
@@ -365,8 +429,12 @@ class Connection:
             raise errors[0]
 
     def describe(self, *, data_id: str) -> None:
-        """Name the data this job reads; the daemon lists it with the job's pid, host and start time
-        (``actcache ls``/``stats``). Sent when the namespace is (re)opened."""
+        """Name the data this job reads; sent when the namespace is (re)opened.
+
+        Args:
+            data_id: The name; the daemon lists it with the job's pid, host and start time
+                (``actcache ls``/``stats``).
+        """
         if data_id != self._data_id:
             self._data_id = data_id
             self._namespace_id = None  # opened again, with the description, at the next call
@@ -403,7 +471,14 @@ class Connection:
         return time.monotonic() < self._paused_until
 
     def fallback(self, exc: ActCacheError) -> None:
-        """Handle a failed cache operation: raise in strict mode, else count, warn once per cause and back off."""
+        """Handle a failed cache operation: raise in strict mode, else count, warn once per cause and back off.
+
+        Args:
+            exc: The failure.
+
+        Raises:
+            ActCacheError: ``exc``, in strict mode.
+        """
         if self.config.strict:
             raise exc
         cause = {DaemonUnavailable: "unavailable", BudgetExceeded: "full", EntryCorrupt: "corrupt"}.get(type(exc), "error")

@@ -137,11 +137,26 @@ def connect(socket: str | os.PathLike | None = None, *, address: str | None = No
             **options) -> Connection:
     """Connect to ``socket``, ``address``, ``$ACTCACHE_SOCKET``, or this node's daemon, started if needed.
 
-    ``embedded=True``: a private daemon in a temp dir, stopped when the connection closes or the process
-    exits (kill -9 included).
     When the node daemon cannot be started, training goes on without the cache (a CacheFallbackWarning, as
-    when a daemon goes away) and the lease tries again later; ``strict=True`` raises DaemonUnavailable
-    instead. A malformed ``$ACTCACHE_IDLE_TIMEOUT`` is a ConfigError. ``options`` are ConnectionConfig fields.
+    when a daemon goes away) and the lease tries again later.
+
+    Args:
+        socket: The daemon's Unix socket.
+        address: The daemon's network address.
+        embedded: A private daemon in a temp dir, stopped when the connection closes or the process exits
+            (kill -9 included).
+        namespace: The namespace this job's entries live in.
+        secret: Protects the namespace: only jobs presenting the same secret can use it.
+        token: The daemon's access token; default: ``$ACTCACHE_TOKEN``.
+        strict: Raise instead of falling back to recomputation.
+        **options: Other ConnectionConfig fields.
+
+    Returns:
+        The connection.
+
+    Raises:
+        DaemonUnavailable: With ``strict``, the node daemon cannot be started.
+        ConfigError: ``embedded`` with a socket or address, or a malformed ``$ACTCACHE_IDLE_TIMEOUT``.
     """
     if embedded and (socket is not None or address is not None):
         raise ConfigError("connect(embedded=True) starts a daemon of its own; pass no socket or address with it")
