@@ -149,7 +149,7 @@ def connect(socket: str | os.PathLike | None = None, *, address: str | None = No
         secret: Protects the namespace: only jobs presenting the same secret can use it.
         token: The daemon's access token; default: ``$ACTCACHE_TOKEN``.
         strict: Raise instead of falling back to recomputation.
-        **options: Other ConnectionConfig fields.
+        **options (Any): Other ConnectionConfig fields.
 
     Returns:
         The connection.
