@@ -99,7 +99,11 @@ class _Median:
 
 
 class CachePlanner:
-    """Moving medians of what CachedForward observes, and the current Plan."""
+    """Moving medians of what CachedForward observes, and the current Plan.
+
+    Args:
+        config: The cost model's knobs; default: ``PlannerConfig()``.
+    """
 
     def __init__(self, config: PlannerConfig | None = None) -> None:
         self.config = config or PlannerConfig()
@@ -123,11 +127,24 @@ class CachePlanner:
         self._verdicts: dict[int, tuple[PlanMode, str]] = {}  # frozen depth -> what the measured check chose
 
     def record_stage(self, stage: int, seconds: float, samples: int, out_bytes_per_sample: float) -> None:
+        """Time one stage's forward and the size of its output.
+
+        Args:
+            stage: The stage's index.
+            seconds: Its forward time for the batch.
+            samples: The batch's samples.
+            out_bytes_per_sample: Stored bytes per sample of its output (the entries at depth ``stage + 1``).
+        """
         self._stage_s.setdefault(stage, _Median(self.config.window)).add(seconds / max(samples, 1))
         self._stage_bytes.setdefault(stage + 1, _Median(self.config.window)).add(out_bytes_per_sample)
 
     def record_fetch(self, nbytes: int, seconds: float) -> None:
-        """A lookup that returned ``nbytes``: a rate (latency included), or with no bytes a latency reading."""
+        """A lookup that returned ``nbytes``: a rate (latency included), or with no bytes a latency reading.
+
+        Args:
+            nbytes: The bytes returned.
+            seconds: The lookup's time.
+        """
         self._fetch_rate.rate(nbytes, seconds)
         if nbytes == 0:
             self._fetch_latency.add(seconds)
@@ -137,7 +154,11 @@ class CachePlanner:
         return bool(self._fetch_rate.values)
 
     def observe(self, stats: ClientStats) -> None:
-        """Record the fetch and write throughput the connection measured since the last call."""
+        """Record the fetch and write throughput the connection measured since the last call.
+
+        Args:
+            stats: The connection's counters.
+        """
         now = (stats.timed_bytes, stats.timed_seconds, stats.bytes_written, stats.write_seconds,
                stats.received_bytes, stats.received_seconds)
         (read, fetch_s, written, write_s, received, received_s), self._seen = self._seen, now
@@ -147,13 +168,25 @@ class CachePlanner:
         self._received.rate(now[4] - received, now[5] - received_s)
 
     def record_step(self, seconds: float, samples: int, kind: str, depth: int) -> None:
-        """A training step's period (its prefix's start to the next one's) at frozen ``depth``: ``kind``
-        ``"served"`` (every row from the cache) or ``"recomputed"`` (every row computed, nothing stored)."""
+        """A training step's period (its prefix's start to the next one's).
+
+        Args:
+            seconds: The period.
+            samples: The step's samples.
+            kind: ``"served"`` (every row from the cache) or ``"recomputed"`` (every row computed, nothing
+                stored).
+            depth: The frozen depth.
+        """
         self._steps.setdefault((depth, kind), _Median(self.config.window)).add(seconds / max(samples, 1))
 
     def check_measured(self, k: int) -> None:
-        """At an epoch start: keep for frozen depth ``k`` whichever of caching and recomputing the steps
-        measured faster, once steps were served (recomputing: measured if it was, else the model's)."""
+        """At an epoch start: keep whichever of caching and recomputing the steps measured faster.
+
+        Once steps were served; recomputing is measured if it was, else the model's.
+
+        Args:
+            k: The frozen depth.
+        """
         served = self._measured(k, "served")
         if served is None:
             return
@@ -178,22 +211,48 @@ class CachePlanner:
         return median.get() if median is not None and len(median.values) >= _MIN_STEPS else None
 
     def record_decode(self, nbytes: int, seconds: float) -> None:
+        """Time a decode of entries.
+
+        Args:
+            nbytes: The bytes decoded.
+            seconds: The decode's time.
+        """
         self._decode_rate.rate(nbytes, seconds)
 
     def record_h2d(self, nbytes: int, seconds: float) -> None:
-        """A host-to-device copy (CUDA only; without readings the cost model counts no copy time)."""
+        """A host-to-device copy (CUDA only; without readings the cost model counts no copy time).
+
+        Args:
+            nbytes: The bytes copied.
+            seconds: The copy's time.
+        """
         self._h2d_rate.rate(nbytes, seconds)
 
     def record_suffix(self, seconds: float, samples: int) -> None:
-        """Time of the rest of the step (suffix forward, backward, optimizer) for ``samples``."""
+        """Time of the rest of the step (suffix forward, backward, optimizer).
+
+        Args:
+            seconds: That time.
+            samples: The step's samples.
+        """
         self._suffix_s.add(seconds / max(samples, 1))
 
     def set_written(self, depth: int, samples: int) -> None:
-        """``samples`` distinct samples are stored at ``depth`` for the current frozen weights."""
+        """Record how many distinct samples are stored at ``depth`` for the current frozen weights.
+
+        Args:
+            depth: The depth of the entries.
+            samples: The distinct samples stored.
+        """
         self._written[depth] = samples
 
     def record_encoding(self, depth: int, choice: EncodingChoice) -> None:
-        """The codec chosen for the entries at ``depth`` (called from the connection's writer thread)."""
+        """The codec chosen for the entries at ``depth`` (called from the connection's writer thread).
+
+        Args:
+            depth: The depth of the entries.
+            choice: The codec and why.
+        """
         self._encodings[depth] = choice
         log.info("actcache encoding for depth %d: %s", depth, choice.reason)
         current = self.current
@@ -201,11 +260,22 @@ class CachePlanner:
             self.current = dataclasses.replace(current, encoding=choice.encoding)
 
     def begin_epoch(self, epoch: int, num_samples: int, batch_size: int) -> None:
+        """An epoch starts: plans follow the loader's epochs.
+
+        Args:
+            epoch: The epoch.
+            num_samples: The epoch's samples.
+            batch_size: The batch size.
+        """
         self.epoch, self.num_samples, self.batch_size = epoch, max(num_samples, 1), max(batch_size, 1)
         self._in_epoch, self._epoch_plan = True, None
 
     def measurements(self, k: int) -> Measurements | None:
-        """Current measurements for frozen depth k, or None until every stage of the prefix was timed."""
+        """Current measurements for frozen depth k, or None until every stage of the prefix was timed.
+
+        Args:
+            k: The frozen depth.
+        """
         if k == 0 or any(d not in self._stage_s or self._stage_s[d].get() is None for d in range(k)):
             return None
         c = self.config
@@ -228,12 +298,21 @@ class CachePlanner:
         )
 
     def needs_replan(self, k: int) -> bool:
+        """Whether depth ``k`` is measured and has no plan yet, or moved by more than ``replan_drift`` since it.
+
+        Args:
+            k: The frozen depth.
+        """
         now = self.measurements(k)
         return now is not None and (self._basis is None or self.current is None
                                     or should_replan(self._basis, now, self.config.replan_drift))
 
     def plan_for(self, k: int) -> Plan | None:
-        """Plan for frozen depth k (None until the prefix was measured); logged and sent to listeners."""
+        """Plan for frozen depth k (None until the prefix was measured); logged and sent to listeners.
+
+        Args:
+            k: The frozen depth.
+        """
         m = self.measurements(k)
         if m is None:
             return None
