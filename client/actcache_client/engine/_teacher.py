@@ -42,9 +42,12 @@ class MovingTeacherWarning(UserWarning):
 class TeacherOutput:
     """What the teacher gives for one batch, served or computed.
 
-    ``logits``: the full logits (None with ``top_k``); ``top_values`` / ``top_indices``: the k largest
-    logits, in descending order, and their class indices (None without ``top_k``); ``hidden``: the chosen
-    submodules' outputs by name; ``mask``: the (B, L) attention mask of per-token outputs (else None).
+    Attributes:
+        logits: The full logits (None with ``top_k``).
+        top_values: The k largest logits, in descending order (None without ``top_k``).
+        top_indices: Their class indices (None without ``top_k``).
+        hidden: The chosen submodules' outputs by name.
+        mask: The (B, L) attention mask of per-token outputs (else None).
     """
 
     logits: Tensor | None = None
@@ -54,7 +57,15 @@ class TeacherOutput:
     mask: Tensor | None = None
 
     def soft_targets(self, temperature: float = 1.0, num_classes: int | None = None) -> Tensor:
-        """The distillation target ``softmax(logits / T)``; from top-k renormalised over the k (needs num_classes)."""
+        """The distillation target ``softmax(logits / T)``; from top-k, renormalised over the k.
+
+        Args:
+            temperature: T.
+            num_classes: The size of the full distribution (needed with top-k).
+
+        Raises:
+            ConfigError: No logits were kept, or top-k without ``num_classes``.
+        """
         if self.logits is not None:
             return F.softmax(self.logits.float() / temperature, dim=-1)
         if self.top_values is None:
@@ -68,6 +79,18 @@ def topk_soft_targets(values: Tensor, indices: Tensor, num_classes: int, tempera
     """The soft target rebuilt from top-k logits: ``softmax(values / T)`` at ``indices``, zero elsewhere.
 
     Renormalised over the k classes (they sum to 1): the mass outside the top k is dropped.
+
+    Args:
+        values: The k largest logits.
+        indices: Their class indices.
+        num_classes: The size of the full distribution.
+        temperature: T.
+
+    Returns:
+        The soft target, ``num_classes`` wide.
+
+    Raises:
+        ConfigError: ``temperature`` is not positive.
     """
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
@@ -80,10 +103,22 @@ def distillation_loss(student_logits: Tensor, teacher: TeacherOutput | Tensor, t
                       reduction: str = "mean") -> Tensor:
     """Hinton's KD loss: ``T² · KL(p || softmax(student / T))``, p the teacher's soft target.
 
-    ``teacher`` is a TeacherOutput (full or top-k logits) or a logits tensor. With top-k, p lives on the k
-    classes (renormalised) and only the student's log-probabilities of those classes enter. The KL is
-    summed over classes; ``reduction="mean"`` averages it over the other positions (samples, tokens),
-    ``"none"`` returns it per position.
+    With top-k, p lives on the k classes (renormalised) and only the student's log-probabilities of
+    those classes enter. The KL is summed over classes.
+
+    Args:
+        student_logits: The student's logits.
+        teacher: A TeacherOutput (full or top-k logits) or a logits tensor.
+        temperature: T.
+        reduction: ``"mean"`` averages the KL over the other positions (samples, tokens), ``"none"``
+            returns it per position.
+
+    Returns:
+        The loss.
+
+    Raises:
+        ConfigError: ``temperature`` is not positive, ``reduction`` is unknown, or the teacher output
+            has no logits.
     """
     if temperature <= 0:
         raise ConfigError(f"temperature must be > 0, got {temperature}")
@@ -229,8 +264,26 @@ class CachedTeacher:
     ``varlen=VarLen()`` submodule outputs (and logits with ``token_logits=True``) are per token, stored
     without their padding; padded positions are zeros. A moving teacher is not cacheable: at every epoch
     start and at ``check_weights()`` its weights are compared with its keys' (see there).
+    ``cached_forward`` is the CachedForward doing the work.
 
-    The other arguments are CachedForward's; ``cached_forward`` is the CachedForward doing the work.
+    Args:
+        teacher: The frozen teacher.
+        connection: The daemon's connection (CachedForward's).
+        outputs: ``"logits"`` (the teacher's return value) and/or names of submodules whose output is kept.
+        top_k: Keep only the k largest logits and their class indices.
+        token_logits: The logits are per token (needs ``varlen``).
+        varlen: Submodule outputs (and logits with ``token_logits``) are per token, stored without their
+            padding; padded positions are zeros.
+        encoding: How entries are stored (CachedForward's).
+        stream: CachedForward's.
+        device: CachedForward's.
+        audit: CachedForward's.
+        keep_generations: CachedForward's.
+        store_dtype: CachedForward's.
+
+    Raises:
+        ConfigError: ``outputs`` is empty or repeats a name, ``top_k`` is below 1 or without ``"logits"``,
+            or ``token_logits`` without ``varlen``.
     """
 
     def __init__(
@@ -325,7 +378,11 @@ class CachedTeacher:
         self.cached_forward.bind_data(data, name)
 
     def disable(self, reason: str) -> None:
-        """Stop using the cache (recompute the teacher every step)."""
+        """Stop using the cache (recompute the teacher every step).
+
+        Args:
+            reason: Why.
+        """
         self.cached_forward.disable(reason)
 
     def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0,
@@ -343,6 +400,12 @@ class CachedTeacher:
 
     def __call__(self, batch: Batch | Tensor | Sequence[int], inputs: State | None = None, *,
                  variant: int = 0) -> TeacherOutput:
-        """The teacher's outputs for a batch: served from the cache, or computed (no grad, eval) and stored."""
+        """The teacher's outputs for a batch: served from the cache, or computed (no grad, eval) and stored.
+
+        Args:
+            batch: A CachedLoader Batch, or the batch's sample ids (with ``inputs``).
+            inputs: Every row's input, with sample ids.
+            variant: The augmented version of the samples, with sample ids.
+        """
         self._used = True
         return self.stage.unpack(self.cached_forward(batch, inputs, variant=variant))
