@@ -274,12 +274,12 @@ class CachedTeacher:
         token_logits: The logits are per token (needs ``varlen``).
         varlen: Submodule outputs (and logits with ``token_logits``) are per token, stored without their
             padding; padded positions are zeros.
-        encoding: How entries are stored (CachedForward's).
-        stream: CachedForward's.
-        device: CachedForward's.
-        audit: CachedForward's.
-        keep_generations: CachedForward's.
-        store_dtype: CachedForward's.
+        encoding: How the daemon stores the entries (as CachedForward's).
+        stream: False reads entries with ``Get`` instead of the daemon's stream.
+        device: The device inputs and served entries are moved to (as CachedForward's).
+        audit: Recompute a share of hits to check the cache (as CachedForward's).
+        keep_generations: Keep the entries of superseded fingerprints in the daemon.
+        store_dtype: torch.float16 or torch.bfloat16 stores floating-point outputs in 16 bits.
 
     Raises:
         ConfigError: ``outputs`` is empty or repeats a name, ``top_k`` is below 1 or without ``"logits"``,
