@@ -65,7 +65,21 @@ def _place_canonical(count: int, num_nodes: int, seed: int) -> np.ndarray:
 
 def node_assignment(num_samples: int, num_nodes: int, *, num_canonical_nodes: int = DEFAULT_CANONICAL_NODES,
                     seed: int = 0, block_size: int = 1) -> np.ndarray:
-    """The node (0..num_nodes-1) holding each dataset index, for ``num_nodes`` physical nodes."""
+    """The node (0..num_nodes-1) holding each dataset index, for ``num_nodes`` physical nodes.
+
+    Args:
+        num_samples: The dataset's length.
+        num_nodes: The number of physical nodes.
+        num_canonical_nodes: The groups samples are dealt into, whatever the number of nodes.
+        seed: Seeds the deal.
+        block_size: Indices dealt together.
+
+    Returns:
+        The node of each dataset index.
+
+    Raises:
+        ConfigError: An empty dataset, an argument out of range, or more nodes than canonical nodes used.
+    """
     if num_samples < 1:
         raise ConfigError(f"cannot place an empty dataset ({num_samples} samples) on nodes")
     for name, value, least in (("num_nodes", num_nodes, 1), ("num_canonical_nodes", num_canonical_nodes, 1),
@@ -124,14 +138,25 @@ class NodeStableSampler(Sampler[int]):
     """Dataset indices for this rank: its node's fixed shard, shuffled per epoch, split among the node's
     ranks.
 
-    ``data_source`` is the dataset (or its length). The layout comes from the arguments, else torchrun's
-    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` and ``LOCAL_RANK``, else a single process. Call
-    ``set_epoch`` every epoch (CachedLoader does it when it draws an epoch's order; drawing an epoch twice
-    gives the same order).
+    The layout comes from the arguments, else torchrun's ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK`` and ``LOCAL_RANK``, else a single process. Call ``set_epoch`` every epoch (CachedLoader
+    does it when it draws an epoch's order; drawing an epoch twice gives the same order).
 
     Invariants, every epoch: all ranks of all nodes yield ``len(self)`` samples; a node's ranks are disjoint
     except for padding repeats; with ``drop_last=False`` every sample is yielded at least once; a node's shard
     is the same every epoch.
+
+    Args:
+        data_source: The dataset (or its length).
+        num_nodes: The number of nodes.
+        node_rank: This node's rank.
+        local_world_size: Ranks per node.
+        local_rank: This rank's index on its node.
+        num_canonical_nodes: The groups samples are dealt into (``node_assignment``).
+        seed: Seeds the placement and the shuffles.
+        shuffle: Shuffle each shard every epoch.
+        drop_last: Longer ranks drop their tail; else shorter ranks repeat their own samples.
+        block_size: Indices placed together (``node_assignment``).
     """
 
     def __init__(self, data_source: Sized | int, *, num_nodes: int | None = None, node_rank: int | None = None,
@@ -153,10 +178,19 @@ class NodeStableSampler(Sampler[int]):
         self._resume: tuple[int, np.ndarray] | None = None  # (epoch, seen mask) of a mid-epoch resume
 
     def node_shard(self, node: int | None = None) -> np.ndarray:
-        """The dataset indices of ``node``'s shard (default: this rank's node), ascending."""
+        """The dataset indices of a node's shard, ascending.
+
+        Args:
+            node: The node; default: this rank's.
+        """
         return self._shards[self.node_rank if node is None else node]
 
     def set_epoch(self, epoch: int) -> None:
+        """Set the epoch whose order the sampler yields.
+
+        Args:
+            epoch: The epoch.
+        """
         self.epoch = epoch
 
     def _seen(self, epoch: int) -> np.ndarray | None:
@@ -196,9 +230,17 @@ class NodeStableSampler(Sampler[int]):
     def state_dict(self, consumed: int = 0, *, epoch: int | None = None) -> dict[str, Any]:
         """The state after every rank took ``consumed`` samples of ``epoch`` (the same count on every rank).
 
-        ``epoch`` defaults to the last ``set_epoch``. Pass it with a CachedLoader, which draws the next epoch's
-        order (``set_epoch(e + 1)``) halfway through epoch e: ``state_dict(consumed=(batch.position + 1) *
-        batch_size, epoch=batch.epoch)`` after the step of ``batch``."""
+        With a CachedLoader, which draws the next epoch's order (``set_epoch(e + 1)``) halfway through epoch
+        e, pass the epoch: ``state_dict(consumed=(batch.position + 1) * batch_size, epoch=batch.epoch)`` after
+        the step of ``batch``.
+
+        Args:
+            consumed: Samples each rank took.
+            epoch: The epoch; default: the last ``set_epoch``.
+
+        Raises:
+            ConfigError: ``consumed`` is negative.
+        """
         if consumed < 0:
             raise ConfigError(f"consumed must be >= 0 samples, got {consumed}")
         epoch = self.epoch if epoch is None else epoch
@@ -217,7 +259,14 @@ class NodeStableSampler(Sampler[int]):
                 "num_canonical_nodes": self.num_canonical_nodes, "seed": self.seed, "block_size": self.block_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``'s epoch; a mid-epoch state visits the samples that epoch has not seen yet."""
+        """Resume at ``state``'s epoch; a mid-epoch state visits the samples that epoch has not seen yet.
+
+        Args:
+            state: A ``state_dict()`` of a sampler over the same dataset (any number of nodes or ranks).
+
+        Raises:
+            ConfigError: The state is of a dataset of another length.
+        """
         if state["num_samples"] != self.num_samples_total:
             raise ConfigError(f"the state is of a dataset of {state['num_samples']} samples, this sampler's has "
                               f"{self.num_samples_total}: resume on the same dataset")
