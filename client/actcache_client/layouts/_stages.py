@@ -39,9 +39,18 @@ _FALLBACK = "pass an nn.Sequential or build stages with StagedModel([...])"
 class Stage(nn.Module):
     """A named ``state -> state`` step; ``module`` is called with the state as its only argument.
 
-    ``sites``: the network's modules where the frozen prefix is served in place, in the order the network
-    calls them (default: the topmost of the network's modules in ``module``). A stage whose module runs
-    what the network computes before its first block names that block: the network runs the rest itself.
+    A stage whose module runs what the network computes before its first block names that block in
+    ``sites``: the network runs the rest itself.
+
+    Args:
+        name: The stage's name, unique in its StagedModel.
+        module: Called with the state as its only argument.
+        sites: The network's modules where the frozen prefix is served in place, in the order the network
+            calls them (default: the topmost of the network's modules in ``module``).
+
+    Raises:
+        ConfigError: An empty name, a module that is not an nn.Module, or sites that are empty or outside
+            ``module``.
     """
 
     def __init__(self, name: str, module: nn.Module, *, sites: Sequence[nn.Module] | None = None) -> None:
@@ -58,6 +67,11 @@ class Stage(nn.Module):
         self.sites: list[nn.Module] | None = None if sites is None else list(sites)  # a list: not registered
 
     def forward(self, state: State) -> State:
+        """Run the stage.
+
+        Args:
+            state: The stage's input state.
+        """
         return self.module(state)
 
     def extra_repr(self) -> str:
@@ -65,7 +79,14 @@ class Stage(nn.Module):
 
 
 class StagedModel(nn.Module):
-    """An ordered, non-empty list of uniquely named stages; ``forward(x)`` runs them all."""
+    """An ordered, non-empty list of uniquely named stages; ``forward(x)`` runs them all.
+
+    Args:
+        stages: The stages, in order.
+
+    Raises:
+        ConfigError: No stages, an item that is not a Stage, or repeated names.
+    """
 
     def __init__(self, stages: Iterable[Stage]) -> None:
         super().__init__()
@@ -94,7 +115,16 @@ class StagedModel(nn.Module):
         return [sum(p.numel() for p in s.parameters()) for s in self.stages]
 
     def run(self, state: State, start: int = 0, stop: int | None = None) -> State:
-        """Run ``stages[start:stop]`` on ``state``; ``start == stop`` returns ``state`` unchanged."""
+        """Run ``stages[start:stop]`` on ``state``; ``start == stop`` returns ``state`` unchanged.
+
+        Args:
+            state: The input of stage ``start``.
+            start: The first stage to run.
+            stop: The stage to stop before (default: all the rest).
+
+        Raises:
+            ConfigError: Not ``0 <= start <= stop <= num_stages``.
+        """
         n = self.num_stages
         stop = n if stop is None else stop
         if not 0 <= start <= stop <= n:
@@ -107,12 +137,23 @@ class StagedModel(nn.Module):
         return state
 
     def forward(self, x: State) -> State:
+        """Run every stage.
+
+        Args:
+            x: The model's input state.
+        """
         return self.run(x)
 
     def suffix(self, start: int) -> StagedModel:
         """The active stages ``stages[start:]`` as a model of their own, e.g. to wrap in DistributedDataParallel.
 
         It holds this model's own Stage objects: its parameters are this model's, without the frozen prefix.
+
+        Args:
+            start: The first active stage.
+
+        Raises:
+            ConfigError: ``start`` is not in ``0..num_stages - 1``.
         """
         if not 0 <= start < self.num_stages:
             raise ConfigError(
@@ -154,6 +195,14 @@ def from_sequential(seq: nn.Sequential, groups: Sequence[int] | None = None) -> 
 
     Stages are named after the children (``"0"``, ``"1"``, or the OrderedDict keys); a group of several
     children is named ``"first..last"``.
+
+    Args:
+        seq: The network.
+        groups: The number of consecutive children in each stage (positive, summing to the children's
+            count); default: one child per stage.
+
+    Raises:
+        ConfigError: ``seq`` is not a non-empty nn.Sequential, or ``groups`` does not fit it.
     """
     if not isinstance(seq, nn.Sequential):
         raise ConfigError(
@@ -196,6 +245,12 @@ def from_resnet(model: nn.Module) -> StagedModel:
     The stem is ``conv1, bn1, relu`` plus ``maxpool`` if the model has one (CIFAR-style ResNets have none);
     ``layer1``, ``layer2``, ... are taken while they exist (up to ``layer4``); the head is ``avgpool,
     flatten(1), fc``.
+
+    Args:
+        model: A torchvision-style ResNet (conv1, bn1, relu, layer1.., avgpool, fc), not wrapped in DDP.
+
+    Raises:
+        ConfigError: The model lacks one of those parts, or is wrapped in (Distributed)DataParallel.
     """
     stem = [_require(model, name, _RESNET) for name in ("conv1", "bn1", "relu")]
     maxpool = getattr(model, "maxpool", None)
@@ -330,6 +385,12 @@ def from_bert(model: nn.Module) -> StagedModel:
     with ``model.dropout`` before it if present. The input state is ``(input_ids, attention_mask[,
     token_type_ids])`` (token types: the segments of a sentence pair, else all 0); after the embeddings
     it is ``(hidden, attention_mask)``.
+
+    Args:
+        model: An HF-style BERT classifier, not wrapped in DDP.
+
+    Raises:
+        ConfigError: The model lacks one of those parts, or is wrapped in (Distributed)DataParallel.
     """
     body = getattr(model, "bert", model)
     _require(body, "embeddings", _BERT)
@@ -399,6 +460,14 @@ def auto_partition(
     The capacity is ``target_params`` if given, else ``ceil(total / max_stages)``; with ``max_stages`` it
     is then raised to the smallest value that yields at most ``max_stages`` groups. Stages are never
     reordered or split; a merged stage is named ``"first..last"`` and shares parameters.
+
+    Args:
+        staged: The stages to merge.
+        max_stages: The most groups.
+        target_params: The capacity of a group, in parameter elements.
+
+    Raises:
+        ConfigError: Neither ``max_stages`` nor ``target_params`` is given, or one is below 1.
     """
     if max_stages is None and target_params is None:
         raise ConfigError("auto_partition needs max_stages or target_params (or both); got neither")
