@@ -40,11 +40,17 @@ def served_as_is(state: State, given: Tensor | None) -> State:
 class Layout:
     """A network's stages and how its batches and states map to theirs.
 
-    ``stages``: a StagedModel over the network's own modules, in the order its ``forward`` calls them.
-    ``varlen``: how padded text is stored (None: every sample at one shape). ``inputs_of(batch)``: the
-    first stage's input in a batch as the loader yields it. ``output_of(state, given)``: the served state as
-    the network's next module takes it (``given``: the first tensor of the batch's input). ``family``: the
-    registered family that built it (empty: built by hand).
+    Attributes:
+        stages: A StagedModel over the network's own modules, in the order its ``forward`` calls them
+            (at least 2: a prefix to freeze and a head that trains).
+        varlen: How padded text is stored (None: every sample at one shape).
+        inputs_of: ``inputs_of(batch)``: the first stage's input in a batch as the loader yields it.
+        output_of: ``output_of(state, given)``: the served state as the network's next module takes it
+            (``given``: the first tensor of the batch's input).
+        family: The registered family that built it (empty: built by hand).
+
+    Raises:
+        ConfigError: ``stages`` is not a StagedModel of at least 2 stages.
     """
 
     stages: StagedModel

@@ -68,7 +68,15 @@ def _before(net: nn.Module, path: str) -> tuple[list[nn.Module], list[nn.Paramet
 
 
 def stage_blocks(net: nn.Module, path: str) -> Layout:
-    """The layout of ``net`` around its blocks at ``path`` (a dotted path to an nn.ModuleList or nn.Sequential)."""
+    """The layout of ``net`` by its blocks: a stage per block (the first runs what precedes it too), a head.
+
+    Args:
+        net: The network.
+        path: The dotted path to its blocks, an nn.ModuleList or nn.Sequential of at least 2.
+
+    Raises:
+        ConfigError: ``path`` names no such container.
+    """
     if not isinstance(path, str) or not path:
         raise ConfigError(f"blocks= is the dotted path of the network's blocks (\"encoder.layers\"), got {path!r}")
     container = module_at(net, path)

@@ -64,8 +64,17 @@ def _rows(state: State, rows: Tensor) -> State:
 
 
 def check_layout(net: nn.Module, layout: Layout, data: Any, loaded: Tensor | None = None) -> None:
-    """Raise a ConfigError if a stage of ``layout`` computes other than ``net`` on the batch ``data``
-    (``loaded``: the rows the loader loaded, when the others hold placeholders)."""
+    """Check that every stage of ``layout`` computes what ``net`` computes on a batch.
+
+    Args:
+        net: The network.
+        layout: Its layout.
+        data: A batch as the loader yields it.
+        loaded: The rows the loader loaded, when the others hold placeholders.
+
+    Raises:
+        ConfigError: A stage computes other than ``net``.
+    """
     stages = list(layout.stages.stages)
     sites = call_sites(net, stages)
     paths = {id(m): name for name, m in net.named_modules()}

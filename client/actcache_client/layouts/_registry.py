@@ -24,8 +24,13 @@ Match = Union[type, tuple[type, ...], Callable[[nn.Module], bool]]
 class Family:
     """A registered family: ``name``, the networks it takes (``matches``) and how it stages one (``build``).
 
-    ``guess``: it matches by attribute names rather than by type (consulted after every family that
-    matches by type).
+    Attributes:
+        name: The family's name.
+        matches: Whether the family takes a network.
+        build: Stages a network it takes.
+        guess: It matches by attribute names rather than by type (consulted after every family that
+            matches by type).
+        builtin: One of actcache's own families.
     """
 
     name: str
@@ -52,7 +57,19 @@ def register_layout(name: str, match: Match, build: Callable[[nn.Module], Layout
     """Register a family: networks that ``match`` (a type, types, or a predicate) are staged by ``build(net)``.
 
     A user's family is consulted before the built-in ones (the latest registered first), so it may take
-    over a built-in type. ``replace=True`` replaces a family of the same name.
+    over a built-in type.
+
+    Args:
+        name: The family's name.
+        match: A type, a tuple of types, or a predicate ``net -> bool``.
+        build: ``build(net)`` returns the network's Layout.
+        guess: It matches by attribute names rather than by type: consulted after every family that
+            matches by type.
+        replace: Replace a family of the same name.
+
+    Raises:
+        ConfigError: An empty name, ``build`` or ``match`` of the wrong kind, or the name is taken without
+            ``replace``.
     """
     if not isinstance(name, str) or not name:
         raise ConfigError(f"register_layout needs a non-empty name, got {name!r}")
@@ -73,7 +90,14 @@ def register_layout(name: str, match: Match, build: Callable[[nn.Module], Layout
 
 
 def unregister_layout(name: str) -> None:
-    """Remove the family ``name`` (a built-in one too)."""
+    """Remove a family (a built-in one too).
+
+    Args:
+        name: The family's name.
+
+    Raises:
+        ConfigError: No family has that name.
+    """
     names = [f.name for f in _FAMILIES]
     if name not in names:
         raise ConfigError(f"no layout family named {name!r}; registered: {names}")
@@ -90,7 +114,14 @@ def _ordered() -> list[Family]:
 
 
 def find_layout(net: nn.Module) -> Layout:
-    """The layout of the first family that takes ``net``; a ConfigError naming the fixes if none does."""
+    """The layout of the first family that takes ``net``.
+
+    Args:
+        net: The network.
+
+    Raises:
+        ConfigError: No family takes it (the message names the fixes), or a family built no Layout.
+    """
     for family in _ordered():
         if family.matches(net):
             layout = family.build(net)
