@@ -60,13 +60,27 @@ __all__ = ["ActCacheCallback"]
 class ActCacheCallback(pl.Callback):
     """Serves the frozen stages of the module's network; a FreezeController decides, or ``depth`` does.
 
-    Without ``depth``: a FreezeController with ``policy`` and ``eval_every`` (default: both from the
-    run's length); ``controller`` once training has started. ``depth``: stages frozen from epoch
-    ``freeze_at_epoch`` (default 0) on. ``module``: the LightningModule attribute holding the network
-    (dotted paths work), found among its children when not given. ``connection`` defaults to this node's daemon
-    (``connect()``), shared by the ranks of a node. ``variants`` and ``targets`` are
-    ``ActCache.wrap``'s; ``options`` are ``ActCache``'s (``stages=``, ``store_dtype=``, ...).
-    ``cache`` is the ActCache once ``fit`` has set it up (its ``model`` has the counters).
+    Without ``depth``, ``controller`` is the FreezeController once training has started. ``cache`` is the
+    ActCache once ``fit`` has set it up (its ``model`` has the counters).
+
+    Args:
+        depth: Stages frozen by hand (a count, or a stage's name: the stages through it); default: a
+            FreezeController decides.
+        freeze_at_epoch: The epoch ``depth`` freezes from (default 0).
+        policy: The FreezeController's policy (without ``depth``); default: from the run's length.
+        eval_every: The FreezeController's steps between evaluations (without ``depth``); default: from the
+            run's length.
+        module: The LightningModule attribute holding the network (dotted paths work); default: found
+            among its children.
+        connection: The daemon's connection; default: this node's daemon (``connect()``), shared by the
+            ranks of a node.
+        variants: ``ActCache.wrap``'s.
+        targets: ``ActCache.wrap``'s.
+        **options: ``ActCache``'s keyword arguments (``stages=``, ``store_dtype=``, ...).
+
+    Raises:
+        ConfigError: ``depth`` below 1, ``freeze_at_epoch`` negative or without ``depth``, or ``depth``
+            with ``policy`` or ``eval_every``.
     """
 
     def __init__(self, *, depth: int | str | None = None, freeze_at_epoch: int | None = None,
