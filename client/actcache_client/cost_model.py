@@ -78,7 +78,25 @@ class PlanMode(enum.Enum):
 @dataclass(frozen=True, kw_only=True)
 class Measurements:
     """Validated on construction (``ValueError``): throughputs > 0; times, sizes, epochs >= 0 and
-    finite; ``budget_bytes`` may be ``math.inf``. ``entry_bytes_per_sample[d]``: after d stages."""
+    finite; ``budget_bytes`` may be ``math.inf``.
+
+    Attributes:
+        stage_forward_s_per_sample: Forward seconds per sample of each stage (P).
+        entry_bytes_per_sample: Stored bytes per sample after d stages, at index d (e_d).
+        fetch_bytes_per_s: The daemon's read speed.
+        fetch_latency_s: The latency of one read.
+        write_bytes_per_s: The daemon's write speed.
+        h2d_bytes_per_s: The host-to-device copy speed (None: no copy, CPU only).
+        suffix_step_s_per_sample: Seconds per sample of the rest of the step (suffix forward, backward,
+            optimizer).
+        batch_size: B.
+        num_samples: The dataset's samples.
+        remaining_epochs: R.
+        budget_bytes: Storage available (may be ``math.inf``).
+        decode_bytes_per_s: The client's decode speed.
+        written_fraction: Share of samples already stored at each depth (index as entry_bytes_per_sample);
+            missing = 0.
+    """
 
     stage_forward_s_per_sample: Sequence[float]
     entry_bytes_per_sample: Sequence[float]
@@ -114,9 +132,21 @@ class Measurements:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """Step times: seconds per step of ``batch_size`` samples; ``expected_step_s`` is amortized over
-    the remaining epochs (write epoch included). ``recompute_stages``: half-open range run on a
-    cache hit (misses run ``(0, k)``). ``write_epoch_extra_s``: the whole write epoch's extra."""
+    """A decision of ``plan``; step times are seconds per step of ``batch_size`` samples.
+
+    Attributes:
+        mode: RECOMPUTE or CACHE.
+        cache_depth: The depth served from the daemon (None with RECOMPUTE).
+        recompute_stages: Half-open range run on a cache hit (misses run ``(0, k)``).
+        cached_fraction: The share of samples cached (``cached_subset``).
+        expected_step_s: Amortized over the remaining epochs (write epoch included).
+        baseline_step_s: Recomputing the prefix every step.
+        write_epoch_extra_s: The whole write epoch's extra.
+        reason: Why, in words.
+        numbers: The values the decision was based on.
+        encoding: How the daemon stores the entries at ``cache_depth`` (``--encoding`` syntax), once
+            CachedForward(encoding="auto") chose it from the first entries written; else None.
+    """
 
     mode: PlanMode
     cache_depth: int | None
@@ -171,7 +201,21 @@ def _evaluate(j: int, c: float, k: int, pre: list[float], m: Measurements) -> di
 
 
 def plan(frozen_depth: int, m: Measurements, *, min_gain: float = 0.02, fetch_margin: float = 0.25) -> Plan:
-    """Choose RECOMPUTE or CACHE at depth j <= ``frozen_depth`` (see the module docstring)."""
+    """Choose RECOMPUTE or CACHE at depth j <= ``frozen_depth`` (see the module docstring).
+
+    Args:
+        frozen_depth: k, the number of frozen stages.
+        m: The measurements.
+        min_gain: CACHE needs ``1 - amortized/baseline >= min_gain``.
+        fetch_margin: The fetch speed is taken this share slower than measured at the balance point.
+
+    Returns:
+        The plan, with its reason and numbers.
+
+    Raises:
+        ConfigError: ``m`` lacks stage times or entry sizes for ``frozen_depth``, or an argument is not a
+            number.
+    """
     k = _integer("plan: frozen_depth", frozen_depth, 0)
     if k > len(m.stage_forward_s_per_sample) or k >= len(m.entry_bytes_per_sample):
         raise ConfigError(f"frozen depth {k} needs {k} stage times and {k + 1} entry sizes, got "
@@ -238,6 +282,14 @@ def cached_subset(sample_id: int, fraction: float, salt: int = 0) -> bool:
     u = top 53 bits of splitmix64((sample_id mod 2**64) XOR splitmix64(salt mod 2**64)) / 2**53;
     member iff u < fraction. The same in every process and platform (unlike ``hash()``), and
     nested: a smaller fraction's subset is within a larger one's (shrinking keeps what was written).
+
+    Args:
+        sample_id: The sample.
+        fraction: The subset's share, in [0, 1].
+        salt: Picks another subset of the same size.
+
+    Raises:
+        ConfigError: ``fraction`` is not in [0, 1].
     """
     fraction = _number("cached_subset: fraction", fraction, fix="pass a share in [0, 1]")
     if fraction > 1.0:
@@ -247,9 +299,16 @@ def cached_subset(sample_id: int, fraction: float, salt: int = 0) -> bool:
 
 
 def should_replan(old: Measurements, new: Measurements, drift: float = 0.25) -> bool:
-    """True if any measured number moved by more than ``drift`` relative to ``old``: every field but
-    ``remaining_epochs`` and ``written_fraction``, sequences element-wise (a length change counts), a
-    None/number change counts, an old value of 0 drifts on any change."""
+    """True if any measured number moved by more than ``drift`` relative to ``old``.
+
+    Every field but ``remaining_epochs`` and ``written_fraction`` counts, sequences element-wise (a length
+    change counts), a None/number change counts, an old value of 0 drifts on any change.
+
+    Args:
+        old: The measurements the plan was made with.
+        new: The current measurements.
+        drift: The largest relative change that does not count.
+    """
     drift = _number("should_replan: drift", drift, fix="pass a relative change such as 0.25")
 
     def moved(a: float | None, b: float | None) -> bool:
