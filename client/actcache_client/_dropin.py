@@ -35,8 +35,13 @@ __all__ = ["ActCache", "StageInfo", "WrappedLoader"]
 
 @dataclass(frozen=True)
 class StageInfo:
-    """One stage of the network as ActCache found it: its ``name`` (what ``freeze`` takes), the ``modules``
-    and parameters of the network it holds (dotted paths) and its number of ``parameters``."""
+    """One stage of the network as ActCache found it.
+
+    Attributes:
+        name: What ``freeze`` takes.
+        modules: The modules and parameters of the network it holds (dotted paths).
+        parameters: Its number of parameters.
+    """
 
     name: str
     modules: tuple[str, ...]
@@ -239,6 +244,11 @@ class WrappedLoader:
         return self.cached.epoch
 
     def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (forwarded to the sampler's ``set_epoch`` when it has one).
+
+        Args:
+            epoch: The epoch about to start.
+        """
         self.cached.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
@@ -246,6 +256,11 @@ class WrappedLoader:
         return self.cached.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume where ``state_dict`` was taken: the same epoch, position and batches.
+
+        Args:
+            state: A ``state_dict()`` of this class.
+        """
         self.cached.load_state_dict(state)
 
     def __iter__(self) -> Iterator[Any]:

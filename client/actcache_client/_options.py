@@ -66,7 +66,16 @@ class CacheOptions:
 
     @classmethod
     def of(cls, options: CacheOptions | None = None, **given: Any) -> CacheOptions:
-        """``options`` with the keywords ``given`` replacing its fields; an unknown keyword names the valid ones."""
+        """``options`` with the keywords ``given`` replacing its fields.
+
+        Args:
+            options: The options to start from; default: ``CacheOptions()``.
+            **given: Fields to replace.
+
+        Raises:
+            ConfigError: An unknown keyword (the message names the valid ones), or ``options`` is not a
+                CacheOptions.
+        """
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(given) - set(valid))
         if unknown:
@@ -79,7 +88,11 @@ class CacheOptions:
 
     def forward_options(self, layout_varlen: VarLen | None) -> dict[str, Any]:
         """CachedForward's keyword arguments: the layout's VarLen where ``varlen`` is ``"layout"``, a new
-        CachePlanner where ``planner`` is ``"auto"``."""
+        CachePlanner where ``planner`` is ``"auto"``.
+
+        Args:
+            layout_varlen: The layout's VarLen.
+        """
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "check"}
         if self.varlen == LAYOUT_VARLEN:
             out["varlen"] = layout_varlen

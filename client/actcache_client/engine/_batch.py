@@ -25,7 +25,16 @@ class Batch:
     with the inputs of the ``loaded`` rows only (None if none) and the targets
     of every row; pass the whole batch to the model, ``model(batch)``, which
     serves the other rows from the cache (and loads any it cannot serve with
-    ``load``). ``loaded`` is None when every row was loaded.
+    ``load``).
+
+    Attributes:
+        ids: The rows' sample ids.
+        data: The collated items (with skipped loads: ``(inputs of the loaded rows, targets)``).
+        variant: The augmentation variant.
+        epoch: The epoch.
+        position: The batch's index in the epoch.
+        loaded: The rows whose inputs were loaded; None when every row was.
+        load: Loads the inputs of the given rows, for rows the cache cannot serve.
     """
 
     ids: torch.Tensor

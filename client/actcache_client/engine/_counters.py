@@ -16,7 +16,19 @@ class StepTimes:
     served from the cache (``cached_samples``), computed from a shallower
     cached depth (``seeded_samples``) or computed from its raw input
     (``computed_samples``): ``prefix_samples == cached + seeded + computed``.
-    ``fetch_wait`` is the time the step waited for entries (stream or Get).
+
+    Attributes:
+        fetch_wait: The time the step waited for entries (stream or Get).
+        prefix: Seconds running the frozen stages.
+        suffix_forward: Seconds of the active stages' forward.
+        steps: Forward passes.
+        prefix_samples: Samples that needed the frozen prefix.
+        computed_samples: Computed from their raw input.
+        seeded_samples: Computed from a shallower cached depth.
+        cached_samples: Served from the cache.
+        raw_loaded: Raw items (dataset inputs) the batches carried or that were loaded on the spot.
+        audit: Seconds spent recomputing audited hits.
+        audited_samples: How many hits were audited.
     """
 
     fetch_wait: float = 0.0
@@ -34,13 +46,24 @@ class StepTimes:
     audited_samples: int = 0
 
     def since(self, earlier: "StepTimes") -> "StepTimes":
-        """What was counted after ``earlier`` (a copy of these counters taken before)."""
+        """What was counted after ``earlier``.
+
+        Args:
+            earlier: A copy of these counters taken before.
+        """
         return StepTimes(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)
 class EpochCounters:
-    """What one epoch counted: the model's samples and seconds, and the connection's entries."""
+    """What one epoch counted: the model's samples and seconds, and the connection's entries.
+
+    Attributes:
+        epoch: The epoch.
+        times: The StepTimes it added.
+        entries: Entries asked, hits, misses, streamed, gets, puts... of ClientStats during the epoch (None
+            without a connection).
+    """
 
     epoch: int
     times: StepTimes

@@ -64,6 +64,13 @@ def default_policy(total_steps: int | None, num_stages: int) -> tuple[FreezePoli
     evaluation: ``NoFreezePolicy``, saying why. Else ``EgeriaPolicy`` at the
     paper's settings, every :func:`egeria_eval_every` steps, freezing a stage
     only once the lr has fallen to half its peak (a constant lr never freezes).
+
+    Args:
+        total_steps: The run's optimizer steps (None: unknown).
+        num_stages: The model's stages.
+
+    Returns:
+        The policy and its evaluation interval in steps.
     """
     if num_stages < 2:
         return NoFreezePolicy(f"the model has {num_stages} stage(s) and the head always trains: nothing can "

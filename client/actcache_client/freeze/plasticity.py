@@ -46,6 +46,10 @@ def sp_loss(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence
 
     Tuple stage states contribute their first tensor; computed in float64 on ``a``'s device without
     gradients; an all-zero activation gets a zero similarity row.
+
+    Args:
+        a: Activations (or a stage state) of one model.
+        b: The same batch's activations of the other model.
     """
     ta = _first_tensor(a, "a")
     tb = _first_tensor(b, "b")

@@ -53,6 +53,10 @@ class Timeline:
 
 
 def read_timeline(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a timeline file, in order."""
+    """The records of a timeline file, in order.
+
+    Args:
+        path: The JSON-lines file ``FreezeController(timeline=...)`` wrote.
+    """
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

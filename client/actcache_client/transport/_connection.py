@@ -101,6 +101,24 @@ class ClientStats:
     frame already there when asked only shows that the stream kept up). ``received_bytes`` over
     ``received_seconds`` is the rate the step received the stream's frames at, waits and overlap with its
     own work together (each frame over the time since the one before): a floor for the fetch speed.
+
+    Attributes:
+        gets: Entries asked for through ``Get`` calls.
+        streamed: Entries asked for through a stream.
+        hits: Entries found.
+        misses: Entries not found.
+        bytes_read: Bytes of the entries read.
+        fetch_seconds: Time spent waiting for entries (stream or Get).
+        timed_bytes: Bytes of the read-speed samples.
+        timed_seconds: Seconds of the read-speed samples.
+        received_bytes: Bytes of the stream's frames, for the rate they were received at.
+        received_seconds: Seconds since each such frame's predecessor arrived.
+        puts: Entries stored.
+        bytes_written: Bytes of the entries stored.
+        write_seconds: Time the puts took.
+        puts_dropped: Puts not sent.
+        dropped_entries: Entries of superseded or mismatching fingerprints this process dropped in the daemon.
+        fallbacks: Fallbacks to recomputation, per cause.
     """
 
     gets: int = 0

@@ -34,8 +34,11 @@ _TO_TORCH = {v: k for k, v in _TO_CODEC.items()}
 class VarLen:
     """A ``(hidden (B, L, ...), mask (B, L))`` state whose padding is not stored.
 
-    ``mask_index`` is the position of the 0/1 attention mask in the state
-    tuple; padding must be on the right (a sample's mask is ones then zeros).
+    Padding must be on the right (a sample's mask is ones then zeros).
+
+    Attributes:
+        mask_index: The position of the 0/1 attention mask in the state tuple.
+        mask_dtype: The dtype the served mask is cast to.
     """
 
     mask_index: int = 1
