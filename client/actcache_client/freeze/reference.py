@@ -116,7 +116,19 @@ class ReferenceConfig:
 
 @dataclasses.dataclass
 class ReferenceStats:
-    """What the reference process did; the controller copies these into the timeline."""
+    """What the reference process did; the controller copies these into the timeline.
+
+    Attributes:
+        submitted: Probes queued.
+        answered: Probes answered (a reading or a drop).
+        readings: Probes answered with a reading.
+        dropped: Probes answered without a reading.
+        skipped_full: Probes skipped because the queue was full.
+        skipped_busy: Probes skipped because the system CPU was busy.
+        snapshots: Snapshots sent.
+        snapshots_dropped: Snapshots dropped because the inbox stayed full (their readings are dropped in turn).
+        builds: The first build of each stage's reference: its speed (``_refproc.Built`` as a dict).
+    """
 
     submitted: int = 0
     answered: int = 0
@@ -171,8 +183,10 @@ def to_shared(state: State, rows: int | None = None) -> State:
 class ReferenceWorker:
     """The training side of the reference process (one per training job, on rank 0).
 
-    ``training_device`` resolves ``max_cpu_percent="auto"``; ``cpu_percent()`` gives the system CPU use
-    since its last call (default: from psutil).
+    Args:
+        config: How the reference model is built and run; default: ``ReferenceConfig()``.
+        training_device: Resolves ``max_cpu_percent="auto"``.
+        cpu_percent: ``cpu_percent()`` gives the system CPU use since its last call (default: from psutil).
     """
 
     def __init__(self, config: ReferenceConfig | None = None, *, training_device: torch.device | str = "cpu",
@@ -204,7 +218,14 @@ class ReferenceWorker:
         """Send the weights of ``module`` (stage ``stage``) at evaluation ``index`` of ``generation``.
 
         Index 0 opens a generation (a new frontmost stage) with a pickled CPU copy of the module; later
-        indices send its state_dict in shared memory. Readings compare snapshots ``age`` apart.
+        indices send its state_dict in shared memory.
+
+        Args:
+            module: The stage's module.
+            stage: The stage's index.
+            generation: The generation (one per frontmost stage).
+            index: The evaluation's index in the generation.
+            age: Readings compare snapshots this many apart.
         """
         if index == 0:
             try:
@@ -255,8 +276,16 @@ class ReferenceWorker:
         return True
 
     def submit(self, generation: int, index: int, step: int, inputs: State) -> bool:
-        """Queue one probe (the stage's input) taken after snapshot ``index`` of ``generation``; False if it was
-        skipped. Never waits. ``inputs`` must not change afterwards: pass a ``to_shared`` copy.
+        """Queue one probe (the stage's input) taken after snapshot ``index`` of ``generation``; never waits.
+
+        Args:
+            generation: The snapshot's generation.
+            index: The snapshot's index.
+            step: The training step the probe was taken at.
+            inputs: The stage's input; it must not change afterwards: pass a ``to_shared`` copy.
+
+        Returns:
+            False if the probe was skipped.
         """
         if self.state is ReferenceState.RUNNING and self.stats.in_flight < self.config.queue_size:
             with contextlib.suppress(queue.Full):
@@ -267,8 +296,11 @@ class ReferenceWorker:
         return False
 
     def poll(self, wait_s: float = 0.0) -> list[_refproc.Reading | _refproc.Built]:
-        """Readings and build reports that arrived since the last call; waits up to ``wait_s`` seconds for the
-        first (training passes 0 and never waits)."""
+        """Readings and build reports that arrived since the last call.
+
+        Args:
+            wait_s: Seconds to wait for the first (training passes 0 and never waits).
+        """
         if self.state is not ReferenceState.RUNNING:
             return []
         out: list[_refproc.Reading | _refproc.Built] = []
@@ -300,7 +332,11 @@ class ReferenceWorker:
         raise ReferenceModelFailed(message)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the process: ask, wait up to ``timeout_s``, then terminate. Idempotent."""
+        """Stop the process: ask, wait, then terminate. Idempotent.
+
+        Args:
+            timeout_s: How long to wait before terminating.
+        """
         if self._process is not None and self.state is not ReferenceState.CLOSED:
             if self._process.exitcode is None:
                 with contextlib.suppress(queue.Full):  # a full inbox: the join below times out and terminates

@@ -28,6 +28,9 @@ class Timeline:
     """Appends records to ``path`` (flushed per line, so a crash keeps them) and keeps them in ``records``.
 
     Non-finite numbers are written as null (JSON has no NaN).
+
+    Args:
+        path: The JSON-lines file (None: records are only kept).
     """
 
     def __init__(self, path: str | os.PathLike | None = None) -> None:
@@ -36,6 +39,11 @@ class Timeline:
         self._file: IO[str] | None = None
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append a record.
+
+        Args:
+            record: The record, JSON-serialisable.
+        """
         record = _clean(record)
         self.records.append(record)
         if self.path is None:
