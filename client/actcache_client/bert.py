@@ -42,7 +42,26 @@ _INSTALL = ("install it with: pip install safetensors tokenizers && pip install 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BertConfig:
-    """The fields of HF's ``config.json`` that shape a BERT encoder; defaults are all-MiniLM-L6-v2's."""
+    """The fields of HF's ``config.json`` that shape a BERT encoder; defaults are all-MiniLM-L6-v2's.
+
+    Attributes:
+        vocab_size: Tokens in the vocabulary.
+        hidden_size: Width of the hidden states (a multiple of ``num_attention_heads``).
+        num_hidden_layers: Encoder layers.
+        num_attention_heads: Attention heads per layer.
+        intermediate_size: Width of each layer's feed-forward block.
+        max_position_embeddings: The longest sequence.
+        type_vocab_size: Token types (segments).
+        layer_norm_eps: LayerNorm's epsilon.
+        hidden_dropout_prob: Dropout on the embeddings, layer outputs and before the classifier.
+        attention_probs_dropout_prob: Dropout on the attention probabilities.
+        initializer_range: Standard deviation of the initial weights.
+        pad_token_id: The padding token.
+        num_labels: Classes of the classifier.
+
+    Raises:
+        ConfigError: A size below 1, or ``hidden_size`` not a multiple of ``num_attention_heads``.
+    """
 
     vocab_size: int = 30522
     hidden_size: int = 384
@@ -69,7 +88,15 @@ class BertConfig:
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides: Any) -> BertConfig:
-        """Read an HF ``config.json``; fields this encoder does not model must have their BERT defaults."""
+        """Read an HF ``config.json``; fields this encoder does not model must have their BERT defaults.
+
+        Args:
+            path: The ``config.json``.
+            **overrides: Fields replacing the file's.
+
+        Raises:
+            ConfigError: The file asks for another activation or position embedding.
+        """
         raw = json.loads(Path(path).read_text())
         if raw.get("hidden_act", "gelu") != "gelu" or raw.get("position_embedding_type", "absolute") != "absolute":
             raise ConfigError(f"{path}: only hidden_act='gelu' and absolute position embeddings are supported, "
@@ -170,7 +197,8 @@ class BertPooler(nn.Module):
 class BertModel(nn.Module):
     """``forward(input_ids, attention_mask, token_type_ids) -> (sequence_output, pooled_output)``.
 
-    ``token_type_ids``: a sentence pair's segments (0: [CLS] first [SEP], 1: second); None: all 0.
+    Args:
+        c: The encoder's configuration.
     """
 
     def __init__(self, c: BertConfig) -> None:
@@ -182,6 +210,16 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Encode a batch.
+
+        Args:
+            input_ids: ``(B, L)`` token ids.
+            attention_mask: ``(B, L)``, 1 on tokens, 0 on padding; None: all 1.
+            token_type_ids: A sentence pair's segments (0: [CLS] first [SEP], 1: second); None: all 0.
+
+        Returns:
+            ``(sequence_output, pooled_output)``.
+        """
         hidden = self.embeddings(input_ids, token_type_ids)
         extended = additive_mask(hidden, torch.ones_like(input_ids) if attention_mask is None else attention_mask)
         for layer in self.encoder.layer:
@@ -190,7 +228,11 @@ class BertModel(nn.Module):
 
 
 class BertForSequenceClassification(nn.Module):
-    """``bert`` body, dropout and a linear ``classifier`` on the pooled [CLS] state; returns logits."""
+    """``bert`` body, dropout and a linear ``classifier`` on the pooled [CLS] state; returns logits.
+
+    Args:
+        c: The model's configuration.
+    """
 
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
@@ -201,7 +243,12 @@ class BertForSequenceClassification(nn.Module):
         self.init_weights(self)
 
     def init_weights(self, module: nn.Module, generator: torch.Generator | None = None) -> None:
-        """HF's BERT init: normal(0, initializer_range) weights, zero biases, unit LayerNorms."""
+        """HF's BERT init: normal(0, initializer_range) weights, zero biases, unit LayerNorms.
+
+        Args:
+            module: The module whose submodules are initialised.
+            generator: The random generator; default: torch's global one.
+        """
         std = self.config.initializer_range
         for m in module.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -216,6 +263,13 @@ class BertForSequenceClassification(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
                 token_type_ids: Tensor | None = None) -> Tensor:
+        """The logits of a batch.
+
+        Args:
+            input_ids: ``(B, L)`` token ids.
+            attention_mask: ``(B, L)``, 1 on tokens, 0 on padding; None: all 1.
+            token_type_ids: A sentence pair's segments; None: all 0.
+        """
         _, pooled = self.bert(input_ids, attention_mask, token_type_ids)
         return self.classifier(self.dropout(pooled))
 
@@ -240,6 +294,14 @@ def load_minilm(num_labels: int = 2, *, seed: int = 0,
     Every encoder weight must load (a missing or unexpected key raises); the head is initialised from
     ``seed``. The tokenizer is a raw ``tokenizers.Tokenizer`` cutting every text, or pair, at ``max_length``
     tokens ([CLS] and [SEP] included); wrap it in :class:`TokenBatcher` for padded batches.
+
+    Args:
+        num_labels: Classes of the new head.
+        seed: Seeds the head's initialisation.
+        max_length: Where the tokenizer cuts a text or pair, in tokens.
+
+    Returns:
+        The model and its tokenizer.
     """
     try:
         from safetensors.torch import load_file
@@ -271,7 +333,9 @@ Tokens = tuple[Tensor, Tensor]  # one item's input_ids and token_type_ids, 1-D i
 def pad_tokens(items: list[Tokens | Tensor], pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Right-pad items to the longest: ``(input_ids, attention_mask, token_type_ids)``, each ``(B, L)`` int64.
 
-    An item is ``(input_ids, token_type_ids)`` or bare ``input_ids`` (one sentence: segment 0).
+    Args:
+        items: Each ``(input_ids, token_type_ids)`` or bare ``input_ids`` (one sentence: segment 0).
+        pad_id: The padding token.
     """
     pairs = [(item, torch.zeros_like(item)) if isinstance(item, Tensor) else item for item in items]
     ids = pad_sequence([tokens for tokens, _ in pairs], batch_first=True, padding_value=pad_id)
@@ -282,20 +346,32 @@ def pad_tokens(items: list[Tokens | Tensor], pad_id: int = 0) -> tuple[Tensor, T
 
 def collate_tokens(items: list[tuple[Tokens | Tensor, Any]],
                    pad_id: int = 0) -> tuple[tuple[Tensor, Tensor, Tensor], Any]:
-    """A ``collate_fn`` for ``(tokens, target)`` items (as ``IndexedDataset(targets=...)`` has them):
-    ``((input_ids, attention_mask, token_type_ids), targets)``, targets collated as DataLoader's default does."""
+    """A ``collate_fn`` for ``(tokens, target)`` items (as ``IndexedDataset(targets=...)`` has them).
+
+    Args:
+        items: ``(tokens, target)`` pairs; tokens as ``pad_tokens`` takes them.
+        pad_id: The padding token.
+
+    Returns:
+        ``((input_ids, attention_mask, token_type_ids), targets)``, targets collated as DataLoader's default
+        does.
+    """
     return pad_tokens([tokens for tokens, _ in items], pad_id), default_collate([target for _, target in items])
 
 
 class TokenBatcher:
     """Texts or sentence pairs to a padded BERT batch ``(input_ids, attention_mask, token_type_ids)``.
 
-    ``tokenizer``: a ``tokenizers.Tokenizer`` such as :func:`load_minilm`'s. For training, tokenize in the
-    dataset (``encode(a, b)``: the data fingerprint then sees it) and pad in the loader (``collate_tokens``).
+    For training, tokenize in the dataset (``encode(a, b)``: the data fingerprint then sees it) and pad in
+    the loader (``collate_tokens``).
 
         batch = TokenBatcher(tokenizer)
         ids, mask, types = batch(["A man is eating.", "A dog runs."], ["Someone eats.", "A cat sleeps."])
         logits = model(ids, mask, types)            # or ac.from_bert(model)((ids, mask, types))
+
+    Args:
+        tokenizer: A ``tokenizers.Tokenizer`` such as :func:`load_minilm`'s.
+        pad_id: The padding token.
     """
 
     def __init__(self, tokenizer: Any, pad_id: int = 0) -> None:
@@ -303,7 +379,12 @@ class TokenBatcher:
         self.pad_id = pad_id
 
     def encode(self, text: str, pair: str | None = None) -> Tokens:
-        """One item: input_ids ([CLS] text [SEP] (pair [SEP])) and token types (1 on the pair's tokens)."""
+        """One item: input_ids ([CLS] text [SEP] (pair [SEP])) and token types (1 on the pair's tokens).
+
+        Args:
+            text: The text.
+            pair: The pair's second sentence.
+        """
         return _tokens(self.tokenizer.encode(text, pair))
 
     def __call__(self, texts: list[str], pairs: list[str] | None = None) -> tuple[Tensor, Tensor, Tensor]:
