@@ -35,7 +35,17 @@ class _PadShortcut(nn.Module):
 
 
 class BasicBlock(nn.Module):
-    """Two 3x3 conv-BN layers plus a shortcut: option "A" (pad) or "B" (1x1 conv + BN)."""
+    """Two 3x3 conv-BN layers plus a shortcut: option "A" (pad) or "B" (1x1 conv + BN).
+
+    Args:
+        in_planes: Input channels.
+        planes: Output channels.
+        stride: The first conv's stride.
+        shortcut: "A" (zero-pad) or "B" (1x1 conv), where the shape changes.
+
+    Raises:
+        ConfigError: ``shortcut`` is neither, where the shape changes.
+    """
 
     def __init__(self, in_planes: int, planes: int, stride: int = 1, shortcut: Shortcut = "A") -> None:
         super().__init__()
@@ -57,13 +67,27 @@ class BasicBlock(nn.Module):
                                   "pass shortcut='A' or 'B'")
 
     def forward(self, x: Tensor) -> Tensor:
+        """Run the block.
+
+        Args:
+            x: ``(B, in_planes, H, W)``.
+        """
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         return self.relu(out + self.shortcut(x))
 
 
 class CifarResNet(nn.Module):
-    """ResNet-(6n+2) for 32x32 inputs: 16/32/64 channels, ``n`` blocks per layer."""
+    """ResNet-(6n+2) for 32x32 inputs: 16/32/64 channels, ``n`` blocks per layer.
+
+    Args:
+        blocks_per_layer: n (ResNet-20: 3).
+        num_classes: Classes of the ``fc`` head.
+        shortcut: "A" (zero-pad) or "B" (1x1 conv).
+
+    Raises:
+        ConfigError: ``blocks_per_layer`` is below 1.
+    """
 
     def __init__(self, blocks_per_layer: int, num_classes: int = 10, shortcut: Shortcut = "A") -> None:
         super().__init__()
@@ -88,11 +112,21 @@ class CifarResNet(nn.Module):
         return nn.Sequential(*blocks)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The logits of a batch.
+
+        Args:
+            x: ``(B, 3, 32, 32)`` images.
+        """
         x = self.relu(self.bn1(self.conv1(x)))
         x = self.layer3(self.layer2(self.layer1(x)))
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 def resnet20(num_classes: int = 10, shortcut: Shortcut = "A") -> CifarResNet:
-    """ResNet-20 (3 blocks per layer, ~0.27 M parameters with option A)."""
+    """ResNet-20 (3 blocks per layer, ~0.27 M parameters with option A).
+
+    Args:
+        num_classes: Classes of the ``fc`` head.
+        shortcut: "A" (zero-pad) or "B" (1x1 conv).
+    """
     return CifarResNet(3, num_classes, shortcut)

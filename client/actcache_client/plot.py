@@ -23,7 +23,19 @@ __all__ = ["main", "plot_timeline"]
 
 def plot_timeline(timeline: str | os.PathLike | Sequence[dict[str, Any]], out: str | os.PathLike, *,
                   title: str | None = None) -> Path:
-    """Draw ``timeline`` (a file or its records) to ``out`` (PNG, SVG, PDF by suffix); returns the path."""
+    """Draw a FreezeController timeline.
+
+    Args:
+        timeline: The timeline file, or its records.
+        out: The image to write (PNG, SVG, PDF by suffix).
+        title: The figure's title.
+
+    Returns:
+        ``out``'s path.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -70,6 +82,14 @@ def plot_timeline(timeline: str | os.PathLike | Sequence[dict[str, Any]], out: s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: ``python -m actcache_client.plot TIMELINE OUT [--title TITLE]``.
+
+    Args:
+        argv: The arguments; default: ``sys.argv[1:]``.
+
+    Returns:
+        The exit status.
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("timeline", type=Path, help="a FreezeController timeline (JSON lines)")
     parser.add_argument("out", type=Path, help="image to write (.png, .svg, .pdf)")
