@@ -164,6 +164,9 @@ class GradNormAccumulator:
 
     ``add()`` runs once per optimizer step, after backward (and DDP's all-reduce). Invariants: buffers
     exist only for active parameters; one shared by two stages is summed once and counts in both norms.
+
+    Args:
+        stages: The stages, in order.
     """
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
@@ -171,7 +174,11 @@ class GradNormAccumulator:
         self.set_frozen(0)
 
     def set_frozen(self, frozen: int) -> None:
-        """Only stages[frozen:] are summed from now on; the current interval restarts."""
+        """Only stages[frozen:] are summed from now on; the current interval restarts.
+
+        Args:
+            frozen: The number of frozen stages.
+        """
         self._frozen = frozen
         self._active = list({id(p): p for params in self._stages[frozen:] for p in params}.values())
         self._sums: dict[int, torch.Tensor] = {}

@@ -25,12 +25,23 @@ DEFAULT_EGERIA = EgeriaConfig(freeze_lr_fraction=0.5)
 
 def egeria_eval_every(total_steps: int, num_stages: int, window: int) -> int:
     """Egeria's interval n: ``total_steps / (2W) / num_stages / 1.75`` (2W evaluations per stage fit in the
-    first 1/1.75 of training), at least 1."""
+    first 1/1.75 of training), at least 1.
+
+    Args:
+        total_steps: The run's optimizer steps.
+        num_stages: The model's stages.
+        window: The policy's W.
+    """
     return max(1, round(total_steps / (2 * window) / num_stages / 1.75))
 
 
 def autofreeze_eval_every(steps_per_epoch: int, intervals_per_epoch: int) -> int:
-    """AutoFreeze's interval T: an epoch's steps / ``intervals_per_epoch`` (the paper: 5), at least 1."""
+    """AutoFreeze's interval T: an epoch's steps / ``intervals_per_epoch`` (the paper: 5), at least 1.
+
+    Args:
+        steps_per_epoch: Optimizer steps per epoch.
+        intervals_per_epoch: Evaluations per epoch.
+    """
     return max(1, steps_per_epoch // intervals_per_epoch)
 
 
@@ -42,7 +53,16 @@ def _positive(name: str, value: object) -> int | None:
 
 def run_length(total_steps: int | None = None, steps_per_epoch: int | None = None,
                epochs: int | None = None) -> int | None:
-    """The run's optimizer steps: ``total_steps``, else ``steps_per_epoch * epochs``; None when unknown."""
+    """The run's optimizer steps: ``total_steps``, else ``steps_per_epoch * epochs``; None when unknown.
+
+    Args:
+        total_steps: The run's optimizer steps.
+        steps_per_epoch: Optimizer steps per epoch.
+        epochs: The run's epochs.
+
+    Raises:
+        ConfigError: A value is not a positive int, or only one of ``steps_per_epoch`` and ``epochs``.
+    """
     total, per_epoch, count = (_positive("total_steps", total_steps), _positive("steps_per_epoch", steps_per_epoch),
                                _positive("epochs", epochs))
     if (per_epoch is None) != (count is None):
@@ -91,7 +111,17 @@ def default_policy(total_steps: int | None, num_stages: int) -> tuple[FreezePoli
 
 def eval_every_for(policy: FreezePolicy, *, total_steps: int | None, steps_per_epoch: int | None,
                    num_stages: int) -> int:
-    """The interval a named policy gets when ``eval_every`` is left out; ConfigError when it needs a length."""
+    """The interval a named policy gets when ``eval_every`` is left out.
+
+    Args:
+        policy: The policy.
+        total_steps: The run's optimizer steps (EgeriaPolicy needs it).
+        steps_per_epoch: Optimizer steps per epoch (AutoFreezePolicy needs it).
+        num_stages: The model's stages.
+
+    Raises:
+        ConfigError: The policy needs a length that is not given, or is of another type.
+    """
     if isinstance(policy, EgeriaPolicy) and total_steps is not None:
         return egeria_eval_every(total_steps, num_stages, policy.config.window)
     if isinstance(policy, AutoFreezePolicy) and steps_per_epoch is not None:

@@ -171,7 +171,12 @@ class _CpuLoad:
 
 
 def to_shared(state: State, rows: int | None = None) -> State:
-    """A copy of ``state`` (its first ``rows`` samples) in shared memory, detached, on the CPU."""
+    """A copy of ``state`` in shared memory, detached, on the CPU.
+
+    Args:
+        state: The tensors to copy.
+        rows: Copy only the first this many samples (None: all).
+    """
 
     def shared(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()[:rows] if rows is not None else t.detach()
@@ -363,6 +368,12 @@ class PlasticityProbe:
                           stage's input; step() sends it to the reference process, tagged k
         evaluation k+1 -> reading(): the latest plasticity reading of the current stage, if one arrived
         depth change   -> a new generation: the old stage's readings are ignored; snapshot 0 of the new one
+
+    Args:
+        cached: The cached forward whose frontmost active stage is probed.
+        policy: The policy (its ``bootstrapping`` delays the reference process).
+        config: How the reference model is built and run.
+        timeline: Where the reference's build reports are written.
     """
 
     def __init__(self, cached: CachedForward, policy: FreezePolicy, config: ReferenceConfig | None,
@@ -384,7 +395,11 @@ class PlasticityProbe:
         return self.cached.frozen >= self.cached.model.num_stages - 1  # nothing left to judge
 
     def step(self, step: int) -> None:
-        """Send the probe captured in this step's forward, if any."""
+        """Send the probe captured in this step's forward, if any.
+
+        Args:
+            step: The training step.
+        """
         if self._capture_index is not None and self._inputs is not None:
             self.worker.submit(self._generation, self._capture_index, step, self._inputs)
             self._capture_index, self._inputs = None, None
@@ -402,7 +417,11 @@ class PlasticityProbe:
         self._inputs = to_shared(state, self.worker.config.max_samples)
 
     def reading(self, step: int) -> _refproc.Reading | None:
-        """The latest reading of the current frontmost stage that arrived since the last call."""
+        """The latest reading of the current frontmost stage that arrived since the last call.
+
+        Args:
+            step: The training step (for the timeline's build reports).
+        """
         latest = None
         for message in self.worker.poll():
             if isinstance(message, _refproc.Built):  # a stage's first reference, and its speed
