@@ -7,11 +7,12 @@ import argparse
 import json
 import logging
 import os
-from pathlib import Path
 import sys
+from pathlib import Path
 from typing import Callable
 
-from actcache.daemon.config import format_size as _fmt, parse_size
+from actcache.daemon.config import format_size as _fmt
+from actcache.daemon.config import parse_size
 from actcache.errors import ActCacheError, ConfigError, DaemonUnavailable, NamespaceNotFound
 from actcache.node import default_dir, default_socket_path, stop_daemon
 

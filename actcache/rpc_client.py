@@ -18,11 +18,10 @@ from typing import Callable, Iterator, Sequence
 import grpc
 import numpy as np
 
-from actcache import __version__
+from actcache import __version__, rpc
 from actcache._proto import actcache_pb2 as pb
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
 from actcache.keys import MAX_VARIANT, check_fingerprint
-from actcache import rpc
 from actcache.node import default_socket_path
 from actcache.rpc import decode_frame, encode_frame, method, split_payload
 from actcache.shm import ClientSegment, SegmentPool, ShmRing, SlotRun

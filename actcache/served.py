@@ -13,8 +13,21 @@ import numpy as np
 import xxhash
 
 from actcache.codec import (
-    _CHECKSUM_FNS, _COMPRESSED, _CRC_OFFSET, _FIXED, Checksum, Codec, EntryHeader, _checksum_mismatch, _decompressor,
-    _fixed_fields, _pack_header, decode_entry, decompress_payload, parse_header, verify_entry,
+    _CHECKSUM_FNS,
+    _COMPRESSED,
+    _CRC_OFFSET,
+    _FIXED,
+    Checksum,
+    Codec,
+    EntryHeader,
+    _checksum_mismatch,
+    _decompressor,
+    _fixed_fields,
+    _pack_header,
+    decode_entry,
+    decompress_payload,
+    parse_header,
+    verify_entry,
 )
 from actcache.errors import InvalidRequest
 

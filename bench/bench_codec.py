@@ -35,12 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from workloads.data import JpegSet, read_glue, resolve_data_dir, tokenize  # noqa: E402
+
 import actcache_client as ac  # noqa: E402
 from actcache.codec import CHECKSUMS, Codec, Encoding, compress_payload, decompress_payload, parse_header  # noqa: E402
 from actcache_client._codec_choice import choose_encoding  # noqa: E402
-from actcache_client.models import resnet20  # noqa: E402
 from actcache_client._tensors import VarLen, encode_samples  # noqa: E402
-from workloads.data import JpegSet, read_glue, resolve_data_dir, tokenize  # noqa: E402
+from actcache_client.models import resnet20  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -154,11 +154,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "client")]
 
+from bench_cold_read import drop_page_cache, odirect_read_mbps  # noqa: E402  (same directory)
+
 from actcache.codec import CHECKSUMS, DType, TensorSpec, decode_entry, decompress_payload, encode_entry, parse_header  # noqa: E402
 from actcache.keys import encode_keys  # noqa: E402
 from actcache.malloc import tune_malloc  # noqa: E402
 from actcache.testing import DaemonProcess, run_daemon  # noqa: E402
-from bench_cold_read import drop_page_cache, odirect_read_mbps  # noqa: E402  (same directory)
 
 FP = bytes(range(16))
 HIT_BUDGET = "32MiB"

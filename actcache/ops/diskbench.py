@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from actcache.ops.clean import BENCH_PREFIX
 from actcache.errors import ConfigError
+from actcache.ops.clean import BENCH_PREFIX
 
 __all__ = ["BLOCK_BYTES", "DiskReport", "Phase", "run_disk_bench"]
 

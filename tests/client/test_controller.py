@@ -10,21 +10,21 @@ import torch
 from torch import nn
 
 import actcache_client as ac
-from actcache_client._frozen import prefix_fingerprints
 from actcache.errors import ConfigError
+from actcache_client._frozen import prefix_fingerprints
 from actcache_client.freeze import (
     AutoFreezePolicy,
     Decision,
-    FreezeController,
     EgeriaPolicy,
+    FreezeController,
     ManualPolicy,
     NoFreezePolicy,
     ReferenceConfig,
     StaticPolicy,
     read_timeline,
 )
-from actcache_client.freeze.defaults import egeria_eval_every
 from actcache_client.freeze.autofreeze import GradNormAccumulator
+from actcache_client.freeze.defaults import egeria_eval_every
 
 
 def staged_cnn(seed: int = 0) -> ac.StagedModel:

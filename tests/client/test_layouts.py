@@ -9,8 +9,14 @@ from torch import nn
 
 import actcache_client as ac
 from actcache.errors import ConfigError
-from actcache_client.layouts import (Layout, check_layout, find_layout, layout_families, register_layout,
-                                     unregister_layout)
+from actcache_client.layouts import (
+    Layout,
+    check_layout,
+    find_layout,
+    layout_families,
+    register_layout,
+    unregister_layout,
+)
 from actcache_client.models import resnet20
 from tests import families
 

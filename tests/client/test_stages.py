@@ -14,8 +14,6 @@ from torch import Tensor, nn
 from actcache.errors import ConfigError
 from actcache_client import _stages as stages
 from actcache_client import models
-from actcache_client.models import BasicBlock, resnet20
-from tests.client.tiny_bert import TinyBertForSequenceClassification, TinyBertModel, TinyFlatBert
 from actcache_client._stages import (
     Stage,
     StagedModel,
@@ -24,6 +22,8 @@ from actcache_client._stages import (
     from_resnet,
     from_sequential,
 )
+from actcache_client.models import BasicBlock, resnet20
+from tests.client.tiny_bert import TinyBertForSequenceClassification, TinyBertModel, TinyFlatBert
 
 # ---------------------------------------------------------------- helpers
 

@@ -7,8 +7,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actcache.codec import Codec, DType, Encoding, TensorSpec, compress_entry, decode_entry, encode_entry, parse_header, verify_entry
-from actcache.codec import AUTO_MIN_SAVING, Checksum, _pack_header, _parse_header
+from actcache.codec import (
+    AUTO_MIN_SAVING,
+    Checksum,
+    Codec,
+    DType,
+    Encoding,
+    TensorSpec,
+    _pack_header,
+    _parse_header,
+    compress_entry,
+    decode_entry,
+    encode_entry,
+    parse_header,
+    verify_entry,
+)
 from actcache.errors import InvalidRequest
 from actcache.served import copy_raw_run, decoded_size, served_size, to_raw_entries, to_raw_entries_into, to_raw_entry
 

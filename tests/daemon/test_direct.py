@@ -13,7 +13,6 @@ import pytest
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import DType, TensorSpec, encode_entry
-from actcache.served import copy_raw_run, served_size
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.prefetch._reader import ReaderState
@@ -22,6 +21,7 @@ from actcache.daemon.service._shm_fetch import fetch_shm
 from actcache.daemon.store import PageCacheGuess, Store
 from actcache.keys import encode_key
 from actcache.rpc import decode_frame
+from actcache.served import copy_raw_run, served_size
 from actcache.shm import MIN_RING_BYTES, ClientSegment, ShmRing
 from actcache.testing import wait_until
 from tests.daemon.corrupt import flip_stored_byte

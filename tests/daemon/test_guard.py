@@ -1,9 +1,10 @@
 """RequestGuard: unparsable requests are INVALID_ARGUMENT for all four method kinds, even when the
 handler turns unexpected errors into INTERNAL (as the service's error wrappers do)."""
 
+from concurrent import futures
+
 import grpc
 import pytest
-from concurrent import futures
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.daemon.service._guard import RequestGuard

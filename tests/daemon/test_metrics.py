@@ -5,8 +5,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from actcache.daemon.config import DaemonConfig, MetricsConfig, PrefetchConfig, StoreConfig
-from actcache.daemon.service._metrics import DaemonCollector, Family, daemon_families
 from actcache.daemon.prefetch import Prefetcher
+from actcache.daemon.service._metrics import DaemonCollector, Family, daemon_families
 from actcache.daemon.service._service import ActCacheService
 from actcache.daemon.store import Store
 from actcache.errors import ConfigError

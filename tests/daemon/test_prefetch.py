@@ -7,10 +7,10 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+import actcache.daemon.prefetch._readahead as readahead
 from actcache.codec import Codec, DType, TensorSpec, decode_entry, encode_entry
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
-import actcache.daemon.prefetch._readahead as readahead
 from actcache.daemon.prefetch._reader import ReaderState
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.store import Store

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from actcache.codec import DType, TensorSpec, encode_entry
-from actcache.served import to_raw_entry
 from actcache.daemon.config import StoreConfig
 from actcache.daemon.store import Store
 from actcache.errors import BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, StoreError
 from actcache.keys import encode_key
+from actcache.served import to_raw_entry
 
 FP = b"F" * 16
 

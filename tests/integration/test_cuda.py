@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import actcache_client as ac
 from actcache.shm import MIN_RING_BYTES, ClientSegment, ShmRing, SlotRun
+from actcache.testing import run_daemon
 from actcache_client._staging import Stager
 from actcache_client._tensors import collate_entries, encode_samples
-from actcache.testing import run_daemon
 from actcache_client.models import resnet20
 from tests.integration import test_training as cpu
 

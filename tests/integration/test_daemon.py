@@ -15,11 +15,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actcache import __version__, rpc
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
-from actcache import __version__, rpc
 from actcache.errors import (
-    BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, Unauthenticated, VersionMismatch, error_from_status,
+    BudgetExceeded,
+    EntryCorrupt,
+    InvalidRequest,
+    NamespaceNotFound,
+    Unauthenticated,
+    VersionMismatch,
+    error_from_status,
 )
 from actcache.rpc import SERVICE, encode_frame, method
 from actcache.rpc_client import RpcClient

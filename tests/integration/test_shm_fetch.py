@@ -1,19 +1,27 @@
 """Fetch through the shared-memory data plane, against a real daemon."""
 
 import os
-import time
 
 import grpc
 import numpy as np
 
 from actcache._proto import actcache_pb2 as pb
+from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.rpc import decode_frame, method
 from actcache.shm import ClientSegment
-from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.testing import run_daemon
+from tests.integration.conftest import (
+    MARKER,
+    MARKER_SPEC,
+    fetched,
+    flip_marker_byte,
+    kill_9,
+    put_range,
+    segments,
+    start_holder,
+)
 from tests.integration.conftest import SHM_FP as FP
 from tests.integration.conftest import SMALL_RING as RING
-from tests.integration.conftest import MARKER, MARKER_SPEC, fetched, flip_marker_byte, kill_9, put_range, segments, start_holder
 
 
 def test_shared_memory_equals_bytes_path_with_misses_in_place_and_reuses_the_ring(shm_dir):

@@ -11,8 +11,13 @@ from torch import nn
 
 pytest.importorskip("transformers", reason="the huggingface extra (actcache[huggingface]) is not installed")
 
-from transformers import (DataCollatorWithPadding, LlamaConfig, LlamaForSequenceClassification, Trainer,  # noqa: E402
-                          TrainingArguments)
+from transformers import (  # noqa: E402
+    DataCollatorWithPadding,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+    Trainer,
+    TrainingArguments,
+)
 
 import actcache_client as ac  # noqa: E402
 from actcache.errors import ConfigError  # noqa: E402

@@ -17,8 +17,8 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.config import PrefetchConfig
+from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._readahead import ENDED, ReaderSnapshot, ReaderState
 from actcache.daemon.prefetch._reader import ScheduleReader
 from actcache.daemon.prefetch._schedule import PrefetchCounters, Schedule

@@ -11,8 +11,8 @@ from concurrent.futures import Executor
 from typing import Callable, Sequence
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.served import to_raw_entries, to_raw_entries_into
 from actcache.errors import InvalidRequest
+from actcache.served import to_raw_entries, to_raw_entries_into
 
 __all__ = ["ServedBatch", "split_with"]
 

@@ -27,9 +27,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from actcache.daemon.config import DaemonConfig, ServerConfig, is_loopback, socket_gid
+from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service._guard import RequestGuard, rewrap
 from actcache.daemon.service._idle import IdleMonitor
-from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service._service import ActCacheService
 from actcache.daemon.service._shm_fetch import Throttle
 from actcache.daemon.store import Store

@@ -9,10 +9,10 @@ import time
 from typing import Callable, Generator, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.served import copy_raw_run, served_size, stored_raw
 from actcache.daemon.prefetch import DirectRun
 from actcache.errors import ConfigError
 from actcache.rpc import encode_frame
+from actcache.served import copy_raw_run, served_size, stored_raw
 from actcache.shm import ShmRing, reusable
 
 __all__ = ["ParkedRings", "Throttle", "fetch_shm", "serve_fetch"]

@@ -29,20 +29,35 @@ import lmdb
 import numpy as np
 
 from actcache.codec import Codec, Encoding, compress_entry, verify_entry
-from actcache.daemon.store._access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
+from actcache.daemon.store._access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.store._dirlock import DirLock
-from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
-from actcache.daemon.store._pages import check_layout
 from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, damaged, move_aside, open_env
+from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
 from actcache.daemon.store._generations import Generation, Generations, ReclaimPlan, plan_reclaim
 from actcache.daemon.store._ops import _CreateNamespace, _DeleteOp, _DropOp, _PutOp, _ReclaimNeeded, _ReclaimOp
+from actcache.daemon.store._pages import check_layout
 from actcache.daemon.store._state import GroupUsage, NamespaceInfo, PutResult, StoreState
 from actcache.daemon.store._writer import ReadGate, Writer, free_bytes
-from actcache.errors import (BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, PermissionDenied,
-                             StoreError)
-from actcache.keys import (MAX_NAMESPACE_ID, encode_key, encode_keys, generation_of, group_prefix, namespace_id_of,
-                           namespace_of, sample_id_of, split_group)
+from actcache.errors import (
+    BudgetExceeded,
+    EntryCorrupt,
+    InvalidRequest,
+    NamespaceNotFound,
+    PermissionDenied,
+    StoreError,
+)
+from actcache.keys import (
+    MAX_NAMESPACE_ID,
+    encode_key,
+    encode_keys,
+    generation_of,
+    group_prefix,
+    namespace_id_of,
+    namespace_of,
+    sample_id_of,
+    split_group,
+)
 
 __all__ = ["GroupUsage", "NamespaceInfo", "PutResult", "Store"]
 
