@@ -231,7 +231,8 @@ class RpcClient:
                     raise _error_of(exc) from None
             time.sleep(min(delay * (1 + random.random()), max(0.0, deadline - time.monotonic())))
             delay *= 2
-        raise DaemonUnavailable(f"daemon at {self.target} did not answer within {self.timeout_s:.1f} s; is `actcache serve` running?")
+        raise DaemonUnavailable(f"daemon at {self.target} did not answer within {self.timeout_s:.1f} s; "
+                                "is `actcache serve` running?")
 
     def open(
         self, name: str, *, create: bool = True, secret: bytes | str | None = None, job: JobInfo | None = None

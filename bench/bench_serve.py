@@ -377,7 +377,7 @@ def _process_cpu(pid: int) -> CpuReading:
     threads: dict[int, float] | None = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            line = next(l for l in (task / "sched").read_text().splitlines() if l.startswith("se.sum_exec_runtime"))
+            line = next(s for s in (task / "sched").read_text().splitlines() if s.startswith("se.sum_exec_runtime"))
         except (OSError, StopIteration):  # the thread ended meanwhile, or no sched file: ticks only
             threads = None
             break

@@ -177,11 +177,12 @@ def test_the_two_packages_public_names_are_pinned():
         "__version__",
     ]
     assert actcache_client.__all__ == [
-        "ActCache", "AuditConfig", "AutoEncoding", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning", "CacheMismatchWarning",
-        "CacheOptions", "CachePlanner", "CachedForward", "CachedLoader", "CachedTeacher", "ChangedInputWarning", "ClientStats", "Connection",
-        "ConnectionConfig", "Decision", "DecisionKind", "EgeriaConfig", "EgeriaPolicy", "EpochCounters",
-        "FreezeController", "FreezeMilestone", "FreezePolicy", "IndexedDataset", "Layout", "ManualPolicy",
-        "MovingTeacherWarning", "NodeStableSampler", "PlannerConfig", "ReferenceConfig", "Signals", "Stage", "StageInfo", "StagedModel",
+        "ActCache", "AuditConfig", "AutoEncoding", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning",
+        "CacheMismatchWarning", "CacheOptions", "CachePlanner", "CachedForward", "CachedLoader", "CachedTeacher",
+        "ChangedInputWarning", "ClientStats", "Connection", "ConnectionConfig", "Decision", "DecisionKind", "EgeriaConfig",
+        "EgeriaPolicy", "EpochCounters", "FreezeController", "FreezeMilestone", "FreezePolicy", "IndexedDataset", "Layout",
+        "ManualPolicy", "MovingTeacherWarning", "NodeStableSampler", "PlannerConfig", "ReferenceConfig", "Signals", "Stage",
+        "StageInfo", "StagedModel",
         "StaticPolicy", "StepTimes", "TeacherOutput", "UncacheableDataWarning", "VarLen", "WrappedLoader", "auto_partition",
         "connect", "distillation_loss", "from_bert", "from_resnet", "from_sequential", "register_layout", "topk_soft_targets",
     ]

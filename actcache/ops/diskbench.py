@@ -257,7 +257,8 @@ class _Bench:
         seconds = time.perf_counter() - started
         if self.progress:
             print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
-        self.report.phases.append(Phase(_phase_name(label, access, cache), label, access, cache, len(order) * BLOCK_BYTES, seconds))
+        name = _phase_name(label, access, cache)
+        self.report.phases.append(Phase(name, label, access, cache, len(order) * BLOCK_BYTES, seconds))
 
     def _evict(self, path: Path) -> None:
         if self.report.page_cache_dropped:

@@ -111,7 +111,8 @@ def test_to_raw_entry_gives_an_uncompressed_entry_with_the_same_tensors(level):
 
 def test_raw_verified_checksum_covers_the_header_only():
     a = np.maximum(np.random.default_rng(1).standard_normal((8, 64), dtype=np.float32), 0)
-    served = bytearray(b"".join(bytes(p) for p in to_raw_entry(encode_entry([TensorSpec(DType.float32, a.shape)], [a], zstd_level=1))))
+    encoded = encode_entry([TensorSpec(DType.float32, a.shape)], [a], zstd_level=1)
+    served = bytearray(b"".join(bytes(p) for p in to_raw_entry(encoded)))
     header = verify_entry(bytes(served))
     assert header.codec == Codec.raw_verified and header.stored_len == header.raw_len == a.nbytes
     served[-1] ^= 1  # the payload is not covered: the daemon verified it before decompressing

@@ -337,7 +337,7 @@ def test_what_a_parked_reader_read_is_served_at_once_not_after_waiting_for_a_ful
             ring.restart(0, 4 << 20)
             served: list[int] = []
 
-            def fetch() -> None:
+            def fetch(reader=reader, served=served) -> None:
                 for frame in fetch_shm(reader, ring, 1 << 20, Context(), None):
                     header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
                     served.append(len(header.lengths))

@@ -137,7 +137,8 @@ def test_errors_name_the_problem(store):
         store.put(ns, FP, 0, [(4, 0, entry(4)), (5, 0, bytes(bad))])
     assert store.get(ns, FP, 0, [(4, 0)]) == [None]  # the whole call was rejected
     sparse = np.maximum(np.random.default_rng(0).standard_normal(4096, dtype=np.float32), 0)
-    served = b"".join(bytes(p) for p in to_raw_entry(encode_entry([TensorSpec(DType.float32, sparse.shape)], [sparse], zstd_level=1)))
+    encoded = encode_entry([TensorSpec(DType.float32, sparse.shape)], [sparse], zstd_level=1)
+    served = b"".join(bytes(p) for p in to_raw_entry(encoded))
     with pytest.raises(InvalidRequest, match="sample 6 variant 0: a raw_verified entry carries no payload checksum"):
         store.put(ns, FP, 0, [(6, 0, served)])
 

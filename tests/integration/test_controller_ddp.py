@@ -53,7 +53,7 @@ def _rank_main(rank: int, store: str, out_dir: str) -> None:
         ctl = FreezeController(cached, opt, RankLocal(), eval_every=3, timeline=timeline)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         per_step, local_losses = [], []
-        for step in range(STEPS):
+        for _step in range(STEPS):
             x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
             loss = nn.functional.cross_entropy(cached(torch.arange(8), x), y)
             opt.zero_grad()

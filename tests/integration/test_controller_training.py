@@ -80,7 +80,7 @@ def test_egeria_freezes_a_stage_of_a_cnn_on_real_images_without_waiting_for_the_
             assert built and built[0]["stage"] == 0 and built[0]["ms_per_batch"] > 0
             print(f"{source}: froze stage 0 at step {freeze['step']}; reference {stats}")
         # The frozen prefix is now served from the cache: stored in one epoch, hit in the next.
-        for epoch in range(2):
+        for _epoch in range(2):
             conn.flush(timeout_s=30)
             hits = conn.stats.hits
             for batch in loader:

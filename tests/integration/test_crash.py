@@ -139,7 +139,7 @@ def test_acknowledged_puts_survive_kill_9(tmp_path, capsys):
             go.set()
             with cond:
                 target = acks.value + rng.randint(3, 40)
-                assert cond.wait_for(lambda: acks.value >= target, timeout=90), (
+                assert cond.wait_for(lambda target=target: acks.value >= target, timeout=90), (
                     f"writers stalled in round {round_} (seed {seed})\n{daemon.log_tail()}"
                 )
             stop.wait(rng.uniform(0, 0.02))  # a random moment, with puts in flight

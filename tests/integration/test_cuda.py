@@ -264,7 +264,7 @@ def test_cuda_a_served_step_syncs_the_host_no_more_than_the_users_loop(daemon):
             epoch(net, loader, opt)  # fills the cache
             conn.flush(timeout_s=30)
             torch.cuda.synchronize()
-            counts.append(_count_syncs(lambda: epoch(net, loader, opt)))
+            counts.append(_count_syncs(lambda net=net, loader=loader, opt=opt: epoch(net, loader, opt)))
             if cached:
                 assert conn.stats.hits == N
     assert counts[1] <= counts[0], counts

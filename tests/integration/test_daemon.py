@@ -133,7 +133,8 @@ def test_bad_input_gets_precise_status(daemon, client):
         client.put(ns, FP, 70000, [(1, 0, good)])
     header = pb.PutHeader(namespace_id=ns, fingerprint=FP, depth=0, sample_ids=[1, 2], lengths=[len(good), 5])
     for frame, message in [
-        (encode_frame(header.SerializeToString(), [good]), f"lists {len(good) + 5} payload bytes but the payload has {len(good)}"),
+        (encode_frame(header.SerializeToString(), [good]),
+         f"lists {len(good) + 5} payload bytes but the payload has {len(good)}"),
         (b"\x1a\x03abc", "frame has unexpected field 3"),
     ]:
         with pytest.raises(grpc.RpcError) as info:

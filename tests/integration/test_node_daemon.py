@@ -139,7 +139,8 @@ def test_a_stale_socket_or_a_killed_daemon_does_not_block_a_start(node):
     assert node.socket.exists()  # left behind by the kill
     with ac.connect(strict=True) as conn:
         assert peer_pid(node.socket) not in (None, pid)
-        assert [payload_of(v) for v in conn.lookup(FP, 1, [3], [0])] == [payload_of(entry(3))]  # an acknowledged put survives kill -9
+        # an acknowledged put survives kill -9
+        assert [payload_of(v) for v in conn.lookup(FP, 1, [3], [0])] == [payload_of(entry(3))]
     assert starts(node) == 2
 
 

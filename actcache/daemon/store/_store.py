@@ -354,7 +354,7 @@ class Store:
     def _reclaim(self, plan: ReclaimPlan) -> None:
         """Drop the generations of ``plan`` (caller's thread; each chunk runs on the writer thread)."""
         for gen in plan.victims:
-            entries, nbytes, op = self._drop_chunks(lambda: _ReclaimOp(self._state, gen))
+            entries, nbytes, op = self._drop_chunks(lambda gen=gen: _ReclaimOp(self._state, gen))
             with self._state.lock:
                 name = self._state.ns_by_id.get(gen.namespace_id, str(gen.namespace_id))
             self.generations.reclaimed(name, gen, entries, nbytes, complete=not op.aborted)
