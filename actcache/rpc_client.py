@@ -13,7 +13,7 @@ import random
 import socket
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -67,7 +67,7 @@ class EntryBatch:
             raise ActCacheError(f"Fetch frame lists {len(header.lengths)} lengths but {len(header.offsets)} offsets")
         view = segment.view
         offsets, lengths = list(header.offsets), list(header.lengths)
-        inline = iter(split_payload(payload, [n for o, n in zip(offsets, lengths) if n and not o]))
+        inline = iter(split_payload(memoryview(payload), [n for o, n in zip(offsets, lengths) if n and not o]))
         values = [(view[o : o + n] if o else next(inline)) if n else None for o, n in zip(offsets, lengths)]
         size = lengths[0] if lengths else 0
         consecutive = size and offsets[0] and lengths.count(size) == len(lengths) and \
@@ -166,7 +166,7 @@ class RpcClient:
             else:
                 channel = grpc.insecure_channel(self.target, options)
             # None: bulk frames, passed as bytes and parsed by hand
-            kinds = {
+            kinds: dict[str, tuple[str, Any, Any]] = {
                 "Open": ("unary_unary", pb.OpenRequest, pb.OpenReply),
                 "Contains": ("unary_unary", pb.ContainsRequest, pb.ContainsReply),
                 "Drop": ("unary_unary", pb.DropRequest, pb.DropReply),
