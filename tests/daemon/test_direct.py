@@ -171,16 +171,31 @@ def test_a_corrupt_entry_among_uniform_ones_is_a_counted_miss_and_the_others_are
     assert sum(runs) == counters["direct"] and max(runs) == (64 << 10) // served_size(value(0))  # whole frames
 
 
-def test_a_warm_groups_next_schedule_is_not_read_ahead_but_served_directly_from_its_start(store, tmp_path):
+def test_a_warm_groups_next_schedule_is_not_read_ahead_but_served_directly_from_its_start(store, tmp_path,
+                                                                                          monkeypatch):
     """The next epoch's order, pushed while its group is warm, is not copied into read-ahead buffers
     before its Fetch comes (at most a run of 32): the Fetch reads it from the store itself."""
+    from actcache.daemon.prefetch._read_loop import ReadLoop
+
+    parked = threading.Event()  # the reader of "next" stopped reading ahead until its consumer comes
+    warm_without_consumer = ReadLoop._warm_without_consumer
+
+    def noting_the_park(loop):
+        stop = warm_without_consumer(loop)
+        if stop and loop._schedule.schedule_id == "next":
+            parked.set()
+        return stop
+
+    monkeypatch.setattr(ReadLoop, "_warm_without_consumer", noting_the_park)
     order = np.arange(0, N, 2)  # all stored
     p = Prefetcher(store, PrefetchConfig(prefetch_bytes=16 << 20, decode_threads=2))
     try:
         for schedule_id in ("first", "next"):
             p.push(Schedule(1, schedule_id, FP, 1, np.asarray(order, np.uint64), None))
             if schedule_id == "next":
-                time.sleep(0.3)  # room in the budget for every entry: a reader of cold data reads them all
+                # room in the budget for every entry: a reader of cold data would read them all
+                wait_until(lambda: parked.is_set() or {s.schedule_id: s.reader.state for s in p.stats().schedules}
+                           ["next"] is ReaderState.READ_ALL, what="the reader parked, or read every entry")
                 before = p.stats().namespaces[1]
             ring = ShmRing(1 << 20, 0, directory=tmp_path)
             segment = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import time
 import uuid
 
 import pytest
@@ -213,7 +212,9 @@ def test_held_slots_are_released_only_after_their_copy_completes(daemon):
                 Copy.released_then = struct.unpack_from("<Q", run.segment.view, 16)[0]  # the segment's `released`
 
         stream.hold(Copy())
-        time.sleep(0.1)  # the frames the ring holds arrive meanwhile
+        with daemon.client() as client:  # the frames the ring holds arrive meanwhile
+            wait_until(lambda: next(s.served for s in client.stats().schedules if s.schedule_id == stream.schedule_id)
+                       > BATCH, what="frames beyond the held batch")
         assert len(stream.take(1, batches[1])) == BATCH
         assert Copy.released_then is not None and Copy.released_then < BATCH  # batch 0 still held when it waited
         stream.hold(Copy())
