@@ -143,7 +143,7 @@ def test_random_augmentation_in_getitem_is_cached_per_variant(daemon):
     cache.close()
 
 
-def test_a_network_wrapped_in_ddp_is_unwrapped(daemon):
+def test_a_network_wrapped_in_data_parallel_is_unwrapped(daemon):
     cache = ac.ActCache(nn.parallel.DataParallel(resnet20()), _connect(daemon), planner=None)
     assert isinstance(cache.net, type(resnet20()))
     cache.close()
