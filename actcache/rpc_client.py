@@ -13,7 +13,7 @@ import random
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -316,7 +316,7 @@ class RpcClient:
     def fetch_batches(
         self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0,
         shared_memory: bool = False, ring_bytes: int = 0, whole_frames: bool = False,
-    ) -> Iterator[EntryBatch]:
+    ) -> Generator[EntryBatch, None, None]:
         """Stream a pushed schedule from position ``start``, one EntryBatch per frame, without a deadline;
         resumes after UNAVAILABLE up to ``retries`` times. Closing the iterator cancels the call.
 
