@@ -9,7 +9,7 @@ JPEGs at the benchmark depths, this prints the audit's own statistic
 (max |stored - recomputed| / max |recomputed|, per sample) over every sample,
 for each float32 precision setting of the device (on CUDA: TF32 off and on,
 TF32 being PyTorch's default for convolutions), next to the tolerance the
-audit applies there (``actcache_client._audit.tolerances``).
+audit applies there (``actcache_client.engine._audit.tolerances``).
 
 Ends with ``figure: audit_margin = R``: the tolerance applied / the largest
 deviation seen, over every setting (above 1: no valid entry is flagged; inf:
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads.data import JpegSet, resolve_data_dir  # noqa: E402
 
 import actcache_client as ac  # noqa: E402
-from actcache_client._audit import tolerances  # noqa: E402
+from actcache_client.engine._audit import tolerances
 from actcache_client.models import resnet20  # noqa: E402
 
 

@@ -18,7 +18,7 @@ per GB. Figures:
     figure: xxh3_vs_crc32 = R              (zlib CRC32 CPU-s/GB / xxh3's)
 
 Then the codec ``CachedForward(encoding="auto")`` chooses for each fp32 state
-(actcache_client._codec_choice: measured ratio and verify-and-decode cost
+(actcache_client.engine._codec_choice: measured ratio and verify-and-decode cost
 against the disk's speed and the page cache), on a cold 1 GB/s disk, a cold
 200 MB/s disk, and with the entries in the page cache.
 """
@@ -39,9 +39,9 @@ from workloads.data import JpegSet, read_glue, resolve_data_dir, tokenize  # noq
 
 import actcache_client as ac  # noqa: E402
 from actcache.codec import CHECKSUMS, Codec, Encoding, compress_payload, decompress_payload, parse_header  # noqa: E402
-from actcache_client._codec_choice import choose_encoding  # noqa: E402
-from actcache_client._tensors import VarLen, encode_samples  # noqa: E402
+from actcache_client.engine._codec_choice import choose_encoding
 from actcache_client.models import resnet20  # noqa: E402
+from actcache_client.transport._tensors import VarLen, encode_samples
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads.data import read_glue, resolve_data_dir  # noqa: E402
 
 import actcache_client as ac  # noqa: E402
-from actcache_client.integrations.huggingface import attach, load_minilm  # noqa: E402
+from actcache_client.integrations.huggingface import attach, load_transformers_minilm  # noqa: E402
 
 
 def accuracy(prediction) -> dict[str, float]:
@@ -63,7 +63,7 @@ def run(cached: bool, train: list[dict], dev: list[dict], args: argparse.Namespa
     from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
 
     torch.manual_seed(0)
-    model, tokenizer = load_minilm(num_labels=2)
+    model, tokenizer = load_transformers_minilm(num_labels=2)
     if args.model == "llama":
         torch.manual_seed(0)
         model = llama_classifier(tokenizer)
@@ -106,7 +106,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true")
     data = resolve_data_dir(args.data_dir)
-    _, tokenizer = load_minilm()
+    _, tokenizer = load_transformers_minilm()
 
     def encode(split: str, count: int) -> list[dict]:
         sentences, labels = read_glue(data, "sst2", split)

@@ -62,7 +62,7 @@ step() {
 }
 
 step cuda_tests 90 "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/integration/test_cuda.py \
-  tests/client/test_staging.py tests/integration/test_controller_training.py -k "cuda or gpu or staging"
+  tests/client/test_device_staging.py tests/integration/test_controller_training.py -k "cuda or gpu or staging"
 step bench_backbone 400 "$PYTHON" bench/bench_backbone.py --device cuda --json "$OUT/bench_backbone.json"
 step bench_step 100 "$PYTHON" bench/bench_step.py --quick --device cuda --json "$OUT/bench_step.json"
 

@@ -45,14 +45,14 @@ def tiny_model_and_data(n: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFas
 
 
 def minilm_and_sst2(data: Path, limit: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, list, list]:
-    from actcache_client.integrations.huggingface import load_minilm
+    from actcache_client.integrations.huggingface import load_transformers_minilm
 
     def read(name: str, count: int) -> list:
         with open(data / name, newline="") as f:
             rows = [(r["sentence"], int(r["label"])) for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
         return rows[:count]
 
-    model, tokenizer = load_minilm(num_labels=2)
+    model, tokenizer = load_transformers_minilm(num_labels=2)
     return model, tokenizer, read("train.tsv", limit), read("dev.tsv", max(limit // 4, 64))
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import actcache_client as ac
-from actcache_client._cached_forward import CachedForward
+from actcache_client.engine._cached_forward import CachedForward
 
 VOCAB, LENGTH = 64, 12
 _TEXT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,

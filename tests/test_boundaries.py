@@ -27,7 +27,8 @@ def test_daemon_and_cli_never_import_torch():
 
 
 def test_client_never_imports_daemon_internals():
-    loaded = _modules_after_import("actcache_client", "actcache_client._loader", "actcache_client._cached_forward")
+    loaded = _modules_after_import("actcache_client", "actcache_client.data._loader",
+                                   "actcache_client.engine._cached_forward")
     assert not any(m.startswith("actcache.daemon") for m in loaded), sorted(m for m in loaded if m.startswith("actcache"))
 
 
@@ -100,6 +101,36 @@ def _imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+# The client's rooms, each importing only the ones before it: "api" is the top level (the user API and the
+# public modules outside the rooms), cost_model the arithmetic below them all.
+_ROOMS = ["cost_model", "transport", "layouts", "engine", "data", "freeze", "api", "integrations"]
+
+
+def _room(module: str) -> str:
+    """The room of a module of actcache_client."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in _ROOMS else "api"
+
+
+def test_client_rooms_are_the_client_packages():
+    folder = Path(actcache_client.__file__).parent
+    packages = {p.parent.name for p in folder.glob("*/__init__.py")}
+    assert packages | {"cost_model", "api"} == set(_ROOMS)
+    assert (folder / "cost_model.py").exists()
+
+
+@pytest.mark.parametrize("room", _ROOMS)
+def test_client_rooms_import_only_downwards(room):
+    above = set(_ROOMS[_ROOMS.index(room) + 1 :])
+    modules = _module_files()
+    upward = []
+    for module, path in sorted(modules.items()):
+        if module.startswith("actcache_client") and _room(module) == room:
+            upward += [f"{module} imports {name}" for name in sorted(_imported(module, path, modules))
+                       if name.startswith("actcache_client") and _room(name) in above]
+    assert not upward, f"room {room} imports a room above it:\n" + "\n".join(upward)
+
+
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """One shortest cycle through the first module of each strongly connected component of ``graph``
     with more than one module (Tarjan's algorithm), as ``[a, b, ..., a]``."""
@@ -163,7 +194,8 @@ def test_import_cycle_finder_finds_each_cycle():
 def test_no_import_cycles():
     modules = _module_files()
     graph = {module: _imported(module, path, modules) for module, path in modules.items()}
-    assert graph["actcache_client._loader"] >= {"actcache_client._identity", "actcache_client._cached_forward"}
+    assert graph["actcache_client.data._loader"] >= {"actcache_client.data._identity",
+                                                     "actcache_client.engine._cached_forward"}
     cycles = import_cycles(graph)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 

@@ -22,15 +22,20 @@ Underneath, with the batch type of its own:
         ctl.step(loss, epoch=batch.epoch)             # freezes stages when the policy says so
 
 Errors are actcache's (``actcache.ActCacheError`` and its subclasses).
+
+The user API lives here, on rooms that each import only the ones before it: ``transport`` (the daemon's
+connection, the epoch stream, tensors to and from entries), ``layouts`` (a network split into stages),
+``engine`` (the cached forward), ``data`` (the cached loader), ``freeze`` (when to freeze); ``integrations``
+sits above the API. ``cost_model`` is the arithmetic below them all.
 """
 
-from actcache_client._audit import AuditConfig, CacheMismatchWarning
-from actcache_client._cached_forward import CachedForward, EpochCounters, StepTimes
-from actcache_client._codec_choice import AutoEncoding
+from actcache_client.engine._audit import AuditConfig, CacheMismatchWarning
+from actcache_client.engine._cached_forward import CachedForward, EpochCounters, StepTimes
+from actcache_client.engine._codec_choice import AutoEncoding
 from actcache_client._dropin import ActCache, StageInfo, WrappedLoader
 from actcache_client._options import CacheOptions
 from actcache_client._inplace import ChangedInputWarning
-from actcache_client._connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig
+from actcache_client.transport._connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig
 from actcache_client.freeze import (
     AutoFreezeConfig,
     AutoFreezePolicy,
@@ -46,19 +51,19 @@ from actcache_client.freeze import (
     Signals,
     StaticPolicy,
 )
-from actcache_client._loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
-from actcache_client._node_daemon import connect
-from actcache_client._planner import CachePlanner, PlannerConfig
+from actcache_client.data._loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
+from actcache_client.transport._node_daemon import connect
+from actcache_client.engine._planner import CachePlanner, PlannerConfig
 from actcache_client.sampler import NodeStableSampler
-from actcache_client._stages import Stage, StagedModel, auto_partition, from_bert, from_resnet, from_sequential
-from actcache_client._teacher import (
+from actcache_client.layouts._stages import Stage, StagedModel, auto_partition, from_bert, from_resnet, from_sequential
+from actcache_client.engine._teacher import (
     CachedTeacher,
     MovingTeacherWarning,
     TeacherOutput,
     distillation_loss,
     topk_soft_targets,
 )
-from actcache_client._tensors import VarLen
+from actcache_client.transport._tensors import VarLen
 from actcache_client.layouts import Layout, register_layout
 
 __all__ = [

@@ -17,17 +17,18 @@ from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
 from actcache.errors import ConfigError
-from actcache_client._batch import Batch
-from actcache_client._cached_forward import CachedForward
-from actcache_client._connection import Connection
 from actcache_client._inplace import InPlacePrefix
-from actcache_client._loader import CachedLoader, IndexedDataset, worker_options
-from actcache_client._node_daemon import connect
 from actcache_client._options import CacheOptions
-from actcache_client._stages import Stage, StagedModel, State, tensors_of
-from actcache_client._tensors import VarLen
-from actcache_client._wrap_checks import check_loader, uncontrolled_randomness
+from actcache_client.data._loader import CachedLoader, IndexedDataset, worker_options
+from actcache_client.data._wrap_checks import check_loader, uncontrolled_randomness
+from actcache_client.engine._batch import Batch
+from actcache_client.engine._cached_forward import CachedForward
 from actcache_client.layouts import Layout, blocks_layout, check_layout, find_layout
+from actcache_client.layouts._stages import Stage, StagedModel
+from actcache_client.transport._connection import Connection
+from actcache_client.transport._node_daemon import connect
+from actcache_client.transport._state import State, tensors_of
+from actcache_client.transport._tensors import VarLen
 
 __all__ = ["ActCache", "StageInfo", "WrappedLoader"]
 

@@ -30,35 +30,16 @@ import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
-from actcache_client._batch import Batch
-from actcache_client._cached_forward import CachedForward
-from actcache_client._stages import Stage, State
+from actcache_client.engine._batch import Batch
+from actcache_client.engine._cached_forward import CachedForward
+from actcache_client.layouts._stages import Stage, call_sites
+from actcache_client.transport._state import State
 
-__all__ = ["ChangedInputWarning", "InPlacePrefix", "call_sites"]
+__all__ = ["ChangedInputWarning", "InPlacePrefix"]
 
 
 class ChangedInputWarning(UserWarning):
     """The model was called in training mode on an input other than the one the loader yielded."""
-
-
-def call_sites(net: nn.Module, stages: list[nn.Module]) -> list[list[nn.Module]]:
-    """For each stage, the topmost modules of ``net`` in it (a residual block; a ResNet stem's ``conv1, bn1,
-    relu``), in registration order, which the adapters keep in the order ``net`` calls them; or the sites a
-    Stage names (``Stage(..., sites=[block])``)."""
-    owned = {id(m) for m in net.modules()}
-    sites: list[list[nn.Module]] = []
-    for stage in stages:
-        found: list[nn.Module] = []
-        inside: set[int] = set()
-        for module in stage.modules():
-            if id(module) in inside:
-                continue
-            named = getattr(module, "sites", None) if isinstance(module, Stage) else None
-            if named is not None or id(module) in owned:  # a Stage naming its sites: those, in its place
-                found.extend([module] if named is None else named)
-                inside.update(id(m) for m in module.modules())
-        sites.append(found)
-    return sites
 
 
 class _EagerCall:

@@ -8,11 +8,11 @@ from typing import Any, Union
 import torch
 
 from actcache.errors import ConfigError
-from actcache_client._audit import AuditConfig
-from actcache_client._codec_choice import AutoEncoding
-from actcache_client._planner import CachePlanner
-from actcache_client._tensors import VarLen
-from actcache_client._writer import check_encoding
+from actcache_client.engine._audit import AuditConfig
+from actcache_client.engine._codec_choice import AutoEncoding
+from actcache_client.engine._planner import CachePlanner
+from actcache_client.engine._writer import check_encoding
+from actcache_client.transport._tensors import VarLen
 
 __all__ = ["AUTO_PLANNER", "LAYOUT_VARLEN", "CacheOptions"]
 

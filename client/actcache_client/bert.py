@@ -23,7 +23,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import default_collate
 
 from actcache.errors import ConfigError
-from actcache_client._stages import additive_mask
+from actcache_client.layouts._stages import additive_mask
 
 __all__ = [
     "BertConfig",

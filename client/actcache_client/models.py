@@ -1,7 +1,7 @@
 """A CIFAR-style ResNet-20 (He et al. 2016, §4.2) for tests and benchmarks.
 
 Attribute names follow torchvision (``conv1, bn1, relu, layer1..layer3,
-avgpool, fc``) so :func:`actcache_client._stages.from_resnet` splits it into
+avgpool, fc``) so :func:`actcache_client.layouts._stages.from_resnet` splits it into
 a stem, one stage per residual block, and a head.
 """
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from actcache.errors import ConfigError
-from actcache_client._audit import AuditConfig, Auditor, same_entry, tolerances
-from actcache_client._tensors import VarLen, encode_samples
+from actcache_client.engine._audit import AuditConfig, Auditor, same_entry, tolerances
+from actcache_client.transport._tensors import VarLen, encode_samples
 
 
 def test_first_samples_after_a_restart_then_one_in_every():

@@ -7,8 +7,8 @@ import torch
 
 from actcache.errors import ConfigError, ConfigTypeError
 from actcache_client import AutoEncoding, CachedForward, from_sequential
-from actcache_client._codec_choice import choose_encoding, measure_codecs
-from actcache_client._tensors import encode_samples
+from actcache_client.engine._codec_choice import choose_encoding, measure_codecs
+from actcache_client.transport._tensors import encode_samples
 
 SLOW_DISK = 1e8  # 100 MB/s: reading dominates any decoder's cost
 

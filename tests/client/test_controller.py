@@ -11,7 +11,7 @@ from torch import nn
 
 import actcache_client as ac
 from actcache.errors import ConfigError
-from actcache_client._frozen import prefix_fingerprints
+from actcache_client.engine._frozen import prefix_fingerprints
 from actcache_client.freeze import (
     AutoFreezePolicy,
     Decision,

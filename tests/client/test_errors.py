@@ -13,10 +13,10 @@ from torch import nn
 import actcache_client
 from actcache.errors import ActCacheError, ConfigError, LifecycleError
 from actcache_client import cost_model
-from actcache_client._planner import PlannerConfig
-from actcache_client._stages import Stage, StagedModel, auto_partition, from_sequential
-from actcache_client._staging import HostRing
+from actcache_client.engine._planner import PlannerConfig
+from actcache_client.layouts._stages import Stage, StagedModel, auto_partition, from_sequential
 from actcache_client.models import CifarResNet
+from actcache_client.transport._device_staging import HostRing
 
 # Every module of the client: each raise is a class of actcache.errors (or an ImportError for an optional dependency).
 CLIENT = Path(actcache_client.__file__).parent

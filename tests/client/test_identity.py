@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 import actcache_client as ac
-from actcache_client._identity import SPREAD_ITEMS, data_fingerprint, spread
+from actcache_client.data._identity import SPREAD_ITEMS, data_fingerprint, spread
 
 
 def images(n: int = 200, seed: int = 0) -> TensorDataset:

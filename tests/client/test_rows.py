@@ -2,7 +2,7 @@
 
 import torch
 
-from actcache_client._rows import RawInputs
+from actcache_client.engine._rows import RawInputs
 
 # "meta" stands in for a GPU here: a tensor moved there keeps shape and dtype, and says where it went.
 DEVICE = torch.device("meta")

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from actcache_client import IndexedDataset
-from actcache_client._seeding import sample_seed, seeded_item
+from actcache_client.data._seeding import sample_seed, seeded_item
 
 
 class Draws(Dataset):

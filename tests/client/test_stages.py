@@ -1,4 +1,4 @@
-"""Tests for actcache_client._stages (and the ResNet-20 in actcache_client.models)."""
+"""Tests for actcache_client.layouts._stages (and the ResNet-20 in actcache_client.models)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
-from actcache_client import _stages as stages
 from actcache_client import models
-from actcache_client._stages import (
-    Stage,
-    StagedModel,
-    auto_partition,
-    from_bert,
-    from_resnet,
-    from_sequential,
-)
+from actcache_client.layouts import _stages as stages
+from actcache_client.layouts._stages import Stage, StagedModel, auto_partition, from_bert, from_resnet, from_sequential
 from actcache_client.models import BasicBlock, resnet20
 from tests.client.tiny_bert import TinyBertForSequenceClassification, TinyBertModel, TinyFlatBert
 

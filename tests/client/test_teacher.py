@@ -1,4 +1,4 @@
-"""Tests for actcache_client._teacher without a daemon: outputs, layouts, keys, top-k targets, the KD loss."""
+"""Tests for actcache_client.engine._teacher without a daemon: outputs, layouts, keys, top-k targets, the KD loss."""
 
 from __future__ import annotations
 

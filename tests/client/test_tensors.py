@@ -6,7 +6,7 @@ from actcache._proto import actcache_pb2 as pb
 from actcache.errors import InvalidRequest
 from actcache.rpc_client import EntryBatch
 from actcache.shm import ClientSegment, ShmRing
-from actcache_client._tensors import VarLen, collate_entries, encode_samples, run_layout, split_rows
+from actcache_client.transport._tensors import VarLen, collate_entries, encode_samples, run_layout, split_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool]
 
@@ -119,7 +119,7 @@ def test_only_hits_of_one_size_in_consecutive_slots_make_a_run(tmp_path):
 
 def test_a_row_copier_collates_variable_length_entries_as_one_thread_does():
     """The rows of a batch split across threads: the same batch, padding zeroed, whatever the slot held."""
-    from actcache_client._tensors import RowCopier
+    from actcache_client.transport._tensors import RowCopier
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(6, 9, 4, generator=g)

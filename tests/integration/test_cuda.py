@@ -1,7 +1,7 @@
 """Training on a GPU with the frozen prefix served by a real daemon: pinned staging, side-stream copies.
 
 These need CUDA and are skipped without it; the same logic runs on CPU in
-tests/client/test_staging.py (fake events) and the CPU training tests.
+tests/client/test_device_staging.py (fake events) and the CPU training tests.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import actcache_client as ac
 from actcache.shm import MIN_RING_BYTES, ClientSegment, ShmRing, SlotRun
 from actcache.testing import run_daemon
-from actcache_client._staging import Stager
-from actcache_client._tensors import collate_entries, encode_samples
 from actcache_client.models import resnet20
+from actcache_client.transport._device_staging import Stager
+from actcache_client.transport._tensors import collate_entries, encode_samples
 from tests.integration import test_training as cpu
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),

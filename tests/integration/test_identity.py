@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import actcache_client as ac
 from actcache.errors import CacheMismatchError
-from actcache_client._audit import CacheMismatchWarning
-from actcache_client._tensors import encode_samples
+from actcache_client.engine._audit import CacheMismatchWarning
+from actcache_client.transport._tensors import encode_samples
 from tests.client.test_identity import Scaled
 
 

@@ -172,7 +172,7 @@ def test_a_miss_after_the_next_epoch_was_pushed_makes_it_push_again(daemon):
 
 
 def test_the_shared_memory_ring_holds_a_few_batches_within_bounds_and_frames_hold_one():
-    from actcache_client._stream import _MAX_RING, _MIN_RING, _sizes
+    from actcache_client.transport._epoch_stream import _MAX_RING, _MIN_RING, _sizes
 
     assert _sizes([b"x" * 16384] * 128 + [None], 128) == (8 << 20, 2 << 20)  # 4 batches of 128 x 16 KiB
     assert _sizes([b"x" * 16464] * 128, 128) == (4 * 128 * 16464, 128 * 16464)  # whole frames, not whole MiB
@@ -185,7 +185,7 @@ def test_the_shared_memory_ring_holds_a_few_batches_within_bounds_and_frames_hol
 def test_held_slots_are_released_only_after_their_copy_completes(daemon):
     """A batch copied asynchronously out of the ring (CUDA) is held: the stream waits for the copy's
     event before it asks for the next frame, which releases the batch's slots to the daemon."""
-    from actcache_client._stream import EpochStream
+    from actcache_client.transport._epoch_stream import EpochStream
 
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
         model = ac.CachedForward(mlp(), conn)

@@ -30,7 +30,7 @@ from transformers import (  # noqa: E402
 import actcache_client as ac  # noqa: E402
 from actcache.errors import ConfigError  # noqa: E402
 from actcache_client._dropin import ActCache  # noqa: E402
-from actcache_client.integrations.huggingface import attach, load_minilm  # noqa: E402
+from actcache_client.integrations.huggingface import attach, load_transformers_minilm  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WORDS = ["good", "bad", "great", "awful", "film", "plot", "very", "not", "the", "a"]
@@ -151,10 +151,10 @@ def test_a_collate_output_the_cache_cannot_split_is_named(tmp_path, connection):
         next(iter(loader))
 
 
-def test_load_minilm_gives_the_encoder_of_our_own_minilm():
+def test_load_transformers_minilm_gives_the_encoder_of_our_own_minilm():
     from actcache_client.bert import load_minilm as our_minilm
 
-    theirs, tokenizer = load_minilm(num_labels=3)
+    theirs, tokenizer = load_transformers_minilm(num_labels=3)
     ours, _ = our_minilm(num_labels=3)
     batch = tokenizer(["a film of quiet wit", "no"], padding=True, return_tensors="pt")
     with torch.no_grad():

@@ -22,7 +22,7 @@ from typing import cast
 import torch
 
 from actcache_client.freeze.plasticity import sp_loss
-from actcache_client._stages import State
+from actcache_client.transport._state import State
 
 #: How often a waiting reference process checks that its parent is still alive.
 PARENT_CHECK_S = 5.0

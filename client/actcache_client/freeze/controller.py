@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from actcache.errors import ConfigError, LifecycleError
-from actcache_client._cached_forward import CachedForward
+from actcache_client.engine._cached_forward import CachedForward
 from actcache_client.cost_model import Plan
 from actcache_client.freeze import _refproc
 from actcache_client.freeze.autofreeze import GradNormAccumulator

@@ -36,11 +36,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from actcache.errors import ConfigError, LifecycleError, ReferenceModelFailed
-from actcache_client._cached_forward import CachedForward
+from actcache_client.engine._cached_forward import CachedForward
 from actcache_client.freeze import _refproc
 from actcache_client.freeze.policy import FreezePolicy
 from actcache_client.freeze.timeline import Timeline
-from actcache_client._stages import State, map_state
+from actcache_client.transport._state import State, map_state
 
 __all__ = ["PlasticityProbe", "ReferenceConfig", "ReferenceState", "ReferenceStats", "ReferenceWorker", "to_shared"]
 

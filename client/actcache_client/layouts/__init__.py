@@ -1,4 +1,4 @@
-"""Layouts: how actcache finds a network's stages, one family per module, in a registry.
+"""Layouts: a network split into stages, and how actcache finds the split, one family per module, in a registry.
 
     from actcache_client.layouts import Layout, register_layout
 

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
-from actcache_client._stages import StagedModel, State
-from actcache_client._tensors import VarLen
+from actcache_client.layouts._stages import StagedModel
+from actcache_client.transport._state import State
+from actcache_client.transport._tensors import VarLen
 
 __all__ = ["Layout", "first_field", "module_at", "of_type", "padded_hidden", "pixel_inputs", "rest_of", "served_as_is",
            "text_inputs"]

@@ -15,9 +15,10 @@ from typing import Any
 from torch import nn
 
 from actcache.errors import ConfigError
-from actcache_client._stages import Stage, StagedModel, State, tensors_of
 from actcache_client.layouts._base import Layout, module_at, rest_of
 from actcache_client.layouts._calls import arguments_at
+from actcache_client.layouts._stages import Stage, StagedModel
+from actcache_client.transport._state import State, tensors_of
 
 __all__ = ["stage_blocks"]
 

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
-from actcache_client._inplace import call_sites
-from actcache_client._stages import State
 from actcache_client.layouts._base import Layout, pixel_inputs, text_inputs
+from actcache_client.layouts._stages import call_sites
+from actcache_client.transport._state import State
 
 __all__ = ["check_layout"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from actcache_client._stages import from_bert, from_resnet, from_sequential, from_transformers
-from actcache_client._tensors import VarLen
+from actcache_client.layouts._stages import from_bert, from_resnet, from_sequential, from_transformers
+from actcache_client.transport._tensors import VarLen
 from actcache_client.layouts._base import Layout, of_type, padded_hidden, text_inputs
 
 __all__ = ["BERT_TYPES", "RESNET_TYPES", "TRANSFORMERS_BERT_TYPES", "bert", "bert_like", "is_resnet", "of_type",

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
-from actcache_client._stages import Stage, StagedModel, State, tensors_of
-from actcache_client._tensors import VarLen
+from actcache_client.layouts._stages import Stage, StagedModel
+from actcache_client.transport._state import State, tensors_of
+from actcache_client.transport._tensors import VarLen
 from actcache_client.layouts._base import Layout, module_at, of_type, padded_hidden, pixel_inputs, rest_of, \
     text_inputs
 from actcache_client.layouts._calls import arguments_at, hidden_of

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from actcache.errors import CacheMismatchError, ConfigError
-from actcache_client._counters import StepTimes
-from actcache_client._frozen import PrefixContext
-from actcache_client._rows import RawInputs
-from actcache_client._stages import tensors_of
-from actcache_client._tensors import collate_entries, encode_samples
+from actcache_client.engine._counters import StepTimes
+from actcache_client.engine._frozen import PrefixContext
+from actcache_client.engine._rows import RawInputs
+from actcache_client.transport._state import tensors_of
+from actcache_client.transport._tensors import collate_entries, encode_samples
 
 __all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "HitAudit", "same_entry", "tolerances"]
 
@@ -163,7 +163,7 @@ class HitAudit:
         if not bad:
             return True
         c.connection.drop(fingerprint)
-        c.generations.forget(fingerprint)
+        c.written.forget(fingerprint)
         self.auditor.restart()
         strict = c.connection.config.strict
         message = (f"{bad} of {len(chosen)} audited entries of namespace {c.connection.config.namespace!r}, "

@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 
 from actcache.errors import ConfigError
-from actcache_client._stages import State, map_state, tensors_of
-from actcache_client._tensors import VarLen
+from actcache_client.transport._state import State, map_state, tensors_of
+from actcache_client.transport._tensors import VarLen
 
 __all__ = ["RawInputs", "merge"]
 

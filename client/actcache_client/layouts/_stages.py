@@ -9,42 +9,29 @@ the order its ``forward`` does (torchvision ResNet, HF BERT); the tests check bi
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
-from typing import Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
+from actcache_client.transport._state import State, tensors_of
 
 __all__ = [
     "Stage",
     "StagedModel",
-    "State",
     "additive_mask",
     "auto_partition",
+    "call_sites",
     "from_bert",
     "from_resnet",
     "from_sequential",
     "from_transformers",
     "is_transformers_model",
-    "map_state",
-    "tensors_of",
 ]
-
-State = Union[Tensor, tuple[Tensor, ...]]
-
-
-def tensors_of(state: State) -> tuple[Tensor, ...]:
-    """The tensors of ``state``, as a tuple."""
-    return state if isinstance(state, tuple) else (state,)
-
-
-def map_state(state: State, fn: Callable[[Tensor], Tensor]) -> State:
-    """``fn`` applied to every tensor of ``state``, in the same form (a tensor or a tuple)."""
-    return tuple(fn(t) for t in state) if isinstance(state, tuple) else fn(state)
-
 
 _FALLBACK = "pass an nn.Sequential or build stages with StagedModel([...])"
 
@@ -132,6 +119,26 @@ class StagedModel(nn.Module):
                 f"StagedModel.suffix(start) needs start in 0..{self.num_stages - 1} (num_stages - 1), got {start}"
             )
         return StagedModel(self.stages[start:])
+
+
+def call_sites(net: nn.Module, stages: list[nn.Module]) -> list[list[nn.Module]]:
+    """For each stage, the topmost modules of ``net`` in it (a residual block; a ResNet stem's ``conv1, bn1,
+    relu``), in registration order, which the adapters keep in the order ``net`` calls them; or the sites a
+    Stage names (``Stage(..., sites=[block])``)."""
+    owned = {id(m) for m in net.modules()}
+    sites: list[list[nn.Module]] = []
+    for stage in stages:
+        found: list[nn.Module] = []
+        inside: set[int] = set()
+        for module in stage.modules():
+            if id(module) in inside:
+                continue
+            named = getattr(module, "sites", None) if isinstance(module, Stage) else None
+            if named is not None or id(module) in owned:  # a Stage naming its sites: those, in its place
+                found.extend([module] if named is None else named)
+                inside.update(id(m) for m in module.modules())
+        sites.append(found)
+    return sites
 
 
 def _merge(stages: Sequence[Stage]) -> Stage:
@@ -250,9 +257,32 @@ def _bidirectional_mask(config: object, hidden: Tensor, mask: Tensor) -> Tensor:
     return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mask)
 
 
+class SharedMask:
+    """``extend(hidden, mask)`` computed once per forward and shared by the layers of one model, as the
+    model's own forward does (the mask state passes from layer to layer unchanged): the last result is kept
+    for the mask tensor it came from, unchanged since (its version), and the hidden state's dtype, device and
+    leading shape. Pickled (for the reference process) without it."""
+
+    def __init__(self, extend: Callable[[Tensor, Tensor], Tensor] = additive_mask) -> None:
+        self.extend = extend
+        self._last: tuple[weakref.ref, int, tuple, Tensor] | None = None
+
+    def __call__(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        key = (hidden.dtype, hidden.device, tuple(hidden.shape[:2]))
+        last = self._last
+        if last is not None and last[0]() is mask and last[1] == mask._version and last[2] == key:
+            return last[3]
+        extended = self.extend(hidden, mask)
+        self._last = (weakref.ref(mask), mask._version, key, extended)
+        return extended
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"extend": self.extend, "_last": None}
+
+
 class EncoderLayer(nn.Module):
     """``(hidden, mask) -> (hidden, mask)``; the layer gets ``extend(hidden, mask)``, the mask its model
-    builds (a module-level callable: stages are pickled for the reference process)."""
+    builds (a module-level callable or a SharedMask: stages are pickled for the reference process)."""
 
     def __init__(self, layer: nn.Module, extend: Callable[[Tensor, Tensor], Tensor] = additive_mask) -> None:
         super().__init__()
@@ -288,7 +318,8 @@ def _encoder_stages(model: nn.Module, body: nn.Module, layers: Iterable[nn.Modul
     head = ClassifierHead(pooler if isinstance(pooler, nn.Module) else None,
                           dropout if isinstance(dropout, nn.Module) else None, model.classifier)
     stages = [Stage("embeddings", _Embeddings(body.embeddings, needs_mask))]
-    stages += [Stage(f"encoder.layer.{i}", EncoderLayer(layer, extend)) for i, layer in enumerate(layers)]
+    shared = SharedMask(extend)  # one extended mask per forward, as the model computes it
+    stages += [Stage(f"encoder.layer.{i}", EncoderLayer(layer, shared)) for i, layer in enumerate(layers)]
     return StagedModel([*stages, Stage("head", head)])
 
 

@@ -5,7 +5,7 @@ this process wrote entries under.
 changes (a retrained prefix is never served stale entries) and not when more stages are frozen behind them
 (entries at depth d can seed deeper ones). Cache keys fold in the data fingerprint bound by the loader and
 the stored precision. A fingerprint written is superseded when its prefix was unfrozen and trained further:
-``Generations.superseded`` hands it back once, so that its entries can be dropped.
+``WrittenFingerprints.superseded`` hands it back once, so that its entries can be dropped.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ import torch
 from torch import nn
 
 from actcache.errors import ConfigError
-from actcache_client._stages import StagedModel
+from actcache_client.layouts._stages import StagedModel
 
 if TYPE_CHECKING:
-    from actcache_client._connection import Connection
-    from actcache_client._planner import CachePlanner
-    from actcache_client._staging import Stager
-    from actcache_client._tensors import StorePrecision, VarLen
+    from actcache_client.engine._planner import CachePlanner
+    from actcache_client.transport._connection import Connection
+    from actcache_client.transport._device_staging import Stager
+    from actcache_client.transport._tensors import StorePrecision, VarLen
 
-__all__ = ["FrozenPrefix", "Generations", "PrefixContext", "prefix_fingerprints"]
+__all__ = ["FrozenPrefix", "PrefixContext", "WrittenFingerprints", "prefix_fingerprints"]
 
 
 def _stage_digest(stage: nn.Module) -> bytes:
@@ -137,7 +137,7 @@ class FrozenPrefix:
         return weights
 
 
-class Generations:
+class WrittenFingerprints:
     """Fingerprints written -> (depth, data fingerprint), and the sample ids stored (or found) under each."""
 
     def __init__(self, planner: CachePlanner | None) -> None:
@@ -181,7 +181,7 @@ class PrefixContext:
     """What the audit, the writer and the assembly share: the frozen prefix and where its entries go."""
 
     frozen: FrozenPrefix
-    generations: Generations
+    written: WrittenFingerprints
     connection: Connection | None
     planner: CachePlanner | None
     precision: StorePrecision

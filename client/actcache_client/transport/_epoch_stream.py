@@ -31,8 +31,8 @@ from typing import Callable, Iterator, Sequence
 from actcache.errors import ActCacheError
 from actcache.rpc_client import EntryBatch
 from actcache.shm import SlotRun
-from actcache_client._connection import Connection
 from actcache_client.cost_model import cached_subset
+from actcache_client.transport._connection import Connection
 
 __all__ = ["EpochStream"]
 

@@ -17,24 +17,27 @@ import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigTypeError
-from actcache_client._assembly import PrefixAssembly
-from actcache_client._audit import AuditConfig, HitAudit
-from actcache_client._batch import Batch
-from actcache_client._codec_choice import AutoEncoding, EncodingChoice
-from actcache_client._connection import Connection
-from actcache_client._counters import EpochCounters, EpochLog, StepTimes
-from actcache_client._epoch_plan import EpochPlan, Target
-from actcache_client._frozen import FrozenPrefix, Generations, PrefixContext
-from actcache_client._planner import CachePlanner
-from actcache_client._rows import RawInputs
-from actcache_client._stages import StagedModel, State
-from actcache_client._staging import Stager
-from actcache_client._stream import EpochStream
-from actcache_client._tensors import StorePrecision, VarLen
-from actcache_client._writer import EntryWriter, check_encoding
 from actcache_client.cost_model import Plan, PlanMode
+from actcache_client.engine._assembly import PrefixAssembly
+from actcache_client.engine._audit import AuditConfig, HitAudit
+from actcache_client.engine._batch import Batch
+from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice
+from actcache_client.engine._counters import EpochCounters, EpochLog, StepTimes
+from actcache_client.engine._epoch_plan import EpochPlan, Target
+from actcache_client.engine._frozen import FrozenPrefix, PrefixContext, WrittenFingerprints
+from actcache_client.engine._planner import CachePlanner
+from actcache_client.engine._rows import RawInputs
+from actcache_client.engine._writer import EntryWriter, check_encoding
+from actcache_client.layouts._stages import StagedModel
+from actcache_client.transport._connection import Connection
+from actcache_client.transport._device_staging import Stager
+from actcache_client.transport._epoch_stream import EpochStream
+from actcache_client.transport._state import State
+from actcache_client.transport._tensors import StorePrecision, VarLen
 
 __all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # re-exports the counters
+
+_DRIFT_EVERY = 8  # steps between looks for a drifted measurement once a plan exists
 
 
 class CachedForward:
@@ -91,8 +94,8 @@ class CachedForward:
         self.store_dtype = store_dtype
         self.keep_generations = keep_generations
         self._frozen = FrozenPrefix(model, precision.key_tag)
-        self._generations = Generations(planner)
-        context = PrefixContext(self._frozen, self._generations, connection, planner, precision, varlen, self.stager)
+        self._written = WrittenFingerprints(planner)
+        context = PrefixContext(self._frozen, self._written, connection, planner, precision, varlen, self.stager)
         self._audit = HitAudit(audit, context)
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -104,6 +107,7 @@ class CachedForward:
         # The last step, for the planner: when its prefix began, its samples, what its prefix did (a StepKind),
         # and an event recorded on the device when its prefix was done (the rest of the step is timed from it).
         self._last_step: tuple[float, int, str | None, object] | None = None
+        self._steps_planned = 0  # prefixes run with a planner
         self._suffix_wrapper: Callable[[StagedModel], nn.Module] | None = None
         self._suffix: nn.Module | None = None
         self._input_tap: Callable[[State], None] | None = None
@@ -143,13 +147,13 @@ class CachedForward:
 
     def set_frozen(self, depth: int) -> None:
         """Freeze stages[:depth] and unfreeze the rest; the last stage always trains."""
-        weights = self._frozen.freeze(depth, self._generations.deepest())
-        for fingerprint in self._generations.superseded(lambda d, data: self._frozen.keyed([weights[d]], data)[0]):
+        weights = self._frozen.freeze(depth, self._written.deepest())
+        for fingerprint in self._written.superseded(lambda d, data: self._frozen.keyed([weights[d]], data)[0]):
             if self.connection is not None and not self.keep_generations:
                 self.connection.drop(fingerprint)
         if self.planner is not None:
             for d in range(1, depth + 1):
-                self.planner.set_written(d, self._generations.count(self._frozen.fingerprints[d]))
+                self.planner.set_written(d, self._written.count(self._frozen.fingerprints[d]))
             if depth:
                 self.planner.plan_for(depth)
         self._retarget()
@@ -281,7 +285,10 @@ class CachedForward:
             self._last_step = (start, len(id_list), kind, self.stager.clock.start())
             if self.connection is not None:
                 self.planner.observe(self.connection.stats)
-            if self.planner.needs_replan(self._frozen.depth):
+            self._steps_planned += 1
+            # once planned, drift is looked for every few steps: a look builds every median (~0.4 ms on a CPU)
+            if (self.plan is None or self._steps_planned % _DRIFT_EVERY == 0) \
+                    and self.planner.needs_replan(self._frozen.depth):
                 self._replan()
         return state
 

@@ -15,8 +15,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from actcache.errors import ConfigError
-from actcache_client._loader import UncacheableDataWarning
-from actcache_client._seeding import seeded_item
+from actcache_client.data._loader import UncacheableDataWarning
+from actcache_client.data._seeding import seeded_item
 
 __all__ = ["check_loader", "uncontrolled_randomness"]
 

@@ -1,7 +1,7 @@
 """Puts what the frozen prefix computed into the daemon, in the codec chosen for its entries.
 
 An AutoEncoding picks the codec per (fingerprint, depth) from the first
-entries written (actcache_client._codec_choice), on the connection's writer
+entries written (actcache_client.engine._codec_choice), on the connection's writer
 thread, and tells the planner; ``CachedForward`` documents the other values.
 """
 
@@ -13,11 +13,11 @@ from typing import Callable
 
 from actcache.codec import Encoding
 from actcache.errors import ConfigError, ConfigTypeError, InvalidRequest
-from actcache_client._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
-from actcache_client._epoch_plan import EpochPlan
-from actcache_client._frozen import PrefixContext
-from actcache_client._stages import State, map_state
-from actcache_client._tensors import check_fixed_length, encode_samples
+from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
+from actcache_client.engine._epoch_plan import EpochPlan
+from actcache_client.engine._frozen import PrefixContext
+from actcache_client.transport._state import State, map_state
+from actcache_client.transport._tensors import check_fixed_length, encode_samples
 
 __all__ = ["EntryWriter", "check_encoding"]
 
@@ -51,7 +51,7 @@ class EntryWriter:
         varlen, fingerprint = c.varlen, c.frozen.fingerprints[depth]
         if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated
             check_fixed_length(snapshot, self._entry_shapes, depth)
-        c.generations.mark(fingerprint, depth, ids, written=c.frozen.data)
+        c.written.mark(fingerprint, depth, ids, written=c.frozen.data)
         # Without a read-speed measurement yet, read one put back (once per epoch until it is
         # measured): a slow disk then shows during the write epoch, before the cache is relied upon.
         probe = c.planner is not None and not c.planner.has_fetch_rate() and not self._probed

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from actcache_client._staging import CopyTimer, HostRing, Stager
-from actcache_client._tensors import collate_entries, encode_samples
+from actcache_client.transport._device_staging import CopyTimer, HostRing, Stager
+from actcache_client.transport._tensors import collate_entries, encode_samples
 
 
 class FakeEvent:

@@ -27,8 +27,8 @@ from actcache.errors import ConfigError
 from actcache_client.cost_model import Measurements, Plan, PlanMode, plan, should_replan
 
 if TYPE_CHECKING:
-    from actcache_client._codec_choice import EncodingChoice
-    from actcache_client._connection import ClientStats
+    from actcache_client.engine._codec_choice import EncodingChoice
+    from actcache_client.transport._connection import ClientStats
 
 __all__ = ["CachePlanner", "PlannerConfig"]
 

@@ -20,7 +20,7 @@ from typing import Callable
 from actcache.errors import ConfigError, DaemonUnavailable
 from actcache.node import NodeDaemon, ensure_running, healthy, peer_pid
 from actcache.shm import pid_alive
-from actcache_client._connection import Connection, ConnectionConfig
+from actcache_client.transport._connection import Connection, ConnectionConfig
 
 __all__ = ["EmbeddedDaemon", "NodeDaemonLease", "connect"]
 

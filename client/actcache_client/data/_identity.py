@@ -7,7 +7,7 @@ across the index range *exactly as the model receives them* (after the dataset's
 augmentation of every variant). So a change to the data, its preprocessing, a tokenizer setting or the id
 mapping gives new keys. What it cannot see: a change to items outside the spread that leaves the spread, the
 length and the type as they were (a few relabelled files). Name such versions with ``data_id``; audits
-(actcache_client._audit) recompute a share of hits to catch what a key cannot.
+(actcache_client.engine._audit) recompute a share of hits to catch what a key cannot.
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
 from actcache.errors import ConfigError
-from actcache_client._batch import Batch, Skipped
-from actcache_client._cached_forward import CachedForward
-from actcache_client._identity import data_fingerprint
-from actcache_client._seeding import sample_seed, seed_generators, seeded_item, with_seeds
+from actcache_client.engine._batch import Batch, Skipped
+from actcache_client.engine._cached_forward import CachedForward
+from actcache_client.data._identity import data_fingerprint
+from actcache_client.data._seeding import sample_seed, seed_generators, seeded_item, with_seeds
 
 __all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "seeded_item", "worker_options"]
 
@@ -40,7 +40,7 @@ class IndexedDataset(Dataset):
     actcache cannot control: such data is never cached.
 
     ``data_id`` names a dataset version; it is part of the data fingerprint, with the dataset's type, length,
-    id mapping and the content of a spread of items (actcache_client._identity says what it cannot see).
+    id mapping and the content of a spread of items (actcache_client.data._identity says what it cannot see).
 
     ``targets`` (a sequence, e.g. torchvision's ``dataset.targets``, or a function of the index) gives each
     item's target without loading it: items are then ``(input, target)`` pairs, and the loader does not load

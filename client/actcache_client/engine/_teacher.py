@@ -19,14 +19,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
-from actcache_client._audit import AuditConfig
-from actcache_client._batch import Batch
-from actcache_client._cached_forward import CachedForward, StepTimes
-from actcache_client._codec_choice import AutoEncoding
-from actcache_client._connection import Connection
-from actcache_client._frozen import prefix_fingerprints
-from actcache_client._stages import Stage, StagedModel, State
-from actcache_client._tensors import VarLen
+from actcache_client.engine._audit import AuditConfig
+from actcache_client.engine._batch import Batch
+from actcache_client.engine._cached_forward import CachedForward, StepTimes
+from actcache_client.engine._codec_choice import AutoEncoding
+from actcache_client.engine._frozen import prefix_fingerprints
+from actcache_client.layouts._stages import Stage, StagedModel
+from actcache_client.transport._connection import Connection
+from actcache_client.transport._state import State
+from actcache_client.transport._tensors import VarLen
 
 __all__ = ["CachedTeacher", "MovingTeacherWarning", "TeacherOutput", "distillation_loss", "topk_soft_targets"]
 

@@ -15,15 +15,15 @@ from functools import partial
 import torch
 
 from actcache.shm import SlotRun
-from actcache_client._audit import HitAudit
-from actcache_client._counters import StepTimes
-from actcache_client._epoch_plan import EpochPlan, Target
-from actcache_client._frozen import PrefixContext
-from actcache_client._rows import RawInputs, merge
-from actcache_client._stages import State, tensors_of
-from actcache_client._tensors import collate_entries, run_layout, split_rows
-from actcache_client._writer import EntryWriter
 from actcache_client.cost_model import cached_subset
+from actcache_client.engine._audit import HitAudit
+from actcache_client.engine._counters import StepTimes
+from actcache_client.engine._epoch_plan import EpochPlan, Target
+from actcache_client.engine._frozen import PrefixContext
+from actcache_client.engine._rows import RawInputs, merge
+from actcache_client.engine._writer import EntryWriter
+from actcache_client.transport._state import State, tensors_of
+from actcache_client.transport._tensors import collate_entries, run_layout, split_rows
 
 __all__ = ["PrefixAssembly"]
 
@@ -78,7 +78,7 @@ class PrefixAssembly:
             run = stream.run if streamed and len(found) == len(ids) else None
             parts.append((found, self._collate([values[i] for i in found], raw, verify=not streamed, run=run)))
             times.cached_samples += len(found)
-            self.context.generations.mark(fingerprint, j, [ids[i] for i in found])
+            self.context.written.mark(fingerprint, j, [ids[i] for i in found])
         missing = [i for i, v in enumerate(values) if v is None]
         for depth in (d for d in self.context.frozen.seed_depths if d < j):
             if not missing:

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from actcache.errors import ConfigError, LifecycleError
 from actcache.shm import ClientSegment, SlotRun
-from actcache_client._stages import State, map_state, tensors_of
-from actcache_client._tensors import RowCopier
+from actcache_client.transport._state import State, map_state, tensors_of
+from actcache_client.transport._tensors import RowCopier
 
 __all__ = ["CopyTimer", "HostEvent", "HostRing", "Stager", "page_lock"]
 

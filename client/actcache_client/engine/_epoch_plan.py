@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from actcache_client._audit import HitAudit
-from actcache_client._connection import Connection
-from actcache_client._stream import EpochStream, cached_batches
+from actcache_client.engine._audit import HitAudit
+from actcache_client.transport._connection import Connection
+from actcache_client.transport._epoch_stream import EpochStream, cached_batches
 
 __all__ = ["EpochPlan", "Target"]
 

@@ -21,7 +21,7 @@ from actcache.served import uniform_layout, uniform_rows
 from actcache.errors import ConfigError, InvalidRequest
 from actcache.shm import SlotRun
 
-from actcache_client._stages import State, map_state, tensors_of
+from actcache_client.transport._state import State, map_state, tensors_of
 
 __all__ = ["RowCopier", "StorePrecision", "VarLen", "check_fixed_length", "collate_entries", "copy_rows",
            "encode_samples", "run_layout", "split_rows"]
