@@ -26,6 +26,7 @@ def test_daemon_and_cli_never_import_torch():
     assert not any(m.startswith("actcache_client") for m in loaded)
 
 
+@pytest.mark.slow
 def test_client_never_imports_daemon_internals():
     loaded = _modules_after_import("actcache_client", "actcache_client.data._loader",
                                    "actcache_client.engine._cached_forward")

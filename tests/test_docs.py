@@ -108,6 +108,7 @@ def write_generated() -> None:
 
 # -- tests ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_site_builds_strict(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONWARNINGS": "ignore"}
     run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],

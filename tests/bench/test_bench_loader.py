@@ -10,8 +10,11 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_loader.py"
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
-                                reason="scikit-learn not installed (the demo extra: pip install -e '.[demo]')")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                       reason="scikit-learn not installed (the demo extra: pip install -e '.[demo]')"),
+]
 
 
 def test_bench_loader_prints_rows_with_ratios_and_its_figures():

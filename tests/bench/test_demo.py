@@ -6,8 +6,11 @@ import pytest
 
 import actcache_client as ac
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
-                                reason="scikit-learn not installed (the demo extra: pip install -e '.[demo]')")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                       reason="scikit-learn not installed (the demo extra: pip install -e '.[demo]')"),
+]
 
 
 def test_demo_runs_report_real_numbers(monkeypatch):

@@ -28,6 +28,8 @@ from actcache_client.models import CifarResNet
 from tests.bench.fake_data import make_data_dir
 from tests.bench.test_workloads import check_real, run_bench_train
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):

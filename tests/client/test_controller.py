@@ -118,6 +118,7 @@ def test_a_named_policy_without_eval_every_gets_it_from_the_runs_length():
 
 @pytest.mark.parametrize(("length", "why"), [({"total_steps": 40}, "40 steps is too short"),
                                              ({}, "length is unknown")])
+@pytest.mark.slow
 def test_a_run_the_default_cannot_judge_says_so_once_and_never_freezes(length, why, caplog):
     staged, cached, opt = bare()
     with caplog.at_level("WARNING", logger="actcache_client.freeze"):
@@ -200,6 +201,7 @@ def test_active_state_is_bit_identical_across_the_freeze_step():
         assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
 
 
+@pytest.mark.slow
 def test_unfreeze_restores_training_mode_and_gradients():
     policy = ManualPolicy()
     staged, cached, opt, ctl = setup(policy)
@@ -295,6 +297,7 @@ def test_state_round_trip_resumes_the_frozen_prefix_and_policy(tmp_path):
         ctl3.load_state_dict({**state, "version": 99})
 
 
+@pytest.mark.slow
 def test_plasticity_policies_start_the_reference_process_when_bootstrapping_ends():
     from actcache_client.freeze import EgeriaConfig, EgeriaPolicy, ReferenceState
 
@@ -346,6 +349,7 @@ class DropoutStage(nn.Module):
         return self.dropout(self.linear(x))
 
 
+@pytest.mark.slow
 def test_plasticity_compares_snapshots_of_constant_age_in_eval_mode(monkeypatch):
     # A snapshot at every evaluation; the probe on the step after evaluation k is read against snapshots
     # k - age and k. With the weights held still the two are the same weights, so the reading is exactly 0

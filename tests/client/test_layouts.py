@@ -73,6 +73,7 @@ def test_a_network_no_family_takes_names_blocks_and_registration():
         find_layout(nn.Module())
 
 
+@pytest.mark.slow
 def test_the_resnet_like_guess_is_checked_and_the_stage_where_they_part_named():
     net = families.ResNetLike()
     x = torch.randn(4, 3, 8, 8)

@@ -47,6 +47,7 @@ spec_strategy = st.builds(
 
 @settings(max_examples=150, deadline=None)
 @given(specs=st.lists(spec_strategy, min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1), level=st.sampled_from([0, 1, 3]))
+@pytest.mark.slow
 def test_round_trip_is_bit_exact(specs, seed, level):
     arrays = tensors(seed, specs)
     encoded = encode_entry(specs, [a.tobytes() for a in arrays], zstd_level=level)

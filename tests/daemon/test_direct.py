@@ -256,6 +256,7 @@ def serve_threaded(store, order, tmp_path, per_frame: int, on_frame, *, whole_fr
 
 
 @pytest.mark.parametrize("whole_frames", [False, True])
+@pytest.mark.slow
 def test_a_held_stream_cuts_a_frame_short_after_its_patience_unless_asked_for_whole_frames(store, tmp_path,
                                                                                           whole_frames):
     """A consumer holding its first frame past the 0.5 s patience (a stream opened ahead of its use)

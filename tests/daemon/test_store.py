@@ -274,6 +274,7 @@ print("refused", refused)
 """
 
 
+@pytest.mark.slow
 def test_map_that_cannot_grow_is_resource_exhausted_not_a_crash(tmp_path):
     """The map's remap is refused (address-space limit, as a huge map on a small machine): puts get
     BudgetExceeded, the environment stays usable, and a drop makes room again."""

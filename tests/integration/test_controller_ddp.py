@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,6 +14,8 @@ from torch import nn
 
 import actcache_client as ac
 from actcache_client.freeze import AutoFreezePolicy, Decision, FreezeController, read_timeline
+
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
 
 STEPS = 24
 

@@ -13,6 +13,8 @@ import actcache_client as ac
 from actcache_client.freeze import EgeriaConfig, EgeriaPolicy, FreezeController, ReferenceConfig, StaticPolicy
 from tests.cifar import cifar_subset
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 MAX_STEPS = 3000  # a bound on the loop, not an expectation: the freeze usually comes after a few hundred
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                 reason="CUDA unavailable: the GPU variant needs a GPU"))]

@@ -20,12 +20,15 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
+import pytest
 
 from actcache.codec import DType, TensorSpec, decode_entry, encode_entry, verify_entry
 from actcache.errors import ActCacheError
 from actcache.keys import sample_id_of
 from actcache.rpc_client import RpcClient
 from actcache.testing import DaemonProcess
+
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
 
 FP = bytes(range(100, 116))
 DEPTH = 3

@@ -17,6 +17,8 @@ import actcache_client as ac
 from actcache.errors import ConfigError
 from actcache_client.models import resnet20
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

@@ -24,6 +24,8 @@ from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.errors import ConfigError, DaemonUnavailable
 from actcache.node import NodeDaemon, peer_pid, stop_daemon, wait_exit
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 FP = bytes(range(16))
 SPEC = [TensorSpec(DType.float32, (4,))]
 

@@ -100,6 +100,7 @@ def test_a_freeze_change_mid_epoch_re_pushes_the_rest_and_a_same_target_replan_k
         assert conn.stats.gets == gets
 
 
+@pytest.mark.slow
 def test_two_ranks_with_workers_stream_their_own_orders_and_resume_mid_epoch(daemon):
     dataset = ac.IndexedDataset(data())
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:

@@ -20,6 +20,8 @@ from actcache_client.models import resnet20
 from tests.client.tiny_bert import TinyBertForSequenceClassification
 from tests.integration.test_skip_loads import train_epoch
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 N = 96
 
 

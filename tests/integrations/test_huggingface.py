@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 pytest.importorskip("transformers", reason="the huggingface extra (actcache[huggingface]) is not installed")
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402

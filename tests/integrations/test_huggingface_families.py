@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 pytest.importorskip("transformers", reason="the huggingface extra (actcache[huggingface]) is not installed")
 
 from transformers import (  # noqa: E402
