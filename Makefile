@@ -4,7 +4,11 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test minilm proto clean
+# What the linters check; tests/test_lint.py points them at a file with a finding to prove it fails the build.
+RUFF_PATHS ?= actcache client tests bench examples proto
+MYPY_PATHS ?= actcache client/actcache_client
+
+.PHONY: demo test test-fast lint minilm proto clean
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11); set PYTHON=..."; exit 1; }
@@ -23,8 +27,17 @@ $(BIN)/.minilm: $(BIN)/.installed
 demo: $(BIN)/.installed
 	$(BIN)/python bench/demo.py
 
-test: $(BIN)/.minilm
+# ruff and mypy first: a finding fails the target before any test runs.
+test: $(BIN)/.minilm lint
 	$(BIN)/python -m pytest
+
+# The edit loop: the linters and every test not marked slow (the whole run stays `make test`).
+test-fast: $(BIN)/.minilm lint
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check --config pyproject.toml $(RUFF_PATHS)
+	$(BIN)/mypy $(MYPY_PATHS)
 
 minilm: $(BIN)/.minilm
 
@@ -32,4 +45,4 @@ proto: $(BIN)/.installed
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

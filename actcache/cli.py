@@ -7,11 +7,12 @@ import argparse
 import json
 import logging
 import os
-from pathlib import Path
 import sys
+from pathlib import Path
 from typing import Callable
 
-from actcache.daemon.config import format_size as _fmt, parse_size
+from actcache.daemon.config import format_size as _fmt
+from actcache.daemon.config import parse_size
 from actcache.errors import ActCacheError, ConfigError, DaemonUnavailable, NamespaceNotFound
 from actcache.node import default_dir, default_socket_path, stop_daemon
 
@@ -53,8 +54,8 @@ def _client(args: argparse.Namespace):
 
     token = Path(args.token_file).read_text().strip() if args.token_file else os.environ.get("ACTCACHE_TOKEN")
     roots = Path(args.tls_ca).read_bytes() if args.tls_ca else None
-    return RpcClient(target_for(args.socket or default_socket_path(), args.address), token=token, timeout_s=args.timeout, retries=1,
-                     root_certificates=roots)
+    return RpcClient(target_for(args.socket or default_socket_path(), args.address), token=token, timeout_s=args.timeout,
+                     retries=1, root_certificates=roots)
 
 
 def _add_serve(p: argparse.ArgumentParser) -> None:
@@ -88,8 +89,11 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--explicit-reads", action=argparse.BooleanOptionalAction, default=None,
                    help="read each value with one pread at its offset in data.mdb (default on; off: copy from the LMDB map)")
     p.add_argument("--prefetch-bytes", type=_size, help="memory for read-ahead entries, shared by all schedules (default 512MiB)")
-    p.add_argument("--decode-threads", type=int, help="threads verifying and decompressing Fetch frames, each stream's own included: it splits a large frame with one of the others (default: one per core)")
-    p.add_argument("--probe-threads", type=int, help="threads looking entries up ahead of the readers for cold reads (default 8, 0 = off)")
+    p.add_argument("--decode-threads", type=int,
+                   help="threads verifying and decompressing Fetch frames, each stream's own included: it splits a large "
+                        "frame with one of the others (default: one per core)")
+    p.add_argument("--probe-threads", type=int,
+                   help="threads looking entries up ahead of the readers for cold reads (default 8, 0 = off)")
     p.add_argument("--probe-bytes", type=_size, help="how far ahead of each reader those lookups run (default 64MiB)")
     p.add_argument("--workers", type=int, help="RPC threads (default 16)")
     p.add_argument("--throttle-read-mbps", type=float,
@@ -121,7 +125,10 @@ def _run_serve(args: argparse.Namespace) -> int:
             config.server.socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         return serve(config)
     except OSError as exc:
-        raise _path_error(exc, config, vars(args)) or exc
+        error = _path_error(exc, config, vars(args))
+        if error is None:
+            raise
+        raise error from exc
 
 
 def _path_error(exc: OSError, config, flags: dict) -> ActCacheError | None:
@@ -156,11 +163,13 @@ def _run_stats(args: argparse.Namespace) -> int:
     with _client(args) as client:
         reply = client.stats()
     if args.json:
-        print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True, preserving_proto_field_name=True), indent=2))
+        as_dict = MessageToDict(reply, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+        print(json.dumps(as_dict, indent=2))
         return 0
     budget = _fmt(reply.budget_bytes) if reply.budget_bytes else "unlimited"
     print(f"actcache {reply.server_version}, up {reply.uptime_seconds:.0f} s")
-    print(f"stored   {_fmt(reply.used_bytes)} of {budget} budget; file {_fmt(reply.file_bytes)}, map {_fmt(reply.map_size_bytes)}")
+    print(f"stored   {_fmt(reply.used_bytes)} of {budget} budget; "
+          f"file {_fmt(reply.file_bytes)}, map {_fmt(reply.map_size_bytes)}")
     print(f"reclaim  {_fmt(reply.reclaimable_bytes)} in dead generations ({_dead_rule(reply)}); reclaimed "
           f"{reply.reclaimed_generations_total} generations ({_fmt(reply.reclaimed_bytes_total)}) since start")
     hits, misses = reply.hits_total, reply.misses_total
@@ -336,7 +345,8 @@ def _add_bench_disk(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-@command("bench disk", "sequential and random 1 MiB read/write MB/s (O_DIRECT, cold, warm) and LMDB get throughput of a directory's filesystem", _add_bench_disk)
+@command("bench disk", "sequential and random 1 MiB read/write MB/s (O_DIRECT, cold, warm) and LMDB get throughput "
+                      "of a directory's filesystem", _add_bench_disk)
 def _run_bench_disk(args: argparse.Namespace) -> int:
     from actcache.ops.diskbench import run_disk_bench
 

@@ -28,10 +28,13 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import lz4.block
 import xxhash
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 from actcache.errors import InvalidRequest
 
@@ -93,12 +96,12 @@ DEFAULT_CHECKSUM = Checksum.xxh3
 _COMPRESSED = (Codec.zstd, Codec.lz4)
 
 
-def _xxh3(data, value: int) -> int:
+def _xxh3(data: Any, value: int) -> int:
     return xxhash.xxh3_64_intdigest(data, seed=value) & 0xFFFFFFFF
 
 
 # Chained over the parts of an entry: value = f(part, value), starting at 0.
-_CHECKSUM_FNS = {Checksum.crc32: zlib.crc32, Checksum.xxh3: _xxh3}
+_CHECKSUM_FNS: dict[Checksum, Callable[[Any, int], int]] = {Checksum.crc32: zlib.crc32, Checksum.xxh3: _xxh3}
 #: Each checksum of one buffer, by name (bench/bench_codec.py measures them).
 CHECKSUMS = {c.name: (lambda data, f=f: f(data, 0)) for c, f in _CHECKSUM_FNS.items()}
 
@@ -220,7 +223,7 @@ def _header_tail(specs: Sequence[TensorSpec]) -> bytes:
     return dims + bytes(_align(_FIXED.size + len(dims)) - _FIXED.size - len(dims))
 
 
-def _pack_header(codec: Codec, specs: Sequence[TensorSpec], raw_len: int, payload: bytes | memoryview,
+def _pack_header(codec: Codec, specs: Sequence[TensorSpec], raw_len: int, payload: bytes | bytearray | memoryview,
                  checksum: Checksum = DEFAULT_CHECKSUM) -> bytes:
     """The header of an entry; its checksum covers ``payload`` too unless ``codec`` is raw_verified."""
     tail = _header_tail(specs)
@@ -375,7 +378,7 @@ _STORED_AND_CRC = struct.Struct("<QI")
 _MAX_KNOWN_HEADERS = 256
 
 
-def parse_header(buf: bytes | memoryview) -> EntryHeader:
+def parse_header(buf: Buffer) -> EntryHeader:
     """Parse and sanity-check the header of ``buf``; raises InvalidRequest if malformed."""
     view = memoryview(buf)
     layout = bytes(view[:16]) if view.nbytes >= _FIXED.size else b""

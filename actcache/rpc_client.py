@@ -13,16 +13,15 @@ import random
 import socket
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import grpc
 import numpy as np
 
-from actcache import __version__
+from actcache import __version__, rpc
 from actcache._proto import actcache_pb2 as pb
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
 from actcache.keys import MAX_VARIANT, check_fingerprint
-from actcache import rpc
 from actcache.node import default_socket_path
 from actcache.rpc import decode_frame, encode_frame, method, split_payload
 from actcache.shm import ClientSegment, SegmentPool, ShmRing, SlotRun
@@ -68,7 +67,7 @@ class EntryBatch:
             raise ActCacheError(f"Fetch frame lists {len(header.lengths)} lengths but {len(header.offsets)} offsets")
         view = segment.view
         offsets, lengths = list(header.offsets), list(header.lengths)
-        inline = iter(split_payload(payload, [n for o, n in zip(offsets, lengths) if n and not o]))
+        inline = iter(split_payload(memoryview(payload), [n for o, n in zip(offsets, lengths) if n and not o]))
         values = [(view[o : o + n] if o else next(inline)) if n else None for o, n in zip(offsets, lengths)]
         size = lengths[0] if lengths else 0
         consecutive = size and offsets[0] and lengths.count(size) == len(lengths) and \
@@ -167,7 +166,7 @@ class RpcClient:
             else:
                 channel = grpc.insecure_channel(self.target, options)
             # None: bulk frames, passed as bytes and parsed by hand
-            kinds = {
+            kinds: dict[str, tuple[str, Any, Any]] = {
                 "Open": ("unary_unary", pb.OpenRequest, pb.OpenReply),
                 "Contains": ("unary_unary", pb.ContainsRequest, pb.ContainsReply),
                 "Drop": ("unary_unary", pb.DropRequest, pb.DropReply),
@@ -232,7 +231,8 @@ class RpcClient:
                     raise _error_of(exc) from None
             time.sleep(min(delay * (1 + random.random()), max(0.0, deadline - time.monotonic())))
             delay *= 2
-        raise DaemonUnavailable(f"daemon at {self.target} did not answer within {self.timeout_s:.1f} s; is `actcache serve` running?")
+        raise DaemonUnavailable(f"daemon at {self.target} did not answer within {self.timeout_s:.1f} s; "
+                                "is `actcache serve` running?")
 
     def open(
         self, name: str, *, create: bool = True, secret: bytes | str | None = None, job: JobInfo | None = None
@@ -316,7 +316,7 @@ class RpcClient:
     def fetch_batches(
         self, namespace_id: int, schedule_id: str, start: int = 0, *, max_frame_bytes: int = 0,
         shared_memory: bool = False, ring_bytes: int = 0, whole_frames: bool = False,
-    ) -> Iterator[EntryBatch]:
+    ) -> Generator[EntryBatch, None, None]:
         """Stream a pushed schedule from position ``start``, one EntryBatch per frame, without a deadline;
         resumes after UNAVAILABLE up to ``retries`` times. Closing the iterator cancels the call.
 

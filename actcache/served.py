@@ -13,8 +13,21 @@ import numpy as np
 import xxhash
 
 from actcache.codec import (
-    _CHECKSUM_FNS, _COMPRESSED, _CRC_OFFSET, _FIXED, Checksum, Codec, EntryHeader, _checksum_mismatch, _decompressor,
-    _fixed_fields, _pack_header, decode_entry, decompress_payload, parse_header, verify_entry,
+    _CHECKSUM_FNS,
+    _COMPRESSED,
+    _CRC_OFFSET,
+    _FIXED,
+    Checksum,
+    Codec,
+    EntryHeader,
+    _checksum_mismatch,
+    _decompressor,
+    _fixed_fields,
+    _pack_header,
+    decode_entry,
+    decompress_payload,
+    parse_header,
+    verify_entry,
 )
 from actcache.errors import InvalidRequest
 
@@ -40,7 +53,7 @@ def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
 
 def uniform_rows(rows: np.ndarray) -> EntryHeader | None:
     """``uniform_layout`` for entries that are the rows of a 2-D uint8 array, in one vectorised comparison."""
-    header = _uncompressed_header(rows[0]) if len(rows) else None
+    header = _uncompressed_header(rows[0].data) if len(rows) else None
     if header is None:
         return None
     head, tail = _unchecked_header(header)
@@ -48,7 +61,7 @@ def uniform_rows(rows: np.ndarray) -> EntryHeader | None:
     return header if same else None
 
 
-def _uncompressed_header(buf: bytes | memoryview | np.ndarray) -> EntryHeader | None:
+def _uncompressed_header(buf: bytes | memoryview) -> EntryHeader | None:
     header = parse_header(buf)
     return None if header.codec in _COMPRESSED else header
 

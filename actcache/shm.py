@@ -217,7 +217,11 @@ class ShmRing:
 
     def wait_mapped(self, alive: Callable[[], bool]) -> None:
         """Return once the client has mapped the segment (then unlinked), or once ``alive()`` is false."""
-        _poll_until(lambda: (self.poll(), self.unlinked)[1], alive)
+        def mapped() -> bool:
+            self.poll()
+            return self.unlinked
+
+        _poll_until(mapped, alive)
 
     def unlink(self) -> None:
         """Remove the name (safe from any thread, any number of times); mappings stay valid."""

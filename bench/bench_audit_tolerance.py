@@ -26,10 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from workloads.data import JpegSet, resolve_data_dir  # noqa: E402
+
 import actcache_client as ac  # noqa: E402
 from actcache_client.engine._audit import tolerances
 from actcache_client.models import resnet20  # noqa: E402
-from workloads.data import JpegSet, resolve_data_dir  # noqa: E402
 
 
 def _set_tf32(on: bool) -> None:

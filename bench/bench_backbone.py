@@ -88,7 +88,6 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import ExitStack, nullcontext

@@ -35,12 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from workloads.data import JpegSet, read_glue, resolve_data_dir, tokenize  # noqa: E402
+
 import actcache_client as ac  # noqa: E402
 from actcache.codec import CHECKSUMS, Codec, Encoding, compress_payload, decompress_payload, parse_header  # noqa: E402
 from actcache_client.engine._codec_choice import choose_encoding
 from actcache_client.models import resnet20  # noqa: E402
 from actcache_client.transport._tensors import VarLen, encode_samples
-from workloads.data import JpegSet, read_glue, resolve_data_dir, tokenize  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -114,8 +115,9 @@ def measure(payloads: list[memoryview], repeat: int) -> dict[str, dict[str, floa
         sizes = [p.nbytes for p in payloads]
         views = [memoryview(s) for s in stored]
         assert all(bytes(decompress_payload(encoding.codec, v, n)) == bytes(p) for v, n, p in zip(views[:8], sizes, payloads))
-        c = cpu_seconds(lambda: [compress_payload(encoding, p) for p in payloads], repeat)
-        d = cpu_seconds(lambda: [decompress_payload(encoding.codec, v, n) for v, n in zip(views, sizes)], repeat)
+        c = cpu_seconds(lambda encoding=encoding: [compress_payload(encoding, p) for p in payloads], repeat)
+        pairs = list(zip(views, sizes))
+        d = cpu_seconds(lambda codec=encoding.codec, pairs=pairs: [decompress_payload(codec, v, n) for v, n in pairs], repeat)
         rows[name] = {"ratio": raw / sum(len(s) for s in stored), "compress": c / raw * 1e9, "decompress": d / raw * 1e9}
     return rows
 
@@ -170,7 +172,7 @@ def main() -> int:
     print(f"\nchecksums over the fp32 entries ({total / 2**20:.0f} MiB, one call per entry)")
     speeds = {}
     for name, fn in CHECKSUMS.items():
-        speeds[name] = cpu_seconds(lambda: [fn(p) for p in checksum_inputs], args.repeat) / total * 1e9
+        speeds[name] = cpu_seconds(lambda fn=fn: [fn(p) for p in checksum_inputs], args.repeat) / total * 1e9
         print(f"{name:<8}{speeds[name]:>8.3f} CPU-s/GB  ({1 / speeds[name]:.1f} GB/s)")
     relu = [r for (n, d), r in table.items() if n.startswith("resnet20") and d == "fp32"]
     text = [r for (n, d), r in table.items() if n.startswith("minilm") and d == "fp32"]

@@ -50,10 +50,11 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from workloads.data import TextSet, pad_collate, read_glue, resolve_data_dir, subset, tokenize  # noqa: E402
+
 import actcache_client as ac  # noqa: E402
 from actcache.testing import run_daemon  # noqa: E402
 from actcache_client.bert import BertConfig, BertForSequenceClassification, BertModel, load_minilm, minilm_dir  # noqa: E402
-from workloads.data import TextSet, pad_collate, read_glue, resolve_data_dir, subset, tokenize  # noqa: E402
 
 ARMS = ("recomputed", "served")
 

@@ -38,7 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "client")]
 from actcache.codec import DType, TensorSpec, encode_entry  # noqa: E402
 from actcache.keys import encode_keys  # noqa: E402
 from actcache.testing import DaemonProcess, run_daemon  # noqa: E402
-from actcache_client.transport._tensors import collate_entries
+from actcache_client.transport._tensors import collate_entries  # noqa: E402
 
 FP = bytes(range(16))
 DEPTH, BATCH, SHAPE = 3, 128, (64, 8, 8)

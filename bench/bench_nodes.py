@@ -50,10 +50,11 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorData
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from capacity import expected_global_hit_ratio  # noqa: E402
+
 import actcache_client as ac  # noqa: E402
 from actcache.testing import run_daemon  # noqa: E402
 from actcache_client.models import resnet20  # noqa: E402
-from capacity import expected_global_hit_ratio  # noqa: E402
 
 FROZEN = 4  # ResNet-20: stem + layer1 (16x32x32 fp32 per sample)
 

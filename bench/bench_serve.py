@@ -154,11 +154,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "client")]
 
+from bench_cold_read import drop_page_cache, odirect_read_mbps  # noqa: E402  (same directory)
+
 from actcache.codec import CHECKSUMS, DType, TensorSpec, decode_entry, decompress_payload, encode_entry, parse_header  # noqa: E402
 from actcache.keys import encode_keys  # noqa: E402
 from actcache.malloc import tune_malloc  # noqa: E402
 from actcache.testing import DaemonProcess, run_daemon  # noqa: E402
-from bench_cold_read import drop_page_cache, odirect_read_mbps  # noqa: E402  (same directory)
 
 FP = bytes(range(16))
 HIT_BUDGET = "32MiB"
@@ -376,7 +377,7 @@ def _process_cpu(pid: int) -> CpuReading:
     threads: dict[int, float] | None = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            line = next(l for l in (task / "sched").read_text().splitlines() if l.startswith("se.sum_exec_runtime"))
+            line = next(s for s in (task / "sched").read_text().splitlines() if s.startswith("se.sum_exec_runtime"))
         except (OSError, StopIteration):  # the thread ended meanwhile, or no sched file: ticks only
             threads = None
             break

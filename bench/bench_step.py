@@ -47,11 +47,12 @@ from torch.utils.data import DataLoader, RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from workloads.data import JpegSet, resolve_data_dir  # noqa: E402
+
 import actcache_client as ac  # noqa: E402
 from actcache.testing import run_daemon  # noqa: E402
 from actcache_client.models import resnet20  # noqa: E402
 from actcache_client.transport._device_staging import Stager
-from workloads.data import JpegSet, resolve_data_dir  # noqa: E402
 
 COLUMNS = ["load_ms", "fetch_wait_ms", "prefix_ms", "suffix_forward_ms", "backward_ms", "optimizer_ms", "audit_ms"]
 

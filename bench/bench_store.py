@@ -70,13 +70,13 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             store = Store(StoreConfig(dir=Path(tmp), encoding=args.encoding))
             ns = store.open_namespace("bench").id
-            local = run(lambda items: store.put(ns, FP, 1, items),
-                        lambda ids: store.get(ns, FP, 1, [(i, 0) for i in ids]), entries, entry_bytes)
+            local = run(lambda items, store=store, ns=ns: store.put(ns, FP, 1, items),
+                        lambda ids, store=store, ns=ns: store.get(ns, FP, 1, [(i, 0) for i in ids]), entries, entry_bytes)
             store.close()
         with run_daemon("--encoding", args.encoding) as daemon, daemon.client(timeout_s=120) as client:
             ns = client.open("bench").namespace_id
-            remote = run(lambda items: client.put(ns, FP, 1, items),
-                         lambda ids: client.get(ns, FP, 1, ids), entries, entry_bytes)
+            remote = run(lambda items, ns=ns: client.put(ns, FP, 1, items),
+                         lambda ids, ns=ns: client.get(ns, FP, 1, ids), entries, entry_bytes)
         label = f"{entry_bytes >> 10} KiB"
         for path, r in (("in-process", local), ("daemon", remote)):
             print(f"{label:<9}{path:<12}{r['put_MBps']:>10.0f}{r['put_eps']:>11.0f}{r['get_MBps']:>10.0f}{r['get_eps']:>11.0f}")

@@ -49,15 +49,15 @@ from pathlib import Path
 
 import psutil
 import torch
-
-import actcache_client as ac
-from actcache.errors import ConfigError
-from actcache.testing import run_daemon
 from workloads.data import DataNotFound, resolve_data_dir
 from workloads.freezers import MODES, make_freezer
 from workloads.report import format_decisions, format_plans, format_table, summarize, write_results
 from workloads.tasks import WORKLOADS, make_workload
 from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave
+
+import actcache_client as ac
+from actcache.errors import ConfigError
+from actcache.testing import run_daemon
 
 SLICE_STEPS = 5  # the runs take turns every 5 steps (and at every evaluation)
 STORE_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from actcache_client.models import resnet20
 from actcache_client.layouts._stages import from_resnet
+from actcache_client.models import resnet20
 from actcache_client.transport._tensors import encode_samples
 
 __all__ = ["entry_bytes", "expected_global_hit_ratio", "plan", "resnet20_entry_bytes"]

@@ -25,13 +25,13 @@ import time
 from typing import Callable
 
 import torch
+from workloads.freezers import make_freezer
+from workloads.tasks import digits
+from workloads.trainer import RunResult, TrainingRun, Workload, interleave
 
 import actcache_client as ac
 from actcache_client.freeze.defaults import default_policy
 from actcache_client.freeze.static import NoFreezePolicy
-from workloads.freezers import make_freezer
-from workloads.tasks import digits
-from workloads.trainer import RunResult, TrainingRun, Workload, interleave
 
 SLICE_STEPS = 5  # runs take turns every 5 steps
 RUNS = {"full": ("full", False), "freeze+cache": ("static", True), "freeze only": ("static", False)}

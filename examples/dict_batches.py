@@ -4,11 +4,12 @@ A dataset of ``{"image": ..., "label": ...}`` items; the default collate makes b
 The first two modules freeze after the first epoch and are served from the cache from then on.
 """
 
-import actcache_client as ac
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+import actcache_client as ac
 
 
 class Images(Dataset):

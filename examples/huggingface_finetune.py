@@ -16,8 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (BertConfig, BertForSequenceClassification, DataCollatorWithPadding, PreTrainedTokenizerFast,
-                          Trainer, TrainingArguments)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    DataCollatorWithPadding,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainingArguments,
+)
 
 WORDS = ["good", "bad", "great", "awful", "film", "plot", "actors", "very", "not", "quite", "the", "a", "is", "was"]
 

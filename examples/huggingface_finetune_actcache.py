@@ -16,8 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (BertConfig, BertForSequenceClassification, DataCollatorWithPadding, PreTrainedTokenizerFast,
-                          Trainer, TrainingArguments)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    DataCollatorWithPadding,
+    PreTrainedTokenizerFast,
+    Trainer,
+    TrainingArguments,
+)
+
 from actcache_client.integrations.huggingface import attach
 
 WORDS = ["good", "bad", "great", "awful", "film", "plot", "actors", "very", "not", "quite", "the", "a", "is", "was"]

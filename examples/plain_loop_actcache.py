@@ -1,11 +1,11 @@
 """``plain_loop.py`` with actcache: the frozen stem and first residual layer are served from the cache."""
 
-import actcache_client as ac
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, Dataset
 
+import actcache_client as ac
 from actcache_client.models import resnet20
 
 FREEZE_EPOCH = 1

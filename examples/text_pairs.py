@@ -6,11 +6,11 @@ embeddings and first layer freeze after the first epoch and are served from the 
 ``load_minilm(num_labels, max_length=128)`` gives the pretrained all-MiniLM-L6-v2 in the same layout.
 """
 
-import actcache_client as ac
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+import actcache_client as ac
 from actcache_client.bert import BertConfig, BertForSequenceClassification, collate_tokens
 
 CONFIG = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,

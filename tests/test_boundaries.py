@@ -26,6 +26,7 @@ def test_daemon_and_cli_never_import_torch():
     assert not any(m.startswith("actcache_client") for m in loaded)
 
 
+@pytest.mark.slow
 def test_client_never_imports_daemon_internals():
     loaded = _modules_after_import("actcache_client", "actcache_client.data._loader",
                                    "actcache_client.engine._cached_forward")
@@ -209,11 +210,12 @@ def test_the_two_packages_public_names_are_pinned():
         "__version__",
     ]
     assert actcache_client.__all__ == [
-        "ActCache", "AuditConfig", "AutoEncoding", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning", "CacheMismatchWarning",
-        "CacheOptions", "CachePlanner", "CachedForward", "CachedLoader", "CachedTeacher", "ChangedInputWarning", "ClientStats", "Connection",
-        "ConnectionConfig", "Decision", "DecisionKind", "EgeriaConfig", "EgeriaPolicy", "EpochCounters",
-        "FreezeController", "FreezeMilestone", "FreezePolicy", "IndexedDataset", "Layout", "ManualPolicy",
-        "MovingTeacherWarning", "NodeStableSampler", "PlannerConfig", "ReferenceConfig", "Signals", "Stage", "StageInfo", "StagedModel",
+        "ActCache", "AuditConfig", "AutoEncoding", "AutoFreezeConfig", "AutoFreezePolicy", "Batch", "CacheFallbackWarning",
+        "CacheMismatchWarning", "CacheOptions", "CachePlanner", "CachedForward", "CachedLoader", "CachedTeacher",
+        "ChangedInputWarning", "ClientStats", "Connection", "ConnectionConfig", "Decision", "DecisionKind", "EgeriaConfig",
+        "EgeriaPolicy", "EpochCounters", "FreezeController", "FreezeMilestone", "FreezePolicy", "IndexedDataset", "Layout",
+        "ManualPolicy", "MovingTeacherWarning", "NodeStableSampler", "PlannerConfig", "ReferenceConfig", "Signals", "Stage",
+        "StageInfo", "StagedModel",
         "StaticPolicy", "StepTimes", "TeacherOutput", "UncacheableDataWarning", "VarLen", "WrappedLoader", "auto_partition",
         "connect", "distillation_loss", "from_bert", "from_resnet", "from_sequential", "register_layout", "topk_soft_targets",
     ]

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from actcache.ops import diskbench
 from actcache.errors import ConfigError
+from actcache.ops import diskbench
 
 DISK_PHASES = ["write_sequential", "write_random", "read_sequential", "read_random"]
 LMDB_PHASES = ["lmdb_put", "lmdb_get_random_cold", "lmdb_get_random_warm"]

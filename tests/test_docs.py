@@ -101,13 +101,14 @@ def write_generated() -> None:
         text = page.read_text()
         for marker, make in blocks.items():
             text = re.sub(rf"(<!-- {marker}:start -->\n).*?(<!-- {marker}:end -->)",
-                          lambda m: m.group(1) + make() + "\n" + m.group(2), text, flags=re.S)
+                          lambda m, make=make: m.group(1) + make() + "\n" + m.group(2), text, flags=re.S)
         page.write_text(text)
     (EXAMPLES / "plain_loop.diff").write_text(quickstart_diff())
 
 
 # -- tests ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_site_builds_strict(tmp_path):
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONWARNINGS": "ignore"}
     run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],

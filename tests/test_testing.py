@@ -38,6 +38,7 @@ with run_daemon() as daemon:
 """
 
 
+@pytest.mark.slow
 def test_a_process_stopped_with_sigterm_stops_its_daemon_too():
     """A benchmark ended with ``kill`` (SIGTERM) used to leave its daemon running: run_daemon's cleanup
     was skipped. Now the daemon is stopped first, and the process still dies of SIGTERM."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Self
 
 __all__ = ["Tally"]
 
@@ -23,3 +24,8 @@ class Tally:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def copy(self) -> Self:
+        """A consistent copy, with a lock of its own."""
+        with self._lock:
+            return replace(self)

@@ -39,10 +39,11 @@ def format_size(n: float) -> str:
     """Format a byte count for humans: ``1.5 GiB``."""
     if abs(n) < 1024:
         return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-        if abs(n) < 1024 or unit == "TiB":
+        if abs(n) < 1024:
             return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"
 
 
 def is_loopback(host: str) -> bool:

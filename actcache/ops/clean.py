@@ -79,10 +79,12 @@ def clean(*, socket_path: Path | None, directory: Path | None, reclaimers: Itera
     if directory is not None and not directory.is_dir():
         raise ConfigError(f"--dir {directory} is not a directory; pass the daemon's cache directory")
     has_store = directory is not None and any((directory / n).exists() for n in (LOCK_NAME, "data.mdb"))
-    lock = DirLock.try_acquire(directory) if has_store else None
-    live = has_store and lock is None
+    store_dir = directory if has_store else None
+    lock = None if store_dir is None else DirLock.try_acquire(store_dir)
+    live = store_dir is not None and lock is None
     target = CleanTarget(
-        socket=socket_path, dir=directory, daemon_live=live, daemon_pid=holder_pid(directory) if live else None
+        socket=socket_path, dir=directory, daemon_live=live,
+        daemon_pid=holder_pid(store_dir) if store_dir is not None and lock is None else None,
     )
     findings: list[Finding] = []
     try:

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from actcache.ops.clean import BENCH_PREFIX
 from actcache.errors import ConfigError
+from actcache.ops.clean import BENCH_PREFIX
 
 __all__ = ["BLOCK_BYTES", "DiskReport", "Phase", "run_disk_bench"]
 
@@ -143,6 +143,7 @@ class _Bench:
         r = self.report
         disk = r.phase("read_random_direct") or r.phase("read_random_buffered_cold")
         lmdb_cold = r.phase("lmdb_get_random_cold")
+        assert disk is not None and lmdb_cold is not None, "_disk_phases and _lmdb_phases ran both"
         what = "O_DIRECT random read" if disk.access == "O_DIRECT" else "buffered cold random read"
         ratio = lmdb_cold.mb_per_s / disk.mb_per_s
         r.lmdb_cold_vs_disk = round(ratio, 3)
@@ -232,9 +233,10 @@ class _Bench:
             for cache in ("cold", "warm"):
                 if cache == "warm" and not self._fits_in_memory():
                     break
-                with env.begin(buffers=True) as txn:
+                with env.begin(buffers=True) as reading:
                     def get(offset: int) -> None:
-                        value = txn.get(key(offset // BLOCK_BYTES))
+                        value = reading.get(key(offset // BLOCK_BYTES))
+                        assert value is not None, "the put phase stored every key"
                         self.buf[: len(value)] = value  # touch every byte, into a reused buffer
 
                     self._phase("lmdb get random", "lmdb", cache, self.shuffled, get)
@@ -257,7 +259,8 @@ class _Bench:
         seconds = time.perf_counter() - started
         if self.progress:
             print("\r" + " " * 70 + "\r", end="", file=sys.stderr, flush=True)
-        self.report.phases.append(Phase(_phase_name(label, access, cache), label, access, cache, len(order) * BLOCK_BYTES, seconds))
+        name = _phase_name(label, access, cache)
+        self.report.phases.append(Phase(name, label, access, cache, len(order) * BLOCK_BYTES, seconds))
 
     def _evict(self, path: Path) -> None:
         if self.report.page_cache_dropped:

@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 from .trainer import RunResult
 
-__all__ = ["SPLIT_KEYS", "format_decisions", "format_plans", "format_table", "label", "summarize", "time_to_target", "write_results"]
+__all__ = ["SPLIT_KEYS", "format_decisions", "format_plans", "format_table", "label", "summarize", "time_to_target",
+           "write_results"]
 
 SPLIT_KEYS = ("data", "fetch_wait", "prefix", "suffix_forward", "backward", "optimizer", "other")
 

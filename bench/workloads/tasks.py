@@ -30,8 +30,18 @@ from actcache.errors import ConfigError
 from actcache_client.models import CifarResNet
 
 from .data import (
-    CIFAR_MEAN, CIFAR_STD, GLUE_TASKS, DataNotFound, ImageSet, TextSet, crop_flip, pad_collate, read_cifar10,
-    read_glue, subset, tokenize,
+    CIFAR_MEAN,
+    CIFAR_STD,
+    GLUE_TASKS,
+    DataNotFound,
+    ImageSet,
+    TextSet,
+    crop_flip,
+    pad_collate,
+    read_cifar10,
+    read_glue,
+    subset,
+    tokenize,
 )
 from .trainer import Workload
 

@@ -349,6 +349,7 @@ def _cache_stats(connection: ac.Connection | None, before: ac.ClientStats | None
         return {**out, "gets": 0, "streamed": 0, "bytes_written": 0, "bytes_read": 0, "puts": 0, "puts_dropped": 0}
     connection.flush(timeout_s=60)
     s = connection.stats
-    return {**out, "gets": s.gets - before.gets, "streamed": s.streamed - before.streamed, "bytes_written": s.bytes_written - before.bytes_written,
+    return {**out, "gets": s.gets - before.gets, "streamed": s.streamed - before.streamed,
+            "bytes_written": s.bytes_written - before.bytes_written,
             "bytes_read": s.bytes_read - before.bytes_read, "puts": s.puts - before.puts,
             "puts_dropped": s.puts_dropped - before.puts_dropped}

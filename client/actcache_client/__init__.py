@@ -29,13 +29,21 @@ connection, the epoch stream, tensors to and from entries), ``layouts`` (a netwo
 sits above the API. ``cost_model`` is the arithmetic below them all.
 """
 
+from actcache_client._dropin import ActCache, StageInfo, WrappedLoader
+from actcache_client._inplace import ChangedInputWarning
+from actcache_client._options import CacheOptions
+from actcache_client.data._loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
 from actcache_client.engine._audit import AuditConfig, CacheMismatchWarning
 from actcache_client.engine._cached_forward import CachedForward, EpochCounters, StepTimes
 from actcache_client.engine._codec_choice import AutoEncoding
-from actcache_client._dropin import ActCache, StageInfo, WrappedLoader
-from actcache_client._options import CacheOptions
-from actcache_client._inplace import ChangedInputWarning
-from actcache_client.transport._connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig
+from actcache_client.engine._planner import CachePlanner, PlannerConfig
+from actcache_client.engine._teacher import (
+    CachedTeacher,
+    MovingTeacherWarning,
+    TeacherOutput,
+    distillation_loss,
+    topk_soft_targets,
+)
 from actcache_client.freeze import (
     AutoFreezeConfig,
     AutoFreezePolicy,
@@ -51,20 +59,12 @@ from actcache_client.freeze import (
     Signals,
     StaticPolicy,
 )
-from actcache_client.data._loader import Batch, CachedLoader, IndexedDataset, UncacheableDataWarning
-from actcache_client.transport._node_daemon import connect
-from actcache_client.engine._planner import CachePlanner, PlannerConfig
-from actcache_client.sampler import NodeStableSampler
-from actcache_client.layouts._stages import Stage, StagedModel, auto_partition, from_bert, from_resnet, from_sequential
-from actcache_client.engine._teacher import (
-    CachedTeacher,
-    MovingTeacherWarning,
-    TeacherOutput,
-    distillation_loss,
-    topk_soft_targets,
-)
-from actcache_client.transport._tensors import VarLen
 from actcache_client.layouts import Layout, register_layout
+from actcache_client.layouts._stages import Stage, StagedModel, auto_partition, from_bert, from_resnet, from_sequential
+from actcache_client.sampler import NodeStableSampler
+from actcache_client.transport._connection import CacheFallbackWarning, ClientStats, Connection, ConnectionConfig
+from actcache_client.transport._node_daemon import connect
+from actcache_client.transport._tensors import VarLen
 
 __all__ = [
     "ActCache",

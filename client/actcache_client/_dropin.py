@@ -280,15 +280,17 @@ class WrappedLoader:
     def _fill(self, batch: Batch) -> Any:
         """The batch as the user's collate would give it, with placeholder rows for the inputs not loaded."""
         inputs, targets = batch.data
-        shape = (len(batch.ids), *self._placeholder.shape)
+        placeholder = self._placeholder
+        assert placeholder is not None, "only batches whose loads were skipped are filled"
+        shape = (len(batch.ids), *placeholder.shape)
         if inputs is None or not len(inputs):
-            full = self._all_zeros(shape)
+            full = self._all_zeros(shape, placeholder.dtype)
         else:
-            full = torch.zeros(shape, dtype=self._placeholder.dtype, pin_memory=self._pin)
+            full = torch.zeros(shape, dtype=placeholder.dtype, pin_memory=self._pin)
             full[batch.loaded] = inputs
         return [full, targets] if self._as_list else (full, targets)
 
-    def _all_zeros(self, shape: tuple[int, ...]) -> Tensor:
+    def _all_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """Zeros of ``shape``: the buffer kept from the last such batch when it is still zeros (writing a
         batch of zeros every step costs as much as copying the entries in)."""
         if self._zeros is not None and self._zeros[0].shape == shape:
@@ -296,7 +298,7 @@ class WrappedLoader:
             if zeros._version != version:
                 zeros.zero_()
         else:
-            zeros = torch.zeros(shape, dtype=self._placeholder.dtype, pin_memory=self._pin)
+            zeros = torch.zeros(shape, dtype=dtype, pin_memory=self._pin)
         self._zeros = (zeros, zeros._version)
         return zeros
 

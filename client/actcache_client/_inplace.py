@@ -112,7 +112,7 @@ class InPlacePrefix:
     """
 
     def __init__(self, cached: CachedForward, net: nn.Module, *,
-                 output_of: Callable[[State, Tensor], Any]) -> None:
+                 output_of: Callable[[State, Tensor | None], Any]) -> None:
         self.cached = cached
         self.net = net
         self.sites = call_sites(net, list(cached.model.stages))

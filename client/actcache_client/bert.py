@@ -106,6 +106,8 @@ class BertConfig:
 
 
 class BertEmbeddings(nn.Module):
+    position_ids: Tensor  # a buffer
+
     def __init__(self, c: BertConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)

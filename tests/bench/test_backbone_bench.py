@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ("delivered_vs_raw", "recompute_overhead", "costmodel_vs_best", "served_gb_s", "cached_vs_ideal",
            "losses_equal")

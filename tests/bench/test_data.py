@@ -3,11 +3,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.bench.fake_data import make_data_dir
 from workloads import data
 from workloads.data import DataNotFound, pad_collate, read_cifar10, read_glue, resolve_data_dir, subset
 
+from tests.bench.fake_data import make_data_dir
 
 
 def shared_data():

@@ -6,8 +6,11 @@ import pytest
 
 import actcache_client as ac
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
-                                reason="scikit-learn not installed (the demo extra: pip install -e '.[demo]')")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("sklearn") is None,
+                       reason="scikit-learn not installed (the demo extra: pip install -e '.[demo]')"),
+]
 
 
 def test_demo_runs_report_real_numbers(monkeypatch):
@@ -25,7 +28,8 @@ def test_demo_runs_report_real_numbers(monkeypatch):
         assert r.steps == 9 and 0 < r.train_s <= r.wall_s and 0 <= r.final_metric <= 100
         assert r.split_s["backward"] > 0 and r.split_s["suffix_forward"] > 0
     assert cached.cache_stats["hits"] == 48 and cached.cache_stats["puts"] == 48
-    assert cached.cache_stats["hit_ratio"] == 0.5 and cached.cache_stats["streamed"] == 96 and cached.cache_stats["bytes_read"] > 0
+    assert cached.cache_stats["hit_ratio"] == 0.5 and cached.cache_stats["streamed"] == 96
+    assert cached.cache_stats["bytes_read"] > 0
     assert full.cache_stats["hits"] == frozen.cache_stats["hits"] == 0
     assert full.split_s["prefix"] == 0 < frozen.split_s["prefix"]
     assert cached.final_metric == frozen.final_metric  # the cache changes the time, not the computation

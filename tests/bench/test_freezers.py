@@ -6,21 +6,29 @@ import uuid
 
 import pytest
 import torch
+from workloads.freezers import (
+    AutoFreeze,
+    AutoPolicy,
+    EgeriaFreeze,
+    NoFreeze,
+    StaticFreeze,
+    autofreeze_eval_every,
+    egeria_eval_every,
+    make_freezer,
+)
+from workloads.report import format_decisions
+from workloads.tasks import cifar, step_schedule
+from workloads.trainer import RunResult, TrainingRun, train
 
 import actcache_client as ac
 from actcache.errors import ConfigError
 from actcache_client.freeze import AutoFreezeConfig, EgeriaConfig, ReferenceConfig
 from actcache_client.freeze.reference import ReferenceWorker
+from actcache_client.models import CifarResNet
 from tests.bench.fake_data import make_data_dir
 from tests.bench.test_workloads import check_real, run_bench_train
-from workloads.freezers import (
-    AutoFreeze, AutoPolicy, EgeriaFreeze, NoFreeze, StaticFreeze, autofreeze_eval_every, egeria_eval_every,
-    make_freezer,
-)
-from workloads.report import format_decisions
-from actcache_client.models import CifarResNet
-from workloads.tasks import cifar, step_schedule
-from workloads.trainer import RunResult, TrainingRun, train
+
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
 
 
 @pytest.fixture(scope="module")

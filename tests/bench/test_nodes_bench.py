@@ -4,6 +4,8 @@ import argparse
 
 import pytest
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 
 def test_capacity_entries_come_from_resnet20_shapes_and_the_model_is_consistent():
     import capacity

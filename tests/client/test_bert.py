@@ -56,6 +56,7 @@ def pair_batch(pairs, vocab=60, seed=0):
     return ids, mask, types
 
 
+@pytest.mark.slow
 def test_sentence_pairs_staged_match_the_model_and_use_the_segments():
     torch.manual_seed(0)
     model = BertForSequenceClassification(TINY).eval()
@@ -125,6 +126,7 @@ def sentence_embeddings(model, tokenizer, sentences):
     return torch.nn.functional.normalize(mean, dim=1)
 
 
+@pytest.mark.slow
 def test_minilm_reproduces_the_published_similarity_matrix(minilm):
     model, tokenizer = minilm
     # The example of the sentence-transformers README for all-MiniLM-L6-v2, with its printed similarities.
@@ -134,6 +136,7 @@ def test_minilm_reproduces_the_published_similarity_matrix(minilm):
     assert torch.allclose(e @ e.T, published, atol=1e-3), e @ e.T
 
 
+@pytest.mark.slow
 def test_minilm_loads_every_weight_exactly_and_the_head_is_seeded(minilm):
     from safetensors.torch import load_file
 

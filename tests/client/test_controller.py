@@ -10,21 +10,21 @@ import torch
 from torch import nn
 
 import actcache_client as ac
-from actcache_client.engine._frozen import prefix_fingerprints
 from actcache.errors import ConfigError
+from actcache_client.engine._frozen import prefix_fingerprints
 from actcache_client.freeze import (
     AutoFreezePolicy,
     Decision,
-    FreezeController,
     EgeriaPolicy,
+    FreezeController,
     ManualPolicy,
     NoFreezePolicy,
     ReferenceConfig,
     StaticPolicy,
     read_timeline,
 )
-from actcache_client.freeze.defaults import egeria_eval_every
 from actcache_client.freeze.autofreeze import GradNormAccumulator
+from actcache_client.freeze.defaults import egeria_eval_every
 
 
 def staged_cnn(seed: int = 0) -> ac.StagedModel:
@@ -118,6 +118,7 @@ def test_a_named_policy_without_eval_every_gets_it_from_the_runs_length():
 
 @pytest.mark.parametrize(("length", "why"), [({"total_steps": 40}, "40 steps is too short"),
                                              ({}, "length is unknown")])
+@pytest.mark.slow
 def test_a_run_the_default_cannot_judge_says_so_once_and_never_freezes(length, why, caplog):
     staged, cached, opt = bare()
     with caplog.at_level("WARNING", logger="actcache_client.freeze"):
@@ -200,6 +201,7 @@ def test_active_state_is_bit_identical_across_the_freeze_step():
         assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
 
 
+@pytest.mark.slow
 def test_unfreeze_restores_training_mode_and_gradients():
     policy = ManualPolicy()
     staged, cached, opt, ctl = setup(policy)
@@ -295,6 +297,7 @@ def test_state_round_trip_resumes_the_frozen_prefix_and_policy(tmp_path):
         ctl3.load_state_dict({**state, "version": 99})
 
 
+@pytest.mark.slow
 def test_plasticity_policies_start_the_reference_process_when_bootstrapping_ends():
     from actcache_client.freeze import EgeriaConfig, EgeriaPolicy, ReferenceState
 
@@ -346,6 +349,7 @@ class DropoutStage(nn.Module):
         return self.dropout(self.linear(x))
 
 
+@pytest.mark.slow
 def test_plasticity_compares_snapshots_of_constant_age_in_eval_mode(monkeypatch):
     # A snapshot at every evaluation; the probe on the step after evaluation k is read against snapshots
     # k - age and k. With the weights held still the two are the same weights, so the reading is exactly 0

@@ -14,8 +14,8 @@ import actcache_client
 from actcache.errors import ActCacheError, ConfigError, LifecycleError
 from actcache_client import cost_model
 from actcache_client.engine._planner import PlannerConfig
-from actcache_client.models import CifarResNet
 from actcache_client.layouts._stages import Stage, StagedModel, auto_partition, from_sequential
+from actcache_client.models import CifarResNet
 from actcache_client.transport._device_staging import HostRing
 
 # Every module of the client: each raise is a class of actcache.errors (or an ImportError for an optional dependency).

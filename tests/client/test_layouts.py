@@ -9,8 +9,14 @@ from torch import nn
 
 import actcache_client as ac
 from actcache.errors import ConfigError
-from actcache_client.layouts import (Layout, check_layout, find_layout, layout_families, register_layout,
-                                     unregister_layout)
+from actcache_client.layouts import (
+    Layout,
+    check_layout,
+    find_layout,
+    layout_families,
+    register_layout,
+    unregister_layout,
+)
 from actcache_client.models import resnet20
 from tests import families
 
@@ -67,6 +73,7 @@ def test_a_network_no_family_takes_names_blocks_and_registration():
         find_layout(nn.Module())
 
 
+@pytest.mark.slow
 def test_the_resnet_like_guess_is_checked_and_the_stage_where_they_part_named():
     net = families.ResNetLike()
     x = torch.randn(4, 3, 8, 8)

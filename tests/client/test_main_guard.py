@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 UNGUARDED = """
     from actcache_client.freeze.defaults import default_policy
     from actcache_client.freeze.egeria import EgeriaPolicy

@@ -6,11 +6,11 @@ import pytest
 
 from actcache.errors import ConfigError
 from actcache.rpc_client import EntryBatch
-from actcache_client.transport import _connection
-from actcache_client.transport._connection import Connection, ConnectionConfig
 from actcache_client.cost_model import PlanMode
 from actcache_client.engine._codec_choice import EncodingChoice
 from actcache_client.engine._planner import CachePlanner, PlannerConfig
+from actcache_client.transport import _connection
+from actcache_client.transport._connection import Connection, ConnectionConfig
 
 
 def measured(planner: CachePlanner, k: int, stage_s: float = 1e-3, entry: float = 32e3) -> None:

@@ -16,6 +16,8 @@ from actcache_client.freeze import ReferenceConfig, ReferenceState, ReferenceWor
 from actcache_client.freeze._refproc import Built, Reading
 from actcache_client.freeze.reference import MAX_PENDING_SNAPSHOTS, _CpuLoad, to_shared
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 WAIT_S = 120.0  # an upper bound for a loaded machine, never a timing assertion
 
 

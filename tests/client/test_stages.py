@@ -12,11 +12,11 @@ import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
-from actcache_client.layouts import _stages as stages
 from actcache_client import models
+from actcache_client.layouts import _stages as stages
+from actcache_client.layouts._stages import Stage, StagedModel, auto_partition, from_bert, from_resnet, from_sequential
 from actcache_client.models import BasicBlock, resnet20
 from tests.client.tiny_bert import TinyBertForSequenceClassification, TinyBertModel, TinyFlatBert
-from actcache_client.layouts._stages import Stage, StagedModel, auto_partition, from_bert, from_resnet, from_sequential
 
 # ---------------------------------------------------------------- helpers
 
@@ -187,6 +187,7 @@ def test_resnet20_shape_and_size() -> None:
 
 
 @pytest.mark.parametrize("shortcut", ["A", "B"])
+@pytest.mark.slow
 def test_from_resnet_cifar_identical_and_shared(shortcut: str) -> None:
     torch.manual_seed(0)
     model = resnet20(shortcut=shortcut)  # type: ignore[arg-type]
@@ -218,6 +219,7 @@ class _TvResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
+@pytest.mark.slow
 def test_from_resnet_torchvision_layout() -> None:
     torch.manual_seed(0)
     model = _TvResNet()
@@ -228,6 +230,7 @@ def test_from_resnet_torchvision_layout() -> None:
     _check_identical(model, staged, torch.randn(2, 3, 48, 48))
 
 
+@pytest.mark.slow
 def test_parameters_are_shared_not_copied() -> None:
     torch.manual_seed(0)
     model = resnet20().eval()
@@ -275,6 +278,7 @@ def test_from_resnet_rejects_other_models(model: nn.Module, message: str) -> Non
 # ---------------------------------------------------------------- BERT
 
 
+@pytest.mark.slow
 def test_from_bert_hf_layout_identical_and_shared() -> None:
     torch.manual_seed(0)
     model = TinyBertForSequenceClassification()
@@ -289,6 +293,7 @@ def test_from_bert_hf_layout_identical_and_shared() -> None:
     assert staged.run((hidden, carried), 2).shape == (4, 3)
 
 
+@pytest.mark.slow
 def test_from_bert_flat_layout_and_tensor_layers() -> None:
     torch.manual_seed(0)
     model = TinyFlatBert()
@@ -306,6 +311,7 @@ def test_from_bert_flat_layout_and_tensor_layers() -> None:
 
 
 @pytest.mark.parametrize("make", [TinyBertForSequenceClassification, TinyFlatBert])
+@pytest.mark.slow
 def test_from_bert_sentence_pairs_match_the_model(make) -> None:
     """(input_ids, attention_mask, token_type_ids): segment 1 reaches the embeddings, at every split point."""
     torch.manual_seed(0)
@@ -387,6 +393,7 @@ def test_auto_partition_max_stages_minimises_largest_group() -> None:
         assert flat == sorted(flat, key=lambda s: int(s[1:]))  # order kept
 
 
+@pytest.mark.slow
 def test_auto_partition_resnet_and_bert_identical_and_shared() -> None:
     torch.manual_seed(0)
     model = resnet20()

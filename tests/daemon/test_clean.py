@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from actcache.ops.clean import BENCH_PREFIX, Action, Finding, clean
 from actcache.daemon.config import StoreConfig
 from actcache.daemon.store import Store
 from actcache.errors import ConfigError
+from actcache.ops.clean import BENCH_PREFIX, Action, Finding, clean
 
 
 def by_reclaimer(findings, name):

@@ -7,8 +7,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actcache.codec import Codec, DType, Encoding, TensorSpec, compress_entry, decode_entry, encode_entry, parse_header, verify_entry
-from actcache.codec import AUTO_MIN_SAVING, Checksum, _pack_header, _parse_header
+from actcache.codec import (
+    AUTO_MIN_SAVING,
+    Checksum,
+    Codec,
+    DType,
+    Encoding,
+    TensorSpec,
+    _pack_header,
+    _parse_header,
+    compress_entry,
+    decode_entry,
+    encode_entry,
+    parse_header,
+    verify_entry,
+)
 from actcache.errors import InvalidRequest
 from actcache.served import copy_raw_run, decoded_size, served_size, to_raw_entries, to_raw_entries_into, to_raw_entry
 
@@ -34,6 +47,7 @@ spec_strategy = st.builds(
 
 @settings(max_examples=150, deadline=None)
 @given(specs=st.lists(spec_strategy, min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1), level=st.sampled_from([0, 1, 3]))
+@pytest.mark.slow
 def test_round_trip_is_bit_exact(specs, seed, level):
     arrays = tensors(seed, specs)
     encoded = encode_entry(specs, [a.tobytes() for a in arrays], zstd_level=level)
@@ -98,7 +112,8 @@ def test_to_raw_entry_gives_an_uncompressed_entry_with_the_same_tensors(level):
 
 def test_raw_verified_checksum_covers_the_header_only():
     a = np.maximum(np.random.default_rng(1).standard_normal((8, 64), dtype=np.float32), 0)
-    served = bytearray(b"".join(bytes(p) for p in to_raw_entry(encode_entry([TensorSpec(DType.float32, a.shape)], [a], zstd_level=1))))
+    encoded = encode_entry([TensorSpec(DType.float32, a.shape)], [a], zstd_level=1)
+    served = bytearray(b"".join(bytes(p) for p in to_raw_entry(encoded)))
     header = verify_entry(bytes(served))
     assert header.codec == Codec.raw_verified and header.stored_len == header.raw_len == a.nbytes
     served[-1] ^= 1  # the payload is not covered: the daemon verified it before decompressing

@@ -13,7 +13,6 @@ import pytest
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import DType, TensorSpec, encode_entry
-from actcache.served import copy_raw_run, served_size
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.prefetch._reader import ReaderState
@@ -22,6 +21,7 @@ from actcache.daemon.service._shm_fetch import fetch_shm
 from actcache.daemon.store import PageCacheGuess, Store
 from actcache.keys import encode_key
 from actcache.rpc import decode_frame
+from actcache.served import copy_raw_run, served_size
 from actcache.shm import MIN_RING_BYTES, ClientSegment, ShmRing
 from actcache.testing import wait_until
 from tests.daemon.corrupt import flip_stored_byte
@@ -171,16 +171,31 @@ def test_a_corrupt_entry_among_uniform_ones_is_a_counted_miss_and_the_others_are
     assert sum(runs) == counters["direct"] and max(runs) == (64 << 10) // served_size(value(0))  # whole frames
 
 
-def test_a_warm_groups_next_schedule_is_not_read_ahead_but_served_directly_from_its_start(store, tmp_path):
+def test_a_warm_groups_next_schedule_is_not_read_ahead_but_served_directly_from_its_start(store, tmp_path,
+                                                                                          monkeypatch):
     """The next epoch's order, pushed while its group is warm, is not copied into read-ahead buffers
     before its Fetch comes (at most a run of 32): the Fetch reads it from the store itself."""
+    from actcache.daemon.prefetch._read_loop import ReadLoop
+
+    parked = threading.Event()  # the reader of "next" stopped reading ahead until its consumer comes
+    warm_without_consumer = ReadLoop._warm_without_consumer
+
+    def noting_the_park(loop):
+        stop = warm_without_consumer(loop)
+        if stop and loop._schedule.schedule_id == "next":
+            parked.set()
+        return stop
+
+    monkeypatch.setattr(ReadLoop, "_warm_without_consumer", noting_the_park)
     order = np.arange(0, N, 2)  # all stored
     p = Prefetcher(store, PrefetchConfig(prefetch_bytes=16 << 20, decode_threads=2))
     try:
         for schedule_id in ("first", "next"):
             p.push(Schedule(1, schedule_id, FP, 1, np.asarray(order, np.uint64), None))
             if schedule_id == "next":
-                time.sleep(0.3)  # room in the budget for every entry: a reader of cold data reads them all
+                # room in the budget for every entry: a reader of cold data would read them all
+                wait_until(lambda: parked.is_set() or {s.schedule_id: s.reader.state for s in p.stats().schedules}
+                           ["next"] is ReaderState.READ_ALL, what="the reader parked, or read every entry")
                 before = p.stats().namespaces[1]
             ring = ShmRing(1 << 20, 0, directory=tmp_path)
             segment = None
@@ -241,6 +256,7 @@ def serve_threaded(store, order, tmp_path, per_frame: int, on_frame, *, whole_fr
 
 
 @pytest.mark.parametrize("whole_frames", [False, True])
+@pytest.mark.slow
 def test_a_held_stream_cuts_a_frame_short_after_its_patience_unless_asked_for_whole_frames(store, tmp_path,
                                                                                           whole_frames):
     """A consumer holding its first frame past the 0.5 s patience (a stream opened ahead of its use)
@@ -337,7 +353,7 @@ def test_what_a_parked_reader_read_is_served_at_once_not_after_waiting_for_a_ful
             ring.restart(0, 4 << 20)
             served: list[int] = []
 
-            def fetch() -> None:
+            def fetch(reader=reader, served=served) -> None:
                 for frame in fetch_shm(reader, ring, 1 << 20, Context(), None):
                     header = pb.EntriesHeader.FromString(bytes(decode_frame(frame)[0]))
                     served.append(len(header.lengths))

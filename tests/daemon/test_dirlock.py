@@ -5,8 +5,8 @@ import os
 import pytest
 
 from actcache.daemon.config import StoreConfig
-from actcache.daemon.store._dirlock import LOCK_NAME, DirLock, holder_pid
 from actcache.daemon.store import Store
+from actcache.daemon.store._dirlock import LOCK_NAME, DirLock, holder_pid
 from actcache.errors import ConfigError
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.daemon.config import StoreConfig
-from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess
 from actcache.daemon.store import Store
+from actcache.daemon.store._extents import Extent, ExtentHints, PageCacheGuess
 from actcache.keys import encode_key, group_prefix
 
 FP = b"E" * 16

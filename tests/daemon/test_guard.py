@@ -1,9 +1,10 @@
 """RequestGuard: unparsable requests are INVALID_ARGUMENT for all four method kinds, even when the
 handler turns unexpected errors into INTERNAL (as the service's error wrappers do)."""
 
+from concurrent import futures
+
 import grpc
 import pytest
-from concurrent import futures
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.daemon.service._guard import RequestGuard
@@ -39,8 +40,10 @@ def channel(tmp_path_factory):
     handlers = {
         "UU": grpc.unary_unary_rpc_method_handler(_careless(lambda r, c: r.schedule_id), parse, str.encode),
         "US": grpc.unary_stream_rpc_method_handler(_careless_stream(lambda r, c: iter([r.schedule_id])), parse, str.encode),
-        "SU": grpc.stream_unary_rpc_method_handler(_careless(lambda it, c: ",".join(m.schedule_id for m in it)), parse, str.encode),
-        "SS": grpc.stream_stream_rpc_method_handler(_careless_stream(lambda it, c: (m.schedule_id for m in it)), parse, str.encode),
+        "SU": grpc.stream_unary_rpc_method_handler(_careless(lambda it, c: ",".join(m.schedule_id for m in it)), parse,
+                                                   str.encode),
+        "SS": grpc.stream_stream_rpc_method_handler(_careless_stream(lambda it, c: (m.schedule_id for m in it)), parse,
+                                                    str.encode),
     }
     server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[grpc.method_handlers_generic_handler(SERVICE, handlers)],
                          interceptors=[RequestGuard(SERVICE)])

@@ -25,6 +25,7 @@ def test_fires_once_nothing_was_called_and_then_refuses_calls():
     m.close()
 
 
+@pytest.mark.slow
 def test_a_call_in_flight_holds_it_and_its_end_restarts_the_countdown():
     m, fired = monitor(0.05)
     assert m.enter() and m.enter()

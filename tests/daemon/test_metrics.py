@@ -5,8 +5,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from actcache.daemon.config import DaemonConfig, MetricsConfig, PrefetchConfig, StoreConfig
-from actcache.daemon.service._metrics import DaemonCollector, Family, daemon_families
 from actcache.daemon.prefetch import Prefetcher
+from actcache.daemon.service._metrics import DaemonCollector, Family, daemon_families
 from actcache.daemon.service._service import ActCacheService
 from actcache.daemon.store import Store
 from actcache.errors import ConfigError
@@ -54,7 +54,8 @@ def test_metrics_config_from_flags_env_and_defaults(tmp_path):
     assert DaemonConfig.from_sources(flags, env={}).metrics == MetricsConfig()
     from_env = DaemonConfig.from_sources(flags, env={"ACTCACHE_METRICS_PORT": "9100"}).metrics
     assert (from_env.port, from_env.host) == (9100, "127.0.0.1")
-    cfg = DaemonConfig.from_sources({**flags, "metrics_port": 0, "metrics_host": "0.0.0.0"}, env={"ACTCACHE_METRICS_PORT": "9100"})
+    cfg = DaemonConfig.from_sources({**flags, "metrics_port": 0, "metrics_host": "0.0.0.0"},
+                                    env={"ACTCACHE_METRICS_PORT": "9100"})
     assert (cfg.metrics.port, cfg.metrics.host) == (0, "0.0.0.0")
     assert cfg.non_defaults()["port"] == 0
     with pytest.raises(ConfigError, match="0..65535"):

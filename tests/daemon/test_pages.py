@@ -11,8 +11,7 @@ from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.service._service import ActCacheService
-from actcache.daemon.store import Store
-from actcache.daemon.store import _pages
+from actcache.daemon.store import Store, _pages
 from actcache.keys import encode_key
 from actcache.rpc_client import EntryBatch
 

@@ -1,16 +1,15 @@
 """The prefetcher in-process, over a real LMDB store: order, misses, budget, turns, cancellation, failures."""
 
 import threading
-import time
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
+import actcache.daemon.prefetch._readahead as readahead
 from actcache.codec import Codec, DType, TensorSpec, decode_entry, encode_entry
 from actcache.daemon.config import PrefetchConfig, StoreConfig
 from actcache.daemon.prefetch import Prefetcher
-import actcache.daemon.prefetch._readahead as readahead
 from actcache.daemon.prefetch._reader import ReaderState
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.store import Store
@@ -344,17 +343,26 @@ def test_read_ahead_without_a_consumer_gives_its_budget_to_a_fetch(store):
     assert [sid for _, sid, _ in got] == list(range(0, 120, 2)) and all(v is not None for *_, v in got)
 
 
-def test_a_reader_waiting_for_budget_before_its_fetch_reclaims_once_fetched(store):
+def test_a_reader_waiting_for_budget_before_its_fetch_reclaims_once_fetched(store, monkeypatch):
     """The schedule's reader already waits for budget (pushed, no consumer) when its Fetch arrives."""
     other = store.open_namespace("q").id
     store.put(other, FP, 1, [(i, 0, encode_entry(SPEC, [tensor(i)])) for i in range(8)])
     with prefetcher_of(store, prefetch_bytes=1 << 20) as p:
         p.push(schedule(range(0, 120, 2), "idle0"))
         wait_until(lambda: p.stats().buffered_bytes > (1 << 20) - (64 << 10))
+        waits = threading.Event()  # set once the reader blocks for bytes (try_acquire failed)
+        acquire = p.budget.acquire
+
+        def acquire_noting_the_wanted_reader(holder, n, stop):
+            if getattr(getattr(holder, "schedule", None), "schedule_id", None) == "wanted":
+                waits.set()
+            return acquire(holder, n, stop)
+
+        monkeypatch.setattr(p.budget, "acquire", acquire_noting_the_wanted_reader)
         p.push(schedule(range(8), "wanted", ns=other))
         wait_until(lambda: {s.schedule_id: s.reader.state for s in p.stats().schedules}["wanted"]
                    is ReaderState.READING)
-        time.sleep(0.1)  # its reader now waits for bytes nobody will release
+        assert waits.wait(30), "the reader never waited for budget"  # bytes nobody will release
         done = []
         consumer = threading.Thread(target=lambda: done.append(consume(p.attach(other, "wanted", 0))), daemon=True)
         consumer.start()

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from actcache.errors import InvalidRequest
 from actcache.daemon.service._shm_fetch import ParkedRings
+from actcache.errors import InvalidRequest
 from actcache.shm import HEADER_BYTES, MIN_RING_BYTES, ClientSegment, ShmRing, pid_alive, remove_stale
 from actcache.testing import wait_until
 

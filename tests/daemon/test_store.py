@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from actcache.codec import DType, TensorSpec, encode_entry
-from actcache.served import to_raw_entry
 from actcache.daemon.config import StoreConfig
 from actcache.daemon.store import Store
 from actcache.errors import BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, StoreError
 from actcache.keys import encode_key
+from actcache.served import to_raw_entry
 
 FP = b"F" * 16
 
@@ -137,7 +137,8 @@ def test_errors_name_the_problem(store):
         store.put(ns, FP, 0, [(4, 0, entry(4)), (5, 0, bytes(bad))])
     assert store.get(ns, FP, 0, [(4, 0)]) == [None]  # the whole call was rejected
     sparse = np.maximum(np.random.default_rng(0).standard_normal(4096, dtype=np.float32), 0)
-    served = b"".join(bytes(p) for p in to_raw_entry(encode_entry([TensorSpec(DType.float32, sparse.shape)], [sparse], zstd_level=1)))
+    encoded = encode_entry([TensorSpec(DType.float32, sparse.shape)], [sparse], zstd_level=1)
+    served = b"".join(bytes(p) for p in to_raw_entry(encoded))
     with pytest.raises(InvalidRequest, match="sample 6 variant 0: a raw_verified entry carries no payload checksum"):
         store.put(ns, FP, 0, [(6, 0, served)])
 
@@ -273,6 +274,7 @@ print("refused", refused)
 """
 
 
+@pytest.mark.slow
 def test_map_that_cannot_grow_is_resource_exhausted_not_a_crash(tmp_path):
     """The map's remap is refused (address-space limit, as a huge map on a small machine): puts get
     BudgetExceeded, the environment stays usable, and a drop makes room again."""

@@ -25,6 +25,7 @@ def entry(seed: int) -> bytes:
     return encode_entry(SPEC, [random.Random(seed).randbytes(1000)])
 
 
+@pytest.mark.slow
 def test_another_job_cannot_open_read_or_overwrite_a_protected_namespace(tmp_path):
     with run_daemon(cache_dir=tmp_path / "cache") as d:
         with d.client() as job_a, d.client() as job_b:
@@ -81,6 +82,7 @@ def _self_signed(tmp_path):
     return cert, key
 
 
+@pytest.mark.slow
 def test_tcp_with_tls_and_token(tmp_path):
     cert, key = _self_signed(tmp_path)
     args = ("--listen", "127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key))
@@ -112,6 +114,7 @@ def test_tcp_with_tls_and_token(tmp_path):
         (["--socket-group", "no-such-group-here"], "is not a group on this machine"),
     ],
 )
+@pytest.mark.slow
 def test_serve_refuses_unsafe_endpoints(tmp_path, args, message):
     out = subprocess.run(
         [sys.executable, "-m", "actcache", "serve", "--dir", str(tmp_path / "c"), "--socket", str(tmp_path / "s.sock"), *args],
@@ -129,6 +132,7 @@ def test_allow_remote_accepts_any_host():
         True, True, True, True, False, False, False]
 
 
+@pytest.mark.slow
 def test_socket_shared_with_a_group():
     others = [g for g in grp.getgrall() if g.gr_gid != os.getegid()]
     group = others[0] if os.geteuid() == 0 and others else grp.getgrgid(os.getegid())

@@ -9,8 +9,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from actcache.rpc_client import JobInfo
 from actcache.testing import run_daemon
+
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
 
 
 def actcache(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

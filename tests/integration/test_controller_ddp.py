@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,6 +14,8 @@ from torch import nn
 
 import actcache_client as ac
 from actcache_client.freeze import AutoFreezePolicy, Decision, FreezeController, read_timeline
+
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
 
 STEPS = 24
 
@@ -53,7 +56,7 @@ def _rank_main(rank: int, store: str, out_dir: str) -> None:
         ctl = FreezeController(cached, opt, RankLocal(), eval_every=3, timeline=timeline)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
         per_step, local_losses = [], []
-        for step in range(STEPS):
+        for _step in range(STEPS):
             x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
             loss = nn.functional.cross_entropy(cached(torch.arange(8), x), y)
             opt.zero_grad()

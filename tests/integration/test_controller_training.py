@@ -13,6 +13,8 @@ import actcache_client as ac
 from actcache_client.freeze import EgeriaConfig, EgeriaPolicy, FreezeController, ReferenceConfig, StaticPolicy
 from tests.cifar import cifar_subset
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 MAX_STEPS = 3000  # a bound on the loop, not an expectation: the freeze usually comes after a few hundred
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                 reason="CUDA unavailable: the GPU variant needs a GPU"))]
@@ -80,7 +82,7 @@ def test_egeria_freezes_a_stage_of_a_cnn_on_real_images_without_waiting_for_the_
             assert built and built[0]["stage"] == 0 and built[0]["ms_per_batch"] > 0
             print(f"{source}: froze stage 0 at step {freeze['step']}; reference {stats}")
         # The frozen prefix is now served from the cache: stored in one epoch, hit in the next.
-        for epoch in range(2):
+        for _epoch in range(2):
             conn.flush(timeout_s=30)
             hits = conn.stats.hits
             for batch in loader:

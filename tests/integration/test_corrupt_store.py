@@ -8,6 +8,8 @@ import pytest
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.testing import run_daemon
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 FP = bytes(range(16))
 ENTRY = encode_entry([TensorSpec(DType.uint8, (64 << 10,))], [bytes(range(256)) * 256])
 

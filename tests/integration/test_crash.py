@@ -20,12 +20,15 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
+import pytest
 
 from actcache.codec import DType, TensorSpec, decode_entry, encode_entry, verify_entry
 from actcache.errors import ActCacheError
 from actcache.keys import sample_id_of
 from actcache.rpc_client import RpcClient
 from actcache.testing import DaemonProcess
+
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
 
 FP = bytes(range(100, 116))
 DEPTH = 3
@@ -139,7 +142,7 @@ def test_acknowledged_puts_survive_kill_9(tmp_path, capsys):
             go.set()
             with cond:
                 target = acks.value + rng.randint(3, 40)
-                assert cond.wait_for(lambda: acks.value >= target, timeout=90), (
+                assert cond.wait_for(lambda target=target: acks.value >= target, timeout=90), (
                     f"writers stalled in round {round_} (seed {seed})\n{daemon.log_tail()}"
                 )
             stop.wait(rng.uniform(0, 0.02))  # a random moment, with puts in flight

@@ -18,10 +18,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import actcache_client as ac
 from actcache.shm import MIN_RING_BYTES, ClientSegment, ShmRing, SlotRun
-from actcache_client.transport._device_staging import Stager
-from actcache_client.transport._tensors import collate_entries, encode_samples
 from actcache.testing import run_daemon
 from actcache_client.models import resnet20
+from actcache_client.transport._device_staging import Stager
+from actcache_client.transport._tensors import collate_entries, encode_samples
 from tests.integration import test_training as cpu
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -264,7 +264,7 @@ def test_cuda_a_served_step_syncs_the_host_no_more_than_the_users_loop(daemon):
             epoch(net, loader, opt)  # fills the cache
             conn.flush(timeout_s=30)
             torch.cuda.synchronize()
-            counts.append(_count_syncs(lambda: epoch(net, loader, opt)))
+            counts.append(_count_syncs(lambda net=net, loader=loader, opt=opt: epoch(net, loader, opt)))
             if cached:
                 assert conn.stats.hits == N
     assert counts[1] <= counts[0], counts

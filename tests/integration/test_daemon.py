@@ -15,11 +15,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actcache import __version__, rpc
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
-from actcache import __version__, rpc
 from actcache.errors import (
-    BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, Unauthenticated, VersionMismatch, error_from_status,
+    BudgetExceeded,
+    EntryCorrupt,
+    InvalidRequest,
+    NamespaceNotFound,
+    Unauthenticated,
+    VersionMismatch,
+    error_from_status,
 )
 from actcache.rpc import SERVICE, encode_frame, method
 from actcache.rpc_client import RpcClient
@@ -87,6 +93,7 @@ def _writer(target: str, worker: int, count: int) -> None:
             client.put(ns, FP, 2, items)
 
 
+@pytest.mark.slow
 def test_four_processes_write_concurrently_without_loss_or_mixup(daemon, client):
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_writer, args=(daemon.target, w, 200)) for w in range(4)]
@@ -127,7 +134,8 @@ def test_bad_input_gets_precise_status(daemon, client):
         client.put(ns, FP, 70000, [(1, 0, good)])
     header = pb.PutHeader(namespace_id=ns, fingerprint=FP, depth=0, sample_ids=[1, 2], lengths=[len(good), 5])
     for frame, message in [
-        (encode_frame(header.SerializeToString(), [good]), f"lists {len(good) + 5} payload bytes but the payload has {len(good)}"),
+        (encode_frame(header.SerializeToString(), [good]),
+         f"lists {len(good) + 5} payload bytes but the payload has {len(good)}"),
         (b"\x1a\x03abc", "frame has unexpected field 3"),
     ]:
         with pytest.raises(grpc.RpcError) as info:
@@ -234,6 +242,7 @@ def test_a_daemon_older_than_the_version_exchange_is_a_mismatch(tmp_path):
     assert "`actcache stop`" in str(info.value)
 
 
+@pytest.mark.slow
 def test_entries_survive_restart_and_corruption_is_data_loss(tmp_path):
     spec = MARKER_SPEC
     with run_daemon("--encoding", "raw", cache_dir=tmp_path / "c") as d:
@@ -251,6 +260,7 @@ def test_entries_survive_restart_and_corruption_is_data_loss(tmp_path):
             assert c.stats().corrupt_total == 1
 
 
+@pytest.mark.slow
 def test_budget_exhausted_then_drop_then_writes_succeed():
     spec = [TensorSpec(DType.uint8, (100_000,))]
     with run_daemon("--namespace-budget", "1MB", "--encoding", "raw") as d, d.client() as c:
@@ -263,6 +273,7 @@ def test_budget_exhausted_then_drop_then_writes_succeed():
         c.put(ns, FP, 1, [(i, 0, make_entry(i, spec)[0]) for i in range(9, 12)])
 
 
+@pytest.mark.slow
 def test_tcp_requires_a_token_and_checks_it(tmp_path):
     env = {**os.environ}
     env.pop("ACTCACHE_TOKEN", None)
@@ -279,6 +290,7 @@ def test_tcp_requires_a_token_and_checks_it(tmp_path):
             assert good.open("x").namespace_id >= 1
 
 
+@pytest.mark.slow
 def test_cli_stats_ls_drop(daemon, client):
     ns = client.open("cli").namespace_id
     client.put(ns, FP, 7, [(i, 0, make_entry(i, [TensorSpec(DType.int32, (10,))])[0]) for i in range(5)])

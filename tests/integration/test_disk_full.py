@@ -20,6 +20,8 @@ from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.errors import BudgetExceeded
 from actcache.testing import run_daemon
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 FP = bytes(range(16))
 FS_BYTES = 32 << 20
 SPEC = [TensorSpec(DType.uint8, (256 << 10,))]

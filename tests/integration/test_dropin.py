@@ -17,6 +17,8 @@ import actcache_client as ac
 from actcache.errors import ConfigError
 from actcache_client.models import resnet20
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -143,7 +145,7 @@ def test_random_augmentation_in_getitem_is_cached_per_variant(daemon):
     cache.close()
 
 
-def test_a_network_wrapped_in_ddp_is_unwrapped(daemon):
+def test_a_network_wrapped_in_data_parallel_is_unwrapped(daemon):
     cache = ac.ActCache(nn.parallel.DataParallel(resnet20()), _connect(daemon), planner=None)
     assert isinstance(cache.net, type(resnet20()))
     cache.close()
@@ -181,7 +183,7 @@ def test_resume_mid_epoch_gives_the_uninterrupted_run(daemon, reference):
     loader = cache.wrap(DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)))
     loader.load_state_dict(checkpoint["loader"])
     assert loader.epoch == 1
-    for epoch in range(loader.epoch, 3):
+    for _epoch in range(loader.epoch, 3):
         net.train()
         cache.freeze(4)
         for x, y in loader:
@@ -232,7 +234,7 @@ def test_a_dict_batch_stays_a_dict_and_inputs_names_its_field(daemon):
     cache = ac.ActCache(net, _connect(daemon), inputs=lambda batch: batch["image"], planner=None)
     wrapped = cache.wrap(loader)
     cache.freeze(4)
-    for epoch in range(2):
+    for _epoch in range(2):
         for batch in wrapped:
             assert set(batch) == {"image", "label"} and batch["image"].shape[0] == 32
             F.cross_entropy(net(batch["image"]), batch["label"]).backward()
@@ -266,8 +268,8 @@ def test_a_metric_on_the_batch_just_trained_on_sees_the_served_rows(daemon):
     loader = cache.wrap(DataLoader(Images(), batch_size=32))
     cache.freeze(4)
     images = Images().images
-    for epoch in range(2):
-        for step, (x, y) in enumerate(loader):
+    for _epoch in range(2):
+        for step, (x, _y) in enumerate(loader):
             net.train()
             logits = net(x)
             with torch.no_grad():
@@ -286,13 +288,13 @@ def test_changing_an_input_with_placeholder_rows_is_an_error_naming_the_fix(daem
     net = resnet20()
     cache = ac.ActCache(net, _connect(daemon), planner=None)
     cache.freeze(4)
-    for x, y in cache.wrap(DataLoader(Images(), batch_size=32)):  # the first epoch stores every row
+    for x, _y in cache.wrap(DataLoader(Images(), batch_size=32)):  # the first epoch stores every row
         net(x)
     with pytest.raises(ConfigError, match=r"skip_loads=False"):
-        for x, y in cache.wrap(DataLoader(Images(), batch_size=32)):
+        for x, _y in cache.wrap(DataLoader(Images(), batch_size=32)):
             net(x + 1.0)
     with pytest.warns(ac.ChangedInputWarning):
-        for x, y in cache.wrap(DataLoader(Images(), batch_size=32), skip_loads=False):
+        for x, _y in cache.wrap(DataLoader(Images(), batch_size=32), skip_loads=False):
             net(x + 1.0)
     cache.close()
 
@@ -304,7 +306,7 @@ def test_a_deep_copy_of_the_network_runs_its_own_forward(daemon):
     net = resnet20()
     cache = ac.ActCache(net, _connect(daemon), planner=None)
     cache.freeze(4)
-    for x, y in cache.wrap(DataLoader(Images(), batch_size=32)):
+    for x, _y in cache.wrap(DataLoader(Images(), batch_size=32)):
         net(x)
     twin = copy.deepcopy(net).eval()
     assert "forward" in net.conv1.__dict__

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 import actcache_client as ac
 from tests.integration.test_store_dtype import N, train
 
@@ -17,6 +19,7 @@ def stored_bytes(daemon, namespace: str) -> int:
         return sum(g.bytes for g in client.stats().groups if g.namespace == namespace)
 
 
+@pytest.mark.slow
 def test_the_chosen_codec_stores_relu_outputs_compressed_and_training_is_unchanged(daemon):
     off = train(None)[0]
     sizes = {}

@@ -11,6 +11,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["dict batches", "nested tuple batches"])
+@pytest.mark.slow
 def test_text_pairs_match_the_plain_loop(daemon, monkeypatch, nested):
     monkeypatch.setenv("ACTCACHE_SOCKET", str(daemon.socket))
     monkeypatch.syspath_prepend(str(EXAMPLES))

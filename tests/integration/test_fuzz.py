@@ -147,6 +147,7 @@ def count(test: str) -> None:
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow
 def test_open(fuzzed, data):
     name = data.draw(st.one_of(st.text(max_size=140), st.from_regex(r"[A-Za-z0-9._-]{1,8}", fullmatch=True)))
     secret = data.draw(st.one_of(st.just(b""), st.binary(min_size=1, max_size=1100)))
@@ -181,6 +182,7 @@ def entries(draw):
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow
 def test_put(fuzzed, data):
     frames = []
     for _ in range(data.draw(st.integers(0, 3))):
@@ -229,6 +231,7 @@ def test_drop_and_stats(fuzzed, data):
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow
 def test_schedule_and_fetch(fuzzed, data):
     chunks = [
         pb.ScheduleChunk(
@@ -277,6 +280,7 @@ def test_random_bytes_on_the_socket(fuzzed, preface, garbage):
 # ---- giant requests ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_giant_id_lists(fuzzed):
     _, channel, (public, _) = fuzzed
     fp = bytes(range(16))
@@ -289,6 +293,7 @@ def test_giant_id_lists(fuzzed):
     count("giant")
 
 
+@pytest.mark.slow
 def test_large_entries_within_and_beyond_limits(fuzzed):
     _, channel, (public, _) = fuzzed
     fp = bytes(range(16))
@@ -497,6 +502,7 @@ def _chunk_defect(data, kind: str, chunk: pb.ScheduleChunk, ids: list[int], pf: 
 @pytest.mark.parametrize("kind", list(SCHEDULE_DEFECTS), ids=lambda kind: kind or "no defect")
 @settings(FUZZ, max_examples=max(5, FUZZ.max_examples // 10))
 @given(data=st.data())
+@pytest.mark.slow
 def test_schedule_streams_with_one_defect(fuzzed, pf, kind, data):
     ns = data.draw(st.sampled_from([pf.public, pf.protected]))
     schedule_id = pf.schedule_id("s")
@@ -549,6 +555,7 @@ def test_schedule_streams_with_one_defect(fuzzed, pf, kind, data):
 
 @FUZZ
 @given(data=st.data())
+@pytest.mark.slow
 def test_fetch_requests(fuzzed, pf, data):
     ns = data.draw(st.sampled_from([pf.public, pf.protected]))
     schedule_id = pf.schedule_id("f")
@@ -630,6 +637,7 @@ def test_absurd_ring_sizes_still_serve_every_entry(fuzzed, pf, ring_bytes):
     count("absurd-rings")
 
 
+@pytest.mark.slow
 def test_giant_schedules_beyond_the_limits(fuzzed, pf):
     """A chunk larger than the daemon's message limit (OpenReply.max_message_bytes) is RESOURCE_EXHAUSTED, refused
     by gRPC before the daemon holds it; 4 M ids in chunks are within the limits and served from any start; more than
@@ -704,6 +712,7 @@ def test_schedule_upload_cancelled_midway_changes_nothing(fuzzed, pf):
 
 
 @pytest.mark.parametrize("plane", ["bytes", "shared_memory"])
+@pytest.mark.slow
 def test_fetch_cancelled_mid_stream_frees_its_memory_and_resumes(fuzzed, pf, plane):
     name = f"pf-cancel-{plane}"
     ns = pf.client.open(name).namespace_id

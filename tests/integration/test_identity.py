@@ -88,6 +88,7 @@ def groups_of(connection, namespace: str) -> dict[bytes, int]:
     return out
 
 
+@pytest.mark.slow
 def test_two_jobs_on_other_data_from_the_same_weights_share_no_entries(daemon):
     """The reproduction: same weights, same namespace ("default"), other data."""
     results = []
@@ -132,6 +133,7 @@ def primed(conn, dataset):
     return model
 
 
+@pytest.mark.slow
 def test_an_audit_catches_wrong_content_drops_it_warns_and_recomputes(daemon):
     dataset, namespace = random_data(20), f"t-{uuid.uuid4().hex[:8]}"
     off = job(None, dataset)[0]

@@ -8,6 +8,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from actcache.testing import run_daemon
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 
 def test_daemon_exits_cleanly_after_its_idle_timeout():
     with run_daemon("--idle-timeout", "1") as d:

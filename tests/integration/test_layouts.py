@@ -42,6 +42,7 @@ def _same_with_and_without_the_cache(make, data, depth, connection, **options) -
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
+@pytest.mark.slow
 def test_a_decoder_classifier_is_served_bit_for_bit(connection, family, left):
     # Left padding shifts a sample's positions with the batch's length: stored whole at one padded length.
     options = {"varlen": None} if left else {}
@@ -110,6 +111,7 @@ def test_an_unknown_option_names_the_valid_ones(connection):
     assert cache.model.keep_generations
 
 
+@pytest.mark.slow
 def test_a_lora_model_adapted_on_its_top_layers_is_served_below_them(connection):
     pytest.importorskip("peft", reason="the peft extra (actcache[peft]) is not installed")
     cache = ac.ActCache(families.llama_lora(), connection)

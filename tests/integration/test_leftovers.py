@@ -33,6 +33,8 @@ from tests.integration.conftest import (
     start_holder,
 )
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 STORED = 300  # ~300 KiB of entries: more than the 64 KiB ring holds
 
 

@@ -14,7 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.integration.conftest import segments
+
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_load.py"
 FETCH_IDS = 32

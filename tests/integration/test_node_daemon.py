@@ -24,6 +24,8 @@ from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.errors import ConfigError, DaemonUnavailable
 from actcache.node import NodeDaemon, peer_pid, stop_daemon, wait_exit
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 FP = bytes(range(16))
 SPEC = [TensorSpec(DType.float32, (4,))]
 
@@ -139,7 +141,8 @@ def test_a_stale_socket_or_a_killed_daemon_does_not_block_a_start(node):
     assert node.socket.exists()  # left behind by the kill
     with ac.connect(strict=True) as conn:
         assert peer_pid(node.socket) not in (None, pid)
-        assert [payload_of(v) for v in conn.lookup(FP, 1, [3], [0])] == [payload_of(entry(3))]  # an acknowledged put survives kill -9
+        # an acknowledged put survives kill -9
+        assert [payload_of(v) for v in conn.lookup(FP, 1, [3], [0])] == [payload_of(entry(3))]
     assert starts(node) == 2
 
 

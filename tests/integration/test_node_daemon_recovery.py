@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import actcache_client as ac
 from actcache.node import NodeDaemon, peer_pid, stop_daemon, wait_exit
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 EPOCHS, KILL_EPOCH = 6, 3
 
 

@@ -14,6 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -23,6 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import actcache_client as ac
 from actcache.testing import run_daemon
 from actcache_client.sampler import node_assignment
+
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
 
 N, BATCH, EPOCHS, NODES, RANKS = 128, 8, 3, 2, 2
 STOP_AFTER = 2  # batches of the last epoch before the checkpoint

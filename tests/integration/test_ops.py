@@ -13,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.testing import run_daemon
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 FP = bytes(range(16))
 
 

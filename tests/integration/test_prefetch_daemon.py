@@ -33,6 +33,7 @@ def prefetch_of(stats, namespace: str):
     return next(p for p in stats.prefetch if p.namespace == namespace)
 
 
+@pytest.mark.slow
 def test_chunked_order_of_200k_ids_is_preserved_with_misses_in_place(client):
     ns = client.open("order").namespace_id
     put_range(client, ns, range(0, 400, 4))
@@ -123,6 +124,7 @@ def test_stats_counters_are_exact_on_a_known_workload(daemon, client):
     assert "prefetch budget" in human and "20 hits, 40 misses (hit ratio 33.3%" in human
 
 
+@pytest.mark.slow
 def test_budget_holds_under_concurrent_schedules():
     budget = 1 << 20
     with run_daemon("--prefetch-bytes", str(budget), "--max-entry-bytes", "256KiB") as d, d.client() as c:
@@ -229,6 +231,7 @@ def test_plain_repeated_fields_work_for_other_clients(client):
     assert "both sample_ids and packed_sample_ids" in info.value.details()
 
 
+@pytest.mark.slow
 def test_shutdown_ends_fetch_streams_at_once_with_unavailable():
     with run_daemon("--encoding", "raw") as d, d.client(retries=1) as c:
         ns = c.open("stop").namespace_id

@@ -13,6 +13,8 @@ from actcache.rpc_client import JobInfo
 from actcache.testing import run_daemon
 from tests.integration.test_ops import actcache, scrape
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 OLD, NEW = b"\x01" * 16, b"\x02" * 16
 SPEC = [TensorSpec(DType.uint8, (4000,))]
 

@@ -1,21 +1,31 @@
 """Fetch through the shared-memory data plane, against a real daemon."""
 
 import os
-import time
 
 import grpc
 import numpy as np
+import pytest
 
 from actcache._proto import actcache_pb2 as pb
+from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.rpc import decode_frame, method
 from actcache.shm import ClientSegment
-from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.testing import run_daemon
+from tests.integration.conftest import (
+    MARKER,
+    MARKER_SPEC,
+    fetched,
+    flip_marker_byte,
+    kill_9,
+    put_range,
+    segments,
+    start_holder,
+)
 from tests.integration.conftest import SHM_FP as FP
 from tests.integration.conftest import SMALL_RING as RING
-from tests.integration.conftest import MARKER, MARKER_SPEC, fetched, flip_marker_byte, kill_9, put_range, segments, start_holder
 
 
+@pytest.mark.slow
 def test_shared_memory_equals_bytes_path_with_misses_in_place_and_reuses_the_ring(shm_dir):
     with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
         ns = client.open("eq").namespace_id
@@ -35,6 +45,7 @@ def test_shared_memory_equals_bytes_path_with_misses_in_place_and_reuses_the_rin
         assert segments(shm_dir) == []  # unlinked once mapped
 
 
+@pytest.mark.slow
 def test_a_slot_is_reused_only_after_its_release(shm_dir):
     """A raw call that releases nothing receives exactly what fits in the ring, in disjoint slots."""
     with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
@@ -71,6 +82,7 @@ def test_a_slot_is_reused_only_after_its_release(shm_dir):
             assert len({off for _, off, _ in held}) < 200  # slots were reused
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_client_holding_slots_then_a_new_client_works(shm_dir):
     with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
         ns = client.open("kill").namespace_id
@@ -99,6 +111,7 @@ def test_bytes_fallback_when_shared_memory_is_unavailable(tmp_path):
         assert planes == {"bytes"} and [g[3] is None for g in got] == [False] * 10 + [True] * 2
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_daemon_leftovers_removed_at_restart_and_by_clean(shm_dir, tmp_path):
     from actcache.ops.clean import Action, CleanTarget, stale_shm_segments
 
@@ -169,6 +182,7 @@ def test_entries_larger_than_the_ring_travel_in_their_frame(shm_dir):
     assert {len(v) > RING for *_, v in got} == {True, False}  # 160 KB entries beside 4 KB ones
 
 
+@pytest.mark.slow
 def test_a_corrupt_entry_is_a_counted_miss_in_its_place_on_both_planes(shm_dir, tmp_path):
     """The daemon verifies entries as it decodes them into the frame or the ring; a bad one is a miss."""
     others = {i: np.full(8192, i, np.uint8) for i in (1, 3)}
@@ -225,6 +239,7 @@ def test_the_next_fetch_of_a_client_reuses_the_ring_of_its_last(shm_dir):
         assert segments(shm_dir) == []
 
 
+@pytest.mark.slow
 def test_the_ring_of_a_stream_left_midway_serves_the_next_fetch_exactly(shm_dir):
     """A client that stops reading cancels the call while the daemon is still writing frames into the ring;
     the ring's next stream (the same client's next Fetch) gets exactly the stored values."""

@@ -76,6 +76,7 @@ def namespace() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"
 
 
+@pytest.mark.slow
 def test_a_stored_epoch_loads_no_input_and_trains_as_without_the_cache(daemon):
     off, off_calls, _, _ = run(None)
     assert off_calls == [N, N, N]
@@ -121,6 +122,7 @@ def test_a_partly_stored_epoch_loads_exactly_the_misses(daemon):
         assert model.times.cached_samples == len(stored)
 
 
+@pytest.mark.slow
 def test_workers_persistent_workers_and_resume_skip_the_stored_inputs(daemon):
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
         data = Counting()

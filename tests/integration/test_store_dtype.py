@@ -13,6 +13,8 @@ import actcache_client as ac
 from actcache.errors import ConfigError
 from tests.integration.test_skip_loads import train_epoch
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 N = 64
 
 

@@ -84,6 +84,7 @@ def distill(connection, *, epochs: int = 4, student_frozen: int = 1):
 
 @pytest.mark.parametrize("student_frozen, loads", [(1, [N, N, 0, 0]), (0, [N] * 4)],
                          ids=["student-cached-too", "student-needs-inputs"])
+@pytest.mark.slow
 def test_a_student_taught_from_the_cache_trains_as_with_the_teacher_recomputed(daemon, student_frozen, loads):
     """Two augmentation variants: epochs 0 and 1 store the teacher's outputs, 2 and 3 are served. An input
     is left unloaded only when both the student's frozen prefix and the teacher are served."""

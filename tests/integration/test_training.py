@@ -20,6 +20,8 @@ from actcache_client.models import resnet20
 from tests.client.tiny_bert import TinyBertForSequenceClassification
 from tests.integration.test_skip_loads import train_epoch
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 N = 96
 
 
@@ -380,7 +382,7 @@ def test_the_fetch_reading_is_the_rate_the_step_received_from_a_throttled_daemon
         model = ac.CachedForward(ac.from_resnet(resnet20()), conn)
         loader = ac.CachedLoader(DataLoader(ac.IndexedDataset(data), batch_size=8), model)
         model.set_frozen(9)
-        for epoch in range(3):  # the write epoch, a served one (frames sized to its entries), then the measured one
+        for _epoch in range(3):  # the write epoch, a served one (frames sized to its entries), then the measured one
             before, t0 = (conn.stats.received_bytes, conn.stats.received_seconds, conn.stats.bytes_read), None
             for batch in loader:
                 t0 = t0 or time.perf_counter()  # from the first frame's arrival

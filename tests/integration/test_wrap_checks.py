@@ -110,7 +110,7 @@ def test_tokenizing_in_collate_fn_then_a_new_max_length_is_caught_and_the_hint_s
         loader = cache.wrap(DataLoader(Sentences(), batch_size=16, collate_fn=tokenize(max_length)))
         cache.freeze(2)
 
-        def epochs(n: int) -> None:
+        def epochs(n: int, net=net, loader=loader, cache=cache) -> None:
             for _ in range(n):
                 for x, _ in loader:
                     net(x)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -14,12 +13,21 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 pytest.importorskip("transformers", reason="the huggingface extra (actcache[huggingface]) is not installed")
 
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import (BertConfig, BertForSequenceClassification, DataCollatorWithPadding,  # noqa: E402
-                          PreTrainedTokenizerFast, RobertaConfig, RobertaForSequenceClassification, Trainer,
-                          TrainingArguments)
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForSequenceClassification,
+    DataCollatorWithPadding,
+    PreTrainedTokenizerFast,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+    Trainer,
+    TrainingArguments,
+)
 
 import actcache_client as ac  # noqa: E402
 from actcache.errors import ConfigError  # noqa: E402

@@ -9,10 +9,17 @@ import pytest
 import torch
 from torch import nn
 
+pytestmark = pytest.mark.slow  # seconds per test: make test runs them, make test-fast does not
+
 pytest.importorskip("transformers", reason="the huggingface extra (actcache[huggingface]) is not installed")
 
-from transformers import (DataCollatorWithPadding, LlamaConfig, LlamaForSequenceClassification, Trainer,  # noqa: E402
-                          TrainingArguments)
+from transformers import (  # noqa: E402
+    DataCollatorWithPadding,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+    Trainer,
+    TrainingArguments,
+)
 
 import actcache_client as ac  # noqa: E402
 from actcache.errors import ConfigError  # noqa: E402

@@ -31,7 +31,10 @@ SIZE, EPOCHS = 256, 3  # 4 steps of 64 per epoch; frozen (stem + layer1) from ep
 TINY = ["--size", str(SIZE), "--epochs", str(EPOCHS), "--freeze-at", "1"]
 
 # lightning 2.6's _pytree calls a torch API that this torch deprecates.
-pytestmark = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
+]
 
 
 

@@ -6,6 +6,7 @@ Why probes stay: without them explicit reads served cold data at about a third o
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from concurrent.futures import Executor, Future
@@ -114,13 +115,14 @@ class ShortTransaction:
 
     def __init__(self, store: Store, guess: PageCacheGuess) -> None:
         self._store, self._guess = store, guess  # the guess outlives the transactions
-        self._cm = self._session = None
+        self._cm: contextlib.AbstractContextManager[ReadSession] | None = None
+        self._session: ReadSession | None = None
         self._opened_at, self._entries = 0.0, 0
 
     def open(self) -> ReadSession:
         if self._session is None:
-            self._cm = self._store.read_session(self._guess)
-            self._session = self._cm.__enter__()
+            self._cm = cm = self._store.read_session(self._guess)
+            self._session = cm.__enter__()
             self._opened_at, self._entries = time.monotonic(), 0
         return self._session
 

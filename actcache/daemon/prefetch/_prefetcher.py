@@ -17,8 +17,8 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.config import PrefetchConfig
+from actcache.daemon.prefetch._budget import MemoryBudget
 from actcache.daemon.prefetch._readahead import ENDED, ReaderSnapshot, ReaderState
 from actcache.daemon.prefetch._reader import ScheduleReader
 from actcache.daemon.prefetch._schedule import PrefetchCounters, Schedule
@@ -138,13 +138,13 @@ class Prefetcher:
                     f"Fetch start {start} is past the end of schedule {schedule_id!r} ({len(schedule)} entries)")
             self.fetches_total += 1
             self.store.generations.read(_generation(schedule))
-            reader = self._readers.get(key)
-            taken = (reader is not None and not reader.attached and not reader.reclaimed and reader.start == start
-                     and reader.state not in (ReaderState.CANCELLED, ReaderState.FAILED))
-            if taken:
-                reader.attached = True
+            current = self._readers.get(key)
+            if (current is not None and not current.attached and not current.reclaimed and current.start == start
+                    and current.state not in (ReaderState.CANCELLED, ReaderState.FAILED)):
+                current.attached = True
+                reader, old, taken = current, None, True
             else:
-                old, reader = reader, self._new_reader(schedule, start, attached=True)
+                reader, old, taken = self._new_reader(schedule, start, attached=True), current, False
             self._update_turns()
         if taken:
             with reader.cond:  # wake it if it waits for a consumer
@@ -177,7 +177,7 @@ class Prefetcher:
     def stats(self) -> PrefetchStats:
         with self._cond:
             live = [(s, self._readers.get((s.namespace_id, s.schedule_id))) for s in self._schedules.values()]
-            totals = {ns: PrefetchCounters(**c.snapshot()) for ns, c in self._finished.items()}
+            totals = {ns: c.copy() for ns, c in self._finished.items()}
             used, max_used = self.budget.used, self.budget.max_used
             counts = (self.schedules_total, self.fetches_total)
         statuses = []
@@ -230,7 +230,7 @@ class Prefetcher:
         """Make room for one more schedule in the namespace: unregister the oldest ones nobody is fetching
         (with their readers, to cancel). Caller holds ``_cond``."""
         mine = [s for (ns, _), s in self._schedules.items() if ns == namespace_id]
-        evicted = []
+        evicted: list[tuple[Schedule, ScheduleReader | None]] = []
         for schedule in mine:  # dicts keep push order: oldest first
             if len(mine) - len(evicted) < MAX_SCHEDULES_PER_NAMESPACE:
                 break

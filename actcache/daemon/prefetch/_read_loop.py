@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
 from actcache.daemon.prefetch import _readahead
 from actcache.daemon.prefetch._budget import MemoryBudget
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ReadLoop"]
 
+_Shared = TypeVar("_Shared", bound=ReadAhead)  # the reader whose entries the loop reads, as on_starved gets it
+
 # Entries read and published together while the budget has their bytes (one lock and wake-up check a run).
 RUN = 32
 _KEY_BLOCK = 512
@@ -26,7 +28,7 @@ _KEY_BLOCK = 512
 _COUNT_EVERY = 64
 
 
-class ReadLoop:
+class ReadLoop(Generic[_Shared]):
     """Reads a schedule's entries ahead of its consumer, on the reader's own thread.
 
     Each position is looked up and read as stored (no decoding here), its
@@ -37,8 +39,8 @@ class ReadLoop:
     before any wait, so a waiting reader pins no pages.
     """
 
-    def __init__(self, shared: ReadAhead, handover: Handover, *, store: Store, budget: MemoryBudget,
-                 probe_pool: Executor | None, probe_bytes: int, on_starved: Callable[[ReadAhead, int], None]) -> None:
+    def __init__(self, shared: _Shared, handover: Handover, *, store: Store, budget: MemoryBudget,
+                 probe_pool: Executor | None, probe_bytes: int, on_starved: Callable[[_Shared, int], None]) -> None:
         """The budget counts this reader's bytes under ``shared`` (its ScheduleReader)."""
         self._schedule, self._guess, self._shared, self._handover = handover.schedule, handover.guess, shared, handover
         self._store, self._budget, self._probe, self._probe_bytes = store, budget, probe_pool, probe_bytes

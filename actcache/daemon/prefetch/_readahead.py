@@ -142,7 +142,8 @@ class ReadAhead:
     def take(self, max_frame_bytes: int) -> tuple[int, list[Slot]]:
         """The ready slots of one frame (at least one, at most ``max_frame_bytes`` beyond the first), now
         served. Caller holds ``cond``; ``served < ready``."""
-        start, taken, size = self.served, [], 0
+        start, size = self.served, 0
+        taken: list[Slot] = []
         while self.served < self.ready:
             slot = self.slots[self.served]
             if taken and size + slot.nbytes > max_frame_bytes:

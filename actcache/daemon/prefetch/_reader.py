@@ -75,8 +75,9 @@ class ScheduleReader(ReadAhead):
 
     def _fail(self, exc: BaseException) -> None:
         """End reading with ``exc``: the consumer still gets the entries read so far, then the error."""
-        error = exc
-        if not isinstance(exc, ActCacheError):
+        if isinstance(exc, ActCacheError):
+            error = exc
+        else:
             log.error("schedule reader failed", exc_info=exc)
             error = StoreError(
                 f"reading schedule {self.schedule.schedule_id!r} failed at position {self.read}: {exc!r}")
@@ -117,6 +118,7 @@ class ScheduleReader(ReadAhead):
     def frames(self, max_frame_bytes: int) -> Iterator[bytes]:
         """Fetch frames (entries in the payload) from ``start`` to the end; see ``batches``."""
         for batch in self.batches(max_frame_bytes):
+            assert isinstance(batch, ServedBatch), "no DirectRun without direct_entries"
             parts = batch.decode()
             frame = encode_frame(batch.header.SerializeToString(), [p for entry in parts for p in entry])
             batch.finish()

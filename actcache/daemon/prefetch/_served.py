@@ -11,8 +11,8 @@ from concurrent.futures import Executor
 from typing import Callable, Sequence
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.served import to_raw_entries, to_raw_entries_into
 from actcache.errors import InvalidRequest
+from actcache.served import to_raw_entries, to_raw_entries_into
 
 __all__ = ["ServedBatch", "split_with"]
 
@@ -31,7 +31,8 @@ class ServedBatch:
         """``discard(position, error)`` deletes a corrupt entry; ``done(counts)`` releases the entries' memory
         and adds ``counts`` (``counts`` given here plus hits, misses, corrupt and served bytes)."""
         self.header, self.stored = header, stored
-        self._pool, self._discard, self._done, self._counts = pool, discard, done, counts
+        self._pool, self._discard, self._done = pool, discard, done
+        self._counts: dict | None = counts  # None once finished
         self._failed: list[int] = []  # entries that failed verification (list.append is thread-safe)
 
     @property
@@ -59,9 +60,9 @@ class ServedBatch:
         None for a miss)."""
 
         def run(part: range) -> None:
-            todo = [i for i in part if outputs[i - indices.start] is not None]
-            errors = to_raw_entries_into([self.stored[i] for i in todo], [outputs[i - indices.start] for i in todo])
-            for i, exc in zip(todo, errors):
+            todo = [(i, out) for i in part if (out := outputs[i - indices.start]) is not None]
+            errors = to_raw_entries_into([self.stored[i] for i, _ in todo], [out for _, out in todo])
+            for (i, _), exc in zip(todo, errors):
                 if exc is not None:
                     self._fail_entry(i, exc)
 

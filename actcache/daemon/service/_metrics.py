@@ -65,7 +65,7 @@ class DaemonCollector:
         for family in self._families:
             kind = CounterMetricFamily if family.kind == "counter" else GaugeMetricFamily
             reading = family.read()
-            if not family.labels:
+            if not isinstance(reading, Mapping):  # a family without labels
                 yield kind(family.name, family.help, value=reading)
                 continue
             metric = kind(family.name, family.help, labels=family.labels)
@@ -93,26 +93,26 @@ def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
     def names() -> dict[int, str]:
         return {info.id: info.name for info, *_ in store.namespaces()}
 
-    def stored(index: int) -> Callable[[], dict[tuple[str], int]]:
+    def stored(index: int) -> Callable[[], dict[tuple[str, ...], int]]:
         return lambda: {(info.name,): row[index] for info, *row in store.namespaces()}
 
-    def reclaimable() -> dict[tuple[str], int]:
+    def reclaimable() -> dict[tuple[str, ...], int]:
         named = names()
-        out = {(name,): 0 for name in named.values()}
+        out: dict[tuple[str, ...], int] = {(name,): 0 for name in named.values()}
         for gen in store.generation_stats():
             if gen.dead:
                 key = (named.get(gen.namespace_id, str(gen.namespace_id)),)
                 out[key] = out.get(key, 0) + gen.bytes
         return out
 
-    def prefetched(name: str) -> Callable[[], dict[tuple[str], float]]:
-        def read() -> dict[tuple[str], float]:
+    def prefetched(name: str) -> Callable[[], dict[tuple[str, ...], float]]:
+        def read() -> dict[tuple[str, ...], float]:
             named, per_ns = names(), prefetcher.stats().namespaces
             return {(named.get(ns, str(ns)),): totals.get(name, 0) for ns, totals in per_ns.items()}
 
         return read
 
-    def counter_field(name: str) -> Callable[[], int]:
+    def counter_field(name: str) -> Callable[[], float]:
         return lambda: counters.snapshot()[name]
 
     families = [
@@ -145,9 +145,9 @@ def daemon_families(store: "Store", service: "ActCacheService") -> list[Family]:
                lambda: prefetcher.stats().buffered_bytes),
     ]
     for f in fields(counters):
-        kind = "counter" if f.name.endswith("_total") else "gauge"
-        families.append(Family(f"actcache_{f.name.removesuffix('_total')}", _COUNTER_HELP.get(f.name, f.name.replace("_", " ")),
-                               kind, counter_field(f.name)))
+        help_text = _COUNTER_HELP.get(f.name, f.name.replace("_", " "))
+        kind: Literal["counter", "gauge"] = "counter" if f.name.endswith("_total") else "gauge"
+        families.append(Family(f"actcache_{f.name.removesuffix('_total')}", help_text, kind, counter_field(f.name)))
     return families
 
 
@@ -158,6 +158,7 @@ class MetricsEndpoint:
         registry = CollectorRegistry()
         registry.register(collector)
         ProcessCollector(registry=registry)  # process_cpu_seconds_total, resident memory, open fds
+        assert config.port is not None, "the daemon serves metrics only when given a port"
         try:
             self._server, self._thread = start_http_server(config.port, addr=config.host, registry=registry)
         except OSError as exc:

@@ -21,15 +21,15 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from actcache.daemon.config import DaemonConfig, ServerConfig, is_loopback, socket_gid
+from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service._guard import RequestGuard, rewrap
 from actcache.daemon.service._idle import IdleMonitor
-from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.service._service import ActCacheService
 from actcache.daemon.service._shm_fetch import Throttle
 from actcache.daemon.store import Store
@@ -37,6 +37,9 @@ from actcache.errors import ConfigError
 from actcache.malloc import tune_malloc
 from actcache.rpc import SERVICE
 from actcache.shm import remove_stale
+
+if TYPE_CHECKING:
+    from actcache.daemon.service._metrics import MetricsEndpoint
 
 __all__ = ["Daemon", "DaemonState", "serve"]
 
@@ -128,7 +131,7 @@ class Daemon:
         self._health = health.HealthServicer()
         self.port: int | None = None
         self._owns_socket = False  # only a daemon that bound the socket may remove it
-        self.metrics = None  # MetricsEndpoint when --metrics-port is given
+        self.metrics: MetricsEndpoint | None = None  # when --metrics-port is given
 
     def start(self) -> None:
         cfg = self.config.server
@@ -160,10 +163,10 @@ class Daemon:
         gid = socket_gid(cfg.socket_group) if cfg.socket_group else None
         if cfg.socket is not None:
             _claim_socket(cfg.socket, gid)
-            self._bind(f"unix:{cfg.socket}")
+            self._bind(self._server, f"unix:{cfg.socket}")
             self._owns_socket = True
         if cfg.listen:
-            self.port = self._bind(cfg.listen, _tls_credentials(cfg))
+            self.port = self._bind(self._server, cfg.listen, _tls_credentials(cfg))
         if self.config.metrics.port is not None:
             from actcache.daemon.service._metrics import DaemonCollector, MetricsEndpoint, daemon_families
 
@@ -185,10 +188,10 @@ class Daemon:
         if self.idle is not None:
             self.idle.start()
 
-    def _bind(self, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    def _bind(self, server: grpc.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> int:
         try:
-            port = (self._server.add_secure_port(address, credentials) if credentials is not None
-                    else self._server.add_insecure_port(address))
+            port = (server.add_secure_port(address, credentials) if credentials is not None
+                    else server.add_insecure_port(address))
         except RuntimeError as exc:
             raise ConfigError(f"cannot listen on {address}: {exc}") from exc
         if port == 0:
@@ -212,7 +215,7 @@ class Daemon:
             self.metrics.stop()
         if self.store is not None:
             self.store.close()
-        if self._owns_socket:
+        if self._owns_socket and self.config.server.socket is not None:
             self.config.server.socket.unlink(missing_ok=True)
         self.state = DaemonState.STOPPED
         log.info("actcache daemon stopped")
@@ -230,7 +233,11 @@ def serve(config: DaemonConfig) -> int:
     # so the main thread waits on that pipe (the idle monitor writes _IDLE to it).
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    daemon = Daemon(config, on_idle=lambda: os.write(wake_w, bytes([_IDLE])))
+
+    def wake_on_idle() -> None:
+        os.write(wake_w, bytes([_IDLE]))
+
+    daemon = Daemon(config, on_idle=wake_on_idle)
     signal.set_wakeup_fd(wake_w)
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     for sig in stop_signals:  # a Python handler (doing nothing) keeps the C handler installed

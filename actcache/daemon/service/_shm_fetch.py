@@ -9,10 +9,10 @@ import time
 from typing import Callable, Generator, Iterator
 
 from actcache._proto import actcache_pb2 as pb
-from actcache.served import copy_raw_run, served_size, stored_raw
 from actcache.daemon.prefetch import DirectRun
 from actcache.errors import ConfigError
 from actcache.rpc import encode_frame
+from actcache.served import copy_raw_run, served_size, stored_raw
 from actcache.shm import ShmRing, reusable
 
 __all__ = ["ParkedRings", "Throttle", "fetch_shm", "serve_fetch"]
@@ -145,6 +145,7 @@ def serve_fetch(request: pb.FetchRequest, context, parked: ParkedRings, reader, 
             parked.park(ring)
         else:
             ring.close()
+    return None
 
 
 def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: Throttle | None, *,
@@ -254,12 +255,12 @@ def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
         total += size
         if size > ring.ring_bytes or total > frame_bytes and total > size:
             break
-        offset = ring.alloc(position + i, size) if size else 0
-        if offset is None:
+        slot = ring.alloc(position + i, size) if size else 0
+        if slot is None:
             blocked = size
             break
         lengths.append(size)
-        offsets.append(offset)
+        offsets.append(slot)
     todo = [i for i, n in enumerate(lengths) if n]
     decoded = decode_into([views[i] for i in todo], [ring.view(offsets[i], lengths[i]) for i in todo])
     return lengths, offsets, [(i, exc) for i, exc in zip(todo, decoded) if exc is not None], blocked

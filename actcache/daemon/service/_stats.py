@@ -8,7 +8,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
@@ -82,7 +82,7 @@ class NamespaceJobs:
 
 
 def stats_reply(
-    store: Store, prefetcher: Prefetcher, jobs: NamespaceJobs, counters: dict[str, int], uptime_s: float
+    store: Store, prefetcher: Prefetcher, jobs: NamespaceJobs, counters: dict[str, Any], uptime_s: float
 ) -> pb.StatsReply:
     """What ``actcache stats`` and the Stats call show: the live state of the daemon's parts, plus the
     service's request ``counters`` (a snapshot, added to here) and its uptime."""
@@ -153,5 +153,5 @@ def stats_reply(
     return reply
 
 
-def _counters_message(snapshot: dict[str, float]) -> pb.PrefetchCounters:
+def _counters_message(snapshot: dict[str, Any]) -> pb.PrefetchCounters:
     return pb.PrefetchCounters(hit_ratio=PrefetchCounters.hit_ratio(snapshot), **snapshot)

@@ -99,7 +99,7 @@ class ValueFile:
         """The value's bytes (None when the page header read with them does not match), and whether
         they all came from the page cache (None when the kernel cannot tell)."""
         start, size = extent.read_start, extent.read_bytes
-        view = memoryview(np.empty(size, np.uint8))  # uninitialized: pread fills it
+        view = np.empty(size, np.uint8).data  # uninitialized: pread fills it
         got = self._pread_nowait(view, start)
         resident = None if got is None else got == size
         got = got or 0
@@ -142,6 +142,9 @@ class PageCacheGuess:
         self._streak = self._streak + 1 if resident else 0
 
 
+_NONE = np.empty(0, np.int64)  # ExtentHints' arrays before its first lesson
+
+
 class ExtentHints:
     """Where the values of one schedule are, learned a leaf page (about 80 values) per lookup, for read
     hints only; thread-safe. A stale hint costs a useless read-ahead, never bytes: the reader locates
@@ -152,14 +155,16 @@ class ExtentHints:
         self._prefix = prefix
         self._ids, self._variants = sample_ids, variants
         self._lock = threading.Lock()
-        self._sorted: np.ndarray | None = None  # made at the first lesson
-        self._order = self._offsets = self._lengths = None
+        self._sorted: np.ndarray | None = None  # made at the first lesson, with the three below
+        self._order: np.ndarray = _NONE
+        self._offsets: np.ndarray = _NONE
+        self._lengths: np.ndarray = _NONE
 
     @property
     def known(self) -> int:
         """Hints learned and not taken yet."""
         with self._lock:
-            return 0 if self._offsets is None else int((self._offsets >= 0).sum())
+            return 0 if self._sorted is None else int((self._offsets >= 0).sum())
 
     def take(self, key: bytes) -> Extent | None:
         """The learned extent of ``key`` (forgotten once taken), or None."""
@@ -195,6 +200,7 @@ class ExtentHints:
 
     def _positions(self, keys: list[bytes]) -> np.ndarray:
         """Each key's position in the schedule (-1: not in it); the keys have the group's prefix."""
+        assert self._sorted is not None, "a position is asked only once a lesson sorted the schedule"
         ids, variants = sample_ids_of(keys)
         found = np.minimum(np.searchsorted(self._sorted, ids), len(self._sorted) - 1)
         at = self._order[found]
@@ -258,7 +264,7 @@ class ReadSession:
         are in the page cache; None: read them one by one."""
         if self._explicit:
             guess = self._guess
-            if guess is None or not guess.warm or guess.check_due(len(keys)) and not self._still_cached(keys):
+            if guess is None or not guess.warm or guess.check_due(len(keys)) and not self._still_cached(guess, keys):
                 return None
         found = dict(self._cursor.getmulti(keys))
         if self._explicit:
@@ -270,13 +276,13 @@ class ReadSession:
         views = self.run_views(keys)
         return None if views is None else [None if v is None else bytes(v) for v in views]
 
-    def _still_cached(self, keys: list[bytes]) -> bool:
+    def _still_cached(self, guess: PageCacheGuess, keys: list[bytes]) -> bool:
         """Whether the first stored value of ``keys`` is in the page cache (told to the guess)."""
         for key in keys:
             if self._cursor.set_key(key):
                 extent = self._overflow(key)
                 resident = True if extent is None else self._file.resident(extent)
-                self._guess.saw(resident)
+                guess.saw(resident)
                 return bool(resident)
         return True
 

@@ -16,12 +16,13 @@ Concurrency: the tracker's lock is a leaf (nothing else is locked while it is he
 
 from __future__ import annotations
 
+import builtins
 import logging
 import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence, overload
 
 from actcache.daemon.config import format_size
 from actcache.keys import fingerprint_of, namespace_id_of, namespace_of
@@ -38,6 +39,10 @@ def write_time(when: float) -> bytes:
     return _TIME.pack(when)
 
 
+@overload
+def read_write_time(value: bytes | memoryview) -> float: ...
+@overload
+def read_write_time(value: None) -> None: ...
 def read_write_time(value: bytes | memoryview | None) -> float | None:
     """The last write a ``generations`` table value holds (None for no value)."""
     return None if value is None else _TIME.unpack(bytes(value))[0]
@@ -62,7 +67,7 @@ class Generation:
         return namespace_id_of(self.prefix)
 
     @property
-    def fingerprint(self) -> bytes:
+    def fingerprint(self) -> builtins.bytes:  # builtins: the field ``bytes`` shadows the type in this class
         return fingerprint_of(self.prefix)
 
 

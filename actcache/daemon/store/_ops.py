@@ -107,9 +107,9 @@ class _DropOp(_StoreOp):
             if entries >= _DROP_CHUNK_ENTRIES or nbytes >= _DROP_CHUNK_BYTES:
                 break
             size = len(cursor.value())
-            group = removed.setdefault(bytes(group_of(cursor.key())), [0, 0])
-            group[0] += 1
-            group[1] += size
+            counts = removed.setdefault(bytes(group_of(cursor.key())), [0, 0])
+            counts[0] += 1
+            counts[1] += size
             entries += 1
             nbytes += size
             done = not cursor.delete()

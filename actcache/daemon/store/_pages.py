@@ -77,8 +77,9 @@ class LeafPages:
         """``(key, data size, first overflow page or -1)`` of every node, in key order, on the leaf
         page the cursor sits on: [] if the page is not recognized."""
         found = self._cursor_page(cursor)
-        nodes = [] if found is None else [_node(found[0], at) for at in found[2]]
-        if None in nodes or any(a[0] >= b[0] for a, b in zip(nodes, nodes[1:])):
+        parsed = [] if found is None else [_node(found[0], at) for at in found[2]]
+        nodes = [node for node in parsed if node is not None]
+        if len(nodes) < len(parsed) or any(a[0] >= b[0] for a, b in zip(nodes, nodes[1:])):
             return []
         return nodes
 
@@ -162,7 +163,7 @@ def _mapping_of(fd: int) -> tuple[int, int]:
     """``[start, end)`` of this process's one mapping of ``fd``'s file from offset 0; ``(0, 0)`` if
     there is none, or several, or the system does not say (no ``/proc``)."""
     st = os.fstat(fd)
-    found = []
+    found: list[tuple[int, int]] = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -170,7 +171,8 @@ def _mapping_of(fd: int) -> tuple[int, int]:
                 if len(fields) < 5 or fields[4] != str(st.st_ino) or int(fields[2], 16) != 0:
                     continue
                 if os.makedev(*(int(x, 16) for x in fields[3].split(":"))) == st.st_dev:
-                    found.append(tuple(int(x, 16) for x in fields[0].split("-")))
+                    start, end = fields[0].split("-")
+                    found.append((int(start, 16), int(end, 16)))
     except (OSError, ValueError):
         return 0, 0
     return found[0] if len(found) == 1 else (0, 0)

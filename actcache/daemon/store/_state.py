@@ -10,8 +10,12 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import lmdb
+
+if TYPE_CHECKING:
+    from lmdb import _Database  # the stubs' name for an open named table (lmdb.open_db's result)
 
 from actcache.daemon.store._generations import Generations, read_write_time
 from actcache.keys import namespace_id_of
@@ -54,12 +58,12 @@ class StoreState:
     what is kept of them in memory."""
 
     env: lmdb.Environment
-    entries: object
-    namespaces: object
-    groups: object
-    meta: object
-    secrets: object
-    generation_times: object
+    entries: _Database
+    namespaces: _Database
+    groups: _Database
+    meta: _Database
+    secrets: _Database
+    generation_times: _Database
     #: Last write, last read and live schedules of each (namespace, fingerprint).
     generations: Generations
     #: Guards the maps below.

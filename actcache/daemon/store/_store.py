@@ -19,30 +19,46 @@ only plans a reclaim of dead generations and raises; the caller's thread drops t
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import lmdb
 import numpy as np
 
 from actcache.codec import Codec, Encoding, compress_entry, verify_entry
-from actcache.daemon.store._access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.config import StoreConfig, format_size
+from actcache.daemon.store._access import Handles, check_secret, hash_secret, verify_secret
 from actcache.daemon.store._dirlock import DirLock
-from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
-from actcache.daemon.store._pages import check_layout
 from actcache.daemon.store._envfile import DAMAGE_ERRORS, DB_NAMES, UnusableStore, damaged, move_aside, open_env
+from actcache.daemon.store._extents import ExtentHints, PageCacheGuess, ReadSession, ValueFile
 from actcache.daemon.store._generations import Generation, Generations, ReclaimPlan, plan_reclaim
 from actcache.daemon.store._ops import _CreateNamespace, _DeleteOp, _DropOp, _PutOp, _ReclaimNeeded, _ReclaimOp
+from actcache.daemon.store._pages import check_layout
 from actcache.daemon.store._state import GroupUsage, NamespaceInfo, PutResult, StoreState
 from actcache.daemon.store._writer import ReadGate, Writer, free_bytes
-from actcache.errors import (BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, PermissionDenied,
-                             StoreError)
-from actcache.keys import (MAX_NAMESPACE_ID, encode_key, encode_keys, generation_of, group_prefix, namespace_id_of,
-                           namespace_of, sample_id_of, split_group)
+from actcache.errors import (
+    BudgetExceeded,
+    EntryCorrupt,
+    InvalidRequest,
+    NamespaceNotFound,
+    PermissionDenied,
+    StoreError,
+)
+from actcache.keys import (
+    MAX_NAMESPACE_ID,
+    encode_key,
+    encode_keys,
+    generation_of,
+    group_prefix,
+    namespace_id_of,
+    namespace_of,
+    sample_id_of,
+    split_group,
+)
 
 __all__ = ["GroupUsage", "NamespaceInfo", "PutResult", "Store"]
 
@@ -52,6 +68,7 @@ FORMAT = b"actcache-store-1"
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 # Plan-reclaim-retry rounds of one put before it is refused (concurrent puts may take the room freed).
 _RECLAIM_ROUNDS = 3
+_Op = TypeVar("_Op", bound=_DropOp)
 
 
 class Store:
@@ -104,8 +121,9 @@ class Store:
                              readahead=not self.config.explicit_reads)
         self._handles = Handles()
         try:
-            tables = [self._env.open_db(n) for n in DB_NAMES]
-            self._state = state = StoreState(self._env, *tables, generations=Generations(self.config.reclaim_after_s))
+            entries, namespaces, groups, meta, secrets, generation_times = (self._env.open_db(n) for n in DB_NAMES)
+            self._state = state = StoreState(self._env, entries, namespaces, groups, meta, secrets, generation_times,
+                                             generations=Generations(self.config.reclaim_after_s))
             with self._env.begin(write=True) as txn:
                 marker = txn.get(b"format", db=state.meta)
                 if marker is None:
@@ -307,8 +325,9 @@ class Store:
                 extents = [extent or session.locate_hinted(key, hints) for key, extent in zip(keys, known)]
         out: list[bool | None] = []
         for extent in extents:
-            out.append(None if extent is None else bool(self._file.resident(extent)))
-            if out[-1] is False:
+            resident = None if extent is None else bool(self._file.resident(extent))
+            out.append(resident)
+            if extent is not None and resident is False:
                 self._file.advise(extent)
         return out
 
@@ -326,7 +345,7 @@ class Store:
         prefix = group_prefix(self.resolve(namespace_id), fingerprint, depth)
         return self._drop_chunks(lambda: _DropOp(self._state, prefix))[:2]
 
-    def _drop_chunks(self, chunk: Callable[[], _DropOp]) -> tuple[int, int, _DropOp]:
+    def _drop_chunks(self, chunk: Callable[[], _Op]) -> tuple[int, int, _Op]:
         """Submit ``chunk()`` ops until one says it is done; (entries, bytes) deleted and the last op."""
         entries = nbytes = 0
         while True:
@@ -339,7 +358,7 @@ class Store:
     def _reclaim(self, plan: ReclaimPlan) -> None:
         """Drop the generations of ``plan`` (caller's thread; each chunk runs on the writer thread)."""
         for gen in plan.victims:
-            entries, nbytes, op = self._drop_chunks(lambda: _ReclaimOp(self._state, gen))
+            entries, nbytes, op = self._drop_chunks(functools.partial(_ReclaimOp, self._state, gen))
             with self._state.lock:
                 name = self._state.ns_by_id.get(gen.namespace_id, str(gen.namespace_id))
             self.generations.reclaimed(name, gen, entries, nbytes, complete=not op.aborted)
@@ -366,7 +385,7 @@ class Store:
                 total = totals.setdefault(namespace_id_of(prefix), [0, 0])
                 total[0] += n
                 total[1] += b
-            return [(NamespaceInfo(i, state.ns_by_id[i]), *totals[i]) for i in sorted(state.ns_by_id)]
+            return [(NamespaceInfo(i, state.ns_by_id[i]), totals[i][0], totals[i][1]) for i in sorted(state.ns_by_id)]
 
     def used_bytes(self, namespace_id: int | None = None) -> int:
         with self._state.lock:

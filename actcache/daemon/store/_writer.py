@@ -202,7 +202,7 @@ class Writer:
             if self._gate.broken:
                 return StoreError(self._gate.broken)
             pending: dict[bytes, list[int]] = {}
-            outcomes: list[tuple[Any, BaseException | None]] = []
+            outcomes: list[tuple[Any, ActCacheError | None]] = []
             try:
                 with self._env.begin(write=True, buffers=True) as txn:
                     for op in batch:
@@ -276,13 +276,13 @@ class Writer:
         return None
 
 
-def free_bytes(path: str) -> int:
+def free_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes an unprivileged process may still write on the file system holding ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
 
 
-def _disk_full(path: str, needed: int) -> BudgetExceeded:
+def _disk_full(path: str | os.PathLike[str], needed: int) -> BudgetExceeded:
     st = os.statvfs(path)
     free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
     return BudgetExceeded(

@@ -64,7 +64,7 @@ def _digest(h, obj: Any) -> None:
         t = obj.detach().to("cpu").contiguous()
         _text(h, f"tensor:{t.dtype}:{tuple(t.shape)}")
         if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     elif isinstance(obj, np.ndarray):
         _text(h, f"ndarray:{obj.dtype.str}:{obj.shape}")
         h.update(np.ascontiguousarray(obj).tobytes())

@@ -13,17 +13,17 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
 from actcache.errors import ConfigError
-from actcache_client.engine._batch import Batch, Skipped
-from actcache_client.engine._cached_forward import CachedForward
 from actcache_client.data._identity import data_fingerprint
 from actcache_client.data._seeding import sample_seed, seed_generators, seeded_item, with_seeds
+from actcache_client.engine._batch import Batch, Skipped
+from actcache_client.engine._cached_forward import CachedForward
 
 __all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "seeded_item", "worker_options"]
 
@@ -61,8 +61,8 @@ class IndexedDataset(Dataset):
                  sample_ids: Sequence[int] | None = None, random_transforms: bool = False, data_id: str | None = None,
                  targets: Sequence[Any] | Callable[[int], Any] | None = None, seeded: bool = False) -> None:
         for name, values in (("sample ids", sample_ids), ("targets", None if callable(targets) else targets)):
-            if values is not None and len(values) != len(dataset):
-                raise ConfigError(f"{len(values)} {name} for a dataset of {len(dataset)} items")
+            if values is not None and len(values) != _size(dataset):
+                raise ConfigError(f"{len(values)} {name} for a dataset of {_size(dataset)} items")
         self.dataset, self.augment, self.targets, self.seeded = dataset, augment, targets, seeded
         self.sample_ids = list(sample_ids) if sample_ids is not None else None
         self.random_transforms, self.data_id = random_transforms, data_id
@@ -85,7 +85,7 @@ class IndexedDataset(Dataset):
         return self.augment is not None or self.seeded
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return _size(self.dataset)
 
     def sample_id(self, index: int) -> int:
         """The sample id of item ``index``.
@@ -198,6 +198,11 @@ def worker_options(loader: DataLoader) -> dict[str, Any]:
     return {name: getattr(loader, name) for name in names}
 
 
+def _size(dataset: Dataset) -> int:
+    """``len(dataset)``: a map-style dataset has one (torch's Dataset type declares no ``__len__``)."""
+    return len(dataset)  # type: ignore[arg-type]
+
+
 class CachedLoader:
     """Wraps a DataLoader over an IndexedDataset; yields Batch objects and feeds the cache its order.
 
@@ -226,8 +231,10 @@ class CachedLoader:
             raise ConfigError("CachedLoader needs automatic batching (a batch_size or batch_sampler on the DataLoader)")
         if variants is not None and variants < 1:
             raise ConfigError(f"variants must be >= 1, got {variants}")
-        self.models = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
+        self.models = cast("list[CachedForward]",
+                           [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model])
         self.loader, self.variants = loader, variants
+        self._dataset: IndexedDataset = loader.dataset
         self.epoch = self._position = 0
         self._order: list[list[int]] | None = None  # indices of the current epoch's batches
         self._next_order: tuple[int, list[list[int]]] | None = None  # (epoch, its batches), drawn ahead
@@ -248,7 +255,7 @@ class CachedLoader:
                 m.disable(why)
         self.data_identity = b""
         if self.models and self.cacheable:
-            self.data_identity = dataset.fingerprint(variants if dataset.augments else 1)
+            self.data_identity = dataset.fingerprint(variants if dataset.augments and variants is not None else 1)
             for m in self.models:
                 m.bind_data(self.data_identity, dataset.data_id or "")
         self._collate = loader.collate_fn if loader.collate_fn is not None else default_collate
@@ -272,7 +279,7 @@ class CachedLoader:
             self.epoch, self._position, self._order = epoch, 0, None
 
     def __len__(self) -> int:
-        return len(self.loader.batch_sampler)
+        return len(self.loader.batch_sampler)  # type: ignore[arg-type]  # torch types it as any Sampler: it has one
 
     def _draw(self, epoch: int) -> list[list[int]]:
         """The batches (dataset indices) the wrapped loader's sampler gives for ``epoch``.
@@ -285,16 +292,19 @@ class CachedLoader:
             torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
         self._drawn = True
         sampler = getattr(loader.batch_sampler, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        order = [list(b) for b in loader.batch_sampler]
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+        batches = loader.batch_sampler
+        assert batches is not None, "checked when wrapped"
+        order = [list(b) for b in batches]
         if loader.generator is not None:
             self._generator_after = {e: s for e, s in self._generator_after.items() if e >= self.epoch}
             self._generator_after[epoch] = loader.generator.get_state()
         return order
 
     def _variant_of(self, epoch: int) -> int:
-        if not self.loader.dataset.augments:
+        if not self._dataset.augments:
             return 0
         return epoch if self.variants is None else epoch % self.variants
 
@@ -307,7 +317,7 @@ class CachedLoader:
         return frozenset.intersection(*(m.skipped(position) for m in self.models))
 
     def _ids(self, order: list[list[int]]) -> list[list[int]]:
-        return [list(map(self.loader.dataset.sample_id, batch)) for batch in order]
+        return [list(map(self._dataset.sample_id, batch)) for batch in order]
 
     def __iter__(self) -> Iterator[Batch]:
         if self._order is None:
@@ -315,7 +325,7 @@ class CachedLoader:
             self._order = ahead[1] if ahead is not None and ahead[0] == self.epoch else self._draw(self.epoch)
             self._position = 0
         start, variant = self._position, self.variant
-        dataset: IndexedDataset = self.loader.dataset
+        dataset = self._dataset
         streaming = bool(self.models) and self.cacheable
         skipping = streaming and dataset.targets is not None
         for m in self.models if streaming else ():

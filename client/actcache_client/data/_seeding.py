@@ -57,7 +57,8 @@ class SavedGenerators:
             changed.add("python")
         if "numpy" in others:
             now = np.random.get_state()
-            if now[2] != self.numpy[2] or not np.array_equal(now[1], self.numpy[1]):
+            # numpy's stub types get_state() as the dict form; called with no argument it returns the legacy tuple
+            if now[2] != self.numpy[2] or not np.array_equal(now[1], self.numpy[1]):  # type: ignore[index]
                 changed.add("numpy")
         return frozenset(changed)
 

@@ -47,7 +47,7 @@ class PrefixAssembly:
         if target is None:
             times.computed_samples += len(ids)
             return self._compute(raw.rows(every), 0, k, times)
-        self.context.connection.surface()
+        self.context.connected.surface()
         rows = every if target.fraction >= 1.0 else [i for i, s in enumerate(ids) if cached_subset(s, target.fraction)]
         parts: list[tuple[list[int], State]] = []
         if rows:
@@ -75,7 +75,7 @@ class PrefixAssembly:
             values, found = [None] * len(ids), []
         parts: list[tuple[list[int], State]] = []
         if found:
-            run = stream.run if streamed and len(found) == len(ids) else None
+            run = stream.run if stream is not None and streamed and len(found) == len(ids) else None
             parts.append((found, self._collate([values[i] for i in found], raw, verify=not streamed, run=run)))
             times.cached_samples += len(found)
             self.context.written.mark(fingerprint, j, [ids[i] for i in found])
@@ -101,18 +101,19 @@ class PrefixAssembly:
 
     def _lookup(self, fingerprint: bytes, depth: int, ids: list[int], variant: int) -> list:
         """Entries by ``Get`` (None per miss): seeds, and batches no stream serves."""
-        return self.context.connection.lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
+        return self.context.connected.lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
 
     def _collate(self, entries: list, raw: RawInputs, *, verify: bool = True, run: SlotRun | None = None) -> State:
         c, t0 = self.context, time.perf_counter()
         on_gpu = run is not None and c.varlen is None and c.stager.cuda
-        moved = self._ring_to_device(run, len(entries)) if on_gpu else None
-        host = None if moved is not None else collate_entries(entries, varlen=c.varlen, alloc=c.stager.allocator(),
-                                                              verify=verify, run=run, copy=c.stager.copier,
-                                                              length=raw.length() if c.varlen else None)
-        decoded = time.perf_counter() - t0
+        moved = self._ring_to_device(run, len(entries)) if on_gpu and run is not None else None
         if moved is None:
+            host = collate_entries(entries, varlen=c.varlen, alloc=c.stager.allocator(), verify=verify, run=run,
+                                   copy=c.stager.copier, length=raw.length() if c.varlen else None)
+            decoded = time.perf_counter() - t0
             moved = c.stager.to_device(host)
+        else:
+            decoded = time.perf_counter() - t0
         if c.planner is not None:
             c.planner.record_decode(sum(len(e) for e in entries), decoded)
             for nbytes, seconds in c.stager.copy_readings():
@@ -124,10 +125,12 @@ class PrefixAssembly:
         """A streamed batch copied to the GPU straight out of the shared-memory ring (None: collate it)."""
         header = run_layout(run, count)
         staged = self.context.stager.ring_to_device(run, count) if header is not None else None
-        if staged is None:
+        if header is None or staged is None:
             return None
         rows, done = staged
-        self.epoch.stream.hold(done)
+        stream = self.epoch.stream
+        assert stream is not None, "a run of ring slots comes from the stream"
+        stream.hold(done)
         return split_rows(rows, header)
 
     def _compute(self, state: State, start: int, stop: int, times: StepTimes) -> State:

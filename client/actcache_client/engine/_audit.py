@@ -140,8 +140,8 @@ class HitAudit:
 
     def sync(self) -> None:
         """Restart the auditor after a (re)connection to the daemon, before it next chooses."""
-        if self.auditor is not None and self._context.connection.opens != self._opens:
-            self._opens = self._context.connection.opens
+        if self.auditor is not None and self._context.connected.opens != self._opens:
+            self._opens = self._context.connected.opens
             self.auditor.restart()
 
     def choose(self, hits: int) -> list[int]:
@@ -171,11 +171,11 @@ class HitAudit:
         times.audited_samples += len(chosen)
         if not bad:
             return True
-        c.connection.drop(fingerprint)
+        c.connected.drop(fingerprint)
         c.written.forget(fingerprint)
         self.auditor.restart()
-        strict = c.connection.config.strict
-        message = (f"{bad} of {len(chosen)} audited entries of namespace {c.connection.config.namespace!r}, "
+        strict = c.connected.config.strict
+        message = (f"{bad} of {len(chosen)} audited entries of namespace {c.connected.config.namespace!r}, "
                    f"fingerprint {fingerprint.hex()}, depth {depth} differ from what the frozen prefix computes for "
                    "them: they were not made from this data or these weights. Dropped that fingerprint's entries"
                    f"{'' if strict else ' and recomputing'}. The cache keys see the items as the dataset returns them, "

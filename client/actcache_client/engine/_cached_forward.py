@@ -211,7 +211,7 @@ class CachedForward:
         plan, k = self.plan, self._frozen.depth  # no plan yet: this pass computes the prefix anyway, so keep it
         if k == 0 or not self.enabled or (plan is not None and plan.mode is PlanMode.RECOMPUTE):
             return None
-        depth, fraction = (k, 1.0) if plan is None else (plan.cache_depth, plan.cached_fraction)
+        depth, fraction = (k, 1.0) if plan is None or plan.cache_depth is None else (plan.cache_depth, plan.cached_fraction)
         return Target(self._frozen.fingerprints[depth], depth, fraction)
 
     def _retarget(self) -> None:
@@ -243,7 +243,7 @@ class CachedForward:
             self._writer.new_epoch()
             self.planner.begin_epoch(epoch, sum(len(b) for b in batches), len(batches[0]))
             self._last_step = None  # the gap between epochs (evaluation, a checkpoint) is no step
-            self._replan(epoch_start=True)
+            self._replan(self.planner, epoch_start=True)
         self._epoch.begin(batches, variant, start, self._cache_target())
 
     def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
@@ -324,6 +324,7 @@ class CachedForward:
                 f"CachedForward was called with a {tuple(batch.shape)} {batch.dtype} tensor; it needs the batch's sample "
                 "ids: call it with a CachedLoader Batch, model(batch), or as model(ids, inputs) — or keep calling your "
                 "own network and let ActCache(net) serve its frozen prefix")
+        ids: Tensor | Sequence[int]
         if isinstance(batch, Batch):
             ids, variant = batch.ids, batch.variant
             loaded = None if batch.loaded is None else batch.loaded.tolist()
@@ -332,7 +333,7 @@ class CachedForward:
             ids, raw = batch, RawInputs(inputs, len(batch), None, None, self.stager.device)
         id_list = ids.tolist() if isinstance(ids, Tensor) else list(ids)
         if self.planner is not None:
-            self._time_last_step(start)
+            self._time_last_step(self.planner, start)
         position = self._epoch.advance(id_list)  # this batch's epoch position, if the stream serves it next
         target = self._cache_target()
         cached, computed = self.times.cached_samples, self.times.computed_samples
@@ -348,26 +349,26 @@ class CachedForward:
             # once planned, drift is looked for every few steps: a look builds every median (~0.4 ms on a CPU)
             if (self.plan is None or self._steps_planned % _DRIFT_EVERY == 0) \
                     and self.planner.needs_replan(self._frozen.depth):
-                self._replan()
+                self._replan(self.planner)
         return state
 
-    def _time_last_step(self, now: float) -> None:
+    def _time_last_step(self, planner: CachePlanner, now: float) -> None:
         """Give the planner the last step's readings: its period (from its prefix's start to this one's, as
         the loop sees it), and the rest of the step after its prefix, timed on the device."""
         clock, last = self.stager.clock, self._last_step
         if last is not None:
             began, samples, kind, prefix_done = last
-            clock.stop(prefix_done, partial(self.planner.record_suffix, samples=samples))
+            clock.stop(prefix_done, partial(planner.record_suffix, samples=samples))
             if kind is not None:
-                self.planner.record_step(now - began, samples, kind, self._frozen.depth)
+                planner.record_step(now - began, samples, kind, self._frozen.depth)
         for record, seconds in clock.readings():
             record(seconds)
 
-    def _replan(self, *, epoch_start: bool = False) -> None:
+    def _replan(self, planner: CachePlanner, *, epoch_start: bool = False) -> None:
         if self._frozen.depth:
             if epoch_start:
-                self.planner.check_measured(self._frozen.depth)
-            self.planner.plan_for(self._frozen.depth)
+                planner.check_measured(self._frozen.depth)
+            planner.plan_for(self._frozen.depth)
             self._retarget()
 
 

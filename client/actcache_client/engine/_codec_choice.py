@@ -14,6 +14,7 @@ decode when the guess is wrong.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import timeit
 from collections.abc import Sequence
@@ -88,6 +89,10 @@ class EncodingChoice:
     numbers: dict[str, float]
 
 
+def _decode_each(entries: Sequence[bytes | memoryview]) -> list:
+    return [decode_entry(e) for e in entries]
+
+
 def measure_codecs(entries: Sequence[bytes | memoryview], candidates: Sequence[str],
                    sample_bytes: int) -> dict[str, CodecReading]:
     """Ratio and decode cost of raw and each candidate on the first entries, up to ``sample_bytes``."""
@@ -98,7 +103,7 @@ def measure_codecs(entries: Sequence[bytes | memoryview], candidates: Sequence[s
     for name in ("raw", *candidates):
         encoding = Encoding.parse(name)
         stored = [compress_entry(e, encoding) for e in sample]  # raw: the entries themselves
-        best = min(timeit.repeat(lambda: [decode_entry(e) for e in stored], repeat=3, number=1))
+        best = min(timeit.repeat(functools.partial(_decode_each, stored), repeat=3, number=1))
         readings[name] = CodecReading(raw_bytes / max(sum(len(e) for e in stored), 1), best / max(raw_bytes, 1))
     return readings
 

@@ -85,7 +85,7 @@ class EpochLog:
         """What each epoch added, the last one until the counts given now."""
         marks = [*self._marks, (None, times, entries)]
         out = []
-        for (epoch, earlier, counts), (_, later, later_counts) in zip(marks, marks[1:]):
-            delta = None if counts is None else {k: later_counts[k] - v for k, v in counts.items()}
+        for (epoch, earlier, counts), (_, later, now) in zip(self._marks, marks[1:]):
+            delta = None if counts is None or now is None else {k: now[k] - v for k, v in counts.items()}
             out.append(EpochCounters(epoch, later.since(earlier), delta))
         return out

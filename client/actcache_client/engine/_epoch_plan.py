@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+from actcache.errors import LifecycleError
 from actcache_client.engine._audit import HitAudit
 from actcache_client.transport._connection import Connection
 from actcache_client.transport._epoch_stream import EpochStream, cached_batches
@@ -40,20 +41,26 @@ class EpochPlan:
         self._skip_loads = False  # the loader can skip loading inputs (its dataset has targets)
         self.skips: dict[int, frozenset[int]] = {}  # epoch position -> sample ids the loader need not load
 
+    def _connected(self) -> Connection:
+        if self._connection is None:
+            raise LifecycleError("an epoch stream needs a connection to a daemon")
+        return self._connection
+
     def reset(self, skip_loads: bool) -> None:
         """Forget the last epoch: until ``begin``, retargets push nothing."""
         self._epoch, self.skips, self._skip_loads = None, {}, skip_loads
 
     def begin(self, batches: Sequence[Sequence[int]], variant: int, start: int, target: Target | None) -> None:
         """Start the epoch at batch ``start``: push its batches to the stream (or adopt those pushed ahead)."""
-        batches = [list(b) for b in batches]
-        self._epoch, self.position, self.misses = (batches, variant), start, 0
+        lists = [list(b) for b in batches]
+        self._epoch, self.position, self.misses = (lists, variant), start, 0
         if self.stream is None or target is None:
             return
-        if not (start == 0 and self.stream.adopt_next(*target, variant, batches)):
+        if not (start == 0 and self.stream.adopt_next(*target, variant, lists)):
             # Entries the last epoch stored must be in the daemon before it looks them up for this one.
-            self._connection.flush(timeout_s=self._connection.config.timeout_s)
-            self.stream.push(*target, variant, batches[start:], start)
+            connection = self._connected()
+            connection.flush(timeout_s=connection.config.timeout_s)
+            self.stream.push(*target, variant, lists[start:], start)
         self._plan_skips(target)
 
     def retarget(self, target: Target | None) -> None:
@@ -104,12 +111,12 @@ class EpochPlan:
         # the push answered which entries are stored; else ask
         present = self.stream.stored_from(self.position) if self.stream.serves(*target, variant) else None
         if present is None or len(present) != len(ids):
-            present = self._connection.contains(target.fingerprint, target.depth, ids, variant)
+            present = self._connected().contains(target.fingerprint, target.depth, ids, variant)
         if present is None:
             return
         flags = iter(present)
         self._audit.sync()
-        for position, ids in enumerate(subset, start=self.position):
-            stored = [s for s in ids if next(flags)]
+        for position, batch_ids in enumerate(subset, start=self.position):
+            stored = [s for s in batch_ids if next(flags)]
             audited = {stored[p] for p in self._audit.choose(len(stored))}
             self.skips[position] = frozenset(s for s in stored if s not in audited)

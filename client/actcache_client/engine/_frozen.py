@@ -13,12 +13,12 @@ from __future__ import annotations
 import copy
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import nn
 
-from actcache.errors import ConfigError
+from actcache.errors import ConfigError, LifecycleError
 from actcache_client.layouts._stages import StagedModel
 
 if TYPE_CHECKING:
@@ -38,11 +38,11 @@ def _stage_digest(stage: nn.Module) -> bytes:
         h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
         if data.numel():
-            h.update(memoryview(data.view(torch.uint8).numpy()))
+            h.update(data.view(torch.uint8).numpy().data)
     return h.digest()
 
 
-def prefix_fingerprints(stages: list[nn.Module], depth: int) -> list[bytes]:
+def prefix_fingerprints(stages: Sequence[nn.Module], depth: int) -> list[bytes]:
     """Fingerprints of depths 0..depth (index d covers ``stages[:d]``); 16 bytes each."""
     out = [hashlib.blake2b(b"actcache/prefix/v1", digest_size=16).digest()]
     for stage in stages[:depth]:
@@ -69,7 +69,7 @@ class _EvalOnly:
 def _pin_eval(modules: list[nn.Module]) -> None:
     for module in modules:
         nn.Module.train(module, False)
-        module.train = _EvalOnly(module)
+        module.train = _EvalOnly(module)  # type: ignore[method-assign]  # this instance's train(), on purpose
 
 
 def _unpin_eval(modules: list[nn.Module]) -> None:
@@ -187,3 +187,10 @@ class PrefixContext:
     precision: StorePrecision
     varlen: VarLen | None
     stager: Stager
+
+    @property
+    def connected(self) -> Connection:
+        """``connection``, for the parts that run only with one (storing, reading and auditing entries)."""
+        if self.connection is None:
+            raise LifecycleError("this model has no connection to a daemon: it stores and reads no entries")
+        return self.connection

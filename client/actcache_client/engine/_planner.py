@@ -21,7 +21,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, overload
 
 from actcache.errors import ConfigError
 from actcache_client.cost_model import Measurements, Plan, PlanMode, plan, should_replan
@@ -94,6 +94,10 @@ class _Median:
         if seconds > 0 and nbytes > 0:
             self.add(nbytes / seconds)
 
+    @overload
+    def get(self) -> float | None: ...
+    @overload
+    def get(self, default: float) -> float: ...
     def get(self, default: float | None = None) -> float | None:
         return statistics.median(self.values) if self.values else default
 
@@ -196,6 +200,7 @@ class CachePlanner:
             return
         how = "measured"
         if recomputed is None:
+            assert m is not None  # returned above otherwise
             recomputed, how = sum(m.stage_forward_s_per_sample[:k]) + m.suffix_step_s_per_sample, "predicted"
         b = self.batch_size
         numbers = (f"{served * b * 1e3:.3g} ms per step served from the cache vs {recomputed * b * 1e3:.3g} ms "
@@ -276,12 +281,13 @@ class CachePlanner:
         Args:
             k: The frozen depth.
         """
-        if k == 0 or any(d not in self._stage_s or self._stage_s[d].get() is None for d in range(k)):
+        stage_s = [s for d in range(k) if d in self._stage_s and (s := self._stage_s[d].get()) is not None]
+        if k == 0 or len(stage_s) < k:
             return None
         c = self.config
         remaining = c.assume_remaining_epochs if c.total_epochs is None else max(c.total_epochs - self.epoch, 0.0)
         return Measurements(
-            stage_forward_s_per_sample=[self._stage_s[d].get() for d in range(k)],
+            stage_forward_s_per_sample=stage_s,
             entry_bytes_per_sample=[0.0] + [self._stage_bytes[d].get(0.0) for d in range(1, k + 1)],
             fetch_bytes_per_s=max(self._fetch_rate.get(c.prior_fetch_bytes_per_s), self._received.get(0.0)),
             # A measured rate already includes the per-call latency; until then use miss-only calls.

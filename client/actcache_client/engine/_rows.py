@@ -46,10 +46,13 @@ class RawInputs:
 
     def rows(self, rows: list[int]) -> State:
         """The inputs of ``rows``, in that order, on ``device``."""
-        if self._at is None:
-            state = self.inputs if rows == list(range(self.size)) else _select(self.inputs, rows)
-        elif all(r in self._at for r in rows):
-            state = _select(self.inputs, [self._at[r] for r in rows])
+        if self._at is None or all(r in self._at for r in rows):
+            inputs = self.inputs
+            assert inputs is not None, "the loader loaded these rows"
+            if self._at is None:
+                state = inputs if rows == list(range(self.size)) else _select(inputs, rows)
+            else:
+                state = _select(inputs, [self._at[r] for r in rows])
         elif self.load is None:
             raise ConfigError("this batch carries only some rows' inputs and no loader to load the others")
         else:

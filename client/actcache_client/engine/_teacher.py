@@ -68,7 +68,7 @@ class TeacherOutput:
         """
         if self.logits is not None:
             return F.softmax(self.logits.float() / temperature, dim=-1)
-        if self.top_values is None:
+        if self.top_values is None or self.top_indices is None:
             raise ConfigError("this teacher output has no logits: add 'logits' to CachedTeacher(outputs=...)")
         if num_classes is None:
             raise ConfigError("soft targets from top-k logits need num_classes (the size of the full distribution)")
@@ -125,12 +125,15 @@ def distillation_loss(student_logits: Tensor, teacher: TeacherOutput | Tensor, t
     if reduction not in ("mean", "none"):
         raise ConfigError(f"reduction must be 'mean' or 'none', got {reduction!r}")
     log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    logits = teacher if isinstance(teacher, Tensor) else teacher.logits
+    if not isinstance(teacher, Tensor):
+        logits, top_values, top_indices = teacher.logits, teacher.top_values, teacher.top_indices
+    else:
+        logits, top_values, top_indices = teacher, None, None
     if logits is not None:
         log_p = F.log_softmax(logits.float() / temperature, dim=-1)
-    elif teacher.top_values is not None:
-        log_p = F.log_softmax(teacher.top_values.float() / temperature, dim=-1)
-        log_q = log_q.gather(-1, teacher.top_indices.long())
+    elif top_values is not None and top_indices is not None:
+        log_p = F.log_softmax(top_values.float() / temperature, dim=-1)
+        log_q = log_q.gather(-1, top_indices.long())
     else:
         raise ConfigError("this teacher output has no logits: add 'logits' to CachedTeacher(outputs=...)")
     kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1) * temperature**2
@@ -199,14 +202,15 @@ class _TeacherStage(nn.Module):
                 top = values["logits"].topk(self.top_k, dim=-1)
                 values["top_values"], values["top_indices"] = top.values, top.indices.to(torch.int32)
         tensors = [captured[p.name] if p.kind == "hidden" else values[p.kind] for p in self.parts]
-        if not self.stores_mask:
+        varlen = self.varlen
+        if not self.stores_mask or varlen is None:  # stores_mask: varlen is set
             return tuple(tensors)
-        if not isinstance(state, tuple) or not -len(state) <= self.varlen.mask_index < len(state):
+        if not isinstance(state, tuple) or not -len(state) <= varlen.mask_index < len(state):
             raise ConfigError(f"CachedTeacher(varlen=...) needs the teacher's input as a tuple holding the attention "
-                              f"mask at index {self.varlen.mask_index}")
-        mask = state[self.varlen.mask_index]
+                              f"mask at index {varlen.mask_index}")
+        mask = state[varlen.mask_index]
         keep = mask.ne(0)
-        out = [mask.to(self.varlen.mask_dtype)]
+        out = [mask.to(varlen.mask_dtype)]
         for part, t in zip(self.parts, tensors):
             if not part.per_token:
                 out.append(t.unsqueeze(1))
@@ -313,7 +317,7 @@ class CachedTeacher:
         self.stage = _TeacherStage(teacher, outputs, top_k, token_logits, varlen)
         self.staged = StagedModel([Stage("teacher", self.stage), Stage("output", nn.Identity())])
         self.cached_forward = CachedForward(
-            self.staged, connection, varlen=VarLen(0, varlen.mask_dtype) if self.stage.stores_mask else None,
+            self.staged, connection, varlen=VarLen(0, varlen.mask_dtype) if self.stage.stores_mask and varlen else None,
             encoding=encoding, stream=stream, device=device, audit=audit, keep_generations=keep_generations,
             store_dtype=store_dtype,
         )

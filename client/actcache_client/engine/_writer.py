@@ -56,7 +56,7 @@ class EntryWriter:
         # measured): a slow disk then shows during the write epoch, before the cache is relied upon.
         probe = c.planner is not None and not c.planner.has_fetch_rate() and not self._probed
         self._probed = self._probed or probe
-        c.connection.store(
+        c.connected.store(
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
         )
@@ -65,7 +65,8 @@ class EntryWriter:
         """How the daemon stores depth ``depth``'s entries; an AutoEncoding measures the first ones
         (on the connection's writer thread) and keeps its choice per fingerprint."""
         if not isinstance(self.encoding, AutoEncoding):
-            return None if self.encoding == "daemon" else (lambda entries, fixed=self.encoding: fixed)
+            fixed = self.encoding
+            return None if fixed == "daemon" else (lambda entries: fixed)
         fingerprint, config, samples = self.context.frozen.fingerprints[depth], self.encoding, self.epoch.samples()
         planner = self.context.planner
 

@@ -37,7 +37,7 @@ class Snapshot:
     stage: int
     age: int  # evaluations between the two references of a reading
     payload: bytes | None = None  # pickle.dumps of the stage module on the CPU (index 0 of a generation)
-    state: dict[str, torch.Tensor] | None = None  # its state_dict in shared memory (later indices)
+    state: dict[str, State] | None = None  # its state_dict in shared memory (later indices)
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class _Generation:
     def __init__(self, first: Snapshot) -> None:
         self.first = first
         self.module: torch.nn.Module = pickle.loads(cast(bytes, first.payload))
-        self.states: dict[int, dict[str, torch.Tensor] | None] = {first.index: None}  # None: the module as sent
+        self.states: dict[int, dict[str, State] | None] = {first.index: None}  # None: the module as sent
         self.runs: dict[int, torch.nn.Module] = {}
 
     def reference(self, index: int, example: State, timed: set[int], outbox) -> torch.nn.Module:
@@ -104,9 +104,10 @@ class _Generation:
         if index in self.runs:
             return self.runs[index]
         module = self.module  # sent in eval mode
-        if self.states[index] is not None:
+        state = self.states[index]
+        if state is not None:
             module = copy.deepcopy(self.module)
-            module.load_state_dict(self.states[index])
+            module.load_state_dict(state)
         if self.first.stage not in timed:
             timed.add(self.first.stage)
             outbox.put(Built(self.first.generation, index, self.first.stage, _ms_per_batch(module, example)))

@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from actcache.errors import ConfigError
-
 from actcache_client.freeze.policy import Decision, Signals, check_state_version, relative_change
 
 __all__ = ["AutoFreezeConfig", "AutoFreezePolicy", "GradNormAccumulator"]

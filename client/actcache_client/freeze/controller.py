@@ -27,13 +27,19 @@ import torch.distributed as dist
 from torch import nn
 
 from actcache.errors import ConfigError, LifecycleError
-from actcache_client.engine._cached_forward import CachedForward
 from actcache_client.cost_model import Plan
+from actcache_client.engine._cached_forward import CachedForward
 from actcache_client.freeze import _refproc
 from actcache_client.freeze.autofreeze import GradNormAccumulator
 from actcache_client.freeze.defaults import default_policy, eval_every_for, run_length
-from actcache_client.freeze.policy import (Decision, DecisionKind, FreezePolicy, Signals, check_state_version,
-                                            depth_after)
+from actcache_client.freeze.policy import (
+    Decision,
+    DecisionKind,
+    FreezePolicy,
+    Signals,
+    check_state_version,
+    depth_after,
+)
 from actcache_client.freeze.reference import PlasticityProbe, ReferenceConfig, ReferenceStats
 from actcache_client.freeze.static import NoFreezePolicy
 from actcache_client.freeze.timeline import Timeline
@@ -186,7 +192,7 @@ class FreezeController:
 
     def _evaluate(self, lr: float) -> None:
         self.evaluations += 1
-        loss = float(self._loss_sum / self._loss_count) if self._loss_count else None
+        loss = float(self._loss_sum / self._loss_count) if self._loss_count and self._loss_sum is not None else None
         self._loss_sum, self._loss_count = None, 0
         if self.distributed and "loss" in self.policy.needs:  # the mean over the ranks that have one
             t = _collective_tensor([loss or 0.0, float(loss is not None)], torch.float64, self.group)
@@ -203,7 +209,7 @@ class FreezeController:
             t = _collective_tensor([depth if depth is not None else -1], torch.int64, self.group)
             dist.broadcast(t, src=0 if self.group is None else dist.get_global_rank(self.group, 0), group=self.group)
             depth = int(t.item())
-        if depth != self.frozen:
+        if depth is not None and depth != self.frozen:
             self._apply(depth)
             if records:
                 records[-1]["rewrap_s"] = self.rewrap_seconds
@@ -233,6 +239,7 @@ class FreezeController:
     def _record(self, signals: Signals, decision: Decision, after: int,
                 reading: _refproc.Reading | None) -> dict[str, Any]:
         numbers = decision.numbers
+        signal: str | None
         if "plasticity" in self.policy.needs:
             signal, value = "plasticity", signals.plasticity
         elif "grad_norms" in self.policy.needs:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 from actcache.errors import ConfigError
-
 from actcache_client.freeze.autofreeze import AutoFreezePolicy
 from actcache_client.freeze.egeria import EgeriaConfig, EgeriaPolicy
 from actcache_client.freeze.policy import FreezePolicy

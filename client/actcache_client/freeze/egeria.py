@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from actcache.errors import ConfigError
-
 from actcache_client.freeze._main_guard import check_main_guard
 from actcache_client.freeze.policy import Decision, Signals, check_state_version, relative_change
 
@@ -136,7 +135,7 @@ class EgeriaPolicy:
         self._peak_lr = 0.0
         self._last_step: int | None = None
         self._span = [0.0, 0]  # loss x steps, steps of the span being summed
-        self._prev_span: tuple[float, int] | None = None  # mean, steps
+        self._prev_span: tuple[float, float] | None = None  # mean, steps
         self._reset_stage(0)
 
     @property

@@ -269,6 +269,7 @@ class ReferenceWorker:
             return False
         limit = self.config.max_cpu_percent
         if limit is not None:
+            assert not isinstance(limit, str), "the worker's config has max_cpu_percent='auto' resolved"
             self.last_cpu_percent = self._cpu_percent()
             if self.last_cpu_percent > limit:
                 self.stats.skipped_busy += 1

@@ -8,7 +8,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from actcache.errors import ConfigError
-
 from actcache_client.freeze.policy import Decision, Signals, check_state_version
 
 __all__ = ["FreezeMilestone", "ManualPolicy", "NoFreezePolicy", "StaticPolicy"]

@@ -9,7 +9,7 @@ from actcache.errors import ConfigError
 __all__ = ["check_freeze_choice"]
 
 
-def check_freeze_choice(api: str, *, depth: int | None, at_name: str, at: Any, policy: Any,
+def check_freeze_choice(api: str, *, depth: object, at_name: str, at: Any, policy: Any,
                         eval_every: int | None) -> None:
     """ConfigError naming the fix: a freeze time without ``depth``, or ``depth`` with controller settings."""
     if depth is None and at is not None:

@@ -42,16 +42,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 
-from actcache.errors import ConfigError
-from actcache_client.engine._cached_forward import CachedForward
-from actcache_client.transport._connection import Connection
+from actcache.errors import ConfigError, LifecycleError
 from actcache_client._dropin import ActCache, WrappedLoader
 from actcache_client._options import CacheOptions
-from actcache_client.layouts import Layout, blocks_layout, find_layout
 from actcache_client.bert import minilm_dir
+from actcache_client.engine._cached_forward import CachedForward
 from actcache_client.freeze.controller import FreezeController
 from actcache_client.freeze.policy import FreezePolicy
 from actcache_client.integrations._choice import check_freeze_choice
+from actcache_client.layouts import Layout, blocks_layout, find_layout
+from actcache_client.transport._connection import Connection
 
 __all__ = ["TrainerCache", "attach", "load_transformers_minilm"]
 
@@ -106,7 +106,10 @@ class TrainerCache:
     def __init__(self, trainer: Trainer, *, depth: int | str | None, freeze_at: int | float | None,
                  policy: FreezePolicy | None, eval_every: int | None, cache: bool,
                  connection: Connection | None, **options: Any) -> None:
-        stages = _layout(trainer.model, options).stages
+        if trainer.model is None:
+            raise ConfigError("attach needs a Trainer built with its model (Trainer(model=...))")
+        model = trainer.model
+        stages = _layout(model, options).stages
         if _padded_left(trainer) and "varlen" not in options and options.get("options") is None:
             options = {**options, "varlen": None}  # stored at the batch's padded length: pad to max_length
         check_freeze_choice("attach", depth=depth, at_name="freeze_at", at=freeze_at, policy=policy,
@@ -123,20 +126,21 @@ class TrainerCache:
                                                or isinstance(freeze_at, float) and 0 <= freeze_at < 1):
             raise ConfigError(f"attach(freeze_at=...) is an optimizer step (int >= 0) or a fraction of the run "
                               f"(float in [0, 1)), got {freeze_at!r}")
+        assert depth is None or isinstance(depth, int), "a stage's name was turned into its depth above"
         self.trainer, self.depth, self.freeze_at = trainer, depth, freeze_at
         self.policy, self.eval_every = policy, eval_every
         if not cache:  # options unused, but checked: the run to compare against takes the same arguments
             CacheOptions.of(options.get("options"), **{k: v for k, v in options.items() if k not in _LAYOUT_ARGS})
-        self.cache = ActCache(trainer.model, connection, **options) if cache else None
+        self.cache = ActCache(model, connection, **options) if cache else None
         #: The stages that freeze: the cache's, or with ``cache=False`` the same stages without a cache.
         self.staged = self.cache.model if self.cache is not None else CachedForward(stages, None)
         self.controller: FreezeController | None = None
         self._loss: torch.Tensor | None = None  # the training loss of the optimizer step in progress
         self._build_loader = trainer.get_train_dataloader
-        trainer.get_train_dataloader = self._train_dataloader  # the Trainer's own loader, wrapped
+        trainer.get_train_dataloader = self._train_dataloader  # type: ignore[method-assign]  # its own, wrapped
         if depth is None:
             self._training_step = trainer.training_step
-            trainer.training_step = self._step_loss  # the Trainer's own step, its loss noted
+            trainer.training_step = self._step_loss  # type: ignore[method-assign]  # its own, the loss noted
         trainer.add_callback(_Freeze(self))
 
     @property
@@ -153,6 +157,9 @@ class TrainerCache:
 
     def freeze(self) -> None:
         """Freeze ``depth`` stages now (the next training step serves them)."""
+        if self.depth is None:
+            raise LifecycleError("freeze() freezes the stages of attach(depth=...); without depth the "
+                                 "FreezeController decides when to freeze")
         if self.cache is not None:
             self.cache.freeze(self.depth)
         else:
@@ -254,6 +261,8 @@ class _TrainLoader:
     numbers it sees without the cache. Attributes are the prepared loader's, for the Trainer.
     """
 
+    batch_sampler: Any  # one of the prepared loader's attributes, copied in __init__
+
     def __init__(self, cache: ActCache, prepared: DataLoader) -> None:
         if prepared.batch_sampler is None:
             raise ConfigError("actcache needs a map-style train_dataset (with __len__ and __getitem__); "
@@ -261,11 +270,11 @@ class _TrainLoader:
         self.prepared = prepared
         for name in _LOADER_FIELDS:  # what the Trainer (and a resume's skip_first_batches) reads of its loader
             setattr(self, name, getattr(prepared, name))
+        prefetch: dict[str, Any] = {"prefetch_factor": prepared.prefetch_factor} if prepared.num_workers > 0 else {}
         plain = DataLoader(prepared.dataset, batch_sampler=prepared.batch_sampler, collate_fn=prepared.collate_fn,
                            num_workers=prepared.num_workers, pin_memory=prepared.pin_memory,
                            worker_init_fn=prepared.worker_init_fn, generator=torch.Generator().manual_seed(0),
-                           persistent_workers=prepared.persistent_workers,
-                           **({"prefetch_factor": prepared.prefetch_factor} if prepared.num_workers > 0 else {}))
+                           persistent_workers=prepared.persistent_workers, **prefetch)
         self.wrapped: WrappedLoader = cache.wrap(plain)
 
     def __len__(self) -> int:
@@ -274,8 +283,9 @@ class _TrainLoader:
     def set_epoch(self, epoch: int) -> None:
         self.wrapped.set_epoch(epoch)
         sampler = getattr(self.batch_sampler, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
 
     def __iter__(self) -> Any:
         if self.prepared.generator is None:
@@ -303,8 +313,10 @@ def load_transformers_minilm(num_labels: int = 2) -> tuple[nn.Module, Any]:
     hf_logging.set_verbosity_error()  # the new head's "newly initialized" notice: expected here
     hf_logging.disable_progress_bar()
     try:
-        model, info = BertForSequenceClassification.from_pretrained(path, num_labels=num_labels,
+        # (model, loading info) with output_loading_info=True, which transformers types as the model alone
+        loaded: Any = BertForSequenceClassification.from_pretrained(path, num_labels=num_labels,
                                                                     output_loading_info=True)
+        model, info = loaded
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

@@ -124,7 +124,8 @@ class ActCacheCallback(pl.Callback):
         self._frozen_once = False
         strategy = trainer.strategy
         self._patched, self._previous = strategy, vars(strategy).get("process_dataloader")
-        strategy.process_dataloader = partial(self._process_dataloader, trainer, strategy.process_dataloader)
+        strategy.process_dataloader = partial(  # type: ignore[method-assign]  # this strategy's, restored after
+            self._process_dataloader, trainer, strategy.process_dataloader)
 
     def _process_dataloader(self, trainer: pl.Trainer, original: Callable[[object], object],
                             dataloader: object) -> object:

@@ -27,8 +27,14 @@ from actcache_client.layouts import _simple, _transformers
 from actcache_client.layouts._base import Layout
 from actcache_client.layouts._blocks import stage_blocks as blocks_layout
 from actcache_client.layouts._check import check_layout
-from actcache_client.layouts._registry import (Family, Match, find_layout, layout_families, register_layout,
-                                               unregister_layout)
+from actcache_client.layouts._registry import (
+    Family,
+    Match,
+    find_layout,
+    layout_families,
+    register_layout,
+    unregister_layout,
+)
 
 __all__ = ["Family", "Layout", "Match", "blocks_layout", "check_layout", "find_layout", "layout_families",
            "register_layout", "unregister_layout"]

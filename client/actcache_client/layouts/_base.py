@@ -90,10 +90,10 @@ def text_inputs(data: Any) -> State:
         if "input_ids" not in data:
             raise ConfigError(f"a text batch needs 'input_ids'; the collate gave keys {sorted(data)}")
         ids = data["input_ids"]
-        mask = data.get("attention_mask")
+        mask: Any = data.get("attention_mask")
         if mask is None and isinstance(ids, Tensor):
             mask = torch.ones_like(ids)
-        types = data.get("token_type_ids")
+        types: Any = data.get("token_type_ids")
         return (ids, mask) if types is None else (ids, mask, types)
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], (list, tuple, Mapping)):
         return text_inputs(data[0])

@@ -26,6 +26,8 @@ __all__ = ["stage_blocks"]
 class _Stem(nn.Module):
     """The network's input -> the first block's output: the network's own forward up to the block, then it."""
 
+    net: nn.Module
+
     def __init__(self, net: nn.Module, modules: list[nn.Module], params: list[nn.Parameter], block: nn.Module,
                  name: str) -> None:
         super().__init__()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from actcache_client.layouts._base import Layout, of_type, padded_hidden, text_inputs
 from actcache_client.layouts._stages import from_bert, from_resnet, from_sequential, from_transformers
 from actcache_client.transport._tensors import VarLen
-from actcache_client.layouts._base import Layout, of_type, padded_hidden, text_inputs
 
 __all__ = ["BERT_TYPES", "RESNET_TYPES", "TRANSFORMERS_BERT_TYPES", "bert", "bert_like", "is_resnet", "of_type",
            "resnet", "resnet_like", "sequential", "transformers_bert"]
@@ -20,6 +20,7 @@ TRANSFORMERS_BERT_TYPES = ("transformers.models.bert.modeling_bert.BertForSequen
 
 def sequential(net: nn.Module) -> Layout:
     """One stage per child of an nn.Sequential."""
+    assert isinstance(net, nn.Sequential), "registered for nn.Sequential"
     return Layout(from_sequential(net))
 
 

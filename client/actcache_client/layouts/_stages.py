@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 from torch import Tensor, nn
@@ -78,6 +78,18 @@ class Stage(nn.Module):
         return f"name={self.name!r}"
 
 
+if TYPE_CHECKING:
+    class _StageList(nn.ModuleList):
+        """StagedModel.stages as the type checker sees it: a ModuleList of Stages."""
+
+        def __iter__(self) -> Iterator[Stage]: ...
+        @overload
+        def __getitem__(self, idx: slice) -> _StageList: ...
+        @overload
+        def __getitem__(self, idx: int) -> Stage: ...
+        def __getitem__(self, idx: int | slice) -> Stage | _StageList: ...
+
+
 class StagedModel(nn.Module):
     """An ordered, non-empty list of uniquely named stages; ``forward(x)`` runs them all.
 
@@ -87,6 +99,8 @@ class StagedModel(nn.Module):
     Raises:
         ConfigError: No stages, an item that is not a Stage, or repeated names.
     """
+
+    stages: _StageList
 
     def __init__(self, stages: Iterable[Stage]) -> None:
         super().__init__()
@@ -100,7 +114,7 @@ class StagedModel(nn.Module):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ConfigError(f"stage names must be unique; repeated: {dupes}; rename them in Stage(name, module)")
-        self.stages = nn.ModuleList(stages)
+        self.stages = cast("_StageList", nn.ModuleList(stages))  # every item is a Stage (checked above)
 
     @property
     def num_stages(self) -> int:
@@ -162,7 +176,7 @@ class StagedModel(nn.Module):
         return StagedModel(self.stages[start:])
 
 
-def call_sites(net: nn.Module, stages: list[nn.Module]) -> list[list[nn.Module]]:
+def call_sites(net: nn.Module, stages: Sequence[nn.Module]) -> list[list[nn.Module]]:
     """For each stage, the topmost modules of ``net`` in it (a residual block; a ResNet stem's ``conv1, bn1,
     relu``), in registration order, which the adapters keep in the order ``net`` calls them; or the sites a
     Stage names (``Stage(..., sites=[block])``)."""
@@ -367,7 +381,7 @@ class ClassifierHead(nn.Module):
         return self.classifier(pooled if self.dropout is None else self.dropout(pooled))
 
 
-def _encoder_stages(model: nn.Module, body: nn.Module, layers: Iterable[nn.Module], extend: Callable[..., Tensor],
+def _encoder_stages(model: Any, body: Any, layers: Iterable[nn.Module], extend: Callable[..., Tensor],
                     needs_mask: bool) -> StagedModel:
     pooler, dropout = getattr(body, "pooler", None), getattr(model, "dropout", None)
     head = ClassifierHead(pooler if isinstance(pooler, nn.Module) else None,
@@ -477,7 +491,10 @@ def auto_partition(
         raise ConfigError(f"auto_partition: target_params must be >= 1 parameter, got {target_params}")
     counts = staged.param_counts()
     total = sum(counts)
-    capacity = target_params or -(-total // max_stages)
+    if target_params is not None:
+        capacity = target_params
+    elif max_stages is not None:
+        capacity = -(-total // max_stages)
     if max_stages is not None:  # the smallest capacity giving at most max_stages groups (total gives one)
         capacity += bisect.bisect_left(range(capacity, total + 1), True,
                                        key=lambda c: len(_greedy(counts, c)) <= max_stages)

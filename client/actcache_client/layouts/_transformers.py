@@ -17,12 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from actcache.errors import ConfigError
+from actcache_client.layouts._base import Layout, module_at, of_type, padded_hidden, pixel_inputs, rest_of, text_inputs
+from actcache_client.layouts._calls import arguments_at, hidden_of
 from actcache_client.layouts._stages import Stage, StagedModel
 from actcache_client.transport._state import State, tensors_of
 from actcache_client.transport._tensors import VarLen
-from actcache_client.layouts._base import Layout, module_at, of_type, padded_hidden, pixel_inputs, rest_of, \
-    text_inputs
-from actcache_client.layouts._calls import arguments_at, hidden_of
 
 __all__ = ["Body", "DECODERS", "ENCODERS", "VISION", "find_body", "stage_body"]
 
@@ -76,6 +75,9 @@ class _Embeddings(nn.Module):
     stored beside the hidden state, see ``VarLen(mask_dtype=...)``); vision: ``pixel_values -> hidden``.
     """
 
+    body: nn.Module
+    first: nn.Module
+
     def __init__(self, body: nn.Module, modules: list[nn.Module], first: nn.Module, kind: str) -> None:
         super().__init__()
         self.parts = nn.ModuleList(modules)  # the body's modules before its layers: this stage's parameters
@@ -105,6 +107,9 @@ class _Layer(nn.Module):
     """One layer, called as the body calls it: text ``(hidden, mask) -> (hidden, mask)``, its other arguments
     (attention mask, position embeddings) from the body's own forward on the batch's shape and mask;
     vision ``hidden -> hidden`` (no mask)."""
+
+    body: nn.Module
+    first: nn.Module
 
     def __init__(self, layer: nn.Module, body: nn.Module, first: nn.Module, kind: str) -> None:
         super().__init__()

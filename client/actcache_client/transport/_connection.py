@@ -23,9 +23,16 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterator, Protocol, Sequence, TypeVar
+from typing import Callable, Generator, Protocol, Sequence, TypeVar
 
-from actcache.errors import ActCacheError, BudgetExceeded, ConfigError, DaemonUnavailable, EntryCorrupt, NamespaceNotFound
+from actcache.errors import (
+    ActCacheError,
+    BudgetExceeded,
+    ConfigError,
+    DaemonUnavailable,
+    EntryCorrupt,
+    NamespaceNotFound,
+)
 from actcache.rpc_client import EntryBatch, JobInfo, RpcClient, target_for
 
 __all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "Lease"]
@@ -253,7 +260,7 @@ class Connection:
         return values
 
     def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0, max_frame_bytes: int = 0,
-               ahead: bool = False) -> Iterator[EntryBatch]:
+               ahead: bool = False) -> Generator[EntryBatch, None, None]:
         """Fetch a pushed schedule from ``start``: shared memory on a Unix socket of this host, else bytes.
 
         Counts frames in ``stats``; errors are raised to the caller (who hands them to ``fallback``).
@@ -279,7 +286,7 @@ class Connection:
             arrived = time.perf_counter()
             waited = last is not None and arrived - t0 >= _WAITED * (arrived - last)
             if counted:  # waited for this frame and the one before: the stream was reading it all along
-                self.count_streamed(batch, arrived - t0, arrived - last if waited and behind else None,
+                self.count_streamed(batch, arrived - t0, arrived - last if waited and behind and last is not None else None,
                                     received_s=None if last is None else arrived - last)
             counted, last, behind = True, arrived, waited
             try:
@@ -513,8 +520,9 @@ class Connection:
             if cause in ("unavailable", "full"):
                 self._paused_until = now + self._backoff_s
                 self._backoff_s = min(self._backoff_s * 2, max(30.0, self.config.backoff_s))
-        if cause == "unavailable" and callable(getattr(self._embedded, "revive", None)):
-            self._embedded.revive()  # the node daemon's lease starts it again; resume() ends the pause
+        revive = getattr(self._embedded, "revive", None)
+        if cause == "unavailable" and callable(revive):
+            revive()  # the node daemon's lease starts it again; resume() ends the pause
         if due:
             log.warning("%s [%d times so far]", message, count)
         if first:

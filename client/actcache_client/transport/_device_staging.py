@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -25,6 +25,15 @@ from actcache_client.transport._tensors import RowCopier
 __all__ = ["CopyTimer", "HostEvent", "HostRing", "Stager", "page_lock"]
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
+
+
+class Completion(Protocol):
+    """The event of an asynchronous copy (``torch.cuda.Event``, ``HostEvent``): wait until it completes."""
+
+    def synchronize(self) -> None: ...
+
+
+_S = TypeVar("_S", bound=State)
 
 
 class HostRing:
@@ -41,7 +50,7 @@ class HostRing:
             raise ConfigError(f"HostRing(slots=) needs at least 2 slots, got {slots}")
         self.pin_memory = pin_memory
         self._buffers: list[Tensor] = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
-        self._events: list[object | None] = [None] * slots
+        self._events: list[Completion | None] = [None] * slots
         self._next = self._used = self._wanted = 0
         self._current: int | None = None
 
@@ -71,7 +80,7 @@ class HostRing:
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
         return buffer[start : start + nbytes].view(dtype).view(shape)
 
-    def release(self, event: object | None) -> None:
+    def release(self, event: Completion | None) -> None:
         """Mark the acquired slot busy until ``event`` completes (None: free at once)."""
         if self._current is None:
             raise LifecycleError("HostRing.release called before acquire(); release only the slot acquire() gave")
@@ -177,11 +186,12 @@ class Stager:
         if not self.cuda:
             return state if self.device.type == "cpu" else map_state(state, lambda t: t.to(self.device))
         nbytes = sum(t.element_size() * t.numel() for t in tensors_of(state))
+        assert self._ring is not None, "made with CUDA"
         moved, done = self._side_copy(lambda: map_state(state, lambda t: t.to(self.device, non_blocking=True)), nbytes)
         self._ring.release(done)
         return moved
 
-    def ring_to_device(self, run: SlotRun, count: int) -> tuple[Tensor, object] | None:
+    def ring_to_device(self, run: SlotRun, count: int) -> tuple[Tensor, Completion] | None:
         """The ``count`` entries of ``run`` copied straight out of the ring into a (count, entry bytes) uint8
         tensor on the device, and the copy's event; None without CUDA (collate on the host then). The ring
         is page-locked once, so the copy is a DMA on the side stream, not a staged copy through pageable
@@ -194,16 +204,18 @@ class Stager:
         self.ring_copies += 1
         return rows.view(count, run.size), done
 
-    def _side_copy(self, copy: Callable[[], State], nbytes: int) -> tuple[State, object]:
+    def _side_copy(self, copy: Callable[[], _S], nbytes: int) -> tuple[_S, Completion]:
         """``copy()`` on the side stream, timed, before later work on the current stream; and its event."""
+        side, timer = self._stream, self._timer
+        assert side is not None and timer is not None, "made with CUDA"
         compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._stream):
-            started = self._timer.start()
+        with torch.cuda.stream(side):
+            started = timer.start()
             moved = copy()
-            self._timer.stop(started, nbytes)
+            timer.stop(started, nbytes)
             done = torch.cuda.Event()
-            done.record(self._stream)
-        compute.wait_stream(self._stream)
+            done.record(side)
+        compute.wait_stream(side)
         for t in tensors_of(moved):
             t.record_stream(compute)  # the caching allocator must not reuse it before compute is done
         return moved, done

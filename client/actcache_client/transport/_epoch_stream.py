@@ -26,13 +26,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Sequence
 
 from actcache.errors import ActCacheError
 from actcache.rpc_client import EntryBatch
 from actcache.shm import SlotRun
 from actcache_client.cost_model import cached_subset
 from actcache_client.transport._connection import Connection
+
+if TYPE_CHECKING:
+    from actcache_client.transport._device_staging import Completion
 
 __all__ = ["EpochStream"]
 
@@ -70,18 +73,18 @@ class _Ahead:
     """The next epoch's order pushed and its Fetch opened in a thread, so the daemon decodes its head
     while the current epoch runs. Errors (strict mode) reach the training thread through ``pushed``/``result``."""
 
-    def __init__(self, push: Callable[[], list[bool] | None], open_: Callable[[], Iterator[EntryBatch]]) -> None:
+    def __init__(self, push: Callable[[], list[bool] | None], open_: Callable[[], Generator[EntryBatch, None, None]]) -> None:
         self._lock = threading.Lock()
         self._pushed = threading.Event()
         self._present: list[bool] | None = None
-        self._frames: Iterator[EntryBatch] | None = None
+        self._frames: Generator[EntryBatch, None, None] | None = None
         self._first: EntryBatch | None = None
         self._error: BaseException | None = None
         self._done = self._abandoned = False
         self._thread = threading.Thread(target=self._run, args=(push, open_), name="actcache-stream-ahead", daemon=True)
         self._thread.start()
 
-    def _run(self, push: Callable[[], list[bool] | None], open_: Callable[[], Iterator[EntryBatch]]) -> None:
+    def _run(self, push: Callable[[], list[bool] | None], open_: Callable[[], Generator[EntryBatch, None, None]]) -> None:
         try:
             self._present = push()
             self._pushed.set()
@@ -104,7 +107,7 @@ class _Ahead:
             raise self._error
         return self._present
 
-    def result(self) -> tuple[Iterator[EntryBatch], EntryBatch | None]:
+    def result(self) -> tuple[Generator[EntryBatch, None, None] | None, EntryBatch | None]:
         """The frames and the first one (None: the stream ended), once it has come."""
         self._thread.join()
         if self._error is not None:
@@ -161,13 +164,13 @@ class EpochStream:
         self._slot = 0
         self._serving = False  # an order is pushed and its stream not broken
         self._order: _Order | None = None
-        self._frames: Iterator[EntryBatch] | None = None
+        self._frames: Generator[EntryBatch, None, None] | None = None
         self._pending: deque = deque()  # entries of the last frame not taken yet
         self._shared = False  # the last frame's values are views into the shared-memory ring
         #: Where the last ``take``'s entries lie, if hits of one size in consecutive ring slots (EntryBatch.run).
         self.run: SlotRun | None = None
         self._frame_run: tuple[int, SlotRun | None] = (0, None)  # (first position, run) of the last frame
-        self._held: object | None = None  # an event: the last batch's slots are read until it completes
+        self._held: Completion | None = None  # the last batch's slots are read until it completes
 
     @property
     def schedule_id(self) -> str:
@@ -229,15 +232,15 @@ class EpochStream:
         """Per entry of the pushed order from epoch batch ``position`` on: whether it was stored when the
         order was pushed (the push's reply). None if no order covers ``position``."""
         o = self._order
-        b = o.at(position, end=True) if self._serving else None
-        return None if b is None else o.present[o.offsets[b]:]
+        b = o.at(position, end=True) if self._serving and o is not None else None
+        return None if o is None or b is None else o.present[o.offsets[b]:]
 
     def take(self, position: int, ids: Sequence[int]) -> list | None:
         """Entries (None per miss) of the cached subset ``ids`` of epoch batch ``position``; None if the
         stream cannot serve it (nothing pushed, failed, another order)."""
         o = self._order
-        b = o.at(position) if self._serving else None
-        if b is None:
+        b = o.at(position) if self._serving and o is not None else None
+        if o is None or b is None:
             return None
         if tuple(ids) != o.batches[b]:
             self.close()  # broken: no take is served until the next push
@@ -268,7 +271,7 @@ class EpochStream:
             self.run = run.skip(lo - frame_start)
         return out
 
-    def hold(self, event: object) -> None:
+    def hold(self, event: Completion) -> None:
         """Keep the last ``take``'s slots until ``event`` (an asynchronous copy reading them) completes."""
         self._held = event
 
@@ -290,7 +293,7 @@ class EpochStream:
             if batch is not None:
                 self._connection.count_streamed(batch, time.perf_counter() - t0)
         else:
-            if opened:
+            if self._frames is None:  # opened
                 self._frames = self._connection.stream(self.schedule_id, lo, ring_bytes=self._ring_bytes,
                                                        max_frame_bytes=self._frame_bytes)
             batch = next(self._frames, None)
@@ -299,7 +302,7 @@ class EpochStream:
         self._shared = batch.data_plane == "shared_memory"
         self._pending.extend(batch)
         self._frame_run = (batch.start, batch.run)
-        sizes = _sizes(batch.values, max(map(len, self._order.batches))) if opened else None
+        sizes = _sizes(batch.values, max(map(len, self._order.batches))) if opened and self._order is not None else None
         if sizes is not None:
             self._ring_bytes, self._frame_bytes = sizes
 

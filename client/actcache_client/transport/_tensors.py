@@ -17,10 +17,9 @@ import torch
 from torch import Tensor
 
 from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_entries, encode_entry
-from actcache.served import uniform_layout, uniform_rows
 from actcache.errors import ConfigError, InvalidRequest
+from actcache.served import uniform_layout, uniform_rows
 from actcache.shm import SlotRun
-
 from actcache_client.transport._state import State, map_state, tensors_of
 
 __all__ = ["RowCopier", "StorePrecision", "VarLen", "check_fixed_length", "collate_entries", "copy_rows",
@@ -57,16 +56,15 @@ class StorePrecision:
 
     def to_stored(self, state: State) -> State:
         """``state`` as it is stored (computed outputs cast to ``store_dtype``)."""
-        return self._cast(state, self.compute_dtype, self.store_dtype)
+        return state if self.store_dtype is None else _cast(state, self.compute_dtype, self.store_dtype)
 
     def to_compute(self, state: State) -> State:
         """A served ``state`` back in the precision the stages compute in."""
-        return self._cast(state, self.store_dtype, self.compute_dtype)
+        return state if self.store_dtype is None else _cast(state, self.store_dtype, self.compute_dtype)
 
-    def _cast(self, state: State, source: torch.dtype, target: torch.dtype) -> State:
-        if self.store_dtype is None:
-            return state
-        return map_state(state, lambda t: t.to(target) if t.dtype == source else t)
+
+def _cast(state: State, source: torch.dtype, target: torch.dtype) -> State:
+    return map_state(state, lambda t: t.to(target) if t.dtype == source else t)
 
 
 def _state(tensors: list[Tensor]) -> State:
@@ -126,7 +124,7 @@ def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None =
     for i in range(batch):
         parts = [(t[i] if lengths is None else t[i, : lengths[i]]).contiguous() for t in stored]
         specs = [TensorSpec(_TO_CODEC[p.dtype], tuple(p.shape)) for p in parts]
-        data = [memoryview(p.reshape(-1).view(torch.uint8).numpy()).cast("B") for p in parts]
+        data = [p.reshape(-1).view(torch.uint8).numpy().data.cast("B") for p in parts]
         out.append(encode_entry(specs, data, zstd_level=zstd_level))
     return out
 
@@ -174,10 +172,10 @@ def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | N
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
     count = len(entries)
     if run is not None and not verify and not varlen:
-        rows = _rows(run, count)
-        header = uniform_rows(rows)
+        in_ring = _rows(run, count)
+        header = uniform_rows(in_ring)
         if header is not None:
-            return _columns(header, rows, alloc)
+            return _columns(header, in_ring, alloc)
     layout = None if verify or varlen else uniform_layout(entries)
     if layout is not None:
         return _columns(layout, entries, alloc)
