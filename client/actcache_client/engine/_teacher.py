@@ -21,7 +21,11 @@ from torch import Tensor, nn
 from actcache.errors import ConfigError
 from actcache_client.engine._audit import AuditConfig
 from actcache_client.engine._batch import Batch
-from actcache_client.engine._cached_forward import CachedForward, ForwardLoaderSide, StepTimes
+from actcache_client.engine._cached_forward import (
+    CachedForward,
+    ForwardLoaderSide,
+    StepTimes,
+)
 from actcache_client.engine._codec_choice import AutoEncoding
 from actcache_client.engine._frozen import prefix_fingerprints
 from actcache_client.layouts._stages import Stage, StagedModel
