@@ -196,7 +196,8 @@ class CachedLoader:
             raise ConfigError("CachedLoader needs automatic batching (a batch_size or batch_sampler on the DataLoader)")
         if variants is not None and variants < 1:
             raise ConfigError(f"variants must be >= 1, got {variants}")
-        self.models = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
+        self.models: list[LoaderModel] = ([] if model is None else list(model) if isinstance(model, (list, tuple))
+                                          else [model])
         self.loader, self.variants = loader, variants
         self.epoch = self._position = 0
         self._order: list[list[int]] | None = None  # indices of the current epoch's batches
@@ -300,7 +301,8 @@ class CachedLoader:
             if position == ahead_at and self._next_order is None:
                 self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
                 for m in self.models:
-                    m.loader_side.prepare_next_epoch(self._ids(self._next_order[1]), self._variant_of(self.epoch + 1))
+                    m.loader_side.prepare_next_epoch(self._ids(self._next_order[1]),
+                                                     self._variant_of(self.epoch + 1))
             load = partial(self._load, self._order[position], variant) if loaded is not None else None
             yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position, loaded=loaded, load=load)
         self.epoch, self._position, self._order = self.epoch + 1, 0, None

@@ -103,7 +103,8 @@ class CachedForward:
         self._frozen = FrozenPrefix(model, precision.key_tag)
         self._written = WrittenFingerprints(planner)
         context = PrefixContext(self._frozen, self._written, connection, planner, precision, varlen, self.stager)
-        self._audit = HitAudit(audit, context)
+        self._audit = HitAudit(audit, model=model, connection=connection, written=self._written, precision=precision,
+                               varlen=varlen, device=self.stager.device)
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         epoch_stream = EpochStream(connection, rank=rank) if connection is not None and stream else None
