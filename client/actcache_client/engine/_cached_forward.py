@@ -109,7 +109,8 @@ class CachedForward:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         epoch_stream = EpochStream(connection, rank=rank) if connection is not None and stream else None
         self._epoch = EpochPlan(connection, epoch_stream, self._audit)
-        self._writer = EntryWriter(context, encoding, self._epoch)
+        self._writer = EntryWriter(frozen=self._frozen, written=self._written, connection=connection, planner=planner,
+                                   precision=precision, varlen=varlen, encoding=encoding, epoch=self._epoch)
         self._assembly = PrefixAssembly(context, self._epoch, self._audit, self._writer)
         self._epoch_log = EpochLog()
         # The last step, for the planner: when its prefix began, its samples, what its prefix did (a StepKind),
