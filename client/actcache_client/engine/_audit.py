@@ -21,7 +21,12 @@ from actcache_client.engine._frozen import WrittenFingerprints
 from actcache_client.engine._rows import RawInputs
 from actcache_client.layouts._stages import StagedModel
 from actcache_client.transport._state import tensors_of
-from actcache_client.transport._tensors import StorePrecision, VarLen, collate_entries, encode_samples
+from actcache_client.transport._tensors import (
+    StorePrecision,
+    VarLen,
+    collate_entries,
+    encode_samples,
+)
 
 if TYPE_CHECKING:
     from actcache_client.transport._connection import Connection

@@ -28,7 +28,7 @@ from actcache_client.engine._batch import Batch
 from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice
 from actcache_client.engine._counters import EpochCounters, EpochLog, StepTimes
 from actcache_client.engine._epoch_plan import EpochPlan, Target
-from actcache_client.engine._frozen import FrozenPrefix, PrefixContext, WrittenFingerprints
+from actcache_client.engine._frozen import FrozenPrefix, WrittenFingerprints
 from actcache_client.engine._planner import CachePlanner
 from actcache_client.engine._rows import RawInputs
 from actcache_client.engine._writer import EntryWriter, check_encoding
@@ -102,7 +102,6 @@ class CachedForward:
         self.keep_generations = keep_generations
         self._frozen = FrozenPrefix(model, precision.key_tag)
         self._written = WrittenFingerprints(planner)
-        context = PrefixContext(self._frozen, self._written, connection, planner, precision, varlen, self.stager)
         self._audit = HitAudit(audit, model=model, connection=connection, written=self._written, precision=precision,
                                varlen=varlen, device=self.stager.device)
         dist = torch.distributed
@@ -111,7 +110,9 @@ class CachedForward:
         self._epoch = EpochPlan(connection, epoch_stream, self._audit)
         self._writer = EntryWriter(frozen=self._frozen, written=self._written, connection=connection, planner=planner,
                                    precision=precision, varlen=varlen, encoding=encoding, epoch=self._epoch)
-        self._assembly = PrefixAssembly(context, self._epoch, self._audit, self._writer)
+        self._assembly = PrefixAssembly(frozen=self._frozen, written=self._written, connection=connection,
+                                        planner=planner, precision=precision, varlen=varlen, stager=self.stager,
+                                        epoch=self._epoch, audit=self._audit, writer=self._writer)
         self._epoch_log = EpochLog()
         # The last step, for the planner: when its prefix began, its samples, what its prefix did (a StepKind),
         # and an event recorded on the device when its prefix was done (the rest of the step is timed from it).

@@ -17,7 +17,12 @@ from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice, c
 from actcache_client.engine._epoch_plan import EpochPlan
 from actcache_client.engine._frozen import FrozenPrefix, WrittenFingerprints
 from actcache_client.transport._state import State, map_state
-from actcache_client.transport._tensors import StorePrecision, VarLen, check_fixed_length, encode_samples
+from actcache_client.transport._tensors import (
+    StorePrecision,
+    VarLen,
+    check_fixed_length,
+    encode_samples,
+)
 
 if TYPE_CHECKING:
     from actcache_client.engine._planner import CachePlanner
