@@ -141,7 +141,7 @@ class InPlacePrefix:
         """The loader yielded ``batch`` (``given``: its first input tensor as the user received it)."""
         self.sync()
         if self.patched_depth == 0 and batch.loaded is None:  # stage 0's input: the batch as yielded
-            self.cached.training_input(batch.data[0])
+            self.cached._training_input(batch.data[0])
         self._pending.append((batch, _Token.of(given)))
         self._tails = deque()
 
@@ -207,7 +207,7 @@ class InPlacePrefix:
             finally:
                 self._computing = False
             if training:
-                self.cached.training_input(state)
+                self.cached._training_input(state)
             self._tails = deque(m for stage in self.sites[: self.patched_depth] for m in stage)
             self._tails.popleft()  # the head itself
             return self.output_of(state, given_now)

@@ -75,7 +75,7 @@ def _train(daemon, *, epochs: int = 3, cached: bool = True, dataset: Dataset | N
         cache = ac.ActCache(net, _connect(daemon), planner=None)
         loader = cache.wrap(loader, variants=variants)
         if disabled:
-            cache.model.disable("the comparison run")
+            cache.model.loader_side.disable("the comparison run")
     losses = []
     for epoch in range(epochs):
         net.train()

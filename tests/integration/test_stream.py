@@ -186,7 +186,7 @@ def test_the_shared_memory_ring_holds_a_few_batches_within_bounds_and_frames_hol
 def test_held_slots_are_released_only_after_their_copy_completes(daemon):
     """A batch copied asynchronously out of the ring (CUDA) is held: the stream waits for the copy's
     event before it asks for the next frame, which releases the batch's slots to the daemon."""
-    from actcache_client.transport._epoch_stream import EpochStream
+    from actcache_client.transport._epoch_stream import EpochStream, Target
 
     with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
         model = ac.CachedForward(mlp(), conn)
@@ -196,10 +196,10 @@ def test_held_slots_are_released_only_after_their_copy_completes(daemon):
         conn.flush(timeout_s=30)
         batches = [list(range(lo, lo + BATCH)) for lo in range(0, N, BATCH)]
         stream = EpochStream(conn)
-        stream.push(model.fingerprint(2), 2, 1.0, 0, batches, 0)
+        stream.push(Target(model.fingerprint(2), 2, 1.0), 0, batches, 0)
         for position, ids in enumerate(batches):  # the first stream learns the entries' size: frames of one batch
             stream.take(position, ids)
-        stream.push(model.fingerprint(2), 2, 1.0, 0, batches, 0)
+        stream.push(Target(model.fingerprint(2), 2, 1.0), 0, batches, 0)
         assert len(stream.take(0, batches[0])) == BATCH
         run = stream.run
         assert run is not None  # hits of one size in consecutive slots

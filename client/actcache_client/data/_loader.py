@@ -23,7 +23,7 @@ from actcache.errors import ConfigError
 from actcache_client.data._identity import data_fingerprint
 from actcache_client.data._seeding import sample_seed, seed_generators, seeded_item, with_seeds
 from actcache_client.engine._batch import Batch, Skipped
-from actcache_client.engine._cached_forward import CachedForward
+from actcache_client.engine._cached_forward import LoaderModel
 
 __all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "seeded_item", "worker_options"]
 
@@ -211,10 +211,10 @@ class CachedLoader:
 
     Args:
         loader: A DataLoader over an IndexedDataset, with automatic batching.
-        model: A CachedForward (or a CachedTeacher), or a list of them (``models``) fed by the same batches
-            (a student and its teacher): each gets the data's fingerprint and every epoch's order, and the
-            loader leaves out an input only when every one of them can do without it (the intersection of
-            their ``skipped``).
+        model: A CachedForward (or a CachedTeacher: a LoaderModel), or a list of them (``models``) fed by the
+            same batches (a student and its teacher): each one's ``loader_side`` gets the data's fingerprint
+            and every epoch's order, and the loader leaves out an input only when every one of them can do
+            without it (the intersection of their ``skipped``).
         variants: K augmented versions of each sample are cached (epoch e sees version e % K); needed to
             cache a dataset that augments.
 
@@ -223,7 +223,7 @@ class CachedLoader:
             ``variants`` is below 1.
     """
 
-    def __init__(self, loader: DataLoader, model: CachedForward | Sequence[CachedForward] | None = None, *,
+    def __init__(self, loader: DataLoader, model: LoaderModel | Sequence[LoaderModel] | None = None, *,
                  variants: int | None = None) -> None:
         if not isinstance(loader.dataset, IndexedDataset):
             raise ConfigError("CachedLoader needs a DataLoader over an IndexedDataset (items paired with sample ids)")
@@ -231,7 +231,7 @@ class CachedLoader:
             raise ConfigError("CachedLoader needs automatic batching (a batch_size or batch_sampler on the DataLoader)")
         if variants is not None and variants < 1:
             raise ConfigError(f"variants must be >= 1, got {variants}")
-        self.models = cast("list[CachedForward]",
+        self.models = cast("list[LoaderModel]",
                            [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model])
         self.loader, self.variants = loader, variants
         self._dataset: IndexedDataset = loader.dataset
@@ -252,12 +252,12 @@ class CachedLoader:
                           "Pass augment= to IndexedDataset and variants=K to CachedLoader to cache K variants.",
                           UncacheableDataWarning, stacklevel=2)
             for m in self.models:
-                m.disable(why)
+                m.loader_side.disable(why)
         self.data_identity = b""
         if self.models and self.cacheable:
             self.data_identity = dataset.fingerprint(variants if dataset.augments and variants is not None else 1)
             for m in self.models:
-                m.bind_data(self.data_identity, dataset.data_id or "")
+                m.loader_side.bind_data(self.data_identity, dataset.data_id or "")
         self._collate = loader.collate_fn if loader.collate_fn is not None else default_collate
         # Its own generator: the wrapped loader's one draws exactly what the wrapped loader would (_draw).
         generator = torch.Generator().manual_seed(loader.generator.initial_seed() if loader.generator else 0)
@@ -314,7 +314,7 @@ class CachedLoader:
 
     def _skipped(self, position: int) -> frozenset[int]:
         """Sample ids of batch ``position`` whose inputs no model needs."""
-        return frozenset.intersection(*(m.skipped(position) for m in self.models))
+        return frozenset.intersection(*(m.loader_side.skipped(position) for m in self.models))
 
     def _ids(self, order: list[list[int]]) -> list[list[int]]:
         return [list(map(self._dataset.sample_id, batch)) for batch in order]
@@ -329,8 +329,8 @@ class CachedLoader:
         streaming = bool(self.models) and self.cacheable
         skipping = streaming and dataset.targets is not None
         for m in self.models if streaming else ():
-            m.begin_epoch(self._ids(self._order), variant, start, epoch=self.epoch, data=self.data_identity,
-                          skip_loads=skipping)
+            m.loader_side.begin_epoch(self._ids(self._order), variant, start, epoch=self.epoch,
+                                      data=self.data_identity, skip_loads=skipping)
         sampler = getattr(self.loader.batch_sampler, "sampler", None)
         deterministic = (hasattr(sampler, "set_epoch") or self.loader.generator is not None
                          or isinstance(sampler, SequentialSampler))
@@ -344,7 +344,8 @@ class CachedLoader:
             if position == ahead_at and self._next_order is None:
                 self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
                 for m in self.models:
-                    m.prepare_next_epoch(self._ids(self._next_order[1]), self._variant_of(self.epoch + 1))
+                    m.loader_side.prepare_next_epoch(self._ids(self._next_order[1]),
+                                                     self._variant_of(self.epoch + 1))
             load = partial(self._load, self._order[position], variant) if loaded is not None else None
             yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position, loaded=loaded, load=load)
         self.epoch, self._position, self._order = self.epoch + 1, 0, None

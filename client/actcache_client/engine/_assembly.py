@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,20 +20,38 @@ from actcache_client.cost_model import cached_subset
 from actcache_client.engine._audit import HitAudit
 from actcache_client.engine._counters import StepTimes
 from actcache_client.engine._epoch_plan import EpochPlan, Target
-from actcache_client.engine._frozen import PrefixContext
+from actcache_client.engine._frozen import FrozenPrefix, WrittenFingerprints
 from actcache_client.engine._rows import RawInputs, merge
 from actcache_client.engine._writer import EntryWriter
+from actcache_client.transport._connection import connected
+from actcache_client.transport._device_staging import Stager
 from actcache_client.transport._state import State, tensors_of
-from actcache_client.transport._tensors import collate_entries, run_layout, split_rows
+from actcache_client.transport._tensors import (
+    StorePrecision,
+    VarLen,
+    collate_entries,
+    run_layout,
+    split_rows,
+)
+
+if TYPE_CHECKING:
+    from actcache_client.engine._planner import CachePlanner
+    from actcache_client.transport._connection import Connection
 
 __all__ = ["PrefixAssembly"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class PrefixAssembly:
     """Runs the frozen prefix of one batch (``run``), counting its samples and seconds in a StepTimes."""
 
-    context: PrefixContext
+    frozen: FrozenPrefix
+    written: WrittenFingerprints
+    connection: Connection | None
+    planner: CachePlanner | None
+    precision: StorePrecision
+    varlen: VarLen | None
+    stager: Stager
     epoch: EpochPlan
     audit: HitAudit
     writer: EntryWriter
@@ -40,14 +59,14 @@ class PrefixAssembly:
     def run(self, ids: list[int], raw: RawInputs, variant: int, position: int | None, target: Target | None,
             times: StepTimes) -> State:
         """The state after the frozen stages for the batch ``ids`` (epoch ``position``, if the stream's)."""
-        k, every = self.context.frozen.depth, list(range(len(ids)))
+        k, every = self.frozen.depth, list(range(len(ids)))
         if k == 0:
             return raw.rows(every)
         times.prefix_samples += len(ids)
         if target is None:
             times.computed_samples += len(ids)
             return self._compute(raw.rows(every), 0, k, times)
-        self.context.connected.surface()
+        connected(self.connection).surface()
         rows = every if target.fraction >= 1.0 else [i for i, s in enumerate(ids) if cached_subset(s, target.fraction)]
         parts: list[tuple[list[int], State]] = []
         if rows:
@@ -57,7 +76,7 @@ class PrefixAssembly:
         if direct:
             parts.append((direct, self._compute(raw.rows(direct), 0, k, times)))
             times.computed_samples += len(direct)
-        return merge(len(ids), parts, self.context.varlen)
+        return merge(len(ids), parts, self.varlen)
 
     def _state_at(self, target: Target, ids: list[int], rows: list[int], raw: RawInputs, variant: int,
                   position: int | None, times: StepTimes) -> State:
@@ -78,12 +97,12 @@ class PrefixAssembly:
             run = stream.run if stream is not None and streamed and len(found) == len(ids) else None
             parts.append((found, self._collate([values[i] for i in found], raw, verify=not streamed, run=run)))
             times.cached_samples += len(found)
-            self.context.written.mark(fingerprint, j, [ids[i] for i in found])
+            self.written.mark(fingerprint, j, [ids[i] for i in found])
         missing = [i for i, v in enumerate(values) if v is None]
-        for depth in (d for d in self.context.frozen.seed_depths if d < j):
+        for depth in (d for d in self.frozen.seed_depths if d < j):
             if not missing:
                 break
-            seeds = self._lookup(self.context.frozen.fingerprints[depth], depth, [ids[i] for i in missing], variant)
+            seeds = self._lookup(self.frozen.fingerprints[depth], depth, [ids[i] for i in missing], variant)
             hit = [i for i, v in zip(missing, seeds) if v is not None]
             if hit:
                 seeded = self._compute(self._collate([v for v in seeds if v is not None], raw), depth, j, times)
@@ -97,34 +116,34 @@ class PrefixAssembly:
             self.writer.store(j, [ids[i] for i in missing], variant, computed)
             parts.append((missing, computed))
             times.computed_samples += len(missing)
-        return merge(len(ids), parts, self.context.varlen)
+        return merge(len(ids), parts, self.varlen)
 
     def _lookup(self, fingerprint: bytes, depth: int, ids: list[int], variant: int) -> list:
         """Entries by ``Get`` (None per miss): seeds, and batches no stream serves."""
-        return self.context.connected.lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
+        return connected(self.connection).lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
 
     def _collate(self, entries: list, raw: RawInputs, *, verify: bool = True, run: SlotRun | None = None) -> State:
-        c, t0 = self.context, time.perf_counter()
-        on_gpu = run is not None and c.varlen is None and c.stager.cuda
+        t0 = time.perf_counter()
+        on_gpu = run is not None and self.varlen is None and self.stager.cuda
         moved = self._ring_to_device(run, len(entries)) if on_gpu and run is not None else None
         if moved is None:
-            host = collate_entries(entries, varlen=c.varlen, alloc=c.stager.allocator(), verify=verify, run=run,
-                                   copy=c.stager.copier, length=raw.length() if c.varlen else None)
+            host = collate_entries(entries, varlen=self.varlen, alloc=self.stager.allocator(), verify=verify,
+                                   run=run, copy=self.stager.copier, length=raw.length() if self.varlen else None)
             decoded = time.perf_counter() - t0
-            moved = c.stager.to_device(host)
+            moved = self.stager.to_device(host)
         else:
             decoded = time.perf_counter() - t0
-        if c.planner is not None:
-            c.planner.record_decode(sum(len(e) for e in entries), decoded)
-            for nbytes, seconds in c.stager.copy_readings():
-                c.planner.record_h2d(nbytes, seconds)
+        if self.planner is not None:
+            self.planner.record_decode(sum(len(e) for e in entries), decoded)
+            for nbytes, seconds in self.stager.copy_readings():
+                self.planner.record_h2d(nbytes, seconds)
         # back to the precision the stages compute in (on the device: half the copy)
-        return c.precision.to_compute(moved)
+        return self.precision.to_compute(moved)
 
     def _ring_to_device(self, run: SlotRun, count: int) -> State | None:
         """A streamed batch copied to the GPU straight out of the shared-memory ring (None: collate it)."""
         header = run_layout(run, count)
-        staged = self.context.stager.ring_to_device(run, count) if header is not None else None
+        staged = self.stager.ring_to_device(run, count) if header is not None else None
         if header is None or staged is None:
             return None
         rows, done = staged
@@ -136,11 +155,11 @@ class PrefixAssembly:
     def _compute(self, state: State, start: int, stop: int, times: StepTimes) -> State:
         """stages[start:stop] on ``state``; for the cost model, each stage timed as the device runs it
         (CUDA events: a launch returns before its kernels run), the reading taken once it is done."""
-        t0, planner, clock = time.perf_counter(), self.context.planner, self.context.stager.clock
+        t0, planner, clock = time.perf_counter(), self.planner, self.stager.clock
         with torch.no_grad():
             for index in range(start, stop):
                 began = clock.start() if planner is not None else None
-                state = self.context.frozen.model.stages[index](state)
+                state = self.frozen.model.stages[index](state)
                 if planner is not None:
                     tensors = tensors_of(state)
                     batch = max(len(tensors[0]), 1)

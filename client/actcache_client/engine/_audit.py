@@ -11,15 +11,26 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from actcache.errors import CacheMismatchError, ConfigError
 from actcache_client.engine._counters import StepTimes
-from actcache_client.engine._frozen import PrefixContext
+from actcache_client.engine._frozen import WrittenFingerprints
 from actcache_client.engine._rows import RawInputs
+from actcache_client.layouts._stages import StagedModel
+from actcache_client.transport._connection import connected
 from actcache_client.transport._state import tensors_of
-from actcache_client.transport._tensors import collate_entries, encode_samples
+from actcache_client.transport._tensors import (
+    StorePrecision,
+    VarLen,
+    collate_entries,
+    encode_samples,
+)
+
+if TYPE_CHECKING:
+    from actcache_client.transport._connection import Connection
 
 __all__ = ["AuditConfig", "Auditor", "CacheMismatchWarning", "HitAudit", "same_entry", "tolerances"]
 
@@ -119,10 +130,16 @@ def _close(x: torch.Tensor, y: torch.Tensor, allowed: float | None) -> bool:
 
 class HitAudit:
     """Recomputes the served hits an Auditor picks and compares them with the entries (``check``); the
-    auditor restarts after each (re)connection (``sync``) and each new cache target (``retarget``)."""
+    auditor restarts after each (re)connection (``sync``) and each new cache target (``retarget``).
 
-    def __init__(self, audit: AuditConfig | bool, context: PrefixContext) -> None:
-        self._context = context
+    It recomputes with ``model`` on ``device``, compares in the stored ``precision`` and ``varlen`` layout,
+    and on a mismatch drops the fingerprint from ``connection`` and forgets it in ``written``."""
+
+    def __init__(self, audit: AuditConfig | bool, *, model: StagedModel, connection: Connection | None,
+                 written: WrittenFingerprints, precision: StorePrecision, varlen: VarLen | None,
+                 device: torch.device) -> None:
+        self._model, self._connection, self._written = model, connection, written
+        self._precision, self._varlen, self._device = precision, varlen, device
         self.configure(audit)
         self._opens = 0  # connection.opens when the auditor last restarted
         self._target: tuple[bytes, int] | None = None
@@ -140,8 +157,8 @@ class HitAudit:
 
     def sync(self) -> None:
         """Restart the auditor after a (re)connection to the daemon, before it next chooses."""
-        if self.auditor is not None and self._context.connected.opens != self._opens:
-            self._opens = self._context.connected.opens
+        if self.auditor is not None and connected(self._connection).opens != self._opens:
+            self._opens = connected(self._connection).opens
             self.auditor.restart()
 
     def choose(self, hits: int) -> list[int]:
@@ -161,21 +178,21 @@ class HitAudit:
             chosen = [found[p] for p in self.auditor.choose(len(found))]
         if not chosen:
             return True
-        t0, c = time.perf_counter(), self._context
+        t0, connection = time.perf_counter(), connected(self._connection)
         with torch.no_grad():
-            computed = c.frozen.model.run(raw.rows([rows[i] for i in chosen]), 0, depth)
-        entries = encode_samples(c.precision.to_stored(computed), varlen=c.varlen)
-        tolerance = tolerances(c.stager.device)
+            computed = self._model.run(raw.rows([rows[i] for i in chosen]), 0, depth)
+        entries = encode_samples(self._precision.to_stored(computed), varlen=self._varlen)
+        tolerance = tolerances(self._device)
         bad = sum(not same_entry(values[i], entry, tolerance) for i, entry in zip(chosen, entries))
         times.audit += time.perf_counter() - t0
         times.audited_samples += len(chosen)
         if not bad:
             return True
-        c.connected.drop(fingerprint)
-        c.written.forget(fingerprint)
+        connection.drop(fingerprint)
+        self._written.forget(fingerprint)
         self.auditor.restart()
-        strict = c.connected.config.strict
-        message = (f"{bad} of {len(chosen)} audited entries of namespace {c.connected.config.namespace!r}, "
+        strict = connection.config.strict
+        message = (f"{bad} of {len(chosen)} audited entries of namespace {connection.config.namespace!r}, "
                    f"fingerprint {fingerprint.hex()}, depth {depth} differ from what the frozen prefix computes for "
                    "them: they were not made from this data or these weights. Dropped that fingerprint's entries"
                    f"{'' if strict else ' and recomputing'}. The cache keys see the items as the dataset returns them, "

@@ -4,6 +4,10 @@
 to its parts (_frozen, _epoch_plan, _assembly, _audit, _writer) and runs the active stages with grad on the
 prefix's output, computed under ``no_grad`` with the frozen stages in eval mode. With no connection (or
 uncacheable data, or a RECOMPUTE plan) the prefix is computed every step: the same computation.
+
+What CachedLoader needs from a model it feeds is a ``LoaderModel``: its ``loader_side`` (a LoaderSide) takes
+the loader's calls (the data's fingerprint, each epoch's order, the loads it may skip), kept apart from the
+user's API (calling the model, ``set_frozen``, ``fingerprint``).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import fields
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +28,7 @@ from actcache_client.engine._batch import Batch
 from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice
 from actcache_client.engine._counters import EpochCounters, EpochLog, StepTimes
 from actcache_client.engine._epoch_plan import EpochPlan, Target
-from actcache_client.engine._frozen import FrozenPrefix, PrefixContext, WrittenFingerprints
+from actcache_client.engine._frozen import FrozenPrefix, WrittenFingerprints
 from actcache_client.engine._planner import CachePlanner
 from actcache_client.engine._rows import RawInputs
 from actcache_client.engine._writer import EntryWriter, check_encoding
@@ -35,7 +39,8 @@ from actcache_client.transport._epoch_stream import EpochStream
 from actcache_client.transport._state import State
 from actcache_client.transport._tensors import StorePrecision, VarLen
 
-__all__ = ["CachedForward", "EpochCounters", "StepTimes"]  # re-exports the counters
+__all__ = ["CachedForward", "EpochCounters", "ForwardLoaderSide", "LoaderModel", "LoaderSide",
+           "StepTimes"]  # re-exports the counters
 
 _DRIFT_EVERY = 8  # steps between looks for a drifted measurement once a plan exists
 
@@ -57,7 +62,7 @@ class CachedForward:
         planner: a cost model that decides whether and where to cache.
         stream: False reads entries with ``Get`` instead of the daemon's stream of the pushed order.
         audit: an AuditConfig (default on; False: off): recompute a share of hits to catch what no key
-            can see (cache keys cover the frozen weights and the data bound by ``bind_data``).
+            can see (cache keys cover the frozen weights and the data the loader binds).
         keep_generations: True keeps the entries of superseded fingerprints in the daemon.
         store_dtype: torch.float16 or torch.bfloat16 stores floating-point outputs in 16 bits (half the
             bytes to store, read and decode), cast back when served; served activations are then rounded.
@@ -67,6 +72,8 @@ class CachedForward:
 
     ``set_suffix_wrapper(fn)`` runs the active stages through ``fn(model.suffix(frozen))`` (e.g. a
     DistributedDataParallel wrapper), rebuilt at every ``set_frozen``.
+
+    ``loader_side`` takes CachedLoader's calls (a LoaderSide): the data, each epoch's order, the skipped loads.
     """
 
     def __init__(
@@ -99,14 +106,17 @@ class CachedForward:
         self.keep_generations = keep_generations
         self._frozen = FrozenPrefix(model, precision.key_tag)
         self._written = WrittenFingerprints(planner)
-        context = PrefixContext(self._frozen, self._written, connection, planner, precision, varlen, self.stager)
-        self._audit = HitAudit(audit, context)
+        self._audit = HitAudit(audit, model=model, connection=connection, written=self._written, precision=precision,
+                               varlen=varlen, device=self.stager.device)
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         epoch_stream = EpochStream(connection, rank=rank) if connection is not None and stream else None
         self._epoch = EpochPlan(connection, epoch_stream, self._audit)
-        self._writer = EntryWriter(context, encoding, self._epoch)
-        self._assembly = PrefixAssembly(context, self._epoch, self._audit, self._writer)
+        self._writer = EntryWriter(frozen=self._frozen, written=self._written, connection=connection, planner=planner,
+                                   precision=precision, varlen=varlen, encoding=encoding, epoch=self._epoch)
+        self._assembly = PrefixAssembly(frozen=self._frozen, written=self._written, connection=connection,
+                                        planner=planner, precision=precision, varlen=varlen, stager=self.stager,
+                                        epoch=self._epoch, audit=self._audit, writer=self._writer)
         self._epoch_log = EpochLog()
         # The last step, for the planner: when its prefix began, its samples, what its prefix did (a StepKind),
         # and an event recorded on the device when its prefix was done (the rest of the step is timed from it).
@@ -115,6 +125,7 @@ class CachedForward:
         self._suffix_wrapper: Callable[[StagedModel], nn.Module] | None = None
         self._suffix: nn.Module | None = None
         self._input_tap: Callable[[State], None] | None = None
+        self.loader_side = ForwardLoaderSide(self)
 
     @property
     def frozen(self) -> int:
@@ -153,7 +164,7 @@ class CachedForward:
         """
         return self._frozen.weights[self._frozen.depth if depth is None else depth]
 
-    def bind_data(self, data: bytes, name: str = "") -> None:
+    def _bind_data(self, data: bytes, name: str = "") -> None:
         """Key entries by this data fingerprint from now on (CachedLoader calls it); ``name`` (the dataset's
         ``data_id``, else the fingerprint) is how the daemon lists this job's data."""
         if self.connection is not None:
@@ -219,17 +230,13 @@ class CachedForward:
         self._audit.retarget(None if target is None else (target.fingerprint, target.depth))
         self._epoch.retarget(target)
 
-    def disable(self, reason: str) -> None:
-        """Stop using the cache (recompute every step), e.g. for uncacheable data.
-
-        Args:
-            reason: Why, kept as ``disabled_reason``.
-        """
+    def _disable(self, reason: str) -> None:
+        """Stop using the cache (recompute every step), e.g. for uncacheable data."""
         self.enabled = False
         self.disabled_reason = reason
         self._retarget()
 
-    def begin_epoch(
+    def _begin_epoch(
         self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0, data: bytes | None = None,
         skip_loads: bool = False,
     ) -> None:
@@ -238,7 +245,7 @@ class CachedForward:
         self._epoch.reset(skip_loads)  # retargets below push nothing
         self._epoch_log.mark(epoch, self.times, self._connection_counts())
         if data is not None:
-            self.bind_data(data)
+            self._bind_data(data)
         if self.planner is not None and batches:
             self._writer.new_epoch()
             self.planner.begin_epoch(epoch, sum(len(b) for b in batches), len(batches[0]))
@@ -246,12 +253,12 @@ class CachedForward:
             self._replan(self.planner, epoch_start=True)
         self._epoch.begin(batches, variant, start, self._cache_target())
 
-    def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
+    def _prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
         """Called by CachedLoader during an epoch with the next epoch's batches: push them ahead, only while
         the epoch has no misses (the daemon must not read ahead entries still being stored)."""
         self._epoch.prepare_next(batches, variant, self._cache_target())
 
-    def skipped(self, position: int) -> frozenset[int]:
+    def _skipped(self, position: int) -> frozenset[int]:
         """Sample ids of epoch batch ``position`` whose inputs the loader need not load (the cache has them)."""
         return self._epoch.skips.get(position, frozenset())
 
@@ -276,7 +283,7 @@ class CachedForward:
         """
         state = self.prefix(batch, inputs, variant=variant)
         if self.model.training and torch.is_grad_enabled():
-            self.training_input(state)
+            self._training_input(state)
         t1 = time.perf_counter()
         out = self.model.run(state, self._frozen.depth) if self._suffix is None else self._suffix(state)
         self.times.suffix_forward += time.perf_counter() - t1
@@ -291,15 +298,9 @@ class CachedForward:
         """
         self._input_tap = tap
 
-    def training_input(self, state: State) -> None:
-        """Report a training forward's input to the frontmost active stage (to the tap, if one is set).
-
-        Called from ``__call__``, or from a network that serves the prefix in place (InPlacePrefix), whose
-        own modules never call the stage adapters.
-
-        Args:
-            state: The input of the frontmost active stage.
-        """
+    def _training_input(self, state: State) -> None:
+        """A training forward's input to the frontmost active stage: from ``__call__``, or from a network that
+        serves the prefix in place (InPlacePrefix), whose own modules never call the stage adapters."""
         tap, self._input_tap = self._input_tap, None
         if tap is not None:
             tap(state)
@@ -370,6 +371,61 @@ class CachedForward:
                 planner.check_measured(self._frozen.depth)
             planner.plan_for(self._frozen.depth)
             self._retarget()
+
+
+class LoaderSide(Protocol):
+    """The calls CachedLoader makes on each model it feeds."""
+
+    def bind_data(self, data: bytes, name: str = "") -> None:
+        """Key entries by this data fingerprint from now on; ``name`` is the dataset's ``data_id``."""
+
+    def disable(self, reason: str) -> None:
+        """Stop using the cache (recompute every step), e.g. for uncacheable data."""
+
+    def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0,
+                    data: bytes | None = None, skip_loads: bool = False) -> None:
+        """This rank's batches (sample ids) for the epoch, from batch ``start`` on, and its data; ``skip_loads``:
+        the loader can leave out the inputs of samples the cache will serve (``skipped``)."""
+
+    def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
+        """The next epoch's batches, drawn during this one (pushed ahead when that is safe)."""
+
+    def skipped(self, position: int) -> frozenset[int]:
+        """Sample ids of epoch batch ``position`` whose inputs the loader need not load."""
+
+
+class LoaderModel(Protocol):
+    """A model CachedLoader feeds (CachedForward, CachedTeacher): its ``loader_side`` takes the loader's calls."""
+
+    @property
+    def loader_side(self) -> LoaderSide: ...
+
+
+class ForwardLoaderSide:
+    """A CachedForward's LoaderSide: CachedLoader's calls, apart from the user's API; ``before_epoch`` runs
+    first at each epoch start (a CachedTeacher checks its weights there)."""
+
+    def __init__(self, forward: CachedForward, before_epoch: Callable[[], object] | None = None) -> None:
+        self._forward = forward
+        self._before_epoch = before_epoch
+
+    def bind_data(self, data: bytes, name: str = "") -> None:
+        self._forward._bind_data(data, name)
+
+    def disable(self, reason: str) -> None:
+        self._forward._disable(reason)
+
+    def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0,
+                    data: bytes | None = None, skip_loads: bool = False) -> None:
+        if self._before_epoch is not None:
+            self._before_epoch()
+        self._forward._begin_epoch(batches, variant, start, epoch=epoch, data=data, skip_loads=skip_loads)
+
+    def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
+        self._forward._prepare_next_epoch(batches, variant)
+
+    def skipped(self, position: int) -> frozenset[int]:
+        return self._forward._skipped(position)
 
 
 def _step_kind(samples: int, cached: int, computed: int, recomputing: bool) -> str | None:

@@ -8,23 +8,14 @@ an epoch has no misses, the next one is pushed ahead.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 from actcache.errors import LifecycleError
 from actcache_client.engine._audit import HitAudit
-from actcache_client.transport._connection import Connection
-from actcache_client.transport._epoch_stream import EpochStream, cached_batches
+from actcache_client.transport._connection import Connection, connected
+from actcache_client.transport._epoch_stream import EpochStream, Target, cached_batches
 
 __all__ = ["EpochPlan", "Target"]
-
-
-class Target(NamedTuple):
-    """Where the cache serves the frozen prefix from: entries under ``fingerprint`` at ``depth``, for the
-    ``fraction`` of samples in the cached subset; fields in the order EpochStream takes them."""
-
-    fingerprint: bytes
-    depth: int
-    fraction: float
 
 
 class EpochPlan:
@@ -56,11 +47,11 @@ class EpochPlan:
         self._epoch, self.position, self.misses = (lists, variant), start, 0
         if self.stream is None or target is None:
             return
-        if not (start == 0 and self.stream.adopt_next(*target, variant, lists)):
+        if not (start == 0 and self.stream.adopt_next(target, variant, batches)):
             # Entries the last epoch stored must be in the daemon before it looks them up for this one.
-            connection = self._connected()
+            connection = connected(self._connection)
             connection.flush(timeout_s=connection.config.timeout_s)
-            self.stream.push(*target, variant, lists[start:], start)
+            self.stream.push(target, variant, batches[start:], start)
         self._plan_skips(target)
 
     def retarget(self, target: Target | None) -> None:
@@ -70,8 +61,8 @@ class EpochPlan:
         batches, variant = self._epoch
         if target is None:
             self.stream.close()
-        elif not self.stream.serves(*target, variant):
-            self.stream.push(*target, variant, batches[self.position:], self.position)
+        elif not self.stream.serves(target, variant):
+            self.stream.push(target, variant, batches[self.position:], self.position)
         else:
             return
         self._plan_skips(target)
@@ -94,10 +85,10 @@ class EpochPlan:
         return sum(len(b) for b in self._epoch[0]) if self._epoch is not None else None
 
     def prepare_next(self, batches: Sequence[Sequence[int]], variant: int, target: Target | None) -> None:
-        """Push the next epoch's batches ahead (CachedForward.prepare_next_epoch says when)."""
+        """Push the next epoch's batches ahead (the CachedForward's loader side says when)."""
         if self.stream is None or target is None or self.misses:
             return
-        self.stream.push_next(*target, variant, [list(b) for b in batches])
+        self.stream.push_next(target, variant, [list(b) for b in batches])
 
     def _plan_skips(self, target: Target | None) -> None:
         """Ask the daemon which samples of the rest of the epoch are stored at the cache target: the
@@ -109,7 +100,7 @@ class EpochPlan:
         subset = cached_batches(batches[self.position:], target.fraction)
         ids = [s for b in subset for s in b]
         # the push answered which entries are stored; else ask
-        present = self.stream.stored_from(self.position) if self.stream.serves(*target, variant) else None
+        present = self.stream.stored_from(self.position) if self.stream.serves(target, variant) else None
         if present is None or len(present) != len(ids):
             present = self._connected().contains(target.fingerprint, target.depth, ids, variant)
         if present is None:

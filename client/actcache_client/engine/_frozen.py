@@ -12,22 +12,18 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import nn
 
-from actcache.errors import ConfigError, LifecycleError
+from actcache.errors import ConfigError
 from actcache_client.layouts._stages import StagedModel
 
 if TYPE_CHECKING:
     from actcache_client.engine._planner import CachePlanner
-    from actcache_client.transport._connection import Connection
-    from actcache_client.transport._device_staging import Stager
-    from actcache_client.transport._tensors import StorePrecision, VarLen
 
-__all__ = ["FrozenPrefix", "PrefixContext", "WrittenFingerprints", "prefix_fingerprints"]
+__all__ = ["FrozenPrefix", "WrittenFingerprints", "prefix_fingerprints"]
 
 
 def _stage_digest(stage: nn.Module) -> bytes:
@@ -174,23 +170,3 @@ class WrittenFingerprints:
             del self._written_at[fingerprint]
             self._samples.pop(fingerprint, None)
         return gone
-
-
-@dataclass(eq=False)
-class PrefixContext:
-    """What the audit, the writer and the assembly share: the frozen prefix and where its entries go."""
-
-    frozen: FrozenPrefix
-    written: WrittenFingerprints
-    connection: Connection | None
-    planner: CachePlanner | None
-    precision: StorePrecision
-    varlen: VarLen | None
-    stager: Stager
-
-    @property
-    def connected(self) -> Connection:
-        """``connection``, for the parts that run only with one (storing, reading and auditing entries)."""
-        if self.connection is None:
-            raise LifecycleError("this model has no connection to a daemon: it stores and reads no entries")
-        return self.connection

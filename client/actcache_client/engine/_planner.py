@@ -21,7 +21,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, overload
+from typing import TYPE_CHECKING, Callable, NamedTuple, overload
 
 from actcache.errors import ConfigError
 from actcache_client.cost_model import Measurements, Plan, PlanMode, plan, should_replan
@@ -35,6 +35,22 @@ __all__ = ["CachePlanner", "PlannerConfig"]
 log = logging.getLogger("actcache_client.planner")  # named in the README: it logs every plan
 
 _MIN_STEPS = 3  # steps of a kind measured before the measured check trusts their median
+
+
+class _Transfers(NamedTuple):
+    """A connection's cumulative transfer counts (ClientStats), read at one ``observe``."""
+
+    read_bytes: int = 0  # fetched by timed lookups, and their seconds
+    read_s: float = 0.0
+    written_bytes: int = 0
+    write_s: float = 0.0
+    received_bytes: int = 0  # received from the stream
+    received_s: float = 0.0
+
+    @classmethod
+    def of(cls, stats: ClientStats) -> _Transfers:
+        return cls(stats.timed_bytes, stats.timed_seconds, stats.bytes_written, stats.write_seconds,
+                   stats.received_bytes, stats.received_seconds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +141,7 @@ class CachePlanner:
         self._basis: Measurements | None = None
         self.listeners: list[Callable[[int, Plan], None]] = []
         self._encodings: dict[int, EncodingChoice] = {}  # depth -> codec chosen for its current entries
-        self._seen = (0, 0.0, 0, 0.0, 0, 0.0)  # the connection's counts at the last ``observe``
+        self._seen = _Transfers()  # the connection's counts at the last ``observe``
         self._received = _Median(w)  # bytes/s the step received from the stream: a floor for the fetch speed
         self._steps: dict[tuple[int, str], _Median] = {}  # (frozen depth, step kind) -> step seconds per sample
         self._verdicts: dict[int, tuple[PlanMode, str]] = {}  # frozen depth -> what the measured check chose
@@ -163,13 +179,12 @@ class CachePlanner:
         Args:
             stats: The connection's counters.
         """
-        now = (stats.timed_bytes, stats.timed_seconds, stats.bytes_written, stats.write_seconds,
-               stats.received_bytes, stats.received_seconds)
-        (read, fetch_s, written, write_s, received, received_s), self._seen = self._seen, now
-        if now[1] > fetch_s:
-            self.record_fetch(now[0] - read, now[1] - fetch_s)
-        self._write_rate.rate(now[2] - written, now[3] - write_s)
-        self._received.rate(now[4] - received, now[5] - received_s)
+        last, now = self._seen, _Transfers.of(stats)
+        self._seen = now
+        if now.read_s > last.read_s:
+            self.record_fetch(now.read_bytes - last.read_bytes, now.read_s - last.read_s)
+        self._write_rate.rate(now.written_bytes - last.written_bytes, now.write_s - last.write_s)
+        self._received.rate(now.received_bytes - last.received_bytes, now.received_s - last.received_s)
 
     def record_step(self, seconds: float, samples: int, kind: str, depth: int) -> None:
         """A training step's period (its prefix's start to the next one's).

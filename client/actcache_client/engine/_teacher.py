@@ -21,7 +21,11 @@ from torch import Tensor, nn
 from actcache.errors import ConfigError
 from actcache_client.engine._audit import AuditConfig
 from actcache_client.engine._batch import Batch
-from actcache_client.engine._cached_forward import CachedForward, StepTimes
+from actcache_client.engine._cached_forward import (
+    CachedForward,
+    ForwardLoaderSide,
+    StepTimes,
+)
 from actcache_client.engine._codec_choice import AutoEncoding
 from actcache_client.engine._frozen import prefix_fingerprints
 from actcache_client.layouts._stages import Stage, StagedModel
@@ -322,6 +326,8 @@ class CachedTeacher:
             store_dtype=store_dtype,
         )
         self.cached_forward.set_frozen(1)
+        #: CachedLoader's calls (a LoaderSide); each epoch start checks the weights first.
+        self.loader_side = ForwardLoaderSide(self.cached_forward, before_epoch=self.check_weights)
         self.moved = False  # the weights changed while in use: not cached any more
         self._used = False  # called since the weights were last fingerprinted
 
@@ -366,7 +372,7 @@ class CachedTeacher:
             return True
         old = self.fingerprint()
         self.moved = True
-        self.cached_forward.disable("the teacher's weights changed while it was in use (a moving teacher)")
+        self.loader_side.disable("the teacher's weights changed while it was in use (a moving teacher)")
         if self.connection is not None and not self.cached_forward.keep_generations:
             self.connection.drop(old)
         warnings.warn(
@@ -376,31 +382,6 @@ class CachedTeacher:
             "CachedTeacher pays off only for a fixed teacher.",
             MovingTeacherWarning, stacklevel=2)
         return False
-
-    def bind_data(self, data: bytes, name: str = "") -> None:
-        """Key entries by this data fingerprint (CachedLoader calls it; ``name``: the dataset's data_id)."""
-        self.cached_forward.bind_data(data, name)
-
-    def disable(self, reason: str) -> None:
-        """Stop using the cache (recompute the teacher every step).
-
-        Args:
-            reason: Why.
-        """
-        self.cached_forward.disable(reason)
-
-    def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0,
-                    data: bytes | None = None, skip_loads: bool = False) -> None:
-        """Called by CachedLoader at each epoch start: checks the teacher's weights, then pushes the order."""
-        self.check_weights()
-        self.cached_forward.begin_epoch(batches, variant, start, epoch=epoch, data=data, skip_loads=skip_loads)
-
-    def prepare_next_epoch(self, batches: Sequence[Sequence[int]], variant: int) -> None:
-        self.cached_forward.prepare_next_epoch(batches, variant)
-
-    def skipped(self, position: int) -> frozenset[int]:
-        """Sample ids of epoch batch ``position`` whose inputs the teacher does not need (served)."""
-        return self.cached_forward.skipped(position)
 
     def __call__(self, batch: Batch | Tensor | Sequence[int], inputs: State | None = None, *,
                  variant: int = 0) -> TeacherOutput:

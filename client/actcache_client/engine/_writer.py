@@ -9,26 +9,43 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from actcache.codec import Encoding
 from actcache.errors import ConfigError, ConfigTypeError, InvalidRequest
 from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
 from actcache_client.engine._epoch_plan import EpochPlan
-from actcache_client.engine._frozen import PrefixContext
+from actcache_client.engine._frozen import FrozenPrefix, WrittenFingerprints
+from actcache_client.transport._connection import connected
 from actcache_client.transport._state import State, map_state
-from actcache_client.transport._tensors import check_fixed_length, encode_samples
+from actcache_client.transport._tensors import (
+    StorePrecision,
+    VarLen,
+    check_fixed_length,
+    encode_samples,
+)
+
+if TYPE_CHECKING:
+    from actcache_client.engine._planner import CachePlanner
+    from actcache_client.transport._connection import Connection
 
 __all__ = ["EntryWriter", "check_encoding"]
 
 log = logging.getLogger("actcache_client")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class EntryWriter:
-    """Stores a depth's computed states for a batch's samples, asynchronously (``Connection.store``)."""
+    """Stores a depth's computed states for a batch's samples, asynchronously (``Connection.store``):
+    under ``frozen``'s fingerprints, in the stored ``precision`` and ``varlen`` layout, marked in ``written``;
+    the ``planner`` (if any) is told the codec chosen and asks for read-speed probes."""
 
-    context: PrefixContext
+    frozen: FrozenPrefix
+    written: WrittenFingerprints
+    connection: Connection | None
+    planner: CachePlanner | None
+    precision: StorePrecision
+    varlen: VarLen | None
     encoding: str | AutoEncoding
     epoch: EpochPlan
     # fingerprint -> codec chosen; whether a read-speed probe was sent this epoch; depth -> shapes of its first put
@@ -46,17 +63,16 @@ class EntryWriter:
     def store(self, depth: int, ids: list[int], variant: int, state: State) -> None:
         """Put ``state`` (the batch rows of ``ids`` at ``depth``) under the current fingerprint of ``depth``."""
         # A private copy: the suffix may modify its input in place (e.g. ReLU(inplace=True)).
-        c = self.context
-        snapshot = c.precision.to_stored(map_state(state, lambda t: t.detach().clone()))
-        varlen, fingerprint = c.varlen, c.frozen.fingerprints[depth]
+        snapshot = self.precision.to_stored(map_state(state, lambda t: t.detach().clone()))
+        varlen, fingerprint = self.varlen, self.frozen.fingerprints[depth]
         if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated
             check_fixed_length(snapshot, self._entry_shapes, depth)
-        c.written.mark(fingerprint, depth, ids, written=c.frozen.data)
+        self.written.mark(fingerprint, depth, ids, written=self.frozen.data)
         # Without a read-speed measurement yet, read one put back (once per epoch until it is
         # measured): a slow disk then shows during the write epoch, before the cache is relied upon.
-        probe = c.planner is not None and not c.planner.has_fetch_rate() and not self._probed
+        probe = self.planner is not None and not self.planner.has_fetch_rate() and not self._probed
         self._probed = self._probed or probe
-        c.connected.store(
+        connected(self.connection).store(
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
         )
@@ -67,8 +83,8 @@ class EntryWriter:
         if not isinstance(self.encoding, AutoEncoding):
             fixed = self.encoding
             return None if fixed == "daemon" else (lambda entries: fixed)
-        fingerprint, config, samples = self.context.frozen.fingerprints[depth], self.encoding, self.epoch.samples()
-        planner = self.context.planner
+        fingerprint, config, samples = self.frozen.fingerprints[depth], self.encoding, self.epoch.samples()
+        planner = self.planner
 
         def choose(entries: list[bytes]) -> str:
             choice = self._encodings.get(fingerprint)

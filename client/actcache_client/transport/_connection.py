@@ -31,11 +31,12 @@ from actcache.errors import (
     ConfigError,
     DaemonUnavailable,
     EntryCorrupt,
+    LifecycleError,
     NamespaceNotFound,
 )
 from actcache.rpc_client import EntryBatch, JobInfo, RpcClient, target_for
 
-__all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "Lease"]
+__all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "Lease", "connected"]
 
 log = logging.getLogger("actcache_client")
 T = TypeVar("T")
@@ -552,3 +553,10 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def connected(connection: Connection | None) -> Connection:
+    """``connection``, for the parts that run only with one (storing, reading and auditing entries)."""
+    if connection is None:
+        raise LifecycleError("this model has no connection to a daemon: it stores and reads no entries")
+    return connection

@@ -37,7 +37,7 @@ from actcache_client.transport._connection import Connection
 if TYPE_CHECKING:
     from actcache_client.transport._device_staging import Completion
 
-__all__ = ["EpochStream"]
+__all__ = ["EpochStream", "Target"]
 
 _JOB = f"{socket.gethostname()[:40]}.{os.getpid()}"
 _JOBS = itertools.count()
@@ -60,6 +60,16 @@ def _sizes(values: Sequence, batch_entries: int) -> tuple[int, int] | None:
         return _MAX_RING, batch
     frames = min(max(_RING_BATCHES, -(-_MIN_RING // batch)), _MAX_RING // batch)
     return frames * batch, batch  # whole frames: none straddles the ring's end
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the cache serves the frozen prefix from: entries under ``fingerprint`` at ``depth``, for the
+    ``fraction`` of samples in the cached subset."""
+
+    fingerprint: bytes
+    depth: int
+    fraction: float
 
 
 def cached_batches(batches: Sequence[Sequence[int]], fraction: float) -> tuple[tuple[int, ...], ...]:
@@ -126,23 +136,23 @@ class _Ahead:
 class _Order:
     """One epoch's batches at one target, from batch ``first`` on."""
 
-    target: tuple[bytes, int, float, int]  # fingerprint, depth, fraction, variant
+    target: Target
+    variant: int
     first: int  # epoch position of batches[0]
     batches: tuple[tuple[int, ...], ...]  # the cached subset of each batch
     offsets: tuple[int, ...]  # schedule position of each batch's first entry, plus the end
     present: list[bool]  # per schedule position: the entry was stored when the order was pushed
 
     @classmethod
-    def of(cls, fingerprint: bytes, depth: int, fraction: float, variant: int, batches: Sequence[Sequence[int]],
-           first: int = 0) -> "_Order":
-        subset = cached_batches(batches, fraction)
+    def of(cls, target: Target, variant: int, batches: Sequence[Sequence[int]], first: int = 0) -> "_Order":
+        subset = cached_batches(batches, target.fraction)
         offsets = (0, *itertools.accumulate(len(b) for b in subset))
-        return cls((fingerprint, depth, fraction, variant), first, subset, offsets, [])
+        return cls(target, variant, first, subset, offsets, [])
 
     def push(self, connection: Connection, schedule_id: str) -> list[bool] | None:
-        fingerprint, depth, _, variant = self.target
         ids = [s for b in self.batches for s in b]
-        return connection.push(fingerprint, depth, schedule_id, ids, [variant] * len(ids) if variant else None)
+        variants = [self.variant] * len(ids) if self.variant else None
+        return connection.push(self.target.fingerprint, self.target.depth, schedule_id, ids, variants)
 
     def at(self, position: int, *, end: bool = False) -> int | None:
         """The index in ``batches`` of epoch batch ``position`` (with ``end``, the end too), or None."""
@@ -176,22 +186,20 @@ class EpochStream:
     def schedule_id(self) -> str:
         return f"{self._prefix}-{self._slot}"
 
-    def push(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
-             batches: Sequence[Sequence[int]], first: int) -> None:
+    def push(self, target: Target, variant: int, batches: Sequence[Sequence[int]], first: int) -> None:
         """Push ``batches`` (epoch positions ``first``, ``first + 1``, ...) at this target, replacing the stream."""
         self.close()  # IDLE
         self.discard_next()
         self._slot ^= 1
-        self._order = _Order.of(fingerprint, depth, fraction, variant, batches, first)
+        self._order = _Order.of(target, variant, batches, first)
         if self._order.offsets[-1]:
             present = self._order.push(self._connection, self.schedule_id)
             self._order = replace(self._order, present=present or [])
             self._serving = present is not None
 
-    def push_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
-                  batches: Sequence[Sequence[int]]) -> None:
+    def push_next(self, target: Target, variant: int, batches: Sequence[Sequence[int]]) -> None:
         """Push the next epoch's order into the other slot and open its Fetch in a thread (``adopt_next``)."""
-        order = _Order.of(fingerprint, depth, fraction, variant, batches)
+        order = _Order.of(target, variant, batches)
         if not order.offsets[-1]:
             return
         self.discard_next()
@@ -201,14 +209,13 @@ class EpochStream:
                                     partial(self._connection.stream, schedule_id, 0, ring_bytes=self._ring_bytes,
                                             max_frame_bytes=self._frame_bytes, ahead=True))
 
-    def adopt_next(self, fingerprint: bytes, depth: int, fraction: float, variant: int,
-                   batches: Sequence[Sequence[int]]) -> bool:
+    def adopt_next(self, target: Target, variant: int, batches: Sequence[Sequence[int]]) -> bool:
         """Switch to the order ``push_next`` pushed, if it is this one; False (nothing changed) otherwise."""
         if self._ahead is None:
             return False
         (o, ahead), self._ahead = self._ahead, None
-        wanted = _Order.of(fingerprint, depth, fraction, variant, batches)
-        same = (o.target, o.batches) == (wanted.target, wanted.batches) and self._ahead_resumes == self._connection.resumes
+        same = ((o.target, o.variant, o.batches) == (target, variant, cached_batches(batches, target.fraction))
+                and self._ahead_resumes == self._connection.resumes)
         present = ahead.pushed() if same else None
         if present is None:
             ahead.close()
@@ -224,9 +231,9 @@ class EpochStream:
             self._ahead[1].close()
             self._ahead = None
 
-    def serves(self, fingerprint: bytes, depth: int, fraction: float, variant: int) -> bool:
+    def serves(self, target: Target, variant: int) -> bool:
         """Whether the pushed order is for this target (a re-plan that keeps it keeps the stream)."""
-        return self._order is not None and self._order.target == (fingerprint, depth, fraction, variant)
+        return self._order is not None and (self._order.target, self._order.variant) == (target, variant)
 
     def stored_from(self, position: int) -> list[bool] | None:
         """Per entry of the pushed order from epoch batch ``position`` on: whether it was stored when the
