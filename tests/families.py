@@ -32,6 +32,11 @@ def qwen2() -> nn.Module:
     return Qwen2ForSequenceClassification(Qwen2Config(**_TEXT, num_key_value_heads=2, pad_token_id=0))
 
 
+def mistral() -> nn.Module:
+    from transformers import MistralConfig, MistralForSequenceClassification
+    return MistralForSequenceClassification(MistralConfig(**_TEXT, num_key_value_heads=2, pad_token_id=0))
+
+
 def distilbert() -> nn.Module:
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
     return DistilBertForSequenceClassification(DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4,

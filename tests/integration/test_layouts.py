@@ -40,7 +40,7 @@ def _same_with_and_without_the_cache(make, data, depth, connection, **options) -
     return served
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("left", [False, True], ids=["right-padded", "left-padded"])
 @pytest.mark.slow
 def test_a_decoder_classifier_is_served_bit_for_bit(connection, family, left):
