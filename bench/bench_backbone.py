@@ -83,6 +83,7 @@ Figures (per configuration; with several configurations each name ends in ``_<co
 
 from __future__ import annotations
 
+import abc
 import argparse
 import dataclasses
 import json
@@ -201,7 +202,7 @@ def _optimizer(net: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-4)
 
 
-class Row:
+class Row(abc.ABC):
     """One configuration's network, loader and optimizer, trained an epoch at a time."""
 
     bytes_per_epoch: Callable[[], int] | None = None
@@ -234,8 +235,9 @@ class Row:
             elif self.bytes_per_epoch is not None:
                 self.timed_bytes += self.bytes_per_epoch()
 
+    @abc.abstractmethod
     def run_epoch(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """One epoch of the row's loop; the step losses, detached."""
 
     def learn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One optimizer step on the cross-entropy of ``logits``; the loss, detached."""

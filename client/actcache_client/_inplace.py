@@ -18,6 +18,7 @@ Modules are patched by setting ``forward`` on the instance (removed on unfreezin
 
 from __future__ import annotations
 
+import abc
 import copy
 import sys
 import types
@@ -42,7 +43,7 @@ class ChangedInputWarning(UserWarning):
     """The model was called in training mode on an input other than the one the loader yielded."""
 
 
-class _EagerCall:
+class _EagerCall(abc.ABC):
     """Calls ``self._run``; once ``torch.compile`` is in use (``eager()``), as a clean graph break, so that
     the served prefix runs eagerly beside the compiled rest of the network. (Importing dynamo costs seconds:
     it is only asked for once the program has imported it itself.)"""
@@ -55,8 +56,9 @@ class _EagerCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
 
+    @abc.abstractmethod
     def _run(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+        """The call itself."""
 
     def eager(self) -> None:
         self._call = torch.compiler.disable(self._run)

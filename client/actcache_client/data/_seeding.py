@@ -1,10 +1,10 @@
 """The random draws of a dataset's ``__getitem__``, seeded per ``(sample_id, variant)``.
 
 A dataset that augments with torch's, Python's or NumPy's global generators gives the same input for the same
-seed. Seeding a generator costs 1-6 us an item (``torch.manual_seed`` would also visit every accelerator's
-generators: 130 us), saving and restoring all three about 100 us, so a batch saves them once
-(``SavedGenerators``) and seeds, for each of its items, only the generators the dataset was seen drawing from
-(torch's to begin with). A batch that drew from another one is loaded again with that one seeded too, so every
+seed. Saving and restoring the generators costs far more than seeding one (docs/design/step.md), so a batch
+saves them once (``SavedGenerators``) and seeds, for each of its items, only the generators the dataset was
+seen drawing from (torch's to begin with); ``torch.manual_seed`` is not used (it also visits every
+accelerator's generators). A batch that drew from another one is loaded again with that one seeded too, so every
 item comes out as if all three were seeded.
 """
 

@@ -347,7 +347,7 @@ class CachedForward:
             if self.connection is not None:
                 self.planner.observe(self.connection.stats)
             self._steps_planned += 1
-            # once planned, drift is looked for every few steps: a look builds every median (~0.4 ms on a CPU)
+            # once planned, drift is looked for every few steps: a look builds every median (docs/design/step.md)
             if (self.plan is None or self._steps_planned % _DRIFT_EVERY == 0) \
                     and self.planner.needs_replan(self._frozen.depth):
                 self._replan(self.planner)
