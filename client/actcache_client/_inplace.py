@@ -6,7 +6,9 @@ frozen stages passes its input on. A training forward is matched to the batches 
 (several under gradient accumulation) by the loader's token, never by the input's values (reading them
 would cost a device copy and a host sync in every step): on the device the loader yields to, the input
 must be the very tensor yielded, unmodified (its version counter); on another device (``x.to("cuda")``)
-the oldest pending batch of the input's shape is taken. The batch served last is served again for
+the oldest pending batch of the input's shape is taken. A matched batch of which nothing is served or
+stored (a plan that recomputes; ``CachedForward.recompute_in_place``) runs the modules' own ``forward``, as
+without the cache, except in the few steps the cost model times. The batch served last is served again for
 another forward on the same input tensor (a metric under ``no_grad``). Anything else (evaluation, an
 input the loop changed: an error on placeholder rows) runs the modules' own ``forward``. A stage 0 that
 names its sites (``Stage(..., sites=[block])``: a ``blocks=`` layout) is served at that block, after the
@@ -44,24 +46,24 @@ class ChangedInputWarning(UserWarning):
 
 
 class _EagerCall(abc.ABC):
-    """Calls ``self._run``; once ``torch.compile`` is in use (``eager()``), as a clean graph break, so that
-    the served prefix runs eagerly beside the compiled rest of the network. (Importing dynamo costs seconds:
-    it is only asked for once the program has imported it itself.)"""
+    """Calls ``self._run``; while torch.compile traces it (once ``eager()`` was called), through a
+    ``torch.compiler.disable`` copy: a clean graph break, so that the served prefix runs eagerly beside the
+    compiled rest of the network. Eager calls pay no dynamo wrapper. (Importing dynamo costs seconds: it is
+    only asked for once the program has imported it itself.)"""
 
-    _call: Callable[..., Any]
-
-    def __init__(self) -> None:
-        self._call = self._run
+    _disabled: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)
+        if self._disabled is not None and torch.compiler.is_compiling():
+            return self._disabled(*args, **kwargs)
+        return self._run(*args, **kwargs)
 
     @abc.abstractmethod
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         """The call itself."""
 
     def eager(self) -> None:
-        self._call = torch.compiler.disable(self._run)
+        self._disabled = torch.compiler.disable(self._run)
 
 
 def _compiling_possible() -> bool:
@@ -74,7 +76,6 @@ class _Patched(_EagerCall):
     module (an EMA copy, a reference model) gets its class's own forward back."""
 
     def __init__(self, module: nn.Module, role: Callable[..., Any]) -> None:
-        super().__init__()
         self.module = module
         self.role = role
         self.original = types.MethodType(type(module).forward, module)
@@ -91,7 +92,6 @@ class _RunObserver(_EagerCall):
     batch, so that none is left over to match a later forward. A deep copy of the network gets a no-op."""
 
     def __init__(self, prefix: "InPlacePrefix") -> None:
-        super().__init__()
         self.prefix = prefix
 
     def _run(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -203,6 +203,9 @@ class InPlacePrefix:
             batch = self._served[0]  # the batch just trained on, run again (a metric, a second loss)
         if batch is not None:
             self._served = (batch, _Token.of(matched))
+            if training and self.cached.recompute_in_place(batch):
+                self._tails = deque()
+                return original(*args, **kwargs)  # nothing served: the modules run as without the cache
             self._computing = True
             try:
                 state = self.cached.prefix(batch)

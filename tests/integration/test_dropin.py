@@ -64,7 +64,8 @@ def _connect(daemon) -> ac.Connection:
 
 
 def _train(daemon, *, epochs: int = 3, cached: bool = True, dataset: Dataset | None = None, variants: int | None = None,
-           change_input: bool = False, sizes: list | None = None, disabled: bool = False):
+           change_input: bool = False, sizes: list | None = None, disabled: bool = False,
+           planner: ac.CachePlanner | None = None):
     """Losses of a plain loop freezing the stem + layer1 after epoch 0; with ``cached``, through ActCache."""
     torch.manual_seed(0)
     net = resnet20()
@@ -72,7 +73,7 @@ def _train(daemon, *, epochs: int = 3, cached: bool = True, dataset: Dataset | N
     loader = DataLoader(dataset or Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1))
     cache = None
     if cached:
-        cache = ac.ActCache(net, _connect(daemon), planner=None)
+        cache = ac.ActCache(net, _connect(daemon), planner=planner)
         loader = cache.wrap(loader, variants=variants)
         if disabled:
             cache.model.loader_side.disable("the comparison run")
@@ -106,6 +107,25 @@ def test_the_cache_serves_the_prefix_and_changes_no_loss(daemon, reference):
     assert all(n == 32 and t == 32 for n, t in sizes)  # x keeps the batch size from the first step to the last
     assert cache.connection.stats.hits == 96  # epoch 1 computed and stored the prefix, epoch 2 was served
     assert loader.cached.raw_items_loaded < 3 * 96 - 64  # and most of epoch 2's inputs were not loaded
+    cache.close()
+
+
+def test_a_declined_cache_lets_the_network_run_its_frozen_modules_and_times_a_few_steps(daemon, monkeypatch):
+    from actcache_client.cost_model import PlanMode
+    from actcache_client.engine._assembly import PrefixAssembly
+
+    assembled = []  # frozen prefixes run by the cache's own stage adapters (timed for the cost model)
+    compute = PrefixAssembly._compute
+    monkeypatch.setattr(PrefixAssembly, "_compute", lambda self, *a, **k: assembled.append(1) or compute(self, *a, **k))
+    expected = _train(daemon, cached=False, epochs=8)[0]
+    planner = ac.CachePlanner(ac.PlannerConfig(min_gain=1.0))  # caching never gains enough: the plan recomputes
+    losses, cache, _ = _train(daemon, epochs=8, planner=planner)
+    assert losses == expected
+    assert cache.model.plan is not None and cache.model.plan.mode is PlanMode.RECOMPUTE
+    assert cache.connection.stats.hits == 0
+    frozen_steps = 7 * 3
+    assert cache.model.times.computed_samples == frozen_steps * 32  # every frozen step counted
+    assert 1 <= len(assembled) <= frozen_steps // 4  # the other steps ran the network's own modules
     cache.close()
 
 

@@ -114,7 +114,7 @@ class IndexedDataset(Dataset):
 
     def _item(self, index: int, variant: int, seeding: frozenset[str]) -> tuple[int, Any]:
         """``(sample_id, item)``, loaded with the global generators in ``seeding`` seeded (not restored)."""
-        sample_id = self.sample_id(index)
+        sample_id = index if self.sample_ids is None else self.sample_ids[index]
         if seeding:
             seed_generators(sample_seed(sample_id, variant), seeding)
         item = self.dataset[index]
@@ -139,6 +139,8 @@ class IndexedDataset(Dataset):
         return items
 
     def _load_keys(self, keys: list, seeding: frozenset[str]) -> list[tuple[int, Any]]:
+        if keys and type(keys[0]) is tuple and len(keys[0]) == 3 and all(k[2] for k in keys):  # the replayed keys
+            return [self._item(index, variant, seeding) for index, variant, _ in keys]
         out = []
         for key in keys:
             index, variant, load = (*key, True)[:3] if isinstance(key, tuple) else (key, 0, True)
@@ -184,7 +186,9 @@ class _Replay:
     def __iter__(self) -> Iterator[list[tuple[int, int, bool]]]:
         for position, batch in enumerate(list(self.batches), start=self.first):
             skip = self.skipped(position) if self.skipped is not None else frozenset()
-            yield [(i, self.variant, self.sample_id(i) not in skip) for i in batch]
+            variant = self.variant
+            yield ([(i, variant, self.sample_id(i) not in skip) for i in batch] if skip
+                   else [(i, variant, True) for i in batch])
 
     def __len__(self) -> int:
         return len(self.batches)

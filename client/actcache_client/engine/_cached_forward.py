@@ -120,7 +120,7 @@ class CachedForward:
         self._epoch_log = EpochLog()
         # The last step, for the planner: when its prefix began, its samples, what its prefix did (a StepKind),
         # and an event recorded on the device when its prefix was done (the rest of the step is timed from it).
-        self._last_step: tuple[float, int, str | None, object] | None = None
+        self._last_step: tuple[float, int, str | None, object | None] | None = None
         self._steps_planned = 0  # prefixes run with a planner
         self._suffix_wrapper: Callable[[StagedModel], nn.Module] | None = None
         self._suffix: nn.Module | None = None
@@ -343,15 +343,41 @@ class CachedForward:
         if self.planner is not None:
             kind = _step_kind(len(id_list), self.times.cached_samples - cached,
                               self.times.computed_samples - computed, target is None)
-            self._last_step = (start, len(id_list), kind, self.stager.clock.start())
-            if self.connection is not None:
-                self.planner.observe(self.connection.stats)
-            self._steps_planned += 1
-            # once planned, drift is looked for every few steps: a look builds every median (docs/design/step.md)
-            if (self.plan is None or self._steps_planned % _DRIFT_EVERY == 0) \
-                    and self.planner.needs_replan(self._frozen.depth):
-                self._replan(self.planner)
+            self._end_step(self.planner, start, len(id_list), kind, self.stager.clock.start())
         return state
+
+    def recompute_in_place(self, batch: Batch) -> bool:
+        """Whether the network's own modules are to compute training ``batch``'s frozen prefix, as they would
+        without the cache: none of it is served or stored (a plan that recomputes, a disabled cache), nothing
+        asks for its state, and the cost model does not time its stages in this step (it does every
+        ``_DRIFT_EVERY`` steps). If so, the step is counted here."""
+        n, planner = len(batch.ids), self.planner
+        if (not self._frozen.depth or batch.loaded is not None or self._input_tap is not None
+                or self._cache_target() is not None
+                or (planner is not None and (self.plan is None or self._steps_planned % _DRIFT_EVERY == 0))):
+            return False
+        start = time.perf_counter()
+        if planner is not None:
+            self._time_last_step(planner, start)
+        self._epoch.advance(batch.ids.tolist())
+        self.times.prefix_samples += n
+        self.times.computed_samples += n
+        self.times.raw_loaded += n
+        if planner is not None:  # the suffix is not timed apart: the prefix runs in it
+            self._end_step(planner, start, n, "recomputed", None)
+        return True
+
+    def _end_step(self, planner: CachePlanner, start: float, samples: int, kind: str | None,
+                  prefix_done: object | None) -> None:
+        """Hand a step's prefix to ``planner``: the step, timed from ``start`` to the next one's (the rest after
+        ``prefix_done``, a clock reading, timed as the suffix); every few steps, a look for drift."""
+        self._last_step = (start, samples, kind, prefix_done)
+        if self.connection is not None:
+            planner.observe(self.connection.stats)
+        self._steps_planned += 1
+        # once planned, drift is looked for every few steps: a look builds every median (docs/design/step.md)
+        if (self.plan is None or self._steps_planned % _DRIFT_EVERY == 0) and planner.needs_replan(self._frozen.depth):
+            self._replan(planner)
 
     def _time_last_step(self, planner: CachePlanner, now: float) -> None:
         """Give the planner the last step's readings: its period (from its prefix's start to this one's, as
@@ -359,7 +385,8 @@ class CachedForward:
         clock, last = self.stager.clock, self._last_step
         if last is not None:
             began, samples, kind, prefix_done = last
-            clock.stop(prefix_done, partial(planner.record_suffix, samples=samples))
+            if prefix_done is not None:
+                clock.stop(prefix_done, partial(planner.record_suffix, samples=samples))
             if kind is not None:
                 planner.record_step(now - began, samples, kind, self._frozen.depth)
         for record, seconds in clock.readings():

@@ -50,7 +50,7 @@ class AutoEncoding:
     #: A codec must serve this much faster than raw to be chosen.
     min_gain: float = 0.1
     #: Raw bytes of entries the measurement compresses and decodes (the first entries written).
-    sample_bytes: int = 2 << 20
+    sample_bytes: int = 512 << 10
     #: Codecs tried against raw, as ``--encoding`` names them.
     candidates: tuple[str, ...] = ("lz4", "zstd")
     #: Memory the page cache may use for these entries; None: what psutil says is available then.

@@ -1,6 +1,6 @@
 """A layout's guess checked against the network before it is trusted.
 
-At the first freeze, on that step's batch, every stage but the head runs from the batch's input and its
+At the first freeze, on the first rows of that step's batch, every stage but the head runs from the batch's input and its
 output is compared with what the network's own ``forward`` gives at the same place (the output of the
 stage's last module the network calls, taken by a forward hook), in eval mode and without gradient. A
 difference is a ConfigError naming the stage where they part: a wrong guess never trains differently.
@@ -23,6 +23,7 @@ from actcache_client.transport._state import State
 __all__ = ["check_layout"]
 
 _LABELS = ("labels", "label")
+_CHECK_ROWS = 2  # rows of the batch checked (two, not one: a squeeze in the network keeps the batch dimension)
 _FIX = ("pass stages=StagedModel([...]) built from its modules in the order its forward calls them, or "
         "blocks=\"<dotted path>\" if its blocks are an nn.ModuleList, or register a layout for it "
         "(actcache_client.layouts.register_layout)")
@@ -63,6 +64,17 @@ def _rows(state: State, rows: Tensor) -> State:
     return tuple(t[rows] for t in state) if isinstance(state, tuple) else state[rows]
 
 
+def _first_rows(value: Any, batch: int) -> Any:
+    """``value`` with each tensor of ``batch`` rows cut to its first ``_CHECK_ROWS``."""
+    if isinstance(value, Tensor):
+        return value[:_CHECK_ROWS] if value.dim() and value.shape[0] == batch else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_first_rows(v, batch) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _first_rows(v, batch) for k, v in value.items()}
+    return value
+
+
 def check_layout(net: nn.Module, layout: Layout, data: Any, loaded: Tensor | None = None) -> None:
     """Check that every stage of ``layout`` computes what ``net`` computes on a batch.
 
@@ -81,6 +93,10 @@ def check_layout(net: nn.Module, layout: Layout, data: Any, loaded: Tensor | Non
     given = layout.inputs_of(data)
     if loaded is not None:
         given, data = _rows(given, loaded), None
+    first = _first(given)
+    if first is not None and first.dim():  # a few rows show a wrong guess as well as the batch, for less
+        batch = first.shape[0]
+        given, data = _first_rows(given, batch), _first_rows(data, batch)
     device = next((p.device for p in net.parameters()), torch.device("cpu"))  # where the loop moves its batch
     given, data = _to(given, device), _to(data, device)
     outputs: dict[int, tuple[int, Any]] = {}  # id(site) -> (call order, output of its first call)
