@@ -188,3 +188,42 @@ def test_the_fetch_speed_is_never_taken_below_the_rate_the_step_received():
     stats = _connection.ClientStats(received_bytes=int(900e6), received_seconds=1.0)
     planner.observe(stats)
     assert planner.measurements(2).fetch_bytes_per_s == pytest.approx(900e6)
+
+
+def test_once_the_stream_serves_the_write_epochs_probe_no_longer_times_the_fetch():
+    """A Get probe of a few small entries is latency-bound; the stream's first frames replace it."""
+    planner = CachePlanner(PlannerConfig(total_epochs=10, prior_fetch_bytes_per_s=2e9))
+    measured(planner, 2)
+    planner.observe(_connection.ClientStats(timed_bytes=1 << 20, timed_seconds=0.01))  # the probe: 105 MB/s
+    assert planner.measurements(2).fetch_bytes_per_s == pytest.approx((1 << 20) / 0.01)
+    frames = _connection.ClientStats(timed_bytes=1 << 20, timed_seconds=0.01, received_bytes=int(200e6),
+                                     received_seconds=1.0)  # a stream that kept up with a 200 MB/s step
+    planner.observe(frames)
+    assert planner.has_fetch_rate()  # measured: no further probes
+    assert planner.measurements(2).fetch_bytes_per_s == pytest.approx(2e9)  # the prior, above the floor
+
+
+def test_frames_the_step_waited_for_cap_the_prior_fetch_speed():
+    planner = CachePlanner(PlannerConfig(total_epochs=10, prior_fetch_bytes_per_s=1e9))
+    measured(planner, 2)
+    stats = _connection.ClientStats(received_bytes=int(20e6), received_seconds=1.0,  # floor: 20 MB/s
+                                    waited_bytes=int(30e6), waited_seconds=1.0)  # waited 1 s for 30 MB
+    planner.observe(stats)
+    assert planner.measurements(2).fetch_bytes_per_s == pytest.approx(30e6)
+
+
+def test_caching_measured_faster_than_recomputing_caches_every_sample():
+    """The model's fetch reading is low, so it would cache a part of each batch; steps served whole were
+    measured faster than recomputing: every sample is cached."""
+    planner = CachePlanner(PlannerConfig(total_epochs=10, prior_fetch_bytes_per_s=1e9))
+    planner.begin_epoch(1, 1024, 16)
+    measured(planner, 3, stage_s=1e-3, entry=256e3)
+    planner.record_fetch(int(30e6), 1.0)  # 30 MB/s: transfer-bound at a full cache
+    modelled = planner.plan_for(3)
+    assert modelled.mode is PlanMode.CACHE and modelled.cached_fraction < 1.0
+    _stepped(planner, 3, served_s=2e-3, recomputed_s=None)
+    planner.begin_epoch(2, 1024, 16)
+    planner.check_measured(3)
+    plan = planner.plan_for(3)
+    assert (plan.mode, plan.cache_depth, plan.cached_fraction) == (PlanMode.CACHE, 3, 1.0)
+    assert "cache depth 3 for every sample: measured" in plan.reason

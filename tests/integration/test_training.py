@@ -350,7 +350,8 @@ def one_thread():
 def test_cost_model_follows_the_daemon_speed(throttle_mbps, expected, tmp_path, one_thread):
     """ResNet-20 with 9 of 11 stages frozen: a heavy prefix and 16 KiB entries. At full speed caching
     wins by far; at 0.05 MB/s a fetch costs ~330 ms per sample, and even the best partial plan gains
-    less than the 10% this run asks for, so the planner recomputes."""
+    less than the 10% this run asks for, so the planner recomputes. (Over a Unix socket no Get probes the
+    write epoch's entries: a Get is not the stream's shared-memory path, the stream's own frames time it.)"""
     args = ["--throttle-read-mbps", str(throttle_mbps)] if throttle_mbps else []
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
@@ -361,7 +362,7 @@ def test_cost_model_follows_the_daemon_speed(throttle_mbps, expected, tmp_path, 
         model = ac.CachedForward(ac.from_resnet(resnet20()), conn, planner=planner)
         loader = ac.CachedLoader(DataLoader(ac.IndexedDataset(data), batch_size=4, shuffle=True), model)
         model.set_frozen(9)
-        for _ in range(3):  # write epoch, a read epoch (measures the fetch speed), then re-plan
+        for _ in range(4):  # write epoch, read epochs (the stream's waits time the fetch), then re-plan
             for batch in loader:
                 x, y = batch.data
                 nn.functional.cross_entropy(model(batch.ids, x), y).backward()
@@ -369,6 +370,23 @@ def test_cost_model_follows_the_daemon_speed(throttle_mbps, expected, tmp_path, 
         assert plans and plans[-1].mode.value == expected, plans[-1].reason
         if expected == "cache":
             assert conn.stats.hits > 0
+
+
+def test_a_write_epoch_over_a_unix_socket_sends_no_read_probe(tmp_path, one_thread):
+    """The stream comes over shared memory there: a Get of the entries just written would time another path."""
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+    with run_daemon(cache_dir=tmp_path / "c") as daemon, ac.connect(daemon.socket, namespace="probe") as conn:
+        model = ac.CachedForward(ac.from_resnet(resnet20()), conn,
+                                 planner=ac.CachePlanner(ac.PlannerConfig(total_epochs=4)))
+        loader = ac.CachedLoader(DataLoader(ac.IndexedDataset(data), batch_size=4, shuffle=True), model)
+        model.set_frozen(9)
+        for batch in loader:
+            x, y = batch.data
+            nn.functional.cross_entropy(model(batch.ids, x), y).backward()
+        conn.flush(timeout_s=30)
+        assert conn.stats.puts == 8
+        assert (conn.stats.gets, conn.stats.timed_bytes) == (0, 0)
 
 
 def test_the_fetch_reading_is_the_rate_the_step_received_from_a_throttled_daemon(tmp_path, one_thread):

@@ -6,11 +6,14 @@ a measurement drifted by more than ``replan_drift``. Within an epoch, a re-plan 
 same depth keeps the cached fraction (a new one would re-push the rest of the epoch's stream). Every
 decision is logged and passed to the ``listeners``.
 
-Device work is timed as the device runs it (CUDA events, read once complete); the fetch speed is never
-taken below the rate the step actually received. The model is then checked against what was measured:
-at the start of the epoch after one whose steps were served from the cache, their period (as the loop
-saw it) is compared with that of steps that recomputed the prefix (measured, else the model's), and the
-faster one is kept for that frozen depth (``check_measured``).
+Device work is timed as the device runs it (CUDA events, read once complete). The fetch speed is timed
+on reads seen whole (stream frames the step waited for, as for the one before; Gets; before the stream
+serves, one Get of a write epoch's entries over a network); without one, the prior, capped by the frames
+the step waited for (the stream was still reading them); never below the rate the step actually received.
+The model is then checked against what was measured: at the start of the epoch after one whose steps were
+served from the cache, their period (as the loop saw it) is compared with that of steps that recomputed
+the prefix (measured, else the model's), and the faster one is kept for that frozen depth, caching every
+sample (``check_measured``).
 """
 
 from __future__ import annotations
@@ -46,11 +49,13 @@ class _Transfers(NamedTuple):
     write_s: float = 0.0
     received_bytes: int = 0  # received from the stream
     received_s: float = 0.0
+    waited_bytes: int = 0  # of the stream's frames the step waited for, and those waits
+    waited_s: float = 0.0
 
     @classmethod
     def of(cls, stats: ClientStats) -> _Transfers:
         return cls(stats.timed_bytes, stats.timed_seconds, stats.bytes_written, stats.write_seconds,
-                   stats.received_bytes, stats.received_seconds)
+                   stats.received_bytes, stats.received_seconds, stats.waited_bytes, stats.waited_seconds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +148,8 @@ class CachePlanner:
         self._encodings: dict[int, EncodingChoice] = {}  # depth -> codec chosen for its current entries
         self._seen = _Transfers()  # the connection's counts at the last ``observe``
         self._received = _Median(w)  # bytes/s the step received from the stream: a floor for the fetch speed
+        self._streamed = False  # the stream has served the step (its readings replace the write epoch's probe)
+        self._waited = _Median(w)  # bytes/s of the frames the step waited for, over the waits: a ceiling
         self._steps: dict[tuple[int, str], _Median] = {}  # (frozen depth, step kind) -> step seconds per sample
         self._verdicts: dict[int, tuple[PlanMode, str]] = {}  # frozen depth -> what the measured check chose
 
@@ -170,8 +177,8 @@ class CachePlanner:
             self._fetch_latency.add(seconds)
 
     def has_fetch_rate(self) -> bool:
-        """Whether the daemon's read speed has been measured (else the prior is used)."""
-        return bool(self._fetch_rate.values)
+        """Whether the daemon's read speed has been measured, or shown by the stream (else the prior is used)."""
+        return bool(self._fetch_rate.values) or self._streamed
 
     def observe(self, stats: ClientStats) -> None:
         """Record the fetch and write throughput the connection measured since the last call.
@@ -181,10 +188,17 @@ class CachePlanner:
         """
         last, now = self._seen, _Transfers.of(stats)
         self._seen = now
+        if not self._streamed and now.received_bytes > last.received_bytes:
+            # The write epoch's probe timed a Get of a few entries, its latency included: on small entries far
+            # below the stream. From the stream's first frames on, only its waits (and Gets) time the fetch;
+            # a stream that keeps up leaves the prior in place, floored by the rate the step received.
+            self._streamed = True
+            self._fetch_rate = _Median(self.config.window)
         if now.read_s > last.read_s:
             self.record_fetch(now.read_bytes - last.read_bytes, now.read_s - last.read_s)
         self._write_rate.rate(now.written_bytes - last.written_bytes, now.write_s - last.write_s)
         self._received.rate(now.received_bytes - last.received_bytes, now.received_s - last.received_s)
+        self._waited.rate(now.waited_bytes - last.waited_bytes, now.waited_s - last.waited_s)
 
     def record_step(self, seconds: float, samples: int, kind: str, depth: int) -> None:
         """A training step's period (its prefix's start to the next one's).
@@ -304,7 +318,7 @@ class CachePlanner:
         return Measurements(
             stage_forward_s_per_sample=stage_s,
             entry_bytes_per_sample=[0.0] + [self._stage_bytes[d].get(0.0) for d in range(1, k + 1)],
-            fetch_bytes_per_s=max(self._fetch_rate.get(c.prior_fetch_bytes_per_s), self._received.get(0.0)),
+            fetch_bytes_per_s=self._fetch_bytes_per_s(),
             # A measured rate already includes the per-call latency; until then use miss-only calls.
             fetch_latency_s=0.0 if self._fetch_rate.get() else self._fetch_latency.get(c.prior_fetch_latency_s),
             write_bytes_per_s=self._write_rate.get(c.prior_write_bytes_per_s),
@@ -327,6 +341,14 @@ class CachePlanner:
         now = self.measurements(k)
         return now is not None and (self._basis is None or self.current is None
                                     or should_replan(self._basis, now, self.config.replan_drift))
+
+    def _fetch_bytes_per_s(self) -> float:
+        """The fetch speed: timed reads, else the prior below the ceiling of the frames the step waited for;
+        never below the rate the step received (module docstring)."""
+        fetch = self._fetch_rate.get()
+        if fetch is None:
+            fetch = min(self.config.prior_fetch_bytes_per_s, self._waited.get(math.inf))
+        return max(fetch, self._received.get(0.0))
 
     def plan_for(self, k: int) -> Plan | None:
         """Plan for frozen depth k (None until the prefix was measured); logged and sent to listeners.
@@ -360,11 +382,13 @@ class CachePlanner:
         if verdict is None:
             return modelled
         mode, reason = verdict
-        if mode is modelled.mode:
+        if mode is modelled.mode and (mode is PlanMode.RECOMPUTE or
+                                      (modelled.cache_depth, modelled.cached_fraction) == (k, 1.0)):
             return dataclasses.replace(modelled, reason=f"{reason}; the model agrees: {modelled.reason}")
         if mode is PlanMode.RECOMPUTE:
             return dataclasses.replace(modelled, mode=mode, cache_depth=None, recompute_stages=(0, k),
                                        cached_fraction=0.0, expected_step_s=modelled.baseline_step_s,
                                        write_epoch_extra_s=0.0, reason=reason)
+        # caching: every sample at depth k, as measured (the model's partial plans can be far off on a busy host)
         return dataclasses.replace(modelled, mode=mode, cache_depth=k, recompute_stages=(k, k), cached_fraction=1.0,
                                    reason=reason)

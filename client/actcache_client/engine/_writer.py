@@ -68,11 +68,14 @@ class EntryWriter:
         if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated
             check_fixed_length(snapshot, self._entry_shapes, depth)
         self.written.mark(fingerprint, depth, ids, written=self.frozen.data)
-        # Without a read-speed measurement yet, read one put back (once per epoch until it is
-        # measured): a slow disk then shows during the write epoch, before the cache is relied upon.
-        probe = self.planner is not None and not self.planner.has_fetch_rate() and not self._probed
+        # Without a read-speed measurement yet, read one put back (once per epoch until it is measured): a slow
+        # network then shows during the write epoch, before the cache is relied upon. Over shared memory a Get
+        # times another path than the stream's, latency-bound on small entries: the stream's own rate is used.
+        connection = connected(self.connection)
+        probe = (self.planner is not None and not self.planner.has_fetch_rate() and not self._probed
+                 and not connection.streams_shared_memory)
         self._probed = self._probed or probe
-        connected(self.connection).store(
+        connection.store(
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
         )

@@ -109,6 +109,8 @@ class ClientStats:
     frame already there when asked only shows that the stream kept up). ``received_bytes`` over
     ``received_seconds`` is the rate the step received the stream's frames at, waits and overlap with its
     own work together (each frame over the time since the one before): a floor for the fetch speed.
+    ``waited_bytes`` over ``waited_seconds``: the stream's frames the step waited for, over those waits: the
+    stream was still reading them, so a ceiling.
 
     Attributes:
         gets: Entries asked for through ``Get`` calls.
@@ -121,6 +123,8 @@ class ClientStats:
         timed_seconds: Seconds of the read-speed samples.
         received_bytes: Bytes of the stream's frames, for the rate they were received at.
         received_seconds: Seconds since each such frame's predecessor arrived.
+        waited_bytes: Bytes of the stream's frames the step waited for.
+        waited_seconds: Seconds the step waited for them.
         puts: Entries stored.
         bytes_written: Bytes of the entries stored.
         write_seconds: Time the puts took.
@@ -139,6 +143,8 @@ class ClientStats:
     timed_seconds: float = 0.0
     received_bytes: int = 0
     received_seconds: float = 0.0
+    waited_bytes: int = 0
+    waited_seconds: float = 0.0
     puts: int = 0
     bytes_written: int = 0
     write_seconds: float = 0.0
@@ -193,6 +199,12 @@ class Connection:
     @property
     def target(self) -> str:
         return self._rpc.target
+
+    @property
+    def streams_shared_memory(self) -> bool:
+        """Whether streams come over shared memory (the daemon is on this host's Unix socket): a ``Get``,
+        which does not, then times another data path than the stream's."""
+        return self._rpc.target.startswith("unix:")
 
     def rpc(self) -> RpcClient:
         """The underlying RPC client (for tools; training code does not need it)."""
@@ -285,10 +297,11 @@ class Connection:
             if batch is None:
                 return
             arrived = time.perf_counter()
-            waited = last is not None and arrived - t0 >= _WAITED * (arrived - last)
+            # the first frame: asked for as the stream opened, the whole wait is for it
+            waited = last is None or arrived - t0 >= _WAITED * (arrived - last)
             if counted:  # waited for this frame and the one before: the stream was reading it all along
                 self.count_streamed(batch, arrived - t0, arrived - last if waited and behind and last is not None else None,
-                                    received_s=None if last is None else arrived - last)
+                                    received_s=None if last is None else arrived - last, waited=waited)
             counted, last, behind = True, arrived, waited
             try:
                 yield batch
@@ -297,7 +310,7 @@ class Connection:
                 raise
 
     def count_streamed(self, batch: EntryBatch, seconds: float, read_s: float | None = None, *,
-                       received_s: float | None = None) -> None:
+                       received_s: float | None = None, waited: bool = False) -> None:
         """Count a frame the step takes from a stream and the seconds it waited for it.
 
         Args:
@@ -305,8 +318,10 @@ class Connection:
             seconds: The seconds the step waited for it.
             read_s: The seconds the stream took to read the frame, where known (``timed_*``).
             received_s: The seconds since the frame before arrived (``received_*``).
+            waited: The step waited for it: still being read when asked for (``waited_*``).
         """
-        self._count_read(batch.values, seconds, read_s, streamed=len(batch.values), received_s=received_s)
+        self._count_read(batch.values, seconds, read_s, streamed=len(batch.values), received_s=received_s,
+                         waited=waited)
 
     def count_absent(self, entries: int) -> None:
         """Count stream entries known to be misses without reading them (the push said none was stored).
@@ -319,7 +334,7 @@ class Connection:
             self.stats.misses += entries
 
     def _count_read(self, values: Sequence, seconds: float, timed_s: float | None, *, gets: int = 0,
-                    streamed: int = 0, received_s: float | None = None) -> None:
+                    streamed: int = 0, received_s: float | None = None, waited: bool = False) -> None:
         """Count entries read in ``seconds``, as hits and misses if asked for; ``timed_s``: as a read-speed sample."""
         found = sum(v is not None for v in values)
         nbytes = sum(len(v) for v in values if v is not None)
@@ -331,6 +346,9 @@ class Connection:
             if received_s is not None and nbytes:
                 self.stats.received_bytes += nbytes
                 self.stats.received_seconds += received_s
+            if waited and nbytes:
+                self.stats.waited_bytes += nbytes
+                self.stats.waited_seconds += seconds
             if timed_s is not None:
                 self.stats.timed_bytes += nbytes
                 self.stats.timed_seconds += timed_s
