@@ -23,6 +23,7 @@ the tensors in order, each C-contiguous and 16-byte aligned, so they can be view
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import struct
 import threading
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import lz4.block
+import numpy as np
 import xxhash
 
 if TYPE_CHECKING:
@@ -40,7 +42,7 @@ from actcache.errors import InvalidRequest
 
 __all__ = ["ALIGN", "AUTO_MIN_SAVING", "CHECKSUMS", "Checksum", "Codec", "DEFAULT_CHECKSUM", "DType", "Encoding",
            "EntryHeader", "TensorSpec", "compress_entry", "compress_payload", "decode_entry", "decompress_payload",
-           "encode_entries", "encode_entry", "parse_header", "verify_entry"]
+           "encode_batch", "encode_entry", "parse_header", "verify_entry"]
 
 MAGIC = b"ACE1"
 VERSION = 2
@@ -282,35 +284,36 @@ def encode_entry(
     return _finish(specs, raw, encoding)
 
 
-def encode_entries(specs: Sequence[TensorSpec], rows: Sequence[Sequence[bytes | memoryview]]) -> list[bytes]:
-    """``[encode_entry(specs, row) for row in rows]`` (raw), byte for byte, for entries that share ``specs``
-    (a batch's samples): the header is laid out once and each entry is one copy of its tensors."""
-    if not rows:
-        return []
+def encode_batch(specs: Sequence[TensorSpec], columns: Sequence[np.ndarray]) -> np.ndarray:
+    """The raw entries of a batch whose samples share ``specs``, one per row of a ``(batch, entry bytes)`` uint8
+    array; ``columns[j]`` holds tensor j of every sample, a ``(batch, nbytes)`` uint8 row each. Row i is
+    ``encode_entry(specs, [c[i] for c in columns])`` byte for byte, laid out with one copy per tensor."""
     _check_count(len(specs))
+    if len(columns) != len(specs):
+        raise InvalidRequest(f"{len(columns)} tensor columns for {len(specs)} specs")
     for i, spec in enumerate(specs):
         if len(spec.shape) > MAX_NDIM or any(d < 0 for d in spec.shape):
             raise InvalidRequest(f"tensor {i}: shape {spec.shape} is invalid (ndim <= {MAX_NDIM}, dims >= 0)")
+    batch = len(columns[0]) if columns else 0
+    for i, (column, spec) in enumerate(zip(columns, specs)):
+        if column.dtype != np.uint8 or column.shape != (batch, spec.nbytes):
+            raise InvalidRequest(f"tensor {i}: a {column.dtype}{list(column.shape)} column for {batch} entries of "
+                                 f"{spec.nbytes} bytes")
     offsets, raw_len = _offsets(specs)
-    sizes = [spec.nbytes for spec in specs]
-    contiguous = all(start == sum(sizes[:i]) for i, start in enumerate(offsets))  # no alignment padding between
     tail = _header_tail(specs)
     head = _FIXED.pack(MAGIC, VERSION, int(Codec.raw), int(DEFAULT_CHECKSUM), len(specs), raw_len, raw_len, 0)[:_CRC_OFFSET]
-    fn, pack_crc = _CHECKSUM_FNS[DEFAULT_CHECKSUM], struct.Struct("<I").pack
+    start = len(head) + 4 + len(tail)  # of the payload
+    out = np.empty((batch, start + raw_len), dtype=np.uint8)
+    out[:, : len(head)] = np.frombuffer(head, np.uint8)
+    out[:, len(head) + 4 : start] = np.frombuffer(tail, np.uint8)
+    if any(at != end for at, end in zip(offsets, itertools.accumulate((s.nbytes for s in specs), initial=0))):
+        out[:, start:] = 0  # alignment padding between tensors
+    for column, at, spec in zip(columns, offsets, specs):
+        out[:, start + at : start + at + spec.nbytes] = column
+    fn = _CHECKSUM_FNS[DEFAULT_CHECKSUM]
     prefix = fn(tail, fn(head, 0))  # the checksum is chained over head, tail, payload
-    out = []
-    for r, buffers in enumerate(rows):
-        views = [memoryview(b).cast("B") for b in buffers]
-        if len(views) != len(specs) or any(v.nbytes != n for v, n in zip(views, sizes)):
-            raise InvalidRequest(f"entry {r}: tensors of {[v.nbytes for v in views]} bytes for specs of {sizes}")
-        if contiguous:
-            payload: bytes | bytearray | memoryview = views[0] if len(views) == 1 else b"".join(views)
-        else:
-            payload = bytearray(raw_len)
-            for view, start, n in zip(views, offsets, sizes):
-                payload[start : start + n] = view
-        crc = fn(payload, prefix)
-        out.append(b"".join((head, pack_crc(crc), tail, payload)))
+    crcs = np.fromiter((fn(row, prefix) for row in out[:, start:]), dtype="<u4", count=batch)
+    out[:, len(head) : len(head) + 4] = crcs.view(np.uint8).reshape(batch, 4)
     return out
 
 

@@ -304,15 +304,17 @@ def test_served_size_is_what_fetch_serves_and_a_malformed_entry_keeps_its_size()
         assert served_size(bad) == len(bad)
 
 
-def test_encode_entries_is_encode_entry_of_each_row_byte_for_byte():
-    from actcache.codec import encode_entries
+def test_encode_batch_is_encode_entry_of_each_row_byte_for_byte():
+    from actcache.codec import encode_batch
 
     rng = np.random.default_rng(0)
     for specs in ([TensorSpec(DType.float32, (4, 3))],
                   [TensorSpec(DType.float16, (5,)), TensorSpec(DType.int64, (2,))],  # padding between tensors
                   [TensorSpec(DType.uint8, (16,)), TensorSpec(DType.float32, (0,)), TensorSpec(DType.int32, (4,))]):
-        rows = [[rng.integers(0, 255, s.nbytes, dtype=np.uint8) for s in specs] for _ in range(5)]
-        assert encode_entries(specs, rows) == [encode_entry(specs, row) for row in rows]
-    assert encode_entries([TensorSpec(DType.float32, (2,))], []) == []
-    with pytest.raises(InvalidRequest, match=r"entry 1: tensors of \[4\] bytes for specs of \[8\]"):
-        encode_entries([TensorSpec(DType.float32, (2,))], [[bytes(8)], [bytes(4)]])
+        columns = [rng.integers(0, 255, (5, s.nbytes), dtype=np.uint8) for s in specs]
+        rows = encode_batch(specs, columns)
+        assert [bytes(r) for r in rows] == [encode_entry(specs, [c[i] for c in columns]) for i in range(5)]
+        assert all(verify_entry(r).specs == tuple(specs) for r in rows)
+    assert encode_batch([TensorSpec(DType.float32, (2,))], [np.empty((0, 8), np.uint8)]).shape[0] == 0
+    with pytest.raises(InvalidRequest, match=r"tensor 0: a uint8\[2, 4\] column for 2 entries of 8 bytes"):
+        encode_batch([TensorSpec(DType.float32, (2,))], [np.zeros((2, 4), np.uint8)])

@@ -80,7 +80,7 @@ class EntryWriter:
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
         )
 
-    def _encoding_for(self, depth: int) -> Callable[[list[bytes]], str] | None:
+    def _encoding_for(self, depth: int) -> Callable[[list[bytes | memoryview]], str] | None:
         """How the daemon stores depth ``depth``'s entries; an AutoEncoding measures the first ones
         (on the connection's writer thread) and keeps its choice per fingerprint."""
         if not isinstance(self.encoding, AutoEncoding):
@@ -89,7 +89,7 @@ class EntryWriter:
         fingerprint, config, samples = self.frozen.fingerprints[depth], self.encoding, self.epoch.samples()
         planner = self.planner
 
-        def choose(entries: list[bytes]) -> str:
+        def choose(entries: list[bytes | memoryview]) -> str:
             choice = self._encodings.get(fingerprint)
             if choice is None:
                 try:

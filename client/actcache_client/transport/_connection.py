@@ -359,8 +359,8 @@ class Connection:
                 self.stats.misses += len(values) - found
 
     def store(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
-              encode: Callable[[], list[bytes]], *, probe: bool = False,
-              encoding: Callable[[list[bytes]], str] | None = None) -> bool:
+              encode: Callable[[], list[bytes | memoryview]], *, probe: bool = False,
+              encoding: Callable[[list[bytes | memoryview]], str] | None = None) -> bool:
         """Queue a put; it never blocks the step (a full queue drops it).
 
         Args:
@@ -419,7 +419,8 @@ class Connection:
                 self._queue.task_done()
 
     def _write(self, fingerprint: bytes, depth: int, ids: list[int], variants: list[int],
-               encode: Callable[[], list[bytes]], probe: bool, encoding: Callable[[list[bytes]], str] | None) -> None:
+               encode: Callable[[], list[bytes | memoryview]], probe: bool,
+               encoding: Callable[[list[bytes | memoryview]], str] | None) -> None:
         if self._paused():
             self._count_dropped()
             return

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_entries, encode_entry
+from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_batch, encode_entry
 from actcache.errors import ConfigError, InvalidRequest
 from actcache.served import uniform_layout, uniform_rows
 from actcache.shm import SlotRun
@@ -103,7 +103,7 @@ class RowCopier:
             self._pool = None
 
 
-def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None = None) -> list[bytes]:
+def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None = None) -> list[bytes | memoryview]:
     """Encode each sample of a batch state as one entry (on CPU; a copy is made off-device)."""
     tensors = [t.detach().to("cpu") for t in tensors_of(state)]
     batch = tensors[0].shape[0]
@@ -119,8 +119,8 @@ def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None =
     if lengths is None and not zstd_level:  # rows of one shape: the header laid out once, one copy per entry
         specs = [TensorSpec(_TO_CODEC[t.dtype], tuple(t.shape[1:])) for t in stored]
         flat = [t.contiguous().reshape(batch, -1).view(torch.uint8).numpy() for t in stored]
-        return encode_entries(specs, [[f[i] for f in flat] for i in range(batch)])
-    out = []
+        return [memoryview(row).toreadonly() for row in encode_batch(specs, flat)]
+    out: list[bytes | memoryview] = []
     for i in range(batch):
         parts = [(t[i] if lengths is None else t[i, : lengths[i]]).contiguous() for t in stored]
         specs = [TensorSpec(_TO_CODEC[p.dtype], tuple(p.shape)) for p in parts]
