@@ -401,8 +401,8 @@ class RpcClient:
         valid until the next batch is asked for, unless the caller holds them (``ClientSegment.hold`` on
         ``EntryBatch.columns.segment``): asking for the next batch releases the ring up to the first
         position held. ``whole_frames``: frames are never cut short. ``columns``: frames of columns where
-        the daemon can (``EntryBatch.columns``). A segment still held when the stream ends is closed (its
-        mapping lives on with the holders), never reused.
+        the daemon can (``EntryBatch.columns``). A segment still held when the stream ends is dropped, never
+        reused: it is unmapped once its holders and views are gone.
         """
         position, attempt = start, 0
         use_shm = shared_memory and self.target.startswith("unix:")
@@ -451,9 +451,8 @@ class RpcClient:
                 call.cancel()
                 if offered is not None:  # the daemon no longer had it
                     offered.close()
-                if segment is not None and segment.held():  # views of it live on: never written again
-                    segment.close()
-                elif segment is not None:  # the daemon parks the ring once the call has ended
+                # a segment with views alive is dropped, never written again: unmapped once they all go
+                if segment is not None and not segment.held():  # the daemon parks the ring once the call has ended
                     self.segments.put(segment)
             attempt += 1
             time.sleep(0.05 * 2**attempt * (1 + random.random()))
