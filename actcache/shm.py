@@ -2,7 +2,8 @@
 
 The daemon creates ``<shm dir>/actcache-<daemon pid>-<random>`` (mode 0600) and copies each served
 entry, decoded, into a slot of the ring; frames carry the segment's path (first frame) and per entry
-its offset and length (0 = a miss). Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
+its offset and length (0 = a miss), or, a frame of columns, where each of its tensors starts
+(``column_starts``). Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
 
     0  magic  b"ACTSHM1\\0"
     8  capacity    size of the data area                                  (daemon writes)
