@@ -4,6 +4,7 @@ import threading
 
 import numpy as np
 
+from actcache.codec import DType, TensorSpec, encode_entry
 from actcache.shm import COLUMN_ALIGN
 from tests.integration.conftest import SHM_FP as FP
 from tests.integration.conftest import SMALL_RING as RING
@@ -71,3 +72,17 @@ def test_held_columns_stay_intact_and_a_ring_full_of_them_is_served_in_messages(
         assert [bytes(v) for v in batch.values] == [expected[p] for p in range(batch.start, batch.start + len(batch))]
     assert not client.segments.paths()  # a held segment is never offered to another stream
     tokens.clear()
+
+
+def test_entries_of_several_tensors_come_as_one_column_each_and_rebuild_byte_for_byte(client):
+    specs = [TensorSpec(DType.float32, (3, 5)), TensorSpec(DType.int64, (7,)), TensorSpec(DType.bool, (3,))]
+    rng = np.random.default_rng(0)
+    values = {i: [rng.standard_normal((3, 5), dtype=np.float32), rng.integers(0, 9, 7), rng.integers(0, 2, 3) > 0]
+              for i in range(40)}
+    ns = client.open("several").namespace_id
+    client.put(ns, FP, 2, [(i, 0, encode_entry(specs, v)) for i, v in values.items()])
+    client.schedule(ns, FP, 2, "several", np.arange(40, dtype=np.uint64))
+    batches = list(client.fetch_batches(ns, "several", shared_memory=True, ring_bytes=RING, columns=True))
+    runs = [b.columns for b in batches if b.columns is not None]
+    assert runs and all(at % COLUMN_ALIGN == 0 for run in runs for at in run.starts)
+    assert [bytes(v) for b in batches for v in b.values] == [encode_entry(specs, values[i]) for i in range(40)]
