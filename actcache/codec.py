@@ -42,7 +42,7 @@ from actcache.errors import InvalidRequest
 
 __all__ = ["ALIGN", "AUTO_MIN_SAVING", "CHECKSUMS", "Checksum", "Codec", "DEFAULT_CHECKSUM", "DType", "Encoding",
            "EntryHeader", "TensorSpec", "compress_entry", "compress_payload", "decode_entry", "decompress_payload",
-           "encode_batch", "encode_entry", "parse_header", "verify_entry"]
+           "encode_batch", "encode_entry", "parse_header", "parse_header_alone", "verify_entry"]
 
 MAGIC = b"ACE1"
 VERSION = 2
@@ -340,7 +340,7 @@ def _fixed_fields(view: memoryview) -> tuple[int, int, int, int, int, int]:
     return codec, checksum, n, raw_len, stored_len, crc
 
 
-def _parse_header(view: memoryview) -> EntryHeader:
+def _parse_header(view: memoryview, *, with_payload: bool = True) -> EntryHeader:
     codec, checksum, n, raw_len, stored_len, crc = _fixed_fields(view)
     if codec not in Codec._value2member_map_:
         raise InvalidRequest(f"entry has unknown codec {codec}; known: {[c.name for c in Codec]}")
@@ -369,7 +369,7 @@ def _parse_header(view: memoryview) -> EntryHeader:
         )
     if codec not in _COMPRESSED and stored_len != raw_len:
         raise InvalidRequest(f"raw entry stores {stored_len} bytes but declares {raw_len}")
-    if header_len + stored_len != view.nbytes:
+    if with_payload and header_len + stored_len != view.nbytes:
         raise InvalidRequest(f"entry is {view.nbytes} bytes but its header says {header_len} + {stored_len} payload bytes")
     return EntryHeader(Codec(codec), tuple(specs), raw_len, stored_len, crc, header_len, Checksum(checksum))
 
@@ -397,6 +397,11 @@ def parse_header(buf: Buffer) -> EntryHeader:
         _KNOWN_HEADERS.clear()
     _KNOWN_HEADERS[layout] = (header.header_len, bytes(view[_FIXED.size : header.header_len]), header)
     return header
+
+
+def parse_header_alone(buf: Buffer) -> EntryHeader:
+    """``parse_header`` of an entry's header without its payload (``header_len`` bytes or more)."""
+    return _parse_header(memoryview(buf), with_payload=False)
 
 
 def verify_entry(buf: bytes | memoryview) -> EntryHeader:

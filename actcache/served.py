@@ -31,8 +31,8 @@ from actcache.codec import (
 )
 from actcache.errors import InvalidRequest
 
-__all__ = ["copy_raw_run", "decoded_size", "served_size", "stored_raw", "to_raw_entries", "to_raw_entries_into",
-           "to_raw_entry", "uniform_layout", "uniform_rows"]
+__all__ = ["copy_raw_columns", "copy_raw_run", "decoded_size", "served_size", "stored_raw", "to_raw_entries",
+           "to_raw_entries_into", "to_raw_entry", "uniform_layout", "uniform_rows"]
 
 
 def uniform_layout(bufs: Sequence[bytes | memoryview]) -> EntryHeader | None:
@@ -192,6 +192,26 @@ def copy_raw_run(bufs: Sequence[bytes | memoryview], dest: memoryview) -> list[I
     errors: list[InvalidRequest | None] = [None] * count
     for i in np.flatnonzero(computed != stored).tolist():
         errors[i] = _checksum_mismatch(header.checksum, int(stored[i]), int(computed[i]))
+    return errors
+
+
+def copy_raw_columns(bufs: Sequence[bytes | memoryview], header: EntryHeader,
+                     columns: Sequence[memoryview]) -> list[InvalidRequest | None]:
+    """Copy raw entries of ``header``'s layout (``uniform_layout``, codec raw) as columns: tensor j of entry i
+    to bytes ``[i * n_j, (i + 1) * n_j)`` of ``columns[j]`` (``n_j`` its size), and verify each entry (hashed
+    from its source, in the CPU cache after the copy): per entry None, or the InvalidRequest it failed with
+    (its columns' bytes are garbage then)."""
+    last, seed = _payload_checksum(header, bufs[0])
+    hlen = header.header_len
+    parts = [(hlen + at, spec.nbytes) for at, spec in zip(header.offsets, header.specs)]
+    errors: list[InvalidRequest | None] = []
+    for i, buf in enumerate(bufs):
+        view = memoryview(buf)
+        for (at, n), column in zip(parts, columns):
+            column[i * n : (i + 1) * n] = view[at : at + n]
+        crc = last(view[hlen:], seed) & 0xFFFFFFFF
+        stored = int.from_bytes(view[_CRC_OFFSET : _CRC_OFFSET + 4], "little")
+        errors.append(None if crc == stored else _checksum_mismatch(header.checksum, stored, crc))
     return errors
 
 

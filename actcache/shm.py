@@ -2,12 +2,14 @@
 
 The daemon creates ``<shm dir>/actcache-<daemon pid>-<random>`` (mode 0600) and copies each served
 entry, decoded, into a slot of the ring; frames carry the segment's path (first frame) and per entry
-its offset and length (0 = a miss). Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
+its offset and length (0 = a miss), or, a frame of columns, where each of its tensors starts
+(``column_starts``). Segment layout (little-endian uint64 words, data from ``HEADER_BYTES``)::
 
     0  magic  b"ACTSHM1\\0"
     8  capacity    size of the data area                                  (daemon writes)
     16 released    schedule position: every entry before it is released  (client writes)
     24 mapped      1 once the client has mapped                           (client writes)
+    32 waiting     1 + the position the client waits for a frame of; 0: none (client writes)
 
 Invariants:
 
@@ -15,11 +17,14 @@ Invariants:
   ``p + n - freed <= ring_bytes``; a slot that would cross the end starts at the beginning;
 - ``released`` only grows and only the client writes it (one aligned 8-byte word: never torn);
 - no deadlock: when the ring is full, the daemon first sends what it has written, then polls
-  ``released`` while the call is alive; an entry larger than the ring travels in the frame's payload.
+  ``released`` while the call is alive; an entry larger than the ring travels in the frame's payload,
+  and so do the entries at the position the client waits for (``waiting``) when the ring is full: the
+  client holds views of every earlier slot (columns) and releases none until it gets that frame.
 - the ring is outside the prefetch budget.
 
 Reuse: a ring is parked by the daemon (``ParkedRings``) only once its handler returned and kept by the
-client (``SegmentPool``) only once its stream ended, so no two streams share one. Crash safety: the
+client (``SegmentPool``) only once its stream ended and no view of it is alive (``ClientSegment.hold``),
+so no two streams share one and no stream overwrites what a view still shows. Crash safety: the
 daemon unlinks the segment once it sees ``mapped``; a killed daemon's are removed at the next start.
 """
 
@@ -32,15 +37,16 @@ import secrets
 import struct
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from actcache.errors import InvalidRequest
 
-__all__ = ["ClientSegment", "DEFAULT_RING_BYTES", "HEADER_BYTES", "PREFIX", "SegmentPool", "ShmRing", "SlotRun",
-           "pid_alive", "remove_stale", "shm_dir", "stale_segments"]
+__all__ = ["COLUMN_ALIGN", "ClientSegment", "DEFAULT_RING_BYTES", "HEADER_BYTES", "PREFIX", "SegmentPool", "ShmRing",
+           "SlotRun", "column_starts", "pid_alive", "remove_stale", "shm_dir", "stale_segments"]
 
 PREFIX = "actcache-"
 HEADER_BYTES = 4096
@@ -50,7 +56,10 @@ REUSE_SLACK = 2
 MIN_RING_BYTES = 64 << 10
 MAX_RING_BYTES = 4 << 30
 _MAGIC = b"ACTSHM1\0"
-_RELEASED, _MAPPED = 16, 24
+_RELEASED, _MAPPED, _WAITING = 16, 24, 32
+#: Where a column starts (segment offsets; the segment is page-aligned): tensors viewed there compute as
+#: they do in fresh memory, and any dtype may view them.
+COLUMN_ALIGN = 64
 
 
 def shm_dir() -> Path:
@@ -96,6 +105,17 @@ def remove_stale(directory: Path | None = None) -> list[Path]:
                 path.unlink()
                 removed.append(path)
     return removed
+
+
+def column_starts(nbytes: Sequence[int], count: int, start: int, stop: int) -> list[int] | None:
+    """Segment offsets of the columns of ``count`` entries holding tensors of ``nbytes`` bytes each, laid out
+    in ``[start, stop)`` one after the other from ``COLUMN_ALIGN`` boundaries; None if they do not fit."""
+    at, starts = start, []
+    for n in nbytes:
+        at = -(-at // COLUMN_ALIGN) * COLUMN_ALIGN
+        starts.append(at)
+        at += count * n
+    return starts if at <= stop else None
 
 
 def reusable(ring_bytes: int, asked: int) -> bool:
@@ -144,6 +164,7 @@ class ShmRing:
         self._write = self._freed = 0
         self._slots.clear()
         struct.pack_into("<Q", self._mm, _RELEASED, start)
+        struct.pack_into("<Q", self._mm, _WAITING, 0)
 
     def poll(self) -> None:
         """Free the slots the client released; unlink the segment once the client has mapped it."""
@@ -152,6 +173,14 @@ class ShmRing:
             self._freed = self._slots.popleft()[1]
         if mapped and not self.unlinked:
             self.unlink()
+
+    def stalled(self, position: int) -> bool:
+        """Whether the client waits for the frame at ``position`` (holding every slot before it)."""
+        return struct.unpack_from("<Q", self._mm, _WAITING)[0] == position + 1
+
+    def has_room(self, size: int) -> bool:
+        """Whether a slot of ``size`` bytes fits now."""
+        return self._room(self._run_need(1, size)[0])
 
     def _check_size(self, size: int) -> None:
         if size > self.ring_bytes:
@@ -183,6 +212,14 @@ class ShmRing:
         blocks = [(HEADER_BYTES + at, before_end)] if before_end else []
         return blocks + [(HEADER_BYTES, count - before_end)] if before_end < count else blocks
 
+    def alloc_block(self, position: int, count: int, size: int) -> int | None:
+        """``alloc_run`` when the run does not wrap: the segment offset of its one block; None (nothing
+        allocated) when it would wrap or does not fit now."""
+        if count < 1 or size < 1 or self._run_need(count, size)[1] < count:
+            return None
+        blocks = self.alloc_run(position, count, size)
+        return blocks[0][0] if blocks else None
+
     def _run_need(self, count: int, size: int) -> tuple[int, int]:
         """``(bytes, slots before the end)`` of a run of ``count`` slots of ``size``, with any gap at the end."""
         left = self.ring_bytes - self._write % self.ring_bytes
@@ -194,10 +231,11 @@ class ShmRing:
         return self._view[offset : offset + size]
 
     def wait_frame_room(self, nbytes: int, slot_bytes: int, alive: Callable[[], bool], patience_s: float, *,
-                        uniform: bool = False) -> bool:
+                        uniform: bool = False, position: int | None = None) -> bool:
         """Wait up to ``patience_s`` for a frame of ``nbytes`` in slots of up to ``slot_bytes`` (all of it
-        when ``uniform``) to fit whole, or for the client to release every slot; False if ``alive()``
-        fails first. Why: a frame cut short ends mid-batch, which the client copies in two parts."""
+        when ``uniform``) to fit whole, or for the client to release every slot, or to wait for the frame
+        at ``position`` (``stalled``); False if ``alive()`` fails first. Why: a frame cut short ends
+        mid-batch, which the client copies in two parts."""
         if uniform and 0 < nbytes <= self.ring_bytes and nbytes % slot_bytes == 0:
             need = self._run_need(nbytes // slot_bytes, slot_bytes)[0]
         else:  # a slot never wraps: allow one slot of gap at the end
@@ -206,14 +244,16 @@ class ShmRing:
 
         def fits() -> bool:
             self.poll()
-            return not self._slots or self._write - self._freed + need <= self.ring_bytes or time.monotonic() > deadline
+            return (not self._slots or self._write - self._freed + need <= self.ring_bytes or time.monotonic() > deadline
+                    or position is not None and self.stalled(position))
 
         return _poll_until(fits, alive)
 
-    def wait_room(self, size: int, alive: Callable[[], bool]) -> bool:
-        """Wait until a slot of ``size`` bytes fits; False if ``alive()`` fails first."""
+    def wait_room(self, size: int, alive: Callable[[], bool], position: int | None = None) -> bool:
+        """Wait until a slot of ``size`` bytes fits, or the client waits for the frame at ``position``
+        (``stalled``); False if ``alive()`` fails first."""
         self._check_size(size)
-        return _poll_until(lambda: self._room(self._run_need(1, size)[0]), alive)
+        return _poll_until(lambda: self.has_room(size) or position is not None and self.stalled(position), alive)
 
     def wait_mapped(self, alive: Callable[[], bool]) -> None:
         """Return once the client has mapped the segment (then unlinked), or once ``alive()`` is false."""
@@ -246,7 +286,11 @@ def _poll_until(done: Callable[[], bool], alive: Callable[[], bool]) -> bool:
 
 
 class ClientSegment:
-    """The client's mapping of a stream's segment: views into it and the release counter."""
+    """The client's mapping of a stream's segment: views into it and the release counter.
+
+    Invariant: ``release`` never passes the first position of a live hold, so the daemon never writes
+    over bytes a caller still views (a hold lives as long as the object it was given: a weak reference).
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -267,11 +311,32 @@ class ClientSegment:
         self.on_close: list[Callable[[], None]] = []
         #: Whether the client page-locked the mapping for a device (None: not tried).
         self.page_locked: bool | None = None
+        self._holds: deque[tuple[int, weakref.ref]] = deque()  # (first position, holder), by position
         struct.pack_into("<Q", mm, _MAPPED, 1)
 
+    def hold(self, position: int, holder: object) -> None:
+        """Keep the slots from ``position`` on while ``holder`` (weakly referenced) is alive."""
+        self._holds.append((position, weakref.ref(holder)))
+
+    def held(self) -> bool:
+        """Whether a holder is alive (then the segment must not serve another stream)."""
+        self._drop_dead()
+        return bool(self._holds)
+
     def release(self, position: int) -> None:
-        """Every entry before schedule ``position`` is consumed: the daemon may reuse its slot."""
+        """Every entry before schedule ``position`` is consumed: the daemon may reuse its slot, up to the
+        first position still held."""
+        self._drop_dead()
+        if self._holds:
+            position = min(position, min(at for at, _ in self._holds))
         struct.pack_into("<Q", self._mm, _RELEASED, position)
+
+    def waiting(self, position: int | None) -> None:
+        """Say the client waits for the frame at ``position`` (None: for none)."""
+        struct.pack_into("<Q", self._mm, _WAITING, 0 if position is None else position + 1)
+
+    def _drop_dead(self) -> None:
+        self._holds = deque(h for h in self._holds if h[1]() is not None)
 
     def close(self) -> None:
         hooks, self.on_close = self.on_close, []

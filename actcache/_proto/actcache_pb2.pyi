@@ -103,7 +103,7 @@ class GetRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EntriesHeader(_message.Message):
-    __slots__ = ("start", "sample_ids", "variants", "lengths", "data_plane", "data_plane_detail", "segment", "offsets")
+    __slots__ = ("start", "sample_ids", "variants", "lengths", "data_plane", "data_plane_detail", "segment", "offsets", "columns")
     START_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class EntriesHeader(_message.Message):
     DATA_PLANE_DETAIL_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     start: int
     sample_ids: _containers.RepeatedScalarFieldContainer[int]
     variants: _containers.RepeatedScalarFieldContainer[int]
@@ -120,7 +121,8 @@ class EntriesHeader(_message.Message):
     data_plane_detail: str
     segment: str
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, start: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., data_plane: _Optional[str] = ..., data_plane_detail: _Optional[str] = ..., segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    columns: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., data_plane: _Optional[str] = ..., data_plane_detail: _Optional[str] = ..., segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., columns: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduleChunk(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth", "schedule_id", "sample_ids", "variants", "packed_sample_ids", "packed_variants", "report_present")
@@ -157,7 +159,7 @@ class ScheduleReply(_message.Message):
     def __init__(self, schedule_id: _Optional[str] = ..., length: _Optional[int] = ..., replaced: _Optional[bool] = ..., present: _Optional[bytes] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("namespace_id", "schedule_id", "start", "max_frame_bytes", "shared_memory", "ring_bytes", "reuse_segment", "whole_frames")
+    __slots__ = ("namespace_id", "schedule_id", "start", "max_frame_bytes", "shared_memory", "ring_bytes", "reuse_segment", "whole_frames", "columns")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +168,7 @@ class FetchRequest(_message.Message):
     RING_BYTES_FIELD_NUMBER: _ClassVar[int]
     REUSE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     WHOLE_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     schedule_id: str
     start: int
@@ -174,7 +177,8 @@ class FetchRequest(_message.Message):
     ring_bytes: int
     reuse_segment: str
     whole_frames: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ring_bytes: _Optional[int] = ..., reuse_segment: _Optional[str] = ..., whole_frames: _Optional[bool] = ...) -> None: ...
+    columns: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., schedule_id: _Optional[str] = ..., start: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., ring_bytes: _Optional[int] = ..., reuse_segment: _Optional[str] = ..., whole_frames: _Optional[bool] = ..., columns: _Optional[bool] = ...) -> None: ...
 
 class ContainsRequest(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth", "packed_sample_ids", "packed_variants")

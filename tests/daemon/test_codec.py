@@ -23,7 +23,15 @@ from actcache.codec import (
     verify_entry,
 )
 from actcache.errors import InvalidRequest
-from actcache.served import copy_raw_run, decoded_size, served_size, to_raw_entries, to_raw_entries_into, to_raw_entry
+from actcache.served import (
+    copy_raw_columns,
+    copy_raw_run,
+    decoded_size,
+    served_size,
+    to_raw_entries,
+    to_raw_entries_into,
+    to_raw_entry,
+)
 
 NUMPY = {DType.float32: np.float32, DType.float16: np.float16, DType.bfloat16: np.uint16,
          DType.int64: np.int64, DType.int32: np.int32, DType.uint8: np.uint8, DType.bool: np.bool_}
@@ -288,6 +296,27 @@ def test_a_run_of_raw_entries_is_copied_into_consecutive_rows_and_each_copy_is_v
     broken[0] ^= 0xFF  # the magic
     errors = copy_raw_run([bytes(broken), entries[1]], memoryview(bytearray(2 * size)))
     assert errors[0] is not None and "magic" in str(errors[0]) and errors[1] is None
+
+
+@pytest.mark.parametrize("checksum", list(Checksum))
+def test_raw_entries_are_copied_as_columns_and_each_entry_is_verified(checksum):
+    rng = np.random.default_rng(0)
+    tensors = [(rng.standard_normal((3, 5), dtype=np.float32), rng.integers(0, 9, 7).astype(np.int64),
+                rng.integers(0, 2, 3).astype(bool)) for _ in range(5)]
+    specs = [TensorSpec(DType.float32, (3, 5)), TensorSpec(DType.int64, (7,)), TensorSpec(DType.bool, (3,))]
+    entries = [encode_entry(specs, list(t), encoding=Encoding(checksum=checksum)) for t in tensors]
+    bad = bytearray(entries[2])
+    bad[-1] ^= 0x01  # one payload bit, in the last tensor
+    entries[2] = bytes(bad)
+    layout = parse_header(entries[0])
+    columns = [memoryview(bytearray(5 * s.nbytes)) for s in specs]
+    errors = copy_raw_columns(entries, layout, columns)
+    assert [e is None for e in errors] == [True, True, False, True, True]
+    assert f"checksum ({checksum.name}) mismatch" in str(errors[2])
+    for j, column in enumerate(columns):
+        got = np.frombuffer(column, tensors[0][j].dtype).reshape(5, *tensors[0][j].shape)
+        for i in (0, 1, 3, 4):
+            assert np.array_equal(got[i], tensors[i][j])
 
 
 def test_served_size_is_what_fetch_serves_and_a_malformed_entry_keeps_its_size():

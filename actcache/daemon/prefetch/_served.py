@@ -11,8 +11,9 @@ from concurrent.futures import Executor
 from typing import Callable, Sequence
 
 from actcache._proto import actcache_pb2 as pb
+from actcache.codec import EntryHeader
 from actcache.errors import InvalidRequest
-from actcache.served import to_raw_entries, to_raw_entries_into
+from actcache.served import copy_raw_columns, to_raw_entries, to_raw_entries_into
 
 __all__ = ["ServedBatch", "split_with"]
 
@@ -67,6 +68,12 @@ class ServedBatch:
                     self._fail_entry(i, exc)
 
         split_with(self._pool, indices, self.header.lengths, run)
+
+    def copy_columns(self, layout: EntryHeader, columns: list[memoryview]) -> None:
+        """Copy the entries (all present, raw, of ``layout``) into ``columns`` (``copy_raw_columns``)."""
+        for i, exc in enumerate(copy_raw_columns(self.stored, layout, columns)):
+            if exc is not None:
+                self._fail_entry(i, exc)
 
     def _fail_entry(self, i: int, exc: InvalidRequest) -> None:
         self.header.lengths[i] = 0

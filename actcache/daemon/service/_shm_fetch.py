@@ -9,11 +9,12 @@ import time
 from typing import Callable, Generator, Iterator
 
 from actcache._proto import actcache_pb2 as pb
+from actcache.codec import Codec, EntryHeader
 from actcache.daemon.prefetch import DirectRun
 from actcache.errors import ConfigError
 from actcache.rpc import encode_frame
-from actcache.served import copy_raw_run, served_size, stored_raw
-from actcache.shm import ShmRing, reusable
+from actcache.served import copy_raw_columns, copy_raw_run, served_size, stored_raw, uniform_layout
+from actcache.shm import COLUMN_ALIGN, ShmRing, column_starts, reusable
 
 __all__ = ["ParkedRings", "Throttle", "fetch_shm", "serve_fetch"]
 
@@ -135,7 +136,8 @@ def serve_fetch(request: pb.FetchRequest, context, parked: ParkedRings, reader, 
     context.add_callback(ring.unlink)  # a client gone before mapping leaves no name behind
     named = False
     try:
-        for frame in fetch_shm(reader, ring, frame_bytes, context, throttle, whole_frames=request.whole_frames):
+        for frame in fetch_shm(reader, ring, frame_bytes, context, throttle, whole_frames=request.whole_frames,
+                               columns=request.columns):
             named = True
             yield frame
     finally:
@@ -149,18 +151,21 @@ def serve_fetch(request: pb.FetchRequest, context, parked: ParkedRings, reader, 
 
 
 def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: Throttle | None, *,
-              whole_frames: bool = False) -> Iterator[bytes]:
+              whole_frames: bool = False, columns: bool = False) -> Iterator[bytes]:
     """Frames of slot descriptors, each entry decoded into its slot once free; a frame waits a while
     (``whole_frames``: indefinitely) for room for all of it, then sends what fits (actcache.shm, Invariants).
-    An entry larger than the ring travels in the payload; warm runs (``DirectRun``) are read straight in."""
+    An entry larger than the ring travels in the payload, and so do the entries the client waits for when
+    the ring is full; warm runs (``DirectRun``) are read straight in. ``columns``: a frame of raw entries of
+    one layout is written as columns when they fit without wrapping (``_write_columns``)."""
     first = True
 
-    def frame(header: pb.EntriesHeader, lo: int, hi: int, offsets: list[int], inline: tuple = ()) -> bytes:
+    def frame(header: pb.EntriesHeader, lo: int, hi: int, offsets: list[int], inline: tuple | list = (),
+              starts: list[int] | None = None) -> bytes:
         nonlocal first
         out = pb.EntriesHeader(
             start=header.start + lo, sample_ids=header.sample_ids[lo:hi],
             variants=header.variants[lo:hi] if header.variants else [], lengths=header.lengths[lo:hi],
-            offsets=offsets,
+            offsets=offsets, columns=starts or [],
         )
         if first:
             out.data_plane, out.segment, first = "shared_memory", str(ring.path), False
@@ -171,38 +176,49 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: Thro
     for batch in reader.batches(frame_bytes, direct_entries=_DIRECT_ENTRIES):
         if isinstance(batch, DirectRun):
             entry_bytes = entry_bytes or batch.entry_size()
+            if entry_bytes and ring.stalled(batch.start) and not ring.has_room(entry_bytes):
+                batch.give_back()  # the regular path sends it in the payload
+                continue
             # look up to the next multiple of a frame's entries: frames align again after a short one
             per_frame = max(1, frame_bytes // entry_bytes) if entry_bytes else 0
             count = per_frame - batch.start % per_frame if per_frame else _DIRECT_ENTRIES
             if entry_bytes and not ring.wait_frame_room(count * entry_bytes, entry_bytes, context.is_active,
-                                                        patience_s, uniform=True):
+                                                        patience_s, uniform=True, position=batch.start):
                 return
-            served = _copy_direct(batch, ring, count, frame_bytes)
+            served = _copy_direct(batch, ring, count, frame_bytes, columns)
             if served is None:
                 continue
-            lengths, offsets, blocked = served
+            lengths, offsets, blocked, laid = served
             entry_bytes = max([entry_bytes, *lengths])
             if lengths:
-                yield frame(batch.header(lengths), 0, len(lengths), offsets)
+                yield frame(batch.header(lengths), 0, len(lengths), offsets, *laid)
                 if throttle is not None:
                     throttle.consume(sum(lengths))
-            if blocked and not ring.wait_room(blocked, context.is_active):
+            if blocked and not ring.wait_room(blocked, context.is_active, batch.start + len(lengths)):
                 return
             continue
         header, count, lo = batch.header, len(batch.stored), 0
         ring.poll()
         if count and not ring.wait_frame_room(sum(header.lengths), max(header.lengths), context.is_active,
-                                             patience_s):
+                                             patience_s, position=header.start):
             return
         if not count:
             yield frame(header, 0, 0, [])
+        written = _write_columns(ring, header.start, batch.stored) if columns and count else None
+        if written is not None:
+            heads, starts, layout, views = written
+            batch.copy_columns(layout, views)
+            yield frame(header, 0, count, [], [heads], starts)
+            lo = count
         while lo < count:
             hi, offsets = _alloc_run(ring, header, lo, count, context)
             if hi is None:
                 return
-            if hi == lo:  # larger than the ring: in the payload
-                yield frame(header, lo, lo + 1, [0], batch.decode(range(lo, lo + 1))[0])
-                lo += 1
+            if hi == lo:  # larger than the ring, or the client waits for it with the ring full: in the payload
+                stop = count if ring.stalled(header.start + lo) else lo + 1
+                parts = batch.decode(range(lo, stop))
+                yield frame(header, lo, stop, [0] * (stop - lo), [part for entry in parts for part in entry])
+                lo = stop
                 continue
             sizes = header.lengths[lo:hi]
             batch.decode_into(range(lo, hi), [ring.view(o, n) if n else None for o, n in zip(offsets, sizes)])
@@ -213,32 +229,45 @@ def fetch_shm(reader, ring: "ShmRing", frame_bytes: int, context, throttle: Thro
             throttle.consume(batch.nbytes)
 
 
-def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int) -> tuple[list[int], list[int], int] | None:
-    """Copy up to ``count`` entries of ``run`` (``frame_bytes`` at most, one at least) into ring slots in one
-    read transaction: ``(lengths, offsets, blocked)`` of the prefix served (0 for a miss; ``blocked``: the
-    size of the first entry that did not fit now); None if the run went back to the regular path."""
+_Laid = tuple  # ``(payload parts, column starts)`` of a frame of columns, () for slots
+
+
+def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int,
+                 columns: bool) -> tuple[list[int], list[int], int, _Laid] | None:
+    """Copy up to ``count`` entries of ``run`` (``frame_bytes`` at most, one at least) into ring slots (or
+    ``columns``) in one read transaction: ``(lengths, offsets, blocked, laid)`` of the prefix served (0 for a
+    miss; ``blocked``: the size of the first entry that did not fit now; ``laid``: the frame's columns);
+    None if the run went back to the regular path."""
     ring.poll()
     with run.values(count) as views:
-        copied = None if views is None else _copy_views(run.start, views, ring, frame_bytes, run.decode_into)
-    lengths, offsets, corrupt, blocked = copied or ([], [], [], 0)
+        copied = None if views is None else _copy_views(run.start, views, ring, frame_bytes, run.decode_into, columns)
+    lengths, offsets, corrupt, blocked, laid = copied or ([], [], [], 0, ())
     if not lengths and not blocked:  # not read, or the first entry is larger than the ring
         run.give_back()
         return None
     for i, _ in corrupt:
-        lengths[i] = offsets[i] = 0
+        lengths[i] = 0
+        if offsets:
+            offsets[i] = 0
     run.done(lengths, corrupt)
-    return lengths, offsets, blocked
+    return lengths, offsets, blocked, laid
 
 
 def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
-                decode_into: Callable[[list, list[memoryview]], list]) -> tuple[list[int], list[int], list, int]:
-    """``_copy_direct``'s copy: ``(lengths, offsets, corrupt, blocked)``, ``corrupt`` as ``DirectRun.done`` takes it;
-    raw entries of one size in one pass into consecutive slots, else entry by entry."""
+                decode_into: Callable[[list, list[memoryview]], list],
+                columns: bool = False) -> tuple[list[int], list[int], list, int, _Laid]:
+    """``_copy_direct``'s copy: ``(lengths, offsets, corrupt, blocked, laid)``, ``corrupt`` as ``DirectRun.done``
+    takes it; raw entries of one size in one pass into columns or consecutive slots, else entry by entry."""
     size = len(views[0]) if views and views[0] is not None else 0
     count = min(len(views), max(1, frame_bytes // size)) if size else 0
     head = views[:count]
     uniform = size and count * size <= ring.ring_bytes and all(
         v is not None and len(v) == size and stored_raw(v) for v in head)
+    written = _write_columns(ring, position, head) if uniform and columns else None
+    if written is not None:
+        heads, starts, layout, outs = written
+        failed = copy_raw_columns(head, layout, outs)
+        return [size] * count, [], [(i, exc) for i, exc in enumerate(failed) if exc is not None], 0, ([heads], starts)
     blocks = ring.alloc_run(position, count, size) if uniform else None
     if blocks is not None:
         offsets: list[int] = []
@@ -246,7 +275,7 @@ def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
         for offset, n in blocks:
             offsets += range(offset, offset + n * size, size)
             errors += copy_raw_run(head[len(errors) : len(errors) + n], ring.view(offset, n * size))
-        return [size] * count, offsets, [(i, exc) for i, exc in enumerate(errors) if exc is not None], 0
+        return [size] * count, offsets, [(i, exc) for i, exc in enumerate(errors) if exc is not None], 0, ()
     lengths: list[int] = []
     offsets = []
     blocked = total = 0
@@ -263,7 +292,26 @@ def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
         offsets.append(slot)
     todo = [i for i, n in enumerate(lengths) if n]
     decoded = decode_into([views[i] for i in todo], [ring.view(offsets[i], lengths[i]) for i in todo])
-    return lengths, offsets, [(i, exc) for i, exc in zip(todo, decoded) if exc is not None], blocked
+    return lengths, offsets, [(i, exc) for i, exc in zip(todo, decoded) if exc is not None], blocked, ()
+
+
+def _write_columns(ring: ShmRing, position: int, stored: list) -> tuple[bytes, list[int], EntryHeader, list] | None:
+    """A block of the ring for ``stored`` (the entries at ``position`` on) as columns, when they are raw
+    entries of one layout and the block fits now without wrapping: ``(their headers, column starts, the
+    layout, a writable view per column)``; None (nothing allocated): slots then."""
+    layout = uniform_layout(stored) if stored and all(v is not None for v in stored) else None
+    if layout is None or layout.codec != Codec.raw:
+        return None
+    count, size = len(stored), layout.total_len
+    nbytes = [spec.nbytes for spec in layout.specs]
+    if count * size > ring.ring_bytes or count * sum(nbytes) + COLUMN_ALIGN * len(nbytes) > count * size:
+        return None
+    block = ring.alloc_block(position, count, size)
+    starts = None if block is None else column_starts(nbytes, count, block, block + count * size)
+    if block is None or starts is None:
+        return None
+    heads = b"".join(memoryview(v)[: layout.header_len] for v in stored)
+    return heads, starts, layout, [ring.view(at, count * n) for at, n in zip(starts, nbytes)]
 
 
 def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, context) -> tuple[int | None, list[int]]:
@@ -274,7 +322,7 @@ def _alloc_run(ring: "ShmRing", header: pb.EntriesHeader, lo: int, count: int, c
         size = header.lengths[hi]
         if size > ring.ring_bytes:
             return hi, offsets
-        if size and hi == lo and not ring.wait_room(size, context.is_active):
+        if size and hi == lo and not ring.wait_room(size, context.is_active, header.start + lo):
             return None, offsets
         offset = ring.alloc(header.start + hi, size) if size else 0
         if offset is None:

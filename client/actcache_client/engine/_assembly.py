@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from actcache.rpc_client import ColumnRun
 from actcache.shm import SlotRun
 from actcache_client.cost_model import cached_subset
 from actcache_client.engine._audit import HitAudit
@@ -30,6 +31,7 @@ from actcache_client.transport._tensors import (
     StorePrecision,
     VarLen,
     collate_entries,
+    column_state,
     run_layout,
     split_rows,
 )
@@ -94,8 +96,11 @@ class PrefixAssembly:
             values, found = [None] * len(ids), []
         parts: list[tuple[list[int], State]] = []
         if found:
-            run = stream.run if stream is not None and streamed and len(found) == len(ids) else None
-            parts.append((found, self._collate([values[i] for i in found], raw, verify=not streamed, run=run)))
+            whole = stream is not None and streamed and len(found) == len(ids)
+            run = stream.run if whole and stream is not None else None
+            columns = stream.columns if whole and stream is not None else None
+            parts.append((found, self._collate([values[i] for i in found], raw, verify=not streamed, run=run,
+                                               columns=columns)))
             times.cached_samples += len(found)
             self.written.mark(fingerprint, j, [ids[i] for i in found])
         missing = [i for i, v in enumerate(values) if v is None]
@@ -122,13 +127,17 @@ class PrefixAssembly:
         """Entries by ``Get`` (None per miss): seeds, and batches no stream serves."""
         return connected(self.connection).lookup(fingerprint, depth, ids, [variant] * len(ids)) or [None] * len(ids)
 
-    def _collate(self, entries: list, raw: RawInputs, *, verify: bool = True, run: SlotRun | None = None) -> State:
+    def _collate(self, entries: list, raw: RawInputs, *, verify: bool = True, run: SlotRun | None = None,
+                 columns: ColumnRun | None = None) -> State:
         t0 = time.perf_counter()
         on_gpu = run is not None and self.varlen is None and self.stager.cuda
         moved = self._ring_to_device(run, len(entries)) if on_gpu and run is not None else None
+        if moved is None and columns is not None and not verify and self.views_served:
+            moved = self._in_ring(columns)
         if moved is None:
             host = collate_entries(entries, varlen=self.varlen, alloc=self.stager.allocator(), verify=verify,
-                                   run=run, copy=self.stager.copier, length=raw.length() if self.varlen else None)
+                                   run=run, columns=columns, copy=self.stager.copier,
+                                   length=raw.length() if self.varlen else None)
             decoded = time.perf_counter() - t0
             moved = self.stager.to_device(host)
         else:
@@ -139,6 +148,19 @@ class PrefixAssembly:
                 self.planner.record_h2d(nbytes, seconds)
         # back to the precision the stages compute in (on the device: half the copy)
         return self.precision.to_compute(moved)
+
+    @property
+    def views_served(self) -> bool:
+        """Whether streamed batches are used where they lie in the ring: on the CPU, as stored (no padding
+        to add, no cast), so that a copy would only move the same bytes."""
+        return self.stager.device.type == "cpu" and self.varlen is None and self.precision.store_dtype is None
+
+    def _in_ring(self, columns: ColumnRun) -> State:
+        """A streamed batch as views of the ring's columns, held until the last tensor viewing them goes."""
+        state, holder = column_state(columns)
+        if holder is not None:
+            columns.segment.hold(columns.position, holder)
+        return state
 
     def _ring_to_device(self, run: SlotRun, count: int) -> State | None:
         """A streamed batch copied to the GPU straight out of the shared-memory ring (None: collate it)."""

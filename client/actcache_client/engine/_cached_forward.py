@@ -110,7 +110,9 @@ class CachedForward:
                                varlen=varlen, device=self.stager.device)
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        epoch_stream = EpochStream(connection, rank=rank) if connection is not None and stream else None
+        # batches used where they lie in the ring (PrefixAssembly.views_served) come as columns
+        columns = self.stager.device.type == "cpu" and varlen is None and store_dtype is None
+        epoch_stream = EpochStream(connection, rank=rank, columns=columns) if connection is not None and stream else None
         self._epoch = EpochPlan(connection, epoch_stream, self._audit)
         self._writer = EntryWriter(frozen=self._frozen, written=self._written, connection=connection, planner=planner,
                                    precision=precision, varlen=varlen, encoding=encoding, epoch=self._epoch)

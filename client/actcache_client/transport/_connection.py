@@ -130,6 +130,8 @@ class ClientStats:
         write_seconds: Time the puts took.
         puts_dropped: Puts not sent.
         dropped_entries: Entries of superseded or mismatching fingerprints this process dropped in the daemon.
+        inline_entries: Stream entries sent in messages on the shared-memory plane: larger than the ring, or
+            the ring full of batches the step still uses (each then copied out of its message).
         fallbacks: Fallbacks to recomputation, per cause.
     """
 
@@ -151,6 +153,7 @@ class ClientStats:
     puts_dropped: int = 0
     #: Entries of superseded or mismatching fingerprints this process dropped in the daemon.
     dropped_entries: int = 0
+    inline_entries: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -273,7 +276,7 @@ class Connection:
         return values
 
     def stream(self, schedule_id: str, start: int = 0, *, ring_bytes: int = 0, max_frame_bytes: int = 0,
-               ahead: bool = False) -> Generator[EntryBatch, None, None]:
+               ahead: bool = False, columns: bool = False) -> Generator[EntryBatch, None, None]:
         """Fetch a pushed schedule from ``start``: shared memory on a Unix socket of this host, else bytes.
 
         Counts frames in ``stats``; errors are raised to the caller (who hands them to ``fallback``).
@@ -284,12 +287,13 @@ class Connection:
             ring_bytes: The shared-memory ring's size (0: 8 MiB).
             max_frame_bytes: The largest payload of one frame (0: the daemon's default, 4 MiB).
             ahead: Opened before it is used, its first frame counted when it is.
+            columns: Ask for frames of columns (``RpcClient.fetch_batches``).
 
         Yields:
             One batch of entries per frame.
         """
         frames = self._rpc.fetch_batches(self._namespace(), schedule_id, start, shared_memory=True, ring_bytes=ring_bytes,
-                                         max_frame_bytes=max_frame_bytes, whole_frames=True)
+                                         max_frame_bytes=max_frame_bytes, whole_frames=True, columns=columns)
         counted, last, behind = not ahead, None, False  # last: when the previous frame arrived
         while True:
             t0 = time.perf_counter()
@@ -322,6 +326,9 @@ class Connection:
         """
         self._count_read(batch.values, seconds, read_s, streamed=len(batch.values), received_s=received_s,
                          waited=waited)
+        if batch.inline:
+            with self._lock:
+                self.stats.inline_entries += batch.inline
 
     def count_absent(self, entries: int) -> None:
         """Count stream entries known to be misses without reading them (the push said none was stored).

@@ -3,7 +3,9 @@
 The loader hands over this rank's batches for the epoch; the stream pushes their ids (the cached subset of
 each batch, at the cache target) as one schedule, which the daemon reads ahead, and reads them back with Fetch
 (shared memory on a Unix socket of this host, else bytes). ``take`` returns one batch's entries (None per
-miss) as views the caller copies once (collation) before the next ``take``. Schedule ids are
+miss) as views the caller copies once (collation) before the next ``take``; with ``columns``, a batch whose
+tensors lie in the ring as columns (``columns``) may be used where it lies while the caller holds it
+(``ClientSegment.hold``). Schedule ids are
 ``<job>-r<rank>-<slot>``; the two slots alternate between epochs, so pushing epoch e+1 ahead (halfway through
 epoch e, in a thread: ``_Ahead``) leaves epoch e streaming.
 
@@ -29,7 +31,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Callable, Generator, Sequence
 
 from actcache.errors import ActCacheError
-from actcache.rpc_client import EntryBatch
+from actcache.rpc_client import ColumnEntry, ColumnRun, EntryBatch
 from actcache.shm import SlotRun
 from actcache_client.cost_model import cached_subset
 from actcache_client.transport._connection import Connection
@@ -60,6 +62,10 @@ def _sizes(values: Sequence, batch_entries: int) -> tuple[int, int] | None:
         return _MAX_RING, batch
     frames = min(max(_RING_BATCHES, -(-_MIN_RING // batch)), _MAX_RING // batch)
     return frames * batch, batch  # whole frames: none straddles the ring's end
+
+
+class _Hold:
+    """Keeps a batch's entries in the ring while alive (``ClientSegment.hold``)."""
 
 
 @dataclass(frozen=True)
@@ -163,8 +169,10 @@ class _Order:
 class EpochStream:
     """Pushes an epoch's order and streams its entries back; used by CachedForward on the training thread."""
 
-    def __init__(self, connection: Connection, *, rank: int = 0) -> None:
+    def __init__(self, connection: Connection, *, rank: int = 0, columns: bool = False) -> None:
+        """``columns``: ask for frames of columns (the caller uses batches where they lie in the ring)."""
         self._connection = connection
+        self._columns = columns
         self._prefix = f"{_JOB}.{next(_JOBS)}-r{rank}"
         self._ring_bytes = _FIRST_RING
         self._frame_bytes = 0  # the daemon's default until a frame shows the entries' size
@@ -180,7 +188,11 @@ class EpochStream:
         #: Where the last ``take``'s entries lie, if hits of one size in consecutive ring slots (EntryBatch.run).
         self.run: SlotRun | None = None
         self._frame_run: tuple[int, SlotRun | None] = (0, None)  # (first position, run) of the last frame
+        #: Where the last ``take``'s entries lie, if hits written as columns (EntryBatch.columns).
+        self.columns: ColumnRun | None = None
+        self._frame_columns: ColumnRun | None = None  # the last frame's
         self._held: Completion | None = None  # the last batch's slots are read until it completes
+        self._split: _Hold | None = None  # keeps the columns of the last take's entries from an earlier frame
 
     @property
     def schedule_id(self) -> str:
@@ -207,7 +219,7 @@ class EpochStream:
         self._ahead_resumes = self._connection.resumes  # a daemon that came back since has not got this order
         self._ahead = order, _Ahead(partial(order.push, self._connection, schedule_id),
                                     partial(self._connection.stream, schedule_id, 0, ring_bytes=self._ring_bytes,
-                                            max_frame_bytes=self._frame_bytes, ahead=True))
+                                            max_frame_bytes=self._frame_bytes, ahead=True, columns=self._columns))
 
     def adopt_next(self, target: Target, variant: int, batches: Sequence[Sequence[int]]) -> bool:
         """Switch to the order ``push_next`` pushed, if it is this one; False (nothing changed) otherwise."""
@@ -257,7 +269,7 @@ class EpochStream:
             self._connection.count_absent(hi - lo)  # none was stored when pushed (a write epoch): no frame to read
             return [None] * (hi - lo)
         out: list = []
-        self.run, split = None, False  # split: the entries span frames
+        self.run, self.columns, self._split, split = None, None, None, False  # split: the entries span frames
         try:
             while len(out) < hi - lo:
                 if not self._pending:
@@ -276,6 +288,9 @@ class EpochStream:
         frame_start, run = self._frame_run
         if run is not None and not split:  # all from one frame whose entries are one run
             self.run = run.skip(lo - frame_start)
+        columns = self._frame_columns
+        if columns is not None and not split and all(v is not None for v in out):
+            self.columns = columns.sub(lo - columns.position, hi - lo)
         return out
 
     def hold(self, event: Completion) -> None:
@@ -290,8 +305,12 @@ class EpochStream:
     def _next_frame(self, out: list, lo: int) -> None:
         """Read the next frame; views into the ring held in ``out`` are copied first (the ring reuses them)."""
         self._wait_held()  # asking for the next frame releases the last one's slots
-        if self._shared:
-            out[:] = [None if v is None else bytes(v) for v in out]
+        if self._shared:  # entries in columns stay there (held until the next take), others are copied
+            out[:] = [v if v is None or isinstance(v, ColumnEntry) else bytes(v) for v in out]
+            kept = next((v for v in out if isinstance(v, ColumnEntry)), None)
+            if kept is not None and self._split is None:
+                self._split = _Hold()
+                kept.run.segment.hold(kept.run.position + kept.index, self._split)
         opened = self._frames is None
         if opened and self._opened is not None:  # opened ahead (from position 0)
             opening, self._opened = self._opened, None
@@ -302,13 +321,14 @@ class EpochStream:
         else:
             if self._frames is None:  # opened
                 self._frames = self._connection.stream(self.schedule_id, lo, ring_bytes=self._ring_bytes,
-                                                       max_frame_bytes=self._frame_bytes)
+                                                       max_frame_bytes=self._frame_bytes, columns=self._columns)
             batch = next(self._frames, None)
         if batch is None:
             raise ActCacheError(f"schedule {self.schedule_id} ended before position {lo + len(out)}")
         self._shared = batch.data_plane == "shared_memory"
         self._pending.extend(batch)
         self._frame_run = (batch.start, batch.run)
+        self._frame_columns = batch.columns
         sizes = _sizes(batch.values, max(map(len, self._order.batches))) if opened and self._order is not None else None
         if sizes is not None:
             self._ring_bytes, self._frame_bytes = sizes
@@ -322,4 +342,5 @@ class EpochStream:
         self._frames = self._opened = None
         self._pending.clear()
         self._frame_run, self.run, self._shared = (0, None), None, False
+        self._frame_columns = self.columns = self._split = None
         self._serving = False

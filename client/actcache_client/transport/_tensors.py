@@ -18,12 +18,13 @@ from torch import Tensor
 
 from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_batch, encode_entry
 from actcache.errors import ConfigError, InvalidRequest
+from actcache.rpc_client import ColumnEntry, ColumnRun, entry_bytes
 from actcache.served import uniform_layout, uniform_rows
 from actcache.shm import SlotRun
 from actcache_client.transport._state import State, map_state, tensors_of
 
-__all__ = ["RowCopier", "StorePrecision", "VarLen", "check_fixed_length", "collate_entries", "copy_rows",
-           "encode_samples", "run_layout", "split_rows"]
+__all__ = ["RowCopier", "StorePrecision", "VarLen", "check_fixed_length", "collate_entries", "column_state",
+           "copy_rows", "encode_samples", "run_layout", "split_rows"]
 
 _TO_CODEC = {getattr(torch, d.name): d for d in DType}  # DType names are torch dtype names
 _TO_TORCH = {v: k for k, v in _TO_CODEC.items()}
@@ -161,25 +162,34 @@ def _lengths(tensors: Sequence[Tensor], varlen: VarLen) -> list[int]:
     return lengths.tolist()
 
 
-def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | None = None,
+def collate_entries(entries: Sequence[bytes | memoryview | ColumnEntry], *, varlen: VarLen | None = None,
                     alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None, verify: bool = True,
-                    run: SlotRun | None = None, copy: RowCopy = copy_rows, length: int | None = None) -> State:
+                    run: SlotRun | None = None, columns: ColumnRun | None = None, copy: RowCopy = copy_rows,
+                    length: int | None = None) -> State:
     """Decode one entry per sample and stack them into a batch state in tensors ``alloc`` returns (default: host
     memory). ``verify=False`` skips the checksums (entries the daemon verified); ``run``: the entries'
-    consecutive slots in one buffer (one copy per tensor); ``copy``: how sample rows are copied (a RowCopier
-    spreads a large batch over threads); ``length``: with ``varlen``, pad to at least this many positions (the
-    batch's input length, so that the next module takes the state as it is)."""
+    consecutive slots in one buffer (one copy per tensor); ``columns``: the entries written as columns (one
+    copy per tensor); ``copy``: how sample rows are copied (a RowCopier spreads a large batch over threads);
+    ``length``: with ``varlen``, pad to at least this many positions (the batch's input length, so that the
+    next module takes the state as it is)."""
     alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
     count = len(entries)
+    if columns is not None and not verify and not varlen and columns.count == count:
+        return column_state(columns, alloc)[0]
+    if not verify and not varlen and entries and all(isinstance(e, ColumnEntry) for e in entries):
+        gathered = _gather_columns(entries, alloc)  # type: ignore[arg-type]  # all ColumnEntry
+        if gathered is not None:
+            return gathered
     if run is not None and not verify and not varlen:
         in_ring = _rows(run, count)
         header = uniform_rows(in_ring)
         if header is not None:
             return _columns(header, in_ring, alloc)
-    layout = None if verify or varlen else uniform_layout(entries)
+    buffers = [entry_bytes(e) for e in entries]  # a ColumnEntry is rebuilt
+    layout = None if verify or varlen else uniform_layout(buffers)
     if layout is not None:
-        return _columns(layout, entries, alloc)
-    decoded = [decode_entry(e, verify=verify) for e in entries]
+        return _columns(layout, buffers, alloc)
+    decoded = [decode_entry(e, verify=verify) for e in buffers]
     lengths = [h.specs[0].shape[0] for h, _ in decoded] if varlen else None
     width = max(max(lengths), length or 0) if lengths else 0
     out: list[Tensor] = []
@@ -201,6 +211,57 @@ def collate_entries(entries: Sequence[bytes | memoryview], *, varlen: VarLen | N
     if varlen:
         mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
         out.insert(varlen.mask_index, mask.to(varlen.mask_dtype))
+    return _state(out)
+
+
+def column_state(columns: ColumnRun, alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None
+                 ) -> tuple[State, np.ndarray | None]:
+    """The batch state of ``columns``: copied into tensors ``alloc`` returns, or without ``alloc`` the
+    tensors as they lie in the segment, with the array they all view (alive as long as one of them or a
+    tensor viewing them is: the caller holds the segment with it, ``ClientSegment.hold``)."""
+    specs, count = columns.layout.specs, columns.count
+    first = columns.starts[0] if specs else 0
+    span = max((at + count * s.nbytes for at, s in zip(columns.starts, specs)), default=first) - first
+    base = np.frombuffer(columns.segment.view, np.uint8, span, first)
+    ring = torch.from_numpy(base) if alloc is None else None
+    make = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    out: list[Tensor] = []
+    for at, spec in zip(columns.starts, specs):
+        dtype, nbytes = _TO_TORCH[spec.dtype], count * spec.nbytes
+        if ring is not None and nbytes:
+            out.append(ring[at - first : at - first + nbytes].view(dtype).view(count, *spec.shape))
+            continue
+        batch = make((count, *spec.shape), dtype)
+        if nbytes:
+            _bytes_view(batch, count).reshape(-1)[:] = base[at - first : at - first + nbytes]
+        out.append(batch)
+    return _state(out), base if ring is not None else None
+
+
+def _gather_columns(entries: Sequence[ColumnEntry], alloc: Callable[[tuple[int, ...], torch.dtype], Tensor]
+                    ) -> State | None:
+    """A batch of entries lying in columns (of one layout, from one frame or several): one copy per tensor
+    and run of consecutive entries; None if their layouts differ."""
+    specs = entries[0].run.layout.specs
+    if any(e.run.layout.specs != specs for e in entries):
+        return None
+    count = len(entries)
+    groups: list[tuple[ColumnRun, int, int]] = []  # (run, first index, entries)
+    for e in entries:
+        if groups and groups[-1][0] is e.run and groups[-1][1] + groups[-1][2] == e.index:
+            groups[-1] = (e.run, groups[-1][1], groups[-1][2] + 1)
+        else:
+            groups.append((e.run, e.index, 1))
+    out: list[Tensor] = []
+    for j, spec in enumerate(specs):
+        batch = alloc((count, *spec.shape), _TO_TORCH[spec.dtype])
+        if spec.nbytes:
+            target, row = _bytes_view(batch, count), 0
+            for run, first, n in groups:
+                source = np.frombuffer(run.segment.view, np.uint8, n * spec.nbytes, run.starts[j] + first * spec.nbytes)
+                target[row : row + n] = source.reshape(n, spec.nbytes)
+                row += n
+        out.append(batch)
     return _state(out)
 
 
