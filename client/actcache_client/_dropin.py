@@ -166,7 +166,8 @@ class ActCache:
         self._checked = True
 
     def wrap(self, loader: DataLoader, *, variants: int | None = None,
-             targets: Sequence[Any] | Callable[[int], Any] | None = None, skip_loads: bool = True) -> "WrappedLoader":
+             targets: Sequence[Any] | Callable[[int], Any] | None = None, skip_loads: bool = True,
+             epochs: float | None = None) -> "WrappedLoader":
         """``loader``'s batches, with the sample ids the cache needs kept on the side.
 
         Args:
@@ -178,14 +179,30 @@ class ActCache:
             targets: The samples' targets (default: ``dataset.targets``): they let the loader skip loading
                 the inputs the cache serves (their rows hold zeros).
             skip_loads: False loads every input.
+            epochs: The run's epochs, where known (``expect_epochs``).
 
         Returns:
             A WrappedLoader yielding what ``loader`` yields.
         """
         check_loader(loader)
+        if epochs is not None:
+            self.expect_epochs(epochs)
         if skip_loads and targets is None:
             targets = getattr(loader.dataset, "targets", None)
         return WrappedLoader(self, loader, variants=variants, targets=targets if skip_loads else None)
+
+    def expect_epochs(self, epochs: float) -> None:
+        """Tell the cost model the run's length: it weighs the epoch that stores the entries against the epochs
+        left to serve them (unknown, it assumes ``PlannerConfig.assume_remaining_epochs``; a ``total_epochs``
+        configured is kept). The integrations tell it from the Trainer's settings.
+
+        Args:
+            epochs: The run's epochs.
+        """
+        if isinstance(epochs, bool) or not isinstance(epochs, (int, float)) or epochs <= 0:
+            raise ConfigError(f"epochs is the run's number of epochs (> 0), got {epochs!r}")
+        if self.model.planner is not None:
+            self.model.planner.expect_epochs(epochs)
 
     def close(self) -> None:
         self.connection.close()

@@ -227,3 +227,15 @@ def test_caching_measured_faster_than_recomputing_caches_every_sample():
     plan = planner.plan_for(3)
     assert (plan.mode, plan.cache_depth, plan.cached_fraction) == (PlanMode.CACHE, 3, 1.0)
     assert "cache depth 3 for every sample: measured" in plan.reason
+
+
+def test_the_run_length_told_weighs_the_write_epoch_and_a_configured_one_is_kept():
+    planner = CachePlanner(PlannerConfig())
+    planner.begin_epoch(1, 1024, 16)
+    measured(planner, 3)
+    assert planner.measurements(3).remaining_epochs == 10.0  # assumed
+    planner.expect_epochs(4)
+    assert planner.measurements(3).remaining_epochs == 3.0
+    configured = CachePlanner(PlannerConfig(total_epochs=20))
+    configured.expect_epochs(4)
+    assert configured.config.total_epochs == 20

@@ -399,3 +399,12 @@ def test_a_compiled_network_trains_to_the_same_losses_with_the_cache(daemon, ref
     assert losses == reference
     assert cache.connection.stats.hits == 96
     cache.close()
+
+
+def test_the_run_length_given_to_wrap_reaches_the_cost_model(daemon):
+    cache = ac.ActCache(resnet20(), _connect(daemon))
+    cache.wrap(DataLoader(Images(), batch_size=32), epochs=6)
+    assert cache.model.planner is not None and cache.model.planner.config.total_epochs == 6
+    with pytest.raises(ConfigError, match="epochs is the run's number of epochs"):
+        cache.expect_epochs(0)
+    cache.close()

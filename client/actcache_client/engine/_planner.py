@@ -176,6 +176,15 @@ class CachePlanner:
         if nbytes == 0:
             self._fetch_latency.add(seconds)
 
+    def expect_epochs(self, total: float) -> None:
+        """The run's length in epochs, where the loop knows it; a ``total_epochs`` configured is kept.
+
+        Args:
+            total: The run's epochs (the write epoch is weighed against those left).
+        """
+        if self.config.total_epochs is None and total > 0:
+            self.config = dataclasses.replace(self.config, total_epochs=float(total))
+
     def has_fetch_rate(self) -> bool:
         """Whether the daemon's read speed has been measured, or shown by the stream (else the prior is used)."""
         return bool(self._fetch_rate.values) or self._streamed
