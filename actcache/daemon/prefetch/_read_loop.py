@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
@@ -23,6 +24,9 @@ _Shared = TypeVar("_Shared", bound=ReadAhead)  # the reader whose entries the lo
 
 # Entries read and published together while the budget has their bytes (one lock and wake-up check a run).
 RUN = 32
+# A warm order reads nothing ahead for this long after its reader starts, for its Fetch to come and read it
+# itself from its start (DirectRun, in whole frames); past it, a run is read ahead for a later consumer.
+_ATTACH_GRACE_S = 0.05
 _KEY_BLOCK = 512
 # Read bytes are added to the counters every this many entries (one lock each time).
 _COUNT_EVERY = 64
@@ -48,6 +52,7 @@ class ReadLoop(Generic[_Shared]):
         self._keys: dict[int, list[bytes]] = {}
         self._txn = ShortTransaction(store, handover.guess)
         self._prober: Prober | None = None
+        self._grace_until = time.monotonic() + _ATTACH_GRACE_S
         self._carry = 0  # budget bytes already held for the entry at ``read`` (taken while the txn was closed)
         self._entries = self._bytes = self._unflushed = self._flushed_at = 0  # entries read, their bytes
 
@@ -85,7 +90,8 @@ class ReadLoop(Generic[_Shared]):
                     continue
                 if not self._carry and self._warm_without_consumer():
                     txn.close()
-                    self._wait_until(lambda: shared.attached)
+                    grace = self._grace_until - time.monotonic()
+                    self._wait_until(lambda: not self._warm_without_consumer(), timeout=grace if grace > 0 else None)
                     continue
                 pos = shared.read
                 if prober is not None:
@@ -211,18 +217,22 @@ class ReadLoop(Generic[_Shared]):
 
     def _warm_without_consumer(self) -> bool:
         """Whether to stop reading ahead until a consumer attaches: the group's values are in the page
-        cache and a run is read already. Over shared memory the consumer then reads them itself
-        (DirectRun); read ahead, each would be copied twice and served entry by entry."""
+        cache, and a run is read already or the consumer may still come first (``_ATTACH_GRACE_S``). Over
+        shared memory the consumer then reads them itself (DirectRun); read ahead, each would be copied
+        twice, and a first frame cut where the read-ahead ends splits a batch between two frames (the
+        client copies it once more to join them)."""
         shared = self._shared
         return (self._guess.warm and not shared.attached and self._store.config.explicit_reads
-                and shared.read - shared.served >= RUN)
+                and (shared.read - shared.served >= RUN or time.monotonic() < self._grace_until))
 
-    def _wait_until(self, ready: Callable[[], bool], reader_waits: bool = False) -> None:
-        """Wait until ``ready()``, the transaction closed; ``reader_waits``: for the consumer. Stop if stopping."""
+    def _wait_until(self, ready: Callable[[], bool], reader_waits: bool = False, *,
+                    timeout: float | None = None) -> None:
+        """Wait until ``ready()`` (or ``timeout`` seconds), the transaction closed; ``reader_waits``: for the
+        consumer. Stop if stopping."""
         shared = self._shared
         with shared.cond:
             shared.reader_waits = reader_waits
-            shared.cond.wait_for(lambda: shared.stopping or ready())
+            shared.cond.wait_for(lambda: shared.stopping or ready(), timeout)
             shared.reader_waits = False
         if shared.stopping:
             raise Stop

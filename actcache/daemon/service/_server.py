@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from concurrent import futures
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
 __all__ = ["Daemon", "DaemonState", "serve"]
 
 log = logging.getLogger("actcache.daemon")
+# How long a thread waiting for the interpreter lock lets the one holding it run (Python's default: 5 ms):
+# a call's handler (a Schedule, a Fetch's next frame) otherwise waits that long behind a stream copying entries.
+_SWITCH_INTERVAL_S = 0.0005
 
 
 class DaemonState(enum.Enum):
@@ -228,6 +232,7 @@ _IDLE = 0
 def serve(config: DaemonConfig) -> int:
     """Run a daemon until SIGTERM, SIGINT, ``--idle-timeout`` or ``--parent-pid``'s exit; returns the exit code."""
     tune_malloc()
+    sys.setswitchinterval(_SWITCH_INTERVAL_S)
     # A Python handler runs only when the main thread next executes bytecode, and could be slept through
     # in Event.wait(); the C-level handler writes the signal's number to the wakeup fd from any thread,
     # so the main thread waits on that pipe (the idle monitor writes _IDLE to it).
