@@ -368,3 +368,43 @@ def test_what_a_parked_reader_read_is_served_at_once_not_after_waiting_for_a_ful
     finally:
         p.close()
         ring.close()
+
+
+@pytest.mark.parametrize("columns", [True, False])
+def test_a_large_uniform_frame_is_copied_by_two_threads_and_each_half_verified(tmp_path, columns):
+    """The decode pool copies the second half of a large frame (numpy copies and checksums release the
+    interpreter lock); a corrupt entry there is still a miss of its own, the other entries are intact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actcache.codec import encode_batch
+    from actcache.daemon.prefetch._served import split_with
+    from actcache.daemon.service._shm_fetch import _copy_views
+
+    count, floats = 16, 16 << 10  # 64 KiB per entry, 1 MiB per frame: above the split threshold
+    payload = np.random.default_rng(0).standard_normal((count, floats), dtype=np.float32)
+    entries = [bytes(row) for row in encode_batch([TensorSpec(DType.float32, (floats,))], [payload.view(np.uint8)])]
+    broken = bytearray(entries[12])
+    broken[-1] ^= 0xFF
+    entries[12] = bytes(broken)
+    parts = []
+    with ThreadPoolExecutor(1) as pool:
+        def split(sizes, run):
+            split_with(pool, range(len(sizes)), sizes, lambda part: parts.append(part) or run(part))
+
+        ring = ShmRing(4 << 20, 0, directory=tmp_path)
+        try:
+            lengths, offsets, corrupt, blocked, laid = _copy_views(
+                0, [memoryview(e) for e in entries], ring, 4 << 20, lambda values, outs: [], split, columns)
+            assert sorted((p.start, p.stop) for p in parts) == [(0, 8), (8, 16)]  # two halves, one on the pool
+            assert lengths == [len(entries[0])] * count and blocked == 0
+            assert [i for i, _ in corrupt] == [12]
+            if columns:
+                (_, starts) = laid
+                got = np.frombuffer(ring.view(starts[0], count * floats * 4), np.float32).reshape(count, floats)
+            else:
+                hlen = len(entries[0]) - floats * 4
+                got = np.stack([np.frombuffer(ring.view(o + hlen, floats * 4), np.float32) for o in offsets])
+            ok = [i for i in range(count) if i != 12]
+            assert np.array_equal(got[ok], payload[ok])
+        finally:
+            ring.close()

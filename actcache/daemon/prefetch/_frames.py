@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.daemon.prefetch._budget import MemoryBudget
@@ -156,6 +156,11 @@ class DirectRun:
 
         split_with(self._pool, range(len(values)), [out.nbytes for out in outs], run)
         return errors
+
+    def split(self, sizes: Sequence[int], run: Callable[[range], None]) -> None:
+        """``run`` over the indices of ``sizes`` (bytes each), the decode pool taking half of a large run
+        (copies and checksums release the interpreter lock)."""
+        split_with(self._pool, range(len(sizes)), sizes, run)
 
     def entry_size(self) -> int:
         """The served size of the first stored entry among the run's first few (0: none stored)."""

@@ -3,10 +3,11 @@ the read throttle of both data planes."""
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
-from typing import Callable, Generator, Iterator
+from typing import Callable, Generator, Iterator, Sequence
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import Codec, EntryHeader
@@ -240,7 +241,8 @@ def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int,
     None if the run went back to the regular path."""
     ring.poll()
     with run.values(count) as views:
-        copied = None if views is None else _copy_views(run.start, views, ring, frame_bytes, run.decode_into, columns)
+        copied = None if views is None else _copy_views(run.start, views, ring, frame_bytes, run.decode_into,
+                                                        run.split, columns)
     lengths, offsets, corrupt, blocked, laid = copied or ([], [], [], 0, ())
     if not lengths and not blocked:  # not read, or the first entry is larger than the ring
         run.give_back()
@@ -255,9 +257,11 @@ def _copy_direct(run: DirectRun, ring: ShmRing, count: int, frame_bytes: int,
 
 def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
                 decode_into: Callable[[list, list[memoryview]], list],
+                split: Callable[[Sequence[int], Callable[[range], None]], None],
                 columns: bool = False) -> tuple[list[int], list[int], list, int, _Laid]:
     """``_copy_direct``'s copy: ``(lengths, offsets, corrupt, blocked, laid)``, ``corrupt`` as ``DirectRun.done``
-    takes it; raw entries of one size in one pass into columns or consecutive slots, else entry by entry."""
+    takes it; raw entries of one size in one pass into columns or consecutive slots (``split`` over threads),
+    else entry by entry."""
     size = len(views[0]) if views and views[0] is not None else 0
     count = min(len(views), max(1, frame_bytes // size)) if size else 0
     head = views[:count]
@@ -266,15 +270,28 @@ def _copy_views(position: int, views: list, ring: ShmRing, frame_bytes: int,
     written = _write_columns(ring, position, head) if uniform and columns else None
     if written is not None:
         heads, starts, layout, outs = written
-        failed = copy_raw_columns(head, layout, outs)
+        failed: list = [None] * count
+        widths = [spec.nbytes for spec in layout.specs]
+
+        def copy_columns(part: range) -> None:
+            failed[part.start : part.stop] = copy_raw_columns(
+                head[part.start : part.stop], layout,
+                [out[part.start * n : part.stop * n] for out, n in zip(outs, widths)])
+
+        split([size] * count, copy_columns)
         return [size] * count, [], [(i, exc) for i, exc in enumerate(failed) if exc is not None], 0, ([heads], starts)
     blocks = ring.alloc_run(position, count, size) if uniform else None
     if blocks is not None:
         offsets: list[int] = []
-        errors: list = []
+        errors: list = [None] * count
+
+        def copy_rows(first: int, dest: memoryview, part: range) -> None:  # a block's entries, from head[first]
+            errors[first + part.start : first + part.stop] = copy_raw_run(
+                head[first + part.start : first + part.stop], dest[part.start * size : part.stop * size])
+
         for offset, n in blocks:
+            split([size] * n, functools.partial(copy_rows, len(offsets), ring.view(offset, n * size)))
             offsets += range(offset, offset + n * size, size)
-            errors += copy_raw_run(head[len(errors) : len(errors) + n], ring.view(offset, n * size))
         return [size] * count, offsets, [(i, exc) for i, exc in enumerate(errors) if exc is not None], 0, ()
     lengths: list[int] = []
     offsets = []
