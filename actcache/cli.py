@@ -90,8 +90,8 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    help="read each value with one pread at its offset in data.mdb (default on; off: copy from the LMDB map)")
     p.add_argument("--prefetch-bytes", type=_size, help="memory for read-ahead entries, shared by all schedules (default 512MiB)")
     p.add_argument("--decode-threads", type=int,
-                   help="threads verifying and decompressing Fetch frames, each stream's own included: it splits a large "
-                        "frame with one of the others (default: one per core)")
+                   help="threads verifying, decompressing and copying Fetch frames into shared memory, each stream's own "
+                        "included: it splits a large frame with one of the others (default: one per core)")
     p.add_argument("--probe-threads", type=int,
                    help="threads looking entries up ahead of the readers for cold reads (default 8, 0 = off)")
     p.add_argument("--probe-bytes", type=_size, help="how far ahead of each reader those lookups run (default 64MiB)")
