@@ -21,9 +21,11 @@ def test_bench_loader_prints_rows_with_ratios_and_its_figures():
     out = subprocess.run([sys.executable, str(BENCH), "--quick", "--repeats", "1", "--epochs", "4", "--limit", "192",
                           "--workers", "0"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    figures = dict(re.findall(r"^figure: (\w+) = ([\d.]+)$", out.stdout, re.M))
+    figures = {k: float(v) for k, v in re.findall(r"^figure: (\w+) = (-?[\d.]+)$", out.stdout, re.M)}
     assert set(figures) == {"variants_overhead", "variants_vs_plain_loader", "seeding_share", "fill_overhead",
                             "train_vs_hand"}, out.stdout
-    assert all(float(v) > 0 for v in figures.values())
+    # ratios of seconds; seeding_share is a difference of two timings over an epoch: about 0 on 192 images
+    assert all(v > 0 for k, v in figures.items() if k != "seeding_share"), out.stdout
+    assert -1 < figures["seeding_share"] < 1, out.stdout
     assert re.search(r"^loaded epoch, cache.wrap\(loader, variants=2\) +[\d.]+ s \(min\) +[\d.]+ s \(median\) +[\d.]+x$",
                      out.stdout, re.M)
