@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from actcache.entries import EntryBatch
 from actcache.errors import ConfigError
-from actcache.rpc_client import EntryBatch
 from actcache_client.cost_model import PlanMode
 from actcache_client.engine._codec_choice import EncodingChoice
 from actcache_client.engine._planner import CachePlanner, PlannerConfig

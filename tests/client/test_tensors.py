@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from actcache._proto import actcache_pb2 as pb
+from actcache.entries import EntryBatch
 from actcache.errors import InvalidRequest
-from actcache.rpc_client import EntryBatch
 from actcache.shm import ClientSegment, ShmRing
 from actcache_client.transport._tensors import VarLen, collate_entries, encode_samples, run_layout, split_rows
 

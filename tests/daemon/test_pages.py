@@ -12,8 +12,8 @@ from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.service._service import ActCacheService
 from actcache.daemon.store import Store, _pages
+from actcache.entries import EntryBatch
 from actcache.keys import encode_key
-from actcache.rpc_client import EntryBatch
 
 FP = b"P" * 16
 SIZES = [16, 1000, 3000, 4096, 70_000]  # inline and overflow values

@@ -13,9 +13,9 @@ from actcache.daemon.prefetch import Prefetcher
 from actcache.daemon.prefetch._reader import ReaderState
 from actcache.daemon.prefetch._schedule import Schedule
 from actcache.daemon.store import Store
+from actcache.entries import EntryBatch
 from actcache.errors import BudgetExceeded, FetchAborted, ScheduleNotFound, StoreError
 from actcache.keys import encode_key
-from actcache.rpc_client import EntryBatch
 from actcache.testing import wait_until
 from tests.daemon.corrupt import flip_stored_byte
 

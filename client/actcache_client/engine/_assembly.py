@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from actcache.rpc_client import ColumnRun
+from actcache.entries import ColumnRun
 from actcache.shm import SlotRun
 from actcache_client.cost_model import cached_subset
 from actcache_client.engine._audit import HitAudit

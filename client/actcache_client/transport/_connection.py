@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Generator, Protocol, Sequence, TypeVar
 
+from actcache.entries import EntryBatch
 from actcache.errors import (
     ActCacheError,
     BudgetExceeded,
@@ -34,7 +35,7 @@ from actcache.errors import (
     LifecycleError,
     NamespaceNotFound,
 )
-from actcache.rpc_client import EntryBatch, JobInfo, RpcClient, target_for
+from actcache.rpc_client import JobInfo, RpcClient, target_for
 
 __all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "Lease", "connected"]
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Generator, Sequence
 
+from actcache.entries import ColumnEntry, ColumnRun, EntryBatch
 from actcache.errors import ActCacheError
-from actcache.rpc_client import ColumnEntry, ColumnRun, EntryBatch
 from actcache.shm import SlotRun
 from actcache_client.cost_model import cached_subset
 from actcache_client.transport._connection import Connection

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from actcache.codec import DType, EntryHeader, TensorSpec, decode_entry, encode_batch, encode_entry
+from actcache.entries import ColumnEntry, ColumnRun, entry_bytes
 from actcache.errors import ConfigError, InvalidRequest
-from actcache.rpc_client import ColumnEntry, ColumnRun, entry_bytes
 from actcache.served import uniform_layout, uniform_rows
 from actcache.shm import SlotRun
 from actcache_client.transport._state import State, map_state, tensors_of
