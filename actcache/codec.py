@@ -42,7 +42,9 @@ from actcache.errors import InvalidRequest
 
 __all__ = ["ALIGN", "AUTO_MIN_SAVING", "CHECKSUMS", "Checksum", "Codec", "DEFAULT_CHECKSUM", "DType", "Encoding",
            "EntryHeader", "TensorSpec", "compress_entry", "compress_payload", "decode_entry", "decompress_payload",
-           "encode_batch", "encode_entry", "parse_header", "parse_header_alone", "verify_entry"]
+           "encode_batch", "encode_entry", "pack_layout", "parse_header", "parse_header_alone", "raw_entry_bytes",
+           "unpack_layout",
+           "verify_entry"]
 
 MAGIC = b"ACE1"
 VERSION = 2
@@ -402,6 +404,27 @@ def parse_header(buf: Buffer) -> EntryHeader:
 def parse_header_alone(buf: Buffer) -> EntryHeader:
     """``parse_header`` of an entry's header without its payload (``header_len`` bytes or more)."""
     return _parse_header(memoryview(buf), with_payload=False)
+
+
+def pack_layout(specs: Sequence[TensorSpec]) -> bytes:
+    """The tensors of an entry as bytes (the header of a raw entry of ``specs``, its checksum 0)."""
+    _check_count(len(specs))
+    raw_len = _offsets(specs)[1]
+    return _FIXED.pack(MAGIC, VERSION, int(Codec.raw), int(DEFAULT_CHECKSUM), len(specs), raw_len, raw_len, 0) + \
+        _header_tail(specs)
+
+
+def raw_entry_bytes(specs: Sequence[TensorSpec]) -> int:
+    """The size of a raw entry of tensors of ``specs``: its header and its payload."""
+    return _FIXED.size + len(_header_tail(specs)) + _offsets(specs)[1]
+
+
+def unpack_layout(data: bytes) -> tuple[TensorSpec, ...]:
+    """The specs ``pack_layout`` packed; raises InvalidRequest if ``data`` is not such bytes."""
+    header = parse_header_alone(data)
+    if header.codec != Codec.raw or header.header_len != len(data):
+        raise InvalidRequest(f"a layout of {len(data)} bytes is not the header of a raw entry")
+    return header.specs
 
 
 def verify_entry(buf: bytes | memoryview) -> EntryHeader:

@@ -30,7 +30,8 @@ import grpc
 __all__ = ["ActCacheError", "BudgetExceeded", "CacheMismatchError", "ConfigError", "ConfigTypeError",
            "DaemonUnavailable", "ERROR_METADATA_KEY", "EntryCorrupt", "FetchAborted", "InvalidRequest",
            "LifecycleError", "NamespaceNotFound", "PermissionDenied", "PolicyError", "ReferenceModelFailed",
-           "ScheduleNotFound", "StoreError", "Unauthenticated", "VersionMismatch", "error_from_status", "status_of"]
+           "ScheduleNotFound", "StoreError", "Unauthenticated", "VersionMismatch", "error_from_status", "error_of",
+           "status_of"]
 
 ERROR_METADATA_KEY = "actcache-error"
 
@@ -142,3 +143,12 @@ def error_from_status(code: grpc.StatusCode, details: str, name: str | None = No
     if cls is None or cls.status != code:
         cls = _BY_STATUS.get(code, ActCacheError)
     return cls(f"{details} [{code.name}]")
+
+
+def error_of(exc: grpc.RpcError) -> ActCacheError:
+    """The client-side exception for a failed call (``error_from_status`` of its status and trailing metadata)."""
+    try:
+        name = dict(exc.trailing_metadata() or ()).get(ERROR_METADATA_KEY)
+    except Exception:  # a call that never reached the daemon has no metadata
+        name = None
+    return error_from_status(exc.code(), exc.details() or "", name)

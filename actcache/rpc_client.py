@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import random
 import socket
@@ -20,18 +21,24 @@ import numpy as np
 
 from actcache import __version__, rpc
 from actcache._proto import actcache_pb2 as pb
+from actcache.codec import TensorSpec
 from actcache.entries import ColumnEntry, EntryBatch
-from actcache.errors import ERROR_METADATA_KEY, ActCacheError, DaemonUnavailable, InvalidRequest, error_from_status
+from actcache.errors import ActCacheError, DaemonUnavailable, InvalidRequest, error_of
 from actcache.keys import MAX_VARIANT, check_fingerprint
 from actcache.node import default_socket_path
+from actcache.put_stream import PutStream
 from actcache.rpc import decode_frame, encode_frame, method
-from actcache.shm import ClientSegment, SegmentPool, ShmRing
+from actcache.shm import COLUMN_ALIGN, MAX_RING_BYTES, ClientSegment, SegmentPool, ShmRing
 
 __all__ = ["JobInfo", "RpcClient", "target_for"]
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 _FRAME_BYTES = 8 << 20
 _SCHEDULE_CHUNK_IDS = 1 << 16
+# The smallest PutShared segment (a put larger than half of it asks for one of twice its size).
+_PUT_SEGMENT_BYTES = 8 << 20
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -63,14 +70,6 @@ def _process_start_time() -> float:
         return time.time()
 
 
-def _error_of(exc: grpc.RpcError) -> ActCacheError:
-    try:
-        name = dict(exc.trailing_metadata() or ()).get(ERROR_METADATA_KEY)
-    except Exception:  # a call that never reached the daemon has no metadata
-        name = None
-    return error_from_status(exc.code(), exc.details() or "", name)
-
-
 def target_for(socket: str | os.PathLike | None = None, address: str | None = None) -> str:
     """gRPC target for a Unix socket path or a ``HOST:PORT`` address."""
     return address or f"unix:{os.fspath(default_socket_path() if socket is None else socket)}"
@@ -81,8 +80,9 @@ class RpcClient:
 
     def __init__(
         self, target: str, *, token: str | None = None, timeout_s: float = 30.0, retries: int = 3,
-        max_message_bytes: int = 128 << 20, root_certificates: bytes | None = None,
+        max_message_bytes: int = 128 << 20, root_certificates: bytes | None = None, shared_puts: bool = True,
     ) -> None:
+        """``shared_puts``: over a Unix socket, put entries through a shared-memory segment (``PutStream``)."""
         self.target = target
         self.timeout_s = timeout_s
         self.retries = retries
@@ -93,6 +93,10 @@ class RpcClient:
         #: Shared-memory segments of ended Fetches, offered to the next one (see actcache.shm, "Reuse").
         self.segments = SegmentPool()
         self._pid: int | None = None
+        #: Why puts travel in gRPC messages ("": they go through shared memory when the target allows).
+        self.put_plane_detail = "" if shared_puts and target.startswith("unix:") else "not asked for, or not on a Unix socket"
+        self._put_stream: tuple[PutStream, int] | None = None  # and the pid of the process that opened it
+        self._put_lock = threading.Lock()
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, Callable] = {}
 
@@ -122,6 +126,7 @@ class RpcClient:
                 "Drop": ("unary_unary", pb.DropRequest, pb.DropReply),
                 "Stats": ("unary_unary", pb.StatsRequest, pb.StatsReply),
                 "Put": ("stream_unary", None, pb.PutReply),
+                "PutShared": ("stream_stream", None, pb.PutReply),
                 "Get": ("unary_stream", pb.GetRequest, None),
                 "Schedule": ("stream_unary", pb.ScheduleChunk, pb.ScheduleReply),
                 "Fetch": ("unary_stream", pb.FetchRequest, None),
@@ -147,7 +152,15 @@ class RpcClient:
             ready.cancel()
             return False
 
+    def end_put_stream(self) -> None:
+        """End this process's shared-memory put stream, if any (the next put opens another)."""
+        with self._put_lock:
+            if self._put_stream is not None and self._put_stream[1] == os.getpid():
+                self._put_stream[0].close()
+            self._put_stream = None
+
     def close(self) -> None:
+        self.end_put_stream()
         with self._lock:
             if self._channel is not None and self._pid == os.getpid():
                 self._channel.close()
@@ -178,7 +191,7 @@ class RpcClient:
                 return then(reply) if then else reply
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE or attempt == self.retries:
-                    raise _error_of(exc) from None
+                    raise error_of(exc) from None
             time.sleep(min(delay * (1 + random.random()), max(0.0, deadline - time.monotonic())))
             delay *= 2
         raise DaemonUnavailable(f"daemon at {self.target} did not answer within {self.timeout_s:.1f} s; "
@@ -207,8 +220,17 @@ class RpcClient:
         *, encoding: str = "", frame_bytes: int = _FRAME_BYTES,
     ) -> pb.PutReply:
         """Store ``(sample_id, variant, encoded entry)`` items; returns once they are committed.
-        ``encoding`` ("" = the daemon's own): how the daemon stores the raw ones (PutHeader.encoding)."""
+        ``encoding`` ("" = the daemon's own): how the daemon stores the raw ones (PutHeader.encoding).
+        Through shared memory when the daemon is on this host's Unix socket (``put_plane_detail``)."""
         fingerprint = check_fingerprint(fingerprint)
+        if not self.put_plane_detail:
+            with self._put_lock:
+                try:
+                    stream = self._shared_put_stream(sum(len(v) for _, _, v in items))
+                    if stream is not None:
+                        return stream.put(namespace_id, fingerprint, depth, items, encoding)
+                except DaemonUnavailable:
+                    pass  # a daemon restarting (the stream broke): Put retries within the deadline
 
         def frames() -> Iterator[bytes]:
             start, size = 0, 0
@@ -225,6 +247,56 @@ class RpcClient:
                     start, size = i + 1, 0
 
         return self._rpc("Put", frames)
+
+    def put_columns(
+        self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: Sequence[int] | np.ndarray,
+        variants: Sequence[int] | np.ndarray | None, specs: Sequence[TensorSpec], columns: Sequence[np.ndarray],
+        *, encoding: str = "",
+    ) -> pb.PutReply | None:
+        """Store samples as tensor columns through shared memory (``PutStream.put_columns``): the daemon
+        encodes their entries. None, having sent nothing, when puts cannot go through shared memory
+        (``put_plane_detail``): then encode the entries and ``put`` them."""
+        if self.put_plane_detail:
+            return None
+        fingerprint = check_fingerprint(fingerprint)
+        ids, vars_ = _ids_and_variants(sample_ids, variants)
+        if any(v.shape != (len(ids), s.nbytes) or v.dtype != np.uint8 for v, s in zip(columns, specs)) or \
+                len(columns) != len(specs):
+            raise InvalidRequest(f"columns {[(c.dtype.name, c.shape) for c in columns]} are not one uint8 row per "
+                                 f"sample of {[s.nbytes for s in specs]} bytes")
+        with self._put_lock:
+            try:
+                stream = self._shared_put_stream(sum(c.nbytes + COLUMN_ALIGN for c in columns))
+                if stream is not None:
+                    return stream.put_columns(namespace_id, fingerprint, depth, ids, vars_, specs, columns, encoding)
+            except DaemonUnavailable:
+                pass  # a daemon restarting: the caller's put retries within the deadline
+        return None
+
+    def _shared_put_stream(self, nbytes: int) -> PutStream | None:
+        """This process's PutShared stream with room for ``nbytes`` (opened anew when broken or too small); None
+        when puts must travel in messages: then ``put_plane_detail`` says why (an older daemon, a daemon of
+        another user, an entry larger than the largest segment)."""
+        if self._put_stream is not None:
+            stream, pid = self._put_stream
+            if pid == os.getpid() and not stream.broken and stream.capacity >= nbytes:
+                return stream
+            if pid == os.getpid():
+                stream.close()
+            self._put_stream = None
+        if nbytes > MAX_RING_BYTES:
+            return None  # this put only: a later, smaller one uses a segment
+        size = max(_PUT_SEGMENT_BYTES, 1 << (2 * nbytes - 1).bit_length())
+        try:
+            stream = PutStream(self._call("PutShared"), min(size, MAX_RING_BYTES), self.timeout_s, self._metadata())
+        except DaemonUnavailable:
+            raise  # the daemon is down, not the data plane
+        except (ActCacheError, OSError) as exc:
+            self.put_plane_detail = f"shared memory unavailable: {exc}"
+            log.info("actcache: puts travel in gRPC messages (%s)", self.put_plane_detail)
+            return None
+        self._put_stream = stream, os.getpid()
+        return stream
 
     def get(
         self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: Sequence[int],
@@ -319,7 +391,7 @@ class RpcClient:
                 continue  # the segment could not be mapped: fall back to the bytes path from `position`
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE or attempt >= self.retries:
-                    raise _error_of(exc) from None
+                    raise error_of(exc) from None
             finally:
                 call.cancel()
                 if offered is not None:  # the daemon no longer had it

@@ -61,7 +61,7 @@ class OpenReply(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., namespace_budget_bytes: _Optional[int] = ..., daemon_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_entry_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("namespace_id", "fingerprint", "depth", "sample_ids", "variants", "lengths", "encoding")
+    __slots__ = ("namespace_id", "fingerprint", "depth", "sample_ids", "variants", "lengths", "encoding", "segment_bytes", "segment_offset", "layout", "packed_sample_ids", "packed_variants")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,11 @@ class PutHeader(_message.Message):
     VARIANTS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_VARIANTS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     fingerprint: bytes
     depth: int
@@ -76,17 +81,24 @@ class PutHeader(_message.Message):
     variants: _containers.RepeatedScalarFieldContainer[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
     encoding: str
-    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., encoding: _Optional[str] = ...) -> None: ...
+    segment_bytes: int
+    segment_offset: int
+    layout: bytes
+    packed_sample_ids: bytes
+    packed_variants: bytes
+    def __init__(self, namespace_id: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., depth: _Optional[int] = ..., sample_ids: _Optional[_Iterable[int]] = ..., variants: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., encoding: _Optional[str] = ..., segment_bytes: _Optional[int] = ..., segment_offset: _Optional[int] = ..., layout: _Optional[bytes] = ..., packed_sample_ids: _Optional[bytes] = ..., packed_variants: _Optional[bytes] = ...) -> None: ...
 
 class PutReply(_message.Message):
-    __slots__ = ("entries", "stored_bytes", "replaced")
+    __slots__ = ("entries", "stored_bytes", "replaced", "segment")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLACED_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
     entries: int
     stored_bytes: int
     replaced: int
-    def __init__(self, entries: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., replaced: _Optional[int] = ...) -> None: ...
+    segment: str
+    def __init__(self, entries: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., replaced: _Optional[int] = ..., segment: _Optional[str] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace_id", "fingerprint", "depth", "sample_ids", "variants")
@@ -279,7 +291,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., namespace_id: _Optional[int] = ..., entries: _Optional[int] = ..., bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[JobStats, _Mapping]]] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version", "schedules", "prefetch", "prefetch_budget_bytes", "prefetch_buffered_bytes", "prefetch_max_buffered_bytes", "schedules_total", "fetches_total", "explicit_reads_total", "fallback_reads_total", "reclaimable_bytes", "reclaimed_generations_total", "reclaimed_bytes_total", "reclaim_after_seconds", "now", "cached_copies_total", "rings_created_total", "rings_reused_total", "page_layout_unrecognized_total")
+    __slots__ = ("namespaces", "groups", "used_bytes", "budget_bytes", "map_size_bytes", "file_bytes", "puts_total", "put_bytes_total", "gets_total", "hits_total", "misses_total", "served_bytes_total", "corrupt_total", "uptime_seconds", "server_version", "schedules", "prefetch", "prefetch_budget_bytes", "prefetch_buffered_bytes", "prefetch_max_buffered_bytes", "schedules_total", "fetches_total", "explicit_reads_total", "fallback_reads_total", "reclaimable_bytes", "reclaimed_generations_total", "reclaimed_bytes_total", "reclaim_after_seconds", "now", "cached_copies_total", "rings_created_total", "rings_reused_total", "page_layout_unrecognized_total", "put_segments_total")
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +325,7 @@ class StatsReply(_message.Message):
     RINGS_CREATED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RINGS_REUSED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PAGE_LAYOUT_UNRECOGNIZED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PUT_SEGMENTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
     used_bytes: int
@@ -346,7 +359,8 @@ class StatsReply(_message.Message):
     rings_created_total: int
     rings_reused_total: int
     page_layout_unrecognized_total: int
-    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScheduleStats, _Mapping]]] = ..., prefetch: _Optional[_Iterable[_Union[NamespacePrefetchStats, _Mapping]]] = ..., prefetch_budget_bytes: _Optional[int] = ..., prefetch_buffered_bytes: _Optional[int] = ..., prefetch_max_buffered_bytes: _Optional[int] = ..., schedules_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., explicit_reads_total: _Optional[int] = ..., fallback_reads_total: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., reclaimed_generations_total: _Optional[int] = ..., reclaimed_bytes_total: _Optional[int] = ..., reclaim_after_seconds: _Optional[float] = ..., now: _Optional[float] = ..., cached_copies_total: _Optional[int] = ..., rings_created_total: _Optional[int] = ..., rings_reused_total: _Optional[int] = ..., page_layout_unrecognized_total: _Optional[int] = ...) -> None: ...
+    put_segments_total: int
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., map_size_bytes: _Optional[int] = ..., file_bytes: _Optional[int] = ..., puts_total: _Optional[int] = ..., put_bytes_total: _Optional[int] = ..., gets_total: _Optional[int] = ..., hits_total: _Optional[int] = ..., misses_total: _Optional[int] = ..., served_bytes_total: _Optional[int] = ..., corrupt_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., server_version: _Optional[str] = ..., schedules: _Optional[_Iterable[_Union[ScheduleStats, _Mapping]]] = ..., prefetch: _Optional[_Iterable[_Union[NamespacePrefetchStats, _Mapping]]] = ..., prefetch_budget_bytes: _Optional[int] = ..., prefetch_buffered_bytes: _Optional[int] = ..., prefetch_max_buffered_bytes: _Optional[int] = ..., schedules_total: _Optional[int] = ..., fetches_total: _Optional[int] = ..., explicit_reads_total: _Optional[int] = ..., fallback_reads_total: _Optional[int] = ..., reclaimable_bytes: _Optional[int] = ..., reclaimed_generations_total: _Optional[int] = ..., reclaimed_bytes_total: _Optional[int] = ..., reclaim_after_seconds: _Optional[float] = ..., now: _Optional[float] = ..., cached_copies_total: _Optional[int] = ..., rings_created_total: _Optional[int] = ..., rings_reused_total: _Optional[int] = ..., page_layout_unrecognized_total: _Optional[int] = ..., put_segments_total: _Optional[int] = ...) -> None: ...
 
 class PrefetchCounters(_message.Message):
     __slots__ = ("hits", "misses", "hit_ratio", "corrupt", "ready_on_ask", "stalls", "stall_seconds", "read_bytes", "served_bytes", "direct")

@@ -44,6 +44,11 @@ class ActCacheStub:
                 request_serializer=actcache_dot___proto_dot_actcache__pb2.Frame.SerializeToString,
                 response_deserializer=actcache_dot___proto_dot_actcache__pb2.PutReply.FromString,
                 _registered_method=True)
+        self.PutShared = channel.stream_stream(
+                '/actcache.v1.ActCache/PutShared',
+                request_serializer=actcache_dot___proto_dot_actcache__pb2.Frame.SerializeToString,
+                response_deserializer=actcache_dot___proto_dot_actcache__pb2.PutReply.FromString,
+                _registered_method=True)
         self.Get = channel.unary_stream(
                 '/actcache.v1.ActCache/Get',
                 request_serializer=actcache_dot___proto_dot_actcache__pb2.GetRequest.SerializeToString,
@@ -90,6 +95,20 @@ class ActCacheServicer:
         """Stores entries. Each frame: header = PutHeader, payload = entries.
         The reply comes after every entry of the call is committed (written to
         the OS; fsynced too with --sync): it survives a crash of the daemon.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutShared(self, request_iterator, context):
+        """Put through a shared-memory segment, for a client on the daemon's Unix
+        socket. The first frame asks for the segment (PutHeader.segment_bytes,
+        no entries); the first reply names it (PutReply.segment), and the daemon
+        removes the name once the client has mapped it. Every later frame's
+        entries lie back to back in the segment from PutHeader.segment_offset
+        (its payload is empty), and its reply comes once they are committed, as
+        Put's does: only then does the client write over them. The segment lives
+        as long as the call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,6 +174,11 @@ def add_ActCacheServicer_to_server(servicer, server):
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
+                    request_deserializer=actcache_dot___proto_dot_actcache__pb2.Frame.FromString,
+                    response_serializer=actcache_dot___proto_dot_actcache__pb2.PutReply.SerializeToString,
+            ),
+            'PutShared': grpc.stream_stream_rpc_method_handler(
+                    servicer.PutShared,
                     request_deserializer=actcache_dot___proto_dot_actcache__pb2.Frame.FromString,
                     response_serializer=actcache_dot___proto_dot_actcache__pb2.PutReply.SerializeToString,
             ),
@@ -241,6 +265,33 @@ class ActCache:
             request_iterator,
             target,
             '/actcache.v1.ActCache/Put',
+            actcache_dot___proto_dot_actcache__pb2.Frame.SerializeToString,
+            actcache_dot___proto_dot_actcache__pb2.PutReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShared(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/actcache.v1.ActCache/PutShared',
             actcache_dot___proto_dot_actcache__pb2.Frame.SerializeToString,
             actcache_dot___proto_dot_actcache__pb2.PutReply.FromString,
             options,

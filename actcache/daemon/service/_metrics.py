@@ -33,6 +33,7 @@ _COUNTER_HELP = {
     "corrupt_total": "Stored entries that failed their checksum on read (and were deleted)",
     "rings_created_total": "Shared-memory rings made for Fetch calls",
     "rings_reused_total": "Fetch calls served in the shared-memory ring of their client's previous Fetch",
+    "put_segments_total": "Shared-memory segments made for PutShared calls",
 }
 
 

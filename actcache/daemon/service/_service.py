@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import grpc
+import numpy as np
 
 from actcache import __version__
 from actcache._proto import actcache_pb2 as pb
-from actcache.codec import Encoding
+from actcache.codec import Encoding, encode_batch, unpack_layout
 from actcache.daemon._tally import Tally
 from actcache.daemon.prefetch import Prefetcher, ScheduleBuilder, unpack_ids, unpack_variants
 from actcache.daemon.service._shm_fetch import ParkedRings, Throttle, serve_fetch
@@ -22,6 +23,7 @@ from actcache.daemon.service._stats import NamespaceJobs, stats_reply
 from actcache.daemon.store import Store
 from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
 from actcache.rpc import PROTOCOL_VERSION, SERVICE, decode_frame, encode_frame, split_payload, version_mismatch
+from actcache.shm import HEADER_BYTES, MAX_RING_BYTES, ShmRing, column_starts
 
 __all__ = ["ActCacheService", "Counters"]
 
@@ -48,6 +50,8 @@ class Counters(Tally):
     #: Shared-memory rings made for Fetch calls, and Fetch calls served in a parked ring of their client.
     rings_created_total: int = 0
     rings_reused_total: int = 0
+    #: Shared-memory segments made for PutShared calls.
+    put_segments_total: int = 0
 
 
 def _abort(context, name: str, exc: Exception) -> None:
@@ -92,6 +96,21 @@ def _variants(variants, count: int) -> list[int]:
     return list(variants)
 
 
+def _segment_bytes(segment: ShmRing, offset: int, size: int) -> memoryview:
+    """The ``size`` bytes at ``offset`` of ``segment``'s data area; InvalidRequest if they are not all in it."""
+    if offset + size > segment.capacity:
+        raise InvalidRequest(f"a PutShared frame names {size} bytes at offset {offset} of a {segment.capacity}-byte "
+                             "segment")
+    return segment.view(HEADER_BYTES + offset, size)
+
+
+def _put_header(data: memoryview) -> pb.PutHeader:
+    try:
+        return pb.PutHeader.FromString(data)
+    except Exception as exc:
+        raise InvalidRequest(f"Put frame header does not parse as PutHeader: {exc}") from None
+
+
 @functools.lru_cache(maxsize=64)
 def _encoding(text: str) -> Encoding | None:
     """A PutHeader's encoding ("" = the daemon's own); raises InvalidRequest naming the valid ones."""
@@ -130,6 +149,7 @@ class ActCacheService:
             "Drop": unary(self.Drop, pb.DropRequest.FromString, pb.DropReply.SerializeToString),
             "Stats": unary(self.Stats, pb.StatsRequest.FromString, pb.StatsReply.SerializeToString),
             "Put": stream_unary(self.Put, raw, pb.PutReply.SerializeToString),
+            "PutShared": grpc.stream_stream_rpc_method_handler(self.PutShared, raw, pb.PutReply.SerializeToString),
             "Get": grpc.unary_stream_rpc_method_handler(self.Get, pb.GetRequest.FromString, raw),
             "Schedule": stream_unary(self.Schedule, pb.ScheduleChunk.FromString, pb.ScheduleReply.SerializeToString),
             "Fetch": grpc.unary_stream_rpc_method_handler(self.Fetch, pb.FetchRequest.FromString, raw),
@@ -155,23 +175,72 @@ class ActCacheService:
         reply = pb.PutReply()
         for frame in frames:
             header_bytes, payload = decode_frame(frame)
-            try:
-                header = pb.PutHeader.FromString(header_bytes)
-            except Exception as exc:
-                raise InvalidRequest(f"Put frame header does not parse as PutHeader: {exc}") from None
-            if len(header.lengths) != len(header.sample_ids):
-                raise InvalidRequest(f"PutHeader lists {len(header.sample_ids)} sample ids but {len(header.lengths)} lengths")
-            variants = _variants(header.variants, len(header.sample_ids))
-            values = split_payload(payload, header.lengths)
-            result = self.store.put(
-                header.namespace_id, header.fingerprint, header.depth, list(zip(header.sample_ids, variants, values)),
-                encoding=_encoding(header.encoding),
-            )
+            result = self._put_frame(_put_header(header_bytes), payload)
             reply.entries += result.entries
             reply.stored_bytes += result.stored_bytes
             reply.replaced += result.replaced
-            self.counters.add(puts_total=result.entries, put_bytes_total=len(payload))
         return reply
+
+    @_status_on_error
+    def PutShared(self, frames: Iterator[bytes], context) -> Iterator[pb.PutReply]:
+        """Put through a segment made for this call: each frame's entries are read where it says they lie."""
+        if not context.peer().startswith("unix:"):
+            raise InvalidRequest(f"PutShared needs a client on this host's Unix socket, not {context.peer()}; use Put")
+        first = next(frames, None)
+        if first is None:
+            return
+        asked = _put_header(decode_frame(first)[0]).segment_bytes
+        if not 0 < asked <= MAX_RING_BYTES:
+            raise InvalidRequest(f"PutShared's first frame asks for a segment of {asked} bytes; ask for 1..{MAX_RING_BYTES}")
+        segment = ShmRing(asked, 0)
+        context.add_callback(segment.unlink)  # a client gone before mapping leaves no name behind
+        self.counters.add(put_segments_total=1)
+        try:
+            yield pb.PutReply(segment=str(segment.path))
+            for frame in frames:
+                segment.poll()  # the client has mapped it by now: the name goes
+                header_bytes, payload = decode_frame(frame)
+                header = _put_header(header_bytes)
+                if len(payload):
+                    raise InvalidRequest(f"a PutShared frame carries {len(payload)} bytes itself; its entries lie in "
+                                         "the segment")
+                yield (self._put_columns(header, segment) if header.layout
+                       else self._put_frame(header, _segment_bytes(segment, header.segment_offset, sum(header.lengths))))
+        finally:
+            segment.close()
+
+    def _put_columns(self, header: pb.PutHeader, segment: ShmRing) -> pb.PutReply:
+        """Encode and store the entries of a frame of tensor columns (``PutHeader.layout``)."""
+        specs = unpack_layout(header.layout)
+        ids = unpack_ids((), header.packed_sample_ids)
+        variants = unpack_variants((), header.packed_variants, len(ids))
+        sizes = [spec.nbytes for spec in specs]
+        starts = column_starts(sizes, len(ids), header.segment_offset, segment.capacity)
+        if starts is None:
+            raise InvalidRequest(f"{len(ids)} samples of {sum(sizes)} bytes from offset {header.segment_offset} do not "
+                                 f"fit a {segment.capacity}-byte segment")
+        columns = [np.frombuffer(_segment_bytes(segment, at, len(ids) * n), np.uint8).reshape(len(ids), n)
+                   for at, n in zip(starts, sizes)]
+        rows = encode_batch(specs, columns)
+        keys = zip(ids.tolist(), variants.tolist() if variants is not None else [0] * len(ids), rows)
+        result = self.store.put(header.namespace_id, header.fingerprint, header.depth,
+                                [(sample, variant, memoryview(row)) for sample, variant, row in keys],
+                                encoding=_encoding(header.encoding))
+        self.counters.add(puts_total=result.entries, put_bytes_total=rows.nbytes)
+        return pb.PutReply(entries=result.entries, stored_bytes=result.stored_bytes, replaced=result.replaced)
+
+    def _put_frame(self, header: pb.PutHeader, payload: memoryview) -> pb.PutReply:
+        """Store one Put frame's entries (``payload``: their bytes, back to back)."""
+        if len(header.lengths) != len(header.sample_ids):
+            raise InvalidRequest(f"PutHeader lists {len(header.sample_ids)} sample ids but {len(header.lengths)} lengths")
+        variants = _variants(header.variants, len(header.sample_ids))
+        values = split_payload(payload, header.lengths)
+        result = self.store.put(
+            header.namespace_id, header.fingerprint, header.depth, list(zip(header.sample_ids, variants, values)),
+            encoding=_encoding(header.encoding),
+        )
+        self.counters.add(puts_total=result.entries, put_bytes_total=len(payload))
+        return pb.PutReply(entries=result.entries, stored_bytes=result.stored_bytes, replaced=result.replaced)
 
     @_status_on_error
     def Get(self, request: pb.GetRequest, context) -> Iterator[bytes]:

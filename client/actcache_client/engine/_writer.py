@@ -23,6 +23,7 @@ from actcache_client.transport._tensors import (
     VarLen,
     check_fixed_length,
     encode_samples,
+    sample_columns,
 )
 
 if TYPE_CHECKING:
@@ -75,9 +76,13 @@ class EntryWriter:
         probe = (self.planner is not None and not self.planner.has_fetch_rate() and not self._probed
                  and not connection.streams_shared_memory)
         self._probed = self._probed or probe
+        # Tensors of one shape per sample go as columns (the daemon encodes them, over shared memory) once
+        # the codec is chosen: choosing it measures encoded entries.
+        chosen = not isinstance(self.encoding, AutoEncoding) or fingerprint in self._encodings
         connection.store(
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
+            columns=(lambda: sample_columns(snapshot)) if varlen is None and chosen else None,
         )
 
     def _encoding_for(self, depth: int) -> Callable[[list[bytes | memoryview]], str] | None:

@@ -23,8 +23,9 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Generator, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Generator, Protocol, Sequence, TypeVar
 
+from actcache.codec import raw_entry_bytes
 from actcache.entries import EntryBatch
 from actcache.errors import (
     ActCacheError,
@@ -37,9 +38,17 @@ from actcache.errors import (
 )
 from actcache.rpc_client import JobInfo, RpcClient, target_for
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from actcache.codec import TensorSpec
+
 __all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfig", "Lease", "connected"]
 
 log = logging.getLogger("actcache_client")
+
+# Seconds without a put after which the put stream (and the daemon thread serving it) is ended.
+_PUT_STREAM_IDLE_S = 2.0
 T = TypeVar("T")
 
 
@@ -368,7 +377,8 @@ class Connection:
 
     def store(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
               encode: Callable[[], list[bytes | memoryview]], *, probe: bool = False,
-              encoding: Callable[[list[bytes | memoryview]], str] | None = None) -> bool:
+              encoding: Callable[[list[bytes | memoryview]], str] | None = None,
+              columns: Callable[[], tuple[list[TensorSpec], list[np.ndarray]]] | None = None) -> bool:
         """Queue a put; it never blocks the step (a full queue drops it).
 
         Args:
@@ -381,6 +391,9 @@ class Connection:
                 ``fetch_seconds``/``bytes_read``, not as hits).
             encoding: Given the encoded entries, how the daemon is to store them (``PutHeader.encoding``;
                 "" or None: the daemon's ``--encoding``).
+            columns: Returns the samples' tensors as columns (``sample_columns``), sent instead of entries
+                through shared memory, the daemon encoding them; runs on the writer thread. Only where
+                ``encoding`` needs no entries (it was chosen).
 
         Returns:
             False if the put was dropped.
@@ -389,7 +402,7 @@ class Connection:
         if not self._paused():
             with contextlib.suppress(queue.Full):  # a full queue drops the put: store never blocks the step
                 self._queue.put_nowait(partial(self._write, fingerprint, depth, list(ids), list(variants), encode,
-                                               probe, encoding))
+                                               probe, encoding, columns))
                 return True
         self._count_dropped()
         return False
@@ -418,42 +431,64 @@ class Connection:
 
     def _write_loop(self) -> None:
         while True:
-            job = self._queue.get()  # a put or a drop, in the order queued; None: stop
+            try:
+                job = self._queue.get(timeout=_PUT_STREAM_IDLE_S)  # a put or a drop, in the order queued; None: stop
+            except queue.Empty:  # between fill epochs: the daemon's thread serving the put stream is freed
+                self._rpc.end_put_stream()
+                job = self._queue.get()
             try:
                 if job is None:
                     return
                 job()
+            except Exception as exc:  # a bug must not stop the writer: the queue would fill and close() wait
+                log.error("actcache: a put failed unexpectedly; it is dropped", exc_info=exc)
+                self._put_failed(ActCacheError(f"a put failed unexpectedly ({type(exc).__name__}: {exc})"))
             finally:
                 self._queue.task_done()
 
     def _write(self, fingerprint: bytes, depth: int, ids: list[int], variants: list[int],
                encode: Callable[[], list[bytes | memoryview]], probe: bool,
-               encoding: Callable[[list[bytes | memoryview]], str] | None) -> None:
+               encoding: Callable[[list[bytes | memoryview]], str] | None,
+               columns: Callable[[], tuple[list[TensorSpec], list[np.ndarray]]] | None) -> None:
         if self._paused():
             self._count_dropped()
             return
         try:
-            entries = encode()
-            how = encoding(entries) if encoding is not None else ""
             t0 = time.perf_counter()
-            reply = self._call(lambda ns: self._rpc.put(ns, fingerprint, depth, list(zip(ids, variants, entries)),
-                                                        encoding=how))
+            reply, entries = None, None
+            if columns is not None:  # through shared memory, the daemon encoding them (None: it cannot)
+                specs, tensors = columns()
+                how = encoding([]) if encoding is not None else ""
+                reply = self._call(lambda ns: self._rpc.put_columns(ns, fingerprint, depth, ids, variants, specs,
+                                                                    tensors, encoding=how))
+                written = len(ids) * raw_entry_bytes(specs)
+            if reply is None:
+                entries = encode()
+                how = encoding(entries) if encoding is not None else ""
+                t0 = time.perf_counter()
+                reply = self._call(lambda ns: self._rpc.put(ns, fingerprint, depth, list(zip(ids, variants, entries)),
+                                                            encoding=how))
+                written = sum(len(e) for e in entries)
         except ActCacheError as exc:
-            self._count_dropped()
-            if self.config.strict:
-                with self._lock:
-                    self._put_errors.append(exc)
-            else:
-                self.fallback(exc)
+            self._put_failed(exc)
             return
         with self._lock:
             self.stats.write_seconds += time.perf_counter() - t0
             self.stats.puts += reply.entries
-            self.stats.bytes_written += sum(len(e) for e in entries)
-        if probe:  # read back about _PROBE_BYTES once, to measure the daemon's read speed
+            self.stats.bytes_written += written
+        if probe and entries is not None:  # read back about _PROBE_BYTES once, to measure the daemon's read speed
             n = max(1, sum(1 for total in itertools.accumulate(map(len, entries)) if total <= _PROBE_BYTES))
             with contextlib.suppress(ActCacheError):  # a failed probe only means no measurement
                 self._get(fingerprint, depth, ids[:n], variants[:n], hits=False)
+
+    def _put_failed(self, exc: ActCacheError) -> None:
+        """A put was not stored: counted, and raised on the training thread (strict) or warned of."""
+        self._count_dropped()
+        if self.config.strict:
+            with self._lock:
+                self._put_errors.append(exc)
+        else:
+            self.fallback(exc)
 
     def _drop(self, fingerprint: bytes) -> None:
         try:

@@ -24,7 +24,7 @@ from actcache.shm import SlotRun
 from actcache_client.transport._state import State, map_state, tensors_of
 
 __all__ = ["RowCopier", "StorePrecision", "VarLen", "check_fixed_length", "collate_entries", "column_state",
-           "copy_rows", "encode_samples", "run_layout", "split_rows"]
+           "copy_rows", "encode_samples", "run_layout", "sample_columns", "split_rows"]
 
 _TO_CODEC = {getattr(torch, d.name): d for d in DType}  # DType names are torch dtype names
 _TO_TORCH = {v: k for k, v in _TO_CODEC.items()}
@@ -106,21 +106,13 @@ class RowCopier:
 
 def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None = None) -> list[bytes | memoryview]:
     """Encode each sample of a batch state as one entry (on CPU; a copy is made off-device)."""
-    tensors = [t.detach().to("cpu") for t in tensors_of(state)]
+    tensors = _cpu_tensors(state)
     batch = tensors[0].shape[0]
-    if any(t.dim() == 0 or t.shape[0] != batch for t in tensors):
-        raise InvalidRequest(f"every tensor of a state needs the batch dimension {batch}; "
-                             f"shapes {[tuple(t.shape) for t in tensors]}")
     lengths = _lengths(tensors, varlen) if varlen else None
     stored = [t for j, t in enumerate(tensors) if not (varlen and j == varlen.mask_index)]
-    unsupported = next((t.dtype for t in stored if t.dtype not in _TO_CODEC), None)
-    if unsupported is not None:
-        supported = ", ".join(str(d) for d in _TO_CODEC)
-        raise InvalidRequest(f"cannot cache tensors of dtype {unsupported}; supported: {supported}")
+    _check_dtypes(stored)
     if lengths is None and not zstd_level:  # rows of one shape: the header laid out once, one copy per entry
-        specs = [TensorSpec(_TO_CODEC[t.dtype], tuple(t.shape[1:])) for t in stored]
-        flat = [t.contiguous().reshape(batch, -1).view(torch.uint8).numpy() for t in stored]
-        return [memoryview(row).toreadonly() for row in encode_batch(specs, flat)]
+        return [memoryview(row).toreadonly() for row in encode_batch(*_uint8_columns(stored))]
     out: list[bytes | memoryview] = []
     for i in range(batch):
         parts = [(t[i] if lengths is None else t[i, : lengths[i]]).contiguous() for t in stored]
@@ -128,6 +120,38 @@ def encode_samples(state: State, *, zstd_level: int = 0, varlen: VarLen | None =
         data = [p.reshape(-1).view(torch.uint8).numpy().data.cast("B") for p in parts]
         out.append(encode_entry(specs, data, zstd_level=zstd_level))
     return out
+
+
+def sample_columns(state: State) -> tuple[list[TensorSpec], list[np.ndarray]]:
+    """The tensors of a batch state of one shape per sample as ``(specs, columns)``: ``columns[j]`` holds
+    tensor j of every sample, a ``(batch, bytes)`` uint8 row each, on the CPU (what ``encode_batch`` and a
+    shared-memory put of columns take). Raises InvalidRequest as ``encode_samples`` does."""
+    tensors = _cpu_tensors(state)
+    _check_dtypes(tensors)
+    return _uint8_columns(tensors)
+
+
+def _cpu_tensors(state: State) -> list[Tensor]:
+    """The tensors of a batch state on the CPU (a copy is made off-device), checked to share the batch dimension."""
+    tensors = [t.detach().to("cpu") for t in tensors_of(state)]
+    batch = tensors[0].shape[0]
+    if any(t.dim() == 0 or t.shape[0] != batch for t in tensors):
+        raise InvalidRequest(f"every tensor of a state needs the batch dimension {batch}; "
+                             f"shapes {[tuple(t.shape) for t in tensors]}")
+    return tensors
+
+
+def _check_dtypes(tensors: Sequence[Tensor]) -> None:
+    unsupported = next((t.dtype for t in tensors if t.dtype not in _TO_CODEC), None)
+    if unsupported is not None:
+        supported = ", ".join(str(d) for d in _TO_CODEC)
+        raise InvalidRequest(f"cannot cache tensors of dtype {unsupported}; supported: {supported}")
+
+
+def _uint8_columns(tensors: Sequence[Tensor]) -> tuple[list[TensorSpec], list[np.ndarray]]:
+    batch = tensors[0].shape[0]
+    specs = [TensorSpec(_TO_CODEC[t.dtype], tuple(t.shape[1:])) for t in tensors]
+    return specs, [t.contiguous().reshape(batch, -1).view(torch.uint8).numpy() for t in tensors]
 
 
 def check_fixed_length(state: State, seen: dict[int, list[tuple[int, ...]]], depth: int) -> None:
