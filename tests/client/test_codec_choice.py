@@ -46,6 +46,7 @@ def test_entries_that_fit_in_the_page_cache_stay_raw():
     fits = choose_encoding(entries, samples=1000, config=AutoEncoding(disk_read_bytes_per_s=SLOW_DISK,
                                                                      page_cache_bytes=2 * raw_total))
     assert fits.encoding == "raw" and fits.numbers["raw_cold_share"] == 0.0
+    assert "fit in the page cache" in fits.reason and "lz4_ratio" not in fits.numbers  # chosen without measuring
     half = choose_encoding(entries, samples=1000, config=AutoEncoding(disk_read_bytes_per_s=SLOW_DISK,
                                                                      page_cache_bytes=raw_total / 2))
     assert half.numbers["raw_cold_share"] == pytest.approx(0.5)

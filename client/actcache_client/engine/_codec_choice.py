@@ -8,7 +8,9 @@ Per raw byte served (read the stored bytes, verify and decode them)::
 compressed alone as the daemon stores it and decoded five times, the codecs taking turns (the fastest kept).
 The disk's speed is configured (``actcache bench disk`` measures it); ``cold_share`` is the share of the depth's stored entries
 that does not fit in the memory available now. A codec must win by ``min_gain``: raw costs nothing to
-decode when the guess is wrong.
+decode when the guess is wrong. When all of the depth's raw entries fit in that memory, raw is chosen without
+measuring: served from memory, a raw byte costs its checksum, while a compressed one costs a checksum and a
+decompression that is slower than the checksum (``bench/bench_codec.py``).
 """
 
 from __future__ import annotations
@@ -117,10 +119,14 @@ def choose_encoding(entries: Sequence[bytes | memoryview], *, samples: int | Non
     """The codec that serves these entries fastest; ``samples``: entries the dataset will have at
     this depth (None: unknown, judged as read from disk)."""
     config = config or AutoEncoding()
-    readings = measure_codecs(entries, config.candidates, config.sample_bytes)
     entry_bytes = sum(len(e) for e in entries) / max(len(entries), 1)
     memory = config.page_cache_bytes if config.page_cache_bytes is not None else psutil.virtual_memory().available
     numbers: dict[str, float] = {"disk_read_bytes_per_s": config.disk_read_bytes_per_s, "page_cache_bytes": memory}
+    if samples is not None and samples * entry_bytes <= memory:  # raw is read from memory: nothing decodes faster
+        numbers.update({"raw_ratio": 1.0, "raw_cold_share": 0.0})
+        return EncodingChoice("raw", f"raw: the {samples * entry_bytes / 1e9:.3g} GB of entries fit in the page cache "
+                                     f"({memory / 1e9:.3g} GB)", numbers)
+    readings = measure_codecs(entries, config.candidates, config.sample_bytes)
     costs: dict[str, float] = {}
     for name, r in readings.items():
         cold = 1.0
