@@ -8,7 +8,9 @@ would cost a device copy and a host sync in every step): on the device the loade
 must be the very tensor yielded, unmodified (its version counter); on another device (``x.to("cuda")``)
 the oldest pending batch of the input's shape is taken. A matched batch of which nothing is served or
 stored (a plan that recomputes; ``CachedForward.recompute_in_place``) runs the modules' own ``forward``, as
-without the cache, except in the few steps the cost model times. The batch served last is served again for
+without the cache, except in the few steps the cost model times; so does a batch of a write epoch stored
+whole (``CachedForward.fill_in_place``), whose state is stored as the last frozen module returns it (only
+where the layout passes the state on as it is). The batch served last is served again for
 another forward on the same input tensor (a metric under ``no_grad``). Anything else (evaluation, an
 input the loop changed: an error on placeholder rows) runs the modules' own ``forward``. A stage 0 that
 names its sites (``Stage(..., sites=[block])``: a ``blocks=`` layout) is served at that block, after the
@@ -35,6 +37,7 @@ from torch import Tensor, nn
 from actcache.errors import ConfigError
 from actcache_client.engine._batch import Batch
 from actcache_client.engine._cached_forward import CachedForward
+from actcache_client.layouts._base import served_as_is
 from actcache_client.layouts._stages import Stage, call_sites
 from actcache_client.transport._state import State
 
@@ -126,6 +129,11 @@ class InPlacePrefix:
         self._served: tuple[Batch, _Token | None] | None = None  # the batch served last, and its input's token
         self._computing = False  # inside cached.prefix: the patched modules run their own forward
         self._tails: deque[nn.Module] = deque()  # modules still to pass the served state on, in call order
+        # A write step computed by the network's own modules: stores the output of the frozen stages' last call
+        # site. Only where that output is the state the stages give (a layout whose output_of passes it on).
+        self._fills_in_place = output_of is served_as_is
+        self._fill: Callable[[State], None] | None = None
+        self._last_site: nn.Module | None = None
         self._warned = False
         # A stage 0 that names its sites (a blocks= layout) is served at its first block, after the network's
         # own code before it: its batches are matched where the network is called, by the network's input.
@@ -170,14 +178,17 @@ class InPlacePrefix:
                 patch.eager()
             self._patches.append(patch)
         self.patched_depth = depth
+        self._last_site = self.sites[depth - 1][-1] if depth and self.sites[depth - 1] else None
+        self._fill = None
 
-    def _take(self, given_now: Tensor | None) -> Batch | None:
-        """The pending batch whose input ``given_now`` is (dropping the ones yielded before it), else None."""
+    def _take(self, given_now: Tensor | None) -> tuple[Batch, bool] | None:
+        """The pending batch whose input ``given_now`` is (dropping the ones yielded before it), and whether
+        ``given_now`` is the very tensor yielded (not a copy on another device, taken on trust); else None."""
         for i, (batch, token) in enumerate(self._pending):
             if token is not None and token.matches(given_now):
                 for _ in range(i + 1):
                     self._pending.popleft()
-                return batch
+                return batch, token.is_exactly(given_now)
         return None
 
     def _observe(self, args: tuple, kwargs: dict) -> None:
@@ -192,12 +203,14 @@ class InPlacePrefix:
     def _head(self, module: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._computing:  # the CachedForward runs the stages' own modules for the rows it computes
             return original(*args, **kwargs)
+        self._fill = None  # a forward that stopped before the last frozen module stores nothing
         given_now = _first_tensor(args, kwargs)
         matched = given_now  # what identifies the batch: the head's input, or the network's (at_net)
         if self._at_net:
             matched, self._net_input = self._net_input, None
         training = self.net.training and torch.is_grad_enabled()
-        batch = self._take(matched) if training else None
+        taken = self._take(matched) if training else None
+        batch, exact = taken if taken is not None else (None, False)
         if batch is None and self._served is not None and self._served[1] is not None \
                 and self._served[1].is_exactly(matched):
             batch = self._served[0]  # the batch just trained on, run again (a metric, a second loss)
@@ -206,6 +219,16 @@ class InPlacePrefix:
             if training and self.cached.recompute_in_place(batch):
                 self._tails = deque()
                 return original(*args, **kwargs)  # nothing served: the modules run as without the cache
+            # only from the very tensor yielded: a copy on another device is this batch on trust alone
+            fill = self.cached.fill_in_place(batch) if training and exact and self._fills_in_place else None
+            if fill is not None:  # the modules compute the prefix as without the cache; its output is stored
+                self._tails = deque()
+                out = original(*args, **kwargs)
+                if module is self._last_site:
+                    fill(out)
+                else:
+                    self._fill = fill
+                return out
             self._computing = True
             try:
                 state = self.cached.prefix(batch)
@@ -236,7 +259,11 @@ class InPlacePrefix:
         if self._tails and self._tails[0] is module and not self._computing:
             self._tails.popleft()
             return args[0] if args else _first_tensor(args, kwargs)
-        return original(*args, **kwargs)
+        out = original(*args, **kwargs)
+        if self._fill is not None and module is self._last_site and not self._computing:
+            fill, self._fill = self._fill, None
+            fill(out)  # the frozen prefix's output, as the network computed it
+        return out
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Tensor | None:

@@ -110,6 +110,22 @@ def test_the_cache_serves_the_prefix_and_changes_no_loss(daemon, reference):
     cache.close()
 
 
+def test_a_write_epoch_stores_the_prefix_as_the_network_computes_it(daemon, reference, monkeypatch):
+    """The write epoch's frozen prefix comes out of the network's own modules, not the stage adapters; the epoch
+    after it is served those entries and trains to the same losses."""
+    from actcache_client.engine._assembly import PrefixAssembly
+
+    assembled = []  # frozen prefixes run by the cache's own stage adapters
+    compute = PrefixAssembly._compute
+    monkeypatch.setattr(PrefixAssembly, "_compute", lambda self, *a, **k: assembled.append(1) or compute(self, *a, **k))
+    losses, cache, _ = _train(daemon)
+    assert losses == reference
+    assert assembled == []  # no planner: no step is timed through them
+    assert cache.connection.stats.puts == 96 and cache.connection.stats.hits == 96
+    assert cache.model.times.computed_samples == 96 and cache.model.times.cached_samples == 96
+    cache.close()
+
+
 def test_a_declined_cache_lets_the_network_run_its_frozen_modules_and_times_a_few_steps(daemon, monkeypatch):
     from actcache_client.cost_model import PlanMode
     from actcache_client.engine._assembly import PrefixAssembly

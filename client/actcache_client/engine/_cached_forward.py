@@ -369,6 +369,36 @@ class CachedForward:
             self._end_step(planner, start, n, "recomputed", None)
         return True
 
+    def fill_in_place(self, batch: Batch) -> Callable[[State], None] | None:
+        """Whether the network's own modules are to compute training ``batch``'s frozen prefix, to be stored as
+        it comes out of them: a write epoch (none of the batch was stored when its order was pushed), every
+        row cached at the frozen depth, nothing else asks for its state, and the cost model does not time
+        this step's stages (it does every ``_DRIFT_EVERY`` steps). If so, the step is counted here, and the
+        function returned stores the frozen prefix's output once the network has computed it."""
+        n, planner, target, stream = len(batch.ids), self.planner, self._cache_target(), self._epoch.stream
+        if (not self._frozen.depth or batch.loaded is not None or self._input_tap is not None or target is None
+                or stream is None or target.depth != self._frozen.depth or target.fraction < 1.0
+                or any(d < target.depth for d in self._frozen.seed_depths)
+                or (planner is not None and (self.plan is None or self._steps_planned % _DRIFT_EVERY == 0))):
+            return None
+        ids = batch.ids.tolist()
+        if not stream.absent(self._epoch.position, ids):
+            return None
+        start = time.perf_counter()
+        if planner is not None:
+            self._time_last_step(planner, start)
+        position = self._epoch.advance(ids)
+        assert position is not None, "absent() found the batch at the stream's position"
+        stream.take(position, ids)  # counted as absent: no frame is read
+        self._epoch.missed(n)
+        self.times.prefix_samples += n
+        self.times.computed_samples += n
+        self.times.raw_loaded += n
+        if planner is not None:  # the suffix is not timed apart: the prefix runs in it
+            self._end_step(planner, start, n, None, None)
+        writer, depth, variant = self._assembly.writer, target.depth, batch.variant
+        return lambda state: writer.store(depth, ids, variant, state)
+
     def _end_step(self, planner: CachePlanner, start: float, samples: int, kind: str | None,
                   prefix_done: object | None) -> None:
         """Hand a step's prefix to ``planner``: the step, timed from ``start`` to the next one's (the rest after

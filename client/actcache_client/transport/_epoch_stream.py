@@ -254,6 +254,15 @@ class EpochStream:
         b = o.at(position, end=True) if self._serving and o is not None else None
         return None if o is None or b is None else o.present[o.offsets[b]:]
 
+    def absent(self, position: int, ids: Sequence[int]) -> bool:
+        """Whether the pushed order says that no entry of epoch batch ``position`` (the cached subset ``ids``)
+        was stored when it was pushed (a write epoch): its ``take`` reads no frame."""
+        o = self._order
+        b = o.at(position) if self._serving and o is not None else None
+        if o is None or b is None or tuple(ids) != o.batches[b] or len(o.present) != o.offsets[-1]:
+            return False
+        return not any(o.present[o.offsets[b]:o.offsets[b + 1]])
+
     def take(self, position: int, ids: Sequence[int]) -> list | None:
         """Entries (None per miss) of the cached subset ``ids`` of epoch batch ``position``; None if the
         stream cannot serve it (nothing pushed, failed, another order)."""
