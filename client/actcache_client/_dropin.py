@@ -67,7 +67,7 @@ class ActCache:
 
     The stages come from the registry of layouts (``actcache_client.layouts``: nn.Sequential, ResNets,
     BERT, RoBERTa, ELECTRA, DistilBERT, Llama, Qwen2, Mistral, ViT, CLIP, ...) unless ``blocks`` or
-    ``stages`` gives them. They are checked against ``net``'s own forward at the first freeze. ``model``
+    ``stages`` gives them. They are checked against ``net``'s own forward on the first batch. ``model``
     is the CachedForward serving the prefix: give it to a FreezeController. A network in
     DistributedDataParallel works either way round (``ActCache(ddp)``, or ``DistributedDataParallel(net)``
     after ``ActCache(net)``); DDP needs ``find_unused_parameters=True`` to follow parameters that stop
@@ -150,7 +150,8 @@ class ActCache:
         return depth
 
     def check(self, data: Any, loaded: Tensor | None = None) -> None:
-        """Compare the stages with the network's own forward once, when stages are frozen (the wrapped loader calls it).
+        """Compare the stages with the network's own forward once, on the first batch (the wrapped loader calls
+        it): a wrong layout is an error in the first step, not at a freeze hours later.
 
         Args:
             data: A batch as the loader yields it.
@@ -159,7 +160,7 @@ class ActCache:
         Raises:
             ConfigError: The stages and the network's forward part; it names the stage.
         """
-        if self._checked or self.model.frozen == 0 or (loaded is not None and len(loaded) == 0):
+        if self._checked or (loaded is not None and len(loaded) == 0):
             return
         _check_right_padding(self.model.varlen, self.layout.inputs_of(data))
         check_layout(self.net, self.layout, data, loaded)
@@ -286,9 +287,9 @@ class WrappedLoader:
             for batch in self.cached:
                 # with skipped loads: the rows the loader loaded, and placeholders for the others
                 data = batch.data if batch.loaded is None else self._fill(batch)
-                self.cache.check(data, batch.loaded)
                 given = inputs_of(data)
                 raw = _splittable(given, len(batch.ids)) if batch.loaded is None else batch.data[0]
+                self.cache.check(data, batch.loaded)
                 prefix.begin(replace(batch, data=(raw, None)), given[0] if isinstance(given, tuple) else given)
                 yield data
         finally:

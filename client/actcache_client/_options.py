@@ -36,7 +36,7 @@ class CacheOptions:
         varlen: how padded text is stored: a VarLen (each sample at its own length, right padding), None (every
             sample at the batch's shape: fixed-length padding), or ``"layout"``: what the network's layout says.
         device: where served entries go (default: the network's parameters' device).
-        check: compare the stages found with the network's own forward at the first freeze (a ConfigError
+        check: compare the stages found with the network's own forward on the first batch (a ConfigError
             names the stage where they part).
     """
 

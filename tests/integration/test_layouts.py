@@ -1,5 +1,5 @@
-"""The layout families in a plain loop: cache on = cache off bit for bit, a wrong guess stopped at the first
-freeze, a family registered by the user, stages named, options checked."""
+"""The layout families in a plain loop: cache on = cache off bit for bit, a wrong guess stopped on the first
+batch, a family registered by the user, stages named, options checked."""
 
 from __future__ import annotations
 
@@ -70,9 +70,12 @@ def test_blocks_stage_a_torchvision_style_vit_by_its_blocks(connection):
                                      blocks="encoder.layers")
 
 
-def test_a_wrong_guess_is_an_error_at_the_first_freeze_naming_the_stage(connection):
+def test_a_wrong_guess_is_an_error_on_the_first_batch_naming_the_stage(connection):
+    """Before any freeze: the first batch the wrapped loader yields is checked."""
+    net = families.ResNetLike()
+    loader = ac.ActCache(net, connection).wrap(torch.utils.data.DataLoader(families.images(), batch_size=8))
     with pytest.raises(ConfigError, match=r"resnet-like layout.*stage 'layer1.0'.*stages=StagedModel.*blocks="):
-        families.train(families.ResNetLike, families.images(), 2, connection=connection)
+        next(iter(loader))
 
 
 def test_a_family_registered_by_the_user_is_used_by_actcache(connection):

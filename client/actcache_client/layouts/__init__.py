@@ -9,7 +9,7 @@
 
 A family matches networks by type (a guess by attribute names comes last) and builds a ``Layout``: its
 stages and how a batch maps to the first stage's input and the served state to the next module's. Whatever
-family built it, the layout is checked against the network's own forward at the first freeze.
+family built it, the layout is checked against the network's own forward on the first batch.
 
 Built in, in the order they are consulted: ``sequential`` (nn.Sequential), ``resnet`` (torchvision and
 actcache's ResNets), ``bert`` (actcache's BERT), ``transformers-bert`` (BERT and RoBERTa classifiers),

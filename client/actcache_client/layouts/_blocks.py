@@ -4,7 +4,7 @@ Stage 0 is what the network computes before its first block (its own ``forward``
 embeddings, a class token, a position embedding, glue) and the first block; then one stage per block, and
 ``head``, the rest. The frozen prefix is served where the network calls its first block, so whatever it
 computes before it keeps running as written. Stage 0 owns the modules and parameters registered before
-the blocks (on the way down the path to them); the check at the first freeze compares each stage with
+the blocks (on the way down the path to them); the check on the first batch compares each stage with
 the network's own forward.
 """
 

@@ -1,6 +1,6 @@
 """A layout's guess checked against the network before it is trusted.
 
-At the first freeze, on the first rows of that step's batch, every stage but the head runs from the batch's input and its
+On the first rows of the first batch the wrapped loader yields, every stage but the head runs from the batch's input and its
 output is compared with what the network's own ``forward`` gives at the same place (the output of the
 stage's last module the network calls, taken by a forward hook), in eval mode and without gradient. A
 difference is a ConfigError naming the stage where they part: a wrong guess never trains differently.
@@ -122,8 +122,8 @@ def check_layout(net: nn.Module, layout: Layout, data: Any, loaded: Tensor | Non
             _call(net, layout, data, given)
         except Exception as exc:
             raise ConfigError(
-                f"actcache checks the stages found in a {type(net).__name__} against its own forward at the first "
-                f"freeze, calling it on the batch's input, and that call failed ({type(exc).__name__}: {exc}); "
+                f"actcache checks the stages found in a {type(net).__name__} against its own forward on the first "
+                f"batch, calling it on the batch's input, and that call failed ({type(exc).__name__}: {exc}); "
                 "pass inputs= so that net(inputs(batch)) is the network's forward, or check=False "
                 "(CacheOptions(check=False)) to skip the check") from exc
         state: State = given

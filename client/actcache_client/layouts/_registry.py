@@ -2,7 +2,7 @@
 
 Families are consulted in order: those a user registered (the latest first), then the built-in ones, by
 type, then the guesses by attribute names, last. A family's layout is checked against the network's own
-forward at the first freeze (``layouts._check``), so a wrong guess is an error, never another computation.
+forward on the first batch (``layouts._check``), so a wrong guess is an error, never another computation.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The families matched by type without transformers: nn.Sequential, ResNets and actcache's own BERT, and the
-two guesses by attribute names (a ResNet-like or BERT-like network), checked at the first freeze."""
+two guesses by attribute names (a ResNet-like or BERT-like network), checked on the first batch."""
 
 from __future__ import annotations
 
