@@ -148,3 +148,28 @@ def test_a_put_that_fails_unexpectedly_is_dropped_and_the_writer_goes_on():
         with daemon.client() as client:
             ns = client.open("bug").namespace_id
             assert [bytes(v) for v in client.get(ns, FP, 1, [1, 2])] == values[1:3]
+
+
+def test_batches_of_columns_are_put_together_and_flush_sends_the_rest(monkeypatch):
+    """Puts of one fingerprint and depth are gathered up to 4 MiB: six batches of 1 MiB are two puts, the
+    second sent by flush(); every entry is stored as encode_samples encodes it."""
+    import actcache_client as ac
+
+    sent = []
+    put_columns = RpcClient.put_columns
+    monkeypatch.setattr(RpcClient, "put_columns",
+                        lambda self, *a, **k: sent.append(len(a[3])) or put_columns(self, *a, **k))
+    states = [torch.randn(64, 4096, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    with run_daemon() as daemon:
+        conn = ac.connect(daemon.socket, namespace="group")
+        for i, state in enumerate(states):
+            ids = list(range(64 * i, 64 * (i + 1)))
+            conn.store(FP, 1, ids, [0] * 64, lambda s=state: encode_samples(s), encoding=lambda _: "raw",
+                       columns=lambda s=state: sample_columns(s), nbytes=state.numel() * 4)
+        conn.flush(timeout_s=30)
+        assert sent == [256, 128]  # 4 MiB, then the 2 MiB left, at the flush
+        with daemon.client() as client:
+            ns = client.open("group").namespace_id
+            got = client.get(ns, FP, 1, list(range(64 * 6)))
+        assert [bytes(v) for v in got] == [bytes(e) for s in states for e in encode_samples(s)]
+        conn.close()

@@ -17,7 +17,7 @@ from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice, c
 from actcache_client.engine._epoch_plan import EpochPlan
 from actcache_client.engine._frozen import FrozenPrefix, WrittenFingerprints
 from actcache_client.transport._connection import connected
-from actcache_client.transport._state import State, map_state
+from actcache_client.transport._state import State, map_state, tensors_of
 from actcache_client.transport._tensors import (
     StorePrecision,
     VarLen,
@@ -83,6 +83,7 @@ class EntryWriter:
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
             columns=(lambda: sample_columns(snapshot)) if varlen is None and chosen else None,
+            nbytes=sum(t.numel() * t.element_size() for t in tensors_of(snapshot)),
         )
 
     def _encoding_for(self, depth: int) -> Callable[[list[bytes | memoryview]], str] | None:

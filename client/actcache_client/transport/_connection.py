@@ -37,6 +37,7 @@ from actcache.errors import (
     NamespaceNotFound,
 )
 from actcache.rpc_client import JobInfo, RpcClient, target_for
+from actcache_client.transport._put_group import Columns, Encode, Encoding, PutGroup
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,6 +50,8 @@ log = logging.getLogger("actcache_client")
 
 # Seconds without a put after which the put stream (and the daemon thread serving it) is ended.
 _PUT_STREAM_IDLE_S = 2.0
+# Puts of tensor columns are gathered up to this many bytes, then queued as one.
+_GROUP_BYTES = 4 << 20
 T = TypeVar("T")
 
 
@@ -205,6 +208,7 @@ class Connection:
         self._put_errors: list[ActCacheError] = []
         self._pending_warnings: list[str] = []
         self._queue: queue.Queue = queue.Queue(maxsize=config.put_queue)
+        self._group: PutGroup | None = None  # puts gathered on the training thread, not queued yet
         self._writer = threading.Thread(target=self._write_loop, name="actcache-put", daemon=True)
         self._writer.start()
         self._closed = False
@@ -376,9 +380,8 @@ class Connection:
                 self.stats.misses += len(values) - found
 
     def store(self, fingerprint: bytes, depth: int, ids: Sequence[int], variants: Sequence[int],
-              encode: Callable[[], list[bytes | memoryview]], *, probe: bool = False,
-              encoding: Callable[[list[bytes | memoryview]], str] | None = None,
-              columns: Callable[[], tuple[list[TensorSpec], list[np.ndarray]]] | None = None) -> bool:
+              encode: Encode, *, probe: bool = False, encoding: Encoding | None = None,
+              columns: Columns | None = None, nbytes: int = 0) -> bool:
         """Queue a put; it never blocks the step (a full queue drops it).
 
         Args:
@@ -393,17 +396,44 @@ class Connection:
                 "" or None: the daemon's ``--encoding``).
             columns: Returns the samples' tensors as columns (``sample_columns``), sent instead of entries
                 through shared memory, the daemon encoding them; runs on the writer thread. Only where
-                ``encoding`` needs no entries (it was chosen).
+                ``encoding`` needs no entries (it was chosen). Such puts of one fingerprint and depth are
+                gathered up to ``nbytes`` (the tensors' size) of 4 MiB, then queued as one; ``flush``
+                queues what is gathered.
+            nbytes: The size of the tensors.
 
         Returns:
             False if the put was dropped.
         """
         self.surface()
-        if not self._paused():
-            with contextlib.suppress(queue.Full):  # a full queue drops the put: store never blocks the step
-                self._queue.put_nowait(partial(self._write, fingerprint, depth, list(ids), list(variants), encode,
-                                               probe, encoding, columns))
-                return True
+        if self._paused():
+            self._count_dropped()
+            return False
+        if columns is None or probe:
+            self._submit_group()  # the puts gathered go first
+            return self._enqueue(
+                partial(self._write, fingerprint, depth, list(ids), list(variants), encode, probe, encoding, columns))
+        group = self._group
+        if group is not None and (group.fingerprint, group.depth) != (fingerprint, depth):
+            self._submit_group()
+            group = None
+        if group is None:
+            group = self._group = PutGroup(fingerprint, depth, encoding)
+        group.add(list(ids), list(variants), encode, columns, nbytes)
+        group.encoding = encoding
+        return self._submit_group() if group.nbytes >= _GROUP_BYTES else True
+
+    def _submit_group(self) -> bool:
+        """Queue the puts gathered (True if there were none)."""
+        group, self._group = self._group, None
+        if group is None:
+            return True
+        return self._enqueue(partial(self._write, group.fingerprint, group.depth, group.ids, group.variants,
+                                     group.encode, False, group.encoding, group.columns))
+
+    def _enqueue(self, job: Callable[[], None]) -> bool:
+        with contextlib.suppress(queue.Full):  # a full queue drops the put: store never blocks the step
+            self._queue.put_nowait(job)
+            return True
         self._count_dropped()
         return False
 
@@ -413,6 +443,7 @@ class Connection:
         Args:
             fingerprint: The entries' fingerprint.
         """
+        self._submit_group()
         try:
             self._queue.put(partial(self._drop, fingerprint), timeout=self.config.timeout_s)
         except queue.Full:
@@ -425,6 +456,7 @@ class Connection:
         Args:
             timeout_s: The longest wait (None: no limit).
         """
+        self._submit_group()
         with self._queue.all_tasks_done:
             self._queue.all_tasks_done.wait_for(lambda: not self._queue.unfinished_tasks, timeout_s)
         self.surface()
@@ -446,18 +478,18 @@ class Connection:
             finally:
                 self._queue.task_done()
 
-    def _write(self, fingerprint: bytes, depth: int, ids: list[int], variants: list[int],
-               encode: Callable[[], list[bytes | memoryview]], probe: bool,
-               encoding: Callable[[list[bytes | memoryview]], str] | None,
-               columns: Callable[[], tuple[list[TensorSpec], list[np.ndarray]]] | None) -> None:
+    def _write(self, fingerprint: bytes, depth: int, ids: list[int], variants: list[int], encode: Encode,
+               probe: bool, encoding: Encoding | None,
+               columns: Callable[[], tuple[list[TensorSpec], list[np.ndarray]] | None] | None) -> None:
         if self._paused():
             self._count_dropped()
             return
         try:
             t0 = time.perf_counter()
             reply, entries = None, None
-            if columns is not None:  # through shared memory, the daemon encoding them (None: it cannot)
-                specs, tensors = columns()
+            laid = columns() if columns is not None else None
+            if laid is not None:  # through shared memory, the daemon encoding them (None: it cannot)
+                specs, tensors = laid
                 how = encoding([]) if encoding is not None else ""
                 reply = self._call(lambda ns: self._rpc.put_columns(ns, fingerprint, depth, ids, variants, specs,
                                                                     tensors, encoding=how))
@@ -604,6 +636,7 @@ class Connection:
         if self._closed:
             return
         self._closed = True
+        self._submit_group()
         self._queue.put(None)
         self._writer.join(timeout=self.config.timeout_s * 2)
         self._rpc.close()

@@ -1,0 +1,52 @@
+"""Consecutive batches of one (fingerprint, depth) put together: one wake of the writer thread and one put
+for several batches, each of which costs the training thread a share of the GIL."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from actcache.codec import TensorSpec
+
+__all__ = ["Columns", "Encode", "Encoding", "PutGroup"]
+
+Encode = Callable[[], list[bytes | memoryview]]
+Encoding = Callable[[list[bytes | memoryview]], str]
+Columns = Callable[[], tuple[list[TensorSpec], list[np.ndarray]]]
+
+
+@dataclass(eq=False)
+class PutGroup:
+    """Batches waiting to be put together (``Connection.store``'s arguments, batch by batch)."""
+
+    fingerprint: bytes
+    depth: int
+    encoding: Encoding | None
+    ids: list[int] = field(default_factory=list)
+    variants: list[int] = field(default_factory=list)
+    nbytes: int = 0  # of the batches' tensors
+    _encodes: list[Encode] = field(default_factory=list)
+    _columns: list[Columns] = field(default_factory=list)
+
+    def add(self, ids: list[int], variants: list[int], encode: Encode, columns: Columns, nbytes: int) -> None:
+        self.ids += ids
+        self.variants += variants
+        self.nbytes += nbytes
+        self._encodes.append(encode)
+        self._columns.append(columns)
+
+    def encode(self) -> list[bytes | memoryview]:
+        """The entries of every batch, in order."""
+        return [entry for encode in self._encodes for entry in encode()]
+
+    def columns(self) -> tuple[list[TensorSpec], list[np.ndarray]] | None:
+        """The batches' tensors as the columns of one batch; None if their per-sample layouts differ."""
+        parts = [columns() for columns in self._columns]
+        specs = parts[0][0]
+        if any(other != specs for other, _ in parts[1:]):
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return specs, [np.concatenate([arrays[j] for _, arrays in parts]) for j in range(len(specs))]
