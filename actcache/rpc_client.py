@@ -80,9 +80,10 @@ class RpcClient:
 
     def __init__(
         self, target: str, *, token: str | None = None, timeout_s: float = 30.0, retries: int = 3,
-        max_message_bytes: int = 128 << 20, root_certificates: bytes | None = None, shared_puts: bool = True,
+        max_message_bytes: int = 128 << 20, root_certificates: bytes | None = None, shared_puts: bool = False,
     ) -> None:
-        """``shared_puts``: over a Unix socket, put entries through a shared-memory segment (``PutStream``)."""
+        """``shared_puts``: over a Unix socket, put entries through a shared-memory segment (``PutStream``); the
+        stream holds a daemon thread until ``end_put_stream`` or ``close``."""
         self.target = target
         self.timeout_s = timeout_s
         self.retries = retries
@@ -94,7 +95,8 @@ class RpcClient:
         self.segments = SegmentPool()
         self._pid: int | None = None
         #: Why puts travel in gRPC messages ("": they go through shared memory when the target allows).
-        self.put_plane_detail = "" if shared_puts and target.startswith("unix:") else "not asked for, or not on a Unix socket"
+        self.put_plane_detail = ("shared_puts=False" if not shared_puts else
+                                 "" if target.startswith("unix:") else f"{target} is not a Unix socket")
         self._put_stream: tuple[PutStream, int] | None = None  # and the pid of the process that opened it
         self._put_lock = threading.Lock()
         self._channel: grpc.Channel | None = None

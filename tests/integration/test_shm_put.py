@@ -31,7 +31,7 @@ def frame(header: pb.PutHeader, payload: bytes = b"") -> bytes:
 
 
 def test_puts_go_through_one_segment_whose_name_goes_once_mapped(shm_dir):
-    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client(shared_puts=True) as client:
         ns = client.open("put").namespace_id
         values = entries(192)
         for start in range(0, 192, 64):
@@ -46,7 +46,7 @@ def test_puts_go_through_one_segment_whose_name_goes_once_mapped(shm_dir):
 def test_columns_are_encoded_by_the_daemon_as_the_client_would(shm_dir):
     """A state of two tensors: the entries stored are byte for byte those encode_samples makes, variants kept."""
     state = (torch.randn(48, 8, 4, 4), torch.arange(48 * 3).reshape(48, 3))
-    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client(shared_puts=True) as client:
         ns = client.open("cols").namespace_id
         specs, columns = sample_columns(state)
         reply = client.put_columns(ns, FP, 2, list(range(48)), [3] * 48, specs, columns, encoding="raw")
@@ -61,7 +61,7 @@ def test_columns_are_encoded_by_the_daemon_as_the_client_would(shm_dir):
 
 
 def test_a_put_larger_than_the_segment_gets_a_larger_one(shm_dir):
-    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client() as client:
+    with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client(shared_puts=True) as client:
         ns = client.open("big").namespace_id
         small, large = entries(16), entries(640, seed=1)  # 256 KiB, then 10 MiB: over the first 8 MiB segment
         client.put(ns, FP, 1, list(zip(range(16), [0] * 16, small)))
@@ -113,7 +113,7 @@ def test_over_tcp_puts_travel_in_messages(shm_dir):
     env = {"ACTCACHE_SHM_DIR": str(shm_dir), "ACTCACHE_TOKEN": "t0ken"}
     with run_daemon("--listen", "127.0.0.1:0", env=env) as daemon:
         port = re.search(r"\(port (\d+)\)", daemon.log_path.read_text()).group(1)
-        with RpcClient(f"127.0.0.1:{port}", token="t0ken") as client:
+        with RpcClient(f"127.0.0.1:{port}", token="t0ken", shared_puts=True) as client:
             ns = client.open("tcp").namespace_id
             values = entries(8)
             assert client.put(ns, FP, 1, list(zip(range(8), [0] * 8, values))).entries == 8

@@ -194,7 +194,7 @@ class Connection:
         self.stats = ClientStats()
         self._embedded = embedded
         self._rpc = RpcClient(target_for(config.socket, config.address), token=config.token,
-                              timeout_s=config.timeout_s, retries=2)
+                              timeout_s=config.timeout_s, retries=2, shared_puts=True)
         self._lock = threading.Lock()
         self._namespace_id: int | None = None
         self._data_id = ""
