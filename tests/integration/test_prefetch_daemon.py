@@ -33,6 +33,20 @@ def prefetch_of(stats, namespace: str):
     return next(p for p in stats.prefetch if p.namespace == namespace)
 
 
+def test_an_order_with_nothing_stored_is_not_read_ahead_and_its_fetch_serves_what_is_stored_by_then(client):
+    """A write epoch's push (report_present, every entry absent) starts no reader: nothing to read ahead."""
+    ns = client.open("absent").namespace_id
+    order = np.arange(12, dtype=np.uint64)
+    reply = client.schedule(ns, FP, 1, "writes", order, report_present=True)
+    assert reply.present == bytes(12)
+    status = next(s for s in client.stats().schedules if s.schedule_id == "writes")
+    assert status.state == "idle" and status.read == 0
+    stored = put_range(client, ns, range(0, 12, 2))  # stored during the epoch
+    got = {sid: value for batch in client.fetch_batches(ns, "writes") for _, sid, _, value in batch}
+    assert {sid: bytes(decode_entry(v)[1]) for sid, v in got.items() if v is not None} == {
+        sid: bytes(decode_entry(v)[1]) for sid, v in stored.items()}
+
+
 @pytest.mark.slow
 def test_chunked_order_of_200k_ids_is_preserved_with_misses_in_place(client):
     ns = client.open("order").namespace_id

@@ -97,8 +97,9 @@ class Prefetcher:
         self.fetches_total = 0
         self._closed = False
 
-    def push(self, schedule: Schedule) -> bool:
-        """Register ``schedule`` (replacing one of the same id) and start reading it; True if it replaced one."""
+    def push(self, schedule: Schedule, *, read_ahead: bool = True) -> bool:
+        """Register ``schedule`` (replacing one of the same id) and start reading it (``read_ahead``; else its
+        first Fetch does); True if it replaced one."""
         key = (schedule.namespace_id, schedule.schedule_id)
         with self._cond:
             self._check_open()
@@ -107,7 +108,7 @@ class Prefetcher:
             evicted = self._evict_for(schedule.namespace_id)
             self._schedules[key] = schedule
             self.store.generations.pin(_generation(schedule))  # unpinned by _retire
-            reader = self._new_reader(schedule, 0, attached=False)
+            reader = self._new_reader(schedule, 0, attached=False) if read_ahead else None
             self.schedules_total += 1
             self._update_turns()
         if old_reader is not None:
@@ -119,7 +120,8 @@ class Prefetcher:
             if evicted_reader is not None:
                 evicted_reader.cancel(None)
             self._retire(evicted_schedule)
-        reader.begin()
+        if reader is not None:
+            reader.begin()
         return old is not None
 
     def attach(self, namespace_id: int, schedule_id: str, start: int) -> ScheduleReader:

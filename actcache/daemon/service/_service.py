@@ -294,7 +294,8 @@ class ActCacheService:
         schedule = builder.build()
         present = b"" if report is None else bytes(self.store.contains(
             report, schedule.fingerprint, schedule.depth, schedule.sample_ids, schedule.variants))
-        replaced = self.prefetcher.push(schedule)
+        # nothing stored yet (an epoch that writes): nothing to read ahead; a Fetch of it reads what it asks for
+        replaced = self.prefetcher.push(schedule, read_ahead=report is None or any(present))
         return pb.ScheduleReply(schedule_id=schedule.schedule_id, length=len(schedule), replaced=replaced,
                                 present=present)
 
