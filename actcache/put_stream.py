@@ -1,10 +1,11 @@
 """The client's side of PutShared: entries put through a shared-memory segment instead of the gRPC message.
 
 A stream is one PutShared call and the segment the daemon made for it (``actcache.shm``'s layout, its
-header unused). Each put copies its entries into the segment's data area with numpy (which releases the
-GIL, so a put beside a training step costs that step little) and sends a frame of metadata; the reply
-says they are committed, and only then is the area written again. Over gRPC the same bytes are copied
-three more times in this process (the frame, gRPC's message, the socket) while holding the GIL.
+header unused). Each put copies its entries, or a batch's tensors as columns that the daemon encodes into
+entries, into the segment's data area with numpy (which releases the GIL, so a put beside a training step
+costs that step little) and sends a frame of metadata; the reply says they are committed, and only then is
+the area written again. Over gRPC the same bytes are copied three more times in this process (the frame,
+gRPC's message, the socket) while holding the GIL.
 """
 
 from __future__ import annotations
@@ -24,22 +25,6 @@ from actcache.rpc import encode_frame
 from actcache.shm import HEADER_BYTES, ClientSegment, column_starts
 
 __all__ = ["PutStream"]
-
-
-def _rows_block(values: Sequence[bytes | memoryview]) -> np.ndarray | None:
-    """The C-contiguous uint8 array whose rows ``values`` are, in order, if they are views of one; else None."""
-    first = values[0].obj if values and isinstance(values[0], memoryview) else None
-    block = first.base if isinstance(first, np.ndarray) else None
-    if not isinstance(block, np.ndarray) or block.ndim != 2 or len(block) != len(values) or not block.flags.c_contiguous:
-        return None
-    rows = [v.obj for v in values if isinstance(v, memoryview)]
-    if len(rows) != len(values) or any(not isinstance(r, np.ndarray) or r.base is not block for r in rows):
-        return None
-    start = block.__array_interface__["data"][0]
-    if any(r.__array_interface__["data"][0] != start + i * block.strides[0] or r.nbytes != block.strides[0]
-           for i, r in enumerate(rows)):
-        return None
-    return block
 
 
 class _Deadline:
@@ -111,15 +96,11 @@ class PutStream:
             items: Sequence[tuple[int, int, bytes | memoryview]], encoding: str = "") -> pb.PutReply:
         """Store ``(sample_id, variant, encoded entry)`` items (at most ``capacity`` bytes); returns once
         they are committed."""
-        block = _rows_block([v for _, _, v in items])
-        if block is not None:  # the rows of one array (codec.encode_batch): one copy
-            self._data[: block.nbytes] = block.reshape(-1)
-        else:
-            at = 0
-            for _, _, value in items:
-                n = len(value)
-                self._data[at : at + n] = np.frombuffer(value, np.uint8)
-                at += n
+        at = 0
+        for _, _, value in items:
+            n = len(value)
+            self._data[at : at + n] = np.frombuffer(value, np.uint8)
+            at += n
         return self._send(pb.PutHeader(
             namespace_id=namespace_id, fingerprint=fingerprint, depth=depth, encoding=encoding,
             sample_ids=[s for s, _, _ in items], lengths=[len(v) for _, _, v in items],

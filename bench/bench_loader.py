@@ -16,26 +16,26 @@ Three comparisons, every pair taking turns (A, B, A, B, ...), min and median of 
 - ``train_vs_hand``: a whole run with augmentation, ``variants=2``, frozen at epoch 3 of 12, through actcache /
   the same run frozen by hand (seconds of training, below 1 means actcache is faster).
 
-Sample output (2-core CPU shared with other work, ``--quick``)::
+Sample output (2-core VM, ``--quick``, 2026-11-29)::
 
-    loader pass, plain loader                        0.032 s (min)   0.033 s (median)
-    loader pass, variants=2                          0.045 s (min)   0.046 s (median)  1.40x
-    loaded epoch, plain loader                       0.385 s (min)   0.397 s (median)
-    loaded epoch, cache.wrap(loader)                 0.378 s (min)   0.397 s (median)  0.98x
-    loaded epoch, cache.wrap(loader, variants=2)     0.403 s (min)   0.414 s (median)  1.05x
-      seeding: variants=2 / cache.wrap(loader)     1.07x
+    loader pass, plain loader                        0.033 s (min)   0.033 s (median)
+    loader pass, variants=2                          0.046 s (min)   0.046 s (median)  1.41x
+    loaded epoch, plain loader                       0.401 s (min)   0.421 s (median)
+    loaded epoch, cache.wrap(loader)                 0.409 s (min)   0.436 s (median)  1.02x
+    loaded epoch, cache.wrap(loader, variants=2)     0.413 s (min)   0.446 s (median)  1.03x
+      seeding: variants=2 / cache.wrap(loader)     1.01x
       seeding per epoch (loader passes)              0.013 s = 3.4% of a loaded epoch
-    loader pass, 2 workers, plain                    0.061 s (min)   0.065 s (median)
-    loader pass, 2 workers, variants=2               0.081 s (min)   0.085 s (median)  1.33x
-    first frozen epoch, frozen by hand               0.170 s (min)   0.170 s (median)
-    first frozen epoch, actcache (fill)              0.254 s (min)   0.306 s (median)  1.49x
-    12 epochs augmented, frozen by hand              3.058 s (min)   3.834 s (median)
-    12 epochs augmented, actcache                    3.064 s (min)   3.128 s (median)  1.00x
-    figure: variants_overhead = 1.07
-    figure: variants_vs_plain_loader = 1.05
+    loader pass, 2 workers, plain                    0.046 s (min)   0.057 s (median)
+    loader pass, 2 workers, variants=2               0.062 s (min)   0.062 s (median)  1.36x
+    first frozen epoch, frozen by hand               0.139 s (min)   0.140 s (median)
+    first frozen epoch, actcache (fill)              0.169 s (min)   0.172 s (median)  1.21x
+    12 epochs augmented, frozen by hand              2.612 s (min)   2.617 s (median)
+    12 epochs augmented, actcache                    2.190 s (min)   2.231 s (median)  0.84x
+    figure: variants_overhead = 1.01
+    figure: variants_vs_plain_loader = 1.03
     figure: seeding_share = 0.03
-    figure: fill_overhead = 1.49
-    figure: train_vs_hand = 1.00
+    figure: fill_overhead = 1.21
+    figure: train_vs_hand = 0.84
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from actcache.daemon.prefetch import Prefetcher, ScheduleBuilder, unpack_ids, un
 from actcache.daemon.service._shm_fetch import ParkedRings, Throttle, serve_fetch
 from actcache.daemon.service._stats import NamespaceJobs, stats_reply
 from actcache.daemon.store import Store
-from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, status_of
+from actcache.errors import ERROR_METADATA_KEY, ActCacheError, EntryCorrupt, InvalidRequest, StoreError, status_of
 from actcache.rpc import PROTOCOL_VERSION, SERVICE, decode_frame, encode_frame, split_payload, version_mismatch
 from actcache.shm import HEADER_BYTES, MAX_RING_BYTES, ShmRing, column_starts
 
@@ -192,7 +192,11 @@ class ActCacheService:
         asked = _put_header(decode_frame(first)[0]).segment_bytes
         if not 0 < asked <= MAX_RING_BYTES:
             raise InvalidRequest(f"PutShared's first frame asks for a segment of {asked} bytes; ask for 1..{MAX_RING_BYTES}")
-        segment = ShmRing(asked, 0)
+        try:
+            segment = ShmRing(asked, 0)
+        except OSError as exc:
+            raise StoreError(f"shared memory unavailable for a PutShared segment: {exc}; puts go in messages (Put)") \
+                from None
         context.add_callback(segment.unlink)  # a client gone before mapping leaves no name behind
         self.counters.add(put_segments_total=1)
         try:

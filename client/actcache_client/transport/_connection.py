@@ -52,6 +52,7 @@ log = logging.getLogger("actcache_client")
 _PUT_STREAM_IDLE_S = 2.0
 # Puts of tensor columns are gathered up to this many bytes, then queued as one.
 _GROUP_BYTES = 4 << 20
+
 T = TypeVar("T")
 
 
@@ -397,9 +398,9 @@ class Connection:
             columns: Returns the samples' tensors as columns (``sample_columns``), sent instead of entries
                 through shared memory, the daemon encoding them; runs on the writer thread. Only where
                 ``encoding`` needs no entries (it was chosen). Such puts of one fingerprint and depth are
-                gathered up to ``nbytes`` (the tensors' size) of 4 MiB, then queued as one; ``flush``
-                queues what is gathered.
-            nbytes: The size of the tensors.
+                gathered until their tensors reach 4 MiB, then queued as one; ``flush``, ``drop`` and
+                ``close`` queue what is gathered first.
+            nbytes: The size of the samples' tensors.
 
         Returns:
             False if the put was dropped.
