@@ -108,15 +108,19 @@ class PutStream:
         ))
 
     def put_columns(self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: np.ndarray,
-                    variants: np.ndarray | None, specs: Sequence[TensorSpec], columns: Sequence[np.ndarray],
+                    variants: np.ndarray | None, specs: Sequence[TensorSpec], parts: Sequence[Sequence[np.ndarray]],
                     encoding: str = "") -> pb.PutReply | None:
-        """Store the samples ``sample_ids`` (uint64) whose tensor j is row i of ``columns[j]`` (a ``(samples,
-        bytes)`` uint8 array): the daemon encodes their entries. None (nothing sent) if they do not fit."""
+        """Store the samples ``sample_ids`` (uint64), given in parts of consecutive samples (``parts[k][j]``:
+        tensor j of the k-th part's samples, a ``(samples, bytes)`` uint8 array); the daemon encodes their
+        entries. None (nothing sent) if they do not fit."""
         starts = column_starts([spec.nbytes for spec in specs], len(sample_ids), 0, self.capacity)
         if starts is None:
             return None
-        for at, column in zip(starts, columns):
-            self._data[at : at + column.nbytes] = column.reshape(-1)
+        for j, at in enumerate(starts):  # each part's rows after the part before
+            for part in parts:
+                block = part[j]
+                self._data[at : at + block.nbytes] = block.reshape(-1)
+                at += block.nbytes
         return self._send(pb.PutHeader(
             namespace_id=namespace_id, fingerprint=fingerprint, depth=depth, encoding=encoding,
             layout=pack_layout(specs), packed_sample_ids=sample_ids.tobytes(),

@@ -252,25 +252,28 @@ class RpcClient:
 
     def put_columns(
         self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: Sequence[int] | np.ndarray,
-        variants: Sequence[int] | np.ndarray | None, specs: Sequence[TensorSpec], columns: Sequence[np.ndarray],
+        variants: Sequence[int] | np.ndarray | None, specs: Sequence[TensorSpec], parts: Sequence[Sequence[np.ndarray]],
         *, encoding: str = "",
     ) -> pb.PutReply | None:
         """Store samples as tensor columns through shared memory (``PutStream.put_columns``): the daemon
-        encodes their entries. None, having sent nothing, when puts cannot go through shared memory
-        (``put_plane_detail``): then encode the entries and ``put`` them."""
+        encodes their entries. ``parts[k][j]`` is tensor j of the k-th run of consecutive samples, a
+        ``(samples, bytes)`` uint8 array. None, having sent nothing, when puts cannot go through shared
+        memory (``put_plane_detail``): then encode the entries and ``put`` them."""
         if self.put_plane_detail:
             return None
         fingerprint = check_fingerprint(fingerprint)
         ids, vars_ = _ids_and_variants(sample_ids, variants)
-        if any(v.shape != (len(ids), s.nbytes) or v.dtype != np.uint8 for v, s in zip(columns, specs)) or \
-                len(columns) != len(specs):
-            raise InvalidRequest(f"columns {[(c.dtype.name, c.shape) for c in columns]} are not one uint8 row per "
-                                 f"sample of {[s.nbytes for s in specs]} bytes")
+        if any(len(part) != len(specs) or any(a.dtype != np.uint8 or a.ndim != 2 or a.shape[1] != s.nbytes
+                                               for a, s in zip(part, specs)) for part in parts) \
+                or any(sum(len(part[j]) for part in parts) != len(ids) for j in range(len(specs))):
+            shapes = [[(a.dtype.name, a.shape) for a in part] for part in parts]
+            raise InvalidRequest(f"tensor parts {shapes} are not one uint8 row of {[s.nbytes for s in specs]} bytes "
+                                 f"per sample of the {len(ids)}")
         with self._put_lock:
             try:
-                stream = self._shared_put_stream(sum(c.nbytes + COLUMN_ALIGN for c in columns))
+                stream = self._shared_put_stream(sum(a.nbytes for part in parts for a in part) + COLUMN_ALIGN * len(specs))
                 if stream is not None:
-                    return stream.put_columns(namespace_id, fingerprint, depth, ids, vars_, specs, columns, encoding)
+                    return stream.put_columns(namespace_id, fingerprint, depth, ids, vars_, specs, parts, encoding)
             except DaemonUnavailable:
                 pass  # a daemon restarting: the caller's put retries within the deadline
         return None

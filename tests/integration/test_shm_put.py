@@ -9,6 +9,7 @@ import torch
 
 from actcache._proto import actcache_pb2 as pb
 from actcache.codec import DType, TensorSpec, decode_entry, pack_layout
+from actcache.errors import InvalidRequest
 from actcache.rpc import encode_frame, method
 from actcache.rpc_client import RpcClient
 from actcache.testing import run_daemon, wait_until
@@ -49,12 +50,15 @@ def test_columns_are_encoded_by_the_daemon_as_the_client_would(shm_dir):
     with run_daemon(env={"ACTCACHE_SHM_DIR": str(shm_dir)}) as daemon, daemon.client(shared_puts=True) as client:
         ns = client.open("cols").namespace_id
         specs, columns = sample_columns(state)
-        reply = client.put_columns(ns, FP, 2, list(range(48)), [3] * 48, specs, columns, encoding="raw")
+        parts = [[c[:20] for c in columns], [c[20:] for c in columns]]  # two runs of samples, as a group sends them
+        reply = client.put_columns(ns, FP, 2, list(range(48)), [3] * 48, specs, parts, encoding="raw")
         assert reply is not None and reply.entries == 48
         got = client.get(ns, FP, 2, list(range(48)), [3] * 48)
         assert [bytes(v) for v in got] == [bytes(e) for e in encode_samples(state)]
         assert client.get(ns, FP, 2, [0], [0]) == [None]  # stored under variant 3 only
-        lz4 = client.put_columns(ns, FP, 3, list(range(48)), None, specs, columns, encoding="lz4")
+        with pytest.raises(InvalidRequest, match="not one uint8 row"):  # 48 rows for 47 samples
+            client.put_columns(ns, FP, 2, list(range(47)), None, specs, [columns])
+        lz4 = client.put_columns(ns, FP, 3, list(range(48)), None, specs, [columns], encoding="lz4")
         assert lz4 is not None and lz4.entries == 48
         decoded = [decode_entry(v)[1] for v in client.get(ns, FP, 3, list(range(48)))]
         assert [bytes(d) for d in decoded] == [bytes(decode_entry(e)[1]) for e in encode_samples(state)]
@@ -119,7 +123,7 @@ def test_over_tcp_puts_travel_in_messages(shm_dir):
             assert client.put(ns, FP, 1, list(zip(range(8), [0] * 8, values))).entries == 8
             assert "Unix socket" in client.put_plane_detail
             specs, columns = sample_columns(torch.zeros(8, 4))
-            assert client.put_columns(ns, FP, 1, list(range(8)), None, specs, columns) is None
+            assert client.put_columns(ns, FP, 1, list(range(8)), None, specs, [columns]) is None
             assert client.stats().put_segments_total == 0
             assert [bytes(v) for v in client.get(ns, FP, 1, list(range(8)))] == values
 

@@ -412,7 +412,7 @@ class Connection:
         if columns is None or probe:
             self._submit_group()  # the puts gathered go first
             return self._enqueue(
-                partial(self._write, fingerprint, depth, list(ids), list(variants), encode, probe, encoding, columns))
+                partial(self._write, fingerprint, depth, list(ids), list(variants), encode, probe, encoding, None))
         group = self._group
         if group is not None and (group.fingerprint, group.depth) != (fingerprint, depth):
             self._submit_group()
@@ -481,7 +481,7 @@ class Connection:
 
     def _write(self, fingerprint: bytes, depth: int, ids: list[int], variants: list[int], encode: Encode,
                probe: bool, encoding: Encoding | None,
-               columns: Callable[[], tuple[list[TensorSpec], list[np.ndarray]] | None] | None) -> None:
+               columns: Callable[[], tuple[list[TensorSpec], list[list[np.ndarray]]] | None] | None) -> None:
         if self._paused():
             self._count_dropped()
             return
@@ -490,10 +490,10 @@ class Connection:
             reply, entries = None, None
             laid = columns() if columns is not None else None
             if laid is not None:  # through shared memory, the daemon encoding them (None: it cannot)
-                specs, tensors = laid
+                specs, parts = laid
                 how = encoding([]) if encoding is not None else ""
                 reply = self._call(lambda ns: self._rpc.put_columns(ns, fingerprint, depth, ids, variants, specs,
-                                                                    tensors, encoding=how))
+                                                                    parts, encoding=how))
                 written = len(ids) * raw_entry_bytes(specs)
             if reply is None:
                 entries = encode()

@@ -41,12 +41,11 @@ class PutGroup:
         """The entries of every batch, in order."""
         return [entry for encode in self._encodes for entry in encode()]
 
-    def columns(self) -> tuple[list[TensorSpec], list[np.ndarray]] | None:
-        """The batches' tensors as the columns of one batch; None if their per-sample layouts differ."""
-        parts = [columns() for columns in self._columns]
-        specs = parts[0][0]
-        if any(other != specs for other, _ in parts[1:]):
+    def columns(self) -> tuple[list[TensorSpec], list[list[np.ndarray]]] | None:
+        """The batches' tensors as ``(specs, parts)``: ``parts[k][j]`` is tensor j of batch k (as
+        ``RpcClient.put_columns`` takes them); None if their per-sample layouts differ."""
+        laid = [columns() for columns in self._columns]
+        specs = laid[0][0]
+        if any(other != specs for other, _ in laid[1:]):
             return None
-        if len(parts) == 1:
-            return parts[0]
-        return specs, [np.concatenate([arrays[j] for _, arrays in parts]) for j in range(len(specs))]
+        return specs, [arrays for _, arrays in laid]
