@@ -7,7 +7,7 @@ import torch
 
 from actcache.errors import ConfigError, ConfigTypeError
 from actcache_client import AutoEncoding, CachedForward, from_sequential
-from actcache_client.engine._codec_choice import choose_encoding, measure_codecs
+from actcache_client.engine._codec_choice import choose_encoding, choose_unmeasured, measure_codecs
 from actcache_client.transport._tensors import encode_samples
 
 SLOW_DISK = 1e8  # 100 MB/s: reading dominates any decoder's cost
@@ -52,6 +52,14 @@ def test_entries_that_fit_in_the_page_cache_stay_raw():
     assert half.numbers["raw_cold_share"] == pytest.approx(0.5)
     assert half.encoding != "raw"  # compressed, the whole depth fits in memory: only raw reads the disk
     assert half.numbers[f"{half.encoding}_cold_share"] == 0.0
+
+
+def test_the_choice_needs_no_entries_when_they_fit_in_the_page_cache():
+    config = AutoEncoding(page_cache_bytes=1e6)
+    fits = choose_unmeasured(1000, samples=1000, config=config)  # 1 MB: fits
+    assert fits is not None and fits.encoding == "raw" and fits.numbers["raw_cold_share"] == 0.0
+    assert choose_unmeasured(1001, samples=1000, config=config) is None  # over: the codecs are measured
+    assert choose_unmeasured(1, samples=None, config=config) is None  # the dataset's size unknown
 
 
 def test_the_measurement_compresses_each_entry_and_stops_at_the_sample_size():

@@ -51,7 +51,7 @@ def test_a_failed_measurement_leaves_the_choice_to_the_daemon_and_stores_everyth
     def broken(*args, **kwargs):
         raise OSError("psutil could not read the memory")
 
-    monkeypatch.setattr("actcache_client.engine._writer.choose_encoding", broken)
+    monkeypatch.setattr("actcache_client.engine._codec_choice.psutil.virtual_memory", broken)
     with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
         _, model = train(conn)
         assert conn.stats.puts == N and conn.stats.hits == N

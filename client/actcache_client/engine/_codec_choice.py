@@ -27,7 +27,7 @@ import psutil
 from actcache.codec import Codec, Encoding, compress_entry, decode_entry
 from actcache.errors import ConfigError, InvalidRequest
 
-__all__ = ["AutoEncoding", "EncodingChoice", "choose_encoding", "measure_codecs"]
+__all__ = ["AutoEncoding", "EncodingChoice", "choose_encoding", "choose_unmeasured", "measure_codecs"]
 
 _DECODE_TURNS = 5  # decodes of the sample per codec, the fastest kept
 
@@ -114,18 +114,35 @@ def measure_codecs(entries: Sequence[bytes | memoryview], candidates: Sequence[s
             for name in names}
 
 
+def _page_cache_bytes(config: AutoEncoding) -> float:
+    return config.page_cache_bytes if config.page_cache_bytes is not None else psutil.virtual_memory().available
+
+
+def choose_unmeasured(entry_bytes: float, *, samples: int | None, config: AutoEncoding | None = None,
+                      ) -> EncodingChoice | None:
+    """Raw, when the ``samples`` entries of ``entry_bytes`` fit in the page cache (served from memory, nothing
+    decodes faster); None when the codecs must be measured (``choose_encoding``)."""
+    config = config or AutoEncoding()
+    memory = _page_cache_bytes(config)
+    if samples is None or samples * entry_bytes > memory:
+        return None
+    numbers = {"disk_read_bytes_per_s": config.disk_read_bytes_per_s, "page_cache_bytes": memory, "raw_ratio": 1.0,
+               "raw_cold_share": 0.0}
+    return EncodingChoice("raw", f"raw: the {samples * entry_bytes / 1e9:.3g} GB of entries fit in the page cache "
+                                 f"({memory / 1e9:.3g} GB)", numbers)
+
+
 def choose_encoding(entries: Sequence[bytes | memoryview], *, samples: int | None,
                     config: AutoEncoding | None = None) -> EncodingChoice:
     """The codec that serves these entries fastest; ``samples``: entries the dataset will have at
     this depth (None: unknown, judged as read from disk)."""
     config = config or AutoEncoding()
     entry_bytes = sum(len(e) for e in entries) / max(len(entries), 1)
-    memory = config.page_cache_bytes if config.page_cache_bytes is not None else psutil.virtual_memory().available
+    unmeasured = choose_unmeasured(entry_bytes, samples=samples, config=config)
+    if unmeasured is not None:
+        return unmeasured
+    memory = _page_cache_bytes(config)
     numbers: dict[str, float] = {"disk_read_bytes_per_s": config.disk_read_bytes_per_s, "page_cache_bytes": memory}
-    if samples is not None and samples * entry_bytes <= memory:  # raw is read from memory: nothing decodes faster
-        numbers.update({"raw_ratio": 1.0, "raw_cold_share": 0.0})
-        return EncodingChoice("raw", f"raw: the {samples * entry_bytes / 1e9:.3g} GB of entries fit in the page cache "
-                                     f"({memory / 1e9:.3g} GB)", numbers)
     readings = measure_codecs(entries, config.candidates, config.sample_bytes)
     costs: dict[str, float] = {}
     for name, r in readings.items():

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 from actcache.codec import Encoding
 from actcache.errors import ConfigError, ConfigTypeError, InvalidRequest
-from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice, choose_encoding
+from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice, choose_encoding, choose_unmeasured
 from actcache_client.engine._epoch_plan import EpochPlan
 from actcache_client.engine._frozen import FrozenPrefix, WrittenFingerprints
 from actcache_client.transport._connection import connected
@@ -76,15 +76,32 @@ class EntryWriter:
         probe = (self.planner is not None and not self.planner.has_fetch_rate() and not self._probed
                  and not connection.streams_shared_memory)
         self._probed = self._probed or probe
+        nbytes = sum(t.numel() * t.element_size() for t in tensors_of(snapshot))
         # Tensors of one shape per sample go as columns (the daemon encodes them, over shared memory) once
-        # the codec is chosen: choosing it measures encoded entries.
+        # the codec is chosen: unless the entries fit in the page cache, choosing it measures encoded entries.
         chosen = not isinstance(self.encoding, AutoEncoding) or fingerprint in self._encodings
+        if not chosen and varlen is None and isinstance(self.encoding, AutoEncoding):
+            try:
+                choice = choose_unmeasured(nbytes / max(len(ids), 1), samples=self.epoch.samples(),
+                                           config=self.encoding)
+            except Exception:  # psutil failing: the measuring path says it, on the writer thread
+                choice = None
+            if choice is not None:
+                self._chose(fingerprint, depth, choice)
+                chosen = True
         connection.store(
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
-            columns=(lambda: sample_columns(snapshot)) if varlen is None and chosen else None,
-            nbytes=sum(t.numel() * t.element_size() for t in tensors_of(snapshot)),
+            columns=(lambda: sample_columns(snapshot)) if varlen is None and chosen else None, nbytes=nbytes,
         )
+
+    def _chose(self, fingerprint: bytes, depth: int, choice: EncodingChoice) -> None:
+        """Keep the codec chosen for ``fingerprint``'s entries (at ``depth``) and say it."""
+        self._encodings[fingerprint] = choice
+        if self.planner is not None:
+            self.planner.record_encoding(depth, choice)  # logs it with the plan
+        else:
+            log.info("actcache encoding for depth %d: %s", depth, choice.reason)
 
     def _encoding_for(self, depth: int) -> Callable[[list[bytes | memoryview]], str] | None:
         """How the daemon stores depth ``depth``'s entries; an AutoEncoding measures the first ones
@@ -93,7 +110,6 @@ class EntryWriter:
             fixed = self.encoding
             return None if fixed == "daemon" else (lambda entries: fixed)
         fingerprint, config, samples = self.frozen.fingerprints[depth], self.encoding, self.epoch.samples()
-        planner = self.planner
 
         def choose(entries: list[bytes | memoryview]) -> str:
             choice = self._encodings.get(fingerprint)
@@ -102,11 +118,7 @@ class EntryWriter:
                     choice = choose_encoding(entries, samples=samples, config=config)
                 except Exception as exc:  # a failed measurement must not stop the writes
                     choice = EncodingChoice("", f"the daemon's --encoding: measuring the codecs failed ({exc!r})", {})
-                self._encodings[fingerprint] = choice
-                if planner is not None:
-                    planner.record_encoding(depth, choice)  # logs it with the plan
-                else:
-                    log.info("actcache encoding for depth %d: %s", depth, choice.reason)
+                self._chose(fingerprint, depth, choice)
             return choice.encoding
 
         return choose
