@@ -27,6 +27,9 @@ from actcache_client.transport._tensors import (
 )
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from actcache.codec import TensorSpec
     from actcache_client.engine._planner import CachePlanner
     from actcache_client.transport._connection import Connection
 
@@ -89,10 +92,17 @@ class EntryWriter:
             if choice is not None:
                 self._chose(fingerprint, depth, choice)
                 chosen = True
+        columns: Callable[[], tuple[list[TensorSpec], list[np.ndarray]]] | None = None
+        if varlen is None and chosen:
+            if all(t.device.type == "cpu" for t in tensors_of(snapshot)):  # numpy views, made here: the writer
+                laid = sample_columns(snapshot)                             # thread then makes no torch call
+                columns = lambda: laid  # noqa: E731
+            else:  # the device-to-host copy runs on the writer thread
+                columns = lambda: sample_columns(snapshot)  # noqa: E731
         connection.store(
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
-            columns=(lambda: sample_columns(snapshot)) if varlen is None and chosen else None, nbytes=nbytes,
+            columns=columns, nbytes=nbytes,
         )
 
     def _chose(self, fingerprint: bytes, depth: int, choice: EncodingChoice) -> None:
