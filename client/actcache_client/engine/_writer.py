@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 from actcache.codec import Encoding
@@ -17,6 +18,7 @@ from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice, c
 from actcache_client.engine._epoch_plan import EpochPlan
 from actcache_client.engine._frozen import FrozenPrefix, WrittenFingerprints
 from actcache_client.transport._connection import connected
+from actcache_client.transport._put_group import Columns
 from actcache_client.transport._state import State, map_state, tensors_of
 from actcache_client.transport._tensors import (
     StorePrecision,
@@ -27,9 +29,6 @@ from actcache_client.transport._tensors import (
 )
 
 if TYPE_CHECKING:
-    import numpy as np
-
-    from actcache.codec import TensorSpec
     from actcache_client.engine._planner import CachePlanner
     from actcache_client.transport._connection import Connection
 
@@ -80,30 +79,32 @@ class EntryWriter:
                  and not connection.streams_shared_memory)
         self._probed = self._probed or probe
         nbytes = sum(t.numel() * t.element_size() for t in tensors_of(snapshot))
-        # Tensors of one shape per sample go as columns (the daemon encodes them, over shared memory) once
-        # the codec is chosen: unless the entries fit in the page cache, choosing it measures encoded entries.
-        chosen = not isinstance(self.encoding, AutoEncoding) or fingerprint in self._encodings
-        if not chosen and varlen is None and isinstance(self.encoding, AutoEncoding):
-            try:
-                choice = choose_unmeasured(nbytes / max(len(ids), 1), samples=self.epoch.samples(),
-                                           config=self.encoding)
-            except Exception:  # psutil failing: the measuring path says it, on the writer thread
-                choice = None
-            if choice is not None:
-                self._chose(fingerprint, depth, choice)
-                chosen = True
-        columns: Callable[[], tuple[list[TensorSpec], list[np.ndarray]]] | None = None
-        if varlen is None and chosen:
-            if all(t.device.type == "cpu" for t in tensors_of(snapshot)):  # numpy views, made here: the writer
-                laid = sample_columns(snapshot)                             # thread then makes no torch call
-                columns = lambda: laid  # noqa: E731
-            else:  # the device-to-host copy runs on the writer thread
-                columns = lambda: sample_columns(snapshot)  # noqa: E731
         connection.store(
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
-            columns=columns, nbytes=nbytes,
+            columns=self._columns(snapshot, depth, nbytes / max(len(ids), 1)), nbytes=nbytes,
         )
+
+    def _columns(self, snapshot: State, depth: int, sample_bytes: float) -> Columns | None:
+        """How ``snapshot``'s samples go as tensor columns (the daemon encodes them, over shared memory), or None:
+        as encoded entries, until the codec is chosen (choosing it measures them unless they fit in the page
+        cache) or when samples differ in shape. On the CPU the columns are views made here, so that the writer
+        thread makes no torch call beside the step; from a device, the copy to the host runs on the writer."""
+        fingerprint = self.frozen.fingerprints[depth]
+        if self.varlen is not None:
+            return None
+        if isinstance(self.encoding, AutoEncoding) and fingerprint not in self._encodings:
+            try:
+                choice = choose_unmeasured(sample_bytes, samples=self.epoch.samples(), config=self.encoding)
+            except Exception:  # psutil failing: the measuring path says so, on the writer thread
+                return None
+            if choice is None:
+                return None
+            self._chose(fingerprint, depth, choice)
+        if all(t.device.type == "cpu" for t in tensors_of(snapshot)):
+            laid = sample_columns(snapshot)
+            return lambda: laid
+        return partial(sample_columns, snapshot)
 
     def _chose(self, fingerprint: bytes, depth: int, choice: EncodingChoice) -> None:
         """Keep the codec chosen for ``fingerprint``'s entries (at ``depth``) and say it."""
