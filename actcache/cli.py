@@ -189,7 +189,7 @@ def _run_stats(args: argparse.Namespace) -> int:
           f"{reply.fetches_total} fetches; reads: {reply.explicit_reads_total} explicit, "
           f"{reply.cached_copies_total} copied from the page cache, {reply.fallback_reads_total} from the map "
           f"(layout not recognized); shared-memory rings: {reply.rings_created_total} made, "
-          f"{reply.rings_reused_total} reused")
+          f"{reply.rings_reused_total} reused; put segments: {reply.put_segments_total}")
     for ns in reply.prefetch:
         print(f"  {ns.namespace:<24} {_counters_line(ns.counters)}; {ns.schedules} live schedules, "
               f"read-ahead {ns.read_ahead_entries} entries ({_fmt(ns.buffered_bytes)})")
