@@ -154,9 +154,10 @@ def test_a_put_that_fails_unexpectedly_is_dropped_and_the_writer_goes_on():
             assert [bytes(v) for v in client.get(ns, FP, 1, [1, 2])] == values[1:3]
 
 
-def test_batches_of_columns_are_put_together_and_flush_sends_the_rest(monkeypatch):
+def test_batches_of_columns_are_put_together_and_the_rest_after_a_while(monkeypatch):
     """Puts of one fingerprint and depth are gathered up to 4 MiB: six batches of 1 MiB are two puts, the
-    second sent by flush(); every entry is stored as encode_samples encodes it."""
+    second sent once no batch came for a while (an epoch's end) without a flush(); every entry is stored as
+    encode_samples encodes it."""
     import actcache_client as ac
 
     sent = []
@@ -170,8 +171,8 @@ def test_batches_of_columns_are_put_together_and_flush_sends_the_rest(monkeypatc
             ids = list(range(64 * i, 64 * (i + 1)))
             conn.store(FP, 1, ids, [0] * 64, lambda s=state: encode_samples(s), encoding=lambda _: "raw",
                        columns=lambda s=state: sample_columns(s), nbytes=state.numel() * 4)
+        wait_until(lambda: sent == [256, 128], timeout=10, what="4 MiB, then the 2 MiB left, unflushed")
         conn.flush(timeout_s=30)
-        assert sent == [256, 128]  # 4 MiB, then the 2 MiB left, at the flush
         with daemon.client() as client:
             ns = client.open("group").namespace_id
             got = client.get(ns, FP, 1, list(range(64 * 6)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -50,8 +51,10 @@ log = logging.getLogger("actcache_client")
 
 # Seconds without a put after which the put stream (and the daemon thread serving it) is ended.
 _PUT_STREAM_IDLE_S = 2.0
-# Puts of tensor columns are gathered up to this many bytes, then queued as one.
+# Puts of tensor columns are gathered up to this many bytes, then queued as one; the writer thread queues
+# what was gathered once no store has added to it for this long (an epoch's last batches).
 _GROUP_BYTES = 4 << 20
+_GROUP_LINGER_S = 0.05
 
 T = TypeVar("T")
 
@@ -210,6 +213,7 @@ class Connection:
         self._pending_warnings: list[str] = []
         self._queue: queue.Queue = queue.Queue(maxsize=config.put_queue)
         self._group: PutGroup | None = None  # puts gathered on the training thread, not queued yet
+        self._group_lock = threading.Lock()  # the writer thread queues a group no store has added to for a while
         self._writer = threading.Thread(target=self._write_loop, name="actcache-put", daemon=True)
         self._writer.start()
         self._closed = False
@@ -413,23 +417,35 @@ class Connection:
             self._submit_group()  # the puts gathered go first
             return self._enqueue(
                 partial(self._write, fingerprint, depth, list(ids), list(variants), encode, probe, encoding, None))
-        group = self._group
-        if group is not None and (group.fingerprint, group.depth) != (fingerprint, depth):
+        with self._group_lock:
+            other, group = self._group, self._group
+            if group is not None and (group.fingerprint, group.depth) == (fingerprint, depth):
+                other = None
+            else:  # another fingerprint's, gathered before: queued first
+                group = PutGroup(fingerprint, depth, encoding)
+            group.add(list(ids), list(variants), encode, columns, nbytes, time.monotonic())
+            group.encoding = encoding
+            self._group = group
+        if other is not None:
+            self._enqueue_group(other)
+        if group.nbytes >= _GROUP_BYTES:
             self._submit_group()
-            group = None
-        if group is None:
-            group = self._group = PutGroup(fingerprint, depth, encoding)
-        group.add(list(ids), list(variants), encode, columns, nbytes)
-        group.encoding = encoding
-        return self._submit_group() if group.nbytes >= _GROUP_BYTES else True
+        return True
 
-    def _submit_group(self) -> bool:
-        """Queue the puts gathered (True if there were none)."""
-        group, self._group = self._group, None
-        if group is None:
-            return True
-        return self._enqueue(partial(self._write, group.fingerprint, group.depth, group.ids, group.variants,
-                                     group.encode, False, group.encoding, group.columns))
+    def _submit_group(self, *, idle: bool = False) -> bool:
+        """Queue the puts gathered (False if there were none); ``idle``: only if no store added to them for
+        ``_GROUP_LINGER_S`` (the writer thread asks)."""
+        with self._group_lock:
+            group = self._group
+            if group is None or (idle and time.monotonic() - group.last_added < _GROUP_LINGER_S):
+                return False
+            self._group = None
+        self._enqueue_group(group)
+        return True
+
+    def _enqueue_group(self, group: PutGroup) -> None:
+        self._enqueue(partial(self._write, group.fingerprint, group.depth, group.ids, group.variants, group.encode,
+                              False, group.encoding, group.columns))
 
     def _enqueue(self, job: Callable[[], None]) -> bool:
         with contextlib.suppress(queue.Full):  # a full queue drops the put: store never blocks the step
@@ -463,12 +479,19 @@ class Connection:
         self.surface()
 
     def _write_loop(self) -> None:
+        idle_s = 0.0
         while True:
             try:
-                job = self._queue.get(timeout=_PUT_STREAM_IDLE_S)  # a put or a drop, in the order queued; None: stop
-            except queue.Empty:  # between fill epochs: the daemon's thread serving the put stream is freed
-                self._rpc.end_put_stream()
-                job = self._queue.get()
+                job = self._queue.get(timeout=_GROUP_LINGER_S)  # a put or a drop, in the order queued; None: stop
+            except queue.Empty:
+                # Puts gathered that no store has added to since (an epoch's last batches) are queued, so that
+                # they are stored before another rank's next epoch asks which entries are stored.
+                idle_s = 0.0 if self._submit_group(idle=True) else idle_s + _GROUP_LINGER_S
+                if idle_s >= _PUT_STREAM_IDLE_S:  # between fill epochs: the daemon thread serving it is freed
+                    self._rpc.end_put_stream()
+                    idle_s = -math.inf  # once
+                continue
+            idle_s = 0.0
             try:
                 if job is None:
                     return

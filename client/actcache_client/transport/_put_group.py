@@ -27,10 +27,13 @@ class PutGroup:
     ids: list[int] = field(default_factory=list)
     variants: list[int] = field(default_factory=list)
     nbytes: int = 0  # of the batches' tensors
+    last_added: float = 0.0  # time.monotonic() of the last batch added
     _encodes: list[Encode] = field(default_factory=list)
     _columns: list[Columns] = field(default_factory=list)
 
-    def add(self, ids: list[int], variants: list[int], encode: Encode, columns: Columns, nbytes: int) -> None:
+    def add(self, ids: list[int], variants: list[int], encode: Encode, columns: Columns, nbytes: int,
+            now: float) -> None:
+        self.last_added = now
         self.ids += ids
         self.variants += variants
         self.nbytes += nbytes
