@@ -225,14 +225,10 @@ class RpcClient:
         ``encoding`` ("" = the daemon's own): how the daemon stores the raw ones (PutHeader.encoding).
         Through shared memory when the daemon is on this host's Unix socket (``put_plane_detail``)."""
         fingerprint = check_fingerprint(fingerprint)
-        if not self.put_plane_detail:
-            with self._put_lock:
-                try:
-                    stream = self._shared_put_stream(sum(len(v) for _, _, v in items))
-                    if stream is not None:
-                        return stream.put(namespace_id, fingerprint, depth, items, encoding)
-                except DaemonUnavailable:
-                    pass  # a daemon restarting (the stream broke): Put retries within the deadline
+        shared = self._through_segment(sum(len(v) for _, _, v in items),
+                                       lambda stream: stream.put(namespace_id, fingerprint, depth, items, encoding))
+        if shared is not None:
+            return shared
 
         def frames() -> Iterator[bytes]:
             start, size = 0, 0
@@ -257,10 +253,10 @@ class RpcClient:
     ) -> pb.PutReply | None:
         """Store samples as tensor columns through shared memory (``PutStream.put_columns``): the daemon
         encodes their entries. ``parts[k][j]`` is tensor j of the k-th run of consecutive samples, a
-        ``(samples, bytes)`` uint8 array. None, having sent nothing, when puts cannot go through shared
-        memory (``put_plane_detail``): then encode the entries and ``put`` them."""
+        ``(samples, bytes)`` uint8 array. None when puts cannot go through shared memory (``put_plane_detail``)
+        or the stream broke: then encode the entries and ``put`` them."""
         if self.put_plane_detail:
-            return None
+            return None  # before the checks: a TCP client never lays out columns
         fingerprint = check_fingerprint(fingerprint)
         ids, vars_ = _ids_and_variants(sample_ids, variants)
         if any(len(part) != len(specs) or any(a.dtype != np.uint8 or a.ndim != 2 or a.shape[1] != s.nbytes
@@ -269,14 +265,22 @@ class RpcClient:
             shapes = [[(a.dtype.name, a.shape) for a in part] for part in parts]
             raise InvalidRequest(f"tensor parts {shapes} are not one uint8 row of {[s.nbytes for s in specs]} bytes "
                                  f"per sample of the {len(ids)}")
+        return self._through_segment(
+            sum(a.nbytes for part in parts for a in part) + COLUMN_ALIGN * len(specs),
+            lambda stream: stream.put_columns(namespace_id, fingerprint, depth, ids, vars_, specs, parts, encoding))
+
+    def _through_segment(self, nbytes: int, send: Callable[[PutStream], pb.PutReply | None]) -> pb.PutReply | None:
+        """``send`` on this process's put stream, with room for ``nbytes``; None when puts go in messages
+        (``put_plane_detail``) or the stream broke (a daemon restarting: a Put retries within the deadline)."""
+        if self.put_plane_detail:
+            return None
         with self._put_lock:
             try:
-                stream = self._shared_put_stream(sum(a.nbytes for part in parts for a in part) + COLUMN_ALIGN * len(specs))
-                if stream is not None:
-                    return stream.put_columns(namespace_id, fingerprint, depth, ids, vars_, specs, parts, encoding)
-            except DaemonUnavailable:
-                pass  # a daemon restarting: the caller's put retries within the deadline
-        return None
+                stream = self._shared_put_stream(nbytes)
+                return send(stream) if stream is not None else None
+            except DaemonUnavailable as exc:
+                log.info("actcache: the shared-memory put stream broke (%s); this put goes in a message", exc)
+                return None
 
     def _shared_put_stream(self, nbytes: int) -> PutStream | None:
         """This process's PutShared stream with room for ``nbytes`` (opened anew when broken or too small); None
