@@ -38,7 +38,7 @@ from actcache.errors import (
     NamespaceNotFound,
 )
 from actcache.rpc_client import JobInfo, RpcClient, target_for
-from actcache_client.transport._put_group import Columns, Encode, Encoding, PutGroup
+from actcache_client.transport._put_group import Columns, Encode, Encoding, PutGathering, PutGroup
 
 if TYPE_CHECKING:
     import numpy as np
@@ -212,8 +212,7 @@ class Connection:
         self._put_errors: list[ActCacheError] = []
         self._pending_warnings: list[str] = []
         self._queue: queue.Queue = queue.Queue(maxsize=config.put_queue)
-        self._group: PutGroup | None = None  # puts gathered on the training thread, not queued yet
-        self._group_lock = threading.Lock()  # the writer thread queues a group no store has added to for a while
+        self._gathered = PutGathering(_GROUP_BYTES, _GROUP_LINGER_S)  # puts of columns, not queued yet
         self._writer = threading.Thread(target=self._write_loop, name="actcache-put", daemon=True)
         self._writer.start()
         self._closed = False
@@ -417,31 +416,18 @@ class Connection:
             self._submit_group()  # the puts gathered go first
             return self._enqueue(
                 partial(self._write, fingerprint, depth, list(ids), list(variants), encode, probe, encoding, None))
-        with self._group_lock:
-            other, group = self._group, self._group
-            if group is not None and (group.fingerprint, group.depth) == (fingerprint, depth):
-                other = None
-            else:  # another fingerprint's, gathered before: queued first
-                group = PutGroup(fingerprint, depth, encoding)
-            group.add(list(ids), list(variants), encode, columns, nbytes, time.monotonic())
-            group.encoding = encoding
-            self._group = group
-        if other is not None:
-            self._enqueue_group(other)
-        if group.nbytes >= _GROUP_BYTES:
-            self._submit_group()
+        for group in self._gathered.add(fingerprint, depth, encoding, list(ids), list(variants), encode, columns,
+                                        nbytes):
+            self._enqueue_group(group)
         return True
 
     def _submit_group(self, *, idle: bool = False) -> bool:
-        """Queue the puts gathered (False if there were none); ``idle``: only if no store added to them for
-        ``_GROUP_LINGER_S`` (the writer thread asks)."""
-        with self._group_lock:
-            group = self._group
-            if group is None or (idle and time.monotonic() - group.last_added < _GROUP_LINGER_S):
-                return False
-            self._group = None
-        self._enqueue_group(group)
-        return True
+        """Queue the puts gathered (False if there were none); ``idle``: only if no store added to them for a
+        while (the writer thread asks)."""
+        group = self._gathered.take(idle=idle)
+        if group is not None:
+            self._enqueue_group(group)
+        return group is not None
 
     def _enqueue_group(self, group: PutGroup) -> None:
         self._enqueue(partial(self._write, group.fingerprint, group.depth, group.ids, group.variants, group.encode,

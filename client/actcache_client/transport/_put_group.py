@@ -3,6 +3,8 @@ for several batches, each of which costs the training thread a share of the GIL.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -10,7 +12,7 @@ import numpy as np
 
 from actcache.codec import TensorSpec
 
-__all__ = ["Columns", "Encode", "Encoding", "PutGroup"]
+__all__ = ["Columns", "Encode", "Encoding", "PutGathering", "PutGroup"]
 
 Encode = Callable[[], list[bytes | memoryview]]
 Encoding = Callable[[list[bytes | memoryview]], str]
@@ -52,3 +54,42 @@ class PutGroup:
         if any(other != specs for other, _ in laid[1:]):
             return None
         return specs, [arrays for _, arrays in laid]
+
+
+class PutGathering:
+    """The puts gathered on the training thread: one group at a time, queued by whichever thread takes it
+    (thread-safe).
+
+    Args:
+        max_bytes: A group of this many bytes of tensors is due at once.
+        linger_s: A group nothing was added to for this long is due (an epoch's last batches).
+    """
+
+    def __init__(self, max_bytes: int, linger_s: float) -> None:
+        self.max_bytes, self.linger_s = max_bytes, linger_s
+        self._lock = threading.Lock()
+        self._group: PutGroup | None = None
+
+    def add(self, fingerprint: bytes, depth: int, encoding: Encoding | None, ids: list[int], variants: list[int],
+            encode: Encode, columns: Columns, nbytes: int) -> list[PutGroup]:
+        """Add a batch; returns the groups now due, in order: another fingerprint's gathered before, and
+        this one once it holds ``max_bytes``."""
+        with self._lock:
+            group, due = self._group, []
+            if group is None or (group.fingerprint, group.depth) != (fingerprint, depth):
+                due = [group] if group is not None else []
+                group = PutGroup(fingerprint, depth, encoding)
+            group.add(ids, variants, encode, columns, nbytes, time.monotonic())
+            group.encoding = encoding
+            full = group.nbytes >= self.max_bytes
+            self._group = None if full else group
+        return due + [group] if full else due
+
+    def take(self, *, idle: bool = False) -> PutGroup | None:
+        """The group gathered, if any; ``idle``: only once nothing was added to it for ``linger_s``."""
+        with self._lock:
+            group = self._group
+            if group is None or (idle and time.monotonic() - group.last_added < self.linger_s):
+                return None
+            self._group = None
+            return group
