@@ -15,6 +15,7 @@ from actcache.errors import CacheMismatchError
 from actcache_client.engine._audit import CacheMismatchWarning
 from actcache_client.transport._tensors import encode_samples
 from tests.client.test_identity import Scaled
+from tests.integration.loops import fit
 
 
 def mlp() -> ac.StagedModel:
@@ -61,21 +62,8 @@ def job(connection, dataset, *, make=mlp, frozen=2, epochs=2, **forward_options)
         DataLoader(ac.IndexedDataset(dataset), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1)),
         model,
     )
-    opt = torch.optim.SGD(staged.parameters(), lr=0.05)
     model.set_frozen(frozen)
-    losses, hits = [], []
-    for _ in range(epochs):
-        before = model.times.cached_samples
-        for batch in loader:
-            x, y = batch.data
-            loss = nn.functional.cross_entropy(model(batch.ids, x, variant=batch.variant), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        hits.append(model.times.cached_samples - before)
-        if connection is not None:
-            connection.flush(timeout_s=30)
+    losses, hits = fit(model, loader, torch.optim.SGD(staged.parameters(), lr=0.05), epochs, connection)
     return losses, model, hits
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import actcache_client as ac
+from tests.integration.loops import fit
 
 N, BATCH, WIDTH = 96, 16, 16384  # 64 KiB entries: an epoch (6 MiB) outgrows the smallest ring a stream asks for
 
@@ -70,19 +71,8 @@ def test_training_on_ring_views_is_bit_for_bit_the_training_without_the_cache(da
         staged = wide()
         model = ac.CachedForward(staged, connection)
         loader = loader_for(model)
-        opt = torch.optim.SGD(staged.parameters(), lr=0.05)
         model.set_frozen(2)
-        losses = []
-        for _ in range(3):
-            for batch in loader:
-                x, y = batch.data
-                loss = nn.functional.cross_entropy(model(batch.ids, x, variant=batch.variant), y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-            if connection is not None:
-                connection.flush(timeout_s=30)
+        losses, _ = fit(model, loader, torch.optim.SGD(staged.parameters(), lr=0.05), 3, connection)
         return losses, [p.detach().clone() for p in staged.parameters()]
 
     with ac.connect(daemon.socket, namespace=f"t-{uuid.uuid4().hex[:8]}", strict=True) as conn:
