@@ -28,7 +28,8 @@ class Batch:
     ``load``).
 
     Attributes:
-        ids: The rows' sample ids.
+        ids: The rows' sample ids: an int64 tensor on the host, made by the loader's collate (reading it
+            never syncs with a device).
         data: The collated items (with skipped loads: ``(inputs of the loaded rows, targets)``).
         variant: The augmentation variant.
         epoch: The epoch.

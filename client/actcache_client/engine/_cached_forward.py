@@ -361,7 +361,7 @@ class CachedForward:
         start = time.perf_counter()
         if planner is not None:
             self._time_last_step(planner, start)
-        self._epoch.advance(batch.ids.tolist())
+        self._epoch.advance(batch.ids.tolist())  # a host tensor (Batch.ids): no device sync
         self.times.prefix_samples += n
         self.times.computed_samples += n
         self.times.raw_loaded += n
@@ -381,7 +381,7 @@ class CachedForward:
                 or any(d < target.depth for d in self._frozen.seed_depths)
                 or (planner is not None and (self.plan is None or self._steps_planned % _DRIFT_EVERY == 0))):
             return None
-        ids = batch.ids.tolist()
+        ids = batch.ids.tolist()  # a host tensor (Batch.ids): no device sync
         if not stream.absent(self._epoch.position, ids):
             return None
         start = time.perf_counter()
