@@ -61,6 +61,28 @@ class DaemonProcess:
         except FileNotFoundError:
             return "(no daemon log)"
 
+    def thread_dump(self, timeout_s: float = 5.0) -> str:
+        """Every thread's stack, as the daemon writes it to its log on SIGUSR1; "" if it is not running or
+        wrote nothing within ``timeout_s``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return ""
+        start = self.log_path.stat().st_size if self.log_path.exists() else 0
+
+        def written() -> str:
+            with open(self.log_path, "rb") as log:
+                log.seek(start)
+                return log.read().decode(errors="replace")
+
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline, text = time.monotonic() + timeout_s, ""
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            now = written()
+            if now and now == text:  # a whole dump: nothing more came in 50 ms
+                return text
+            text = now
+        return text
+
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM and wait; returns the exit code."""
         if self.proc is None:

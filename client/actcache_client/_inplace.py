@@ -10,7 +10,8 @@ the oldest pending batch of the input's shape is taken. A matched batch of which
 stored (a plan that recomputes; ``CachedForward.recompute_in_place``) runs the modules' own ``forward``, as
 without the cache, except in the few steps the cost model times; so does a batch of a write epoch stored
 whole (``CachedForward.fill_in_place``), whose state is stored as the last frozen module returns it (only
-where the layout passes the state on as it is). The batch served last is served again for
+where the layout passes the state on as it is; in the steps the cost model times, each frozen stage is
+timed from its first module's call to its last module's return). The batch served last is served again for
 another forward on the same input tensor (a metric under ``no_grad``). Anything else (evaluation, an
 input the loop changed: an error on placeholder rows) runs the modules' own ``forward``. A stage 0 that
 names its sites (``Stage(..., sites=[block])``: a ``blocks=`` layout) is served at that block, after the
@@ -36,7 +37,7 @@ from torch import Tensor, nn
 
 from actcache.errors import ConfigError
 from actcache_client.engine._batch import Batch
-from actcache_client.engine._cached_forward import CachedForward
+from actcache_client.engine._cached_forward import CachedForward, InPlaceFill
 from actcache_client.layouts._base import served_as_is
 from actcache_client.layouts._stages import Stage, call_sites
 from actcache_client.transport._state import State
@@ -132,8 +133,10 @@ class InPlacePrefix:
         # A write step computed by the network's own modules: stores the output of the frozen stages' last call
         # site. Only where that output is the state the stages give (a layout whose output_of passes it on).
         self._fills_in_place = output_of is served_as_is
-        self._fill: Callable[[State], None] | None = None
+        self._fill: InPlaceFill | None = None
         self._last_site: nn.Module | None = None
+        self._stage_ends: dict[nn.Module, int] = {}  # the last call site of each frozen stage -> its index
+        self._timeable = False  # every frozen stage has call sites: a fill step can time each in place
         self._warned = False
         # A stage 0 that names its sites (a blocks= layout) is served at its first block, after the network's
         # own code before it: its batches are matched where the network is called, by the network's input.
@@ -179,6 +182,8 @@ class InPlacePrefix:
             self._patches.append(patch)
         self.patched_depth = depth
         self._last_site = self.sites[depth - 1][-1] if depth and self.sites[depth - 1] else None
+        self._stage_ends = {stage[-1]: d for d, stage in enumerate(self.sites[:depth]) if stage}
+        self._timeable = all(self.sites[:depth])
         self._fill = None
 
     def _take(self, given_now: Tensor | None) -> tuple[Batch, bool] | None:
@@ -220,14 +225,14 @@ class InPlacePrefix:
                 self._tails = deque()
                 return original(*args, **kwargs)  # nothing served: the modules run as without the cache
             # only from the very tensor yielded: a copy on another device is this batch on trust alone
-            fill = self.cached.fill_in_place(batch) if training and exact and self._fills_in_place else None
+            fill = (self.cached.fill_in_place(batch, timeable=self._timeable)
+                    if training and exact and self._fills_in_place else None)
             if fill is not None:  # the modules compute the prefix as without the cache; its output is stored
                 self._tails = deque()
+                self._fill = fill
+                fill.begin()
                 out = original(*args, **kwargs)
-                if module is self._last_site:
-                    fill(out)
-                else:
-                    self._fill = fill
+                self._filled(module, out)
                 return out
             self._computing = True
             try:
@@ -260,10 +265,21 @@ class InPlacePrefix:
             self._tails.popleft()
             return args[0] if args else _first_tensor(args, kwargs)
         out = original(*args, **kwargs)
-        if self._fill is not None and module is self._last_site and not self._computing:
-            fill, self._fill = self._fill, None
-            fill(out)  # the frozen prefix's output, as the network computed it
+        if self._fill is not None and not self._computing:
+            self._filled(module, out)
         return out
+
+    def _filled(self, module: nn.Module, out: Any) -> None:
+        """A frozen module of a fill step returned ``out``: the end of its stage is timed in a timed step;
+        after the last frozen module, ``out`` (the frozen prefix's output, as the network computed it) is
+        stored."""
+        fill = self._fill
+        assert fill is not None
+        if fill.timed and (stage := self._stage_ends.get(module)) is not None:
+            fill.stage_done(stage, out)
+        if module is self._last_site:
+            self._fill = None
+            fill.store(out)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> Tensor | None:

@@ -20,11 +20,23 @@ import pytest
 
 from actcache.codec import DType, TensorSpec, decode_entry, encode_entry
 from actcache.shm import PREFIX
-from actcache.testing import run_daemon
+from actcache.testing import DaemonProcess, run_daemon
 
 SHM_FP = bytes(range(16))
 SHM_SPEC = [TensorSpec(DType.float32, (16, 16))]  # 1 KiB raw
 SMALL_RING = 64 << 10  # the smallest ring: about 60 of those entries
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used a daemon reports where the daemon's threads were and its log's tail."""
+    outcome = yield
+    report = outcome.get_result()
+    daemon = getattr(item, "funcargs", {}).get("daemon")
+    if report.when == "call" and report.failed and isinstance(daemon, DaemonProcess):
+        log = daemon.log_tail()  # before the dump, which the daemon writes to its log too
+        report.sections.append(("daemon log", log))
+        report.sections.append(("daemon threads at the failure", daemon.thread_dump() or "(none written)"))
 
 
 @pytest.fixture(scope="module")

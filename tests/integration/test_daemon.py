@@ -325,3 +325,13 @@ def test_contains_answers_which_entries_are_stored_without_reading_them(client):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "multiple of 8" in info.value.details()
     with pytest.raises(NamespaceNotFound):
         client.contains(999_999, FP, 2, [1])
+
+
+def test_sigusr1_writes_every_thread_stack_to_the_log_and_the_daemon_goes_on(daemon, client):
+    dump = daemon.thread_dump()
+    assert "most recent call first" in dump and "in serve" in dump  # the main thread, waiting for a signal
+    assert "_writer.py" in dump  # and the others: the store's writer thread
+    ns = client.open("after-dump").namespace_id
+    value, raws = make_entry(1, [TensorSpec(DType.float32, (2, 2))])
+    client.put(ns, FP, 1, [(1, 0, value)])
+    assert tensors_of(client.get(ns, FP, 1, [1])[0]) == raws

@@ -126,6 +126,23 @@ def test_a_write_epoch_stores_the_prefix_as_the_network_computes_it(daemon, refe
     cache.close()
 
 
+def test_the_write_steps_the_cost_model_times_are_timed_as_the_network_runs_them(daemon, reference, monkeypatch):
+    from actcache_client.engine._assembly import PrefixAssembly
+
+    assembled = []  # frozen prefixes run by the cache's own stage adapters
+    compute = PrefixAssembly._compute
+    monkeypatch.setattr(PrefixAssembly, "_compute", lambda self, *a, **k: assembled.append(1) or compute(self, *a, **k))
+    planner = ac.CachePlanner()
+    losses, cache, _ = _train(daemon, planner=planner)
+    assert losses == reference
+    assert assembled == []  # the timed steps too ran the network's own modules
+    measured = planner.measurements(4)
+    assert measured is not None and all(s > 0 for s in measured.stage_forward_s_per_sample)  # each stage timed
+    assert list(measured.entry_bytes_per_sample[1:]) == [16 * 8 * 8 * 4] * 4  # each stage's output: 16x8x8 float32
+    assert cache.connection.stats.puts == 96 and cache.connection.stats.hits == 96
+    cache.close()
+
+
 def test_a_declined_cache_lets_the_network_run_its_frozen_modules_and_times_a_few_steps(daemon, monkeypatch):
     from actcache_client.cost_model import PlanMode
     from actcache_client.engine._assembly import PrefixAssembly

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import faulthandler
 import hmac
 import logging
 import os
@@ -247,6 +248,7 @@ def serve(config: DaemonConfig) -> int:
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     for sig in stop_signals:  # a Python handler (doing nothing) keeps the C handler installed
         signal.signal(sig, lambda *_: None)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung daemon says where: every stack to stderr
     log.info("effective config: %s", config.non_defaults())
     try:
         daemon.start()

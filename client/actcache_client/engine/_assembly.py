@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +25,7 @@ from actcache_client.engine._rows import RawInputs, merge
 from actcache_client.engine._writer import EntryWriter
 from actcache_client.transport._connection import connected
 from actcache_client.transport._device_staging import Stager
-from actcache_client.transport._state import State, tensors_of
+from actcache_client.transport._state import State
 from actcache_client.transport._tensors import (
     StorePrecision,
     VarLen,
@@ -183,10 +182,6 @@ class PrefixAssembly:
                 began = clock.start() if planner is not None else None
                 state = self.frozen.model.stages[index](state)
                 if planner is not None:
-                    tensors = tensors_of(state)
-                    batch = max(len(tensors[0]), 1)
-                    nbytes = sum(x.element_size() * x.numel() for x in tensors) / batch
-                    clock.stop(began, partial(planner.record_stage, index, samples=batch,
-                                              out_bytes_per_sample=nbytes))
+                    clock.stop(began, planner.stage_reading(index, state))
         times.prefix += time.perf_counter() - t0
         return state

@@ -34,12 +34,12 @@ from actcache_client.engine._rows import RawInputs
 from actcache_client.engine._writer import EntryWriter, check_encoding
 from actcache_client.layouts._stages import StagedModel
 from actcache_client.transport._connection import Connection
-from actcache_client.transport._device_staging import Stager
+from actcache_client.transport._device_staging import CopyTimer, Stager
 from actcache_client.transport._epoch_stream import EpochStream
 from actcache_client.transport._state import State
 from actcache_client.transport._tensors import StorePrecision, VarLen
 
-__all__ = ["CachedForward", "EpochCounters", "ForwardLoaderSide", "LoaderModel", "LoaderSide",
+__all__ = ["CachedForward", "EpochCounters", "ForwardLoaderSide", "InPlaceFill", "LoaderModel", "LoaderSide",
            "StepTimes"]  # re-exports the counters
 
 _DRIFT_EVERY = 8  # steps between looks for a drifted measurement once a plan exists
@@ -369,17 +369,17 @@ class CachedForward:
             self._end_step(planner, start, n, "recomputed", None)
         return True
 
-    def fill_in_place(self, batch: Batch) -> Callable[[State], None] | None:
+    def fill_in_place(self, batch: Batch, *, timeable: bool) -> InPlaceFill | None:
         """Whether the network's own modules are to compute training ``batch``'s frozen prefix, to be stored as
         it comes out of them: a write epoch (none of the batch was stored when its order was pushed), every
-        row cached at the frozen depth, nothing else asks for its state, and the cost model does not time
-        this step's stages (it does every ``_DRIFT_EVERY`` steps). If so, the step is counted here, and the
-        function returned stores the frozen prefix's output once the network has computed it."""
+        row cached at the frozen depth, and nothing else asks for its state. In the steps the cost model times
+        (every ``_DRIFT_EVERY``), only if the caller can time each stage as the modules run (``timeable``).
+        If so, the step is counted here; the InPlaceFill returned times the stages and stores the output."""
         n, planner, target, stream = len(batch.ids), self.planner, self._cache_target(), self._epoch.stream
+        timed = planner is not None and (self.plan is None or self._steps_planned % _DRIFT_EVERY == 0)
         if (not self._frozen.depth or batch.loaded is not None or self._input_tap is not None or target is None
                 or stream is None or target.depth != self._frozen.depth or target.fraction < 1.0
-                or any(d < target.depth for d in self._frozen.seed_depths)
-                or (planner is not None and (self.plan is None or self._steps_planned % _DRIFT_EVERY == 0))):
+                or any(d < target.depth for d in self._frozen.seed_depths) or (timed and not timeable)):
             return None
         ids = batch.ids.tolist()  # a host tensor (Batch.ids): no device sync
         if not stream.absent(self._epoch.position, ids):
@@ -394,10 +394,20 @@ class CachedForward:
         self.times.prefix_samples += n
         self.times.computed_samples += n
         self.times.raw_loaded += n
-        if planner is not None:  # the suffix is not timed apart: the prefix runs in it
+        if planner is not None:  # the suffix is timed from the prefix's end in timed steps (InPlaceFill)
             self._end_step(planner, start, n, None, None)
         writer, depth, variant = self._assembly.writer, target.depth, batch.variant
-        return lambda state: writer.store(depth, ids, variant, state)
+        store = partial(writer.store, depth, ids, variant)
+        if not timed:
+            return InPlaceFill(store)
+        assert planner is not None
+        return InPlaceFill(store, clock=self.stager.clock, planner=planner, on_done=self._prefix_done)
+
+    def _prefix_done(self, reading: object) -> None:
+        """The last step's prefix ended at clock ``reading``: the rest of the step is timed as its suffix."""
+        assert self._last_step is not None
+        start, samples, kind, _ = self._last_step
+        self._last_step = (start, samples, kind, reading)
 
     def _end_step(self, planner: CachePlanner, start: float, samples: int, kind: str | None,
                   prefix_done: object | None) -> None:
@@ -485,6 +495,37 @@ class ForwardLoaderSide:
 
     def skipped(self, position: int) -> frozenset[int]:
         return self._forward._skipped(position)
+
+
+class InPlaceFill:
+    """A write step whose frozen prefix the network's own modules compute (``CachedForward.fill_in_place``).
+
+    The caller calls ``begin`` as the first frozen module is called, ``stage_done`` as each frozen stage's
+    last module returns while the cost model times the step (``timed``: each stage timed as the device runs
+    it, as the stage adapters would be), and ``store`` with the frozen prefix's output.
+    """
+
+    __slots__ = ("timed", "_store", "_clock", "_planner", "_on_done", "_began")
+
+    def __init__(self, store: Callable[[State], None], *, clock: CopyTimer | None = None,
+                 planner: CachePlanner | None = None, on_done: Callable[[object], None] | None = None) -> None:
+        self.timed = planner is not None
+        self._store, self._clock, self._planner, self._on_done = store, clock, planner, on_done
+        self._began: object = None
+
+    def begin(self) -> None:
+        if self._clock is not None:
+            self._began = self._clock.start()
+
+    def stage_done(self, stage: int, output: State) -> None:
+        assert self._clock is not None and self._planner is not None, "only a timed step times its stages"
+        self._clock.stop(self._began, self._planner.stage_reading(stage, output))
+        self._began = self._clock.start()
+
+    def store(self, output: State) -> None:
+        self._store(output)
+        if self._on_done is not None and self._clock is not None:
+            self._on_done(self._clock.start())
 
 
 def _step_kind(samples: int, cached: int, computed: int, recomputing: bool) -> str | None:

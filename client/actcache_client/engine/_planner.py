@@ -24,10 +24,12 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Callable, NamedTuple, overload
 
 from actcache.errors import ConfigError
 from actcache_client.cost_model import Measurements, Plan, PlanMode, plan, should_replan
+from actcache_client.transport._state import State, tensors_of
 
 if TYPE_CHECKING:
     from actcache_client.engine._codec_choice import EncodingChoice
@@ -164,6 +166,13 @@ class CachePlanner:
         """
         self._stage_s.setdefault(stage, _Median(self.config.window)).add(seconds / max(samples, 1))
         self._stage_bytes.setdefault(stage + 1, _Median(self.config.window)).add(out_bytes_per_sample)
+
+    def stage_reading(self, stage: int, output: State) -> Callable[[float], None]:
+        """What takes the seconds of stage ``stage``'s forward, which returned ``output`` (a timer's payload)."""
+        tensors = tensors_of(output)
+        samples = max(len(tensors[0]), 1)
+        nbytes = sum(x.element_size() * x.numel() for x in tensors) / samples
+        return partial(self.record_stage, stage, samples=samples, out_bytes_per_sample=nbytes)
 
     def record_fetch(self, nbytes: int, seconds: float) -> None:
         """A lookup that returned ``nbytes``: a rate (latency included), or with no bytes a latency reading.
