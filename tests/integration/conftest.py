@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -29,7 +31,7 @@ SMALL_RING = 64 << 10  # the smallest ring: about 60 of those entries
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failed test that used a daemon reports where the daemon's threads were and its log's tail."""
+    """A failed test that used a daemon reports its log's tail and where its threads and this process's were."""
     outcome = yield
     report = outcome.get_result()
     daemon = getattr(item, "funcargs", {}).get("daemon")
@@ -37,6 +39,10 @@ def pytest_runtest_makereport(item, call):
         log = daemon.log_tail()  # before the dump, which the daemon writes to its log too
         report.sections.append(("daemon log", log))
         report.sections.append(("daemon threads at the failure", daemon.thread_dump() or "(none written)"))
+        with tempfile.TemporaryFile("w+") as dump:
+            faulthandler.dump_traceback(dump, all_threads=True)
+            dump.seek(0)
+            report.sections.append(("test process threads at the failure", dump.read()))
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +155,4 @@ def kill_9(proc: subprocess.Popen) -> None:
     proc.wait()
     if proc.stdout is not None:
         proc.stdout.close()
+

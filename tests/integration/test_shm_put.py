@@ -178,3 +178,19 @@ def test_batches_of_columns_are_put_together_and_the_rest_after_a_while(monkeypa
             got = client.get(ns, FP, 1, list(range(64 * 6)))
         assert [bytes(v) for v in got] == [bytes(e) for s in states for e in encode_samples(s)]
         conn.close()
+
+
+def test_an_idle_writer_waits_long_yet_puts_a_new_group_once_it_lingers(monkeypatch):
+    """An idle connection's writer thread wakes rarely (a process may hold many connections), yet the group a
+    store starts is put once no batch came for a while, not when the writer next wakes."""
+    import actcache_client as ac
+    from actcache_client.transport import _connection
+
+    monkeypatch.setattr(_connection, "_PUT_STREAM_IDLE_S", 600.0)  # the idle writer's wait
+    state = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    with run_daemon() as daemon:
+        conn = ac.connect(daemon.socket, namespace="linger")
+        conn.store(FP, 1, list(range(64)), [0] * 64, lambda: encode_samples(state), encoding=lambda _: "raw",
+                   columns=lambda: sample_columns(state), nbytes=state.numel() * 4)
+        wait_until(lambda: conn.stats.puts == 64, timeout=10, what="the lone group put, unflushed")
+        conn.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import uuid
+import weakref
 
 import pytest
 import torch
@@ -144,6 +146,26 @@ def test_workers_persistent_workers_and_resume_skip_the_stored_inputs(daemon):
         resumed.set_frozen(2)
         train_epoch(resumed, loader, opt, [])
         assert loader.raw_items_loaded == 0 and resumed.times.cached_samples == N - 2 * BATCH
+
+
+def test_a_loader_stopped_mid_epoch_is_freed_once_dropped(daemon):
+    """No cycle keeps a CachedLoader stopped mid-epoch: it goes (with its DataLoader and their workers, whose
+    shutdown takes seconds mid-epoch) as the loop drops it, not whenever the cycle collector runs, on whichever
+    thread (the connection's writer, a gRPC call's) that is."""
+    gc.disable()
+    try:
+        with ac.connect(daemon.socket, namespace=namespace(), strict=True) as conn:
+            _, model, loader = setup(conn, Counting(), audit=False)
+            model.set_frozen(2)
+            for i, batch in enumerate(loader):
+                model(batch)
+                if i == 1:
+                    break
+            gone = weakref.ref(loader)
+            del loader, batch
+            assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_inputs_that_cannot_be_served_are_loaded_on_the_spot(daemon):

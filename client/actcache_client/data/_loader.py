@@ -342,16 +342,22 @@ class CachedLoader:
         replay = self._replay
         replay.batches, replay.first, replay.variant = self._order[start:], start, variant
         replay.sample_id, replay.skipped = dataset.sample_id, (self._skipped if skipping else None)
-        for position, (ids, loaded, data) in enumerate(self._inner, start=start):
-            self._position = position + 1
-            self.raw_items_loaded += len(ids) if loaded is None else len(loaded)
-            if position == ahead_at and self._next_order is None:
-                self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
-                for m in self.models:
-                    m.loader_side.prepare_next_epoch(self._ids(self._next_order[1]),
-                                                     self._variant_of(self.epoch + 1))
-            load = partial(self._load, self._order[position], variant) if loaded is not None else None
-            yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position, loaded=loaded, load=load)
+        try:
+            for position, (ids, loaded, data) in enumerate(self._inner, start=start):
+                self._position = position + 1
+                self.raw_items_loaded += len(ids) if loaded is None else len(loaded)
+                if position == ahead_at and self._next_order is None:
+                    self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
+                    for m in self.models:
+                        m.loader_side.prepare_next_epoch(self._ids(self._next_order[1]),
+                                                         self._variant_of(self.epoch + 1))
+                load = partial(self._load, self._order[position], variant) if loaded is not None else None
+                yield Batch(ids=ids, data=data, variant=variant, epoch=self.epoch, position=position, loaded=loaded,
+                            load=load)
+        finally:
+            # A bound method of this loader: kept, it would make the loader a cycle, freed (its DataLoader workers
+            # shut down, for seconds when stopped mid-epoch) by the cycle collector on whichever thread runs it.
+            replay.skipped = None
         self.epoch, self._position, self._order = self.epoch + 1, 0, None
 
     def state_dict(self) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -49,7 +48,8 @@ __all__ = ["CacheFallbackWarning", "ClientStats", "Connection", "ConnectionConfi
 
 log = logging.getLogger("actcache_client")
 
-# Seconds without a put after which the put stream (and the daemon thread serving it) is ended.
+# Seconds without a put after which the put stream (and the daemon thread serving it) is ended; an idle
+# writer thread wakes this often, no more (a process may hold many connections).
 _PUT_STREAM_IDLE_S = 2.0
 # Puts of tensor columns are gathered up to this many bytes, then queued as one; the writer thread queues
 # what was gathered once no store has added to it for this long (an epoch's last batches).
@@ -57,6 +57,10 @@ _GROUP_BYTES = 4 << 20
 _GROUP_LINGER_S = 0.05
 
 T = TypeVar("T")
+
+
+def _nothing() -> None:
+    """A job that only wakes the writer thread."""
 
 
 class Lease(Protocol):
@@ -416,9 +420,13 @@ class Connection:
             self._submit_group()  # the puts gathered go first
             return self._enqueue(
                 partial(self._write, fingerprint, depth, list(ids), list(variants), encode, probe, encoding, None))
+        started = not self._gathered.holding()
         for group in self._gathered.add(fingerprint, depth, encoding, list(ids), list(variants), encode, columns,
                                         nbytes):
             self._enqueue_group(group)
+        if started and self._gathered.holding():  # the writer, maybe waiting long, is to time the new group out
+            with contextlib.suppress(queue.Full):  # then it is busy anyway
+                self._queue.put_nowait(_nothing)
         return True
 
     def _submit_group(self, *, idle: bool = False) -> bool:
@@ -465,19 +473,18 @@ class Connection:
         self.surface()
 
     def _write_loop(self) -> None:
-        idle_s = 0.0
+        last_job = time.monotonic()
         while True:
+            wait = _GROUP_LINGER_S if self._gathered.holding() else _PUT_STREAM_IDLE_S
             try:
-                job = self._queue.get(timeout=_GROUP_LINGER_S)  # a put or a drop, in the order queued; None: stop
+                job = self._queue.get(timeout=wait)  # a put or a drop, in the order queued; None: stop
             except queue.Empty:
                 # Puts gathered that no store has added to since (an epoch's last batches) are queued, so that
                 # they are stored before another rank's next epoch asks which entries are stored.
-                idle_s = 0.0 if self._submit_group(idle=True) else idle_s + _GROUP_LINGER_S
-                if idle_s >= _PUT_STREAM_IDLE_S:  # between fill epochs: the daemon thread serving it is freed
-                    self._rpc.end_put_stream()
-                    idle_s = -math.inf  # once
+                if not self._submit_group(idle=True) and time.monotonic() - last_job >= _PUT_STREAM_IDLE_S:
+                    self._rpc.end_put_stream()  # between fill epochs: the daemon thread serving it is freed
                 continue
-            idle_s = 0.0
+            last_job = time.monotonic()
             try:
                 if job is None:
                     return

@@ -85,6 +85,10 @@ class PutGathering:
             self._group = None if full else group
         return due + [group] if full else due
 
+    def holding(self) -> bool:
+        """Whether a group is being gathered."""
+        return self._group is not None
+
     def take(self, *, idle: bool = False) -> PutGroup | None:
         """The group gathered, if any; ``idle``: only once nothing was added to it for ``linger_s``."""
         with self._lock:
