@@ -321,7 +321,8 @@ class CachedLoader:
         return frozenset.intersection(*(m.loader_side.skipped(position) for m in self.models))
 
     def _ids(self, order: list[list[int]]) -> list[list[int]]:
-        return [list(map(self._dataset.sample_id, batch)) for batch in order]
+        ids = self._dataset.sample_ids
+        return [list(batch) for batch in order] if ids is None else [[ids[i] for i in batch] for batch in order]
 
     def __iter__(self) -> Iterator[Batch]:
         if self._order is None:
