@@ -194,6 +194,13 @@ def not_freezing(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("actcache: not freezing")]
 
 
+def test_the_cost_model_is_told_the_trainers_length(tmp_path, connection):
+    t = trainer(model("bert"), tmp_path / "run", fixed=True, epochs=2)
+    hooked = attach(t, depth=2, freeze_at=0, connection=connection)  # the default cost model
+    t.train()
+    assert hooked.cache.model.planner.config.total_epochs == 2
+
+
 def test_without_depth_a_short_run_says_once_that_it_is_too_short_and_trains_as_without_actcache(
         tmp_path, connection, caplog):
     plain = trainer(model("bert"), tmp_path / "plain", fixed=True)

@@ -188,6 +188,7 @@ def test_without_depth_a_short_run_says_once_that_it_is_too_short_and_trains_as_
     assert callback.controller.total_steps == trainer.estimated_stepping_batches == EPOCHS * SIZE // 64
     assert callback.controller.step_count == 12 and callback.controller.changes == [] and callback.cache.frozen == 0
     assert losses == plain
+    assert callback.cache.model.planner.config.total_epochs == EPOCHS  # the cost model knows the run's length
 
 
 def test_a_policy_drives_the_freeze_and_the_cache_keeps_the_run_of_the_same_freeze_by_hand(node, tmp_path):

@@ -234,6 +234,8 @@ class _Freeze(TrainerCallback):
         if state.global_step > 0 and isinstance(loader, _TrainLoader):  # resumed: the rest of the epoch is
             per_epoch = max(-(-len(loader) // args.gradient_accumulation_steps), 1)  # drawn by the Trainer
             loader.set_epoch(state.global_step // per_epoch)
+        if self.owner.cache is not None and state.num_train_epochs > 0:  # max_steps included, rounded up
+            self.owner.cache.expect_epochs(state.num_train_epochs)
         if self.owner.depth is None:
             self.owner.start_controller(kwargs["optimizer"], state.max_steps)
         self.on_step_begin(args, state, control)

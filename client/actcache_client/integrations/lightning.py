@@ -150,6 +150,9 @@ class ActCacheCallback(pl.Callback):
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.cache is not None  # set in setup, which Lightning calls first
+        if trainer.max_epochs is not None and trainer.max_epochs > 0:  # -1: no limit; max_steps may end it sooner
+            self.cache.expect_epochs(trainer.max_epochs)
         if self.depth is None:
             self._start_controller(trainer)
         self._follow(trainer)  # a run resumed mid-epoch gets no on_train_epoch_start for that epoch
