@@ -202,7 +202,9 @@ def test_a_policy_drives_the_freeze_and_the_cache_keeps_the_run_of_the_same_free
 
 def test_a_resumed_run_goes_on_with_the_controllers_state(node, tmp_path):
     def callback() -> ActCacheCallback:
-        return ActCacheCallback(policy=StaticPolicy(stages=4, at_step=5), eval_every=1)
+        # Without the cost model: it plans the 2-epoch first part apart from the whole run, and the partial plan it
+        # picks computes half of each batch as a smaller batch, whose convolutions round the last bits differently.
+        return ActCacheCallback(policy=StaticPolicy(stages=4, at_step=5), eval_every=1, planner=None)
 
     _, whole = _fit(tmp_path / "whole", [callback()])
     _, first = _fit(tmp_path / "run", [callback()], epochs=2)
