@@ -206,6 +206,7 @@ class ActCache:
             self.model.planner.expect_epochs(epochs)
 
     def close(self) -> None:
+        self.model.loader_side.steps_ended()  # the puts held until the step ended
         self.connection.close()
 
 

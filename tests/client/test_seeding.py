@@ -47,5 +47,5 @@ def test_seeded_items_are_those_of_all_generators_seeded_and_the_generators_are_
     after = _states()
     assert torch.equal(before[0], after[0]) and before[1] == after[1] and np.array_equal(before[2], after[2])
     expected = [(i, seeded_item(data, i, sample_seed(i, 1))) for i in range(12)]
-    assert batch == expected and one == expected[5]
+    assert list(zip(batch.sample_ids, batch.items)) == expected and one == expected[5]
     assert indexed[5, 0] != one or not generators  # another variant draws other numbers

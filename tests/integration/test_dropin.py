@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -440,4 +441,51 @@ def test_the_run_length_given_to_wrap_reaches_the_cost_model(daemon):
     assert cache.model.planner is not None and cache.model.planner.config.total_epochs == 6
     with pytest.raises(ConfigError, match="epochs is the run's number of epochs"):
         cache.expect_epochs(0)
+    cache.close()
+
+
+class _AddOneInPlace(nn.Module):
+    """Changes its input in place (as ``ReLU(inplace=True)`` does, but not idempotently: served twice, it shows)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.add_(1.0)
+
+
+def _in_place_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), _AddOneInPlace(),
+                         nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+
+
+def _in_place_losses(cache_of: Callable[[nn.Module], ac.ActCache] | None) -> tuple[list[float], ac.ActCache | None]:
+    net = _in_place_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loader = DataLoader(Images(), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1))
+    cache = cache_of(net) if cache_of is not None else None
+    if cache is not None:
+        loader = cache.wrap(loader)
+    losses = []
+    for epoch in range(4):
+        if epoch == 1:
+            if cache is not None:
+                cache.freeze(3)
+            else:
+                net[:3].requires_grad_(False)
+        losses += [_sgd_step(net, opt, x, y) for x, y in loader]
+    return losses, cache
+
+
+def test_a_prefix_output_the_step_changes_in_place_is_stored_as_the_prefix_computed_it(daemon, caplog):
+    """The write epoch stores the network's own output tensors without copying them, once the step is over; the
+    step here adds 1 to them in place: that batch is not stored (a warning), the later ones are copied first,
+    and every epoch trains to the losses of the same freeze without the cache."""
+    reference, _ = _in_place_losses(None)
+    with caplog.at_level("WARNING", logger="actcache_client"):
+        losses, cache = _in_place_losses(lambda net: ac.ActCache(net, _connect(daemon), planner=None))
+    assert cache is not None
+    assert losses == reference
+    changed = [r for r in caplog.records if "in place" in r.getMessage()]
+    assert len(changed) == 1 and "copied before it is stored" in changed[0].getMessage()
+    # epoch 1 stored batches 2 and 3 (the first one changed), epoch 2 stored batch 1: epochs 2 and 3 hit 64 + 96
+    assert cache.connection.stats.hits == 64 + 96
     cache.close()

@@ -227,3 +227,6 @@ def test_a_batch_with_nothing_to_load_gathers_its_targets_at_once(targets):
     assert data.calls == []
     assert isinstance(dataset.__getitems__([(3, 0, False), (1, 0, True)]), list)  # one to load: item by item
     assert data.calls == [1]
+    loaded = dataset.__getitems__([(i, 0, True) for i in (3, 1)])  # all to load: ids and items at once
+    assert loaded.sample_ids == [103, 101] and data.calls == [1, 3, 1]
+    assert all(torch.equal(got[0], data.x[i]) and got[1] == data.y[i] for got, i in zip(loaded.items, (3, 1)))

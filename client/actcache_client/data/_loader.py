@@ -122,9 +122,17 @@ class IndexedDataset(Dataset):
             item = self.augment(item, torch.Generator().manual_seed(sample_seed(sample_id, variant)))
         return sample_id, item
 
-    def __getitems__(self, keys: list) -> "list[tuple[int, Any]] | _Unloaded":
-        """The items of one batch, or one ``_Unloaded`` (ids and targets, gathered at once) if no input is loaded."""
-        if self.targets is not None and keys and all(type(k) is tuple and len(k) == 3 and not k[2] for k in keys):
+    def __getitems__(self, keys: list) -> "list[tuple[int, Any]] | _Loaded | _Unloaded":
+        """The items of one batch: one ``_Loaded`` (ids and items) for a replayed batch loading every input, one
+        ``_Unloaded`` (ids and targets, gathered at once) for one loading none, else ``(sample_id, item)`` pairs."""
+        replayed = bool(keys) and type(keys[0]) is tuple and len(keys[0]) == 3
+        if replayed and all(k[2] for k in keys):
+            indices = [k[0] for k in keys]
+            ids = indices if self.sample_ids is None else [self.sample_ids[i] for i in indices]
+            if self.seeded or self.augment is not None:
+                return _Loaded(ids, [item for _, item in self._load(keys)])
+            return _Loaded(ids, [self.dataset[i] for i in indices])
+        if replayed and self.targets is not None and not any(k[2] for k in keys):
             indices = [k[0] for k in keys]
             targets = (self.targets[torch.tensor(indices, dtype=torch.int64)] if isinstance(self.targets, torch.Tensor)
                        else default_collate([self.target(i) for i in indices]))
@@ -139,13 +147,19 @@ class IndexedDataset(Dataset):
         return items
 
     def _load_keys(self, keys: list, seeding: frozenset[str]) -> list[tuple[int, Any]]:
-        if keys and type(keys[0]) is tuple and len(keys[0]) == 3 and all(k[2] for k in keys):  # the replayed keys
-            return [self._item(index, variant, seeding) for index, variant, _ in keys]
         out = []
         for key in keys:
             index, variant, load = (*key, True)[:3] if isinstance(key, tuple) else (key, 0, True)
             out.append(self._item(index, variant, seeding) if load else (self.sample_id(index), Skipped(self.target(index))))
         return out
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """A batch of which every input is loaded: its sample ids and its items."""
+
+    sample_ids: list[int]
+    items: list[Any]
 
 
 @dataclass(frozen=True)
@@ -156,10 +170,12 @@ class _Unloaded:
     targets: Any
 
 
-def _collate(collate: Callable[[list], Any], samples: list[tuple[int, Any]] | _Unloaded,
+def _collate(collate: Callable[[list], Any], samples: list[tuple[int, Any]] | _Loaded | _Unloaded,
              ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """``(sample_id, item)`` pairs collated into ``(ids, loaded rows or None, data)`` (in the workers); with
-    skipped items, ``data`` is ``(inputs of the loaded rows, targets of all rows)``."""
+    """A batch's items (``IndexedDataset.__getitems__``) collated into ``(ids, loaded rows or None, data)`` (in
+    the workers); with skipped items, ``data`` is ``(inputs of the loaded rows, targets of all rows)``."""
+    if isinstance(samples, _Loaded):
+        return torch.tensor(samples.sample_ids, dtype=torch.int64), None, collate(samples.items)
     if isinstance(samples, _Unloaded):
         return torch.tensor(samples.sample_ids, dtype=torch.int64), torch.empty(0, dtype=torch.int64), (None, samples.targets)
     ids = torch.tensor([s for s, _ in samples], dtype=torch.int64)
@@ -343,8 +359,11 @@ class CachedLoader:
         replay = self._replay
         replay.batches, replay.first, replay.variant = self._order[start:], start, variant
         replay.sample_id, replay.skipped = dataset.sample_id, (self._skipped if skipping else None)
+        sides = [m.loader_side for m in self.models]
         try:
             for position, (ids, loaded, data) in enumerate(self._inner, start=start):
+                for side in sides:  # the loop asks for a batch: its last step is over
+                    side.steps_ended()
                 self._position = position + 1
                 self.raw_items_loaded += len(ids) if loaded is None else len(loaded)
                 if position == ahead_at and self._next_order is None:
@@ -359,6 +378,8 @@ class CachedLoader:
             # A bound method of this loader: kept, it would make the loader a cycle, freed (its DataLoader workers
             # shut down, for seconds when stopped mid-epoch) by the cycle collector on whichever thread runs it.
             replay.skipped = None
+            for side in sides:
+                side.steps_ended()
         self.epoch, self._position, self._order = self.epoch + 1, 0, None
 
     def state_dict(self) -> dict[str, Any]:

@@ -180,6 +180,7 @@ class CachedForward:
         Args:
             depth: The number of stages to freeze.
         """
+        self._writer.release()  # the puts held go before the drops below
         weights = self._frozen.freeze(depth, self._written.deepest())
         for fingerprint in self._written.superseded(lambda d, data: self._frozen.keyed([weights[d]], data)[0]):
             if self.connection is not None and not self.keep_generations:
@@ -462,6 +463,9 @@ class LoaderSide(Protocol):
     def skipped(self, position: int) -> frozenset[int]:
         """Sample ids of epoch batch ``position`` whose inputs the loader need not load."""
 
+    def steps_ended(self) -> None:
+        """The loop asks for a batch, or stopped asking: no step is running."""
+
 
 class LoaderModel(Protocol):
     """A model CachedLoader feeds (CachedForward, CachedTeacher): its ``loader_side`` takes the loader's calls."""
@@ -486,6 +490,7 @@ class ForwardLoaderSide:
 
     def begin_epoch(self, batches: Sequence[Sequence[int]], variant: int, start: int = 0, epoch: int = 0,
                     data: bytes | None = None, skip_loads: bool = False) -> None:
+        self._forward._writer.release()  # before a teacher's check may drop what they hold
         if self._before_epoch is not None:
             self._before_epoch()
         self._forward._begin_epoch(batches, variant, start, epoch=epoch, data=data, skip_loads=skip_loads)
@@ -495,6 +500,9 @@ class ForwardLoaderSide:
 
     def skipped(self, position: int) -> frozenset[int]:
         return self._forward._skipped(position)
+
+    def steps_ended(self) -> None:
+        self._forward._writer.steps_ended()
 
 
 class InPlaceFill:

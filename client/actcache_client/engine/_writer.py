@@ -3,6 +3,12 @@
 An AutoEncoding picks the codec per (fingerprint, depth) from the first
 entries written (actcache_client.engine._codec_choice), on the connection's writer
 thread, and tells the planner; ``CachedForward`` documents the other values.
+
+A put needs the output as the prefix returned it, yet the step goes on with that very tensor (the suffix may
+change its input in place: ``ReLU(inplace=True)``). Where a CachedLoader feeds the model, the put is held, not
+copied, until the loop asks for its next batch (``steps_ended``: no step is running then), and is sent only if
+the tensor's version counter did not move; once one moved, every later output is copied as it is stored.
+Elsewhere (no loader tells when steps end) each output is copied as it is stored.
 """
 
 from __future__ import annotations
@@ -36,6 +42,25 @@ __all__ = ["EntryWriter", "check_encoding"]
 
 log = logging.getLogger("actcache_client")
 
+# Puts held at once at most (a loop accumulating gradients runs several batches between two of its loader's
+# batches); past it, outputs are copied as they are stored.
+_MAX_HELD = 16
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A put holding the network's own output tensors, sent once its step is over if they did not change."""
+
+    fingerprint: bytes
+    depth: int
+    ids: list[int]
+    variant: int
+    snapshot: State
+    versions: tuple[int, ...]
+
+    def changed(self) -> bool:
+        return tuple(t._version for t in tensors_of(self.snapshot)) != self.versions
+
 
 @dataclass(eq=False, kw_only=True)
 class EntryWriter:
@@ -55,6 +80,10 @@ class EntryWriter:
     _encodings: dict[bytes, EncodingChoice] = field(default_factory=dict, init=False)
     _probed: bool = field(default=False, init=False)
     _entry_shapes: dict[int, list[tuple[int, ...]]] = field(default_factory=dict, init=False)
+    # puts held until their step ends; whether a loader says when steps end; whether outputs are copied at once
+    _held: list[_Held] = field(default_factory=list, init=False)
+    _steps_told: bool = field(default=False, init=False)
+    _copy_outputs: bool = field(default=False, init=False)
 
     def new_epoch(self) -> None:
         self._probed = False
@@ -64,13 +93,49 @@ class EntryWriter:
         return self._encodings.get(fingerprint)
 
     def store(self, depth: int, ids: list[int], variant: int, state: State) -> None:
-        """Put ``state`` (the batch rows of ``ids`` at ``depth``) under the current fingerprint of ``depth``."""
-        # A private copy: the suffix may modify its input in place (e.g. ReLU(inplace=True)).
-        snapshot = self.precision.to_stored(map_state(state, lambda t: t.detach().clone()))
+        """Put ``state`` (the batch rows of ``ids`` at ``depth``) under the current fingerprint of ``depth``:
+        held until the step ends, or copied and queued now (the module docstring says when)."""
+        stored = self.precision.to_stored(map_state(state, lambda t: t.detach()))
         varlen, fingerprint = self.varlen, self.frozen.fingerprints[depth]
         if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated
-            check_fixed_length(snapshot, self._entry_shapes, depth)
+            check_fixed_length(stored, self._entry_shapes, depth)
         self.written.mark(fingerprint, depth, ids, written=self.frozen.data)
+        shared = [t for t, given in zip(tensors_of(stored), tensors_of(state)) if t.data_ptr() == given.data_ptr()]
+        if not shared:  # the stored precision's cast is a copy already
+            self._put(fingerprint, depth, ids, variant, stored)
+        elif (self._steps_told and not self._copy_outputs and len(self._held) < _MAX_HELD
+              and not any(t.is_inference() for t in shared)):
+            self._held.append(_Held(fingerprint, depth, ids, variant, stored,
+                                    tuple(t._version for t in tensors_of(stored))))
+        else:
+            self._put(fingerprint, depth, ids, variant, map_state(stored, lambda t: t.clone()))
+
+    def steps_ended(self) -> None:
+        """The loop asks its loader for a batch, or stopped asking: no step is running. From now on puts are
+        held until then; those held are sent (``release``)."""
+        self._steps_told = True
+        self.release()
+
+    def release(self) -> None:
+        """No step is running: the puts held are sent, but those whose tensors the step changed in place (those
+        are dropped, and outputs are copied as they are stored from then on)."""
+        held, self._held = self._held, []
+        for put in held:
+            if put.changed():
+                self._dropped_changed(put)
+            else:
+                self._put(put.fingerprint, put.depth, put.ids, put.variant, put.snapshot)
+
+    def _dropped_changed(self, put: _Held) -> None:
+        if not self._copy_outputs:
+            log.warning("actcache: the step changed the frozen prefix's output (depth %d) in place after it was "
+                        "computed (e.g. ReLU(inplace=True) on it, or `out /= T` in the loss); the entries of that "
+                        "batch are not stored, and each output is copied before it is stored from now on", put.depth)
+        self._copy_outputs = True
+
+    def _put(self, fingerprint: bytes, depth: int, ids: list[int], variant: int, snapshot: State) -> None:
+        """Queue the put of ``snapshot``, a state no step will change."""
+        varlen = self.varlen
         # Without a read-speed measurement yet, read one put back (once per epoch until it is measured): a slow
         # network then shows during the write epoch, before the cache is relied upon. Over shared memory a Get
         # times another path than the stream's, latency-bound on small entries: the stream's own rate is used.
@@ -81,16 +146,16 @@ class EntryWriter:
         nbytes = sum(t.numel() * t.element_size() for t in tensors_of(snapshot))
         connection.store(
             fingerprint, depth, ids, [variant] * len(ids),
-            lambda: encode_samples(snapshot, varlen=varlen), probe=probe, encoding=self._encoding_for(depth),
-            columns=self._columns(snapshot, depth, nbytes / max(len(ids), 1)), nbytes=nbytes,
+            lambda: encode_samples(snapshot, varlen=varlen), probe=probe,
+            encoding=self._encoding_for(fingerprint, depth),
+            columns=self._columns(snapshot, fingerprint, depth, nbytes / max(len(ids), 1)), nbytes=nbytes,
         )
 
-    def _columns(self, snapshot: State, depth: int, sample_bytes: float) -> Columns | None:
+    def _columns(self, snapshot: State, fingerprint: bytes, depth: int, sample_bytes: float) -> Columns | None:
         """How ``snapshot``'s samples go as tensor columns (the daemon encodes them, over shared memory), or None:
         as encoded entries, until the codec is chosen (choosing it measures them unless they fit in the page
         cache) or when samples differ in shape. On the CPU the columns are views made here, so that the writer
         thread makes no torch call beside the step; from a device, the copy to the host runs on the writer."""
-        fingerprint = self.frozen.fingerprints[depth]
         if self.varlen is not None:
             return None
         if isinstance(self.encoding, AutoEncoding) and fingerprint not in self._encodings:
@@ -114,13 +179,13 @@ class EntryWriter:
         else:
             log.info("actcache encoding for depth %d: %s", depth, choice.reason)
 
-    def _encoding_for(self, depth: int) -> Callable[[list[bytes | memoryview]], str] | None:
+    def _encoding_for(self, fingerprint: bytes, depth: int) -> Callable[[list[bytes | memoryview]], str] | None:
         """How the daemon stores depth ``depth``'s entries; an AutoEncoding measures the first ones
         (on the connection's writer thread) and keeps its choice per fingerprint."""
         if not isinstance(self.encoding, AutoEncoding):
             fixed = self.encoding
             return None if fixed == "daemon" else (lambda entries: fixed)
-        fingerprint, config, samples = self.frozen.fingerprints[depth], self.encoding, self.epoch.samples()
+        config, samples = self.encoding, self.epoch.samples()
 
         def choose(entries: list[bytes | memoryview]) -> str:
             choice = self._encodings.get(fingerprint)

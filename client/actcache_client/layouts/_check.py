@@ -99,10 +99,12 @@ def check_layout(net: nn.Module, layout: Layout, data: Any, loaded: Tensor | Non
         given, data = _first_rows(given, batch), _first_rows(data, batch)
     device = next((p.device for p in net.parameters()), torch.device("cpu"))  # where the loop moves its batch
     given, data = _to(given, device), _to(data, device)
-    outputs: dict[int, tuple[int, Any]] = {}  # id(site) -> (call order, output of its first call)
+    outputs: dict[int, tuple[int, Tensor | None]] = {}  # id(site) -> (call order, first tensor of its first call)
 
     def record(module: nn.Module, args: Any, output: Any) -> None:
-        outputs.setdefault(id(module), (len(outputs), output))
+        if id(module) not in outputs:  # a copy: the next module may change its input in place (ReLU(inplace=True))
+            first = _first(output)
+            outputs[id(module)] = (len(outputs), first.clone() if first is not None else None)
 
     modes = [(m, m.training) for m in (*net.modules(), *layout.stages.modules())]
     devices = sorted({p.device.index or 0 for p in net.parameters() if p.device.type == "cuda"})
@@ -138,7 +140,7 @@ def check_layout(net: nn.Module, layout: Layout, data: Any, loaded: Tensor | Non
             _compare(net, layout, stage.name, stage_sites, outputs, paths, layout.output_of(state, _first(given)))
 
 
-def _compare(net: nn.Module, layout: Layout, name: str, sites: list[nn.Module], outputs: dict[int, tuple[int, Any]],
+def _compare(net: nn.Module, layout: Layout, name: str, sites: list[nn.Module], outputs: dict[int, tuple[int, Tensor | None]],
              paths: dict[int, str], served: Any) -> None:
     where = ", ".join(paths.get(id(m), type(m).__name__) for m in sites) or "no module of the network"
     called = [outputs[id(m)] for m in sites if id(m) in outputs]
