@@ -12,7 +12,7 @@ Three comparisons, every pair taking turns (A, B, A, B, ...), min and median of 
   shown beside it, also with ``--workers`` DataLoader workers; ``seeding_share``: the loader pass's extra
   seconds with ``variants=2`` over a loaded epoch's (steadier than the epochs' ratio on a busy machine).
 - ``fill_overhead``: the first epoch after ``cache.freeze(6)`` (computes and stores the prefix; no
-  augmentation) / an epoch frozen by hand (``requires_grad_(False)``), both on a fresh run.
+  augmentation) / an epoch frozen by hand (``requires_grad_(False)``), both on a fresh run (8 turns at least).
 - ``train_vs_hand``: a whole run with augmentation, ``variants=2``, frozen at epoch 3 of 12, through actcache /
   the same run frozen by hand (seconds of training, below 1 means actcache is faster).
 
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             run.close()
             return seconds
 
-        hand, fill = turns(repeats, lambda: first_frozen_epoch(None), lambda: first_frozen_epoch(conn))
+        # one short epoch a side: more turns than the others, so that each side's min is an undisturbed epoch
+        hand, fill = turns(max(repeats, 8), lambda: first_frozen_epoch(None), lambda: first_frozen_epoch(conn))
         row("first frozen epoch, frozen by hand", hand)
         row("first frozen epoch, actcache (fill)", fill, hand)
         figures["fill_overhead"] = min(fill) / min(hand)

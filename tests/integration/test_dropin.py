@@ -296,8 +296,13 @@ def test_a_dict_batch_stays_a_dict_and_inputs_names_its_field(daemon):
     cache.close()
 
 
-def test_batches_taken_ahead_of_their_forward_are_served_in_order(daemon, reference):
-    """Gradient accumulation as transformers.Trainer does it: two batches drawn, then two forwards."""
+@pytest.mark.parametrize("held_bytes", [256 << 20, 0], ids=["held", "copied"])
+def test_batches_taken_ahead_of_their_forward_are_served_in_order(daemon, reference, monkeypatch, held_bytes):
+    """Gradient accumulation as transformers.Trainer does it: two batches drawn, then two forwards; their puts
+    held until the loop asks for a batch again, or (past the bytes held at most) copied as they are stored."""
+    from actcache_client.engine import _writer
+
+    monkeypatch.setattr(_writer, "_MAX_HELD_BYTES", held_bytes)
     net, opt, cache, loader = _cached_run(daemon)
     losses = []
     for epoch in range(3):

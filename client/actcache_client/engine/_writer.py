@@ -42,9 +42,9 @@ __all__ = ["EntryWriter", "check_encoding"]
 
 log = logging.getLogger("actcache_client")
 
-# Puts held at once at most (a loop accumulating gradients runs several batches between two of its loader's
-# batches); past it, outputs are copied as they are stored.
-_MAX_HELD = 16
+# The bytes of the puts held at once (a loop accumulating gradients runs several batches between two of its
+# loader's batches, whose outputs the step would have freed); past it, outputs are copied as they are stored.
+_MAX_HELD_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,11 @@ class EntryWriter:
             check_fixed_length(stored, self._entry_shapes, depth)
         self.written.mark(fingerprint, depth, ids, written=self.frozen.data)
         shared = [t for t, given in zip(tensors_of(stored), tensors_of(state)) if t.data_ptr() == given.data_ptr()]
+        held_bytes = sum(t.numel() * t.element_size() for put in self._held for t in tensors_of(put.snapshot))
         if not shared:  # the stored precision's cast is a copy already
             self._put(fingerprint, depth, ids, variant, stored)
-        elif (self._steps_told and not self._copy_outputs and len(self._held) < _MAX_HELD
-              and not any(t.is_inference() for t in shared)):
+        elif (self._steps_told and not self._copy_outputs and not any(t.is_inference() for t in shared)
+              and held_bytes + sum(t.numel() * t.element_size() for t in shared) <= _MAX_HELD_BYTES):
             self._held.append(_Held(fingerprint, depth, ids, variant, stored,
                                     tuple(t._version for t in tensors_of(stored))))
         else:
