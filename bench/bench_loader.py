@@ -19,23 +19,23 @@ Three comparisons, every pair taking turns (A, B, A, B, ...), min and median of 
 Sample output (2-core VM, ``--quick``, 2026-11-29)::
 
     loader pass, plain loader                        0.033 s (min)   0.033 s (median)
-    loader pass, variants=2                          0.046 s (min)   0.046 s (median)  1.41x
-    loaded epoch, plain loader                       0.401 s (min)   0.421 s (median)
-    loaded epoch, cache.wrap(loader)                 0.409 s (min)   0.436 s (median)  1.02x
-    loaded epoch, cache.wrap(loader, variants=2)     0.413 s (min)   0.446 s (median)  1.03x
-      seeding: variants=2 / cache.wrap(loader)     1.01x
-      seeding per epoch (loader passes)              0.013 s = 3.4% of a loaded epoch
-    loader pass, 2 workers, plain                    0.046 s (min)   0.057 s (median)
-    loader pass, 2 workers, variants=2               0.062 s (min)   0.062 s (median)  1.36x
-    first frozen epoch, frozen by hand               0.139 s (min)   0.140 s (median)
-    first frozen epoch, actcache (fill)              0.169 s (min)   0.172 s (median)  1.21x
-    12 epochs augmented, frozen by hand              2.612 s (min)   2.617 s (median)
-    12 epochs augmented, actcache                    2.190 s (min)   2.231 s (median)  0.84x
-    figure: variants_overhead = 1.01
-    figure: variants_vs_plain_loader = 1.03
-    figure: seeding_share = 0.03
-    figure: fill_overhead = 1.21
-    figure: train_vs_hand = 0.84
+    loader pass, variants=2                          0.046 s (min)   0.047 s (median)  1.42x
+    loaded epoch, plain loader                       0.372 s (min)   0.392 s (median)
+    loaded epoch, cache.wrap(loader)                 0.379 s (min)   0.390 s (median)  1.02x
+    loaded epoch, cache.wrap(loader, variants=2)     0.392 s (min)   0.401 s (median)  1.06x
+      seeding: variants=2 / cache.wrap(loader)     1.03x
+      seeding per epoch (loader passes)              0.014 s = 3.7% of a loaded epoch
+    loader pass, 2 workers, plain                    0.061 s (min)   0.078 s (median)
+    loader pass, 2 workers, variants=2               0.071 s (min)   0.082 s (median)  1.18x
+    first frozen epoch, frozen by hand               0.144 s (min)   0.151 s (median)
+    first frozen epoch, actcache (fill)              0.161 s (min)   0.176 s (median)  1.12x
+    12 epochs augmented, frozen by hand              2.760 s (min)   2.780 s (median)
+    12 epochs augmented, actcache                    2.155 s (min)   2.240 s (median)  0.78x
+    figure: variants_overhead = 1.03
+    figure: variants_vs_plain_loader = 1.06
+    figure: seeding_share = 0.04
+    figure: fill_overhead = 1.12
+    figure: train_vs_hand = 0.78
 """
 
 from __future__ import annotations
