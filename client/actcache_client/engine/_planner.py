@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, overload
 
 from actcache.errors import ConfigError
 from actcache_client.cost_model import Measurements, Plan, PlanMode, plan, should_replan
-from actcache_client.transport._state import State, tensors_of
+from actcache_client.transport._state import State, state_bytes, tensors_of
 
 if TYPE_CHECKING:
     from actcache_client.engine._codec_choice import EncodingChoice
@@ -171,7 +171,7 @@ class CachePlanner:
         """What takes the seconds of stage ``stage``'s forward, which returned ``output`` (a timer's payload)."""
         tensors = tensors_of(output)
         samples = max(len(tensors[0]), 1)
-        nbytes = sum(x.element_size() * x.numel() for x in tensors) / samples
+        nbytes = state_bytes(tensors) / samples
         return partial(self.record_stage, stage, samples=samples, out_bytes_per_sample=nbytes)
 
     def record_fetch(self, nbytes: int, seconds: float) -> None:

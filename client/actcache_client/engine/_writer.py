@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
+from torch import Tensor
+
 from actcache.codec import Encoding
 from actcache.errors import ConfigError, ConfigTypeError, InvalidRequest
 from actcache_client.engine._codec_choice import AutoEncoding, EncodingChoice, choose_encoding, choose_unmeasured
@@ -25,7 +27,7 @@ from actcache_client.engine._epoch_plan import EpochPlan
 from actcache_client.engine._frozen import FrozenPrefix, WrittenFingerprints
 from actcache_client.transport._connection import connected
 from actcache_client.transport._put_group import Columns
-from actcache_client.transport._state import State, map_state, tensors_of
+from actcache_client.transport._state import State, map_state, state_bytes, tensors_of
 from actcache_client.transport._tensors import (
     StorePrecision,
     VarLen,
@@ -100,16 +102,22 @@ class EntryWriter:
         if varlen is None:  # a padded text state must fail here, not when an epoch's entries are collated
             check_fixed_length(stored, self._entry_shapes, depth)
         self.written.mark(fingerprint, depth, ids, written=self.frozen.data)
-        shared = [t for t, given in zip(tensors_of(stored), tensors_of(state)) if t.data_ptr() == given.data_ptr()]
-        held_bytes = sum(t.numel() * t.element_size() for put in self._held for t in tensors_of(put.snapshot))
-        if not shared:  # the stored precision's cast is a copy already
+        # the tensors the step goes on with (a store precision's cast is a copy already)
+        shared = tuple(t for t, given in zip(tensors_of(stored), tensors_of(state)) if t.data_ptr() == given.data_ptr())
+        if not shared:
             self._put(fingerprint, depth, ids, variant, stored)
-        elif (self._steps_told and not self._copy_outputs and not any(t.is_inference() for t in shared)
-              and held_bytes + sum(t.numel() * t.element_size() for t in shared) <= _MAX_HELD_BYTES):
+        elif self._may_hold(shared):
             self._held.append(_Held(fingerprint, depth, ids, variant, stored,
                                     tuple(t._version for t in tensors_of(stored))))
         else:
-            self._put(fingerprint, depth, ids, variant, map_state(stored, lambda t: t.clone()))
+            copied = map_state(stored, lambda t: t.clone() if any(t is s for s in shared) else t)
+            self._put(fingerprint, depth, ids, variant, copied)
+
+    def _may_hold(self, shared: tuple[Tensor, ...]) -> bool:
+        """Whether a put of ``shared`` (tensors the step goes on with) may wait for its step's end uncopied."""
+        if not self._steps_told or self._copy_outputs or any(t.is_inference() for t in shared):
+            return False
+        return sum(state_bytes(put.snapshot) for put in self._held) + state_bytes(shared) <= _MAX_HELD_BYTES
 
     def steps_ended(self) -> None:
         """The loop asks its loader for a batch, or stopped asking: no step is running. From now on puts are
@@ -144,7 +152,7 @@ class EntryWriter:
         probe = (self.planner is not None and not self.planner.has_fetch_rate() and not self._probed
                  and not connection.streams_shared_memory)
         self._probed = self._probed or probe
-        nbytes = sum(t.numel() * t.element_size() for t in tensors_of(snapshot))
+        nbytes = state_bytes(snapshot)
         connection.store(
             fingerprint, depth, ids, [variant] * len(ids),
             lambda: encode_samples(snapshot, varlen=varlen), probe=probe,

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from actcache.errors import ConfigError, LifecycleError
 from actcache.shm import ClientSegment, SlotRun
-from actcache_client.transport._state import State, map_state, tensors_of
+from actcache_client.transport._state import State, map_state, state_bytes, tensors_of
 from actcache_client.transport._tensors import RowCopier
 
 __all__ = ["CopyTimer", "HostEvent", "HostRing", "Stager", "page_lock"]
@@ -185,7 +185,7 @@ class Stager:
         """Copy a host state to the device, ordered before later work on the current stream."""
         if not self.cuda:
             return state if self.device.type == "cpu" else map_state(state, lambda t: t.to(self.device))
-        nbytes = sum(t.element_size() * t.numel() for t in tensors_of(state))
+        nbytes = state_bytes(state)
         assert self._ring is not None, "made with CUDA"
         moved, done = self._side_copy(lambda: map_state(state, lambda t: t.to(self.device, non_blocking=True)), nbytes)
         self._ring.release(done)

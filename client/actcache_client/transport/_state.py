@@ -7,7 +7,7 @@ from typing import Union
 
 from torch import Tensor
 
-__all__ = ["State", "map_state", "tensors_of"]
+__all__ = ["State", "map_state", "state_bytes", "tensors_of"]
 
 State = Union[Tensor, tuple[Tensor, ...]]
 
@@ -20,3 +20,8 @@ def tensors_of(state: State) -> tuple[Tensor, ...]:
 def map_state(state: State, fn: Callable[[Tensor], Tensor]) -> State:
     """``fn`` applied to every tensor of ``state``, in the same form (a tensor or a tuple)."""
     return tuple(fn(t) for t in state) if isinstance(state, tuple) else fn(state)
+
+
+def state_bytes(state: State) -> int:
+    """The bytes of ``state``'s tensors."""
+    return sum(t.numel() * t.element_size() for t in tensors_of(state))
