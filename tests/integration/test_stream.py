@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import actcache_client as ac
+from actcache.errors import DaemonUnavailable
 from actcache.testing import wait_until
 
 N, BATCH = 96, 16
@@ -170,6 +171,22 @@ def test_a_miss_after_the_next_epoch_was_pushed_makes_it_push_again(daemon):
         for _ in range(3):
             forward_epoch(model, loader)
         assert [e.times.cached_samples for e in model.epoch_counters()] == [0, N, N]
+
+
+def test_a_stream_that_closing_cuts_short_is_no_fallback(daemon, caplog, recwarn):
+    """The next epoch's stream, read ahead in a thread, fails once the connection closes under it: closing
+    is no failure of the cache (no warning, no count; no raise in strict mode)."""
+    conn = ac.connect(daemon.socket, namespace=namespace(), strict=True)
+    model = ac.CachedForward(mlp(), conn)
+    loader = cached_loader(model)
+    model.set_frozen(2)
+    forward_epoch(model, loader)
+    forward_epoch(model, loader)  # pushes the next epoch's order halfway, and opens its stream ahead
+    conn.close()
+    conn.fallback(DaemonUnavailable("Stream removed (Channel closed!)"))  # what the thread ahead then reports
+    assert conn.stats.fallbacks == {}
+    assert not [r for r in caplog.records if "recomputing" in r.getMessage()]
+    assert not [w for w in recwarn if issubclass(w.category, ac.CacheFallbackWarning)]
 
 
 def test_the_shared_memory_ring_holds_a_few_batches_within_bounds_and_frames_hold_one():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from functools import partial
+from operator import itemgetter
 from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
@@ -26,6 +27,9 @@ from actcache_client.engine._batch import Batch, Skipped
 from actcache_client.engine._cached_forward import LoaderModel
 
 __all__ = ["Batch", "CachedLoader", "IndexedDataset", "UncacheableDataWarning", "seeded_item", "worker_options"]
+
+# The fields of a replayed key ``(index, variant, load)``.
+_INDEX, _LOAD = itemgetter(0), itemgetter(2)
 
 
 class UncacheableDataWarning(UserWarning):
@@ -126,14 +130,14 @@ class IndexedDataset(Dataset):
         """The items of one batch: one ``_Loaded`` (ids and items) for a replayed batch loading every input, one
         ``_Unloaded`` (ids and targets, gathered at once) for one loading none, else ``(sample_id, item)`` pairs."""
         replayed = bool(keys) and type(keys[0]) is tuple and len(keys[0]) == 3
-        if replayed and all(k[2] for k in keys):
-            indices = [k[0] for k in keys]
+        if replayed and all(map(_LOAD, keys)):
+            indices = list(map(_INDEX, keys))
             ids = indices if self.sample_ids is None else [self.sample_ids[i] for i in indices]
             if self.seeded or self.augment is not None:
                 return _Loaded(ids, [item for _, item in self._load(keys)])
             return _Loaded(ids, [self.dataset[i] for i in indices])
-        if replayed and self.targets is not None and not any(k[2] for k in keys):
-            indices = [k[0] for k in keys]
+        if replayed and self.targets is not None and not any(map(_LOAD, keys)):
+            indices = list(map(_INDEX, keys))
             targets = (self.targets[torch.tensor(indices, dtype=torch.int64)] if isinstance(self.targets, torch.Tensor)
                        else default_collate([self.target(i) for i in indices]))
             return _Unloaded([self.sample_id(i) for i in indices], targets)
@@ -365,7 +369,7 @@ class CachedLoader:
                 for side in sides:  # the loop asks for a batch: its last step is over
                     side.steps_ended()
                 self._position = position + 1
-                self.raw_items_loaded += len(ids) if loaded is None else len(loaded)
+                self.raw_items_loaded += ids.shape[0] if loaded is None else loaded.shape[0]
                 if position == ahead_at and self._next_order is None:
                     self._next_order = (self.epoch + 1, self._draw(self.epoch + 1))
                     for m in self.models:

@@ -8,6 +8,7 @@ an epoch has no misses, the next one is pushed ahead.
 
 from __future__ import annotations
 
+from itertools import compress, islice
 from typing import Sequence
 
 from actcache.errors import LifecycleError
@@ -27,6 +28,7 @@ class EpochPlan:
         self.stream = stream
         self._audit = audit
         self._epoch: tuple[list[list[int]], int] | None = None  # this epoch's batches (sample ids) and variant
+        self._samples: int | None = None  # in this epoch's batches
         self.position = 0  # the epoch position of the next batch the step runs
         self.misses = 0  # samples of the cached subset that missed this epoch
         self._skip_loads = False  # the loader can skip loading inputs (its dataset has targets)
@@ -39,12 +41,13 @@ class EpochPlan:
 
     def reset(self, skip_loads: bool) -> None:
         """Forget the last epoch: until ``begin``, retargets push nothing."""
-        self._epoch, self.skips, self._skip_loads = None, {}, skip_loads
+        self._epoch, self._samples, self.skips, self._skip_loads = None, None, {}, skip_loads
 
     def begin(self, batches: Sequence[Sequence[int]], variant: int, start: int, target: Target | None) -> None:
         """Start the epoch at batch ``start``: push its batches to the stream (or adopt those pushed ahead)."""
         lists = [list(b) for b in batches]
         self._epoch, self.position, self.misses = (lists, variant), start, 0
+        self._samples = sum(map(len, lists))
         if self.stream is None or target is None:
             return
         if not (start == 0 and self.stream.adopt_next(target, variant, batches)):
@@ -82,7 +85,7 @@ class EpochPlan:
 
     def samples(self) -> int | None:
         """Samples in this epoch's batches (None before the loader's first epoch)."""
-        return sum(len(b) for b in self._epoch[0]) if self._epoch is not None else None
+        return self._samples
 
     def prepare_next(self, batches: Sequence[Sequence[int]], variant: int, target: Target | None) -> None:
         """Push the next epoch's batches ahead (the CachedForward's loader side says when)."""
@@ -103,11 +106,11 @@ class EpochPlan:
         present = self.stream.stored_from(self.position) if self.stream.serves(target, variant) else None
         if present is None or len(present) != len(ids):
             present = self._connected().contains(target.fingerprint, target.depth, ids, variant)
-        if present is None:
+        if present is None or not any(present):  # nothing stored (a write epoch): every input is loaded
             return
         flags = iter(present)
         self._audit.sync()
         for position, batch_ids in enumerate(subset, start=self.position):
-            stored = [s for s in batch_ids if next(flags)]
+            stored = list(compress(batch_ids, islice(flags, len(batch_ids))))
             audited = {stored[p] for p in self._audit.choose(len(stored))}
             self.skips[position] = frozenset(s for s in stored if s not in audited)

@@ -616,6 +616,9 @@ class Connection:
         Raises:
             ActCacheError: ``exc``, in strict mode.
         """
+        if self._closed:  # a call that ``close`` cut short (a stream read ahead for an epoch that never came)
+            log.debug("actcache: %s after the connection was closed; ignored", exc)
+            return
         if self.config.strict:
             raise exc
         cause = {DaemonUnavailable: "unavailable", BudgetExceeded: "full", EntryCorrupt: "corrupt"}.get(type(exc), "error")
