@@ -453,8 +453,10 @@ def decode_entry(buf: bytes | memoryview, *, verify: bool = True) -> tuple[Entry
 
 def compress_entry(buf: bytes | memoryview, encoding: Encoding) -> bytes | memoryview:
     """Re-encode a raw entry with ``encoding`` when compression pays; others are returned as they are."""
+    if encoding.codec not in _COMPRESSED:
+        return buf
     header = parse_header(buf)
-    if header.codec != Codec.raw or encoding.codec not in _COMPRESSED:
+    if header.codec != Codec.raw:
         return buf
     return _finish(header.specs, memoryview(buf)[header.header_len :], encoding)
 

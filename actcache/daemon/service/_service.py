@@ -229,7 +229,7 @@ class ActCacheService:
         keys = zip(ids.tolist(), variants.tolist() if variants is not None else [0] * len(ids), rows)
         result = self.store.put(header.namespace_id, header.fingerprint, header.depth,
                                 [(sample, variant, memoryview(row)) for sample, variant, row in keys],
-                                encoding=_encoding(header.encoding))
+                                encoding=_encoding(header.encoding), encoded_here=True)
         self.counters.add(puts_total=result.entries, put_bytes_total=rows.nbytes)
         return pb.PutReply(entries=result.entries, stored_bytes=result.stored_bytes, replaced=result.replaced)
 

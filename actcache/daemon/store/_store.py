@@ -214,11 +214,12 @@ class Store:
 
     def put(
         self, namespace_id: int, fingerprint: bytes, depth: int, items: Sequence[tuple[int, int, bytes | memoryview]],
-        *, encoding: Encoding | None = None,
+        *, encoding: Encoding | None = None, encoded_here: bool = False,
     ) -> PutResult:
         """Validate, compress (when it pays) and commit ``(sample_id, variant, entry)`` items of one group,
         all or none (budget, disk full); returns once committed. ``encoding`` (the client's choice for
-        this group) replaces the daemon's ``--encoding``."""
+        this group) replaces the daemon's ``--encoding``. ``encoded_here``: the daemon encoded the entries
+        itself (``encode_batch``), so their checksums are not checked again."""
         namespace_id = self.resolve(namespace_id)
         prefix = group_prefix(namespace_id, fingerprint, depth)
         records = []
@@ -230,7 +231,7 @@ class Store:
                     f"entry for sample {sample_id} is {format_size(len(value))}, above the "
                     f"{format_size(self.config.max_entry_bytes)} limit; raise --max-entry-bytes")
             try:
-                if verify_entry(value).codec == Codec.raw_verified:
+                if not encoded_here and verify_entry(value).codec == Codec.raw_verified:
                     raise InvalidRequest("a raw_verified entry carries no payload checksum and is never "
                                          "stored; put it with the raw or zstd codec")
             except InvalidRequest as exc:
