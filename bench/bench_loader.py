@@ -12,30 +12,32 @@ Three comparisons, every pair taking turns (A, B, A, B, ...), min and median of 
   shown beside it, also with ``--workers`` DataLoader workers; ``seeding_share``: the loader pass's extra
   seconds with ``variants=2`` over a loaded epoch's (steadier than the epochs' ratio on a busy machine).
 - ``fill_overhead``: the first epoch after ``cache.freeze(6)`` (computes and stores the prefix; no
-  augmentation) / an epoch frozen by hand (``requires_grad_(False)``), both on a fresh run (8 turns at least).
+  augmentation) / an epoch frozen by hand (``requires_grad_(False)``), both on a fresh run (8 turns at least);
+  the daemon's CPU seconds storing the fill epoch's entries are shown beside it.
 - ``train_vs_hand``: a whole run with augmentation, ``variants=2``, frozen at epoch 3 of 12, through actcache /
   the same run frozen by hand (seconds of training, below 1 means actcache is faster).
 
 Sample output (2-core VM, ``--quick``, 2026-11-29)::
 
-    loader pass, plain loader                        0.033 s (min)   0.033 s (median)
-    loader pass, variants=2                          0.046 s (min)   0.047 s (median)  1.42x
-    loaded epoch, plain loader                       0.372 s (min)   0.392 s (median)
-    loaded epoch, cache.wrap(loader)                 0.379 s (min)   0.390 s (median)  1.02x
-    loaded epoch, cache.wrap(loader, variants=2)     0.392 s (min)   0.401 s (median)  1.06x
-      seeding: variants=2 / cache.wrap(loader)     1.03x
-      seeding per epoch (loader passes)              0.014 s = 3.7% of a loaded epoch
-    loader pass, 2 workers, plain                    0.061 s (min)   0.078 s (median)
-    loader pass, 2 workers, variants=2               0.071 s (min)   0.082 s (median)  1.18x
-    first frozen epoch, frozen by hand               0.144 s (min)   0.151 s (median)
-    first frozen epoch, actcache (fill)              0.161 s (min)   0.176 s (median)  1.12x
-    12 epochs augmented, frozen by hand              2.760 s (min)   2.780 s (median)
-    12 epochs augmented, actcache                    2.155 s (min)   2.240 s (median)  0.78x
-    figure: variants_overhead = 1.03
-    figure: variants_vs_plain_loader = 1.06
-    figure: seeding_share = 0.04
-    figure: fill_overhead = 1.12
-    figure: train_vs_hand = 0.78
+    loader pass, plain loader                        0.032 s (min)   0.033 s (median)
+    loader pass, variants=2                          0.045 s (min)   0.045 s (median)  1.39x
+    loaded epoch, plain loader                       0.372 s (min)   0.389 s (median)
+    loaded epoch, cache.wrap(loader)                 0.375 s (min)   0.382 s (median)  1.01x
+    loaded epoch, cache.wrap(loader, variants=2)     0.383 s (min)   0.397 s (median)  1.03x
+      seeding: variants=2 / cache.wrap(loader)     1.02x
+      seeding per epoch (loader passes)              0.013 s = 3.4% of a loaded epoch
+    loader pass, 2 workers, plain                    0.049 s (min)   0.055 s (median)
+    loader pass, 2 workers, variants=2               0.059 s (min)   0.070 s (median)  1.22x
+    first frozen epoch, frozen by hand               0.137 s (min)   0.157 s (median)
+    first frozen epoch, actcache (fill)              0.160 s (min)   0.164 s (median)  1.16x
+      the daemon storing its entries (CPU)           0.030 s (median)
+    12 epochs augmented, frozen by hand              2.517 s (min)   2.663 s (median)
+    12 epochs augmented, actcache                    2.105 s (min)   2.185 s (median)  0.84x
+    figure: variants_overhead = 1.02
+    figure: variants_vs_plain_loader = 1.03
+    figure: seeding_share = 0.03
+    figure: fill_overhead = 1.16
+    figure: train_vs_hand = 0.84
 """
 
 from __future__ import annotations
