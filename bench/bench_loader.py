@@ -12,7 +12,7 @@ Three comparisons, every pair taking turns (A, B, A, B, ...), min and median of 
   shown beside it, also with ``--workers`` DataLoader workers; ``seeding_share``: the loader pass's extra
   seconds with ``variants=2`` over a loaded epoch's (steadier than the epochs' ratio on a busy machine).
 - ``fill_overhead``: the first epoch after ``cache.freeze(6)`` (computes and stores the prefix; no
-  augmentation) / an epoch frozen by hand (``requires_grad_(False)``), both on a fresh run (8 turns at least);
+  augmentation) / an epoch frozen by hand (``requires_grad_(False)``), both on a fresh run (12 turns at least);
   the daemon's CPU seconds storing the fill epoch's entries are shown beside it.
 - ``train_vs_hand``: a whole run with augmentation, ``variants=2``, frozen at epoch 3 of 12, through actcache /
   the same run frozen by hand (seconds of training, below 1 means actcache is faster).
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         pass_s(seeded.loader), pass_s(unseeded.loader)  # warm-up (the wraps' first pass)
         loads_bare, loads_seeded = turns(repeats, lambda: pass_s(bare.loader), lambda: pass_s(seeded.loader))
         epochs: dict[str, list[float]] = {"plain": [], "wrapped": [], "variants": []}
-        for _ in range(repeats + 4):  # three sides, an epoch each: more turns than the others
+        for _ in range(repeats + 8):  # three sides, an epoch each: more turns than the others
             for name, run in (("plain", bare), ("wrapped", unseeded), ("variants", seeded)):
                 epochs[name].append(run.epoch())
         seeded.close(), unseeded.close()
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             return seconds
 
         # one short epoch a side: more turns than the others, so that each side's min is an undisturbed epoch
-        hand, fill = turns(max(repeats, 8), lambda: first_frozen_epoch(None), lambda: first_frozen_epoch(conn))
+        hand, fill = turns(max(repeats, 12), lambda: first_frozen_epoch(None), lambda: first_frozen_epoch(conn))
         row("first frozen epoch, frozen by hand", hand)
         row("first frozen epoch, actcache (fill)", fill, hand)
         print(f"{'  the daemon storing its entries (CPU)':<46} {statistics.median(daemon_cpu):7.3f} s (median)")
