@@ -29,5 +29,5 @@ def test_bench_loader_prints_rows_with_ratios_and_its_figures():
     assert -1 < figures["seeding_share"] < 1, out.stdout
     assert re.search(r"^loaded epoch, cache.wrap\(loader, variants=2\) +[\d.]+ s \(min\) +[\d.]+ s \(median\) +[\d.]+x$",
                      out.stdout, re.M)
-    daemon_cpu = re.search(r"^  the daemon storing its entries \(CPU\) +([\d.]+) s \(median\)$", out.stdout, re.M)
-    assert daemon_cpu and float(daemon_cpu.group(1)) > 0, out.stdout
+    # CPU seconds in clock ticks: a tiny epoch's may round to 0
+    assert re.search(r"^  the daemon storing its entries \(CPU\) +[\d.]+ s \(mean\)$", out.stdout, re.M), out.stdout
