@@ -12,7 +12,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from actcache.codec import DType, TensorSpec, encode_entry
+from actcache.codec import DType, TensorSpec, encode_batch, encode_entry
 from actcache.daemon.config import StoreConfig
 from actcache.daemon.store import Store
 from actcache.errors import BudgetExceeded, EntryCorrupt, InvalidRequest, NamespaceNotFound, StoreError
@@ -42,6 +42,27 @@ def test_put_get_miss_and_replace(store):
     assert result.replaced == 1
     assert store.get(ns, FP, 1, [(3, 0)]) == [entry(100)]
     assert store.groups()[0].entries == 10
+
+
+def test_rows_the_daemon_encoded_are_stored_as_each_entry_put_alone(tmp_path):
+    store = Store(StoreConfig(dir=tmp_path / "cache", map_size_bytes=1 << 20, max_entry_bytes=64 << 10))
+    try:
+        ns = store.open_namespace("rows").id
+        specs = [TensorSpec(DType.float32, (4, 3)), TensorSpec(DType.int64, (2,))]
+        columns = [np.random.default_rng(j).integers(0, 256, (5, s.nbytes), dtype=np.uint8) for j, s in enumerate(specs)]
+        rows = encode_batch(specs, columns)
+        ids, variants = np.array([7, 3, 9, 1, 2**40], np.uint64), np.array([0, 1, 0, 65535, 2], np.uint16)
+        result = store.put_rows(ns, FP, 2, ids, variants, rows)
+        assert (result.entries, result.stored_bytes, result.replaced) == (5, rows.size, 0)
+        keys = [(int(i), int(v)) for i, v in zip(ids, variants)]
+        assert store.get(ns, FP, 2, keys) == [bytes(r) for r in rows]
+        assert store.get(ns, FP, 2, [(7, 1)]) == [None]  # another variant
+        assert store.put_rows(ns, FP, 2, ids[:2], None, rows[:2]).replaced == 1  # (7, 0) again; (3, 0) is new
+        big = encode_batch([TensorSpec(DType.uint8, (70 << 10,))], [np.zeros((1, 70 << 10), np.uint8)])
+        with pytest.raises(InvalidRequest, match="above the 64.0 KiB limit; raise --max-entry-bytes"):
+            store.put_rows(ns, FP, 2, ids[:1], None, big)
+    finally:
+        store.close()
 
 
 def test_map_grows_instead_of_failing(store):

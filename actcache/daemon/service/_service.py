@@ -226,10 +226,8 @@ class ActCacheService:
         columns = [np.frombuffer(_segment_bytes(segment, at, len(ids) * n), np.uint8).reshape(len(ids), n)
                    for at, n in zip(starts, sizes)]
         rows = encode_batch(specs, columns)
-        keys = zip(ids.tolist(), variants.tolist() if variants is not None else [0] * len(ids), rows)
-        result = self.store.put(header.namespace_id, header.fingerprint, header.depth,
-                                [(sample, variant, memoryview(row)) for sample, variant, row in keys],
-                                encoding=_encoding(header.encoding), encoded_here=True)
+        result = self.store.put_rows(header.namespace_id, header.fingerprint, header.depth, ids, variants, rows,
+                                     encoding=_encoding(header.encoding))
         self.counters.add(puts_total=result.entries, put_bytes_total=rows.nbytes)
         return pb.PutReply(entries=result.entries, stored_bytes=result.stored_bytes, replaced=result.replaced)
 

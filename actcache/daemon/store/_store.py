@@ -214,14 +214,12 @@ class Store:
 
     def put(
         self, namespace_id: int, fingerprint: bytes, depth: int, items: Sequence[tuple[int, int, bytes | memoryview]],
-        *, encoding: Encoding | None = None, encoded_here: bool = False,
+        *, encoding: Encoding | None = None,
     ) -> PutResult:
         """Validate, compress (when it pays) and commit ``(sample_id, variant, entry)`` items of one group,
         all or none (budget, disk full); returns once committed. ``encoding`` (the client's choice for
-        this group) replaces the daemon's ``--encoding``. ``encoded_here``: the daemon encoded the entries
-        itself (``encode_batch``), so their checksums are not checked again."""
+        this group) replaces the daemon's ``--encoding``."""
         namespace_id = self.resolve(namespace_id)
-        prefix = group_prefix(namespace_id, fingerprint, depth)
         records = []
         encoding = encoding or self._encoding
         for sample_id, variant, value in items:
@@ -231,12 +229,32 @@ class Store:
                     f"entry for sample {sample_id} is {format_size(len(value))}, above the "
                     f"{format_size(self.config.max_entry_bytes)} limit; raise --max-entry-bytes")
             try:
-                if not encoded_here and verify_entry(value).codec == Codec.raw_verified:
+                if verify_entry(value).codec == Codec.raw_verified:
                     raise InvalidRequest("a raw_verified entry carries no payload checksum and is never "
                                          "stored; put it with the raw or zstd codec")
             except InvalidRequest as exc:
                 raise InvalidRequest(f"sample {sample_id} variant {variant}: {exc}") from None
             records.append((key, compress_entry(value, encoding)))
+        return self._commit(group_prefix(namespace_id, fingerprint, depth), records)
+
+    def put_rows(
+        self, namespace_id: int, fingerprint: bytes, depth: int, sample_ids: np.ndarray, variants: np.ndarray | None,
+        rows: np.ndarray, *, encoding: Encoding | None = None,
+    ) -> PutResult:
+        """Commit raw entries the daemon encoded itself (``encode_batch``: row i for ``sample_ids[i]``, uint64,
+        and ``variants[i]``, uint16; None: all 0), compressed when it pays, as ``put`` does; their checksums,
+        just computed, are not checked again."""
+        namespace_id = self.resolve(namespace_id)
+        if len(rows) and rows.shape[1] > self.config.max_entry_bytes:
+            raise InvalidRequest(f"entries of {format_size(rows.shape[1])} are above the "
+                                 f"{format_size(self.config.max_entry_bytes)} limit; raise --max-entry-bytes")
+        encoding = encoding or self._encoding
+        keys = encode_keys(namespace_id, fingerprint, depth, sample_ids, variants)
+        return self._commit(group_prefix(namespace_id, fingerprint, depth),
+                            [(key, compress_entry(memoryview(row), encoding)) for key, row in zip(keys, rows)])
+
+    def _commit(self, prefix: bytes, records: list[tuple[bytes, bytes | memoryview]]) -> PutResult:
+        """Commit one group's ``(key, value)`` records, reclaiming space first when the budget asks for it."""
         if not records:
             return PutResult(0, 0, 0)
         for round_ in range(_RECLAIM_ROUNDS):
