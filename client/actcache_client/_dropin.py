@@ -205,6 +205,17 @@ class ActCache:
         if self.model.planner is not None:
             self.model.planner.expect_epochs(epochs)
 
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Store what the steps so far computed, and wait until the daemon has it: the outputs held until
+        their step ended are sent. Call it while no step runs, e.g. at an epoch's end before a barrier of the
+        ranks, so that no rank's next epoch finds another rank's last entries missing (and stores them again).
+
+        Args:
+            timeout_s: The longest wait (default: the connection's ``timeout_s``).
+        """
+        self.model.loader_side.steps_ended()
+        self.connection.flush(timeout_s=self.connection.config.timeout_s if timeout_s is None else timeout_s)
+
     def close(self) -> None:
         self.model.loader_side.steps_ended()  # the puts held until the step ended
         self.connection.close()

@@ -494,3 +494,20 @@ def test_a_prefix_output_the_step_changes_in_place_is_stored_as_the_prefix_compu
     # epoch 1 stored batches 2 and 3 (the first one changed), epoch 2 stored batch 1: epochs 2 and 3 hit 64 + 96
     assert cache.connection.stats.hits == 64 + 96
     cache.close()
+
+
+def test_flush_stores_the_output_of_a_step_the_loader_has_not_seen_end(daemon):
+    """A write step's output is held until the loop asks for the next batch; ``flush()`` (an epoch's end in a
+    multi-rank loop, before the ranks' barrier) sends it and waits until the daemon has stored it."""
+    net, opt, cache, loader = _cached_run(daemon)
+    for x, y in loader:  # epoch 0: nothing frozen, nothing stored
+        _sgd_step(net, opt, x, y)
+    cache.freeze(4)
+    batches = iter(loader)
+    x, y = next(batches)
+    _sgd_step(net, opt, x, y)  # its output is held: the loop has not asked for the next batch
+    cache.connection.flush()
+    assert cache.connection.stats.puts == 0
+    cache.flush()
+    assert cache.connection.stats.puts == len(y)
+    cache.close()

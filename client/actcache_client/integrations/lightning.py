@@ -196,6 +196,14 @@ class ActCacheCallback(pl.Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._follow(trainer)
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Each rank stores the samples it consumed, and the next epoch's order asks which samples are stored,
+        # those of the other ranks too: every rank's entries are in the daemon before any rank pushes that order
+        # (else it finds some missing, and computes and stores them again).
+        if trainer.world_size > 1 and self.cache is not None:
+            self.cache.flush()
+            trainer.strategy.barrier("actcache: the epoch's entries are stored")
+
     def _follow(self, trainer: pl.Trainer) -> None:
         """The loader's epoch is the trainer's; from ``freeze_at_epoch`` on, ``depth`` stages are frozen (once)."""
         assert self.cache is not None  # set in setup, which Lightning calls first
