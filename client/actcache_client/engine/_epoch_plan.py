@@ -28,7 +28,6 @@ class EpochPlan:
         self.stream = stream
         self._audit = audit
         self._epoch: tuple[list[list[int]], int] | None = None  # this epoch's batches (sample ids) and variant
-        self._samples: int | None = None  # in this epoch's batches
         self.position = 0  # the epoch position of the next batch the step runs
         self.misses = 0  # samples of the cached subset that missed this epoch
         self._skip_loads = False  # the loader can skip loading inputs (its dataset has targets)
@@ -41,13 +40,12 @@ class EpochPlan:
 
     def reset(self, skip_loads: bool) -> None:
         """Forget the last epoch: until ``begin``, retargets push nothing."""
-        self._epoch, self._samples, self.skips, self._skip_loads = None, None, {}, skip_loads
+        self._epoch, self.skips, self._skip_loads = None, {}, skip_loads
 
     def begin(self, batches: Sequence[Sequence[int]], variant: int, start: int, target: Target | None) -> None:
         """Start the epoch at batch ``start``: push its batches to the stream (or adopt those pushed ahead)."""
         lists = [list(b) for b in batches]
         self._epoch, self.position, self.misses = (lists, variant), start, 0
-        self._samples = sum(map(len, lists))
         if self.stream is None or target is None:
             return
         if not (start == 0 and self.stream.adopt_next(target, variant, batches)):
@@ -85,7 +83,7 @@ class EpochPlan:
 
     def samples(self) -> int | None:
         """Samples in this epoch's batches (None before the loader's first epoch)."""
-        return self._samples
+        return sum(map(len, self._epoch[0])) if self._epoch is not None else None
 
     def prepare_next(self, batches: Sequence[Sequence[int]], variant: int, target: Target | None) -> None:
         """Push the next epoch's batches ahead (the CachedForward's loader side says when)."""
