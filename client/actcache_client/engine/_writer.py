@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from torch import Tensor
 
@@ -49,8 +49,7 @@ log = logging.getLogger("actcache_client")
 _MAX_HELD_BYTES = 256 << 20
 
 
-@dataclass(frozen=True)
-class _Held:
+class _Held(NamedTuple):
     """A put holding the network's own output tensors, sent once its step is over if they did not change."""
 
     fingerprint: bytes
@@ -80,6 +79,7 @@ class EntryWriter:
     epoch: EpochPlan
     # fingerprint -> codec chosen; whether a read-speed probe was sent this epoch; depth -> shapes of its first put
     _encodings: dict[bytes, EncodingChoice] = field(default_factory=dict, init=False)
+    _choosers: dict[bytes, Callable[[list[bytes | memoryview]], str]] = field(default_factory=dict, init=False)
     _probed: bool = field(default=False, init=False)
     _entry_shapes: dict[int, list[tuple[int, ...]]] = field(default_factory=dict, init=False)
     # puts held until their step ends; whether a loader says when steps end; whether outputs are copied at once
@@ -143,28 +143,27 @@ class EntryWriter:
         self._copy_outputs = True
 
     def _put(self, fingerprint: bytes, depth: int, ids: list[int], variant: int, snapshot: State) -> None:
-        """Queue the put of ``snapshot``, a state no step will change."""
-        varlen = self.varlen
+        """Queue the put of ``snapshot``, a state no step will change; what can wait for the writer thread
+        (laying out the columns, encoding) does."""
         # Without a read-speed measurement yet, read one put back (once per epoch until it is measured): a slow
         # network then shows during the write epoch, before the cache is relied upon. Over shared memory a Get
         # times another path than the stream's, latency-bound on small entries: the stream's own rate is used.
         connection = connected(self.connection)
-        probe = (self.planner is not None and not self.planner.has_fetch_rate() and not self._probed
+        probe = (not self._probed and self.planner is not None and not self.planner.has_fetch_rate()
                  and not connection.streams_shared_memory)
         self._probed = self._probed or probe
         nbytes = state_bytes(snapshot)
         connection.store(
-            fingerprint, depth, ids, [variant] * len(ids),
-            lambda: encode_samples(snapshot, varlen=varlen), probe=probe,
-            encoding=self._encoding_for(fingerprint, depth),
+            fingerprint, depth, ids, [variant] * len(ids), partial(encode_samples, snapshot, varlen=self.varlen),
+            probe=probe, encoding=self._encoding_for(fingerprint, depth),
             columns=self._columns(snapshot, fingerprint, depth, nbytes / max(len(ids), 1)), nbytes=nbytes,
         )
 
     def _columns(self, snapshot: State, fingerprint: bytes, depth: int, sample_bytes: float) -> Columns | None:
-        """How ``snapshot``'s samples go as tensor columns (the daemon encodes them, over shared memory), or None:
-        as encoded entries, until the codec is chosen (choosing it measures them unless they fit in the page
-        cache) or when samples differ in shape. On the CPU the columns are views made here, so that the writer
-        thread makes no torch call beside the step; from a device, the copy to the host runs on the writer."""
+        """How ``snapshot``'s samples go as tensor columns (the daemon encodes them, over shared memory), laid
+        out on the writer thread (from a device, with the copy to the host), or None: as encoded entries, until
+        the codec is chosen (choosing it measures them unless they fit in the page cache) or when samples differ
+        in shape."""
         if self.varlen is not None:
             return None
         if isinstance(self.encoding, AutoEncoding) and fingerprint not in self._encodings:
@@ -175,9 +174,6 @@ class EntryWriter:
             if choice is None:
                 return None
             self._chose(fingerprint, depth, choice)
-        if all(t.device.type == "cpu" for t in tensors_of(snapshot)):
-            laid = sample_columns(snapshot)
-            return lambda: laid
         return partial(sample_columns, snapshot)
 
     def _chose(self, fingerprint: bytes, depth: int, choice: EncodingChoice) -> None:
@@ -194,19 +190,23 @@ class EntryWriter:
         if not isinstance(self.encoding, AutoEncoding):
             fixed = self.encoding
             return None if fixed == "daemon" else (lambda entries: fixed)
-        config, samples = self.encoding, self.epoch.samples()
-
-        def choose(entries: list[bytes | memoryview]) -> str:
-            choice = self._encodings.get(fingerprint)
-            if choice is None:
-                try:
-                    choice = choose_encoding(entries, samples=samples, config=config)
-                except Exception as exc:  # a failed measurement must not stop the writes
-                    choice = EncodingChoice("", f"the daemon's --encoding: measuring the codecs failed ({exc!r})", {})
-                self._chose(fingerprint, depth, choice)
-            return choice.encoding
-
+        choose = self._choosers.get(fingerprint)
+        if choose is None:
+            choose = self._choosers[fingerprint] = partial(self._choose, fingerprint, depth, self.encoding,
+                                                           self.epoch.samples())
         return choose
+
+    def _choose(self, fingerprint: bytes, depth: int, config: AutoEncoding, samples: int | None,
+                entries: list[bytes | memoryview]) -> str:
+        """The codec of ``fingerprint``'s entries: chosen once, measuring ``entries`` (on the writer thread)."""
+        choice = self._encodings.get(fingerprint)
+        if choice is None:
+            try:
+                choice = choose_encoding(entries, samples=samples, config=config)
+            except Exception as exc:  # a failed measurement must not stop the writes
+                choice = EncodingChoice("", f"the daemon's --encoding: measuring the codecs failed ({exc!r})", {})
+            self._chose(fingerprint, depth, choice)
+        return choice.encoding
 
 
 def check_encoding(encoding: str | AutoEncoding) -> str | AutoEncoding:

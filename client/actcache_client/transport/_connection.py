@@ -555,6 +555,8 @@ class Connection:
 
     def surface(self) -> None:
         """On the training thread: emit warnings deferred by background threads, raise strict-mode put errors."""
+        if not (self._pending_warnings or self._put_errors):  # read unlocked: one added now surfaces next time
+            return
         if threading.current_thread() is not threading.main_thread():
             return
         with self._lock:
