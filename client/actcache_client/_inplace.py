@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from actcache.errors import ConfigError
 from actcache_client.engine._batch import Batch
@@ -144,10 +145,12 @@ class InPlacePrefix:
         self._net_input: Tensor | None = None  # the input of the network's forward in progress (at_net)
         entry = net if self._at_net else self.sites[0][0] if self.sites and self.sites[0] else None
         self._patches: list[_EagerCall] = []
+        self._entry = entry
+        self._observing: RemovableHandle | None = None  # the observer's hook on ``entry``, while it is needed
         if entry is not None:
             self._observer = _RunObserver(self)
-            entry.register_forward_pre_hook(self._observer, with_kwargs=True)
             self._patches.append(self._observer)
+            self._observe_runs(True)
         self._eager = False  # the patches are graph breaks for torch.compile
 
     def begin(self, batch: Batch, given: Tensor | None) -> None:
@@ -181,10 +184,24 @@ class InPlacePrefix:
                 patch.eager()
             self._patches.append(patch)
         self.patched_depth = depth
+        self._observe_runs(depth == 0 or self._at_net)
         self._last_site = self.sites[depth - 1][-1] if depth and self.sites[depth - 1] else None
         self._stage_ends = {stage[-1]: d for d, stage in enumerate(self.sites[:depth]) if stage}
         self._timeable = all(self.sites[:depth])
         self._fill = None
+
+    def _observe_runs(self, on: bool) -> None:
+        """Hook the observer on the entry module, or unhook it: while stages are patched (and the batches are not
+        matched at the network's input) their head matches the forwards, and a hooked module's every call takes
+        torch's slower dispatch."""
+        if self._entry is None or on == (self._observing is not None):
+            return
+        if on:
+            self._observing = self._entry.register_forward_pre_hook(self._observer, with_kwargs=True)
+        else:
+            assert self._observing is not None
+            self._observing.remove()
+            self._observing = None
 
     def _take(self, given_now: Tensor | None) -> tuple[Batch, bool] | None:
         """The pending batch whose input ``given_now`` is (dropping the ones yielded before it), and whether

@@ -421,6 +421,22 @@ def test_frozen_stages_are_put_in_eval_mode_once_per_freeze_not_per_forward(daem
 
 
 
+def test_the_first_frozen_module_is_hooked_only_while_nothing_is_frozen(daemon):
+    """While stages are patched their head matches the forwards: the entry module's pre-hook (which makes every
+    call of the module take torch's slower dispatch) is off, and back on once nothing is frozen."""
+    net, opt, cache, loader = _cached_run(daemon)
+    hooked = []
+    for depth in (0, 4, 0):
+        cache.freeze(depth)
+        for x, y in loader:
+            hooked.append(len(net.conv1._forward_pre_hooks))
+            _sgd_step(net, opt, x, y)
+    assert hooked == [1] * 3 + [0] * 3 + [1] * 3  # 96 images, batches of 32
+    cache.flush()
+    assert cache.connection.stats.puts == 96  # the frozen epoch was a write epoch, served by the patched head
+    cache.close()
+
+
 # dynamo's own tracing reads .grad of a non-leaf tensor while it inspects BatchNorm's input (torch 2.13)
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 def test_a_compiled_network_trains_to_the_same_losses_with_the_cache(daemon, reference):

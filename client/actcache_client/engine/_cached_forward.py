@@ -383,14 +383,13 @@ class CachedForward:
                 or any(d < target.depth for d in self._frozen.seed_depths) or (timed and not timeable)):
             return None
         ids = batch.ids.tolist()  # a host tensor (Batch.ids): no device sync
-        if not stream.absent(self._epoch.position, ids):
+        if not stream.take_absent(self._epoch.position, ids):
             return None
         start = time.perf_counter()
         if planner is not None:
             self._time_last_step(planner, start)
         position = self._epoch.advance(ids)
-        assert position is not None, "absent() found the batch at the stream's position"
-        stream.take(position, ids)  # counted as absent: no frame is read
+        assert position is not None, "take_absent() found the batch at the stream's position"
         self._epoch.missed(n)
         self.times.prefix_samples += n
         self.times.computed_samples += n

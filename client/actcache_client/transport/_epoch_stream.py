@@ -254,14 +254,19 @@ class EpochStream:
         b = o.at(position, end=True) if self._serving and o is not None else None
         return None if o is None or b is None else o.present[o.offsets[b]:]
 
-    def absent(self, position: int, ids: Sequence[int]) -> bool:
-        """Whether the pushed order says that no entry of epoch batch ``position`` (the cached subset ``ids``)
-        was stored when it was pushed (a write epoch): its ``take`` reads no frame."""
+    def take_absent(self, position: int, ids: Sequence[int]) -> bool:
+        """Take epoch batch ``position`` (the cached subset ``ids``) if the pushed order says that none of its
+        entries was stored when it was pushed (a write epoch): no frame is read, its samples are counted as
+        absent. False (nothing taken) otherwise."""
         o = self._order
         b = o.at(position) if self._serving and o is not None else None
         if o is None or b is None or tuple(ids) != o.batches[b] or len(o.present) != o.offsets[-1]:
             return False
-        return not any(o.present[o.offsets[b]:o.offsets[b + 1]])
+        lo, hi = o.offsets[b], o.offsets[b + 1]
+        if any(o.present[lo:hi]):
+            return False
+        self._connection.count_absent(hi - lo)
+        return True
 
     def take(self, position: int, ids: Sequence[int]) -> list | None:
         """Entries (None per miss) of the cached subset ``ids`` of epoch batch ``position``; None if the
