@@ -302,7 +302,7 @@ class WrappedLoader:
                 given = inputs_of(data)
                 raw = _splittable(given, len(batch.ids)) if batch.loaded is None else batch.data[0]
                 self.cache.check(data, batch.loaded)
-                prefix.begin(replace(batch, data=(raw, None)), given[0] if isinstance(given, tuple) else given)
+                prefix.begin(batch.with_data((raw, None)), given[0] if isinstance(given, tuple) else given)
                 yield data
         finally:
             prefix.end()

@@ -421,8 +421,7 @@ class Connection:
             return self._enqueue(
                 partial(self._write, fingerprint, depth, list(ids), list(variants), encode, probe, encoding, None))
         started = not self._gathered.holding()
-        for group in self._gathered.add(fingerprint, depth, encoding, list(ids), list(variants), encode, columns,
-                                        nbytes):
+        for group in self._gathered.add(fingerprint, depth, encoding, ids, variants, encode, columns, nbytes):
             self._enqueue_group(group)
         if started and self._gathered.holding():  # the writer, maybe waiting long, is to time the new group out
             with contextlib.suppress(queue.Full):  # then it is busy anyway

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ class PutGroup:
     _encodes: list[Encode] = field(default_factory=list)
     _columns: list[Columns] = field(default_factory=list)
 
-    def add(self, ids: list[int], variants: list[int], encode: Encode, columns: Columns, nbytes: int,
+    def add(self, ids: Sequence[int], variants: Sequence[int], encode: Encode, columns: Columns, nbytes: int,
             now: float) -> None:
         self.last_added = now
         self.ids += ids
@@ -70,7 +70,7 @@ class PutGathering:
         self._lock = threading.Lock()
         self._group: PutGroup | None = None
 
-    def add(self, fingerprint: bytes, depth: int, encoding: Encoding | None, ids: list[int], variants: list[int],
+    def add(self, fingerprint: bytes, depth: int, encoding: Encoding | None, ids: Sequence[int], variants: Sequence[int],
             encode: Encode, columns: Columns, nbytes: int) -> list[PutGroup]:
         """Add a batch; returns the groups now due, in order: another fingerprint's gathered before, and
         this one once it holds ``max_bytes``."""
