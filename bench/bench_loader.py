@@ -19,24 +19,24 @@ Three comparisons, every pair taking turns (A, B, A, B, ...), min and median of 
 
 Sample output (2-core VM, ``--quick``, 2026-11-29)::
 
-    loader pass, plain loader                        0.032 s (min)   0.033 s (median)
-    loader pass, variants=2                          0.046 s (min)   0.046 s (median)  1.45x
-    loaded epoch, plain loader                       0.351 s (min)   0.370 s (median)
-    loaded epoch, cache.wrap(loader)                 0.366 s (min)   0.370 s (median)  1.04x
-    loaded epoch, cache.wrap(loader, variants=2)     0.370 s (min)   0.387 s (median)  1.05x
+    loader pass, plain loader                        0.033 s (min)   0.033 s (median)
+    loader pass, variants=2                          0.046 s (min)   0.046 s (median)  1.40x
+    loaded epoch, plain loader                       0.373 s (min)   0.381 s (median)
+    loaded epoch, cache.wrap(loader)                 0.382 s (min)   0.392 s (median)  1.02x
+    loaded epoch, cache.wrap(loader, variants=2)     0.386 s (min)   0.411 s (median)  1.03x
       seeding: variants=2 / cache.wrap(loader)     1.01x
-      seeding per epoch (loader passes)              0.014 s = 4.0% of a loaded epoch
-    loader pass, 2 workers, plain                    0.046 s (min)   0.047 s (median)
-    loader pass, 2 workers, variants=2               0.059 s (min)   0.070 s (median)  1.28x
-    first frozen epoch, frozen by hand               0.132 s (min)   0.135 s (median)
-    first frozen epoch, actcache (fill)              0.157 s (min)   0.165 s (median)  1.19x
-      the daemon storing its entries (CPU)           0.035 s (mean)
-    12 epochs augmented, frozen by hand              2.490 s (min)   2.578 s (median)
-    12 epochs augmented, actcache                    2.082 s (min)   2.156 s (median)  0.84x
+      seeding per epoch (loader passes)              0.013 s = 3.5% of a loaded epoch
+    loader pass, 2 workers, plain                    0.055 s (min)   0.055 s (median)
+    loader pass, 2 workers, variants=2               0.076 s (min)   0.078 s (median)  1.39x
+    first frozen epoch, frozen by hand               0.136 s (min)   0.140 s (median)
+    first frozen epoch, actcache (fill)              0.153 s (min)   0.169 s (median)  1.13x
+      the daemon storing its entries (CPU)           0.033 s (mean)
+    12 epochs augmented, frozen by hand              2.512 s (min)   2.521 s (median)
+    12 epochs augmented, actcache                    2.103 s (min)   2.152 s (median)  0.84x
     figure: variants_overhead = 1.01
-    figure: variants_vs_plain_loader = 1.05
+    figure: variants_vs_plain_loader = 1.03
     figure: seeding_share = 0.04
-    figure: fill_overhead = 1.19
+    figure: fill_overhead = 1.13
     figure: train_vs_hand = 0.84
 """
 
