@@ -218,3 +218,32 @@ def test_presence_is_read_from_whole_leaf_pages_and_matches_a_lookup_per_key(tmp
     assert got == expected and sum(got) == len(stored) + 2
     assert len(lookups) < len(stored) // 20  # one lookup per leaf page, not per key
     store.close()
+
+
+def test_presence_of_keys_with_nothing_stored_in_their_range(tmp_path):
+    store = Store(StoreConfig(dir=tmp_path / "c", encoding="raw"))
+    ns = store.open_namespace("x").id
+    store.put(ns, FP, 1, [(i, 0, entry(i, 3000)) for i in range(100)])  # below the keys asked
+    store.put(ns, FP, 3, [(i, 0, entry(i, 3000)) for i in range(100)])  # above them
+    asked = [encode_key(ns, FP, 2, i) for i in np.random.default_rng(0).permutation(500)]
+    with store._env.begin(db=store._state.entries, buffers=True) as txn:
+        cursor, lookups = txn.cursor(), []
+        real_set_range = cursor.set_range
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(cursor, name)
+
+            def set_range(self, key):
+                lookups.append(key)
+                return real_set_range(key)
+
+        assert store._file.pages.present_keys(Counting(), asked) == [False] * 500
+        assert store._file.pages.present_keys(Counting(), []) == []
+    assert len(lookups) == 1
+    store.put(ns, FP, 2, [(7, 0, entry(7, 3000))])
+    with store._env.begin(db=store._state.entries, buffers=True) as txn:
+        got = store._file.pages.present_keys(txn.cursor(), asked)
+    assert [key for key, present in zip(asked, got) if present] == [encode_key(ns, FP, 2, 7)]
+    store.close()
+

@@ -86,9 +86,12 @@ class LeafPages:
     def present_keys(self, cursor, keys: Sequence[bytes]) -> list[bool]:
         """Whether each of ``keys`` is stored, reading no value past its first page: keys are looked up in
         order, and each lookup's whole leaf page answers for every key in its range, one random read per
-        leaf page (about 80 entries) instead of one per key."""
-        order = sorted(range(len(keys)), key=keys.__getitem__)
+        leaf page (about 80 entries) instead of one per key. Keys of whose range nothing is stored (an epoch
+        that writes) cost one lookup and no sort."""
         out = [False] * len(keys)
+        if not keys or not cursor.set_range(min(keys)) or bytes(cursor.key()) > max(keys):
+            return out
+        order = sorted(range(len(keys)), key=keys.__getitem__)
         i = 0
         while i < len(order):
             key = keys[order[i]]
