@@ -192,6 +192,20 @@ def test_a_warm_reader_copies_a_run_of_values_in_one_call_and_reads_a_run_due_fo
     assert store.read_counts()["cached_copies"] == (40 if explicit else 0)
 
 
+class _CountingCursor:
+    """An LMDB cursor that records the keys of its ``set_range`` lookups."""
+
+    def __init__(self, cursor) -> None:
+        self._cursor, self.lookups = cursor, []
+
+    def __getattr__(self, name):
+        return getattr(self._cursor, name)
+
+    def set_range(self, key):
+        self.lookups.append(key)
+        return self._cursor.set_range(key)
+
+
 def test_presence_is_read_from_whole_leaf_pages_and_matches_a_lookup_per_key(tmp_path):
     store = Store(StoreConfig(dir=tmp_path / "c", encoding="raw"))
     ns = store.open_namespace("x").id
@@ -202,21 +216,10 @@ def test_presence_is_read_from_whole_leaf_pages_and_matches_a_lookup_per_key(tmp
     asked = [asked[i] for i in np.random.default_rng(0).permutation(len(asked))]
     with store._env.begin(db=store._state.entries, buffers=True) as txn:
         expected = [txn.cursor().set_key(key) for key in asked]
-        lookups = []
-        cursor = txn.cursor()
-        real_set_range = cursor.set_range
-
-        class Counting:
-            def __getattr__(self, name):
-                return getattr(cursor, name)
-
-            def set_range(self, key):
-                lookups.append(key)
-                return real_set_range(key)
-
-        got = store._file.pages.present_keys(Counting(), asked)
+        cursor = _CountingCursor(txn.cursor())
+        got = store._file.pages.present_keys(cursor, asked)
     assert got == expected and sum(got) == len(stored) + 2
-    assert len(lookups) < len(stored) // 20  # one lookup per leaf page, not per key
+    assert len(cursor.lookups) < len(stored) // 20  # one lookup per leaf page, not per key
     store.close()
 
 
@@ -227,20 +230,10 @@ def test_presence_of_keys_with_nothing_stored_in_their_range(tmp_path):
     store.put(ns, FP, 3, [(i, 0, entry(i, 3000)) for i in range(100)])  # above them
     asked = [encode_key(ns, FP, 2, i) for i in np.random.default_rng(0).permutation(500)]
     with store._env.begin(db=store._state.entries, buffers=True) as txn:
-        cursor, lookups = txn.cursor(), []
-        real_set_range = cursor.set_range
-
-        class Counting:
-            def __getattr__(self, name):
-                return getattr(cursor, name)
-
-            def set_range(self, key):
-                lookups.append(key)
-                return real_set_range(key)
-
-        assert store._file.pages.present_keys(Counting(), asked) == [False] * 500
-        assert store._file.pages.present_keys(Counting(), []) == []
-    assert len(lookups) == 1
+        cursor = _CountingCursor(txn.cursor())
+        assert store._file.pages.present_keys(cursor, asked) == [False] * 500
+        assert store._file.pages.present_keys(cursor, []) == []
+    assert len(cursor.lookups) == 1
     store.put(ns, FP, 2, [(7, 0, entry(7, 3000))])
     with store._env.begin(db=store._state.entries, buffers=True) as txn:
         got = store._file.pages.present_keys(txn.cursor(), asked)

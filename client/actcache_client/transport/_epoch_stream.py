@@ -160,6 +160,10 @@ class _Order:
         variants = [self.variant] * len(ids) if self.variant else None
         return connection.push(self.target.fingerprint, self.target.depth, schedule_id, ids, variants)
 
+    def absent(self, b: int) -> bool:
+        """Whether the push said that no entry of ``batches[b]`` was stored (a write epoch)."""
+        return len(self.present) == self.offsets[-1] and not any(self.present[self.offsets[b]:self.offsets[b + 1]])
+
     def at(self, position: int, *, end: bool = False) -> int | None:
         """The index in ``batches`` of epoch batch ``position`` (with ``end``, the end too), or None."""
         b = position - self.first
@@ -260,12 +264,9 @@ class EpochStream:
         absent. False (nothing taken) otherwise."""
         o = self._order
         b = o.at(position) if self._serving and o is not None else None
-        if o is None or b is None or tuple(ids) != o.batches[b] or len(o.present) != o.offsets[-1]:
+        if o is None or b is None or tuple(ids) != o.batches[b] or not o.absent(b):
             return False
-        lo, hi = o.offsets[b], o.offsets[b + 1]
-        if any(o.present[lo:hi]):
-            return False
-        self._connection.count_absent(hi - lo)
+        self._connection.count_absent(len(ids))
         return True
 
     def take(self, position: int, ids: Sequence[int]) -> list | None:
@@ -279,7 +280,7 @@ class EpochStream:
             self.close()  # broken: no take is served until the next push
             return None
         lo, hi = o.offsets[b], o.offsets[b + 1]
-        if len(o.present) == o.offsets[-1] and not any(o.present[lo:hi]):
+        if o.absent(b):
             self._connection.count_absent(hi - lo)  # none was stored when pushed (a write epoch): no frame to read
             return [None] * (hi - lo)
         out: list = []
